@@ -1,0 +1,37 @@
+# Thin aliases. `make test` on a fresh machine creates .venv, installs the project and runs the tests.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_VERSION ?= 2.13.0
+# Without CUDA, ask for the CPU build by its exact local version: pip takes it from a local wheel folder or from
+# an index you name (make install PIP_EXTRA="--extra-index-url https://download.pytorch.org/whl/cpu"), and fails
+# rather than fall back to PyPI's multi-GB CUDA build.
+ifeq ($(shell command -v nvidia-smi 2>/dev/null),)
+TORCH_REQ ?= torch==$(TORCH_VERSION)+cpu
+else
+TORCH_REQ ?= torch==$(TORCH_VERSION)
+endif
+
+.PHONY: install test lint format clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q "$(TORCH_REQ)" $(PIP_EXTRA)
+	$(BIN)/python -m pip install -q -e ".[dev]" $(PIP_EXTRA)
+	touch $@
+
+test: install
+	$(BIN)/python -m pytest -q
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: install
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+clean:
+	rm -rf $(VENV) build *.egg-info

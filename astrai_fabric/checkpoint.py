@@ -1,0 +1,356 @@
+"""AstrAI's checkpoint directory, written atomically and read strictly (spec §2). The only safetensors importer.
+
+A checkpoint is a directory::
+
+    meta.json           {"epoch", "consumed_samples", "timestamp", ...run fields..., "astrai_fabric": {...}}
+    config.json         the model config (AstrAI's schema)
+    model.safetensors   full tensors, AstrAI key names, no ``lm_head.weight`` when tied
+    optimizer.pt ...    one ``{key}.pt`` per extra state (AstrAI reads every ``*.pt``)
+
+plus any files the caller adds (tokenizer files, the resolved recipe). AstrAI ignores the ``astrai_fabric`` meta
+key, which records our format version and package versions. A plain model directory (``config.json`` with
+``model.safetensors`` or a sharded ``model.safetensors.index.json``) loads too, as AstrAI's ``load_any`` does.
+
+Writes go to a hidden sibling (``.NAME.tmp-…``) that is renamed into place once complete, so an interrupted save
+never leaves a directory that looks complete and never touches an existing checkpoint. Loads are strict and every
+failure is one ``CheckpointError`` naming the file; ``.pt`` files load with ``weights_only=True``, so a checkpoint
+from a stranger cannot run code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import shutil
+import time
+import uuid
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from astrai_fabric.config.model import ModelConfig
+from astrai_fabric.errors import CheckpointError
+
+META_FILE = "meta.json"
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+FORMAT_KEY = "astrai_fabric"
+"""``meta.json`` key holding our format description; its absence marks a checkpoint written by AstrAI."""
+FORMAT_VERSION = 1
+_RESERVED_META = ("epoch", "consumed_samples", "timestamp", FORMAT_KEY)
+# Prefixes that wrappers put in front of parameter names: torch.compile (AstrAI's B3) and DDP.
+_WRAPPER_PREFIXES = ("_orig_mod.", "module.")
+
+
+@dataclass
+class Checkpoint:
+    """What ``load_checkpoint`` read. ``meta`` is empty and the counters are 0 for a plain model directory."""
+
+    path: Path
+    config: dict[str, Any]
+    """``config.json`` as written (use ``model_config()`` for the typed, validated form)."""
+    state_dict: dict[str, Tensor]
+    epoch: int = 0
+    consumed_samples: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+    """``{stem: object}`` for each ``{stem}.pt`` (``optimizer``, ``scheduler``, ...)."""
+
+    @property
+    def is_training_checkpoint(self) -> bool:
+        """True when the directory has a ``meta.json`` (a checkpoint of a run, not just a model)."""
+        return bool(self.meta)
+
+    @property
+    def format_version(self) -> int | None:
+        """Our format version, or None for a directory AstrAI (or anyone else) wrote."""
+        return self.meta.get(FORMAT_KEY, {}).get("format_version") if self.meta else None
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig.from_dict(self.config, source=str(self.path / CONFIG_FILE))
+
+
+# --- writing -----------------------------------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    directory: str | Path,
+    state_dict: Mapping[str, Tensor],
+    config: Mapping[str, Any],
+    *,
+    epoch: int = 0,
+    consumed_samples: int = 0,
+    meta: Mapping[str, Any] | None = None,
+    extra: Mapping[str, Any] | None = None,
+    files: Mapping[str, str | bytes | Path] | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write an AstrAI checkpoint directory atomically and return its path.
+
+    ``meta`` holds the run's fields (written after AstrAI's three leading keys); ``extra`` maps stems to objects
+    saved as ``{stem}.pt``; ``files`` maps file names to text, bytes, or a path to copy. An existing directory is
+    an error unless ``overwrite``, in which case it is replaced only after the new one is complete.
+    """
+    target = Path(directory)
+    if target.exists() and not overwrite:
+        raise CheckpointError(f"{target}: already exists; refusing to overwrite a checkpoint")
+    clashes = [k for k in (meta or {}) if k in _RESERVED_META]
+    if clashes:
+        raise ValueError(f"meta keys {clashes} are written by save_checkpoint itself")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
+        full_meta = {
+            "epoch": epoch,
+            "consumed_samples": consumed_samples,
+            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            **(meta or {}),
+            FORMAT_KEY: _format_description(),
+        }
+        _write_text(staging / META_FILE, json.dumps(full_meta, indent=2))
+        _write_text(staging / CONFIG_FILE, json.dumps(dict(config), indent=2))
+        save_file(_safetensors_ready(state_dict), str(staging / WEIGHTS_FILE))
+        _fsync(staging / WEIGHTS_FILE)
+        for stem, obj in (extra or {}).items():
+            torch.save(obj, staging / f"{stem}.pt")
+            _fsync(staging / f"{stem}.pt")
+        for name, content in (files or {}).items():
+            dest = staging / name
+            if isinstance(content, Path):
+                shutil.copyfile(content, dest)
+                _fsync(dest)
+            elif isinstance(content, bytes):
+                _write_bytes(dest, content)
+            else:
+                _write_text(dest, content)
+        _fsync(staging)
+        _move_into_place(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def _move_into_place(staging: Path, target: Path) -> None:
+    if not target.exists():
+        os.rename(staging, target)
+    else:
+        # Keep the old directory until the new one is in place, so no moment exists without a good checkpoint.
+        retired = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(target, retired)
+        os.rename(staging, target)
+        shutil.rmtree(retired, ignore_errors=True)
+    _fsync(target.parent)
+
+
+def _format_description() -> dict[str, Any]:
+    from astrai_fabric import __version__
+
+    versions = {"astrai_fabric": __version__}
+    for package in ("torch", "lightning", "safetensors"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            pass
+    return {"format_version": FORMAT_VERSION, "versions": versions}
+
+
+def _safetensors_ready(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """CPU, contiguous, and no two entries sharing storage (safetensors refuses shared tensors)."""
+    ready, seen = {}, set()
+    for key, tensor in state_dict.items():
+        if not isinstance(tensor, Tensor):
+            raise TypeError(f"state_dict[{key!r}] is a {type(tensor).__name__}, not a tensor")
+        tensor = tensor.detach().cpu().contiguous()
+        storage = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        ready[key] = tensor.clone() if storage in seen else tensor
+        seen.add(storage)
+    return ready
+
+
+def _write_text(path: Path, text: str) -> None:
+    _write_bytes(path, (text if text.endswith("\n") else text + "\n").encode("utf-8"))
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --- reading -----------------------------------------------------------------------------------------------------
+
+
+def load_checkpoint(directory: str | Path, *, load_extra: bool = True) -> Checkpoint:
+    """Read a checkpoint directory, or a plain model directory, as AstrAI's ``Checkpoint.load_any`` does.
+
+    ``load_extra=False`` skips the ``*.pt`` files (e.g. when only the weights are wanted).
+    """
+    path = Path(directory)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint or model directory")
+    config = _read_json(path / CONFIG_FILE, what="AstrAI's model config")
+    meta = _read_json(path / META_FILE, what="the run's meta data") if (path / META_FILE).exists() else {}
+    for key in ("epoch", "consumed_samples"):
+        if key in meta and (not isinstance(meta[key], int) or isinstance(meta[key], bool) or meta[key] < 0):
+            raise CheckpointError(f"{path / META_FILE}: {key!r} must be a non-negative integer, got {meta[key]!r}")
+    extra = {}
+    if load_extra:
+        extra = {f.stem: _read_pt(f) for f in sorted(path.glob("*.pt"))}
+    return Checkpoint(
+        path=path,
+        config=config,
+        state_dict=_read_weights(path),
+        epoch=meta.get("epoch", 0),
+        consumed_samples=meta.get("consumed_samples", 0),
+        meta=meta,
+        extra=extra,
+    )
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    if not path.is_file():
+        raise CheckpointError(f"{path}: file not found (expected {what})")
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _read_weights(path: Path) -> dict[str, Tensor]:
+    if (path / WEIGHTS_FILE).exists():
+        state_dict = _read_safetensors(path / WEIGHTS_FILE)
+    elif (path / WEIGHTS_INDEX_FILE).exists():
+        weight_map = _read_json(path / WEIGHTS_INDEX_FILE, what="a sharded safetensors index").get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{path / WEIGHTS_INDEX_FILE}: expected a non-empty 'weight_map' object")
+        state_dict = {}
+        for shard in sorted(set(weight_map.values())):
+            state_dict.update(_read_safetensors(path / shard))
+        absent = sorted(k for k in weight_map if k not in state_dict)
+        if absent:
+            raise CheckpointError(f"{path / WEIGHTS_INDEX_FILE}: keys listed but absent from their shards: {absent}")
+    else:
+        raise CheckpointError(f"{path}: no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE} (expected the model's weights)")
+    return _strip_wrapper_prefixes(state_dict, path)
+
+
+def _read_safetensors(file: Path) -> dict[str, Tensor]:
+    if not file.is_file():
+        raise CheckpointError(f"{file}: file not found")
+    try:
+        return load_file(str(file))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise CheckpointError(f"{file}: not a readable safetensors file, perhaps truncated ({err})") from None
+
+
+def _strip_wrapper_prefixes(state_dict: dict[str, Tensor], path: Path) -> dict[str, Tensor]:
+    """Accept AstrAI's ``--compile`` checkpoints (keys start with ``_orig_mod.``, B3) by dropping the prefix."""
+    for prefix in _WRAPPER_PREFIXES:
+        if state_dict and all(k.startswith(prefix) for k in state_dict):
+            warnings.warn(f"{path}: weight names carry the wrapper prefix {prefix!r}; it is removed", stacklevel=3)
+            state_dict = {k[len(prefix) :]: v for k, v in state_dict.items()}
+    return state_dict
+
+
+def _read_pt(file: Path) -> Any:
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as err:
+        found = re.search(r"WeightsUnpickler error: ([^.\n]*?)(?: was not an allowed global|\.|$)", str(err), re.M)
+        raise CheckpointError(
+            f"{file}: refused to load: it holds Python objects other than tensors and plain data, which could run "
+            f"code ({found.group(1) if found else 'not a plain-data file'})"
+        ) from None
+    except (RuntimeError, OSError, EOFError) as err:
+        raise CheckpointError(f"{file}: cannot be read, perhaps truncated ({err})") from None
+
+
+# --- matching weights to a model ---------------------------------------------------------------------------------
+
+
+def load_model_weights(
+    model: nn.Module, state_dict: Mapping[str, Tensor], source: str | Path, assign: bool = False
+) -> None:
+    """Copy ``state_dict`` into ``model`` after checking it fits exactly: one error lists every mismatch.
+
+    For a tied model an ``lm_head.weight`` in the file is accepted only when it equals the embedding (a file
+    with a different head would silently lose it). ``source`` names the file in the error; ``assign`` makes the
+    model take the tensors themselves (for a model built on the meta device).
+    """
+    from astrai_fabric.model.transformer import EMBED_KEY, LM_HEAD_KEY
+
+    state_dict = dict(state_dict)
+    tied = getattr(getattr(model, "config", None), "tied", False)
+    if tied and LM_HEAD_KEY in state_dict:
+        if EMBED_KEY in state_dict and not torch.equal(state_dict[LM_HEAD_KEY], state_dict[EMBED_KEY]):
+            raise CheckpointError(
+                f"{source}: holds an lm_head.weight that differs from embed_tokens.weight, but the config says "
+                "tie_word_embeddings: true (set it to false to keep the separate head)"
+            )
+        del state_dict[LM_HEAD_KEY]
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    problems = []
+    missing = [k for k in expected if k not in state_dict]
+    if missing and not (missing == [LM_HEAD_KEY] and EMBED_KEY in state_dict):  # AstrAI clones the embedding
+        problems.append(f"missing keys {_abbreviate(missing)}")
+    unexpected = [k for k in state_dict if k not in expected]
+    if unexpected:
+        problems.append(f"unexpected keys {_abbreviate(unexpected)}")
+    wrong = [
+        f"{k} (file {list(state_dict[k].shape)}, model {list(shape)})"
+        for k, shape in expected.items()
+        if k in state_dict and tuple(state_dict[k].shape) != shape
+    ]
+    if wrong:
+        problems.append(f"wrong shapes {_abbreviate(wrong)}")
+    if problems:
+        raise CheckpointError(f"{source}: does not match the model built from its config.json: " + "; ".join(problems))
+    model.load_state_dict(state_dict, strict=True, assign=assign)
+
+
+def _abbreviate(items: list[str], limit: int = 8) -> str:
+    shown = ", ".join(items[:limit])
+    return f"[{shown}, ... {len(items) - limit} more]" if len(items) > limit else f"[{shown}]"
+
+
+def load_model(directory: str | Path) -> nn.Module:
+    """Build an ``AutoRegressiveLM`` from a model or checkpoint directory (AstrAI's ``from_pretrained``).
+
+    The model is built on the meta device and takes the file's tensors as they are (dtype included), so no
+    memory or time goes into a random initialisation that would be overwritten.
+    """
+    from astrai_fabric.model import AutoRegressiveLM
+
+    ckpt = load_checkpoint(directory, load_extra=False)
+    config = ckpt.model_config()
+    config.check_buildable(source=str(ckpt.path / CONFIG_FILE))
+    with torch.device("meta"):
+        model = AutoRegressiveLM(config)
+    load_model_weights(model, ckpt.state_dict, source=ckpt.path / WEIGHTS_FILE, assign=True)
+    model.rotary_embedding.reset_parameters(device=model.embed_tokens.weight.device)
+    return model

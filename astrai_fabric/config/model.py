@@ -1,0 +1,272 @@
+"""``ModelConfig``: AstrAI's model ``config.json``, field for field (spec §1.1).
+
+Reading is AstrAI's: unknown keys are ignored (with a warning, since Hugging Face configs carry many), missing
+keys take AstrAI's defaults, and ``to_dict`` writes every field in AstrAI's declaration order, which is the key set
+AstrAI's ``save_pretrained`` writes. Where AstrAI accepts anything (its pydantic model coerces or ignores), we check
+each value's type and name the field in one error, and ``check_buildable`` reports every missing architecture field
+at once instead of the ``TypeError`` AstrAI raises deep inside model construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from astrai_fabric.errors import ConfigError
+
+ATTN_TYPES = ("gqa", "mla")
+FFN_TYPES = ("mlp", "moe")
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of an AstrAI ``AutoRegressiveLM``; defaults are AstrAI's."""
+
+    model_type: str | None = None
+    """Model family for AstrAI's factory; None means ``"autoregressive_lm"``."""
+    neftune_alpha: float = 0.0
+    """NEFTune noise scale; 0 disables it. Noise is added to embeddings in training mode only."""
+    vocab_size: int | None = None
+    """Number of token ids (rows of the embedding and of ``lm_head``)."""
+    hidden_size: int | None = None
+    """Width of the residual stream."""
+    num_hidden_layers: int | None = None
+    """Number of decoder blocks."""
+    rms_norm_eps: float | None = None
+    """RMSNorm epsilon; None means torch's default for the dtype."""
+    intermediate_size: int | None = None
+    """Width of the dense SwiGLU MLP (and the fallback width of MoE experts)."""
+    tie_word_embeddings: bool | None = None
+    """Share one matrix between ``embed_tokens`` and ``lm_head``; tied only when exactly true."""
+    max_position_embeddings: int | None = None
+    """Length of the RoPE table; positions must stay below it."""
+    rope_theta: float | None = None
+    """RoPE base frequency; None means 10000."""
+    rope_scaling: dict | None = None
+    """RoPE scaling; only ``{"type": "ntk", "factor": f}`` changes anything (a dict without ``type`` counts as NTK)."""
+    attn_type: str = "gqa"
+    """Attention: ``gqa`` (grouped-query) or ``mla`` (multi-head latent)."""
+    num_attention_heads: int | None = None
+    """Number of query heads."""
+    num_key_value_heads: int | None = None
+    """Number of key/value heads; must divide ``num_attention_heads``."""
+    use_qk_norm: bool | None = None
+    """RMSNorm on each query/key head, applied after RoPE (AstrAI's order)."""
+    use_gated_attention: bool | None = None
+    """Multiply the attention output by ``sigmoid(gate(x))`` before ``o_proj``."""
+    kv_lora_rank: int | None = None
+    """MLA: rank of the compressed key/value projection."""
+    qk_nope_head_dim: int | None = None
+    """MLA: per-head query/key width without RoPE."""
+    qk_rope_head_dim: int | None = None
+    """MLA: per-head query/key width with RoPE."""
+    ffn_type: str = "mlp"
+    """Feed-forward: ``mlp`` (dense SwiGLU) or ``moe`` (DeepSeek-style mixture of experts)."""
+    n_routed_experts: int | None = None
+    """MoE: number of routed experts."""
+    n_shared_experts: int | None = None
+    """MoE: number of always-on shared experts (0 allowed); their outputs are averaged."""
+    n_activated_experts: int | None = None
+    """MoE: experts chosen per token (top-k)."""
+    topk_method: str | None = None
+    """MoE: accepted for compatibility and unused (routing is always plain top-k, as in AstrAI)."""
+    moe_intermediate_size: int | None = None
+    """MoE: width of each routed expert; None means ``intermediate_size``."""
+    shared_expert_intermediate_size: int | None = None
+    """MoE: width of each shared expert; None means ``intermediate_size``."""
+    norm_topk_prob: bool = True
+    """MoE: renormalise the top-k routing weights to sum to one."""
+    decoder_sparse_step: int = 1
+    """MoE: every ``decoder_sparse_step``-th layer is MoE, the others dense (1 = every layer)."""
+    mlp_only_layers: list[int] | None = None
+    """MoE: layer indices that stay dense."""
+    moe_aux_loss_coef: float = 0.01
+    """Recorded for AstrAI; training reads ``--moe_aux_loss_coef`` instead (as AstrAI does)."""
+
+    extra: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    """Keys of the source file this schema does not know; kept only to report them, never written."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.attn_type not in ATTN_TYPES:
+            problems.append(f"attn_type must be one of {list(ATTN_TYPES)}, got {self.attn_type!r}")
+        if self.ffn_type not in FFN_TYPES:
+            problems.append(f"ffn_type must be one of {list(FFN_TYPES)}, got {self.ffn_type!r}")
+        if self.decoder_sparse_step < 1:
+            problems.append(f"decoder_sparse_step must be at least 1, got {self.decoder_sparse_step}")
+        if self.neftune_alpha < 0:
+            problems.append(f"neftune_alpha must be non-negative, got {self.neftune_alpha}")
+        if problems:
+            raise ConfigError("invalid model config: " + "; ".join(problems))
+
+    # --- reading and writing -------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config") -> ModelConfig:
+        """Build from a ``config.json`` dict; ``source`` names the file in error messages."""
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source}: expected a JSON object, got {type(raw).__name__}")
+        hints = typing.get_type_hints(cls)
+        known = {f.name for f in dataclasses.fields(cls) if f.name != "extra"}
+        values, problems = {}, []
+        for key, value in raw.items():
+            if key not in known:
+                continue
+            problem = _type_problem(value, hints[key])
+            if problem:
+                problems.append(f"{key!r} {problem}")
+            else:
+                values[key] = float(value) if _wants_float(hints[key]) and value is not None else value
+        if problems:
+            raise ConfigError(f"{source}: " + "; ".join(problems))
+        unknown = {k: v for k, v in raw.items() if k not in known}
+        if unknown:
+            warnings.warn(f"{source}: ignoring keys AstrAI's model config lacks: {sorted(unknown)}", stacklevel=2)
+        try:
+            return cls(**values, extra=unknown)
+        except ConfigError as err:
+            raise ConfigError(f"{source}: {err}") from None
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ModelConfig:
+        """Read a ``config.json``; a missing or malformed file is a ``ConfigError`` naming it."""
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"{path}: file not found (a model directory needs AstrAI's config.json)")
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ConfigError(f"{path}: not valid JSON ({err})") from None
+        return cls.from_dict(raw, source=str(path))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field in AstrAI's order (what AstrAI's ``save_pretrained`` writes)."""
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "extra"}
+
+    def to_file(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+
+    # --- derived values ------------------------------------------------------------------------------------------
+
+    @property
+    def tied(self) -> bool:
+        """AstrAI ties only when the flag is exactly ``True``."""
+        return self.tie_word_embeddings is True
+
+    @property
+    def head_dim(self) -> int:
+        """Per-head query/key/value width."""
+        if self.attn_type == "mla":
+            return self.qk_nope_head_dim + self.qk_rope_head_dim
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """Width rotated by RoPE in each head."""
+        return self.qk_rope_head_dim if self.attn_type == "mla" else self.head_dim
+
+    def ffn_type_of_layer(self, layer_id: int) -> str:
+        """``mlp`` or ``moe`` for one layer, by AstrAI's rule (``mlp_only_layers``, ``decoder_sparse_step``)."""
+        if self.ffn_type != "moe" or layer_id in (self.mlp_only_layers or []):
+            return "mlp"
+        if self.decoder_sparse_step > 1 and (layer_id + 1) % self.decoder_sparse_step != 0:
+            return "mlp"
+        return "moe"
+
+    def check_buildable(self, source: str = "config") -> None:
+        """Raise one ``ConfigError`` listing every field a model needs but this config lacks or gets wrong."""
+        required = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings"]
+        layer_types = {self.ffn_type_of_layer(i) for i in range(self.num_hidden_layers or 1)}
+        expert_widths = (self.moe_intermediate_size, self.n_shared_experts and self.shared_expert_intermediate_size)
+        if "mlp" in layer_types or ("moe" in layer_types and None in expert_widths):
+            required.append("intermediate_size")  # dense width, and the fallback width of experts
+        if self.attn_type == "mla":
+            required += ["kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim"]
+        if self.ffn_type == "moe":
+            required += ["n_routed_experts", "n_shared_experts", "n_activated_experts"]
+        problems = [f"{name!r} is required" for name in required if getattr(self, name) is None]
+        for name in required + ["num_key_value_heads"]:
+            value = getattr(self, name)
+            if value is not None and value < (0 if name == "n_shared_experts" else 1):
+                problems.append(f"{name!r} must be positive, got {value}")
+        if not problems:
+            kv_heads = self.num_key_value_heads or self.num_attention_heads
+            if self.num_attention_heads % kv_heads:
+                problems.append(
+                    f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                    f"num_key_value_heads ({kv_heads})"
+                )
+            if self.attn_type == "gqa" and self.hidden_size % self.num_attention_heads:
+                problems.append(
+                    f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "
+                    f"({self.num_attention_heads})"
+                )
+            if self.attn_type == "mla" and self.num_attention_heads * self.head_dim != self.hidden_size:
+                problems.append(
+                    "MLA needs num_attention_heads * (qk_nope_head_dim + qk_rope_head_dim) == hidden_size, got "
+                    f"{self.num_attention_heads} * {self.head_dim} != {self.hidden_size}"
+                )
+            if self.rope_dim % 2:
+                problems.append(f"the RoPE width per head must be even, got {self.rope_dim}")
+            if self.ffn_type == "moe" and self.n_activated_experts > self.n_routed_experts:
+                problems.append(
+                    f"n_activated_experts ({self.n_activated_experts}) exceeds n_routed_experts "
+                    f"({self.n_routed_experts})"
+                )
+        if problems:
+            raise ConfigError(f"{source}: cannot build a model: " + "; ".join(problems))
+
+
+def _plain(value: Any) -> Any:
+    """JSON-ready copy: tuples become lists, as in AstrAI's ``to_dict``."""
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def _wants_float(annotation: Any) -> bool:
+    return float in _allowed(annotation)
+
+
+def _allowed(annotation: Any) -> tuple[type, ...]:
+    """The runtime types a field annotation accepts (``X | None`` → ``(X, NoneType)``)."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        return tuple(t for arg in typing.get_args(annotation) for t in _allowed(arg))
+    if annotation is type(None):
+        return (type(None),)
+    return (typing.get_origin(annotation) or annotation,)
+
+
+def _type_problem(value: Any, annotation: Any) -> str | None:
+    """None when ``value`` fits ``annotation``, else the words for the error message."""
+    allowed = _allowed(annotation)
+    # bool is an int in Python, but a JSON true is no layer count; an int is a fine float (JSON has one number).
+    ok = (
+        isinstance(value, allowed)
+        and not (isinstance(value, bool) and bool not in allowed)
+        or (isinstance(value, int) and not isinstance(value, bool) and float in allowed)
+    )
+    if ok and isinstance(value, list) and typing.get_args(_non_none(annotation)):
+        (item_type,) = typing.get_args(_non_none(annotation))
+        ok = all(isinstance(v, item_type) and not isinstance(v, bool) for v in value)
+    if ok:
+        return None
+    expected = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+    if typing.get_args(_non_none(annotation)):
+        expected = expected.replace("list", f"list of {typing.get_args(_non_none(annotation))[0].__name__}")
+    return f"must be {expected}, got {json.dumps(value)}"
+
+
+def _non_none(annotation: Any) -> Any:
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return args[0] if len(args) == 1 else annotation
+    return annotation

@@ -1,0 +1,124 @@
+"""Building blocks with AstrAI's parameter names, shapes and initialisation (spec §1.3).
+
+Every module with weights has ``reset_parameters`` so a model built on the meta device can be materialised
+(Fabric calls it per module); the order in which ``AutoRegressiveLM`` calls them consumes the random stream exactly
+as AstrAI's constructor does, so the same seed gives the same initial weights.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+
+class Linear(nn.Module):
+    """``y = x W^T (+ b)`` with ``W ~ N(0, init_std)``: AstrAI's own Linear (no bias by default)."""
+
+    def __init__(self, in_dim: int, out_dim: int, bias: bool = False, init_std: float = 0.02) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_dim, in_dim))
+        self.bias = nn.Parameter(torch.zeros(out_dim)) if bias else None
+        self.init_std = init_std
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
+        if self.bias is not None:
+            bound = 1 / math.sqrt(self.weight.shape[1])
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    """Token embedding, ``N(0, 0.02)``, with AstrAI's NEFTune: Gaussian noise ``alpha / sqrt(seq_len)``.
+
+    AstrAI departs from the NEFTune paper (uniform noise scaled by ``alpha / sqrt(seq_len * hidden)``); we keep
+    AstrAI's form so a recipe means the same thing in both trainers.
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, neftune_alpha: float = 0.0) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+        self.neftune_alpha = neftune_alpha
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=0.02)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        out = F.embedding(input_ids, self.weight)
+        if self.training and self.neftune_alpha > 0:
+            out = out + (self.neftune_alpha / math.sqrt(out.size(1))) * torch.randn_like(out)
+        return out
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * w`` with ``w`` starting at ones (no ``1 + w`` offset)."""
+
+    def __init__(self, dim: int, eps: float | None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+def rope_table(dim: int, max_len: int, base: float) -> Tensor:
+    """``[max_len, dim/2, 2]`` float32 table of (cos, sin); angles computed in float64 as AstrAI does."""
+    inv_freq = base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq).float()
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Looks up (cos, sin) for position ids; NTK ``rope_scaling`` raises the base as AstrAI does.
+
+    The table is a non-persistent buffer (never in a ``state_dict``). Departure from AstrAI: it stays float32 when
+    the model is cast to bf16 (AstrAI's ``.to(bfloat16)`` quantises cos/sin too, an error of up to ~4e-3).
+    """
+
+    def __init__(self, dim: int, max_len: int, base: float = 10000.0, rope_scaling: dict | None = None) -> None:
+        super().__init__()
+        self.dim, self.max_len = dim, max_len
+        self.base = base
+        if rope_scaling is not None and rope_scaling.get("type", "ntk") == "ntk":
+            # AstrAI treats any dict without "type" (e.g. HF's {"rope_type": ...}) as NTK and ignores other types.
+            self.base = base * rope_scaling.get("factor", 1.0) ** (dim / (dim - 2))
+        self.register_buffer("freqs_cis", rope_table(dim, max_len, self.base), persistent=False)
+
+    def reset_parameters(self, device: torch.device | str | None = None) -> None:
+        """Recompute the table (after ``to_empty``, or on ``device`` for a model built on the meta device)."""
+        self.freqs_cis = rope_table(self.dim, self.max_len, self.base).to(device or self.freqs_cis.device)
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001 - nn.Module's signature
+        super()._apply(fn, recurse)
+        if self.freqs_cis.dtype != torch.float32 and not self.freqs_cis.is_meta:
+            self.freqs_cis = rope_table(self.dim, self.max_len, self.base).to(self.freqs_cis.device)
+        return self
+
+    def forward(self, batch_size: int, seq_len: int, position_ids: Tensor | None = None) -> Tensor:
+        """``[batch, seq, dim/2, 2]`` float32; ``position_ids=None`` means ``0..seq_len-1`` for every row."""
+        if position_ids is None:
+            position_ids = torch.arange(seq_len, device=self.freqs_cis.device).expand(batch_size, -1)
+        return self.freqs_cis[position_ids].float()
+
+
+def apply_rotary_emb(x: Tensor, rotary: Tensor) -> Tensor:
+    """Rotate adjacent pairs ``(2i, 2i+1)`` of ``x [batch, seq, heads, dim]`` (interleaved, GPT-J/Meta style).
+
+    This is AstrAI's complex-pair rotation written with real arithmetic (same values, and friendlier to
+    ``torch.compile`` and DTensor); it is not Hugging Face's ``rotate_half``.
+    """
+    cos, sin = rotary[..., 0].unsqueeze(-2), rotary[..., 1].unsqueeze(-2)
+    pairs = x.float().unflatten(-1, (-1, 2))
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1)
+    return rotated.flatten(-2).to(x.dtype)

@@ -1,0 +1,153 @@
+"""``AutoRegressiveLM``: AstrAI's decoder-only transformer with AstrAI's exact ``state_dict`` keys (spec §1.2, §1.4).
+
+The model knows nothing of Lightning or ``torch.distributed``; parallelism is applied from outside
+(``astrai_fabric.parallelize``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from astrai_fabric.config.model import ModelConfig
+from astrai_fabric.model.attention import GQA, MLA
+from astrai_fabric.model.ffn import MLP, DeepSeekMoE
+from astrai_fabric.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding
+
+LM_HEAD_KEY = "lm_head.weight"
+EMBED_KEY = "embed_tokens.weight"
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm block: ``x + attention(input_norm(x))``, then ``x + mlp(post_attention_norm(x))``."""
+
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.attention = MLA(config) if config.attn_type == "mla" else GQA(config)
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.ffn_type_of_layer(layer_id) == "moe":
+            self.mlp = DeepSeekMoE(config)
+        else:
+            down_init_std = 0.02 / (2 * config.num_hidden_layers) ** 0.5
+            self.mlp = MLP(config.hidden_size, config.intermediate_size, down_init_std)
+
+    def forward(self, x: Tensor, rotary: Tensor, attn_mask: Tensor | None) -> tuple[Tensor, Tensor | None, Any]:
+        x = x + self.attention(self.input_norm(x), rotary, attn_mask)
+        mlp_out, aux_loss, router_stats = self.mlp(self.post_attention_norm(x))
+        return x + mlp_out, aux_loss, router_stats
+
+
+def process_attention_mask(input_mask: Tensor | None) -> Tensor | None:
+    """AstrAI's mask shapes: 2-D ``[B,S]`` → ``[B,1,1,S]``, 3-D ``[B,S,S]`` → ``[B,1,S,S]``, 4-D as is.
+
+    As in AstrAI, any mask replaces causality: a 2-D padding mask alone gives bidirectional attention over the
+    kept positions. Pass a 3-D/4-D causal mask (e.g. ``make_doc_boundary_mask``) for causal training with masks.
+    """
+    if input_mask is None or input_mask.dim() == 4:
+        return input_mask
+    if input_mask.dim() == 2:
+        return input_mask[:, None, None, :]
+    if input_mask.dim() == 3:
+        return input_mask[:, None, :, :]
+    raise ValueError(f"attention mask must be 2-D, 3-D or 4-D, got shape {tuple(input_mask.shape)}")
+
+
+def make_doc_boundary_mask(position_ids: Tensor) -> Tensor:
+    """Causal mask that stops attention at document boundaries: bool ``[B,1,S,S]``, True = attend.
+
+    A new document starts wherever a position id does not increase (``pos[t+1] <= pos[t]``), as in AstrAI's
+    packed SFT streams.
+    """
+    starts = position_ids[:, 1:] <= position_ids[:, :-1]
+    doc_ids = torch.cat([torch.zeros_like(position_ids[:, :1]), starts.long().cumsum(dim=1)], dim=1)
+    same_doc = doc_ids.unsqueeze(-1) == doc_ids.unsqueeze(-2)
+    seq_len = position_ids.size(1)
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=position_ids.device).tril()
+    return (same_doc & causal).unsqueeze(1)
+
+
+class AutoRegressiveLM(nn.Module):
+    """AstrAI's language model: embeddings, decoder blocks, final RMSNorm, ``lm_head`` (tied when configured).
+
+    ``state_dict()`` omits ``lm_head.weight`` when tied and ``load_state_dict`` re-ties it, exactly as AstrAI.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        config.check_buildable()
+        self.config = config
+        rope_base = config.rope_theta if config.rope_theta is not None else 10000.0
+        self.rotary_embedding = RotaryEmbedding(
+            config.rope_dim, config.max_position_embeddings, rope_base, config.rope_scaling
+        )
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, config.neftune_alpha)
+        self.layers = nn.ModuleList(DecoderBlock(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        if config.tied:
+            self.lm_head.weight = self.embed_tokens.weight
+        # Same traversal as AstrAI's `self.apply(_init_weights)`, hence the same random stream per seed.
+        self.apply(_reset)
+
+    def forward(
+        self, input_ids: Tensor, input_mask: Tensor | None = None, position_ids: Tensor | None = None
+    ) -> dict[str, Any]:
+        """``input_ids [B,S]`` → ``{"logits", "hidden_states"}`` (+ ``"aux_loss"``, ``"router_stats"`` for MoE).
+
+        ``position_ids [B,S]`` default to ``0..S-1``; ``input_mask`` is 2-D, 3-D or 4-D (see
+        ``process_attention_mask``). Logits are in the model's dtype; take ``.float()`` before a loss.
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
+        x = self.embed_tokens(input_ids)
+        rotary = self.rotary_embedding(input_ids.size(0), input_ids.size(1), position_ids)
+        attn_mask = process_attention_mask(input_mask)
+        aux_losses, router_stats = [], []
+        for layer in self.layers:
+            x, aux_loss, stats = layer(x, rotary, attn_mask)
+            if stats is not None:
+                aux_losses.append(aux_loss)
+                router_stats.append(stats)
+        hidden_states = self.norm(x)
+        output = {"logits": self.lm_head(hidden_states), "hidden_states": hidden_states}
+        if aux_losses:
+            output["aux_loss"] = torch.stack(aux_losses).mean()
+            output["router_stats"] = router_stats
+        return output
+
+    def state_dict(self, *, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
+        state = super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if self.config.tied:
+            state.pop(prefix + LM_HEAD_KEY, None)
+        return state
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """AstrAI's tie rules: tied → ``lm_head`` is the embedding; untied with no ``lm_head`` → a clone of it."""
+        state_dict = dict(state_dict)
+        if self.config.tied and EMBED_KEY in state_dict:
+            state_dict[LM_HEAD_KEY] = state_dict[EMBED_KEY]
+        elif LM_HEAD_KEY not in state_dict and EMBED_KEY in state_dict:
+            state_dict[LM_HEAD_KEY] = state_dict[EMBED_KEY].clone()
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        if self.config.tied and assign:
+            self.lm_head.weight = self.embed_tokens.weight  # `assign` replaced both Parameters: tie them again
+        return result
+
+    @property
+    def decoder_blocks(self) -> list[nn.Module]:
+        """The repeated blocks, for sharding and activation checkpointing applied from outside."""
+        return list(self.layers)
+
+    def num_parameters(self) -> int:
+        """Distinct parameters (a tied matrix counts once)."""
+        return sum(p.numel() for p in self.parameters())
+
+
+def _reset(module: nn.Module) -> None:
+    if hasattr(module, "reset_parameters"):
+        module.reset_parameters()

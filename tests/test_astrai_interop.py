@@ -1,0 +1,91 @@
+"""Checkpoints cross between AstrAI and astrai_fabric in both directions, checked with AstrAI's own code.
+
+Runs only where AstrAI is available (it needs Python >= 3.12 or one patched line, see docs/checkpoint-format.md):
+
+    ASTRAI_SRC=/path/to/AstrAI ASTRAI_PYTHON=/path/to/astrai-venv/bin/python \
+        .venv/bin/python -m pytest tests/test_astrai_interop.py
+
+Each direction runs AstrAI in a real subprocess with its own interpreter, on real files.
+"""
+
+import json
+import os
+import subprocess
+import textwrap
+
+import pytest
+import torch
+from conftest import tiny_config
+
+from astrai_fabric.checkpoint import load_checkpoint, load_model, save_checkpoint
+from astrai_fabric.model import AutoRegressiveLM
+
+ASTRAI_SRC, ASTRAI_PYTHON = os.environ.get("ASTRAI_SRC"), os.environ.get("ASTRAI_PYTHON")
+pytestmark = pytest.mark.skipif(not (ASTRAI_SRC and ASTRAI_PYTHON), reason="set ASTRAI_SRC and ASTRAI_PYTHON")
+
+
+def run_astrai(script: str) -> str:
+    env = dict(os.environ, PYTHONPATH=ASTRAI_SRC)
+    result = subprocess.run([ASTRAI_PYTHON, "-c", textwrap.dedent(script)], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_our_checkpoint_loads_in_astrai(tmp_path, tied):
+    torch.manual_seed(0)
+    model = AutoRegressiveLM(tiny_config(tie_word_embeddings=tied))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randint(0, 32, (2, 5)))["logits"].sum().backward()
+    optimizer.step()
+    path = save_checkpoint(
+        tmp_path / "epoch_0_step_1",
+        model.state_dict(),
+        model.config.to_dict(),
+        epoch=0,
+        consumed_samples=2,
+        meta={"strategy": "seq"},
+        extra={"optimizer": optimizer.state_dict()},
+    )
+    ids = torch.randint(0, 32, (2, 5))
+    expected = model(ids)["logits"].detach()
+    torch.save(ids, tmp_path / "ids.pt")
+    out = run_astrai(f"""
+        import torch
+        from astrai.model.automodel import AutoModel
+        from astrai.serialization import Checkpoint
+        ckpt = Checkpoint.load("{path}")
+        assert (ckpt.epoch, ckpt.consumed_samples) == (0, 2), (ckpt.epoch, ckpt.consumed_samples)
+        assert sorted(ckpt.extra) == ["optimizer"]
+        model = AutoModel.from_pretrained("{path}")  # strict load
+        logits = model(torch.load("{tmp_path / "ids.pt"}"))["logits"]
+        torch.save(logits.detach(), "{tmp_path / "astrai_logits.pt"}")
+        print(type(model).__name__, model.lm_head.weight is model.embed_tokens.weight)
+    """)
+    assert out.strip() == f"AutoRegressiveLM {tied}"
+    torch.testing.assert_close(torch.load(tmp_path / "astrai_logits.pt"), expected, atol=1e-5, rtol=0)
+
+
+def test_astrai_checkpoint_loads_here(tmp_path):
+    config = tiny_config().to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    out_dir = tmp_path / "astrai_ckpt"
+    run_astrai(f"""
+        import json, torch
+        from astrai.config.model_config import AutoRegressiveLMConfig
+        from astrai.model.transformer import AutoRegressiveLM
+        from astrai.serialization import Checkpoint
+        torch.manual_seed(0)
+        config = AutoRegressiveLMConfig.from_file("{tmp_path / "config.json"}")
+        model = AutoRegressiveLM(config).to(torch.bfloat16)  # AstrAI's CLI trains and saves in bf16
+        opt = torch.optim.AdamW(model.parameters())
+        Checkpoint(state_dict=model.state_dict(), epoch=1, consumed_samples=8, config=config.to_dict(),
+                   meta={{"strategy": "sft"}}, extra={{"optimizer": opt.state_dict()}}).save("{out_dir}")
+    """)
+    ckpt = load_checkpoint(out_dir)  # weights_only .pt loading accepts AstrAI's optimizer.pt
+    assert (ckpt.epoch, ckpt.consumed_samples, ckpt.format_version) == (1, 8, None)
+    model = load_model(out_dir)
+    torch.manual_seed(0)
+    reference = AutoRegressiveLM(tiny_config()).to(torch.bfloat16)  # same seed, same init as AstrAI
+    for key, tensor in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[key], tensor), key

@@ -1,0 +1,197 @@
+"""AstrAI checkpoint directories: exact round trips, atomic writes, strict and safe loads."""
+
+import json
+
+import pytest
+import torch
+from conftest import tiny_config
+from safetensors.torch import save_file
+
+from astrai_fabric.checkpoint import (
+    FORMAT_KEY,
+    load_checkpoint,
+    load_model,
+    load_model_weights,
+    save_checkpoint,
+)
+from astrai_fabric.errors import CheckpointError, ConfigError
+from astrai_fabric.model import AutoRegressiveLM
+
+
+def save_tiny(path, model, **kwargs):
+    return save_checkpoint(path, model.state_dict(), model.config.to_dict(), **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_round_trip_is_bit_exact(tmp_path, tiny_model, dtype):
+    tiny_model.to(dtype)
+    optimizer = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(4)}}, "param_groups": [{"lr": 0.1}]}
+    path = save_tiny(
+        tmp_path / "epoch_0_step_3",
+        tiny_model,
+        epoch=0,
+        consumed_samples=12,
+        meta={"strategy": "seq"},
+        extra={"optimizer": optimizer},
+        files={"notes.txt": "hello", "raw.bin": b"\x00\x01"},
+    )
+    ckpt = load_checkpoint(path)
+    assert set(ckpt.state_dict) == set(tiny_model.state_dict())
+    for key, tensor in tiny_model.state_dict().items():
+        assert ckpt.state_dict[key].dtype == dtype and torch.equal(ckpt.state_dict[key], tensor), key
+    assert (ckpt.epoch, ckpt.consumed_samples, ckpt.format_version) == (0, 12, 1)
+    assert torch.equal(ckpt.extra["optimizer"]["state"][0]["exp_avg"], optimizer["state"][0]["exp_avg"])
+    assert ckpt.config == tiny_model.config.to_dict()
+    assert (path / "notes.txt").read_text() == "hello\n" and (path / "raw.bin").read_bytes() == b"\x00\x01"
+
+
+def test_meta_json_layout_is_astrai_first(tmp_path, tiny_model):
+    path = save_tiny(tmp_path / "ckpt", tiny_model, epoch=2, consumed_samples=40, meta={"strategy": "sft"})
+    meta = json.loads((path / "meta.json").read_text())
+    assert list(meta)[:4] == ["epoch", "consumed_samples", "timestamp", "strategy"]
+    assert list(meta)[-1] == FORMAT_KEY and meta[FORMAT_KEY]["format_version"] == 1
+    assert len(meta["timestamp"]) == 19 and meta["timestamp"][10] == "T"  # %Y-%m-%dT%H:%M:%S
+    assert sorted(p.name for p in path.iterdir()) == ["config.json", "meta.json", "model.safetensors"]
+
+
+def test_load_model_rebuilds_an_equal_tied_model(tmp_path, tiny_model):
+    path = save_tiny(tmp_path / "ckpt", tiny_model)
+    loaded = load_model(path)
+    assert loaded.lm_head.weight is loaded.embed_tokens.weight
+    ids = torch.randint(0, 32, (2, 5))
+    torch.testing.assert_close(loaded(ids)["logits"], tiny_model(ids)["logits"], atol=0, rtol=0)
+
+
+def test_existing_checkpoint_is_never_overwritten_by_default(tmp_path, tiny_model):
+    path = save_tiny(tmp_path / "ckpt", tiny_model, consumed_samples=1)
+    with pytest.raises(CheckpointError, match="already exists"):
+        save_tiny(path, tiny_model, consumed_samples=2)
+    assert load_checkpoint(path).consumed_samples == 1
+    save_tiny(path, tiny_model, consumed_samples=3, overwrite=True)
+    assert load_checkpoint(path).consumed_samples == 3
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no staging or retired directory left behind
+
+
+class Unpicklable:
+    def __reduce__(self):
+        raise RuntimeError("disk full")  # stands in for a failure half-way through a save
+
+
+def test_interrupted_save_leaves_nothing_and_keeps_the_old_checkpoint(tmp_path, tiny_model):
+    path = save_tiny(tmp_path / "ckpt", tiny_model, consumed_samples=1)
+    with pytest.raises(RuntimeError, match="disk full"):
+        save_tiny(path, tiny_model, consumed_samples=2, extra={"optimizer": Unpicklable()}, overwrite=True)
+    with pytest.raises(RuntimeError, match="disk full"):
+        save_tiny(tmp_path / "new", tiny_model, extra={"optimizer": Unpicklable()})
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+    assert load_checkpoint(path).consumed_samples == 1
+
+
+def test_plain_model_directory_loads_like_astrai_load_any(tmp_path, tiny_model):
+    (tmp_path / "config.json").write_text(json.dumps(tiny_model.config.to_dict()))
+    save_file(tiny_model.state_dict(), str(tmp_path / "model.safetensors"))
+    ckpt = load_checkpoint(tmp_path)
+    assert not ckpt.is_training_checkpoint and (ckpt.epoch, ckpt.consumed_samples) == (0, 0)
+    assert ckpt.format_version is None
+    load_model(tmp_path)
+
+
+def test_sharded_safetensors_index(tmp_path, tiny_model):
+    state = tiny_model.state_dict()
+    keys = sorted(state)
+    shards = {"model-00001-of-00002.safetensors": keys[:5], "model-00002-of-00002.safetensors": keys[5:]}
+    for name, shard_keys in shards.items():
+        save_file({k: state[k] for k in shard_keys}, str(tmp_path / name))
+    weight_map = {k: name for name, shard_keys in shards.items() for k in shard_keys}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (tmp_path / "config.json").write_text(json.dumps(tiny_model.config.to_dict()))
+    assert set(load_checkpoint(tmp_path).state_dict) == set(keys)
+    weight_map["ghost.weight"] = "model-00001-of-00002.safetensors"
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match=r"absent from their shards: \['ghost.weight'\]"):
+        load_checkpoint(tmp_path)
+
+
+def test_compiled_checkpoint_prefix_is_removed(tmp_path, tiny_model):
+    # AstrAI's --compile checkpoints name every key `_orig_mod.<name>` (its bug B3).
+    state = {f"_orig_mod.{k}": v for k, v in tiny_model.state_dict().items()}
+    save_checkpoint(tmp_path / "ckpt", state, tiny_model.config.to_dict())
+    with pytest.warns(UserWarning, match="_orig_mod"):
+        assert set(load_checkpoint(tmp_path / "ckpt").state_dict) == set(tiny_model.state_dict())
+
+
+# --- bad inputs: each one clear error naming the file --------------------------------------------------------
+
+
+def test_missing_directory_and_missing_config(tmp_path, tiny_model):
+    with pytest.raises(CheckpointError, match="no such checkpoint or model directory"):
+        load_checkpoint(tmp_path / "absent")
+    path = save_tiny(tmp_path / "ckpt", tiny_model)
+    (path / "config.json").unlink()
+    with pytest.raises(CheckpointError, match=r"config.json: file not found \(expected AstrAI's model config\)"):
+        load_checkpoint(path)
+
+
+def test_config_with_a_wrong_type(tmp_path, tiny_model):
+    path = save_tiny(tmp_path / "ckpt", tiny_model)
+    config = tiny_model.config.to_dict() | {"num_hidden_layers": "2"}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"config.json: 'num_hidden_layers' must be int or null, got \"2\""):
+        load_model(path)
+
+
+def test_truncated_safetensors(tmp_path, tiny_model):
+    path = save_tiny(tmp_path / "ckpt", tiny_model)
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"model.safetensors: not a readable safetensors file, perhaps truncated"):
+        load_checkpoint(path)
+
+
+def test_no_weights_at_all(tmp_path, tiny_model):
+    (tmp_path / "config.json").write_text(json.dumps(tiny_model.config.to_dict()))
+    with pytest.raises(CheckpointError, match="no model.safetensors or model.safetensors.index.json"):
+        load_checkpoint(tmp_path)
+
+
+def test_state_dict_mismatches_are_listed_in_one_error(tiny_model):
+    state = tiny_model.state_dict()
+    del state["layers.0.attention.q_proj.weight"]
+    state["layers.9.extra.weight"] = torch.zeros(1)
+    state["norm.weight"] = torch.zeros(3)
+    with pytest.raises(CheckpointError) as err:
+        load_model_weights(AutoRegressiveLM(tiny_config()), state, source="ckpt/model.safetensors")
+    message = str(err.value)
+    assert message.startswith("ckpt/model.safetensors: does not match the model built from its config.json")
+    assert "missing keys [layers.0.attention.q_proj.weight]" in message
+    assert "unexpected keys [layers.9.extra.weight]" in message
+    assert "wrong shapes [norm.weight (file [3], model [16])]" in message
+
+
+def test_tied_model_refuses_a_different_lm_head(tiny_model):
+    state = tiny_model.state_dict()
+    state["lm_head.weight"] = state["embed_tokens.weight"].clone()
+    load_model_weights(AutoRegressiveLM(tiny_config()), state, source="x")  # equal: accepted
+    state["lm_head.weight"] += 1
+    with pytest.raises(CheckpointError, match="differs from embed_tokens.weight"):
+        load_model_weights(AutoRegressiveLM(tiny_config()), state, source="x")
+
+
+def test_pickled_callable_is_refused(tmp_path, tiny_model):
+    path = save_tiny(tmp_path / "ckpt", tiny_model)
+    torch.save({"hook": print}, path / "optimizer.pt")
+    with pytest.raises(CheckpointError, match=r"optimizer.pt: refused to load: .*could run code \(Unsupported global"):
+        load_checkpoint(path)
+    assert load_checkpoint(path, load_extra=False).state_dict  # the weights alone still load
+
+
+def test_truncated_pt_and_bad_meta(tmp_path, tiny_model):
+    path = save_tiny(tmp_path / "ckpt", tiny_model, extra={"scheduler": {"last_epoch": 3}})
+    (path / "scheduler.pt").write_bytes((path / "scheduler.pt").read_bytes()[:20])
+    with pytest.raises(CheckpointError, match=r"scheduler.pt: cannot be read, perhaps truncated"):
+        load_checkpoint(path)
+    (path / "scheduler.pt").unlink()
+    meta = json.loads((path / "meta.json").read_text()) | {"consumed_samples": "12"}
+    (path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=r"meta.json: 'consumed_samples' must be a non-negative integer"):
+        load_checkpoint(path)

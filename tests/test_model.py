@@ -1,0 +1,159 @@
+"""Model behaviour beyond the golden values: tie rules, RoPE table, masks, NEFTune, MoE."""
+
+import math
+
+import pytest
+import torch
+from conftest import tiny_config
+
+from astrai_fabric.model import AutoRegressiveLM, make_doc_boundary_mask
+from astrai_fabric.model.layers import apply_rotary_emb, rope_table
+from astrai_fabric.model.transformer import process_attention_mask
+
+
+def test_tied_state_dict_omits_lm_head_and_load_reties(tiny_model):
+    state = tiny_model.state_dict()
+    assert "lm_head.weight" not in state
+    assert tiny_model.lm_head.weight is tiny_model.embed_tokens.weight
+    other = AutoRegressiveLM(tiny_config())
+    other.load_state_dict(state)
+    assert other.lm_head.weight is other.embed_tokens.weight
+    assert torch.equal(other.lm_head.weight, state["embed_tokens.weight"])
+
+
+def test_untied_load_without_lm_head_clones_the_embedding():
+    model = AutoRegressiveLM(tiny_config(tie_word_embeddings=False))
+    state = model.state_dict()
+    assert "lm_head.weight" in state
+    del state["lm_head.weight"]
+    model.load_state_dict(state)
+    assert torch.equal(model.lm_head.weight, model.embed_tokens.weight)
+    assert model.lm_head.weight.data_ptr() != model.embed_tokens.weight.data_ptr()  # a clone, not shared
+
+
+def test_tie_flag_must_be_exactly_true():
+    # AstrAI ties only on `is True`; an absent flag (None) means untied.
+    model = AutoRegressiveLM(tiny_config(tie_word_embeddings=None))
+    assert model.lm_head.weight is not model.embed_tokens.weight
+
+
+def test_rope_table_is_float64_angles_rounded_once_to_float32():
+    table = rope_table(dim=8, max_len=5, base=10000.0)
+    assert table.shape == (5, 4, 2) and table.dtype == torch.float32
+    angle = 3 * 10000.0 ** (-4 / 8)  # position 3, pair 2: theta_i = base^(-2i/dim)
+    assert table[3, 2, 0].item() == pytest.approx(math.cos(angle), abs=1e-7)
+    assert table[3, 2, 1].item() == pytest.approx(math.sin(angle), abs=1e-7)
+
+
+def test_rope_rotates_adjacent_pairs():
+    x = torch.tensor([1.0, 0.0, 0.0, 1.0]).view(1, 1, 1, 4)
+    angle = math.pi / 2
+    rotary = torch.tensor([[math.cos(angle), math.sin(angle)], [1.0, 0.0]]).view(1, 1, 2, 2)
+    out = apply_rotary_emb(x, rotary).flatten()
+    # pair (x0, x1) = (1, 0) turns by 90 degrees to (0, 1); pair (x2, x3) keeps angle 0.
+    torch.testing.assert_close(out, torch.tensor([0.0, 1.0, 0.0, 1.0]), atol=1e-7, rtol=0)
+
+
+def test_rope_table_stays_float32_when_the_model_is_cast_to_bf16(tiny_model):
+    reference = tiny_model.rotary_embedding.freqs_cis.clone()
+    tiny_model.to(torch.bfloat16)
+    assert tiny_model.embed_tokens.weight.dtype == torch.bfloat16
+    assert torch.equal(tiny_model.rotary_embedding.freqs_cis, reference)
+    assert "rotary_embedding.freqs_cis" not in tiny_model.state_dict()
+
+
+def test_ntk_scaling_raises_the_base_and_other_types_are_ignored():
+    plain = AutoRegressiveLM(tiny_config()).rotary_embedding
+    ntk = AutoRegressiveLM(tiny_config(rope_scaling={"type": "ntk", "factor": 4.0})).rotary_embedding
+    no_type = AutoRegressiveLM(tiny_config(rope_scaling={"factor": 4.0})).rotary_embedding
+    linear = AutoRegressiveLM(tiny_config(rope_scaling={"type": "linear", "factor": 4.0})).rotary_embedding
+    dim = 4  # 16 hidden / 4 heads
+    assert ntk.base == pytest.approx(10000.0 * 4.0 ** (dim / (dim - 2)))
+    assert no_type.base == ntk.base  # AstrAI: a dict without "type" counts as NTK
+    assert linear.base == plain.base == 10000.0
+
+
+def test_doc_boundary_mask_hand_computed():
+    mask = make_doc_boundary_mask(torch.tensor([[0, 1, 2, 0, 1]]))
+    expected = torch.tensor(
+        [
+            [1, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0],
+            [1, 1, 1, 0, 0],
+            [0, 0, 0, 1, 0],
+            [0, 0, 0, 1, 1],
+        ],
+        dtype=torch.bool,
+    )
+    assert mask.shape == (1, 1, 5, 5)
+    assert torch.equal(mask[0, 0], expected)
+
+
+def test_attention_mask_shapes_follow_astrai():
+    assert process_attention_mask(torch.ones(2, 5)).shape == (2, 1, 1, 5)
+    assert process_attention_mask(torch.ones(2, 5, 5)).shape == (2, 1, 5, 5)
+    assert process_attention_mask(torch.ones(2, 1, 5, 5)).shape == (2, 1, 5, 5)
+    with pytest.raises(ValueError, match="2-D, 3-D or 4-D"):
+        process_attention_mask(torch.ones(5))
+
+
+def test_full_causal_mask_equals_no_mask(tiny_model):
+    ids = torch.randint(0, 32, (2, 6))
+    causal = torch.ones(6, 6, dtype=torch.bool).tril().expand(2, 6, 6)
+    torch.testing.assert_close(tiny_model(ids, input_mask=causal)["logits"], tiny_model(ids)["logits"])
+
+
+def test_position_ids_reach_rope(tiny_model):
+    ids = torch.randint(0, 32, (1, 6))
+    # RoPE sees only relative positions: a uniform shift changes nothing, a reset changes the output.
+    shifted = torch.arange(3, 9).unsqueeze(0)
+    reset = torch.tensor([[0, 1, 2, 0, 1, 2]])
+    plain = tiny_model(ids)["logits"]
+    torch.testing.assert_close(tiny_model(ids, position_ids=shifted)["logits"], plain, atol=1e-6, rtol=0)
+    assert not torch.allclose(tiny_model(ids, position_ids=reset)["logits"], plain)
+
+
+def test_neftune_noise_only_in_training():
+    model = AutoRegressiveLM(tiny_config(neftune_alpha=5.0))
+    ids = torch.randint(0, 32, (1, 4))
+    model.eval()
+    torch.testing.assert_close(model(ids)["logits"], model(ids)["logits"])
+    model.train()
+    assert not torch.allclose(model(ids)["logits"], model(ids)["logits"])
+
+
+def moe_config(**overrides):
+    values = dict(ffn_type="moe", n_routed_experts=8, n_shared_experts=1, n_activated_experts=2)
+    values.update(overrides)
+    return tiny_config(**values)
+
+
+def test_moe_aux_loss_only_in_training_with_grad():
+    model = AutoRegressiveLM(moe_config())
+    ids = torch.randint(0, 32, (2, 4))
+    assert "aux_loss" in model.train()(ids)
+    with torch.no_grad():
+        assert "aux_loss" not in model(ids)
+    assert "aux_loss" not in model.eval()(ids)
+
+
+def test_moe_every_parameter_gets_a_gradient_even_for_unused_experts():
+    torch.manual_seed(0)
+    model = AutoRegressiveLM(moe_config(n_routed_experts=16))
+    ids = torch.zeros(1, 1, dtype=torch.long)  # one token: at most 2 of 16 experts see it
+    out = model(ids)
+    (out["logits"].sum() + out["aux_loss"]).backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None]
+    assert missing == []  # DDP without find_unused_parameters needs every parameter in the graph
+
+
+def test_moe_layer_selection_follows_astrai():
+    config = moe_config(num_hidden_layers=4, mlp_only_layers=[0], decoder_sparse_step=2)
+    kinds = [config.ffn_type_of_layer(i) for i in range(4)]
+    # layer 0 is listed dense; with step 2 only layers whose (index + 1) is even are MoE.
+    assert kinds == ["mlp", "moe", "mlp", "moe"]
+
+
+def test_input_must_be_two_dimensional(tiny_model):
+    with pytest.raises(ValueError, match=r"\[batch, seq_len\]"):
+        tiny_model(torch.zeros(4, dtype=torch.long))

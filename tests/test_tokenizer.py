@@ -1,0 +1,58 @@
+"""The bundled tokenizer in AstrAI's layout, and the loader's errors."""
+
+import json
+
+import pytest
+
+from astrai_fabric.assets import TINY_MODEL_DIR
+from astrai_fabric.assets.build import render_chat
+from astrai_fabric.errors import UserError
+from astrai_fabric.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_dir(TINY_MODEL_DIR)
+
+
+def test_special_tokens_and_vocabulary(tokenizer):
+    assert tokenizer.vocab_size == 2048
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == (0, 1, 2)
+    assert tokenizer.stop_ids == [0, 1, 2, 3, 4]
+
+
+def test_encode_decode_round_trip(tokenizer):
+    text = "Wisdom is the principal thing; 17 + 25 = 42."
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
+def test_chat_template_matches_the_python_rendering_used_to_train_the_tokenizer(tokenizer):
+    messages = [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "What is 2 + 2?"},
+        {"role": "assistant", "content": "4."},
+    ]
+    assert tokenizer.render_chat(messages) == render_chat(messages)
+    prompt = tokenizer.render_chat(messages[:2], add_generation_prompt=True)
+    assert prompt.endswith("<|im_start|>assistant\n")
+    ids = tokenizer.apply_chat_template(messages[:2])
+    assert tokenizer.decode(ids, skip_special_tokens=False) == prompt
+
+
+def test_files_are_the_two_astrai_files(tokenizer):
+    assert sorted(tokenizer.files) == ["tokenizer.json", "tokenizer_config.json"]
+
+
+def test_missing_and_broken_files_are_clear_errors(tmp_path):
+    with pytest.raises(UserError, match=r"tokenizer.json: file not found"):
+        Tokenizer.from_dir(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(UserError, match=r"tokenizer.json: not a valid tokenizers file"):
+        Tokenizer.from_dir(tmp_path)
+    (tmp_path / "tokenizer.json").write_text((TINY_MODEL_DIR / "tokenizer.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"special_tokens": {"eos_token": "<|nope|>"}}))
+    with pytest.raises(UserError, match=r"special tokens not in the vocabulary: \['<\|nope\|>'\]"):
+        Tokenizer.from_dir(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({}))
+    with pytest.raises(UserError, match="no 'chat_template'"):
+        Tokenizer.from_dir(tmp_path).render_chat([{"role": "user", "content": "hi"}])
