@@ -199,6 +199,25 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+# --- finding -----------------------------------------------------------------------------------------------------
+
+CHECKPOINT_NAME = re.compile(r"^epoch_(\d+)_step_(\d+)$")
+
+
+def find_latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
+    """The complete ``epoch_E_step_S`` directory with the highest step under ``ckpt_dir``, or None.
+
+    Staging directories are hidden (``.NAME.tmp-…``) and never match; a directory without its ``meta.json`` or
+    weights is skipped as incomplete.
+    """
+    found = []
+    for path in Path(ckpt_dir).glob("epoch_*_step_*"):
+        match = CHECKPOINT_NAME.match(path.name)
+        if match and (path / META_FILE).is_file() and (path / WEIGHTS_FILE).is_file():
+            found.append(((int(match[2]), int(match[1])), path))
+    return max(found)[1] if found else None
+
+
 # --- reading -----------------------------------------------------------------------------------------------------
 
 

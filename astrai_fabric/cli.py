@@ -1,37 +1,233 @@
 """``astrai-fabric``: the command line. The only module that imports jsonargparse.
 
-Mistakes a user can fix (``UserError``) print one line and exit with status 2, never a traceback.
+    astrai-fabric seq|sft --config recipe.yaml [--flag value ...]
+
+Flags are ``TrainArgs`` fields, flat and spelled as AstrAI spells them; a recipe is a flat YAML of the same keys,
+and the command line overrides it. AstrAI's own command lines and configs are accepted unchanged:
+``--train_type sft`` instead of the subcommand, ``-c``, bare booleans (``--resume``), ``--no-X`` negations,
+``--dry-run``, repeated ``--metrics``, and YAML grouped in AstrAI's sections (``model``, ``data``, ``parallel``,
+``training``, ``ckpt``, ``log``; a ``runtime`` section is ignored, as AstrAI's trainer ignores it). Mistakes a user
+can fix (``UserError``) print one message and exit with status 2, never a traceback.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import json
 import sys
+import typing
+from pathlib import Path
+from typing import Any
 
-from jsonargparse import ArgumentParser
+import yaml
+from jsonargparse import ArgumentParser, set_parsing_settings
 
 from astrai_fabric import __version__
+from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import UserError
 
+TRAIN_COMMANDS = ("seq", "sft")
+ASTRAI_SECTIONS = ("model", "data", "parallel", "training", "ckpt", "log")
+IGNORED_SECTIONS = ("runtime",)
+ALIASES = {"devices": "nprocs"}
+"""Other spellings of a flag or recipe key → the field."""
+FIELDS = {f.name: f for f in dataclasses.fields(TrainArgs)}
+BOOL_FIELDS = {
+    name for name, hint in typing.get_type_hints(TrainArgs).items() if bool in typing.get_args(hint) or hint is bool
+}
+LIST_FIELDS = {"metrics"}
 
-def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(
-        prog="astrai-fabric",
-        description="Train AstrAI decoder-only language models on Lightning Fabric.",
-        exit_on_error=True,
-    )
-    parser.add_argument("--version", action="version", version=f"astrai-fabric {__version__}")
-    return parser
+set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        parser.parse_args(argv)
-        parser.print_help()
+        return _dispatch(argv)
     except UserError as err:
         print(f"astrai-fabric: error: {err}", file=sys.stderr)
         return 2
+
+
+def _dispatch(argv: list[str]) -> int:
+    if argv and argv[0] in TRAIN_COMMANDS:
+        return train_command(argv[0], argv[1:])
+    if argv and argv[0] in ("--version", "-V"):
+        print(f"astrai-fabric {__version__}")
+        return 0
+    train_type = _astrai_train_type(argv)
+    if train_type is not None:  # an AstrAI command line: `--train_type sft ...` names the command
+        return train_command(train_type, argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_top_level_help())
+        return 0
+    raise UserError(
+        f"unknown command {argv[0]!r}; choose one of {', '.join(TRAIN_COMMANDS)} (see astrai-fabric --help)"
+    )
+
+
+def _top_level_help() -> str:
+    lines = [
+        f"usage: astrai-fabric {{{','.join(TRAIN_COMMANDS)}}} --config RECIPE.yaml [--flag value ...]",
+        "",
+        "Train AstrAI decoder-only language models on Lightning Fabric.",
+        "",
+        "commands:",
+        "  seq       pretraining: next-token prediction over windows of plain text",
+        "  sft       supervised fine-tuning on chat messages (assistant turns trained)",
+        "",
+        "`astrai-fabric COMMAND --help` lists every flag; `--print_config` prints the resolved recipe.",
+    ]
+    return "\n".join(lines)
+
+
+def _astrai_train_type(argv: list[str]) -> str | None:
+    """The train type of an AstrAI-style command line, from ``--train_type`` or the ``--config`` file."""
+    flags = _normalize(argv, check_choices=False)
+    for i, token in enumerate(flags):
+        if token.startswith("--train_type="):
+            return token.split("=", 1)[1]
+        if token == "--config" and i + 1 < len(flags):
+            return _read_recipe(Path(flags[i + 1])).get("train_type")
+    return None
+
+
+# --- training commands -------------------------------------------------------------------------------------------
+
+
+def build_train_parser(train_type: str) -> ArgumentParser:
+    parser = ArgumentParser(
+        prog=f"astrai-fabric {train_type}",
+        description=f"Train with train_type={train_type}. Every flag can also be a key of the --config recipe.",
+        exit_on_error=False,
+    )
+    parser.add_argument("--config", help="Recipe: a flat YAML of these flags (AstrAI's sectioned YAML works too).")
+    # --print_config is taken out of the flags before parsing (jsonargparse reserves the name); listed for --help.
+    parser.add_argument("--print_config", action="store_true", help="Print the resolved recipe and exit.")
+    parser.add_class_arguments(TrainArgs, nested_key=None, as_group=False, skip={"train_type"})
+    return parser
+
+
+def parse_train_args(train_type: str, argv: list[str]) -> tuple[TrainArgs, bool]:
+    """``TrainArgs`` from the recipe and the flags (flags win), and whether ``--print_config`` was given."""
+    parser = build_train_parser(train_type)
+    flags, print_config = [], False
+    for token in _normalize(argv):
+        if token == "--print_config":
+            print_config = True
+            continue
+        if token.startswith("--train_type="):  # AstrAI's way of naming the command
+            if token != f"--train_type={train_type}":
+                raise UserError(f"{token[2:]} contradicts the command {train_type!r}")
+            continue
+        flags.append(token)
+    base, recipe_path = None, None
+    if "--config" in flags:
+        i = flags.index("--config")
+        if i + 1 >= len(flags):
+            raise UserError("--config needs a recipe path")
+        recipe_path = Path(flags[i + 1])
+        del flags[i : i + 2]
+        recipe = _read_recipe(recipe_path)
+        if recipe.pop("train_type", train_type) != train_type:
+            raise UserError(f"{recipe_path}: train_type is not {train_type!r}, the command given")
+        try:
+            base = parser.parse_object(recipe)
+        except Exception as err:  # jsonargparse reports type errors as ArgumentError
+            raise UserError(f"{recipe_path}: {_clean(err)}") from None
+    try:
+        namespace = parser.parse_args(flags, namespace=base)
+    except SystemExit as exit_:  # --help
+        raise SystemExit(exit_.code) from None
+    except Exception as err:
+        raise UserError(_clean(err)) from None
+    values = {k: v for k, v in namespace.as_dict().items() if k in FIELDS}
+    return TrainArgs(**values, train_type=train_type), print_config
+
+
+def train_command(train_type: str, argv: list[str]) -> int:
+    args, print_config = parse_train_args(train_type, argv)
+    if print_config:
+        from astrai_fabric.train.common import resolved_recipe
+
+        print(resolved_recipe(args), end="")
+        return 0
+    from astrai_fabric.train import run  # imports Lightning (~5 s): only when training
+
+    run(args)
     return 0
+
+
+def _read_recipe(path: Path) -> dict[str, Any]:
+    """A recipe's keys, flat: AstrAI's sections merged, ``runtime`` dropped, aliases renamed, unknown keys refused."""
+    if not path.is_file():
+        raise UserError(f"--config {path}: file not found")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as err:
+        raise UserError(f"{path}: not valid YAML ({err})") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: expected a mapping of flags to values, got {type(raw).__name__}")
+    flat: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in IGNORED_SECTIONS:
+            continue
+        items = value.items() if key in ASTRAI_SECTIONS and isinstance(value, dict) else [(key, value)]
+        for name, item in items:
+            flat[ALIASES.get(name, name)] = item
+    unknown = [k for k in flat if k not in FIELDS]
+    if unknown:
+        raise UserError(f"{path}: unknown key(s) {', '.join(_with_suggestion(k) for k in unknown)}")
+    return flat
+
+
+def _normalize(argv: list[str], check_choices: bool = True) -> list[str]:
+    """AstrAI's spellings → ours: ``-c``, ``--no-X``, bare booleans, ``--dry-run``, repeated list flags."""
+    out: list[str] = []
+    lists: dict[str, list[str]] = {}
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        i += 1
+        if token == "-c":
+            token = "--config"
+        if not token.startswith("--") or token in ("--config", "--print_config", "--help"):
+            out.append(token)
+            continue
+        name, has_value, value = token[2:].partition("=")
+        negated = name.startswith("no-") and ALIASES.get(name[3:], name[3:]) in BOOL_FIELDS
+        name = ALIASES.get(name[3:] if negated else name, name[3:] if negated else name)
+        if negated:
+            out.append(f"--{name}=false")
+            continue
+        if not has_value:
+            bare = i >= len(argv) or argv[i].startswith("--")
+            if bare and name in BOOL_FIELDS:
+                out.append(f"--{name}=true")
+                continue
+            if bare:
+                out.append(f"--{name}")  # let the parser say what is missing
+                continue
+            value, i = argv[i], i + 1
+        if name in LIST_FIELDS and not value.startswith("["):
+            lists.setdefault(name, []).append(value)
+            continue
+        if check_choices and name not in FIELDS:
+            raise UserError(f"unknown flag --{_with_suggestion(name)}")
+        out.append(f"--{name}={value}")
+    out += [f"--{name}={json.dumps(values)}" for name, values in lists.items()]
+    return out
+
+
+def _with_suggestion(name: str) -> str:
+    close = difflib.get_close_matches(name, FIELDS, n=1)
+    return f"{name} (did you mean {close[0]}?)" if close else name
+
+
+def _clean(err: Exception) -> str:
+    """jsonargparse's message on one line."""
+    return " ".join(str(err).split())
 
 
 if __name__ == "__main__":

@@ -1,0 +1,242 @@
+"""``TrainArgs``: every training flag, flat and spelled as AstrAI spells it (spec §9), with AstrAI's defaults.
+
+The CLI exposes each field as ``--name`` and a recipe is a flat YAML of the same keys. Departures from AstrAI's
+defaults are the machine-dependent ones (``device_type``, ``backend``, ``precision``); new flags follow AstrAI's
+spelling. ``validate()`` reports every bad value in one ``ConfigError``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+from astrai_fabric.errors import ConfigError
+
+TrainType = Literal["seq", "sft", "dpo", "grpo"]
+ParallelMode = Literal["none", "ddp", "fsdp"]
+Precision = Literal["auto", "bf16-true", "bf16-mixed", "32-true"]
+
+
+@dataclass
+class TrainArgs:
+    """One training run. AstrAI's flag names and defaults unless a docstring says otherwise."""
+
+    # --- what to train -------------------------------------------------------------------------------------------
+    data_root_path: str | None = None
+    """Training data: a JSONL file, a directory of JSONL files, or AstrAI bin shards (required)."""
+    param_path: str | None = None
+    """Model directory (config.json, optional weights) or checkpoint directory (required). ``bundled:tiny`` is the
+    tiny model shipped with the package."""
+    tokenizer_path: str | None = None
+    """Directory with tokenizer.json and tokenizer_config.json; default: ``param_path`` (AstrAI's rule)."""
+    train_type: TrainType | None = None
+    """AstrAI's ``--train_type``; the subcommand sets it, and a recipe that names another type is an error."""
+    resume: bool | str = False
+    """``true``: resume from ``param_path`` (a checkpoint, AstrAI's meaning); ``auto``: the newest checkpoint under
+    ``ckpt_dir``, or a fresh start when there is none; a path: that checkpoint."""
+    window_size: int | None = None
+    """Tokens per training sample; default: the model's ``max_position_embeddings``."""
+    stride: int | None = None
+    """Tokens between the starts of consecutive windows; default: ``window_size`` (no overlap)."""
+    val_split: float | None = None
+    """Fraction of samples held out for validation, in (0, 1); default: no validation."""
+    val_step: int = 1000
+    """Optimizer steps between validations (the first runs at step 1)."""
+
+    # --- batch, steps and budgets --------------------------------------------------------------------------------
+    n_epoch: int = 1
+    """Passes over the training data."""
+    batch_per_device: int = 1
+    """Samples per micro-batch on each rank."""
+    grad_accum_steps: int = 1
+    """Micro-batches per optimizer step (gradient accumulation)."""
+    max_steps: int | None = None
+    """Stop after this many optimizer steps (with a final checkpoint), even before ``n_epoch`` ends."""
+    max_tokens: int | None = None
+    """Stop once this many input tokens (all ranks together) have been trained on."""
+
+    # --- optimizer -----------------------------------------------------------------------------------------------
+    optimizer: Literal["muon_adamw", "adamw"] = "muon_adamw"
+    """``muon_adamw``: Muon for weight matrices, AdamW for embeddings, head and norms (AstrAI's split);
+    ``adamw``: AdamW for everything (decay on matrices only)."""
+    max_lr: float = 3e-4
+    """Peak learning rate (the schedule's base)."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay of the matrix parameters."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient L2 norm to this value at every optimizer step."""
+    muon_momentum: float = 0.95
+    """Muon momentum."""
+    muon_nesterov: bool = True
+    """Muon Nesterov momentum."""
+    muon_ns_steps: int = 5
+    """Newton-Schulz iterations per Muon step."""
+    muon_adjust_lr: Literal["original", "match_rms_adamw"] = "match_rms_adamw"
+    """Muon's per-matrix learning-rate scaling."""
+    muon_ns_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """Dtype of Muon's Newton-Schulz iteration. ``bfloat16`` is AstrAI's (torch's) behaviour; ``auto`` picks
+    ``float32`` on CPU, where bf16 matrix products are ~37x slower, and ``bfloat16`` on CUDA."""
+    nora_lr: float = 5e-3
+    """Accepted so AstrAI command lines parse; AstrAI's ``nora_nadamw`` is not offered here."""
+    nora_beta: float = 0.95
+    """Accepted for AstrAI command lines; unused."""
+    nora_momentum: float = 0.95
+    """Accepted for AstrAI command lines; unused."""
+    nora_weight_decay: float = 0.0
+    """Accepted for AstrAI command lines; unused."""
+    mano_momentum: float = 0.95
+    """Accepted for AstrAI command lines; unused (AstrAI ignores it too)."""
+    mano_nesterov: bool = True
+    """Accepted for AstrAI command lines; unused (AstrAI ignores it too)."""
+
+    # --- learning-rate schedule ----------------------------------------------------------------------------------
+    schedule_type: Literal["cosine", "sgdr", "wsd"] = "cosine"
+    """Learning-rate schedule after warmup."""
+    warmup_ratio: float = 0.05
+    """Warmup steps as a fraction of total steps (floored)."""
+    min_rate: float | None = None
+    """Floor of the learning rate as a fraction of ``max_lr``; default 0.01 (AstrAI's); an explicit 0 is kept."""
+    cycle_length: int | None = None
+    """SGDR: steps in the first cycle; default: all steps after warmup."""
+    t_mult: int = 2
+    """SGDR: each cycle is ``t_mult`` times longer than the one before."""
+    stable_steps: int | None = None
+    """WSD: steps at full rate after warmup; default 80% of the rest; an explicit 0 is kept."""
+    decay_steps: int | None = None
+    """WSD: steps of the final decay; default: the steps left after the stable phase."""
+
+    # --- losses --------------------------------------------------------------------------------------------------
+    label_smoothing: float = 0.0
+    """Cross-entropy label smoothing (seq, sft)."""
+    moe_aux_loss_coef: float = 0.01
+    """Weight of the MoE load-balancing loss."""
+    neftune_alpha: float = 0.0
+    """NEFTune noise on the embeddings during training (AstrAI's Gaussian form); 0 disables it."""
+    dpo_beta: float = 0.1
+    """DPO temperature."""
+    group_size: int = 4
+    """GRPO responses per prompt."""
+    grpo_clip_eps: float = 0.2
+    """GRPO PPO clip range."""
+    grpo_kl_coef: float = 0.01
+    """GRPO weight of the KL penalty to the reference model."""
+    rollout_interval: int = 512
+    """Online GRPO: optimizer steps between rollouts."""
+    rollout_temperature: float = 0.7
+    """Online GRPO: sampling temperature."""
+    rollout_top_k: int = 0
+    """Online GRPO: top-k sampling (0 = off)."""
+    rollout_top_p: float = 0.9
+    """Online GRPO: nucleus sampling threshold, in (0, 1]."""
+    rollout_max_tokens: int = 1024
+    """Online GRPO: most tokens generated per response."""
+
+    # --- parallelism and precision -------------------------------------------------------------------------------
+    parallel_mode: ParallelMode = "fsdp"
+    """``none``: one process; ``ddp``: replicated model; ``fsdp``: FSDP2 sharding (AstrAI's default). With one
+    process every mode trains on a single device."""
+    nprocs: int = 1
+    """Local ranks to launch (``--devices`` is the same flag). Under ``fabric run``, torchrun or SLURM the
+    environment decides, and a different value only warns."""
+    num_nodes: int = 1
+    """Machines in the run (with ``fabric run``/torchrun/SLURM, or ``NODE_RANK`` + ``MASTER_ADDR``)."""
+    device_type: str | None = None
+    """``cuda`` or ``cpu``; default: cuda when available (AstrAI's default is always cuda)."""
+    backend: Literal["gloo", "nccl"] | None = None
+    """Process-group backend; default: nccl on CUDA, gloo on CPU (AstrAI: always nccl)."""
+    precision: Precision = "auto"
+    """``auto``: bf16-true on CUDA (AstrAI's pure bf16), 32-true on CPU (bf16 matmuls are slow there)."""
+    fsdp_sync_each_micro_batch: bool = False
+    """FSDP: reduce-scatter gradients after every micro-batch instead of only at the optimizer step, trading
+    communication for the memory of unsharded gradients during accumulation."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder block's activations in the backward pass (less memory, ~30% more compute)."""
+    compile: Literal["default", "reduce-overhead", "max-autotune"] | None = None
+    """``torch.compile`` mode; default: no compilation. Saved keys never carry ``_orig_mod.``."""
+    tp_size: int | None = None
+    """Tensor-parallel degree (AstrAI accepts and discards it); 1 or unset for now."""
+    master_addr: str = "localhost"
+    """Accepted for AstrAI command lines; the launcher's environment (``MASTER_ADDR``) decides."""
+    master_port: str = "29500"
+    """Accepted for AstrAI command lines; the launcher's environment (``MASTER_PORT``) decides."""
+    start_method: Literal["fork", "forkserver", "spawn"] = "spawn"
+    """Accepted for AstrAI command lines; Fabric's launcher starts the local ranks."""
+
+    # --- data loading --------------------------------------------------------------------------------------------
+    random_seed: int = 3407
+    """Seeds the sampler order (``seed + epoch``), the validation split, model initialisation and all RNGs."""
+    num_workers: int = 4
+    """DataLoader worker processes per rank."""
+    pin_memory: bool = True
+    """Pin host memory for faster copies to the GPU (ignored on CPU)."""
+    persistent_workers: bool = True
+    """Keep DataLoader workers alive between epochs (when ``num_workers > 0``)."""
+
+    # --- checkpoints and logging ---------------------------------------------------------------------------------
+    ckpt_dir: str = "checkpoint"
+    """Everything a run writes goes under this directory."""
+    ckpt_interval: int = 5000
+    """Optimizer steps between checkpoints (one is also written at the end)."""
+    start_epoch: int = 0
+    """AstrAI's manual start epoch (for fresh runs); ignored when resuming."""
+    start_samples: int = 0
+    """AstrAI's manual start offset, in samples per rank (for fresh runs); ignored when resuming."""
+    metrics: list[str] = field(default_factory=lambda: ["loss", "lr", "grad_norm", "grad_snr"])
+    """Metrics to record (AstrAI's names)."""
+
+    def validate(self) -> None:
+        """Raise one ``ConfigError`` naming every field with a bad value."""
+        problems = []
+        if self.data_root_path is None:
+            problems.append("data_root_path is required")
+        if self.param_path is None:
+            problems.append("param_path is required")
+        positive = [
+            "n_epoch", "batch_per_device", "grad_accum_steps", "ckpt_interval", "val_step", "nprocs", "num_nodes",
+            "muon_ns_steps", "rollout_interval", "rollout_max_tokens", "group_size", "t_mult",
+        ]  # fmt: skip
+        problems += [
+            f"{name} must be positive, got {getattr(self, name)}" for name in positive if getattr(self, name) < 1
+        ]
+        optional_positive = ["window_size", "stride", "max_steps", "max_tokens", "tp_size", "cycle_length"]
+        problems += [
+            f"{name} must be positive, got {getattr(self, name)}"
+            for name in optional_positive
+            if getattr(self, name) is not None and getattr(self, name) < 1
+        ]
+        non_negative = [
+            "num_workers", "neftune_alpha", "moe_aux_loss_coef", "weight_decay", "warmup_ratio", "label_smoothing",
+            "rollout_top_k", "start_epoch", "start_samples", "max_lr",
+        ]  # fmt: skip
+        problems += [
+            f"{name} must be >= 0, got {getattr(self, name)}" for name in non_negative if getattr(self, name) < 0
+        ]
+        for name in ("stable_steps", "decay_steps"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not self.max_grad_norm > 0:
+            problems.append(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
+        if self.val_split is not None and not 0 < self.val_split < 1:
+            problems.append(f"val_split must be in (0, 1), got {self.val_split}")
+        if not 0 < self.rollout_top_p <= 1:
+            problems.append(f"rollout_top_p must be in (0, 1], got {self.rollout_top_p}")
+        if self.rollout_temperature <= 0:
+            problems.append(f"rollout_temperature must be > 0, got {self.rollout_temperature}")
+        if not 0 <= self.warmup_ratio <= 1:
+            problems.append(f"warmup_ratio must be in [0, 1], got {self.warmup_ratio}")
+        if self.min_rate is not None and not 0 <= self.min_rate <= 1:
+            problems.append(f"min_rate must be in [0, 1], got {self.min_rate}")
+        if not 0 <= self.label_smoothing < 1:
+            problems.append(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
+        if self.tp_size not in (None, 1):
+            problems.append(f"tp_size {self.tp_size} is not supported yet (tensor parallelism is planned); use 1")
+        if self.device_type not in (None, "cpu", "cuda"):
+            problems.append(f"device_type must be cpu or cuda, got {self.device_type!r}")
+        if isinstance(self.resume, str) and not self.resume:
+            problems.append("resume must be true, false, auto or a checkpoint path, got ''")
+        if problems:
+            raise ConfigError("invalid training arguments: " + "; ".join(problems))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

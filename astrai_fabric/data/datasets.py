@@ -1,0 +1,107 @@
+"""Fixed windows over a token stream, for ``seq`` and ``sft`` (spec §3.1-3.2, §4.4).
+
+With ``T`` tokens, window ``W`` and stride ``s`` there are ``0 if T <= W else (T - 1 - W) // s + 1`` samples;
+sample ``i`` reads ``[b, b + W)`` as input and ``[b + 1, b + W + 1)`` as target, ``b = min(i * s, T - 1 - W)``,
+so every sample has exactly ``W`` tokens and none reads past the stream (AstrAI's indexing, exactly).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import Dataset
+
+from astrai_fabric.data.storage import detect_format, read_bin_shards, read_jsonl
+from astrai_fabric.data.tokenize import tokenize_chats, tokenize_text
+from astrai_fabric.errors import UserError
+from astrai_fabric.tokenizer import Tokenizer
+
+REQUIRED_KEYS = {"seq": ("sequence",), "sft": ("sequence", "loss_mask", "position_ids")}
+
+
+class TokenStream:
+    """Named 1-D streams, each possibly split over several shards, read as if concatenated."""
+
+    def __init__(self, segments: dict[str, Sequence[np.ndarray]]) -> None:
+        self._segments = {k: list(v) for k, v in segments.items()}
+        self._ends = {k: np.cumsum([len(s) for s in v]).tolist() for k, v in self._segments.items()}
+        self.num_tokens = min(ends[-1] if ends else 0 for ends in self._ends.values())
+        """Length of the shortest key (AstrAI's rule when keys disagree)."""
+
+    @property
+    def keys(self) -> list[str]:
+        return list(self._segments)
+
+    def read(self, key: str, begin: int, end: int) -> np.ndarray:
+        """Tokens ``[begin, end)`` of ``key``, across shard boundaries."""
+        ends, segments = self._ends[key], self._segments[key]
+        first = bisect.bisect_right(ends, begin)
+        pieces = []
+        while begin < end:
+            start = ends[first - 1] if first else 0
+            stop = min(end, ends[first])
+            pieces.append(segments[first][begin - start : stop - start])
+            begin, first = stop, first + 1
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+
+class WindowDataset(Dataset):
+    """``seq`` samples (``input_ids``, ``target_ids``), plus ``position_ids`` and ``loss_mask`` for ``sft``."""
+
+    def __init__(self, stream: TokenStream, train_type: str, window_size: int, stride: int | None = None) -> None:
+        self.stream, self.train_type = stream, train_type
+        self.window_size, self.stride = window_size, stride or window_size
+        total = stream.num_tokens
+        self.num_samples = 0 if total <= window_size else (total - 1 - window_size) // self.stride + 1
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def window(self, index: int) -> tuple[int, int]:
+        if not 0 <= index < self.num_samples:
+            raise IndexError(f"sample {index} out of range [0, {self.num_samples})")
+        begin = min(index * self.stride, self.stream.num_tokens - 1 - self.window_size)
+        return begin, begin + self.window_size
+
+    def __getitem__(self, index: int) -> dict[str, Tensor]:
+        begin, end = self.window(index)
+        read = self.stream.read
+        sample = {
+            "input_ids": torch.from_numpy(read("sequence", begin, end).astype(np.int64)),
+            "target_ids": torch.from_numpy(read("sequence", begin + 1, end + 1).astype(np.int64)),
+        }
+        if self.train_type == "sft":
+            sample["position_ids"] = torch.from_numpy(read("position_ids", begin, end).astype(np.int64))
+            # The mask is shifted with the targets: it says which *predicted* tokens are trained.
+            sample["loss_mask"] = torch.from_numpy(read("loss_mask", begin + 1, end + 1).astype(np.bool_))
+        return sample
+
+
+def load_window_dataset(
+    train_type: str, path: str | Path, window_size: int, stride: int | None, tokenizer: Tokenizer | None
+) -> WindowDataset:
+    """Windows over AstrAI bin shards or raw JSONL (tokenised here) at ``path``; one clear error when empty."""
+    path = Path(path)
+    if detect_format(path) == "bin":
+        stream = TokenStream(read_bin_shards(path))
+    else:
+        if tokenizer is None:
+            raise UserError(f"data_root_path {path}: JSONL data needs a tokenizer (--tokenizer_path)")
+        records = read_jsonl(path)
+        tokenize = tokenize_chats if train_type == "sft" else tokenize_text
+        stream = TokenStream({k: [v] for k, v in tokenize(records, tokenizer).items()})
+    missing = [k for k in REQUIRED_KEYS[train_type] if k not in stream.keys]
+    if missing:
+        raise UserError(f"data_root_path {path}: {train_type} data needs keys {missing}; the shards hold {stream.keys}")
+    dataset = WindowDataset(stream, train_type, window_size, stride)
+    if len(dataset) == 0:
+        raise UserError(
+            f"data_root_path {path}: {stream.num_tokens} tokens hold no window of window_size={window_size} "
+            f"(a sample needs window_size + 1 tokens); lower window_size or add data"
+        )
+    return dataset

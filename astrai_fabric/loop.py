@@ -1,0 +1,155 @@
+"""``fit()``: the one training loop for step-based training (seq, sft, dpo). No callbacks, no hooks.
+
+Per micro-batch: forward and backward inside the accumulation context, loss divided by ``grad_accum_steps``.
+Per optimizer step (the window's last micro-batch): clip (the logged norm is this step's, pre-clip; AstrAI logs
+the previous one, B7), step the optimizer, zero the gradients, step the schedule, then log, validate and
+checkpoint. A checkpoint named ``step_S`` holds the state *after* step S (AstrAI's holds the state before, B1).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.fabric import Fabric
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader
+
+from astrai_fabric.accumulation import GradientState, backward_sync
+from astrai_fabric.config.train import TrainArgs
+from astrai_fabric.data.sampler import ResumableSampler
+from astrai_fabric.schedule import StepPlan
+from astrai_fabric.training_state import RunPosition
+
+LossFn = Callable[[nn.Module, dict[str, Tensor]], tuple[Tensor, dict[str, Tensor]]]
+"""``(model, batch) -> (loss, metrics)``: the mean loss of one micro-batch and detached extras to log."""
+
+
+def fit(
+    fabric: Fabric,
+    model: nn.Module,
+    optimizer: Optimizer,
+    scheduler: Any,
+    train_loader: DataLoader,
+    sampler: ResumableSampler,
+    compute_loss: LossFn,
+    args: TrainArgs,
+    plan: StepPlan,
+    position: RunPosition,
+    save: Callable[[RunPosition], None],
+    val_loader: DataLoader | None = None,
+) -> list[dict[str, float]]:
+    """Train from ``position`` (updated in place) until ``n_epoch``, ``max_steps`` or ``max_tokens``.
+
+    Returns one record per optimizer step: ``step``, ``epoch``, ``loss`` (mean over the accumulation window and
+    all ranks), ``lr``, ``grad_norm`` (before clipping) and ``tokens_per_sec``, plus ``val_loss`` when validated.
+    """
+    grad_state = GradientState(args.grad_accum_steps)
+    skip_sync = not args.fsdp_sync_each_micro_batch
+    world_size = fabric.world_size
+    log_every = max(1, plan.total_steps // 20)
+    last_saved_step = position.optimizer_step
+    window_loss = torch.zeros((), device=fabric.device)
+    window_tokens, window_start = 0, time.perf_counter()
+    history: list[dict[str, float]] = []
+    model.train()
+
+    done = _budget_reached(position, args)
+    while position.epoch < args.n_epoch and not done:
+        sampler.set_position(position.epoch, position.sample_index)
+        for batch in train_loader:
+            is_accumulating = not grad_state.advance()
+            with backward_sync(fabric, model, is_accumulating, skip_sync):
+                loss, _ = compute_loss(model, batch)
+                fabric.backward(loss / args.grad_accum_steps)
+            window_loss += loss.detach()
+            num_tokens = batch["input_ids"].numel() * world_size
+            window_tokens += num_tokens
+            position.sample_index += batch["input_ids"].size(0)
+            position.consumed_samples += args.batch_per_device * world_size
+            position.num_tokens += num_tokens
+            if is_accumulating:
+                continue
+
+            # --- optimizer step: the accumulation window is complete --------------------------------------------
+            grad_norm = _clip_gradients(fabric, model, optimizer, args.max_grad_norm)
+            if math.isfinite(grad_norm):
+                optimizer.step()
+            else:
+                warnings.warn(
+                    f"step {position.optimizer_step + 1}: gradient norm is {grad_norm}; update skipped", stacklevel=2
+                )
+            optimizer.zero_grad(set_to_none=True)
+            lr = optimizer.param_groups[-1]["lr"]  # the rate this step used (AstrAI logs the AdamW group's)
+            scheduler.step()
+            position.optimizer_step += 1
+            step = position.optimizer_step
+
+            record = {
+                "step": step,
+                "epoch": position.epoch,
+                "loss": fabric.all_reduce(window_loss / args.grad_accum_steps, reduce_op="mean").item(),
+                "lr": lr,
+                "grad_norm": grad_norm,
+                "tokens_per_sec": window_tokens / max(time.perf_counter() - window_start, 1e-9),
+            }
+            window_loss.zero_()
+            if val_loader is not None and (step == 1 or step % args.val_step == 0):
+                record["val_loss"] = validate(fabric, model, val_loader, compute_loss)
+            history.append(record)
+            if step == 1 or step % log_every == 0 or step == plan.total_steps or "val_loss" in record:
+                fabric.print(_format(record, plan.total_steps))
+            window_tokens, window_start = 0, time.perf_counter()
+
+            if step % args.ckpt_interval == 0:
+                save(position)
+                last_saved_step = step
+            if _budget_reached(position, args):
+                done = True
+                break
+        else:  # the epoch ran out
+            position.epoch, position.sample_index = position.epoch + 1, 0
+
+    if position.optimizer_step != last_saved_step:
+        save(position)
+    return history
+
+
+def _format(record: dict[str, float], total_steps: int) -> str:
+    line = (
+        f"step {record['step']}/{total_steps} | epoch {record['epoch']} | loss {record['loss']:.4f} | "
+        f"lr {record['lr']:.3e} | grad_norm {record['grad_norm']:.4f} | {record['tokens_per_sec']:,.0f} tokens/s"
+    )
+    return line + (f" | val_loss {record['val_loss']:.4f}" if "val_loss" in record else "")
+
+
+def _budget_reached(position: RunPosition, args: TrainArgs) -> bool:
+    return (args.max_steps is not None and position.optimizer_step >= args.max_steps) or (
+        args.max_tokens is not None and position.num_tokens >= args.max_tokens
+    )
+
+
+def _clip_gradients(fabric: Fabric, model: nn.Module, optimizer: Optimizer, max_norm: float) -> float:
+    """Clip to ``max_norm`` and return the total norm before clipping (a float, the same on every rank)."""
+    norm = fabric.clip_gradients(model, optimizer, max_norm=max_norm, error_if_nonfinite=False)
+    if hasattr(norm, "full_tensor"):  # FSDP: a replicated DTensor
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+@torch.no_grad()
+def validate(fabric: Fabric, model: nn.Module, loader: DataLoader, compute_loss: LossFn) -> float:
+    """Mean loss over the validation set, all ranks together (eval mode: no NEFTune, no MoE aux loss)."""
+    model.eval()
+    total = torch.zeros(2, device=fabric.device)
+    for batch in loader:
+        loss, _ = compute_loss(model, batch)
+        total += torch.stack([loss.detach().float(), torch.ones((), device=fabric.device)])
+    model.train()
+    total = fabric.all_reduce(total, reduce_op="sum")
+    return (total[0] / total[1].clamp(min=1)).item()

@@ -1,0 +1,218 @@
+"""Total-steps arithmetic and AstrAI's learning-rate schedules (spec §6). Pure math, checked loudly.
+
+A schedule multiplies each parameter group's base rate by ``factor(t)``, ``t`` = optimizer steps taken so far;
+the scheduler steps once per optimizer step, so optimizer step ``k`` (1-based) runs at ``factor(k - 1)``.
+Warmup is shared: ``max(min_rate, t / warmup_steps)``, so the first step runs at ``min_rate``, not at 0
+(AstrAI's rule). The scheduler classes keep AstrAI's attribute names and ``state_dict`` layout, so a
+``scheduler.pt`` moves between the two trainers, and loading one restores its hyper-parameters (AstrAI: the
+checkpoint's schedule wins over a recomputed one).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+
+from astrai_fabric.errors import ConfigError
+
+DEFAULT_MIN_RATE = 0.01
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """How many optimizer steps a run takes, derived as AstrAI derives it."""
+
+    num_samples: int
+    """Training samples (after the validation split)."""
+    world_size: int
+    batch_per_device: int
+    grad_accum_steps: int
+    n_epoch: int
+    warmup_ratio: float
+
+    @property
+    def samples_per_rank(self) -> int:
+        """Samples each rank sees per epoch (the sampler pads the last round by wrapping around)."""
+        return math.ceil(self.num_samples / self.world_size)
+
+    @property
+    def micro_batches_per_rank(self) -> int:
+        """Micro-batches per rank per epoch; the last one may be short."""
+        return math.ceil(self.samples_per_rank / self.batch_per_device)
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per optimizer step, all ranks together."""
+        return self.world_size * self.batch_per_device * self.grad_accum_steps
+
+    @property
+    def total_steps(self) -> int:
+        """AstrAI's ``(ceil(ceil(N / world) / batch) // accum) * epochs``: the schedule's length.
+
+        Accumulation windows run across epoch boundaries, so a run may take up to ``n_epoch - 1`` more steps than
+        this; the learning rate then stays at its floor (AstrAI's behaviour).
+        """
+        return (self.micro_batches_per_rank // self.grad_accum_steps) * self.n_epoch
+
+    @property
+    def warmup_steps(self) -> int:
+        return min(int(self.warmup_ratio * self.total_steps), self.total_steps)
+
+    def check(self) -> None:
+        if self.num_samples < 1:
+            raise ConfigError("the training set is empty: no sample fits (check data_root_path and window_size)")
+        if self.total_steps < 1:
+            raise ConfigError(
+                f"no optimizer step fits in the data: {self.num_samples} samples over {self.world_size} rank(s) make "
+                f"{self.micro_batches_per_rank} micro-batch(es) of {self.batch_per_device} per rank and epoch, fewer "
+                f"than grad_accum_steps={self.grad_accum_steps}; lower batch_per_device or grad_accum_steps"
+            )
+
+    def describe(self) -> str:
+        return (
+            f"batch: {self.world_size} rank(s) x {self.batch_per_device} per device x {self.grad_accum_steps} "
+            f"accumulation = {self.global_batch_size} samples per optimizer step\n"
+            f"steps: {self.num_samples} samples -> {self.samples_per_rank} per rank -> "
+            f"{self.micro_batches_per_rank} micro-batches per rank per epoch -> {self.total_steps} optimizer steps "
+            f"over {self.n_epoch} epoch(s), {self.warmup_steps} of them warmup"
+        )
+
+
+def warmup_factor(t: int, warmup_steps: int, min_rate: float) -> float:
+    return max(min_rate, t / max(warmup_steps, 1))
+
+
+def cosine_factor(t: int, warmup_steps: int, decay_steps: int, min_rate: float) -> float:
+    """Warmup, then ``max(min_rate, 0.5 (1 + cos(pi p)))`` with ``p`` capped at 1 (a max, not an affine floor)."""
+    if t < warmup_steps:
+        return warmup_factor(t, warmup_steps, min_rate)
+    progress = min((t - warmup_steps) / max(decay_steps, 1), 1.0)
+    return max(min_rate, 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def sgdr_factor(t: int, warmup_steps: int, cycle_length: int, min_rate: float, t_mult: int) -> float:
+    """Warmup, then cosine restarts over cycles ``L, L m, L m^2, ...`` between ``min_rate`` and 1 (affine)."""
+    if t < warmup_steps:
+        return warmup_factor(t, warmup_steps, min_rate)
+    if cycle_length < 1:  # AstrAI loops forever here (B15)
+        raise ConfigError(f"sgdr needs cycle_length >= 1, got {cycle_length}")
+    step, length = t - warmup_steps, cycle_length
+    while step >= length:
+        step -= length
+        length *= t_mult
+    return min_rate + (1 - min_rate) * 0.5 * (1 + math.cos(math.pi * step / length))
+
+
+def wsd_factor(t: int, warmup_steps: int, stable_steps: int, decay_steps: int, min_rate: float) -> float:
+    """Warmup, ``stable_steps`` at 1, then a quadratic decay ``(1 - min_rate)(1 - r)^2 + min_rate``.
+
+    AstrAI's docstring calls the decay "sqrt"; its code, which we follow, is quadratic.
+    """
+    if t < warmup_steps:
+        return warmup_factor(t, warmup_steps, min_rate)
+    offset = t - warmup_steps
+    if offset < stable_steps:
+        return 1.0
+    ratio = min((offset - stable_steps) / max(decay_steps, 1), 1.0)
+    return (1.0 - min_rate) * (1.0 - ratio) ** 2 + min_rate
+
+
+class _AstraiSchedule(LRScheduler):
+    """Base rate times ``factor(last_epoch)``; ``state_dict`` adds the hyper-parameters named in ``hyper``."""
+
+    hyper: tuple[str, ...] = ()
+
+    def factor(self, t: int) -> float:
+        raise NotImplementedError
+
+    def get_lr(self) -> list[float]:
+        return [base * self.factor(self.last_epoch) for base in self.base_lrs]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "optimizer"}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = dict(state_dict)
+        missing = [k for k in self.hyper if k not in state]
+        if missing:
+            raise ConfigError(f"scheduler state lacks {missing}: it was saved by another schedule type")
+        self.__dict__.update(state)
+        # The groups must run at the restored rate now, whatever set them before (e.g. this scheduler's own
+        # constructor, which applies factor(0)).
+        for group, lr in zip(self.optimizer.param_groups, self._last_lr, strict=True):
+            group["lr"] = lr
+
+
+class CosineScheduler(_AstraiSchedule):
+    hyper = ("warmup_steps", "lr_decay_steps", "min_rate", "total_steps")
+
+    def __init__(self, optimizer: Optimizer, warmup_steps: int, lr_decay_steps: int, min_rate: float) -> None:
+        self.warmup_steps, self.lr_decay_steps, self.min_rate = warmup_steps, lr_decay_steps, min_rate
+        self.total_steps = warmup_steps + lr_decay_steps
+        super().__init__(optimizer)
+
+    def factor(self, t: int) -> float:
+        return cosine_factor(t, self.warmup_steps, self.lr_decay_steps, self.min_rate)
+
+
+class SGDRScheduler(_AstraiSchedule):
+    hyper = ("warmup_steps", "cycle_length", "min_rate", "t_mult")
+
+    def __init__(self, optimizer: Optimizer, warmup_steps: int, cycle_length: int, min_rate: float, t_mult: int):
+        if cycle_length < 1:
+            raise ConfigError(
+                f"sgdr needs cycle_length >= 1, got {cycle_length} (set --cycle_length, or train for more steps "
+                "than the warmup)"
+            )
+        self.warmup_steps, self.cycle_length, self.min_rate, self.t_mult = warmup_steps, cycle_length, min_rate, t_mult
+        super().__init__(optimizer)
+
+    def factor(self, t: int) -> float:
+        return sgdr_factor(t, self.warmup_steps, self.cycle_length, self.min_rate, self.t_mult)
+
+
+class WSDScheduler(_AstraiSchedule):
+    hyper = ("warmup_steps", "stable_steps", "decay_steps", "min_rate", "total_steps")
+
+    def __init__(self, optimizer: Optimizer, warmup_steps: int, stable_steps: int, decay_steps: int, min_rate: float):
+        self.warmup_steps, self.stable_steps, self.decay_steps = warmup_steps, stable_steps, decay_steps
+        self.min_rate = min_rate
+        self.total_steps = warmup_steps + stable_steps + decay_steps
+        super().__init__(optimizer)
+
+    def factor(self, t: int) -> float:
+        return wsd_factor(t, self.warmup_steps, self.stable_steps, self.decay_steps, self.min_rate)
+
+
+def build_scheduler(
+    optimizer: Optimizer,
+    schedule_type: str,
+    total_steps: int,
+    warmup_steps: int,
+    min_rate: float | None = None,
+    cycle_length: int | None = None,
+    t_mult: int = 2,
+    stable_steps: int | None = None,
+    decay_steps: int | None = None,
+) -> _AstraiSchedule:
+    """AstrAI's scheduler arguments from the total steps (spec §6.1), except that an explicit 0 is honoured.
+
+    AstrAI writes ``value or default`` and so treats ``--stable_steps 0`` or ``--min_rate 0`` as unset (B15).
+    """
+    min_rate = DEFAULT_MIN_RATE if min_rate is None else min_rate
+    remaining = total_steps - warmup_steps
+    if schedule_type == "cosine":
+        return CosineScheduler(optimizer, warmup_steps, remaining, min_rate)
+    if schedule_type == "sgdr":
+        return SGDRScheduler(
+            optimizer, warmup_steps, remaining if cycle_length is None else cycle_length, min_rate, t_mult
+        )
+    if schedule_type == "wsd":
+        stable = max(1, int(remaining * 0.8)) if stable_steps is None else stable_steps
+        decay = max(1, remaining - stable) if decay_steps is None else decay_steps
+        return WSDScheduler(optimizer, warmup_steps, stable, decay, min_rate)
+    raise ConfigError(f"schedule_type must be cosine, sgdr or wsd, got {schedule_type!r}")

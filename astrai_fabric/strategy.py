@@ -1,0 +1,107 @@
+"""``parallel_mode`` → a Fabric: the only place strategies, devices and precision are chosen.
+
+- ``none`` → one process on one device;
+- ``ddp`` → ``DDPStrategy`` with AstrAI's ``gradient_as_bucket_view=True, broadcast_buffers=False``;
+- ``fsdp`` → ``ModelParallelStrategy`` running ``parallelize`` (FSDP2 ``fully_shard`` on every decoder block and
+  the root), with explicit mesh sizes (Lightning's ``"auto"`` would put every rank on the tensor axis: P1).
+
+Any mode with a world of one process trains on a single device. Launching: the CLI launches ``nprocs`` local
+ranks itself; under ``fabric run``, torchrun or SLURM the processes already exist, the environment fixes the
+world size, and ``fabric.launch()`` must not be called (P8).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+
+import torch
+from lightning.fabric import Fabric
+from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
+
+from astrai_fabric.config.train import TrainArgs
+from astrai_fabric.errors import ConfigError
+from astrai_fabric.parallelize import parallelize
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where the ranks come from and how many there are."""
+
+    devices: int
+    """Ranks per node."""
+    num_nodes: int
+    launched_externally: bool
+    """True under ``fabric run``, torchrun or SLURM: the processes exist already."""
+
+    @property
+    def world_size(self) -> int:
+        return self.devices * self.num_nodes
+
+
+def resolve_topology(args: TrainArgs) -> Topology:
+    """Ranks per node and nodes, from the launcher's environment when there is one, else from the flags."""
+    env = os.environ
+    if env.get("LT_CLI_USED") == "1":  # fabric run
+        topology = Topology(int(env.get("LT_DEVICES", "1")), int(env.get("LT_NUM_NODES", "1")), True)
+    elif TorchElasticEnvironment.detect():  # torchrun
+        local = int(env["LOCAL_WORLD_SIZE"])
+        topology = Topology(local, int(env["WORLD_SIZE"]) // local, True)
+    elif SLURMEnvironment.detect():
+        nodes = int(env.get("SLURM_NNODES", "1"))
+        topology = Topology(int(env["SLURM_NTASKS"]) // nodes, nodes, True)
+    else:
+        return Topology(args.nprocs, args.num_nodes, False)
+    if (args.nprocs, args.num_nodes) != (topology.devices, topology.num_nodes):
+        warnings.warn(
+            f"the launcher runs {topology.devices} rank(s) per node on {topology.num_nodes} node(s); "
+            f"--nprocs {args.nprocs} / --num_nodes {args.num_nodes} are ignored",
+            stacklevel=2,
+        )
+    return topology
+
+
+def resolve_accelerator(args: TrainArgs) -> str:
+    if args.device_type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device_type cuda: no CUDA device is available here (use --device_type cpu)")
+    return args.device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_precision(precision: str, accelerator: str) -> str:
+    """``auto``: AstrAI's pure bf16 on CUDA; float32 on CPU, where bf16 matrix products are slow."""
+    if precision == "auto":
+        return "bf16-true" if accelerator == "cuda" else "32-true"
+    return precision
+
+
+def build_fabric(args: TrainArgs, topology: Topology, loggers: list | None = None) -> Fabric:
+    accelerator = resolve_accelerator(args)
+    world_size = topology.world_size
+    if world_size == 1:
+        strategy = "auto"
+    elif args.parallel_mode == "none":
+        raise ConfigError(
+            f"parallel_mode none trains in one process, but {world_size} were requested (nprocs x num_nodes); "
+            "use ddp or fsdp, or one process"
+        )
+    elif args.parallel_mode == "ddp":
+        strategy = DDPStrategy(
+            process_group_backend=args.backend, gradient_as_bucket_view=True, broadcast_buffers=False
+        )
+    else:
+        strategy = ModelParallelStrategy(
+            parallelize_fn=parallelize,
+            data_parallel_size=world_size,
+            tensor_parallel_size=1,
+            process_group_backend=args.backend,
+        )
+    return Fabric(
+        accelerator=accelerator,
+        strategy=strategy,
+        devices=topology.devices,
+        num_nodes=topology.num_nodes,
+        precision=resolve_precision(args.precision, accelerator),
+        loggers=loggers,
+    )

@@ -1,0 +1,201 @@
+"""What every train type shares: where a run starts (fresh, weights, or resume), the model, the optimizer and
+schedule, and how checkpoints are written. Each train type's ``main`` calls these in order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from lightning.fabric import Fabric
+from torch import nn
+
+from astrai_fabric import assets
+from astrai_fabric.checkpoint import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    WEIGHTS_INDEX_FILE,
+    Checkpoint,
+    find_latest_checkpoint,
+    load_checkpoint,
+)
+from astrai_fabric.config.model import ModelConfig
+from astrai_fabric.config.train import TrainArgs
+from astrai_fabric.errors import CheckpointError, UserError
+from astrai_fabric.model import AutoRegressiveLM
+from astrai_fabric.optim import build_optimizer, resolve_ns_dtype
+from astrai_fabric.schedule import StepPlan, build_scheduler
+from astrai_fabric.tokenizer import Tokenizer
+from astrai_fabric.training_state import (
+    RESUME_KEY,
+    RunPosition,
+    load_optimizer_state,
+    load_weights,
+    restore_rng,
+    save_training_checkpoint,
+)
+
+RECIPE_FILE = "recipe.yaml"
+
+
+@dataclass
+class Start:
+    """Where a run starts: the model's config, the weights (if any) and, when resuming, the checkpoint."""
+
+    model_config: ModelConfig
+    weights: Checkpoint | None
+    """Weights to start from: the resume checkpoint, else ``param_path`` if it has any, else None (fresh)."""
+    resume: Checkpoint | None
+    tokenizer_dir: Path
+
+
+def resolve_start(args: TrainArgs) -> Start:
+    """Read ``param_path`` and find the checkpoint to resume from, checking they belong together."""
+    param_path = assets.resolve(args.param_path)
+    if not (param_path / CONFIG_FILE).is_file():
+        raise UserError(f"param_path {param_path}: no config.json (expected a model or checkpoint directory)")
+    model_config = ModelConfig.from_file(param_path / CONFIG_FILE)
+    model_config.check_buildable(source=str(param_path / CONFIG_FILE))
+    resume = _resume_checkpoint(args, param_path)
+    if resume is not None:
+        _check_resume_matches(resume, model_config, args)
+        weights = resume
+    elif (param_path / WEIGHTS_FILE).exists() or (param_path / WEIGHTS_INDEX_FILE).exists():
+        weights = load_checkpoint(param_path, load_extra=False)
+    else:
+        weights = None
+    tokenizer_dir = assets.resolve(args.tokenizer_path) if args.tokenizer_path else param_path
+    return Start(model_config, weights, resume, tokenizer_dir)
+
+
+def _resume_checkpoint(args: TrainArgs, param_path: Path) -> Checkpoint | None:
+    if args.resume is False or args.resume == "false":
+        return None
+    if args.resume is True or args.resume == "true":
+        path = param_path  # AstrAI's meaning: param_path is the checkpoint
+    elif args.resume == "auto":
+        path = find_latest_checkpoint(args.ckpt_dir)
+        if path is None:
+            return None  # nothing saved yet: a fresh start from param_path
+    else:
+        path = Path(args.resume)
+    if not (path / "meta.json").is_file():
+        raise CheckpointError(
+            f"--resume: {path} is not a training checkpoint (no meta.json); to start from its weights, pass it as "
+            "--param_path without --resume"
+        )
+    return load_checkpoint(path)
+
+
+def _check_resume_matches(ckpt: Checkpoint, model_config: ModelConfig, args: TrainArgs) -> None:
+    ours, theirs = model_config.to_dict(), ckpt.model_config().to_dict()
+    differ = [
+        f"{k}: {theirs[k]!r} there, {ours[k]!r} here" for k in ours if k != "neftune_alpha" and ours[k] != theirs[k]
+    ]
+    if differ:
+        raise CheckpointError(f"--resume: {ckpt.path} holds a different model than param_path: " + "; ".join(differ))
+    trained_as = ckpt.meta.get("train_type")
+    if trained_as is not None and trained_as != args.train_type:
+        raise CheckpointError(
+            f"--resume: {ckpt.path} was written by a {trained_as} run, this is {args.train_type}; to start "
+            f"{args.train_type} from its weights, pass it as --param_path without --resume"
+        )
+
+
+def load_tokenizer(start: Start) -> Tokenizer:
+    return Tokenizer.from_dir(start.tokenizer_dir)
+
+
+def build_model(fabric: Fabric, start: Start, args: TrainArgs) -> nn.Module:
+    """The model, initialised from ``random_seed`` (identically on every rank) or from the start weights, then
+    handed to Fabric (which shards it under FSDP and casts it to the run's precision)."""
+    config = dataclasses.replace(start.model_config, neftune_alpha=args.neftune_alpha)
+    fabric.seed_everything(args.random_seed, verbose=False)
+    model = AutoRegressiveLM(config)
+    if start.weights is not None:
+        load_weights(model, start.weights)
+    model.gradient_checkpointing = args.gradient_checkpointing
+    if args.compile:
+        model = torch.compile(model, mode=args.compile)
+    return fabric.setup_module(model)
+
+
+def build_optimizer_and_schedule(fabric: Fabric, model: nn.Module, start: Start, args: TrainArgs, plan: StepPlan):
+    """Optimizer (built after sharding, P2) and schedule; a resume restores both (the checkpoint's schedule wins)."""
+    optimizer = build_optimizer(
+        model, args.optimizer, args.max_lr, args.weight_decay, args.muon_momentum, args.muon_nesterov,
+        args.muon_ns_steps, args.muon_adjust_lr, resolve_ns_dtype(args.muon_ns_dtype, fabric.device),
+    )  # fmt: skip
+    if start.resume is not None:
+        if "optimizer" not in start.resume.extra:
+            raise CheckpointError(f"--resume: {start.resume.path} has no optimizer.pt")
+        load_optimizer_state(optimizer, start.resume.extra["optimizer"], start.resume.path / "optimizer.pt")
+    optimizer = fabric.setup_optimizers(optimizer)  # after loading: Fabric copies the optimizer's param groups
+    scheduler = build_scheduler(
+        optimizer.optimizer, args.schedule_type, plan.total_steps, plan.warmup_steps, args.min_rate,
+        args.cycle_length, args.t_mult, args.stable_steps, args.decay_steps,
+    )  # fmt: skip
+    if start.resume is not None and "scheduler" in start.resume.extra:
+        scheduler.load_state_dict(start.resume.extra["scheduler"])
+    return optimizer, scheduler
+
+
+def start_position(fabric: Fabric, start: Start, args: TrainArgs, plan: StepPlan) -> RunPosition:
+    """The loop position to start from: a resume's, AstrAI's ``start_epoch``/``start_samples``, or zero."""
+    world_size = fabric.world_size
+    ckpt = start.resume
+    if ckpt is None:
+        # AstrAI's manual offsets for a fresh run; start_samples counts samples per rank.
+        epoch = args.start_epoch + args.start_samples // plan.samples_per_rank
+        index = args.start_samples % plan.samples_per_rank
+        return RunPosition(epoch=epoch, sample_index=index, world_size=world_size)
+    if RESUME_KEY in ckpt.meta:  # ours: exact
+        saved = RunPosition(**ckpt.meta[RESUME_KEY])
+        position, exact = saved.rescaled(world_size, plan.samples_per_rank)
+        if not exact:
+            fabric.print(
+                f"warning: the checkpoint's position ({saved.sample_index} samples on each of {saved.world_size} "
+                f"ranks) falls between samples for {world_size} ranks; up to {world_size - 1} sample(s) repeat"
+            )
+    else:  # written by AstrAI: its meta semantics (spec §2.6), floor to a whole optimizer step
+        per_step = plan.global_batch_size
+        consumed = ckpt.consumed_samples // per_step * per_step
+        offset = consumed // world_size
+        position = RunPosition(
+            epoch=offset // plan.samples_per_rank,
+            sample_index=offset % plan.samples_per_rank,
+            world_size=world_size,
+            optimizer_step=consumed // per_step,
+            consumed_samples=consumed,
+        )
+    if not restore_rng(ckpt.extra.get("rng"), fabric.global_rank, world_size):
+        fabric.seed_everything(args.random_seed + position.optimizer_step, verbose=False)
+    return position
+
+
+def resolved_recipe(args: TrainArgs) -> str:
+    """The run's full configuration as a flat recipe that ``--config`` accepts."""
+    header = f"# Resolved recipe; rerun with: astrai-fabric {args.train_type} --config {RECIPE_FILE}\n"
+    return header + yaml.safe_dump(args.to_dict(), sort_keys=False)
+
+
+def make_saver(fabric: Fabric, model: nn.Module, optimizer: Any, scheduler: Any, start: Start, args: TrainArgs,
+               tokenizer: Tokenizer | None):  # fmt: skip
+    """``save(position)`` writing ``{ckpt_dir}/epoch_{E}_step_{S}`` (all ranks call it; rank 0 writes)."""
+    config = dataclasses.replace(start.model_config, neftune_alpha=args.neftune_alpha).to_dict()
+    meta = {"train_type": args.train_type, **{k: v for k, v in args.to_dict().items() if k != "train_type"}}
+    files: dict[str, Any] = dict(tokenizer.files) if tokenizer else {}
+    files[RECIPE_FILE] = resolved_recipe(args)
+    raw_model = getattr(model, "module", model)  # the module Fabric wraps: clean keys, no `_orig_mod.`
+
+    def save(position: RunPosition) -> Path:
+        path = Path(args.ckpt_dir) / f"epoch_{position.last_epoch}_step_{position.optimizer_step}"
+        save_training_checkpoint(fabric, path, raw_model, optimizer.optimizer, scheduler, position, config, meta, files)
+        fabric.print(f"checkpoint: {path}")
+        return path
+
+    return save
