@@ -1,0 +1,182 @@
+"""The command line: AstrAI spellings, recipes (flat and sectioned), overrides, and errors without tracebacks."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from astrai_fabric.cli import main, parse_train_args
+
+ROOT = Path(__file__).parents[1]
+
+
+def test_flags_override_the_recipe(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("batch_per_device: 4\nmax_lr: 1.0e-3\nparam_path: m\ndata_root_path: d\n")
+    args, print_config = parse_train_args("sft", ["--config", str(recipe), "--max_lr", "2e-4"])
+    assert (args.batch_per_device, args.max_lr, args.train_type, print_config) == (4, 2e-4, "sft", False)
+
+
+def test_astrai_command_line_is_accepted_unchanged(tmp_path):
+    recipe = tmp_path / "astrai.yaml"
+    # AstrAI's sectioned YAML: sections only group keys; `runtime` belongs to AstrAI's Docker tooling.
+    recipe.write_text(
+        "model:\n  param_path: m\ndata:\n  data_root_path: d\n  window_size: 64\n"
+        "training:\n  batch_per_device: 2\n  grad_accum_steps: 4\nparallel:\n  parallel_mode: ddp\n  nprocs: 2\n"
+        "ckpt:\n  ckpt_interval: 10\nruntime:\n  gpus: 8\n"
+    )
+    argv = [
+        "--train_type", "sft", "-c", str(recipe), "--resume", "--no-muon_nesterov", "--gradient_checkpointing",
+        "--metrics", "loss", "--metrics", "lr", "--pin_memory", "false", "--devices", "3",
+    ]  # fmt: skip
+    args, _ = parse_train_args("sft", argv)
+    assert (args.param_path, args.data_root_path, args.window_size) == ("m", "d", 64)
+    assert (args.batch_per_device, args.grad_accum_steps, args.parallel_mode, args.ckpt_interval) == (2, 4, "ddp", 10)
+    assert (args.resume, args.muon_nesterov, args.gradient_checkpointing, args.pin_memory) == (True, False, True, False)
+    assert args.metrics == ["loss", "lr"] and args.nprocs == 3
+
+
+def test_resume_takes_auto_or_a_path():
+    assert parse_train_args("seq", ["--resume", "auto"])[0].resume == "auto"
+    assert parse_train_args("seq", ["--resume", "ckpt/epoch_0_step_5"])[0].resume == "ckpt/epoch_0_step_5"
+    assert parse_train_args("seq", ["--resume", "false"])[0].resume is False
+
+
+def test_print_config_round_trips(tmp_path, capsys):
+    assert main(["seq", "--param_path", "m", "--data_root_path", "d", "--max_steps", "7", "--print_config"]) == 0
+    printed = capsys.readouterr().out
+    recipe = tmp_path / "printed.yaml"
+    recipe.write_text(printed)
+    args, _ = parse_train_args("seq", ["--config", str(recipe)])
+    assert (args.max_steps, args.param_path, args.train_type) == (7, "m", "seq")
+    assert yaml.safe_load(printed)["max_steps"] == 7
+
+
+@pytest.mark.parametrize("recipe", sorted((ROOT / "recipes").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_recipe_parses_and_opens_with_its_command(recipe):
+    first_lines = recipe.read_text().splitlines()[:3]
+    command = next(line for line in first_lines if "astrai-fabric " in line)
+    train_type = command.split("astrai-fabric ")[1].split()[0]
+    assert f"--config recipes/{recipe.name}" in command
+    args, _ = parse_train_args(train_type, ["--config", str(recipe)])
+    args.validate()
+
+
+def run_cli(argv, capsys) -> tuple[int, str]:
+    code = main(argv)
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("batch_per_devic: 2\n", r"unknown key\(s\) batch_per_devic \(did you mean batch_per_device\?\)"),
+        ("batch_per_device: two\n", r"batch_per_device.*Expected a <class 'int'>. Got value: two"),
+        ("train_type: dpo\n", r"train_type is not 'seq'"),
+        ("- just\n- a list\n", r"expected a mapping of flags to values"),
+        ("a: [unclosed\n", r"not valid YAML"),
+    ],
+)
+def test_recipe_mistakes_name_the_file(tmp_path, capsys, content, message):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text(content)
+    code, err = run_cli(["seq", "--config", str(recipe)], capsys)
+    assert code == 2
+    assert err.startswith(f"astrai-fabric: error: {recipe}: ")
+    assert re.search(message, err), err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["seq", "--batch_per_devic", "2"], "unknown flag --batch_per_devic (did you mean batch_per_device?)"),
+        (["seq", "--n_epoch", "x"], 'Parser key "n_epoch": Expected a <class \'int\'>. Got value: x'),
+        (["seq", "--config", "absent.yaml"], "--config absent.yaml: file not found"),
+        (["sft", "--train_type", "seq"], "train_type=seq contradicts the command 'sft'"),
+        (["frobnicate"], "unknown command 'frobnicate'"),
+        (["seq", "--param_path", "m"], "data_root_path is required"),
+        (["seq", "--param_path", "m", "--data_root_path", "d", "--batch_per_device", "0"], "batch_per_device must be"),
+    ],
+)
+def test_flag_mistakes(capsys, argv, message):
+    code, err = run_cli(argv, capsys)
+    assert code == 2 and message in err and "Traceback" not in err
+
+
+# --- mistakes found when the run starts: one message, exit 2, nothing written ---------------------------------
+
+
+def tiny(tmp_path, *extra) -> list[str]:
+    return ["seq", "--param_path", "bundled:tiny", "--data_root_path", "bundled:data/seq", "--ckpt_dir",
+            str(tmp_path / "out"), "--parallel_mode", "none", "--num_workers", "0", *extra]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--data_root_path", "absent"], "data_root_path absent: not found"),
+        (["--window_size", "1000000"], "tokens hold no window of window_size=1000000"),
+        (["--nprocs", "2"], "parallel_mode none trains in one process, but 2 were requested"),
+        (["--resume", "true"], "is not a training checkpoint (no meta.json)"),
+        (["--param_path", "absent"], "param_path absent: no config.json"),
+        (["--resume", "absent_dir"], "absent_dir is not a training checkpoint"),
+    ],
+)
+def test_start_up_mistakes_write_nothing(tmp_path, capsys, extra, message):
+    code, err = run_cli(tiny(tmp_path, *extra), capsys)
+    assert code == 2 and message in err and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_empty_dataset(tmp_path, capsys):
+    (tmp_path / "empty.jsonl").write_text("")
+    code, err = run_cli(tiny(tmp_path, "--data_root_path", str(tmp_path / "empty.jsonl")), capsys)
+    assert code == 2 and "the dataset is empty" in err and not (tmp_path / "out").exists()
+
+
+def test_resuming_a_checkpoint_of_another_model_is_refused(tmp_path, capsys):
+    assert main(tiny(tmp_path, "--max_steps", "1", "--window_size", "16")) == 0
+    (checkpoint,) = (tmp_path / "out").glob("epoch_*")
+    other = tmp_path / "other"
+    other.mkdir()
+    config = json.loads((checkpoint / "config.json").read_text()) | {"num_hidden_layers": 2}
+    (other / "config.json").write_text(json.dumps(config))
+    before = sorted(p.name for p in (tmp_path / "out").iterdir())
+    code, err = run_cli(tiny(tmp_path, "--param_path", str(other), "--resume", str(checkpoint)), capsys)
+    assert code == 2 and "holds a different model than param_path: num_hidden_layers: 4 there, 2 here" in err
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == before
+
+
+# --- end to end, as a user runs it -------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_tiny_recipe_end_to_end_then_resume(tmp_path):
+    base = [sys.executable, "-m", "astrai_fabric", "sft", "--config", str(ROOT / "recipes" / "tiny-sft.yaml"),
+            "--ckpt_dir", str(tmp_path), "--max_steps", "4", "--ckpt_interval", "2"]  # fmt: skip
+    first = subprocess.run(base, capture_output=True, text=True, env={"OMP_NUM_THREADS": "1", "PATH": ""})
+    assert first.returncode == 0, first.stderr
+    assert "checkpoint: " in first.stdout and str(tmp_path) in first.stdout
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["epoch_0_step_2", "epoch_0_step_4", "recipe.yaml"]
+    files = sorted(p.name for p in (tmp_path / "epoch_0_step_4").iterdir())
+    assert files == [
+        "config.json", "meta.json", "model.safetensors", "optimizer.pt", "recipe.yaml", "rng.pt", "scheduler.pt",
+        "tokenizer.json", "tokenizer_config.json",
+    ]  # fmt: skip
+    meta = json.loads((tmp_path / "epoch_0_step_4" / "meta.json").read_text())
+    assert (meta["epoch"], meta["consumed_samples"], meta["train_type"]) == (0, 4 * 2 * 8, "sft")
+
+    second = subprocess.run(
+        base[:-4] + ["--max_steps", "6", "--ckpt_interval", "2", "--resume", "auto"],
+        capture_output=True, text=True, env={"OMP_NUM_THREADS": "1", "PATH": ""},
+    )  # fmt: skip
+    assert second.returncode == 0, second.stderr
+    assert f"resuming from {tmp_path / 'epoch_0_step_4'} at step 4" in second.stdout
+    assert "step 5/" in second.stdout and "step 1/" not in second.stdout
+    assert sorted(p.name for p in tmp_path.iterdir())[-2:] == ["epoch_0_step_6", "recipe.yaml"]
