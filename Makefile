@@ -12,7 +12,7 @@ else
 TORCH_REQ ?= torch==$(TORCH_VERSION)
 endif
 
-.PHONY: install test lint format clean
+.PHONY: install test train bench lint format clean
 
 install: $(VENV)/.installed
 
@@ -24,6 +24,14 @@ $(VENV)/.installed: pyproject.toml
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# The main job: pretrain the bundled tiny model on CPU (about a minute); prints where the checkpoints went.
+train: install
+	$(BIN)/astrai-fabric seq --config recipes/tiny-seq.yaml
+
+bench: install
+	$(BIN)/python bench/loop_overhead.py
+	$(BIN)/python bench/optimizer_step.py
 
 lint: install
 	$(BIN)/ruff check .

@@ -54,6 +54,7 @@ def fit(
     world_size = fabric.world_size
     log_every = max(1, plan.total_steps // 20)
     last_saved_step = position.optimizer_step
+    first_step = position.optimizer_step + 1  # always logged, whatever the cadence
     window_loss = torch.zeros((), device=fabric.device)
     window_tokens, window_start = 0, time.perf_counter()
     history: list[dict[str, float]] = []
@@ -102,7 +103,7 @@ def fit(
             if val_loader is not None and (step == 1 or step % args.val_step == 0):
                 record["val_loss"] = validate(fabric, model, val_loader, compute_loss)
             history.append(record)
-            if step == 1 or step % log_every == 0 or step == plan.total_steps or "val_loss" in record:
+            if step in (first_step, plan.total_steps) or step % log_every == 0 or "val_loss" in record:
                 fabric.print(_format(record, plan.total_steps))
             window_tokens, window_start = 0, time.perf_counter()
 

@@ -89,3 +89,45 @@ def test_astrai_checkpoint_loads_here(tmp_path):
     reference = AutoRegressiveLM(tiny_config()).to(torch.bfloat16)  # same seed, same init as AstrAI
     for key, tensor in reference.state_dict().items():
         assert torch.equal(model.state_dict()[key], tensor), key
+
+
+def astrai_train(workdir, *flags) -> subprocess.CompletedProcess:
+    """AstrAI's own trainer (scripts/tools/train.py) on CPU, in a subprocess."""
+    command = [
+        ASTRAI_PYTHON, f"{ASTRAI_SRC}/scripts/tools/train.py", "--train_type", "sft", "--data_root_path", "data",
+        "--window_size", "64", "--batch_per_device", "2", "--grad_accum_steps", "2", "--max_lr", "1e-3",
+        "--parallel_mode", "none", "--nprocs", "1", "--device_type", "cpu", "--backend", "gloo", "--num_workers", "0",
+        "--ckpt_interval", "3", "--no-pin_memory", "--no-persistent_workers", *flags,
+    ]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=ASTRAI_SRC)
+    return subprocess.run(command, cwd=workdir, capture_output=True, text=True, env=env)
+
+
+def test_training_checkpoints_resume_across_trainers(tmp_path, monkeypatch):
+    """AstrAI trains 12 steps; we resume its checkpoint (AstrAI's command line, unchanged but for the tokenizer,
+    which AstrAI's checkpoints lack, B22) and train to 24; AstrAI resumes our step-15 checkpoint in turn."""
+    from astrai_fabric.assets import SFT_DATA_DIR, TINY_MODEL_DIR
+    from astrai_fabric.cli import main
+
+    (tmp_path / "data").mkdir()
+    lines = (SFT_DATA_DIR / "tasks.jsonl").read_text().splitlines()[:200]
+    (tmp_path / "data" / "train.jsonl").write_text("\n".join(lines) + "\n")
+    first = astrai_train(tmp_path, "--param_path", str(TINY_MODEL_DIR), "--ckpt_dir", "astrai")
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert (tmp_path / "astrai" / "epoch_0_step_12" / "optimizer.pt").is_file()
+
+    monkeypatch.chdir(tmp_path)
+    argv = [
+        "--train_type", "sft", "--data_root_path", "data", "--param_path", "astrai/epoch_0_step_12", "--resume",
+        "--tokenizer_path", str(TINY_MODEL_DIR), "--window_size", "64", "--batch_per_device", "2",
+        "--grad_accum_steps", "2", "--max_lr", "1e-3", "--parallel_mode", "none", "--nprocs", "1", "--device_type",
+        "cpu", "--backend", "gloo", "--num_workers", "0", "--ckpt_dir", "ours", "--ckpt_interval", "3",
+        "--no-pin_memory", "--no-persistent_workers",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    ours = sorted(p.name for p in (tmp_path / "ours").glob("epoch_*"))
+    assert ours == ["epoch_0_step_15", "epoch_0_step_18", "epoch_0_step_21", "epoch_0_step_24"]  # resumed at 12
+
+    second = astrai_train(tmp_path, "--param_path", "ours/epoch_0_step_15", "--resume", "--ckpt_dir", "astrai2")
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert sorted(p.name for p in (tmp_path / "astrai2").glob("epoch_*"))[0] == "epoch_0_step_18"

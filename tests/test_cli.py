@@ -95,7 +95,7 @@ def test_recipe_mistakes_name_the_file(tmp_path, capsys, content, message):
     "argv, message",
     [
         (["seq", "--batch_per_devic", "2"], "unknown flag --batch_per_devic (did you mean batch_per_device?)"),
-        (["seq", "--n_epoch", "x"], 'Parser key "n_epoch": Expected a <class \'int\'>. Got value: x'),
+        (["seq", "--n_epoch", "x"], "Parser key \"n_epoch\": Expected a <class 'int'>. Got value: x"),
         (["seq", "--config", "absent.yaml"], "--config absent.yaml: file not found"),
         (["sft", "--train_type", "seq"], "train_type=seq contradicts the command 'sft'"),
         (["frobnicate"], "unknown command 'frobnicate'"),

@@ -157,3 +157,17 @@ def test_moe_layer_selection_follows_astrai():
 def test_input_must_be_two_dimensional(tiny_model):
     with pytest.raises(ValueError, match=r"\[batch, seq_len\]"):
         tiny_model(torch.zeros(4, dtype=torch.long))
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    torch.manual_seed(0)
+    plain = AutoRegressiveLM(moe_config())
+    recomputed = AutoRegressiveLM(moe_config())
+    recomputed.load_state_dict(plain.state_dict())
+    recomputed.gradient_checkpointing = True
+    ids = torch.randint(0, 32, (2, 6))
+    for model in (plain, recomputed):
+        out = model(ids)
+        (out["logits"].square().mean() + out["aux_loss"]).backward()
+    for (name, a), b in zip(plain.named_parameters(), recomputed.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-7, rtol=0, msg=name)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.model.attention import GQA, MLA
@@ -91,6 +92,7 @@ class AutoRegressiveLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         if config.tied:
             self.lm_head.weight = self.embed_tokens.weight
+        self.gradient_checkpointing = False  # recompute each block in the backward pass (less memory)
         # Same traversal as AstrAI's `self.apply(_init_weights)`, hence the same random stream per seed.
         self.apply(_reset)
 
@@ -108,8 +110,12 @@ class AutoRegressiveLM(nn.Module):
         rotary = self.rotary_embedding(input_ids.size(0), input_ids.size(1), position_ids)
         attn_mask = process_attention_mask(input_mask)
         aux_losses, router_stats = [], []
+        recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.layers:
-            x, aux_loss, stats = layer(x, rotary, attn_mask)
+            if recompute:  # keep only the block's input; recompute its activations in the backward pass
+                x, aux_loss, stats = checkpoint(layer, x, rotary, attn_mask, use_reentrant=False)
+            else:
+                x, aux_loss, stats = layer(x, rotary, attn_mask)
             if stats is not None:
                 aux_losses.append(aux_loss)
                 router_stats.append(stats)

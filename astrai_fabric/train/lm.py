@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, random_split
 
 from astrai_fabric import assets
+from astrai_fabric.checkpoint import find_latest_checkpoint
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.data import ResumableSampler, load_window_dataset
 from astrai_fabric.loop import fit
@@ -107,5 +108,8 @@ def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
 
     compute_loss = partial(lm_loss, label_smoothing=args.label_smoothing, moe_aux_loss_coef=args.moe_aux_loss_coef)
     save = make_saver(fabric, model, optimizer, scheduler, start, args, tokenizer)
-    return fit(fabric, model, optimizer, scheduler, train_loader, sampler, compute_loss, args, plan, position, save,
-               val_loader)  # fmt: skip
+    history = fit(fabric, model, optimizer, scheduler, train_loader, sampler, compute_loss, args, plan, position, save,
+                  val_loader)  # fmt: skip
+    latest = find_latest_checkpoint(args.ckpt_dir)
+    fabric.print(f"done after step {position.optimizer_step}; latest checkpoint: {latest}")
+    return history
