@@ -27,7 +27,7 @@ import shutil
 import time
 import uuid
 import warnings
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -221,10 +221,11 @@ def find_latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
 # --- reading -----------------------------------------------------------------------------------------------------
 
 
-def load_checkpoint(directory: str | Path, *, load_extra: bool = True) -> Checkpoint:
+def load_checkpoint(directory: str | Path, *, load_extra: bool = True, skip: Collection[str] = ()) -> Checkpoint:
     """Read a checkpoint directory, or a plain model directory, as AstrAI's ``Checkpoint.load_any`` does.
 
-    ``load_extra=False`` skips the ``*.pt`` files (e.g. when only the weights are wanted).
+    ``load_extra=False`` skips every ``*.pt`` file (e.g. when only the weights are wanted); ``skip`` names stems
+    to leave out (``{"optimizer"}``).
     """
     path = Path(directory)
     if not path.is_dir():
@@ -236,7 +237,7 @@ def load_checkpoint(directory: str | Path, *, load_extra: bool = True) -> Checkp
             raise CheckpointError(f"{path / META_FILE}: {key!r} must be a non-negative integer, got {meta[key]!r}")
     extra = {}
     if load_extra:
-        extra = {f.stem: _read_pt(f) for f in sorted(path.glob("*.pt"))}
+        extra = {f.stem: _read_pt(f) for f in sorted(path.glob("*.pt")) if f.stem not in skip}
     return Checkpoint(
         path=path,
         config=config,

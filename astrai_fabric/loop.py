@@ -50,7 +50,7 @@ def fit(
     all ranks), ``lr``, ``grad_norm`` (before clipping) and ``tokens_per_sec``, plus ``val_loss`` when validated.
     """
     grad_state = GradientState(args.grad_accum_steps)
-    skip_sync = not args.fsdp_sync_each_micro_batch
+    skip_sync = not (args.fsdp_sync_each_micro_batch and args.parallel_mode == "fsdp")
     world_size = fabric.world_size
     log_every = max(1, plan.total_steps // 20)
     last_saved_step = position.optimizer_step

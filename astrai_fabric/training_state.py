@@ -141,6 +141,14 @@ def load_optimizer_state(optimizer: Optimizer, state: dict[str, Any], source: Pa
     for name, part in parts.items():
         params = [p for group in part.param_groups for p in group["params"]]
         sub_state = states[name]
+        if not isinstance(sub_state, dict):
+            raise CheckpointError(f"{source}: the optimizer state of {name!r} is missing")
+        if any(isinstance(v, DTensor) for entry in sub_state.get("state", {}).values() for v in entry.values()):
+            raise CheckpointError(
+                f"{source}: holds sharded (DTensor) optimizer state: AstrAI's FSDP saves only rank 0's shard (its "
+                "bug B6), which cannot restore the optimizer. To continue from this checkpoint's weights, schedule "
+                "and data position with a fresh optimizer, add --resume_optimizer false"
+            )
         if len(sub_state.get("state", {})) > len(params):
             raise CheckpointError(f"{source}: optimizer state covers more parameters than the model has")
         for index, entry in sub_state.get("state", {}).items():

@@ -39,6 +39,10 @@ PARITY_RUNS = {
     for mode in ("ddp", "fsdp")
     for optimizer in ("adamw", "muon_adamw")
 }
+# FSDP reducing after every micro-batch instead of only at the window's end (P16) trains the same model.
+PARITY_RUNS["fsdp_sync_each_micro_batch"] = dict(
+    parallel_mode="fsdp", optimizer="adamw", fsdp_sync_each_micro_batch=True
+)
 RESUME = dict(max_steps=6, ckpt_interval=3, optimizer="muon_adamw")
 SFT = dict(train_type="sft", data_root_path="bundled:data/sft")
 
@@ -107,3 +111,37 @@ def test_single_process_resume_is_bit_exact(tmp_path):
     resumed = run(base_args(tmp_path / "resumed", **RESUME, **SFT, resume=str(tmp_path / "full" / "epoch_0_step_3")))
     assert [r["loss"] for r in resumed] == [r["loss"] for r in full[3:]]
     assert_weights_close(weights(tmp_path / "resumed", 6), weights(tmp_path / "full", 6), atol=0)
+
+
+def write_astrai_fsdp_optimizer(path: str) -> None:
+    """An optimizer.pt as AstrAI's FSDP writes it: rank 0's DTensor shards (spec §2.4, B6)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo")
+    shard = distribute_tensor(torch.zeros(4, 4), init_device_mesh("cpu", (1,)), [Shard(0)])
+    torch.save({"muon": {"state": {0: {"momentum_buffer": shard}}, "param_groups": []}, "adamw": None}, path)
+    dist.destroy_process_group()
+
+
+def test_astrai_fsdp_checkpoint_says_why_and_resumes_with_a_fresh_optimizer(tmp_path, capsys):
+    from astrai_fabric.cli import main
+
+    run(base_args(tmp_path / "run", max_steps=2))
+    (checkpoint,) = (tmp_path / "run").glob("epoch_*")
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    for key in ("astrai_fabric", "resume_position", "train_type"):
+        del meta[key]  # now it reads as AstrAI's
+    (checkpoint / "meta.json").write_text(json.dumps(meta))
+    run_ranks(write_astrai_fsdp_optimizer, 1, str(checkpoint / "optimizer.pt"))
+    argv = ["seq", "--param_path", str(checkpoint), "--resume", "--data_root_path", "bundled:data/seq",
+            "--window_size", "32", "--batch_per_device", "2", "--grad_accum_steps", "2", "--parallel_mode", "none",
+            "--num_workers", "0", "--ckpt_dir", str(tmp_path / "next"), "--max_steps", "3"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "optimizer.pt: holds sharded (DTensor) optimizer state" in err and "--resume_optimizer false" in err
+    assert main([*argv, "--resume_optimizer", "false"]) == 0
+    out = capsys.readouterr().out
+    assert "optimizer: starting fresh" in out and "at step 2" in out  # AstrAI's position: consumed_samples
+    assert (tmp_path / "next" / "epoch_0_step_3").is_dir()

@@ -35,6 +35,9 @@ class TrainArgs:
     resume: bool | str = False
     """``true``: resume from ``param_path`` (a checkpoint, AstrAI's meaning); ``auto``: the newest checkpoint under
     ``ckpt_dir``, or a fresh start when there is none; a path: that checkpoint."""
+    resume_optimizer: bool = True
+    """``false``: resume weights, schedule and data position but start a fresh optimizer (for a checkpoint whose
+    optimizer state cannot be restored, such as AstrAI's FSDP checkpoints, which hold rank 0's shard only)."""
     window_size: int | None = None
     """Tokens per training sample; default: the model's ``max_position_embeddings``."""
     stride: int | None = None

@@ -88,7 +88,7 @@ def _resume_checkpoint(args: TrainArgs, param_path: Path) -> Checkpoint | None:
             f"--resume: {path} is not a training checkpoint (no meta.json); to start from its weights, pass it as "
             "--param_path without --resume"
         )
-    return load_checkpoint(path)
+    return load_checkpoint(path, skip=() if args.resume_optimizer else ("optimizer",))
 
 
 def _check_resume_matches(ckpt: Checkpoint, model_config: ModelConfig, args: TrainArgs) -> None:
@@ -130,10 +130,14 @@ def build_optimizer_and_schedule(fabric: Fabric, model: nn.Module, start: Start,
         model, args.optimizer, args.max_lr, args.weight_decay, args.muon_momentum, args.muon_nesterov,
         args.muon_ns_steps, args.muon_adjust_lr, resolve_ns_dtype(args.muon_ns_dtype, fabric.device),
     )  # fmt: skip
-    if start.resume is not None:
+    if start.resume is not None and args.resume_optimizer:
         if "optimizer" not in start.resume.extra:
-            raise CheckpointError(f"--resume: {start.resume.path} has no optimizer.pt")
+            raise CheckpointError(
+                f"--resume: {start.resume.path} has no optimizer.pt (add --resume_optimizer false to start a fresh one)"
+            )
         load_optimizer_state(optimizer, start.resume.extra["optimizer"], start.resume.path / "optimizer.pt")
+    elif start.resume is not None:
+        fabric.print("optimizer: starting fresh (--resume_optimizer false)")
     optimizer = fabric.setup_optimizers(optimizer)  # after loading: Fabric copies the optimizer's param groups
     scheduler = build_scheduler(
         optimizer.optimizer, args.schedule_type, plan.total_steps, plan.warmup_steps, args.min_rate,
