@@ -180,3 +180,16 @@ def test_tiny_recipe_end_to_end_then_resume(tmp_path):
     assert f"resuming from {tmp_path / 'epoch_0_step_4'} at step 4" in second.stdout
     assert "step 5/" in second.stdout and "step 1/" not in second.stdout
     assert sorted(p.name for p in tmp_path.iterdir())[-2:] == ["epoch_0_step_6", "recipe.yaml"]
+
+
+@pytest.mark.slow
+def test_cli_launches_its_own_ranks(tmp_path):
+    # `--nprocs 2`: Fabric re-executes `python -m astrai_fabric ...` for rank 1; both ranks train one FSDP model.
+    command = [sys.executable, "-m", "astrai_fabric", "seq", "--config", str(ROOT / "recipes" / "tiny-seq.yaml"),
+               "--ckpt_dir", str(tmp_path), "--max_steps", "2", "--nprocs", "2", "--parallel_mode", "fsdp",
+               "--window_size", "32"]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, env={"OMP_NUM_THREADS": "1", "PATH": ""})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "batch: 2 rank(s) x 8 per device x 2 accumulation = 32 samples per optimizer step" in result.stdout
+    assert result.stdout.count("done after step 2") == 1  # printed by rank 0 only
+    assert (tmp_path / "epoch_0_step_2" / "optimizer.pt").is_file()
