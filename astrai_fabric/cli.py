@@ -27,16 +27,32 @@ from astrai_fabric import __version__
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import UserError
 
-TRAIN_COMMANDS = ("seq", "sft")
+TRAIN_COMMANDS = ("seq", "sft", "dpo", "grpo")
+TRAIN_TYPE_ALIASES = {"online_grpo": "grpo"}
+"""AstrAI's train types that are a mode of ours: grpo is online when its data holds prompts only."""
 ASTRAI_SECTIONS = ("model", "data", "parallel", "training", "ckpt", "log")
 IGNORED_SECTIONS = ("runtime",)
 ALIASES = {"devices": "nprocs"}
 """Other spellings of a flag or recipe key → the field."""
-FIELDS = {f.name: f for f in dataclasses.fields(TrainArgs)}
-BOOL_FIELDS = {
-    name for name, hint in typing.get_type_hints(TrainArgs).items() if bool in typing.get_args(hint) or hint is bool
-}
-LIST_FIELDS = {"metrics"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Flags:
+    """The flags of one command, from its arguments dataclass: all names, the booleans, the repeatable lists."""
+
+    names: frozenset[str]
+    bools: frozenset[str]
+    lists: frozenset[str]
+
+    @classmethod
+    def of(cls, args_type: type) -> Flags:
+        hints = typing.get_type_hints(args_type)
+        bools = {n for n, h in hints.items() if h is bool or bool in typing.get_args(h)}
+        lists = {n for n, h in hints.items() if typing.get_origin(h) is list}
+        return cls(frozenset(hints), frozenset(bools), frozenset(lists))
+
+
+TRAIN_FLAGS = Flags.of(TrainArgs)
 
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
@@ -53,12 +69,14 @@ def main(argv: list[str] | None = None) -> int:
 def _dispatch(argv: list[str]) -> int:
     if argv and argv[0] in TRAIN_COMMANDS:
         return train_command(argv[0], argv[1:])
+    if argv and argv[0] == "generate":
+        return generate_command(argv[1:])
     if argv and argv[0] in ("--version", "-V"):
         print(f"astrai-fabric {__version__}")
         return 0
     train_type = _astrai_train_type(argv)
     if train_type is not None:  # an AstrAI command line: `--train_type sft ...` names the command
-        return train_command(train_type, argv)
+        return train_command(TRAIN_TYPE_ALIASES.get(train_type, train_type), argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_top_level_help())
         return 0
@@ -76,6 +94,9 @@ def _top_level_help() -> str:
         "commands:",
         "  seq       pretraining: next-token prediction over windows of plain text",
         "  sft       supervised fine-tuning on chat messages (assistant turns trained)",
+        "  dpo       direct preference optimization on chosen/rejected pairs",
+        "  grpo      group relative policy optimization: scored groups (offline) or sampled and rewarded (online)",
+        "  generate  sample continuations of prompts from a model or checkpoint",
         "",
         "`astrai-fabric COMMAND --help` lists every flag; `--print_config` prints the resolved recipe.",
     ]
@@ -84,7 +105,7 @@ def _top_level_help() -> str:
 
 def _astrai_train_type(argv: list[str]) -> str | None:
     """The train type of an AstrAI-style command line, from ``--train_type`` or the ``--config`` file."""
-    flags = _normalize(argv, check_choices=False)
+    flags = _normalize(argv, TRAIN_FLAGS, check_choices=False)
     for i, token in enumerate(flags):
         if token.startswith("--train_type="):
             return token.split("=", 1)[1]
@@ -113,12 +134,13 @@ def parse_train_args(train_type: str, argv: list[str]) -> tuple[TrainArgs, bool]
     """``TrainArgs`` from the recipe and the flags (flags win), and whether ``--print_config`` was given."""
     parser = build_train_parser(train_type)
     flags, print_config = [], False
-    for token in _normalize(argv):
+    for token in _normalize(argv, TRAIN_FLAGS):
         if token == "--print_config":
             print_config = True
             continue
         if token.startswith("--train_type="):  # AstrAI's way of naming the command
-            if token != f"--train_type={train_type}":
+            named = token.removeprefix("--train_type=")
+            if TRAIN_TYPE_ALIASES.get(named, named) != train_type:
                 raise UserError(f"{token[2:]} contradicts the command {train_type!r}")
             continue
         flags.append(token)
@@ -130,7 +152,8 @@ def parse_train_args(train_type: str, argv: list[str]) -> tuple[TrainArgs, bool]
         recipe_path = Path(flags[i + 1])
         del flags[i : i + 2]
         recipe = _read_recipe(recipe_path)
-        if recipe.pop("train_type", train_type) != train_type:
+        named = recipe.pop("train_type", train_type)
+        if TRAIN_TYPE_ALIASES.get(named, named) != train_type:
             raise UserError(f"{recipe_path}: train_type is not {train_type!r}, the command given")
         try:
             base = parser.parse_object(recipe)
@@ -142,7 +165,7 @@ def parse_train_args(train_type: str, argv: list[str]) -> tuple[TrainArgs, bool]
         raise SystemExit(exit_.code) from None
     except Exception as err:
         raise UserError(_clean(err)) from None
-    values = {k: v for k, v in namespace.as_dict().items() if k in FIELDS}
+    values = {k: v for k, v in namespace.as_dict().items() if k in TRAIN_FLAGS.names}
     return TrainArgs(**values, train_type=train_type), print_config
 
 
@@ -156,6 +179,21 @@ def train_command(train_type: str, argv: list[str]) -> int:
     from astrai_fabric.train import run  # imports Lightning (~5 s): only when training
 
     run(args)
+    return 0
+
+
+def generate_command(argv: list[str]) -> int:
+    from astrai_fabric.generate import GenerateArgs, run_generate
+
+    parser = ArgumentParser(prog="astrai-fabric generate", description=GenerateArgs.__doc__, exit_on_error=False)
+    parser.add_class_arguments(GenerateArgs, nested_key=None, as_group=False)
+    try:
+        namespace = parser.parse_args(_normalize(argv, Flags.of(GenerateArgs)))
+    except SystemExit as exit_:
+        raise SystemExit(exit_.code) from None
+    except Exception as err:
+        raise UserError(_clean(err)) from None
+    run_generate(GenerateArgs(**namespace.as_dict()))
     return 0
 
 
@@ -176,13 +214,13 @@ def _read_recipe(path: Path) -> dict[str, Any]:
         items = value.items() if key in ASTRAI_SECTIONS and isinstance(value, dict) else [(key, value)]
         for name, item in items:
             flat[ALIASES.get(name, name)] = item
-    unknown = [k for k in flat if k not in FIELDS]
+    unknown = [k for k in flat if k not in TRAIN_FLAGS.names]
     if unknown:
-        raise UserError(f"{path}: unknown key(s) {', '.join(_with_suggestion(k) for k in unknown)}")
+        raise UserError(f"{path}: unknown key(s) {', '.join(_with_suggestion(k, TRAIN_FLAGS) for k in unknown)}")
     return flat
 
 
-def _normalize(argv: list[str], check_choices: bool = True) -> list[str]:
+def _normalize(argv: list[str], flags: Flags, check_choices: bool = True) -> list[str]:
     """AstrAI's spellings → ours: ``-c``, ``--no-X``, bare booleans, ``--dry-run``, repeated list flags."""
     out: list[str] = []
     lists: dict[str, list[str]] = {}
@@ -196,32 +234,32 @@ def _normalize(argv: list[str], check_choices: bool = True) -> list[str]:
             out.append(token)
             continue
         name, has_value, value = token[2:].partition("=")
-        negated = name.startswith("no-") and ALIASES.get(name[3:], name[3:]) in BOOL_FIELDS
+        negated = name.startswith("no-") and ALIASES.get(name[3:], name[3:]) in flags.bools
         name = ALIASES.get(name[3:] if negated else name, name[3:] if negated else name)
         if negated:
             out.append(f"--{name}=false")
             continue
         if not has_value:
             bare = i >= len(argv) or argv[i].startswith("--")
-            if bare and name in BOOL_FIELDS:
+            if bare and name in flags.bools:
                 out.append(f"--{name}=true")
                 continue
             if bare:
                 out.append(f"--{name}")  # let the parser say what is missing
                 continue
             value, i = argv[i], i + 1
-        if name in LIST_FIELDS and not value.startswith("["):
+        if name in flags.lists and not value.startswith("["):
             lists.setdefault(name, []).append(value)
             continue
-        if check_choices and name not in FIELDS:
-            raise UserError(f"unknown flag --{_with_suggestion(name)}")
+        if check_choices and name not in flags.names:
+            raise UserError(f"unknown flag --{_with_suggestion(name, flags)}")
         out.append(f"--{name}={value}")
     out += [f"--{name}={json.dumps(values)}" for name, values in lists.items()]
     return out
 
 
-def _with_suggestion(name: str) -> str:
-    close = difflib.get_close_matches(name, FIELDS, n=1)
+def _with_suggestion(name: str, flags: Flags) -> str:
+    close = difflib.get_close_matches(name, flags.names, n=1)
     return f"{name} (did you mean {close[0]}?)" if close else name
 
 

@@ -47,7 +47,8 @@ def fit(
     """Train from ``position`` (updated in place) until ``n_epoch``, ``max_steps`` or ``max_tokens``.
 
     Returns one record per optimizer step: ``step``, ``epoch``, ``loss`` (mean over the accumulation window and
-    all ranks), ``lr``, ``grad_norm`` (before clipping) and ``tokens_per_sec``, plus ``val_loss`` when validated.
+    all ranks), ``lr``, ``grad_norm`` (before clipping), ``tokens_per_sec``, the loss function's own metrics
+    (same means), and ``val_loss`` when validated.
     """
     grad_state = GradientState(args.grad_accum_steps)
     skip_sync = not (args.fsdp_sync_each_micro_batch and args.parallel_mode == "fsdp")
@@ -56,6 +57,7 @@ def fit(
     last_saved_step = position.optimizer_step
     first_step = position.optimizer_step + 1  # always logged, whatever the cadence
     window_loss = torch.zeros((), device=fabric.device)
+    window_metrics: dict[str, Tensor] = {}
     window_tokens, window_start = 0, time.perf_counter()
     history: list[dict[str, float]] = []
     model.train()
@@ -66,10 +68,12 @@ def fit(
         for batch in train_loader:
             is_accumulating = not grad_state.advance()
             with backward_sync(fabric, model, is_accumulating, skip_sync):
-                loss, _ = compute_loss(model, batch)
+                loss, metrics = compute_loss(model, batch)
                 fabric.backward(loss / args.grad_accum_steps)
             window_loss += loss.detach()
-            num_tokens = batch["input_ids"].numel() * world_size
+            for name, value in metrics.items():
+                window_metrics[name] = window_metrics.get(name, 0.0) + value.float()
+            num_tokens = _num_tokens(batch) * world_size
             window_tokens += num_tokens
             position.sample_index += batch["input_ids"].size(0)
             position.consumed_samples += args.batch_per_device * world_size
@@ -91,15 +95,21 @@ def fit(
             position.optimizer_step += 1
             step = position.optimizer_step
 
+            # Means over the window's micro-batches and all ranks, in one collective.
+            names = sorted(window_metrics)
+            window = torch.stack([window_loss, *(window_metrics[n] for n in names)]) / args.grad_accum_steps
+            means = fabric.all_reduce(window, reduce_op="mean").tolist()
             record = {
                 "step": step,
                 "epoch": position.epoch,
-                "loss": fabric.all_reduce(window_loss / args.grad_accum_steps, reduce_op="mean").item(),
+                "loss": means[0],
                 "lr": lr,
                 "grad_norm": grad_norm,
                 "tokens_per_sec": window_tokens / max(time.perf_counter() - window_start, 1e-9),
+                **dict(zip(names, means[1:], strict=True)),
             }
             window_loss.zero_()
+            window_metrics.clear()
             if val_loader is not None and (step == 1 or step % args.val_step == 0):
                 record["val_loss"] = validate(fabric, model, val_loader, compute_loss)
             history.append(record)
@@ -121,12 +131,23 @@ def fit(
     return history
 
 
+SHOWN_METRICS = ("reward", "reward_accuracy", "reward_margin", "kl_loss", "val_loss")
+"""Train-type metrics worth a place on the log line when a loss function reports them."""
+
+
 def _format(record: dict[str, float], total_steps: int) -> str:
     line = (
         f"step {record['step']}/{total_steps} | epoch {record['epoch']} | loss {record['loss']:.4f} | "
         f"lr {record['lr']:.3e} | grad_norm {record['grad_norm']:.4f} | {record['tokens_per_sec']:,.0f} tokens/s"
     )
-    return line + (f" | val_loss {record['val_loss']:.4f}" if "val_loss" in record else "")
+    return line + "".join(f" | {name} {record[name]:.4f}" for name in SHOWN_METRICS if name in record)
+
+
+def _num_tokens(batch: dict[str, Tensor]) -> int:
+    """Real (unpadded) tokens of a micro-batch on this rank."""
+    if "attention_mask" in batch:
+        return int(batch["attention_mask"].sum())
+    return batch["input_ids"].numel()
 
 
 def _budget_reached(position: RunPosition, args: TrainArgs) -> bool:

@@ -5,6 +5,7 @@ Each returns the loss of one micro-batch; the loop divides by ``grad_accum_steps
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -38,3 +39,71 @@ def with_moe_aux_loss(task_loss: Tensor, aux_loss: Tensor | None, coef: float) -
         return task_loss, metrics
     metrics.update(moe_aux_loss=aux_loss.detach(), moe_aux_loss_weighted=(coef * aux_loss).detach())
     return task_loss + coef * aux_loss, metrics
+
+
+def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
+    """``log p(target)`` at every position: ``logits [..., L, V]`` and ``targets [..., L]`` → ``[..., L]``."""
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def dpo_loss(
+    policy_chosen: Tensor, policy_rejected: Tensor, ref_chosen: Tensor, ref_rejected: Tensor, beta: float
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """DPO (Rafailov et al. 2023): ``-logsigmoid(beta * ((pi_c - pi_r) - (ref_c - ref_r)))``, mean over pairs.
+
+    Inputs are summed response log-probabilities per sequence ``[B]`` (AstrAI's ``reduction="sum"``). Metrics:
+    the implicit rewards ``beta * (pi - ref)`` of chosen and rejected, their margin, and the fraction of pairs
+    where the chosen reward is higher (reward accuracy).
+    """
+    chosen_reward = beta * (policy_chosen - ref_chosen)
+    rejected_reward = beta * (policy_rejected - ref_rejected)
+    margin = chosen_reward - rejected_reward
+    loss = -F.logsigmoid(margin).mean()
+    metrics = {
+        "dpo_loss": loss.detach(),
+        "chosen_reward": chosen_reward.detach().mean(),
+        "rejected_reward": rejected_reward.detach().mean(),
+        "reward_margin": margin.detach().mean(),
+        "reward_accuracy": (margin.detach() > 0).float().mean(),
+    }
+    return loss, metrics
+
+
+def group_advantages(rewards: Tensor) -> Tensor:
+    """GRPO's group-normalised advantage ``(r - mean_G r) / (std_G r + 1e-8)`` over the last axis (population std)."""
+    return (rewards - rewards.mean(dim=-1, keepdim=True)) / (rewards.std(dim=-1, unbiased=False, keepdim=True) + 1e-8)
+
+
+def grpo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    ref_logprobs: Tensor,
+    mask: Tensor,
+    advantages: Tensor,
+    clip_eps: float,
+    kl_coef: float,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GRPO (Shao et al. 2024) as AstrAI computes it: PPO's clipped objective and a KL penalty, token means.
+
+    ``logprobs``, ``old_logprobs``, ``ref_logprobs`` and ``mask`` are ``[N, T]`` (response tokens of N sequences),
+    ``advantages`` is ``[N]``. With ``ratio = exp(logp - logp_old)`` the policy loss is
+    ``sum(mask * -min(ratio A, clip(ratio, 1 - eps, 1 + eps) A)) / max(sum(mask), 1)`` over the whole micro-batch;
+    the KL uses AstrAI's estimator ``r - log(r + 1e-8) - 1`` with ``r = exp(logp_ref - logp)`` (Schulman's k3),
+    weighted by ``kl_coef``. A micro-batch without response tokens gives 0.
+    """
+    mask = mask.float()
+    count = mask.sum().clamp(min=1.0)
+    ratio = torch.exp(logprobs - old_logprobs)
+    adv = advantages.unsqueeze(-1)
+    surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
+    policy_loss = -(mask * surrogate).sum() / count
+    ref_ratio = torch.exp(ref_logprobs - logprobs)
+    kl = ref_ratio - torch.log(ref_ratio + 1e-8) - 1
+    kl_loss = kl_coef * (mask * kl).sum() / count
+    clipped = ((ratio - 1).abs() > clip_eps).float()
+    metrics = {
+        "policy_loss": policy_loss.detach(),
+        "kl_loss": kl_loss.detach(),
+        "clip_fraction": (mask * clipped).sum() / count,
+    }
+    return policy_loss + kl_loss, metrics

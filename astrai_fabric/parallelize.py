@@ -13,12 +13,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 
-def parallelize(model: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-    """Shard ``model`` over the mesh's ``data_parallel`` axis (called by Fabric in ``setup_module``)."""
+def parallelize(model: nn.Module, device_mesh: DeviceMesh, reshard_after_forward: bool = False) -> nn.Module:
+    """Shard ``model`` over the mesh's ``data_parallel`` axis (called by Fabric in ``setup_module``).
+
+    A frozen model that only runs forward (a reference model) passes ``reshard_after_forward=True``: with no
+    backward to reshard it, it would otherwise stay gathered after its first forward.
+    """
     mesh = device_mesh["data_parallel"]
     for block in model.decoder_blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=False)
-    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
     return model
 
 

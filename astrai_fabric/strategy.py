@@ -20,6 +20,7 @@ import torch
 from lightning.fabric import Fabric
 from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
+from torch import nn
 
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import ConfigError
@@ -105,3 +106,13 @@ def build_fabric(args: TrainArgs, topology: Topology, loggers: list | None = Non
         precision=resolve_precision(args.precision, accelerator),
         loggers=loggers,
     )
+
+
+def setup_frozen(fabric: Fabric, module: nn.Module) -> nn.Module:
+    """A frozen module used next to the trained one (DPO/GRPO's reference model): sharded like it under FSDP, so
+    memory does not double per rank; elsewhere moved and cast to the run's device and precision (DDP would refuse
+    to wrap a module with nothing to train, and has nothing to synchronise)."""
+    module = fabric.strategy.precision.convert_module(module.requires_grad_(False).eval())
+    if isinstance(fabric.strategy, ModelParallelStrategy):
+        return parallelize(module, fabric.strategy.device_mesh, reshard_after_forward=True)
+    return fabric.to_device(module)

@@ -193,3 +193,29 @@ def test_cli_launches_its_own_ranks(tmp_path):
     assert "batch: 2 rank(s) x 8 per device x 2 accumulation = 32 samples per optimizer step" in result.stdout
     assert result.stdout.count("done after step 2") == 1  # printed by rank 0 only
     assert (tmp_path / "epoch_0_step_2" / "optimizer.pt").is_file()
+
+
+def test_generate_command(tmp_path, capsys):
+    import shutil
+
+    import torch
+
+    from astrai_fabric.assets import TINY_MODEL_DIR
+    from astrai_fabric.checkpoint import save_checkpoint
+    from astrai_fabric.config import ModelConfig
+    from astrai_fabric.model import AutoRegressiveLM
+
+    torch.manual_seed(0)
+    model = AutoRegressiveLM(ModelConfig.from_file(TINY_MODEL_DIR / "config.json"))
+    files = {name: TINY_MODEL_DIR / name for name in ("tokenizer.json", "tokenizer_config.json")}
+    path = save_checkpoint(tmp_path / "model", model.state_dict(), model.config.to_dict(), files=files)
+    argv = ["generate", "--param_path", str(path), "--prompt", "What is 2 + 2?", "--prompt", "Hi", "--temperature",
+            "0", "--max_new_tokens", "4", "--num_samples", "2"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count(">>> What is 2 + 2?") == 2 and out.count(">>> Hi") == 2
+    shutil.rmtree(path)
+    code, err = run_cli(["generate", "--param_path", str(path), "--prompt", "x"], capsys)
+    assert code == 2 and "no such checkpoint or model directory" in err
+    code, err = run_cli(["generate", "--param_path", str(tmp_path)], capsys)
+    assert code == 2 and "at least one --prompt" in err

@@ -43,6 +43,15 @@ PARITY_RUNS = {
 PARITY_RUNS["fsdp_sync_each_micro_batch"] = dict(
     parallel_mode="fsdp", optimizer="adamw", fsdp_sync_each_micro_batch=True
 )
+# dpo and grpo average per-micro-batch losses (grpo a token mean), so the single process takes the same 1-sample
+# micro-batches in sequence: 2 ranks x 1 sample = 1 rank x 1 sample x 2 accumulation.
+RL_RUNS = {
+    f"{mode}_{train_type}": dict(parallel_mode=mode, train_type=train_type, data_root_path=f"bundled:data/{train_type}")
+    for mode in ("ddp", "fsdp")
+    for train_type in ("dpo", "grpo")
+}
+ONLINE = dict(train_type="grpo", data_root_path="bundled:data/grpo_online", reward="astrai_fabric.rewards.LengthReward",
+              group_size=2, rollout_interval=1, rollout_max_tokens=6, max_steps=2)  # fmt: skip
 RESUME = dict(max_steps=6, ckpt_interval=3, optimizer="muon_adamw")
 SFT = dict(train_type="sft", data_root_path="bundled:data/sft")
 
@@ -54,6 +63,12 @@ def two_rank_worker(root: str) -> None:
         history = run(base_args(root / name, nprocs=2, batch_per_device=1, **overrides))
         if os.environ["RANK"] == "0":
             (root / f"{name}.json").write_text(json.dumps(history))
+    for name, overrides in RL_RUNS.items():
+        history = run(base_args(root / name, nprocs=2, batch_per_device=1, grad_accum_steps=1, **overrides))
+        if os.environ["RANK"] == "0":
+            (root / f"{name}.json").write_text(json.dumps(history))
+    # Ranks sample different prompts, stop at different lengths, and must still run the same forward passes.
+    run(base_args(root / "fsdp_grpo_online", nprocs=2, batch_per_device=1, parallel_mode="fsdp", **ONLINE))
     two_rank_fsdp = dict(nprocs=2, batch_per_device=1, parallel_mode="fsdp", **RESUME)
     run(base_args(root / "fsdp_seq", **two_rank_fsdp))
     full = root / "fsdp_sft_full"
@@ -90,6 +105,21 @@ def test_two_ranks_match_one_process(two_rank_runs, tmp_path, name):
         # torch's float32 norm on CPU carries ~1e-5 relative error, differently per layout (float64 agrees to 1e-9)
         assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=5e-5)
     assert_weights_close(weights(two_rank_runs / name, 3), weights(tmp_path / "ref", 3), atol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(RL_RUNS))
+def test_two_rank_dpo_and_grpo_match_one_process(two_rank_runs, tmp_path, name):
+    reference = run(base_args(tmp_path, **RL_RUNS[name], nprocs=1, batch_per_device=1, grad_accum_steps=2))
+    history = json.loads((two_rank_runs / f"{name}.json").read_text())
+    for ours, ref in zip(history, reference, strict=True):
+        for key in ("loss", "reward_accuracy", "reward_margin", "policy_loss", "kl_loss"):
+            if key in ref:
+                assert ours[key] == pytest.approx(ref[key], abs=1e-5), key
+    assert_weights_close(weights(two_rank_runs / name, 3), weights(tmp_path, 3), atol=1e-5)
+
+
+def test_online_grpo_runs_on_two_fsdp_ranks(two_rank_runs):
+    assert (two_rank_runs / "fsdp_grpo_online" / "epoch_0_step_2" / "model.safetensors").is_file()
 
 
 def test_fsdp_resume_is_bit_exact(two_rank_runs):

@@ -9,6 +9,7 @@ Every step is deterministic, so a rebuild reproduces the committed files byte fo
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import random
 import re
@@ -20,6 +21,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 ASSETS = Path(__file__).parent
 SEQ_CORPUS = ASSETS / "data" / "seq" / "kjv.jsonl"
 SFT_CORPUS = ASSETS / "data" / "sft" / "tasks.jsonl"
+DPO_PAIRS = ASSETS / "data" / "dpo" / "pairs.jsonl"
+GRPO_GROUPS = ASSETS / "data" / "grpo" / "groups.jsonl"
+GRPO_PROMPTS = ASSETS / "data" / "grpo_online" / "prompts.jsonl"
 TINY = ASSETS / "tiny"
 
 KJV_BOOKS = {"Genesis": 50, "Ruth": 4, "Psalms": 150, "Proverbs": 31, "Ecclesiastes": 12}
@@ -75,49 +79,107 @@ def write_jsonl(path: Path, records: list[dict]) -> None:
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
 
 
-def build_sft(seq_records: list[dict[str, str]], num_records: int = 2400, seed: int = 7) -> list[dict]:
-    """Short chats written for the project: arithmetic, word tasks and verse completion, each checkable."""
-    rng = random.Random(seed)
-    words = sorted({w.lower() for r in seq_records for w in re.findall(r"[A-Za-z]{4,9}", r["text"])})
-    verses = [v.strip() for r in seq_records[-43:] for v in re.split(r"(?<=[.;:?!])\s+", r["text"]) if len(v) > 40]
+class Tasks:
+    """Checkable question/answer tasks written for the project; every draw consumes ``rng`` the same way."""
 
-    def arithmetic() -> tuple[str, str]:
-        a, b = rng.randint(2, 99), rng.randint(2, 99)
-        op = rng.choice("+-*")
+    def __init__(self, seq_records: list[dict[str, str]], rng: random.Random) -> None:
+        self.rng = rng
+        self.words = sorted({w.lower() for r in seq_records for w in re.findall(r"[A-Za-z]{4,9}", r["text"])})
+        self.verses = [
+            v.strip() for r in seq_records[-43:] for v in re.split(r"(?<=[.;:?!])\s+", r["text"]) if len(v) > 40
+        ]  # Proverbs and Ecclesiastes
+
+    def arithmetic(self) -> tuple[str, str]:
+        a, b = self.rng.randint(2, 99), self.rng.randint(2, 99)
+        op = self.rng.choice("+-*")
         value = {"+": a + b, "-": a - b, "*": a * b}[op]
         return f"What is {a} {op} {b}?", f"{a} {op} {b} = {value}."
 
-    def reverse() -> tuple[str, str]:
-        w = rng.choice(words)
+    def reverse(self) -> tuple[str, str]:
+        w = self.rng.choice(self.words)
         return f"Reverse the word '{w}'.", w[::-1]
 
-    def count() -> tuple[str, str]:
-        w = rng.choice(words)
+    def count(self) -> tuple[str, str]:
+        w = self.rng.choice(self.words)
         return f"How many letters are in '{w}'?", f"'{w}' has {len(w)} letters."
 
-    def compare() -> tuple[str, str]:
-        a, b = rng.sample(range(1, 1000), 2)
+    def compare(self) -> tuple[str, str]:
+        a, b = self.rng.sample(range(1, 1000), 2)
         return f"Which is larger, {a} or {b}?", f"{max(a, b)} is larger."
 
-    def upper() -> tuple[str, str]:
-        w = " ".join(rng.sample(words, 2))
+    def upper(self) -> tuple[str, str]:
+        w = " ".join(self.rng.sample(self.words, 2))
         return f"Write '{w}' in capital letters.", w.upper()
 
-    def verse() -> tuple[str, str]:
-        v = rng.choice(verses).split()
+    def verse(self) -> tuple[str, str]:
+        v = self.rng.choice(self.verses).split()
         cut = len(v) // 2
         return f"Complete the verse: {' '.join(v[:cut])}", " ".join(v[cut:])
 
-    tasks = [arithmetic, reverse, count, compare, upper, verse]
+    def draw(self) -> tuple[str, str]:
+        kinds = [self.arithmetic, self.reverse, self.count, self.compare, self.upper, self.verse]
+        return self.rng.choice(kinds)()
+
+
+def wrong_answer(question: str, answer: str, rng: random.Random) -> str:
+    """A plausible but wrong answer to one of the ``Tasks`` questions."""
+    if match := re.fullmatch(r"(.* = )(-?\d+)\.", answer):  # arithmetic: off by a little
+        return f"{match[1]}{int(match[2]) + rng.choice([-3, -2, -1, 1, 2, 10])}."
+    if match := re.fullmatch(r"('\w+' has )(\d+)( letters\.)", answer):
+        return f"{match[1]}{int(match[2]) + rng.choice([-2, -1, 1, 2])}{match[3]}"
+    if match := re.fullmatch(r"Which is larger, (\d+) or (\d+)\?", question):
+        return f"{min(int(match[1]), int(match[2]))} is larger."
+    if answer.isupper():
+        return answer.title()
+    if question.startswith("Reverse"):
+        return answer[::-1]  # the word itself, not reversed
+    return " ".join(rng.sample(answer.split(), len(answer.split())))  # a verse ending, words shuffled
+
+
+def build_sft(seq_records: list[dict[str, str]], num_records: int = 2400, seed: int = 7) -> list[dict]:
+    """Short chats: arithmetic, word tasks and verse completion, a quarter with a system prompt."""
+    rng = random.Random(seed)
+    tasks = Tasks(seq_records, rng)
     systems = ["You are a concise assistant.", "Answer briefly and exactly."]
     records = []
     for _ in range(num_records):
-        question, answer = rng.choice(tasks)()
+        question, answer = tasks.draw()
         messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
         if rng.random() < 0.25:
             messages.insert(0, {"role": "system", "content": rng.choice(systems)})
         records.append({"messages": messages})
     return records
+
+
+def build_dpo(seq_records: list[dict[str, str]], num_records: int = 600, seed: int = 11) -> list[dict]:
+    """Preference pairs: the right answer chosen, a plausible wrong one rejected."""
+    rng = random.Random(seed)
+    tasks = Tasks(seq_records, rng)
+    records = []
+    for _ in range(num_records):
+        question, answer = tasks.draw()
+        records.append({"prompt": question, "chosen": answer, "rejected": wrong_answer(question, answer, rng)})
+    return records
+
+
+def build_grpo(seq_records: list[dict[str, str]], num_records: int = 300, seed: int = 13) -> list[dict]:
+    """Groups of 4 scored responses: the right answer and 3 wrong ones, rewarded by their similarity to it."""
+    rng = random.Random(seed)
+    tasks = Tasks(seq_records, rng)
+    records = []
+    for _ in range(num_records):
+        question, answer = tasks.draw()
+        responses = [answer] + [wrong_answer(question, answer, rng) for _ in range(3)]
+        rng.shuffle(responses)
+        rewards = [round(difflib.SequenceMatcher(None, r, answer).ratio(), 4) for r in responses]
+        records.append({"prompt": question, "responses": responses, "rewards": rewards})
+    return records
+
+
+def build_prompts(seq_records: list[dict[str, str]], num_records: int = 200, seed: int = 17) -> list[dict]:
+    """Arithmetic prompts with their answer, for online GRPO (``ExactMatchReward`` reads ``answer``)."""
+    tasks = Tasks(seq_records, random.Random(seed))
+    return [dict(zip(("prompt", "answer"), tasks.arithmetic(), strict=True)) for _ in range(num_records)]
 
 
 def build_tokenizer(texts: list[str]) -> Tokenizer:
@@ -141,9 +203,12 @@ def render_chat(messages: list[dict[str, str]]) -> str:
 
 
 def build(out_dir: Path, seq_records: list[dict[str, str]]) -> None:
-    """Write the SFT corpus, the tokenizer files and the tiny ``config.json`` under ``out_dir``."""
+    """Write the SFT, DPO and GRPO data, the tokenizer files and the tiny ``config.json`` under ``out_dir``."""
     sft_records = build_sft(seq_records)
     write_jsonl(out_dir / SFT_CORPUS.relative_to(ASSETS), sft_records)
+    write_jsonl(out_dir / DPO_PAIRS.relative_to(ASSETS), build_dpo(seq_records))
+    write_jsonl(out_dir / GRPO_GROUPS.relative_to(ASSETS), build_grpo(seq_records))
+    write_jsonl(out_dir / GRPO_PROMPTS.relative_to(ASSETS), build_prompts(seq_records))
     texts = [r["text"] for r in seq_records] + [render_chat(r["messages"]) for r in sft_records]
     tokenizer = build_tokenizer(texts)
     tiny = out_dir / TINY.relative_to(ASSETS)

@@ -28,6 +28,8 @@ class TrainArgs:
     param_path: str | None = None
     """Model directory (config.json, optional weights) or checkpoint directory (required). ``bundled:tiny`` is the
     tiny model shipped with the package."""
+    reference_path: str | None = None
+    """dpo/grpo: weights of the frozen reference model; default: the run's starting weights (kept across resumes)."""
     tokenizer_path: str | None = None
     """Directory with tokenizer.json and tokenizer_config.json; default: ``param_path`` (AstrAI's rule)."""
     train_type: TrainType | None = None
@@ -124,8 +126,11 @@ class TrainArgs:
     """GRPO PPO clip range."""
     grpo_kl_coef: float = 0.01
     """GRPO weight of the KL penalty to the reference model."""
+    reward: str | dict | None = None
+    """Online GRPO: the reward function, an import path or ``{class_path, init_args}`` (e.g.
+    ``astrai_fabric.rewards.LengthReward``); required when the grpo data holds prompts without responses."""
     rollout_interval: int = 512
-    """Online GRPO: optimizer steps between rollouts."""
+    """Online GRPO: optimizer steps trained on each rollout (responses are sampled for that many steps at once)."""
     rollout_temperature: float = 0.7
     """Online GRPO: sampling temperature."""
     rollout_top_k: int = 0

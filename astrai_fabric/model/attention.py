@@ -2,7 +2,8 @@
 
 Shapes: ``B`` batch, ``S`` sequence, ``H`` query heads, ``K`` key/value heads, ``D`` head width.
 ``attn_mask`` is what AstrAI's ``process_attention_mask`` produces: ``None`` (causal) or a 4-D mask broadcastable
-to ``[B, H, S, S]``, boolean True = attend, or additive float.
+to ``[B, H, S, S_keys]``, boolean True = attend, or additive float. With a ``KVCache`` the keys are the cached
+positions followed by the new ones, and the model always passes a mask.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from astrai_fabric.config.model import ModelConfig
+from astrai_fabric.model.kv_cache import KVCache
 from astrai_fabric.model.layers import Linear, RMSNorm, apply_rotary_emb
 
 
@@ -31,8 +33,9 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -> Tensor:
 class GQA(nn.Module):
     """Grouped-query attention; RoPE on q and k, then optional QK-norm (after RoPE), then optional gating."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int = 0) -> None:
         super().__init__()
+        self.layer_id = layer_id
         dim, self.n_heads = config.hidden_size, config.num_attention_heads
         self.n_kv_heads = config.num_key_value_heads or config.num_attention_heads
         self.head_dim = config.head_dim
@@ -45,13 +48,15 @@ class GQA(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.use_qk_norm else None
         self.gate = Linear(dim, dim) if config.use_gated_attention else None
 
-    def forward(self, x: Tensor, rotary: Tensor, attn_mask: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, rotary: Tensor, attn_mask: Tensor | None, kv_cache: KVCache | None = None) -> Tensor:
         q = self.q_proj(x).unflatten(-1, (self.n_heads, self.head_dim))
         k = self.k_proj(x).unflatten(-1, (self.n_kv_heads, self.head_dim))
         v = self.v_proj(x).unflatten(-1, (self.n_kv_heads, self.head_dim))
         q, k = apply_rotary_emb(q, rotary), apply_rotary_emb(k, rotary)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer_id, k, v)
         out = sdpa(q, k, v, attn_mask)
         if self.gate is not None:
             out = out * torch.sigmoid(self.gate(x))
@@ -65,8 +70,9 @@ class MLA(nn.Module):
     concatenation. Values have the full head width.
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int = 0) -> None:
         super().__init__()
+        self.layer_id = layer_id
         dim, self.n_heads = config.hidden_size, config.num_attention_heads
         self.n_kv_heads = config.num_key_value_heads or config.num_attention_heads
         self.nope_dim, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
@@ -80,7 +86,7 @@ class MLA(nn.Module):
         self.o_proj = Linear(dim, dim, init_std=0.02 / (2 * config.num_hidden_layers) ** 0.5)
         self.gate = Linear(dim, dim) if config.use_gated_attention else None
 
-    def forward(self, x: Tensor, rotary: Tensor, attn_mask: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, rotary: Tensor, attn_mask: Tensor | None, kv_cache: KVCache | None = None) -> Tensor:
         q = self.q_proj(x).unflatten(-1, (self.n_heads, self.head_dim))
         kv = self.kv_b_proj(self.kv_norm(self.kv_a_proj(x))).unflatten(-1, (self.n_kv_heads, -1))
         k_nope, k_rope, v = kv.split([self.nope_dim, self.rope_dim, self.head_dim], dim=-1)
@@ -89,6 +95,8 @@ class MLA(nn.Module):
         k = torch.cat([k_nope, apply_rotary_emb(k_rope, rotary)], dim=-1)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if kv_cache is not None:  # caches the full keys and values (not the latent), simple and exact
+            k, v = kv_cache.update(self.layer_id, k, v)
         out = sdpa(q, k, v, attn_mask)
         if self.gate is not None:
             out = out * torch.sigmoid(self.gate(x))

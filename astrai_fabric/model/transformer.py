@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.model.attention import GQA, MLA
 from astrai_fabric.model.ffn import MLP, DeepSeekMoE
+from astrai_fabric.model.kv_cache import KVCache
 from astrai_fabric.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding
 
 LM_HEAD_KEY = "lm_head.weight"
@@ -28,7 +29,7 @@ class DecoderBlock(nn.Module):
 
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
-        self.attention = MLA(config) if config.attn_type == "mla" else GQA(config)
+        self.attention = MLA(config, layer_id) if config.attn_type == "mla" else GQA(config, layer_id)
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.ffn_type_of_layer(layer_id) == "moe":
@@ -37,8 +38,10 @@ class DecoderBlock(nn.Module):
             down_init_std = 0.02 / (2 * config.num_hidden_layers) ** 0.5
             self.mlp = MLP(config.hidden_size, config.intermediate_size, down_init_std)
 
-    def forward(self, x: Tensor, rotary: Tensor, attn_mask: Tensor | None) -> tuple[Tensor, Tensor | None, Any]:
-        x = x + self.attention(self.input_norm(x), rotary, attn_mask)
+    def forward(
+        self, x: Tensor, rotary: Tensor, attn_mask: Tensor | None, kv_cache: KVCache | None = None
+    ) -> tuple[Tensor, Tensor | None, Any]:
+        x = x + self.attention(self.input_norm(x), rotary, attn_mask, kv_cache)
         mlp_out, aux_loss, router_stats = self.mlp(self.post_attention_norm(x))
         return x + mlp_out, aux_loss, router_stats
 
@@ -97,17 +100,30 @@ class AutoRegressiveLM(nn.Module):
         self.apply(_reset)
 
     def forward(
-        self, input_ids: Tensor, input_mask: Tensor | None = None, position_ids: Tensor | None = None
+        self,
+        input_ids: Tensor,
+        input_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        kv_cache: KVCache | None = None,
     ) -> dict[str, Any]:
         """``input_ids [B,S]`` → ``{"logits", "hidden_states"}`` (+ ``"aux_loss"``, ``"router_stats"`` for MoE).
 
-        ``position_ids [B,S]`` default to ``0..S-1``; ``input_mask`` is 2-D, 3-D or 4-D (see
-        ``process_attention_mask``). Logits are in the model's dtype; take ``.float()`` before a loss.
+        ``position_ids [B,S]`` default to ``0..S-1`` (after the cached positions, with a ``kv_cache``);
+        ``input_mask`` is 2-D, 3-D or 4-D (see ``process_attention_mask``), over all keys (cached and new) when a
+        cache is used; without one, a cache gets the causal mask. Logits are in the model's dtype; take ``.float()``
+        before a loss.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
+        batch, seq_len = input_ids.shape
+        if kv_cache is not None:
+            past = torch.arange(kv_cache.length, kv_cache.length + seq_len, device=input_ids.device)
+            if position_ids is None:
+                position_ids = past.expand(batch, -1)
+            if input_mask is None:  # causal over the cached and the new positions
+                input_mask = (torch.arange(kv_cache.length + seq_len, device=input_ids.device) <= past[:, None])[None]
         x = self.embed_tokens(input_ids)
-        rotary = self.rotary_embedding(input_ids.size(0), input_ids.size(1), position_ids)
+        rotary = self.rotary_embedding(batch, seq_len, position_ids)
         attn_mask = process_attention_mask(input_mask)
         aux_losses, router_stats = [], []
         recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
@@ -115,10 +131,12 @@ class AutoRegressiveLM(nn.Module):
             if recompute:  # keep only the block's input; recompute its activations in the backward pass
                 x, aux_loss, stats = checkpoint(layer, x, rotary, attn_mask, use_reentrant=False)
             else:
-                x, aux_loss, stats = layer(x, rotary, attn_mask)
+                x, aux_loss, stats = layer(x, rotary, attn_mask, kv_cache)
             if stats is not None:
                 aux_losses.append(aux_loss)
                 router_stats.append(stats)
+        if kv_cache is not None:
+            kv_cache.length += seq_len
         hidden_states = self.norm(x)
         output = {"logits": self.lm_head(hidden_states), "hidden_states": hidden_states}
         if aux_losses:

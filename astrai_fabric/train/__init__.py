@@ -15,9 +15,14 @@ from lightning.fabric import Fabric
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import ConfigError
 from astrai_fabric.strategy import build_fabric, resolve_topology
-from astrai_fabric.train import lm
+from astrai_fabric.train import dpo, grpo, lm
 
-MAINS: dict[str, Callable[[Fabric, TrainArgs], list[dict]]] = {"seq": lm.main, "sft": lm.main}
+MAINS: dict[str, Callable[[Fabric, TrainArgs], list[dict]]] = {
+    "seq": lm.main,
+    "sft": lm.main,
+    "dpo": dpo.main,
+    "grpo": grpo.main,
+}
 
 
 def run(args: TrainArgs) -> list[dict] | None:

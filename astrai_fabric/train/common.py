@@ -5,6 +5,7 @@ schedule, and how checkpoints are written. Each train type's ``main`` calls thes
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import torch
 import yaml
 from lightning.fabric import Fabric
 from torch import nn
+from torch.utils.data import DataLoader, Dataset, random_split
 
 from astrai_fabric import assets
 from astrai_fabric.checkpoint import (
@@ -25,10 +27,14 @@ from astrai_fabric.checkpoint import (
 )
 from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.config.train import TrainArgs
+from astrai_fabric.data import ResumableSampler
+from astrai_fabric.data.storage import detect_format
 from astrai_fabric.errors import CheckpointError, UserError
+from astrai_fabric.loop import LossFn, fit
 from astrai_fabric.model import AutoRegressiveLM
 from astrai_fabric.optim import build_optimizer, resolve_ns_dtype
 from astrai_fabric.schedule import StepPlan, build_scheduler
+from astrai_fabric.strategy import setup_frozen
 from astrai_fabric.tokenizer import Tokenizer
 from astrai_fabric.training_state import (
     RESUME_KEY,
@@ -106,18 +112,30 @@ def _check_resume_matches(ckpt: Checkpoint, model_config: ModelConfig, args: Tra
         )
 
 
+def require_jsonl(path: Path, train_type: str) -> Path:
+    """Record-based train types read JSONL (AstrAI's bin output for them has no record offsets either)."""
+    if detect_format(path) != "jsonl":
+        raise UserError(f"data_root_path {path}: {train_type} reads JSONL records, not bin shards")
+    return path
+
+
 def load_tokenizer(start: Start) -> Tokenizer:
     return Tokenizer.from_dir(start.tokenizer_dir)
 
 
-def build_model(fabric: Fabric, start: Start, args: TrainArgs) -> nn.Module:
-    """The model, initialised from ``random_seed`` (identically on every rank) or from the start weights, then
-    handed to Fabric (which shards it under FSDP and casts it to the run's precision)."""
-    config = dataclasses.replace(start.model_config, neftune_alpha=args.neftune_alpha)
-    fabric.seed_everything(args.random_seed, verbose=False)
+def initial_model(fabric: Fabric, config: ModelConfig, weights: Checkpoint | None, seed: int) -> nn.Module:
+    """A model on CPU, initialised from ``seed`` (identically on every rank, AstrAI's init) or from ``weights``."""
+    fabric.seed_everything(seed, verbose=False)
     model = AutoRegressiveLM(config)
-    if start.weights is not None:
-        load_weights(model, start.weights)
+    if weights is not None:
+        load_weights(model, weights)
+    return model
+
+
+def build_model(fabric: Fabric, start: Start, args: TrainArgs) -> nn.Module:
+    """The trained model, handed to Fabric (which shards it under FSDP and casts it to the run's precision)."""
+    config = dataclasses.replace(start.model_config, neftune_alpha=args.neftune_alpha)
+    model = initial_model(fabric, config, start.weights, args.random_seed)
     model.gradient_checkpointing = args.gradient_checkpointing
     if args.compile:
         model = torch.compile(model, mode=args.compile)
@@ -187,11 +205,37 @@ def resolved_recipe(args: TrainArgs) -> str:
     return header + yaml.safe_dump(args.to_dict(), sort_keys=False)
 
 
+def reference_model(fabric: Fabric, start: Start, args: TrainArgs) -> tuple[nn.Module, dict[str, Any]]:
+    """The frozen reference of dpo/grpo: the run's *starting* policy, rebuilt the same way on a resume.
+
+    Fresh runs copy the starting weights (or the seeded initialisation). A resume of one of our checkpoints rebuilds
+    the reference its run started from (``meta.json`` says where: ``reference``); AstrAI re-copies the resumed
+    policy instead, so its reference drifts at every resume, and an AstrAI checkpoint resumes that way here too.
+    ``--reference_path`` overrides all of these. Returns the model and the ``meta.json`` entry describing it.
+    """
+    if args.reference_path is not None:
+        path, seed = str(assets.resolve(args.reference_path).resolve()), args.random_seed
+    elif start.resume is not None and "reference" in start.resume.meta:
+        path, seed = start.resume.meta["reference"]["param_path"], start.resume.meta["reference"]["random_seed"]
+    elif start.resume is not None:
+        fabric.print(f"reference model: the resumed policy ({start.resume.path}), as AstrAI does")
+        path, seed = str(start.resume.path.resolve()), args.random_seed
+    else:
+        path = str(start.weights.path.resolve()) if start.weights is not None else None
+        seed = args.random_seed
+    if path is not None and not Path(path).is_dir():
+        raise UserError(f"reference model {path}: not found (pass the starting weights as --reference_path)")
+    weights = load_checkpoint(path, load_extra=False) if path is not None else None
+    model = initial_model(fabric, start.model_config, weights, seed)
+    return setup_frozen(fabric, model), {"param_path": path, "random_seed": seed}
+
+
 def make_saver(fabric: Fabric, model: nn.Module, optimizer: Any, scheduler: Any, start: Start, args: TrainArgs,
-               tokenizer: Tokenizer | None):  # fmt: skip
+               tokenizer: Tokenizer | None, extra_meta: dict[str, Any] | None = None):  # fmt: skip
     """``save(position)`` writing ``{ckpt_dir}/epoch_{E}_step_{S}`` (all ranks call it; rank 0 writes)."""
     config = dataclasses.replace(start.model_config, neftune_alpha=args.neftune_alpha).to_dict()
     meta = {"train_type": args.train_type, **{k: v for k, v in args.to_dict().items() if k != "train_type"}}
+    meta.update(extra_meta or {})
     files: dict[str, Any] = dict(tokenizer.files) if tokenizer else {}
     files[RECIPE_FILE] = resolved_recipe(args)
     raw_model = getattr(model, "module", model)  # the module Fabric wraps: clean keys, no `_orig_mod.`
@@ -203,3 +247,82 @@ def make_saver(fabric: Fabric, model: nn.Module, optimizer: Any, scheduler: Any,
         return path
 
     return save
+
+
+def split_validation(dataset: Dataset, val_split: float | None, seed: int) -> tuple[Dataset, Dataset | None]:
+    """AstrAI's split: ``max(1, int(len * val_split))`` samples, chosen by ``random_split`` seeded with ``seed``."""
+    if val_split is None:
+        return dataset, None
+    num_val = max(1, int(len(dataset) * val_split))
+    train, val = random_split(dataset, [len(dataset) - num_val, num_val], generator=torch.Generator().manual_seed(seed))
+    return train, val
+
+
+def make_loader(
+    fabric: Fabric, dataset: Dataset, args: TrainArgs, shuffle: bool, collate: Callable | None = None
+) -> tuple[DataLoader, ResumableSampler]:
+    sampler = ResumableSampler(len(dataset), fabric.global_rank, fabric.world_size, args.random_seed, shuffle)
+    loader = DataLoader(
+        dataset,
+        batch_size=args.batch_per_device,
+        sampler=sampler,
+        num_workers=args.num_workers,
+        collate_fn=collate,
+        pin_memory=args.pin_memory and fabric.device.type == "cuda",
+        persistent_workers=args.persistent_workers and args.num_workers > 0,
+    )
+    # Our sampler already shards by rank in AstrAI's order; Fabric must not replace it.
+    return fabric.setup_dataloaders(loader, use_distributed_sampler=False), sampler
+
+
+def train_on(
+    fabric: Fabric,
+    args: TrainArgs,
+    start: Start,
+    tokenizer: Tokenizer,
+    dataset: Dataset,
+    data_summary: str,
+    compute_loss: LossFn,
+    collate: Callable | None = None,
+    extra_meta: dict[str, Any] | None = None,
+    make_batches: Callable[[nn.Module, Iterable, RunPosition], Iterable] | None = None,
+) -> list[dict[str, float]]:
+    """Everything after the data is read, for every train type: split, plan, model, optimizer, resume, loop.
+
+    ``make_batches(model, loader, position)`` turns the loader's batches into training batches with the live
+    model (online GRPO samples its responses there); by default the loader's batches are trained on as they are.
+    """
+    train_set, val_set = split_validation(dataset, args.val_split, args.random_seed)
+    plan = StepPlan(
+        len(train_set), fabric.world_size, args.batch_per_device, args.grad_accum_steps, args.n_epoch, args.warmup_ratio
+    )
+    plan.check()
+
+    model = build_model(fabric, start, args)
+    optimizer, scheduler = build_optimizer_and_schedule(fabric, model, start, args, plan)
+    position = start_position(fabric, start, args, plan)
+    train_loader, sampler = make_loader(fabric, train_set, args, shuffle=True, collate=collate)
+    val_loader = make_loader(fabric, val_set, args, shuffle=False, collate=collate)[0] if val_set is not None else None
+    batches = make_batches(model, train_loader, position) if make_batches is not None else train_loader
+
+    num_params = sum(p.numel() for p in model.parameters())  # a DTensor's numel is the global one
+    held_out = f", {len(val_set):,} held out" if val_set is not None else ""
+    fabric.print(
+        f"{args.train_type}: {num_params:,} parameters | {len(train_set):,} training samples: {data_summary}{held_out}"
+        f"\n{plan.describe()}\noutputs: {Path(args.ckpt_dir).resolve()}"
+    )
+    if start.resume is not None:
+        fabric.print(
+            f"resuming from {start.resume.path} at step {position.optimizer_step}, epoch {position.epoch}, "
+            f"sample {position.sample_index} of {plan.samples_per_rank} per rank"
+        )
+    if fabric.global_rank == 0:
+        Path(args.ckpt_dir).mkdir(parents=True, exist_ok=True)
+        (Path(args.ckpt_dir) / RECIPE_FILE).write_text(resolved_recipe(args))
+
+    save = make_saver(fabric, model, optimizer, scheduler, start, args, tokenizer, extra_meta)
+    history = fit(fabric, model, optimizer, scheduler, batches, sampler, compute_loss, args, plan, position, save,
+                  val_loader)  # fmt: skip
+    latest = find_latest_checkpoint(args.ckpt_dir)
+    fabric.print(f"done after step {position.optimizer_step}; latest checkpoint: {latest}")
+    return history

@@ -1,0 +1,179 @@
+"""Record datasets for ``dpo`` and ``grpo`` (spec §3.3-3.5, §4.5): one independent sample per record.
+
+Every record is tokenised when the dataset is built, so a malformed one fails before training starts with an
+error that names its file and line. Prompts go through the chat template with the generation prompt; a response
+is what the template adds for one assistant turn after it (its closing tokens included, so the model learns to
+stop). Sequences are truncated to ``max_len`` tokens (``--window_size``; AstrAI truncates DPO to 2048 whatever the
+window). Batches are right-padded with explicit masks: token id 0 is a real token here (AstrAI treats it as
+padding, B23).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.data import Dataset
+
+from astrai_fabric.data.storage import Record
+from astrai_fabric.errors import UserError
+from astrai_fabric.tokenizer import Message, Tokenizer
+
+
+def as_messages(value: Any, where: str, field: str) -> list[Message]:
+    """A prompt as chat messages: a string is one user message (AstrAI's rule)."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if isinstance(value, list) and value and all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
+        return value
+    raise UserError(f"{where}: {field!r} must be a string or a list of {{role, content}} messages, got {value!r}")
+
+
+def as_text(value: Any, where: str, field: str) -> str:
+    """A response as text: a list of messages counts as their concatenated contents (AstrAI's rule)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(m, dict) for m in value):
+        return "".join(str(m.get("content", "")) for m in value)
+    raise UserError(f"{where}: {field!r} must be a string or a list of messages, got {value!r}")
+
+
+def prompt_of(record: dict[str, Any], where: str) -> list[Message]:
+    value = record.get("prompt", record.get("input"))
+    if value is None:
+        raise UserError(f"{where}: the record needs 'prompt' (or 'input'), got keys {sorted(record)}")
+    return as_messages(value, where, "prompt")
+
+
+@dataclass
+class Encoded:
+    prompt_ids: list[int]
+    response_ids: list[list[int]]
+
+
+def encode(tokenizer: Tokenizer, prompt: list[Message], responses: list[str], max_len: int) -> Encoded:
+    """Prompt ids (with the generation prompt) and each response's ids, prompt + response cut to ``max_len``."""
+    prompt_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+    response_ids = []
+    for text in responses:
+        answered = [*prompt, {"role": "assistant", "content": text}]
+        full = tokenizer.apply_chat_template(answered, add_generation_prompt=False)
+        if full[: len(prompt_ids)] != prompt_ids:
+            raise UserError(
+                "the chat template renders a prompt with its generation prompt differently from the same prompt "
+                "followed by an answer, so response tokens cannot be located (fix the template's generation prompt)"
+            )
+        response_ids.append(full[len(prompt_ids) : max_len])
+    return Encoded(prompt_ids[:max_len], response_ids)
+
+
+class PreferenceDataset(Dataset):
+    """DPO pairs ``{"prompt"|"input", "chosen", "rejected"}`` as ``(prompt_ids, chosen_ids, rejected_ids)``."""
+
+    def __init__(self, records: list[Record], tokenizer: Tokenizer, max_len: int) -> None:
+        self.samples, self.num_dropped = [], 0
+        for where, record in records:
+            missing = [k for k in ("chosen", "rejected") if k not in record]
+            if missing:
+                raise UserError(f"{where}: a dpo record needs {missing}, got keys {sorted(record)}")
+            texts = [as_text(record[k], where, k) for k in ("chosen", "rejected")]
+            encoded = encode(tokenizer, prompt_of(record, where), texts, max_len)
+            if not all(encoded.response_ids):
+                self.num_dropped += 1  # the prompt fills the window: nothing left to prefer
+                continue
+            self.samples.append(encoded)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> Encoded:
+        return self.samples[index]
+
+
+class GroupDataset(Dataset):
+    """Offline GRPO groups ``{"prompt", "responses": [G texts], "rewards": [G floats]}``."""
+
+    def __init__(self, records: list[Record], tokenizer: Tokenizer, max_len: int) -> None:
+        self.samples: list[tuple[Encoded, list[float]]] = []
+        group_size = None
+        for where, record in records:
+            responses, rewards = record.get("responses"), record.get("rewards")
+            if not isinstance(responses, list) or not responses:
+                raise UserError(f"{where}: a grpo record needs a non-empty list 'responses', got {responses!r}")
+            if not isinstance(rewards, list) or len(rewards) != len(responses):
+                count = len(rewards) if isinstance(rewards, list) else rewards
+                raise UserError(f"{where}: 'rewards' must list one number per response: {count} for {len(responses)}")
+            if not all(isinstance(r, int | float) and not isinstance(r, bool) and math.isfinite(r) for r in rewards):
+                raise UserError(f"{where}: 'rewards' must be finite numbers, got {rewards}")
+            if group_size is not None and len(responses) != group_size:
+                raise UserError(f"{where}: {len(responses)} responses; earlier records have {group_size}")
+            group_size = len(responses)
+            texts = [as_text(r, where, "responses") for r in responses]
+            encoded = encode(tokenizer, prompt_of(record, where), texts, max_len)
+            self.samples.append((encoded, [float(r) for r in rewards]))
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[Encoded, list[float]]:
+        return self.samples[index]
+
+
+class PromptDataset(Dataset):
+    """Online GRPO prompts ``{"prompt"|"input", ...}``; the whole record goes to the reward function."""
+
+    def __init__(self, records: list[Record], tokenizer: Tokenizer, max_len: int) -> None:
+        self.samples = []
+        for where, record in records:
+            prompt_ids = tokenizer.apply_chat_template(prompt_of(record, where), add_generation_prompt=True)
+            if len(prompt_ids) >= max_len:
+                raise UserError(f"{where}: the prompt has {len(prompt_ids)} tokens, window_size is {max_len}")
+            self.samples.append((prompt_ids, record))
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[list[int], dict[str, Any]]:
+        return self.samples[index]
+
+
+def pack(sequences: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, Tensor]:
+    """``(prompt, response)`` pairs → right-padded ``input_ids``, ``attention_mask`` and ``loss_mask [N, L]``.
+
+    ``loss_mask`` marks response tokens (aligned with the tokens themselves, not shifted).
+    """
+    length = max(len(p) + len(r) for p, r in sequences)
+    ids = torch.full((len(sequences), length), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(sequences), length), dtype=torch.bool)
+    loss = torch.zeros((len(sequences), length), dtype=torch.bool)
+    for row, (prompt, response) in enumerate(sequences):
+        tokens = prompt + response
+        ids[row, : len(tokens)] = torch.tensor(tokens)
+        attention[row, : len(tokens)] = True
+        loss[row, len(prompt) : len(tokens)] = True
+    return {"input_ids": ids, "attention_mask": attention, "loss_mask": loss}
+
+
+def _grouped(packed: dict[str, Tensor], groups: int) -> dict[str, Tensor]:
+    return {k: v.unflatten(0, (groups, -1)) for k, v in packed.items()}
+
+
+def collate_preferences(batch: list[Encoded], pad_id: int) -> dict[str, Tensor]:
+    """``[B, 2, L]`` tensors: index 0 the chosen, 1 the rejected continuation of each prompt."""
+    pairs = [(e.prompt_ids, response) for e in batch for response in e.response_ids]
+    return _grouped(pack(pairs, pad_id), len(batch))
+
+
+def collate_groups(batch: list[tuple[Encoded, list[float]]], pad_id: int) -> dict[str, Tensor]:
+    """``[B, G, L]`` tensors for the G responses of each prompt, and ``rewards [B, G]`` (float32)."""
+    pairs = [(e.prompt_ids, response) for e, _ in batch for response in e.response_ids]
+    out = _grouped(pack(pairs, pad_id), len(batch))
+    out["rewards"] = torch.tensor([rewards for _, rewards in batch], dtype=torch.float32)
+    return out
+
+
+def collate_prompts(batch: list[tuple[list[int], dict[str, Any]]]) -> dict[str, list]:
+    return {"prompt_ids": [p for p, _ in batch], "records": [r for _, r in batch]}

@@ -1,0 +1,34 @@
+"""``KVCache``: keys and values of the positions already seen, so generation feeds one new token per step."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class KVCache:
+    """Per-layer key/value buffers ``[B, max_len, K, D]``, filled left to right.
+
+    Attention layers call ``update`` with the new positions' keys and values and attend over everything cached so
+    far; the model advances ``length`` once all layers have written. Buffers are allocated on first use, in the
+    dtype and on the device of the keys.
+    """
+
+    def __init__(self, max_len: int) -> None:
+        self.max_len = max_len
+        self.length = 0
+        self._keys: dict[int, Tensor] = {}
+        self._values: dict[int, Tensor] = {}
+
+    def update(self, layer_id: int, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        """Store ``keys``/``values [B, S, K, D]`` after the cached ones; return all of them."""
+        end = self.length + keys.size(1)
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions, {end} requested")
+        if layer_id not in self._keys:
+            shape = (keys.size(0), self.max_len, *keys.shape[2:])
+            self._keys[layer_id] = torch.zeros(shape, dtype=keys.dtype, device=keys.device)
+            self._values[layer_id] = torch.zeros(shape, dtype=values.dtype, device=values.device)
+        self._keys[layer_id][:, self.length : end] = keys
+        self._values[layer_id][:, self.length : end] = values
+        return self._keys[layer_id][:, :end], self._values[layer_id][:, :end]

@@ -1,0 +1,61 @@
+"""``dpo``: Direct Preference Optimization against a frozen reference model (spec §3.3).
+
+Data: JSONL records ``{"prompt"|"input", "chosen", "rejected"}`` (strings or chat messages), tokenised with the
+chat template; each pair is one sample, truncated to ``--window_size``.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from lightning.fabric import Fabric
+from torch import Tensor, nn
+
+from astrai_fabric import assets
+from astrai_fabric.config.train import TrainArgs
+from astrai_fabric.data.records import PreferenceDataset, collate_preferences
+from astrai_fabric.data.storage import read_jsonl
+from astrai_fabric.losses import dpo_loss, token_logprobs, with_moe_aux_loss
+from astrai_fabric.train.common import load_tokenizer, reference_model, require_jsonl, resolve_start, train_on
+
+
+def response_logprobs(model: nn.Module, ids: Tensor, loss_mask: Tensor) -> tuple[Tensor, dict]:
+    """Summed log-probabilities of the response tokens of each right-padded sequence ``ids [N, L]``.
+
+    Right padding needs no attention mask: under causal attention a real token never sees the padding after it.
+    """
+    out = model(ids)
+    logprobs = token_logprobs(out["logits"][:, :-1], ids[:, 1:]) * loss_mask[:, 1:]
+    return logprobs.sum(dim=-1), out
+
+
+def dpo_batch_loss(
+    model: nn.Module, batch: dict[str, Tensor], reference: nn.Module, beta: float, moe_aux_loss_coef: float
+) -> tuple[Tensor, dict[str, Tensor]]:
+    ids, loss_mask = batch["input_ids"].flatten(0, 1), batch["loss_mask"].flatten(0, 1)  # pairs: chosen, rejected
+    policy, out = response_logprobs(model, ids, loss_mask)
+    with torch.no_grad():
+        ref, _ = response_logprobs(reference, ids, loss_mask)
+    policy, ref = policy.view(-1, 2), ref.view(-1, 2)
+    loss, metrics = dpo_loss(policy[:, 0], policy[:, 1], ref[:, 0], ref[:, 1], beta)
+    loss, moe_metrics = with_moe_aux_loss(loss, out.get("aux_loss"), moe_aux_loss_coef)
+    return loss, {**metrics, **moe_metrics}
+
+
+def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
+    """Train dpo on a launched Fabric; returns the per-step records (see ``loop.fit``)."""
+    start = resolve_start(args)
+    tokenizer = load_tokenizer(start)
+    window_size = args.window_size or start.model_config.max_position_embeddings
+    data_path = require_jsonl(assets.resolve(args.data_root_path), "dpo")
+    dataset = PreferenceDataset(read_jsonl(data_path), tokenizer, window_size)
+    if dataset.num_dropped:
+        fabric.print(f"dropped {dataset.num_dropped} pair(s) whose prompt fills the window of {window_size} tokens")
+    reference, reference_meta = reference_model(fabric, start, args)
+    compute_loss = partial(dpo_batch_loss, reference=reference, beta=args.dpo_beta,
+                           moe_aux_loss_coef=args.moe_aux_loss_coef)  # fmt: skip
+    collate = partial(collate_preferences, pad_id=tokenizer.pad_token_id or 0)
+    summary = f"preference pairs from {data_path}, at most {window_size} tokens each"
+    return train_on(fabric, args, start, tokenizer, dataset, summary, compute_loss, collate,
+                    extra_meta={"reference": reference_meta})  # fmt: skip

@@ -1,0 +1,145 @@
+"""``grpo``: Group Relative Policy Optimization, offline (scored responses in the data) or online (sampled here).
+
+Offline data: JSONL ``{"prompt", "responses": [G texts], "rewards": [G floats]}``. Online data: JSONL prompts
+``{"prompt", ...}``; every ``--rollout_interval`` optimizer steps the current policy samples ``--group_size``
+responses per prompt for that many steps' micro-batches, the ``--reward`` function scores them, and training
+follows. Loss and advantages: ``losses.grpo_loss`` (AstrAI's formulas, spec §3.4).
+
+Departure from AstrAI (B11): the ratio's "old" policy is the policy as it was when the batch was drawn: the
+current one for offline data (ratio 1, the on-policy gradient) and the sampling policy's log-probabilities,
+recorded at rollout, online. AstrAI keeps a frozen copy of the *initial* policy as "old" for a whole offline run.
+"""
+
+from __future__ import annotations
+
+import random
+from functools import partial
+from itertools import islice
+from typing import Any
+
+import torch
+from lightning.fabric import Fabric
+from torch import Tensor, nn
+
+from astrai_fabric import assets
+from astrai_fabric.config.train import TrainArgs
+from astrai_fabric.data.records import GroupDataset, PromptDataset, collate_groups, collate_prompts, pack
+from astrai_fabric.data.storage import read_jsonl
+from astrai_fabric.errors import ConfigError
+from astrai_fabric.generate import generate
+from astrai_fabric.losses import group_advantages, grpo_loss, token_logprobs, with_moe_aux_loss
+from astrai_fabric.rewards import Reward, load_reward, score
+from astrai_fabric.tokenizer import Tokenizer
+from astrai_fabric.train.common import load_tokenizer, reference_model, require_jsonl, resolve_start, train_on
+from astrai_fabric.training_state import RunPosition
+
+
+def sequence_logprobs(model: nn.Module, ids: Tensor) -> tuple[Tensor, dict]:
+    """``log p`` of every next token of right-padded sequences ``ids [N, L]`` → ``[N, L - 1]``."""
+    out = model(ids)
+    return token_logprobs(out["logits"][:, :-1], ids[:, 1:]), out
+
+
+def grpo_batch_loss(
+    model: nn.Module,
+    batch: dict[str, Tensor],
+    reference: nn.Module,
+    clip_eps: float,
+    kl_coef: float,
+    moe_aux_loss_coef: float,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    ids = batch["input_ids"].flatten(0, 1)  # [B * G, L]: prompt then one response, right-padded
+    mask = batch["loss_mask"].flatten(0, 1)[:, 1:]  # predicted tokens that belong to the response
+    logprobs, out = sequence_logprobs(model, ids)
+    with torch.no_grad():
+        ref_logprobs, _ = sequence_logprobs(reference, ids)
+    old = batch["old_logprobs"].flatten(0, 1) if "old_logprobs" in batch else logprobs.detach()
+    advantages = group_advantages(batch["rewards"]).flatten()
+    loss, metrics = grpo_loss(logprobs, old, ref_logprobs, mask, advantages, clip_eps, kl_coef)
+    metrics["reward"] = batch["rewards"].mean()
+    loss, moe_metrics = with_moe_aux_loss(loss, out.get("aux_loss"), moe_aux_loss_coef)
+    return loss, {**metrics, **moe_metrics}
+
+
+class Rollouts:
+    """Training batches sampled from the live policy: for each ``micro_batches`` prompt batches at a time, the
+    policy samples ``group_size`` responses per prompt, the reward scores them, and the sampling policy's
+    log-probabilities are kept as the "old" ones. All ranks sample in lockstep (a sharded forward is collective).
+    """
+
+    def __init__(
+        self, fabric: Fabric, model: nn.Module, prompts: Any, tokenizer: Tokenizer, reward: Reward,
+        args: TrainArgs, window_size: int, position: RunPosition,
+    ) -> None:  # fmt: skip
+        self.fabric, self.model, self.prompts, self.tokenizer, self.reward = fabric, model, prompts, tokenizer, reward
+        self.args, self.window_size, self.position = args, window_size, position
+        self.micro_batches = args.rollout_interval * args.grad_accum_steps
+
+    def __iter__(self):
+        prompt_batches = iter(self.prompts)
+        while chunk := list(islice(prompt_batches, self.micro_batches)):
+            rolled = [self.rollout(batch) for batch in chunk]  # all sampled by the same policy
+            yield from rolled
+
+    @torch.no_grad()
+    def rollout(self, batch: dict[str, list]) -> dict[str, Tensor]:
+        args, tokenizer, group = self.args, self.tokenizer, self.args.group_size
+        prompts = [p for p in batch["prompt_ids"] for _ in range(group)]
+        max_new = min(args.rollout_max_tokens, self.window_size - max(len(p) for p in prompts))
+        # Seeded by rank and step: a resume at a rollout boundary samples exactly what the first run did.
+        key = f"{args.random_seed}/{self.fabric.global_rank}/{self.position.optimizer_step}"
+        generator = torch.Generator(self.fabric.device).manual_seed(random.Random(key).getrandbits(62))
+        self.model.eval()
+        responses = generate(
+            self.model, prompts, max_new, temperature=args.rollout_temperature, top_k=args.rollout_top_k,
+            top_p=args.rollout_top_p, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_token_id or 0,
+            generator=generator, all_done=self._all_done,
+        )  # fmt: skip
+        texts = [tokenizer.decode(r) for r in responses]
+        prompt_texts = [tokenizer.decode(p) for p in batch["prompt_ids"]]
+        grouped = [texts[i : i + group] for i in range(0, len(texts), group)]
+        rewards = score(self.reward, prompt_texts, grouped, batch["records"])
+        packed = pack(list(zip(prompts, responses, strict=True)), tokenizer.pad_token_id or 0)
+        packed = {k: v.to(self.fabric.device) for k, v in packed.items()}
+        old_logprobs, _ = sequence_logprobs(self.model, packed["input_ids"])
+        self.model.train()
+        out = {k: v.unflatten(0, (len(batch["prompt_ids"]), group)) for k, v in packed.items()}
+        out["old_logprobs"] = old_logprobs.unflatten(0, (len(batch["prompt_ids"]), group))
+        out["rewards"] = rewards.to(self.fabric.device)
+        return out
+
+    def _all_done(self, local_done: bool) -> bool:
+        pending = torch.tensor(0.0 if local_done else 1.0, device=self.fabric.device)
+        return self.fabric.all_reduce(pending, reduce_op="sum").item() == 0
+
+
+def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
+    """Train grpo (offline or online, by what the data holds) on a launched Fabric; returns the per-step records."""
+    start = resolve_start(args)
+    tokenizer = load_tokenizer(start)
+    window_size = args.window_size or start.model_config.max_position_embeddings
+    data_path = require_jsonl(assets.resolve(args.data_root_path), "grpo")
+    records = read_jsonl(data_path)
+    reference, reference_meta = reference_model(fabric, start, args)
+    compute_loss = partial(grpo_batch_loss, reference=reference, clip_eps=args.grpo_clip_eps,
+                           kl_coef=args.grpo_kl_coef, moe_aux_loss_coef=args.moe_aux_loss_coef)  # fmt: skip
+    meta = {"reference": reference_meta}
+    pad_id = tokenizer.pad_token_id or 0
+    if "responses" in records[0][1]:
+        dataset = GroupDataset(records, tokenizer, window_size)
+        summary = f"scored response groups from {data_path} (offline)"
+        return train_on(fabric, args, start, tokenizer, dataset, summary, compute_loss,
+                        partial(collate_groups, pad_id=pad_id), meta)  # fmt: skip
+    if args.reward is None:
+        raise ConfigError(
+            f"data_root_path {data_path}: records hold prompts without responses (online grpo), which needs --reward "
+            "(e.g. --reward astrai_fabric.rewards.LengthReward)"
+        )
+    reward = load_reward(args.reward)
+    dataset = PromptDataset(records, tokenizer, window_size)
+    summary = f"prompts from {data_path} (online: {args.group_size} samples each, scored by {args.reward})"
+
+    def rollouts(model: nn.Module, loader: Any, position: RunPosition) -> Rollouts:
+        return Rollouts(fabric, model, loader, tokenizer, reward, args, window_size, position)
+
+    return train_on(fabric, args, start, tokenizer, dataset, summary, compute_loss, collate_prompts, meta, rollouts)
