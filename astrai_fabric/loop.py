@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from lightning.fabric import Fabric
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
@@ -52,7 +53,7 @@ def fit(
     """
     grad_state = GradientState(args.grad_accum_steps)
     skip_sync = not (args.fsdp_sync_each_micro_batch and args.parallel_mode == "fsdp")
-    world_size = fabric.world_size
+    world_size = plan.world_size  # data-parallel ranks (tensor-parallel ranks share their samples)
     log_every = max(1, plan.total_steps // 20)
     last_saved_step = position.optimizer_step
     first_step = position.optimizer_step + 1  # always logged, whatever the cadence
@@ -82,7 +83,7 @@ def fit(
                 continue
 
             # --- optimizer step: the accumulation window is complete --------------------------------------------
-            grad_norm = _clip_gradients(fabric, model, optimizer, args.max_grad_norm)
+            grad_norm = _clip_gradients(model, args.max_grad_norm)
             if math.isfinite(grad_norm):
                 optimizer.step()
             else:
@@ -156,12 +157,27 @@ def _budget_reached(position: RunPosition, args: TrainArgs) -> bool:
     )
 
 
-def _clip_gradients(fabric: Fabric, model: nn.Module, optimizer: Optimizer, max_norm: float) -> float:
-    """Clip to ``max_norm`` and return the total norm before clipping (a float, the same on every rank)."""
-    norm = fabric.clip_gradients(model, optimizer, max_norm=max_norm, error_if_nonfinite=False)
-    if hasattr(norm, "full_tensor"):  # FSDP: a replicated DTensor
-        norm = norm.full_tensor()
-    return float(norm)
+def _clip_gradients(model: nn.Module, max_norm: float) -> float:
+    """Clip the global gradient norm to ``max_norm``; return the norm before clipping (the same on every rank).
+
+    Torch's ``clip_grad_norm_`` (and Fabric's) needs every gradient on one device mesh; with tensor parallelism
+    some live on the 2-D mesh and the rest on the data axis only (P4), so each mesh's norm is taken on its own and
+    the parts combined.
+    """
+    grads_by_mesh: dict[Any, list[Tensor]] = {}
+    for param in model.parameters():
+        if param.grad is not None:
+            grads_by_mesh.setdefault(getattr(param.grad, "device_mesh", None), []).append(param.grad)
+    norms = []
+    for grads in grads_by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = float(torch.linalg.vector_norm(torch.stack([n.float().to(norms[0].device) for n in norms])))
+    coef = min(1.0, max_norm / (total + 1e-6))  # torch's formula; a float works for plain and DTensor gradients
+    if coef < 1.0:
+        for grads in grads_by_mesh.values():
+            torch._foreach_mul_(grads, coef)
+    return total
 
 
 @torch.no_grad()

@@ -1,30 +1,75 @@
-"""FSDP2 sharding for ``ModelParallelStrategy``: the only module that imports ``fully_shard``.
+"""Model parallelism for ``ModelParallelStrategy``: tensor parallelism, then FSDP2. The only ``fully_shard`` importer.
 
-Every decoder block is its own FSDP unit, and the root is one too: it holds the embedding, final norm and
-``lm_head``, so a tied embedding stays one parameter (AstrAI shards ``embed_tokens`` and ``lm_head`` apart and
-unties them, B4), and every parameter is a DTensor, which gradient clipping needs (P4). Parameters stay gathered
-between forward and backward (``reshard_after_forward=False``), AstrAI's choice: more memory, less communication.
+The mesh has two axes, ``data_parallel`` x ``tensor_parallel``. On the tensor axis (``--tp_size``) each decoder
+block's attention splits its heads (q/k/v, the gate, MLA's ``kv_b_proj`` column-wise; ``o_proj`` row-wise) and the
+dense MLP splits its width (``up``/``gate`` column-wise, ``down`` row-wise); embeddings, norms, the head and MoE
+experts stay whole. On the data axis every decoder block is an FSDP unit, and so is the root: it holds the
+embedding, final norm and ``lm_head``, so a tied embedding stays one parameter (AstrAI shards ``embed_tokens`` and
+``lm_head`` apart and unties them, B4), and every parameter is a DTensor, which gradient clipping needs (P4).
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from astrai_fabric.errors import ConfigError
+from astrai_fabric.model.attention import MLA
+from astrai_fabric.model.ffn import MLP
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
-def parallelize(model: nn.Module, device_mesh: DeviceMesh, reshard_after_forward: bool = False) -> nn.Module:
-    """Shard ``model`` over the mesh's ``data_parallel`` axis (called by Fabric in ``setup_module``).
+def parallelize(
+    model: nn.Module,
+    device_mesh: DeviceMesh,
+    reshard_after_forward: bool = False,
+    param_dtype: str | None = None,
+    reduce_dtype: str | None = None,
+    cpu_offload: bool = False,
+) -> nn.Module:
+    """Apply tensor parallelism and FSDP2 to ``model`` (called by Fabric in ``setup_module``).
 
-    A frozen model that only runs forward (a reference model) passes ``reshard_after_forward=True``: with no
-    backward to reshard it, it would otherwise stay gathered after its first forward.
+    FSDP knobs: ``reshard_after_forward`` frees gathered parameters after each block's forward (less memory, one
+    more all-gather in backward; AstrAI keeps them, False); ``param_dtype``/``reduce_dtype`` set FSDP2's
+    mixed-precision policy (e.g. bfloat16 compute with float32 gradient reduction over float32 master weights);
+    ``cpu_offload`` keeps sharded parameters, gradients and optimizer state in CPU memory.
     """
-    mesh = device_mesh["data_parallel"]
+    tp_mesh = device_mesh["tensor_parallel"]
+    if tp_mesh.size() > 1:
+        apply_tensor_parallel(model, tp_mesh)
+    options = dict(
+        mesh=device_mesh["data_parallel"],
+        reshard_after_forward=reshard_after_forward,
+        mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES.get(param_dtype), reduce_dtype=DTYPES.get(reduce_dtype)),
+        offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+    )
     for block in model.decoder_blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, **options)
+    fully_shard(model, **options)
     return model
 
 
-def is_sharded(model: nn.Module) -> bool:
-    return any(isinstance(m, FSDPModule) for m in model.modules())
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Split attention heads and dense MLP width over ``tp_mesh`` (see the module docstring)."""
+    config, size = model.config, tp_mesh.size()
+    kv_heads = config.num_key_value_heads or config.num_attention_heads
+    widths = {"num_attention_heads": config.num_attention_heads, "num_key_value_heads": kv_heads}
+    if any(config.ffn_type_of_layer(i) == "mlp" for i in range(config.num_hidden_layers)):
+        widths["intermediate_size"] = config.intermediate_size
+    uneven = [f"{name} ({value})" for name, value in widths.items() if value % size]
+    if uneven:
+        raise ConfigError(f"tp_size {size} must divide {', '.join(uneven)}")
+    for block in model.decoder_blocks:
+        attention = block.attention
+        names = ["q_proj", "kv_b_proj"] if isinstance(attention, MLA) else ["q_proj", "k_proj", "v_proj"]
+        plan = {name: ColwiseParallel() for name in names} | {"o_proj": RowwiseParallel()}
+        if attention.gate is not None:  # multiplies the attention output column for column: split it the same way
+            plan["gate"] = ColwiseParallel()
+        parallelize_module(attention, tp_mesh, plan)
+        if isinstance(block.mlp, MLP):
+            plan = {"up": ColwiseParallel(), "gate": ColwiseParallel(), "down": RowwiseParallel()}
+            parallelize_module(block.mlp, tp_mesh, plan)

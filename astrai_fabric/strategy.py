@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from lightning.fabric import Fabric
@@ -65,9 +66,12 @@ def resolve_topology(args: TrainArgs) -> Topology:
 
 
 def resolve_accelerator(args: TrainArgs) -> str:
-    if args.device_type == "cuda" and not torch.cuda.is_available():
+    """``--device_type``, else what ``fabric run --accelerator`` chose, else cuda when available."""
+    launcher_choice = {"gpu": "cuda", "cuda": "cuda", "cpu": "cpu"}.get(os.environ.get("LT_ACCELERATOR", ""))
+    device_type = args.device_type or launcher_choice
+    if device_type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device_type cuda: no CUDA device is available here (use --device_type cpu)")
-    return args.device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    return device_type or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def resolve_precision(precision: str, accelerator: str) -> str:
@@ -81,6 +85,8 @@ def build_fabric(args: TrainArgs, topology: Topology, loggers: list | None = Non
     accelerator = resolve_accelerator(args)
     world_size = topology.world_size
     if world_size == 1:
+        if (args.tp_size or 1) > 1:
+            raise ConfigError(f"tp_size {args.tp_size} needs at least {args.tp_size} processes (--nprocs)")
         strategy = "auto"
     elif args.parallel_mode == "none":
         raise ConfigError(
@@ -92,10 +98,19 @@ def build_fabric(args: TrainArgs, topology: Topology, loggers: list | None = Non
             process_group_backend=args.backend, gradient_as_bucket_view=True, broadcast_buffers=False
         )
     else:
+        tp_size = args.tp_size or 1
+        if args.fsdp_cpu_offload and accelerator == "cpu":
+            raise ConfigError("fsdp_cpu_offload moves state from an accelerator to CPU memory; this run is on CPU")
+        if world_size % tp_size:
+            raise ConfigError(f"tp_size {tp_size} must divide the world size {world_size}")
+        knobs = dict(
+            reshard_after_forward=args.fsdp_reshard_after_forward, param_dtype=args.fsdp_param_dtype,
+            reduce_dtype=args.fsdp_reduce_dtype, cpu_offload=args.fsdp_cpu_offload,
+        )  # fmt: skip
         strategy = ModelParallelStrategy(
-            parallelize_fn=parallelize,
-            data_parallel_size=world_size,
-            tensor_parallel_size=1,
+            parallelize_fn=partial(parallelize, **knobs),
+            data_parallel_size=world_size // tp_size,  # explicit: Lightning's "auto" would put every rank on TP (P1)
+            tensor_parallel_size=tp_size,
             process_group_backend=args.backend,
         )
     return Fabric(
@@ -116,3 +131,9 @@ def setup_frozen(fabric: Fabric, module: nn.Module) -> nn.Module:
     if isinstance(fabric.strategy, ModelParallelStrategy):
         return parallelize(module, fabric.strategy.device_mesh, reshard_after_forward=True)
     return fabric.to_device(module)
+
+
+def data_parallel(fabric: Fabric) -> tuple[int, int]:
+    """``(rank, size)`` on the data axis: the ranks of one tensor-parallel group train on the same samples."""
+    kwargs = getattr(fabric.strategy, "distributed_sampler_kwargs", None) or {"rank": 0, "num_replicas": 1}
+    return kwargs["rank"], kwargs["num_replicas"]

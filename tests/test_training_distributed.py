@@ -39,10 +39,15 @@ PARITY_RUNS = {
     for mode in ("ddp", "fsdp")
     for optimizer in ("adamw", "muon_adamw")
 }
-# FSDP reducing after every micro-batch instead of only at the window's end (P16) trains the same model.
+# FSDP reducing after every micro-batch instead of only at the window's end (P16), or freeing parameters after
+# each forward, trains the same model.
 PARITY_RUNS["fsdp_sync_each_micro_batch"] = dict(
     parallel_mode="fsdp", optimizer="adamw", fsdp_sync_each_micro_batch=True
 )
+PARITY_RUNS["fsdp_reshard_after_forward"] = dict(
+    parallel_mode="fsdp", optimizer="adamw", fsdp_reshard_after_forward=True
+)
+BF16_COMPUTE = dict(parallel_mode="fsdp", optimizer="adamw", fsdp_param_dtype="bfloat16", fsdp_reduce_dtype="float32")
 # dpo and grpo average per-micro-batch losses (grpo a token mean), so the single process takes the same 1-sample
 # micro-batches in sequence: 2 ranks x 1 sample = 1 rank x 1 sample x 2 accumulation.
 RL_RUNS = {
@@ -52,6 +57,7 @@ RL_RUNS = {
 }
 ONLINE = dict(train_type="grpo", data_root_path="bundled:data/grpo_online", reward="astrai_fabric.rewards.LengthReward",
               group_size=2, rollout_interval=1, rollout_max_tokens=6, max_steps=2)  # fmt: skip
+TP2 = dict(parallel_mode="fsdp", tp_size=2, optimizer="muon_adamw")
 RESUME = dict(max_steps=6, ckpt_interval=3, optimizer="muon_adamw")
 SFT = dict(train_type="sft", data_root_path="bundled:data/sft")
 
@@ -67,6 +73,13 @@ def two_rank_worker(root: str) -> None:
         history = run(base_args(root / name, nprocs=2, batch_per_device=1, grad_accum_steps=1, **overrides))
         if os.environ["RANK"] == "0":
             (root / f"{name}.json").write_text(json.dumps(history))
+    history = run(base_args(root / "bf16_compute", nprocs=2, batch_per_device=1, **BF16_COMPUTE))
+    if os.environ["RANK"] == "0":
+        (root / "bf16_compute.json").write_text(json.dumps(history))
+    # Tensor parallelism over both ranks: one data-parallel rank, so each rank takes the single process's batch.
+    history = run(base_args(root / "tp2", nprocs=2, **TP2))
+    if os.environ["RANK"] == "0":
+        (root / "tp2.json").write_text(json.dumps(history))
     # Ranks sample different prompts, stop at different lengths, and must still run the same forward passes.
     run(base_args(root / "fsdp_grpo_online", nprocs=2, batch_per_device=1, parallel_mode="fsdp", **ONLINE))
     two_rank_fsdp = dict(nprocs=2, batch_per_device=1, parallel_mode="fsdp", **RESUME)
@@ -116,6 +129,37 @@ def test_two_rank_dpo_and_grpo_match_one_process(two_rank_runs, tmp_path, name):
             if key in ref:
                 assert ours[key] == pytest.approx(ref[key], abs=1e-5), key
     assert_weights_close(weights(two_rank_runs / name, 3), weights(tmp_path, 3), atol=1e-5)
+
+
+def test_fsdp_mixed_precision_computes_in_bf16_over_float32_weights(two_rank_runs, tmp_path):
+    reference = run(base_args(tmp_path, optimizer="adamw"))
+    history = json.loads((two_rank_runs / "bf16_compute.json").read_text())
+    losses = [r["loss"] for r in history]
+    assert losses != [r["loss"] for r in reference]  # bf16 matmuls do change the numbers ...
+    assert losses == pytest.approx([r["loss"] for r in reference], abs=1e-2)  # ... by bf16's precision
+    assert {t.dtype for t in weights(two_rank_runs / "bf16_compute", 3).values()} == {torch.float32}
+
+
+def test_tensor_parallel_matches_one_process(two_rank_runs, tmp_path):
+    reference = run(base_args(tmp_path, optimizer="muon_adamw"))
+    history = json.loads((two_rank_runs / "tp2.json").read_text())
+    assert [r["loss"] for r in history] == pytest.approx([r["loss"] for r in reference], abs=1e-5)
+    assert_weights_close(weights(two_rank_runs / "tp2", 3), weights(tmp_path, 3), atol=1e-5)
+
+
+def tp_and_fsdp_worker(root: str) -> None:
+    history = run(base_args(Path(root), nprocs=4, batch_per_device=1, **TP2))
+    if os.environ["RANK"] == "0":
+        (Path(root) / "history.json").write_text(json.dumps(history))
+
+
+def test_tensor_parallel_with_fsdp_on_four_ranks(tmp_path):
+    # 4 processes on 2 cores: a 2 x 2 mesh (data x tensor), 1 sample per data-parallel rank.
+    run_ranks(tp_and_fsdp_worker, 4, str(tmp_path / "four"))
+    reference = run(base_args(tmp_path / "one", optimizer="muon_adamw"))
+    history = json.loads((tmp_path / "four" / "history.json").read_text())
+    assert [r["loss"] for r in history] == pytest.approx([r["loss"] for r in reference], abs=1e-5)
+    assert_weights_close(weights(tmp_path / "four", 3), weights(tmp_path / "one", 3), atol=1e-5)
 
 
 def test_online_grpo_runs_on_two_fsdp_ranks(two_rank_runs):

@@ -163,7 +163,22 @@ class TrainArgs:
     compile: Literal["default", "reduce-overhead", "max-autotune"] | None = None
     """``torch.compile`` mode; default: no compilation. Saved keys never carry ``_orig_mod.``."""
     tp_size: int | None = None
-    """Tensor-parallel degree (AstrAI accepts and discards it); 1 or unset for now."""
+    """Tensor-parallel degree (AstrAI accepts and discards it): attention heads and MLP width are split over groups
+    of this many ranks (parallel_mode fsdp), and the world size must be a multiple of it."""
+    fsdp_reshard_after_forward: bool = False
+    """FSDP: free each block's gathered parameters after its forward (less memory, one more all-gather in backward);
+    AstrAI keeps them (false)."""
+    fsdp_param_dtype: Literal["bfloat16", "float32", "float16"] | None = None
+    """FSDP mixed precision: dtype of the gathered parameters used in compute (e.g. bfloat16 over float32 master
+    weights with ``--precision 32-true``); default: the parameters' own."""
+    fsdp_reduce_dtype: Literal["bfloat16", "float32", "float16"] | None = None
+    """FSDP mixed precision: dtype of the gradient reduce-scatter (float32 keeps reductions exact with bf16
+    compute); default: the compute dtype."""
+    fsdp_cpu_offload: bool = False
+    """FSDP: keep sharded parameters, gradients and optimizer state in CPU memory (for models that do not fit)."""
+    sharded_checkpoint: bool = False
+    """FSDP: save the resume state with torch distributed checkpoint, each rank writing its shard into the
+    checkpoint's ``state/`` folder (resumable at another world size); the gathered ``optimizer.pt`` is left out."""
     master_addr: str = "localhost"
     """Accepted for AstrAI command lines; the launcher's environment (``MASTER_ADDR``) decides."""
     master_port: str = "29500"
@@ -237,8 +252,10 @@ class TrainArgs:
             problems.append(f"min_rate must be in [0, 1], got {self.min_rate}")
         if not 0 <= self.label_smoothing < 1:
             problems.append(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
-        if self.tp_size not in (None, 1):
-            problems.append(f"tp_size {self.tp_size} is not supported yet (tensor parallelism is planned); use 1")
+        if (self.tp_size or 1) > 1 and self.parallel_mode != "fsdp":
+            problems.append(f"tp_size {self.tp_size} needs parallel_mode fsdp (the 2-D mesh), got {self.parallel_mode}")
+        if self.sharded_checkpoint and self.parallel_mode != "fsdp":
+            problems.append(f"sharded_checkpoint needs parallel_mode fsdp, got {self.parallel_mode}")
         if self.device_type not in (None, "cpu", "cuda"):
             problems.append(f"device_type must be cpu or cuda, got {self.device_type!r}")
         if isinstance(self.resume, str) and not self.resume:

@@ -49,9 +49,10 @@ class GQA(nn.Module):
         self.gate = Linear(dim, dim) if config.use_gated_attention else None
 
     def forward(self, x: Tensor, rotary: Tensor, attn_mask: Tensor | None, kv_cache: KVCache | None = None) -> Tensor:
-        q = self.q_proj(x).unflatten(-1, (self.n_heads, self.head_dim))
-        k = self.k_proj(x).unflatten(-1, (self.n_kv_heads, self.head_dim))
-        v = self.v_proj(x).unflatten(-1, (self.n_kv_heads, self.head_dim))
+        # Heads counted from the tensors, not the config: tensor parallelism leaves each rank a slice of them.
+        q = self.q_proj(x).unflatten(-1, (-1, self.head_dim))
+        k = self.k_proj(x).unflatten(-1, (-1, self.head_dim))
+        v = self.v_proj(x).unflatten(-1, (-1, self.head_dim))
         q, k = apply_rotary_emb(q, rotary), apply_rotary_emb(k, rotary)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -87,8 +88,8 @@ class MLA(nn.Module):
         self.gate = Linear(dim, dim) if config.use_gated_attention else None
 
     def forward(self, x: Tensor, rotary: Tensor, attn_mask: Tensor | None, kv_cache: KVCache | None = None) -> Tensor:
-        q = self.q_proj(x).unflatten(-1, (self.n_heads, self.head_dim))
-        kv = self.kv_b_proj(self.kv_norm(self.kv_a_proj(x))).unflatten(-1, (self.n_kv_heads, -1))
+        q = self.q_proj(x).unflatten(-1, (-1, self.head_dim))  # local heads under tensor parallelism
+        kv = self.kv_b_proj(self.kv_norm(self.kv_a_proj(x))).unflatten(-1, (-1, 2 * self.head_dim))
         k_nope, k_rope, v = kv.split([self.nope_dim, self.rope_dim, self.head_dim], dim=-1)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q = torch.cat([q_nope, apply_rotary_emb(q_rope, rotary)], dim=-1)

@@ -15,23 +15,25 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-class Linear(nn.Module):
-    """``y = x W^T (+ b)`` with ``W ~ N(0, init_std)``: AstrAI's own Linear (no bias by default)."""
+class Linear(nn.Linear):
+    """``y = x W^T (+ b)`` with ``W ~ N(0, init_std)``: AstrAI's own Linear (no bias by default).
+
+    An ``nn.Linear`` (tensor parallelism's styles accept only those) that, like AstrAI's, draws no random numbers
+    when constructed: ``nn.Linear.__init__`` is skipped, so initialisation happens once, in ``reset_parameters``
+    called by the model, and consumes the random stream exactly as AstrAI's does.
+    """
 
     def __init__(self, in_dim: int, out_dim: int, bias: bool = False, init_std: float = 0.02) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
+        self.in_features, self.out_features, self.init_std = in_dim, out_dim, init_std
         self.weight = nn.Parameter(torch.empty(out_dim, in_dim))
         self.bias = nn.Parameter(torch.zeros(out_dim)) if bias else None
-        self.init_std = init_std
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
         if self.bias is not None:
             bound = 1 / math.sqrt(self.weight.shape[1])
             nn.init.uniform_(self.bias, -bound, bound)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight, self.bias)
 
 
 class Embedding(nn.Module):

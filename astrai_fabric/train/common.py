@@ -34,7 +34,7 @@ from astrai_fabric.loop import LossFn, fit
 from astrai_fabric.model import AutoRegressiveLM
 from astrai_fabric.optim import build_optimizer, resolve_ns_dtype
 from astrai_fabric.schedule import StepPlan, build_scheduler
-from astrai_fabric.strategy import setup_frozen
+from astrai_fabric.strategy import data_parallel, setup_frozen
 from astrai_fabric.tokenizer import Tokenizer
 from astrai_fabric.training_state import (
     RESUME_KEY,
@@ -168,7 +168,7 @@ def build_optimizer_and_schedule(fabric: Fabric, model: nn.Module, start: Start,
 
 def start_position(fabric: Fabric, start: Start, args: TrainArgs, plan: StepPlan) -> RunPosition:
     """The loop position to start from: a resume's, AstrAI's ``start_epoch``/``start_samples``, or zero."""
-    world_size = fabric.world_size
+    world_size = plan.world_size  # data-parallel ranks: the ones that consume different samples
     ckpt = start.resume
     if ckpt is None:
         # AstrAI's manual offsets for a fresh run; start_samples counts samples per rank.
@@ -194,7 +194,7 @@ def start_position(fabric: Fabric, start: Start, args: TrainArgs, plan: StepPlan
             optimizer_step=consumed // per_step,
             consumed_samples=consumed,
         )
-    if not restore_rng(ckpt.extra.get("rng"), fabric.global_rank, world_size):
+    if not restore_rng(ckpt.extra.get("rng"), fabric.global_rank, fabric.world_size):
         fabric.seed_everything(args.random_seed + position.optimizer_step, verbose=False)
     return position
 
@@ -261,7 +261,7 @@ def split_validation(dataset: Dataset, val_split: float | None, seed: int) -> tu
 def make_loader(
     fabric: Fabric, dataset: Dataset, args: TrainArgs, shuffle: bool, collate: Callable | None = None
 ) -> tuple[DataLoader, ResumableSampler]:
-    sampler = ResumableSampler(len(dataset), fabric.global_rank, fabric.world_size, args.random_seed, shuffle)
+    sampler = ResumableSampler(len(dataset), *data_parallel(fabric), args.random_seed, shuffle)
     loader = DataLoader(
         dataset,
         batch_size=args.batch_per_device,
@@ -293,8 +293,14 @@ def train_on(
     model (online GRPO samples its responses there); by default the loader's batches are trained on as they are.
     """
     train_set, val_set = split_validation(dataset, args.val_split, args.random_seed)
+    data_parallel_size = data_parallel(fabric)[1]
     plan = StepPlan(
-        len(train_set), fabric.world_size, args.batch_per_device, args.grad_accum_steps, args.n_epoch, args.warmup_ratio
+        len(train_set),
+        data_parallel_size,
+        args.batch_per_device,
+        args.grad_accum_steps,
+        args.n_epoch,
+        args.warmup_ratio,
     )
     plan.check()
 
