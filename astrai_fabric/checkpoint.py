@@ -48,7 +48,7 @@ WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 FORMAT_KEY = "astrai_fabric"
 """``meta.json`` key holding our format description; its absence marks a checkpoint written by AstrAI."""
 FORMAT_VERSION = 1
-_RESERVED_META = ("epoch", "consumed_samples", "timestamp", FORMAT_KEY)
+RESERVED_META = ("epoch", "consumed_samples", "timestamp", FORMAT_KEY)
 # Prefixes that wrappers put in front of parameter names: torch.compile (AstrAI's B3) and DDP.
 _WRAPPER_PREFIXES = ("_orig_mod.", "module.")
 
@@ -95,22 +95,22 @@ def save_checkpoint(
     extra: Mapping[str, Any] | None = None,
     files: Mapping[str, str | bytes | Path] | None = None,
     overwrite: bool = False,
+    staging: Path | None = None,
 ) -> Path:
     """Write an AstrAI checkpoint directory atomically and return its path.
 
     ``meta`` holds the run's fields (written after AstrAI's three leading keys); ``extra`` maps stems to objects
     saved as ``{stem}.pt``; ``files`` maps file names to text, bytes, or a path to copy. An existing directory is
-    an error unless ``overwrite``, in which case it is replaced only after the new one is complete.
+    an error unless ``overwrite``, in which case it is replaced only after the new one is complete. ``staging`` is
+    a directory from ``staging_dir`` that others have already written into (a sharded state); default: a new one.
     """
     target = Path(directory)
     if target.exists() and not overwrite:
         raise CheckpointError(f"{target}: already exists; refusing to overwrite a checkpoint")
-    clashes = [k for k in (meta or {}) if k in _RESERVED_META]
+    clashes = [k for k in (meta or {}) if k in RESERVED_META]
     if clashes:
         raise ValueError(f"meta keys {clashes} are written by save_checkpoint itself")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
-    staging.mkdir()
+    staging = staging or staging_dir(target)
     try:
         full_meta = {
             "epoch": epoch,
@@ -141,6 +141,14 @@ def save_checkpoint(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return target
+
+
+def staging_dir(target: Path) -> Path:
+    """A new hidden sibling of ``target`` to write into (its name never matches ``epoch_*_step_*``)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    return staging
 
 
 def _move_into_place(staging: Path, target: Path) -> None:

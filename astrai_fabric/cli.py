@@ -71,6 +71,8 @@ def _dispatch(argv: list[str]) -> int:
         return train_command(argv[0], argv[1:])
     if argv and argv[0] == "generate":
         return generate_command(argv[1:])
+    if argv and argv[0] == "export":
+        return export_command(argv[1:])
     if argv and argv[0] in ("--version", "-V"):
         print(f"astrai-fabric {__version__}")
         return 0
@@ -97,6 +99,7 @@ def _top_level_help() -> str:
         "  dpo       direct preference optimization on chosen/rejected pairs",
         "  grpo      group relative policy optimization: scored groups (offline) or sampled and rewarded (online)",
         "  generate  sample continuations of prompts from a model or checkpoint",
+        "  export    turn a checkpoint with a sharded state/ into a complete AstrAI directory",
         "",
         "`astrai-fabric COMMAND --help` lists every flag; `--print_config` prints the resolved recipe.",
     ]
@@ -194,6 +197,30 @@ def generate_command(argv: list[str]) -> int:
     except Exception as err:
         raise UserError(_clean(err)) from None
     run_generate(GenerateArgs(**namespace.as_dict()))
+    return 0
+
+
+def export_command(argv: list[str]) -> int:
+    parser = ArgumentParser(
+        prog="astrai-fabric export",
+        description="Write a checkpoint saved with --sharded_checkpoint as a complete AstrAI directory (with "
+        "optimizer.pt), in one process, no GPUs needed.",
+        exit_on_error=False,
+    )
+    parser.add_argument("checkpoint", help="The checkpoint directory holding state/.")
+    parser.add_argument("--out", help="Where to write the complete directory; default: CHECKPOINT_full next to it.")
+    try:
+        namespace = parser.parse_args(argv)
+    except SystemExit as exit_:
+        raise SystemExit(exit_.code) from None
+    except Exception as err:
+        raise UserError(_clean(err)) from None
+    from astrai_fabric.training_state import export_checkpoint
+
+    source = Path(namespace.checkpoint)
+    target = Path(namespace.out) if namespace.out else source.with_name(source.name + "_full")
+    target = export_checkpoint(source, target)
+    print(f"exported {source} -> {target}")
     return 0
 
 

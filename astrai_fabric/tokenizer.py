@@ -43,6 +43,10 @@ class Tokenizer:
         if missing:
             raise UserError(f"{self._config_path}: special tokens not in the vocabulary: {missing}")
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The compiled template does not pickle (a tokenizer is sent to other ranks); it is rebuilt on first use.
+        return {k: v for k, v in self.__dict__.items() if k != "_template"}
+
     @classmethod
     def from_dir(cls, directory: str | Path) -> Tokenizer:
         """Load ``tokenizer.json`` (required) and ``tokenizer_config.json`` (optional) from ``directory``."""

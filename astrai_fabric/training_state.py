@@ -9,20 +9,39 @@ ignores that key and uses its own ``epoch``/``consumed_samples``, which we write
 
 from __future__ import annotations
 
+import tempfile
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from lightning.fabric import Fabric
 from torch import Tensor, nn
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
-from astrai_fabric.checkpoint import Checkpoint, load_model_weights, save_checkpoint
+from astrai_fabric.checkpoint import (
+    CONFIG_FILE,
+    META_FILE,
+    RESERVED_META,
+    WEIGHTS_FILE,
+    Checkpoint,
+    load_checkpoint,
+    load_model_weights,
+    save_checkpoint,
+    staging_dir,
+)
 from astrai_fabric.errors import CheckpointError
 
 RESUME_KEY = "resume_position"
+STATE_DIR = "state"
+SHARDED_KEY = "optimizer_state"
+SHARDED_NOTE = "sharded in state/ (torch distributed checkpoint); `astrai-fabric export` writes optimizer.pt"
+"""``meta.json`` says where the optimizer state is when ``optimizer.pt`` is left out."""
+CHECKPOINT_FILES = (META_FILE, CONFIG_FILE, WEIGHTS_FILE)
 
 
 @dataclass
@@ -89,25 +108,89 @@ def save_training_checkpoint(
     config: dict[str, Any],
     meta: dict[str, Any],
     files: dict[str, Any],
+    sharded: bool = False,
 ) -> None:
-    """Write ``directory`` on rank 0 with the state after the last optimizer step (all ranks must call)."""
+    """Write ``directory`` with the state after the last optimizer step (all ranks must call).
+
+    Rank 0 writes AstrAI's files. ``sharded``: every rank also writes its shard of the optimizer state into
+    ``state/`` with torch distributed checkpoint (into the same staging directory, so the checkpoint still
+    appears complete or not at all), and no rank gathers the whole optimizer; ``optimizer.pt`` is left out.
+    """
     keep = fabric.global_rank == 0
     weights = gather_full(model.state_dict(), keep)
-    optimizer_state = gather_full(optimizer.state_dict(), keep)
     rng = _gather_rng_states(fabric.world_size)
+    extra = {"scheduler": scheduler.state_dict(), "rng": {"torch": rng}}
+    meta = {**meta, RESUME_KEY: asdict(position)}
+    staging = None
+    if sharded:
+        staging = Path(fabric.broadcast(str(staging_dir(directory)) if keep else None))
+        with warnings.catch_warnings():  # one process writing a sharded state is fine too
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save({"optimizer": optimizer.state_dict()}, checkpoint_id=staging / STATE_DIR)
+        meta[SHARDED_KEY] = SHARDED_NOTE
+    else:
+        extra = {"optimizer": gather_full(optimizer.state_dict(), keep), **extra}
     if keep:
+        # A same-step save replaces an existing directory only after the new one is complete.
         save_checkpoint(
-            directory,
-            weights,
-            config,
-            epoch=position.last_epoch,
-            consumed_samples=position.consumed_samples,
-            meta={**meta, RESUME_KEY: asdict(position)},
-            extra={"optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "rng": {"torch": rng}},
-            files=files,
-            overwrite=True,  # a same-step save replaces only after the new directory is complete
-        )
+            directory, weights, config, epoch=position.last_epoch, consumed_samples=position.consumed_samples,
+            meta=meta, extra=extra, files=files, overwrite=True, staging=staging,
+        )  # fmt: skip
     fabric.barrier()
+
+
+def initialize_optimizer_state(optimizer: Optimizer) -> None:
+    """Create every parameter's optimizer state with a step that changes nothing (rate 0, zero gradients), so a
+    loaded sharded state has tensors to land in; torch's ``set_optimizer_state_dict`` does the same."""
+    rates = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+        for param in group["params"]:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for group, rate in zip(optimizer.param_groups, rates, strict=True):
+        group["lr"] = rate
+
+
+def load_sharded_optimizer_state(optimizer: Optimizer, state_dir: Path) -> None:
+    """Each rank reads its shard of ``state/`` (resharded by torch distributed checkpoint to this run's layout)."""
+    initialize_optimizer_state(optimizer)
+    template = {"optimizer": optimizer.state_dict()}
+    with warnings.catch_warnings():  # one process reading a sharded state is intended here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(template, checkpoint_id=state_dir)
+    optimizer.load_state_dict(template["optimizer"])
+
+
+def export_checkpoint(source: str | Path, target: str | Path) -> Path:
+    """Write a checkpoint with a sharded ``state/`` as a complete AstrAI directory (with ``optimizer.pt``), in one
+    process without a process group: ``astrai-fabric export``."""
+    source = Path(source)
+    ckpt = load_checkpoint(source)
+    if not (source / STATE_DIR).is_dir():
+        raise CheckpointError(f"{source}: no {STATE_DIR}/ folder: not a sharded checkpoint (it is complete already)")
+    with tempfile.TemporaryDirectory() as scratch:
+        dcp_to_torch_save(source / STATE_DIR, Path(scratch) / "state.pt")
+        optimizer_state = _integer_state_keys(torch.load(Path(scratch) / "state.pt", weights_only=True)["optimizer"])
+    meta = {k: v for k, v in ckpt.meta.items() if k not in (*RESERVED_META, SHARDED_KEY)}
+    copied = {
+        p.name: p for p in source.iterdir() if p.is_file() and p.name not in CHECKPOINT_FILES and p.suffix != ".pt"
+    }
+    return save_checkpoint(
+        target, ckpt.state_dict, ckpt.config, epoch=ckpt.epoch, consumed_samples=ckpt.consumed_samples, meta=meta,
+        extra={"optimizer": optimizer_state, **ckpt.extra}, files=copied,
+    )  # fmt: skip
+
+
+def _integer_state_keys(state: Any) -> Any:
+    """Torch optimizer states index ``state`` by integers; distributed checkpoint's flattening made them strings."""
+    if isinstance(state, dict) and "state" in state and "param_groups" in state:
+        return {**state, "state": {int(k): v for k, v in state["state"].items()}}
+    if isinstance(state, dict):
+        return {k: _integer_state_keys(v) for k, v in state.items()}
+    return state
 
 
 def _gather_rng_states(world_size: int) -> Tensor:

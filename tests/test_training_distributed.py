@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 from spawn import run_ranks
 
+from astrai_fabric.checkpoint import load_checkpoint
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.train import run
 
@@ -87,6 +88,16 @@ def two_rank_worker(root: str) -> None:
     full = root / "fsdp_sft_full"
     run(base_args(full, **two_rank_fsdp, **SFT))
     run(base_args(root / "fsdp_sft_resumed", **two_rank_fsdp, **SFT, resume=str(full / "epoch_0_step_3")))
+    # The same resume without a shared filesystem: rank 1's working directory lacks the checkpoint, so rank 0 reads
+    # it and sends it over (relative paths; rank 0 writes every file).
+    (root / "elsewhere").mkdir(exist_ok=True)
+    os.chdir(root if os.environ["RANK"] == "0" else root / "elsewhere")
+    run(base_args(Path("fsdp_sft_unshared"), **two_rank_fsdp, **SFT, resume="fsdp_sft_full/epoch_0_step_3"))
+    os.chdir(root)
+    # Sharded resume state: written by both ranks, resumed by both (and by one, in the test process).
+    sharded = dict(two_rank_fsdp, sharded_checkpoint=True)
+    run(base_args(root / "fsdp_seq_sharded", **sharded))
+    run(base_args(root / "sharded_resumed", **sharded, resume=str(root / "fsdp_seq_sharded" / "epoch_0_step_3")))
 
 
 @pytest.fixture(scope="module")
@@ -170,6 +181,40 @@ def test_fsdp_resume_is_bit_exact(two_rank_runs):
     full, resumed = two_rank_runs / "fsdp_sft_full", two_rank_runs / "fsdp_sft_resumed"
     assert sorted(p.name for p in resumed.glob("epoch_*")) == ["epoch_0_step_6"]  # continued at step 4
     assert_weights_close(weights(resumed, 6), weights(full, 6), atol=0)
+
+
+def test_resume_without_a_shared_filesystem(two_rank_runs):
+    assert_weights_close(
+        weights(two_rank_runs / "fsdp_sft_unshared", 6), weights(two_rank_runs / "fsdp_sft_full", 6), 0
+    )
+
+
+def test_sharded_state_resumes_on_two_ranks_and_on_one(two_rank_runs, tmp_path):
+    sharded = two_rank_runs / "fsdp_seq_sharded" / "epoch_0_step_3"
+    assert (sharded / "state" / ".metadata").is_file() and not (sharded / "optimizer.pt").exists()
+    assert "optimizer_state" in json.loads((sharded / "meta.json").read_text())
+    uninterrupted = weights(two_rank_runs / "fsdp_seq", 6)  # the same run, saved unsharded
+    assert_weights_close(weights(two_rank_runs / "fsdp_seq_sharded", 6), uninterrupted, atol=0)
+    assert_weights_close(weights(two_rank_runs / "sharded_resumed", 6), uninterrupted, atol=0)
+    history = run(base_args(tmp_path, **RESUME, resume=str(sharded)))
+    assert [r["step"] for r in history] == [4, 5, 6]
+    assert_weights_close(weights(tmp_path, 6), uninterrupted, atol=1e-5)
+
+
+def test_export_writes_the_gathered_optimizer_state(two_rank_runs, tmp_path):
+    from astrai_fabric.cli import main
+
+    out = tmp_path / "exported"
+    assert main(["export", str(two_rank_runs / "fsdp_seq_sharded" / "epoch_0_step_3"), "--out", str(out)]) == 0
+    exported = load_checkpoint(out)
+    gathered = load_checkpoint(two_rank_runs / "fsdp_seq" / "epoch_0_step_3")  # the same state, saved unsharded
+    for name in ("muon", "adamw"):
+        ours, theirs = exported.extra["optimizer"][name], gathered.extra["optimizer"][name]
+        assert ours["param_groups"] == theirs["param_groups"] and ours["state"].keys() == theirs["state"].keys()
+        for index, entry in theirs["state"].items():
+            for key, tensor in entry.items():
+                assert torch.equal(ours["state"][index][key], tensor), (name, index, key)
+    assert "optimizer_state" not in exported.meta and exported.meta["resume_position"]["optimizer_step"] == 3
 
 
 def test_two_rank_fsdp_checkpoint_resumes_on_one_rank(two_rank_runs, tmp_path):

@@ -7,8 +7,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import yaml
@@ -38,8 +39,10 @@ from astrai_fabric.strategy import data_parallel, setup_frozen
 from astrai_fabric.tokenizer import Tokenizer
 from astrai_fabric.training_state import (
     RESUME_KEY,
+    STATE_DIR,
     RunPosition,
     load_optimizer_state,
+    load_sharded_optimizer_state,
     load_weights,
     restore_rng,
     save_training_checkpoint,
@@ -50,16 +53,49 @@ RECIPE_FILE = "recipe.yaml"
 
 @dataclass
 class Start:
-    """Where a run starts: the model's config, the weights (if any) and, when resuming, the checkpoint."""
+    """Where a run starts: the model's config, the weights (if any), the tokenizer and, when resuming, the
+    checkpoint."""
 
     model_config: ModelConfig
     weights: Checkpoint | None
     """Weights to start from: the resume checkpoint, else ``param_path`` if it has any, else None (fresh)."""
     resume: Checkpoint | None
-    tokenizer_dir: Path
+    tokenizer: Tokenizer
 
 
-def resolve_start(args: TrainArgs) -> Start:
+T = TypeVar("T")
+
+
+def read_on_rank_zero(fabric: Fabric, read: Callable[[], T], paths: Iterable[Path]) -> T:
+    """``read()`` on every rank when every rank sees ``paths``, else on rank 0 only, its result sent to the others
+    (so a resume needs no shared filesystem). A mistake found while reading is raised on every rank."""
+    visible = all(Path(p).exists() for p in paths)
+    everywhere = fabric.world_size == 1 or fabric.all_reduce(
+        torch.tensor(float(visible), device=fabric.device), reduce_op="min"
+    ).item() == 1
+    if everywhere:
+        return read()
+    outcome = None
+    if fabric.global_rank == 0:
+        try:
+            outcome = ("value", read())
+        except UserError as err:
+            outcome = ("error", err)
+    kind, value = fabric.broadcast(outcome)
+    if kind == "error":
+        raise value
+    return value
+
+
+def resolve_start(fabric: Fabric, args: TrainArgs) -> Start:
+    """The start of the run, read where the files are (see ``read_on_rank_zero``)."""
+    paths = [assets.resolve(args.param_path)]
+    if isinstance(args.resume, str) and args.resume not in ("auto", "true", "false"):
+        paths.append(Path(args.resume))
+    return read_on_rank_zero(fabric, partial(_read_start, args), paths)
+
+
+def _read_start(args: TrainArgs) -> Start:
     """Read ``param_path`` and find the checkpoint to resume from, checking they belong together."""
     param_path = assets.resolve(args.param_path)
     if not (param_path / CONFIG_FILE).is_file():
@@ -74,8 +110,8 @@ def resolve_start(args: TrainArgs) -> Start:
         weights = load_checkpoint(param_path, load_extra=False)
     else:
         weights = None
-    tokenizer_dir = assets.resolve(args.tokenizer_path) if args.tokenizer_path else param_path
-    return Start(model_config, weights, resume, tokenizer_dir)
+    tokenizer = Tokenizer.from_dir(assets.resolve(args.tokenizer_path) if args.tokenizer_path else param_path)
+    return Start(model_config, weights, resume, tokenizer)
 
 
 def _resume_checkpoint(args: TrainArgs, param_path: Path) -> Checkpoint | None:
@@ -119,10 +155,6 @@ def require_jsonl(path: Path, train_type: str) -> Path:
     return path
 
 
-def load_tokenizer(start: Start) -> Tokenizer:
-    return Tokenizer.from_dir(start.tokenizer_dir)
-
-
 def initial_model(fabric: Fabric, config: ModelConfig, weights: Checkpoint | None, seed: int) -> nn.Module:
     """A model on CPU, initialised from ``seed`` (identically on every rank, AstrAI's init) or from ``weights``."""
     fabric.seed_everything(seed, verbose=False)
@@ -149,11 +181,14 @@ def build_optimizer_and_schedule(fabric: Fabric, model: nn.Module, start: Start,
         args.muon_ns_steps, args.muon_adjust_lr, resolve_ns_dtype(args.muon_ns_dtype, fabric.device),
     )  # fmt: skip
     if start.resume is not None and args.resume_optimizer:
-        if "optimizer" not in start.resume.extra:
+        if (start.resume.path / STATE_DIR).is_dir():
+            load_sharded_optimizer_state(optimizer, start.resume.path / STATE_DIR)
+        elif "optimizer" in start.resume.extra:
+            load_optimizer_state(optimizer, start.resume.extra["optimizer"], start.resume.path / "optimizer.pt")
+        else:
             raise CheckpointError(
                 f"--resume: {start.resume.path} has no optimizer.pt (add --resume_optimizer false to start a fresh one)"
             )
-        load_optimizer_state(optimizer, start.resume.extra["optimizer"], start.resume.path / "optimizer.pt")
     elif start.resume is not None:
         fabric.print("optimizer: starting fresh (--resume_optimizer false)")
     optimizer = fabric.setup_optimizers(optimizer)  # after loading: Fabric copies the optimizer's param groups
@@ -223,11 +258,17 @@ def reference_model(fabric: Fabric, start: Start, args: TrainArgs) -> tuple[nn.M
     else:
         path = str(start.weights.path.resolve()) if start.weights is not None else None
         seed = args.random_seed
-    if path is not None and not Path(path).is_dir():
-        raise UserError(f"reference model {path}: not found (pass the starting weights as --reference_path)")
-    weights = load_checkpoint(path, load_extra=False) if path is not None else None
+    weights = None
+    if path is not None:
+        weights = read_on_rank_zero(fabric, partial(_read_reference, Path(path)), [Path(path)])
     model = initial_model(fabric, start.model_config, weights, seed)
     return setup_frozen(fabric, model), {"param_path": path, "random_seed": seed}
+
+
+def _read_reference(path: Path) -> Checkpoint:
+    if not path.is_dir():
+        raise UserError(f"reference model {path}: not found (pass the starting weights as --reference_path)")
+    return load_checkpoint(path, load_extra=False)
 
 
 def make_saver(fabric: Fabric, model: nn.Module, optimizer: Any, scheduler: Any, start: Start, args: TrainArgs,
@@ -242,7 +283,10 @@ def make_saver(fabric: Fabric, model: nn.Module, optimizer: Any, scheduler: Any,
 
     def save(position: RunPosition) -> Path:
         path = Path(args.ckpt_dir) / f"epoch_{position.last_epoch}_step_{position.optimizer_step}"
-        save_training_checkpoint(fabric, path, raw_model, optimizer.optimizer, scheduler, position, config, meta, files)
+        save_training_checkpoint(
+            fabric, path, raw_model, optimizer.optimizer, scheduler, position, config, meta, files,
+            args.sharded_checkpoint,
+        )  # fmt: skip
         fabric.print(f"checkpoint: {path}")
         return path
 

@@ -17,7 +17,7 @@ from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.data.records import PreferenceDataset, collate_preferences
 from astrai_fabric.data.storage import read_jsonl
 from astrai_fabric.losses import dpo_loss, token_logprobs, with_moe_aux_loss
-from astrai_fabric.train.common import load_tokenizer, reference_model, require_jsonl, resolve_start, train_on
+from astrai_fabric.train.common import reference_model, require_jsonl, resolve_start, train_on
 
 
 def response_logprobs(model: nn.Module, ids: Tensor, loss_mask: Tensor) -> tuple[Tensor, dict]:
@@ -45,8 +45,8 @@ def dpo_batch_loss(
 
 def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
     """Train dpo on a launched Fabric; returns the per-step records (see ``loop.fit``)."""
-    start = resolve_start(args)
-    tokenizer = load_tokenizer(start)
+    start = resolve_start(fabric, args)
+    tokenizer = start.tokenizer
     window_size = args.window_size or start.model_config.max_position_embeddings
     data_path = require_jsonl(assets.resolve(args.data_root_path), "dpo")
     dataset = PreferenceDataset(read_jsonl(data_path), tokenizer, window_size)

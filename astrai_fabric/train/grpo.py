@@ -30,7 +30,7 @@ from astrai_fabric.generate import generate
 from astrai_fabric.losses import group_advantages, grpo_loss, token_logprobs, with_moe_aux_loss
 from astrai_fabric.rewards import Reward, load_reward, score
 from astrai_fabric.tokenizer import Tokenizer
-from astrai_fabric.train.common import load_tokenizer, reference_model, require_jsonl, resolve_start, train_on
+from astrai_fabric.train.common import reference_model, require_jsonl, resolve_start, train_on
 from astrai_fabric.training_state import RunPosition
 
 
@@ -115,8 +115,8 @@ class Rollouts:
 
 def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
     """Train grpo (offline or online, by what the data holds) on a launched Fabric; returns the per-step records."""
-    start = resolve_start(args)
-    tokenizer = load_tokenizer(start)
+    start = resolve_start(fabric, args)
+    tokenizer = start.tokenizer
     window_size = args.window_size or start.model_config.max_position_embeddings
     data_path = require_jsonl(assets.resolve(args.data_root_path), "grpo")
     records = read_jsonl(data_path)

@@ -17,7 +17,7 @@ from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.data import load_window_dataset
 from astrai_fabric.losses import causal_lm_loss, with_moe_aux_loss
 from astrai_fabric.model import make_doc_boundary_mask
-from astrai_fabric.train.common import load_tokenizer, resolve_start, train_on
+from astrai_fabric.train.common import resolve_start, train_on
 
 
 def lm_loss(model: nn.Module, batch: dict[str, Tensor], label_smoothing: float, moe_aux_loss_coef: float):
@@ -33,8 +33,8 @@ def lm_loss(model: nn.Module, batch: dict[str, Tensor], label_smoothing: float, 
 
 def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
     """Train seq or sft on a launched Fabric; returns the per-step records (see ``loop.fit``)."""
-    start = resolve_start(args)
-    tokenizer = load_tokenizer(start)
+    start = resolve_start(fabric, args)
+    tokenizer = start.tokenizer
     window_size = args.window_size or start.model_config.max_position_embeddings
     data_path = assets.resolve(args.data_root_path)
     dataset = load_window_dataset(args.train_type, data_path, window_size, args.stride, tokenizer)
