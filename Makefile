@@ -32,6 +32,7 @@ train: install
 bench: install
 	$(BIN)/python bench/loop_overhead.py
 	$(BIN)/python bench/optimizer_step.py
+	$(BIN)/python bench/memory.py
 
 lint: install
 	$(BIN)/ruff check .

@@ -114,6 +114,7 @@ def fit(
             if val_loader is not None and (step == 1 or step % args.val_step == 0):
                 record["val_loss"] = validate(fabric, model, val_loader, compute_loss)
             history.append(record)
+            fabric.log_dict({k: v for k, v in record.items() if k != "step"}, step=step)  # the Fabric's loggers
             if step in (first_step, plan.total_steps) or step % log_every == 0 or "val_loss" in record:
                 fabric.print(_format(record, plan.total_steps))
             window_tokens, window_start = 0, time.perf_counter()
@@ -129,6 +130,8 @@ def fit(
 
     if position.optimizer_step != last_saved_step:
         save(position)
+    for logger in fabric.loggers:
+        logger.save()  # flush what buffering loggers (CSV) hold; closing them is their owner's call
     return history
 
 

@@ -26,15 +26,23 @@ MAINS: dict[str, Callable[[Fabric, TrainArgs], list[dict]]] = {
 
 
 def run(args: TrainArgs) -> list[dict] | None:
-    """Train; returns the per-step records of ``loop.fit`` (rank 0's when this process launched the ranks)."""
+    """Build the Fabric from ``args``, launch its ranks and train (what ``astrai-fabric seq|sft|dpo|grpo`` does).
+
+    Returns the per-step records of ``loop.fit`` (rank 0's when this process launched the ranks).
+    """
+    args.validate()
+    fabric = build_fabric(args, resolve_topology(args))
+    if os.environ.get("LT_CLI_USED") == "1":
+        return train(fabric, args)  # under `fabric run` the Fabric joined the process group already (P8)
+    return fabric.launch(train, args)  # starts the local ranks, or just runs where torchrun/SLURM started them
+
+
+def train(fabric: Fabric, args: TrainArgs) -> list[dict]:
+    """Train with a Fabric you built and launched: its strategy, devices, precision and loggers are used as they
+    are, and nothing is launched. The flags that choose those (``parallel_mode``, ``nprocs``, ``num_nodes``,
+    ``device_type``, ``backend``, ``precision``, ``tp_size``, ``fsdp_*``) are then ignored. Returns the per-step
+    records of ``loop.fit``; every rank must call it."""
     args.validate()
     if args.train_type not in MAINS:
-        raise ConfigError(f"train_type {args.train_type!r} is not available yet; choose one of {sorted(MAINS)}")
-    fabric = build_fabric(args, resolve_topology(args))
-    main = MAINS[args.train_type]
-    if os.environ.get("LT_CLI_USED") == "1":
-        return main(
-            fabric, args
-        )  # under `fabric run` the Fabric joined the process group already; launch() would raise (P8)
-    else:
-        return fabric.launch(main, args)  # starts the local ranks, or just runs where torchrun/SLURM started them
+        raise ConfigError(f"train_type must be one of {sorted(MAINS)}, got {args.train_type!r}")
+    return MAINS[args.train_type](fabric, args)

@@ -70,9 +70,10 @@ def read_on_rank_zero(fabric: Fabric, read: Callable[[], T], paths: Iterable[Pat
     """``read()`` on every rank when every rank sees ``paths``, else on rank 0 only, its result sent to the others
     (so a resume needs no shared filesystem). A mistake found while reading is raised on every rank."""
     visible = all(Path(p).exists() for p in paths)
-    everywhere = fabric.world_size == 1 or fabric.all_reduce(
-        torch.tensor(float(visible), device=fabric.device), reduce_op="min"
-    ).item() == 1
+    everywhere = (
+        fabric.world_size == 1
+        or fabric.all_reduce(torch.tensor(float(visible), device=fabric.device), reduce_op="min").item() == 1
+    )
     if everywhere:
         return read()
     outcome = None
