@@ -12,7 +12,7 @@ else
 TORCH_REQ ?= torch==$(TORCH_VERSION)
 endif
 
-.PHONY: install test train bench lint format clean
+.PHONY: install test train bench docs lint format clean
 
 install: $(VENV)/.installed
 
@@ -33,6 +33,10 @@ bench: install
 	$(BIN)/python bench/loop_overhead.py
 	$(BIN)/python bench/optimizer_step.py
 	$(BIN)/python bench/memory.py
+
+# docs/recipes.md is generated from the option docstrings (tests/test_docs.py checks it is current).
+docs: install
+	$(BIN)/python -m astrai_fabric.config.reference docs/recipes.md
 
 lint: install
 	$(BIN)/ruff check .

@@ -218,12 +218,22 @@ def find_latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
     Staging directories are hidden (``.NAME.tmp-…``) and never match; a directory without its ``meta.json`` or
     weights is skipped as incomplete.
     """
+    found = _complete_checkpoints(ckpt_dir)
+    return found[-1][1] if found else None
+
+
+def checkpoints_after(ckpt_dir: str | Path, step: int) -> list[Path]:
+    """The complete checkpoints under ``ckpt_dir`` saved after optimizer step ``step``, oldest first."""
+    return [path for (saved_step, _), path in _complete_checkpoints(ckpt_dir) if saved_step > step]
+
+
+def _complete_checkpoints(ckpt_dir: str | Path) -> list[tuple[tuple[int, int], Path]]:
     found = []
     for path in Path(ckpt_dir).glob("epoch_*_step_*"):
         match = CHECKPOINT_NAME.match(path.name)
         if match and (path / META_FILE).is_file() and (path / WEIGHTS_FILE).is_file():
             found.append(((int(match[2]), int(match[1])), path))
-    return max(found)[1] if found else None
+    return sorted(found)
 
 
 # --- reading -----------------------------------------------------------------------------------------------------

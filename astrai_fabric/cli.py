@@ -32,7 +32,7 @@ TRAIN_TYPE_ALIASES = {"online_grpo": "grpo"}
 """AstrAI's train types that are a mode of ours: grpo is online when its data holds prompts only."""
 ASTRAI_SECTIONS = ("model", "data", "parallel", "training", "ckpt", "log")
 IGNORED_SECTIONS = ("runtime",)
-ALIASES = {"devices": "nprocs"}
+ALIASES = {"devices": "nprocs", "dry-run": "dry_run"}
 """Other spellings of a flag or recipe key → the field."""
 
 
@@ -73,6 +73,10 @@ def _dispatch(argv: list[str]) -> int:
         return generate_command(argv[1:])
     if argv and argv[0] == "export":
         return export_command(argv[1:])
+    if argv and argv[0] == "prepare":
+        return prepare_command(argv[1:])
+    if argv and argv[0] == "plot":
+        return plot_command(argv[1:])
     if argv and argv[0] in ("--version", "-V"):
         print(f"astrai-fabric {__version__}")
         return 0
@@ -100,6 +104,8 @@ def _top_level_help() -> str:
         "  grpo      group relative policy optimization: scored groups (offline) or sampled and rewarded (online)",
         "  generate  sample continuations of prompts from a model or checkpoint",
         "  export    turn a checkpoint with a sharded state/ into a complete AstrAI directory",
+        "  prepare   tokenise JSONL into AstrAI's bin shards (seq, sft)",
+        "  plot      loss, learning rate and throughput of one or more runs, as a PNG",
         "",
         "`astrai-fabric COMMAND --help` lists every flag; `--print_config` prints the resolved recipe.",
     ]
@@ -179,8 +185,12 @@ def train_command(train_type: str, argv: list[str]) -> int:
 
         print(resolved_recipe(args), end="")
         return 0
-    from astrai_fabric.train import run  # imports Lightning (~5 s): only when training
+    from astrai_fabric.train import TRAIN_TYPES, run  # imports Lightning (~5 s): only when training
+    from astrai_fabric.train.dry_run import dry_run
 
+    if args.dry_run:
+        args.validate()
+        return dry_run(args, TRAIN_TYPES[train_type].build_dataset)
     run(args)
     return 0
 
@@ -221,6 +231,55 @@ def export_command(argv: list[str]) -> int:
     target = Path(namespace.out) if namespace.out else source.with_name(source.name + "_full")
     target = export_checkpoint(source, target)
     print(f"exported {source} -> {target}")
+    return 0
+
+
+def _parse(parser: ArgumentParser, argv: list[str]) -> Any:
+    try:
+        return parser.parse_args(argv)
+    except SystemExit as exit_:  # --help
+        raise SystemExit(exit_.code) from None
+    except Exception as err:
+        raise UserError(_clean(err)) from None
+
+
+def prepare_command(argv: list[str]) -> int:
+    from astrai_fabric import assets
+    from astrai_fabric.data.prepare import PipelineConfig, prepare
+    from astrai_fabric.tokenizer import Tokenizer
+
+    description = "Tokenise JSONL records into AstrAI's bin shards for seq or sft (AstrAI's pipeline config)."
+    parser = ArgumentParser(prog="astrai-fabric prepare", description=description, exit_on_error=False)
+    parser.add_argument("inputs", nargs="+", help="JSONL files.")
+    parser.add_argument("-o", "--output_dir", required=True, help="A new directory for the shards.")
+    parser.add_argument("-c", "--config", required=True, help="Pipeline JSON (AstrAI's PipelineConfig).")
+    parser.add_argument("--tokenizer_path", help="Tokenizer directory; default: the config's tokenizer_path.")
+    parser.add_argument("--batch_size", type=int, help="Accepted for AstrAI command lines; unused.")
+    namespace = _parse(parser, argv)
+    config = PipelineConfig.from_file(Path(namespace.config))
+    tokenizer_path = namespace.tokenizer_path or config.tokenizer_path
+    if tokenizer_path is None:
+        raise UserError("prepare needs --tokenizer_path (the tokenizer of the model to train), or tokenizer_path in -c")
+    tokenizer = Tokenizer.from_dir(assets.resolve(tokenizer_path))
+    inputs = [Path(p) for p in namespace.inputs]
+    print(prepare(inputs, Path(namespace.output_dir), config, tokenizer))
+    return 0
+
+
+def plot_command(argv: list[str]) -> int:
+    from astrai_fabric.plot import PLOT_FILE, plot_runs
+
+    description = "Loss (train, validation), learning rate and tokens/s against step; runs overlaid; a PNG."
+    parser = ArgumentParser(prog="astrai-fabric plot", description=description, exit_on_error=False)
+    parser.add_argument("runs", nargs="+", help="Run directories (ckpt_dir), checkpoints or metric.jsonl files.")
+    parser.add_argument("-o", "--output", help="The PNG to write; default: plot.png in the first run's directory.")
+    namespace = _parse(parser, argv)
+    runs = [Path(r) for r in namespace.runs]
+    for run in runs:
+        if not run.exists():
+            raise UserError(f"{run}: not found")
+    default = (runs[0] if runs[0].is_dir() else runs[0].parent) / PLOT_FILE
+    print(f"plot: {plot_runs(runs, Path(namespace.output) if namespace.output else default)}")
     return 0
 
 

@@ -9,9 +9,8 @@ checkpoint. A checkpoint named ``step_S`` holds the state *after* step S (AstrAI
 from __future__ import annotations
 
 import math
-import time
-import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,6 +23,8 @@ from torch.utils.data import DataLoader
 from astrai_fabric.accumulation import GradientState, backward_sync
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.data.sampler import ResumableSampler
+from astrai_fabric.metrics import GradSNR
+from astrai_fabric.reporting import Reporter
 from astrai_fabric.schedule import StepPlan
 from astrai_fabric.training_state import RunPosition
 
@@ -36,37 +37,36 @@ def fit(
     model: nn.Module,
     optimizer: Optimizer,
     scheduler: Any,
-    train_loader: DataLoader,
+    batches: Iterable[dict[str, Tensor]],
     sampler: ResumableSampler,
     compute_loss: LossFn,
     args: TrainArgs,
     plan: StepPlan,
     position: RunPosition,
-    save: Callable[[RunPosition], None],
+    save: Callable[[RunPosition], Path],
+    reporter: Reporter,
     val_loader: DataLoader | None = None,
 ) -> list[dict[str, float]]:
     """Train from ``position`` (updated in place) until ``n_epoch``, ``max_steps`` or ``max_tokens``.
 
     Returns one record per optimizer step: ``step``, ``epoch``, ``loss`` (mean over the accumulation window and
-    all ranks), ``lr``, ``grad_norm`` (before clipping), ``tokens_per_sec``, the loss function's own metrics
-    (same means), and ``val_loss`` when validated.
+    all ranks), ``lr``, ``grad_norm`` (before clipping), ``grad_snr`` (when asked for), the loss function's own
+    metrics (same means), throughput (see ``Reporter``) and ``val_loss`` when validated.
     """
     grad_state = GradientState(args.grad_accum_steps)
     skip_sync = not (args.fsdp_sync_each_micro_batch and args.parallel_mode == "fsdp")
     world_size = plan.world_size  # data-parallel ranks (tensor-parallel ranks share their samples)
-    log_every = max(1, plan.total_steps // 20)
+    grad_snr = GradSNR() if "grad_snr" in args.metrics else None
     last_saved_step = position.optimizer_step
-    first_step = position.optimizer_step + 1  # always logged, whatever the cadence
     window_loss = torch.zeros((), device=fabric.device)
     window_metrics: dict[str, Tensor] = {}
-    window_tokens, window_start = 0, time.perf_counter()
-    history: list[dict[str, float]] = []
+    window_tokens = window_samples = 0
     model.train()
 
     done = _budget_reached(position, args)
     while position.epoch < args.n_epoch and not done:
         sampler.set_position(position.epoch, position.sample_index)
-        for batch in train_loader:
+        for batch in batches:
             is_accumulating = not grad_state.advance()
             with backward_sync(fabric, model, is_accumulating, skip_sync):
                 loss, metrics = compute_loss(model, batch)
@@ -74,8 +74,8 @@ def fit(
             window_loss += loss.detach()
             for name, value in metrics.items():
                 window_metrics[name] = window_metrics.get(name, 0.0) + value.float()
-            num_tokens = _num_tokens(batch) * world_size
-            window_tokens += num_tokens
+            num_tokens, num_samples = _num_tokens(batch) * world_size, batch["input_ids"].size(0) * world_size
+            window_tokens, window_samples = window_tokens + num_tokens, window_samples + num_samples
             position.sample_index += batch["input_ids"].size(0)
             position.consumed_samples += args.batch_per_device * world_size
             position.num_tokens += num_tokens
@@ -83,13 +83,12 @@ def fit(
                 continue
 
             # --- optimizer step: the accumulation window is complete --------------------------------------------
+            snr = grad_snr.update(model) if grad_snr is not None else None  # unclipped gradients, as AstrAI
             grad_norm = _clip_gradients(model, args.max_grad_norm)
             if math.isfinite(grad_norm):
                 optimizer.step()
             else:
-                warnings.warn(
-                    f"step {position.optimizer_step + 1}: gradient norm is {grad_norm}; update skipped", stacklevel=2
-                )
+                reporter.message(f"warning: step {position.optimizer_step + 1}: gradient norm {grad_norm}, skipped")
             optimizer.zero_grad(set_to_none=True)
             lr = optimizer.param_groups[-1]["lr"]  # the rate this step used (AstrAI logs the AdamW group's)
             scheduler.step()
@@ -100,51 +99,33 @@ def fit(
             names = sorted(window_metrics)
             window = torch.stack([window_loss, *(window_metrics[n] for n in names)]) / args.grad_accum_steps
             means = fabric.all_reduce(window, reduce_op="mean").tolist()
-            record = {
-                "step": step,
-                "epoch": position.epoch,
-                "loss": means[0],
-                "lr": lr,
-                "grad_norm": grad_norm,
-                "tokens_per_sec": window_tokens / max(time.perf_counter() - window_start, 1e-9),
-                **dict(zip(names, means[1:], strict=True)),
-            }
-            window_loss.zero_()
-            window_metrics.clear()
+            record = {"step": step, "epoch": position.epoch, "loss": means[0], "lr": lr, "grad_norm": grad_norm}
+            record.update(zip(names, means[1:], strict=True))
+            if snr is not None:
+                record["grad_snr"] = snr
+            reporter.throughput(record, window_tokens, window_samples)
             if val_loader is not None and (step == 1 or step % args.val_step == 0):
                 record["val_loss"] = validate(fabric, model, val_loader, compute_loss)
-            history.append(record)
-            fabric.log_dict({k: v for k, v in record.items() if k != "step"}, step=step)  # the Fabric's loggers
-            if step in (first_step, plan.total_steps) or step % log_every == 0 or "val_loss" in record:
-                fabric.print(_format(record, plan.total_steps))
-            window_tokens, window_start = 0, time.perf_counter()
+            reporter.step(record, names, position.epoch, position.consumed_samples)
+            window_loss.zero_()
+            window_metrics.clear()
+            window_tokens = window_samples = 0
 
             if step % args.ckpt_interval == 0:
-                save(position)
+                reporter.message(f"checkpoint: {save(position)}")
                 last_saved_step = step
+            reporter.restart_clock()
             if _budget_reached(position, args):
                 done = True
                 break
         else:  # the epoch ran out
+            reporter.epoch_end(position.epoch, position.optimizer_step, position.consumed_samples)
             position.epoch, position.sample_index = position.epoch + 1, 0
 
     if position.optimizer_step != last_saved_step:
-        save(position)
-    for logger in fabric.loggers:
-        logger.save()  # flush what buffering loggers (CSV) hold; closing them is their owner's call
-    return history
-
-
-SHOWN_METRICS = ("reward", "reward_accuracy", "reward_margin", "kl_loss", "val_loss")
-"""Train-type metrics worth a place on the log line when a loss function reports them."""
-
-
-def _format(record: dict[str, float], total_steps: int) -> str:
-    line = (
-        f"step {record['step']}/{total_steps} | epoch {record['epoch']} | loss {record['loss']:.4f} | "
-        f"lr {record['lr']:.3e} | grad_norm {record['grad_norm']:.4f} | {record['tokens_per_sec']:,.0f} tokens/s"
-    )
-    return line + "".join(f" | {name} {record[name]:.4f}" for name in SHOWN_METRICS if name in record)
+        reporter.message(f"checkpoint: {save(position)}")
+    reporter.close()
+    return reporter.history
 
 
 def _num_tokens(batch: dict[str, Tensor]) -> int:

@@ -32,13 +32,33 @@ def causal_lm_loss(
     return F.cross_entropy(logits, masked, ignore_index=IGNORE_INDEX, label_smoothing=label_smoothing)
 
 
-def with_moe_aux_loss(task_loss: Tensor, aux_loss: Tensor | None, coef: float) -> tuple[Tensor, dict[str, Tensor]]:
-    """``task + coef * aux`` for MoE models, with AstrAI's metric names; the task loss alone otherwise."""
+def with_moe_aux_loss(task_loss: Tensor, output: dict, coef: float) -> tuple[Tensor, dict[str, Tensor]]:
+    """``task + coef * aux`` for MoE models (``output`` is the model's), with AstrAI's metric names and routing
+    diagnostics; the task loss alone otherwise."""
     metrics = {"task_loss": task_loss.detach()}
+    aux_loss = output.get("aux_loss")
     if aux_loss is None:
         return task_loss, metrics
     metrics.update(moe_aux_loss=aux_loss.detach(), moe_aux_loss_weighted=(coef * aux_loss).detach())
+    metrics.update(moe_diagnostics(output.get("router_stats") or []))
     return task_loss + coef * aux_loss, metrics
+
+
+def moe_diagnostics(router_stats: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """AstrAI's routing diagnostics, averaged over MoE layers: router entropy, fraction of experts given no
+    token, and the mean and largest load relative to an even split."""
+    per_layer = []
+    for stats in router_stats:
+        probs, chosen = stats["probs"].float(), stats["topk_indices"]
+        counts = F.one_hot(chosen, probs.size(-1)).sum(dim=(0, 1)).float()
+        load = counts / counts.mean().clamp(min=1.0)
+        entropy = -(probs * probs.clamp_min(1e-8).log()).sum(dim=-1).mean()
+        per_layer.append(torch.stack([entropy, (counts == 0).float().mean(), (load - 1).abs().mean(), load.max()]))
+    if not per_layer:
+        return {}
+    means = torch.stack(per_layer).mean(dim=0)
+    names = ("router_entropy", "dead_expert_fraction", "load_imbalance_mean", "load_imbalance_max")
+    return dict(zip(names, means, strict=True))
 
 
 def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:

@@ -129,6 +129,9 @@ class _AstraiSchedule(LRScheduler):
     def factor(self, t: int) -> float:
         raise NotImplementedError
 
+    def describe(self) -> str:
+        raise NotImplementedError
+
     def get_lr(self) -> list[float]:
         return [base * self.factor(self.last_epoch) for base in self.base_lrs]
 
@@ -149,6 +152,9 @@ class _AstraiSchedule(LRScheduler):
 
 class CosineScheduler(_AstraiSchedule):
     hyper = ("warmup_steps", "lr_decay_steps", "min_rate", "total_steps")
+
+    def describe(self) -> str:
+        return f"cosine: {self.warmup_steps} warmup steps, then decay over {self.lr_decay_steps} to {self.min_rate}x"
 
     def __init__(self, optimizer: Optimizer, warmup_steps: int, lr_decay_steps: int, min_rate: float) -> None:
         self.warmup_steps, self.lr_decay_steps, self.min_rate = warmup_steps, lr_decay_steps, min_rate
@@ -171,6 +177,12 @@ class SGDRScheduler(_AstraiSchedule):
         self.warmup_steps, self.cycle_length, self.min_rate, self.t_mult = warmup_steps, cycle_length, min_rate, t_mult
         super().__init__(optimizer)
 
+    def describe(self) -> str:
+        return (
+            f"sgdr: {self.warmup_steps} warmup steps, then cosine cycles of {self.cycle_length} steps "
+            f"(each x{self.t_mult}) down to {self.min_rate}x"
+        )
+
     def factor(self, t: int) -> float:
         return sgdr_factor(t, self.warmup_steps, self.cycle_length, self.min_rate, self.t_mult)
 
@@ -183,6 +195,12 @@ class WSDScheduler(_AstraiSchedule):
         self.min_rate = min_rate
         self.total_steps = warmup_steps + stable_steps + decay_steps
         super().__init__(optimizer)
+
+    def describe(self) -> str:
+        return (
+            f"wsd: {self.warmup_steps} warmup steps, {self.stable_steps} at the peak, quadratic decay over "
+            f"{self.decay_steps} to {self.min_rate}x"
+        )
 
     def factor(self, t: int) -> float:
         return wsd_factor(t, self.warmup_steps, self.stable_steps, self.decay_steps, self.min_rate)

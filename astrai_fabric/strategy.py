@@ -19,6 +19,7 @@ from functools import partial
 
 import torch
 from lightning.fabric import Fabric
+from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
 from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
 from torch import nn
@@ -81,7 +82,27 @@ def resolve_precision(precision: str, accelerator: str) -> str:
     return precision
 
 
-def build_fabric(args: TrainArgs, topology: Topology, loggers: list | None = None) -> Fabric:
+def build_loggers(args: TrainArgs) -> list:
+    """The recipe's loggers, writing under ``ckpt_dir/logs`` (created on first use, by rank 0)."""
+    loggers = []
+    if "csv" in args.loggers:
+        loggers.append(CSVLogger(args.ckpt_dir, name="logs"))
+    if "tensorboard" in args.loggers:
+        try:
+            loggers.append(TensorBoardLogger(args.ckpt_dir, name="logs"))
+        except ModuleNotFoundError as err:
+            raise ConfigError(
+                f"loggers tensorboard needs the tensorboard package ({err}): pip install tensorboard"
+            ) from None
+    return loggers
+
+
+def precision_of(fabric: Fabric) -> str:
+    """The precision the Fabric trains in (``32-true``, ``bf16-true``, ...)."""
+    return str(fabric.strategy.precision.precision)
+
+
+def build_fabric(args: TrainArgs, topology: Topology) -> Fabric:
     accelerator = resolve_accelerator(args)
     world_size = topology.world_size
     if world_size == 1:
@@ -119,7 +140,7 @@ def build_fabric(args: TrainArgs, topology: Topology, loggers: list | None = Non
         devices=topology.devices,
         num_nodes=topology.num_nodes,
         precision=resolve_precision(args.precision, accelerator),
-        loggers=loggers,
+        loggers=build_loggers(args),
     )
 
 

@@ -211,16 +211,15 @@ def load_weights(model: nn.Module, ckpt: Checkpoint) -> None:
 def load_optimizer_state(optimizer: Optimizer, state: dict[str, Any], source: Path) -> None:
     """A full optimizer state into a live optimizer, each tensor sharded like its parameter."""
     parts = optimizer_parts(optimizer)
-    if None in parts:
-        states = {None: state}
-    elif isinstance(state, dict) and set(state) == set(parts):
-        states = state
-    else:
+    single = None in parts  # one torch optimizer: {state, param_groups}; a composite: one such dict per part
+    expected = ["param_groups", "state"] if single else sorted(parts)
+    if not (isinstance(state, dict) and (set(expected) <= set(state) if single else set(state) == set(parts))):
         found = sorted(state) if isinstance(state, dict) else type(state).__name__
         raise CheckpointError(
-            f"{source}: optimizer state has keys {found}, but this run's optimizer saves {sorted(parts)}: the "
+            f"{source}: optimizer state has keys {found}, but this run's optimizer saves {expected}: the "
             "checkpoint was trained with another --optimizer"
         )
+    states = {None: state} if single else state
     for name, part in parts.items():
         params = [p for group in part.param_groups for p in group["params"]]
         sub_state = states[name]

@@ -131,3 +131,44 @@ def test_training_checkpoints_resume_across_trainers(tmp_path, monkeypatch):
     second = astrai_train(tmp_path, "--param_path", "ours/epoch_0_step_15", "--resume", "--ckpt_dir", "astrai2")
     assert second.returncode == 0, second.stderr[-2000:]
     assert sorted(p.name for p in (tmp_path / "astrai2").glob("epoch_*"))[0] == "epoch_0_step_18"
+
+
+def test_prepared_shards_load_in_astrai(tmp_path):
+    """`astrai-fabric prepare` output read by AstrAI's own DatasetFactory/MmapStore: one shard yields exactly our
+    training windows; several shards yield the same streams, concatenated in AstrAI's (filesystem) order."""
+    import numpy as np
+
+    from astrai_fabric.assets import TINY_MODEL_DIR
+    from astrai_fabric.data import load_window_dataset
+    from astrai_fabric.data.prepare import PipelineConfig, prepare
+    from astrai_fabric.tokenizer import Tokenizer
+
+    records = [{"prompt": f"Question {i}?", "answer": f"Answer {i}." * (1 + i % 3)} for i in range(12)]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    sections = [{"field": "prompt", "action": "mask"}, {"field": "answer", "action": "train"}]
+    for name, max_tokens in [("one", 10_000), ("many", 40)]:
+        config = {"input": {"sections": sections}, "preprocessing": {"min_chars": 0},
+                  "output": {"max_tokens_per_shard": max_tokens}}  # fmt: skip
+        prepare([tmp_path / "in.jsonl"], tmp_path / name, PipelineConfig.from_dict(config, "cfg"),
+                Tokenizer.from_dir(TINY_MODEL_DIR))  # fmt: skip
+    assert len(list((tmp_path / "many").glob("*/shard_*"))) == 3
+    run_astrai(f"""
+        import glob, torch
+        from astrai.dataset.dataset import DatasetFactory
+        one = DatasetFactory.load("sft", "{tmp_path / "one"}", window_size=16, storage_type="bin")
+        many = DatasetFactory.load("sft", "{tmp_path / "many"}", window_size=16, storage_type="bin").store
+        order = [p.split("/")[-2] for p in glob.glob("{tmp_path / "many"}/**/meta.json", recursive=True)]
+        streams = {{key: many.fetch(0, many.token_count, key) for key in many.keys}}
+        torch.save([[one[i] for i in range(len(one))], order, streams], "{tmp_path / "astrai.pt"}")
+    """)
+    windows, order, streams = torch.load(tmp_path / "astrai.pt")
+    ours = load_window_dataset("sft", tmp_path / "one", window_size=16, stride=None, tokenizer=None)
+    assert len(windows) == len(ours) > 3
+    for index, sample in enumerate(windows):
+        for key, value in sample.items():
+            assert ours[index][key].tolist() == value.tolist(), (index, key)
+    assert sorted(streams) == ["loss_mask", "position_ids", "sequence"]
+    for key, stream in streams.items():
+        dtype = json.loads((tmp_path / "many" / "__default__" / "shard_0000" / "meta.json").read_text())[key]["dtype"]
+        shards = [np.fromfile(tmp_path / "many" / "__default__" / shard / f"{key}.bin", dtype=dtype) for shard in order]
+        assert stream.tolist() == np.concatenate(shards).tolist(), key

@@ -41,10 +41,22 @@ def test_micro_batch_without_trained_tokens_is_zero_not_nan():
 
 
 def test_moe_aux_loss_is_added_with_its_coefficient():
-    loss, metrics = with_moe_aux_loss(torch.tensor(2.0), torch.tensor(1.5), coef=0.01)
+    loss, metrics = with_moe_aux_loss(torch.tensor(2.0), {"aux_loss": torch.tensor(1.5)}, coef=0.01)
     assert loss.item() == pytest.approx(2.015)
     assert {k: round(v.item(), 6) for k, v in metrics.items()} == {
         "task_loss": 2.0, "moe_aux_loss": 1.5, "moe_aux_loss_weighted": 0.015,
     }  # fmt: skip
-    dense, dense_metrics = with_moe_aux_loss(torch.tensor(2.0), None, coef=0.01)
+    dense, dense_metrics = with_moe_aux_loss(torch.tensor(2.0), {}, coef=0.01)
     assert dense.item() == 2.0 and list(dense_metrics) == ["task_loss"]
+
+
+def test_moe_diagnostics_hand_computed():
+    from astrai_fabric.losses import moe_diagnostics
+
+    # 2 tokens, 4 experts, top-1: both go to expert 0 -> counts (2, 0, 0, 0); AstrAI divides by max(mean, 1) = 1
+    probs = torch.tensor([[0.5, 0.5, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    stats = moe_diagnostics([{"probs": probs, "topk_indices": torch.tensor([[0], [0]])}])
+    assert stats["router_entropy"].item() == pytest.approx(math.log(2) / 2, abs=1e-6)
+    assert stats["dead_expert_fraction"].item() == 0.75
+    assert stats["load_imbalance_max"].item() == 2.0
+    assert stats["load_imbalance_mean"].item() == pytest.approx((1 + 1 + 1 + 1) / 4)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from astrai_fabric.errors import ConfigError
+from astrai_fabric.metrics import KNOWN_METRICS
 
 TrainType = Literal["seq", "sft", "dpo", "grpo"]
 ParallelMode = Literal["none", "ddp", "fsdp"]
@@ -205,8 +206,19 @@ class TrainArgs:
     """AstrAI's manual start epoch (for fresh runs); ignored when resuming."""
     start_samples: int = 0
     """AstrAI's manual start offset, in samples per rank (for fresh runs); ignored when resuming."""
-    metrics: list[str] = field(default_factory=lambda: ["loss", "lr", "grad_norm", "grad_snr"])
-    """Metrics to record (AstrAI's names)."""
+    metrics: list[str] = field(default_factory=lambda: ["loss", "lr", "grad_norm", "grad_snr", "tokens_per_sec"])
+    """What ``metric.jsonl`` records besides the loss function's own metrics: AstrAI's names (``loss``, ``lr``,
+    ``grad_norm``, ``grad_snr``, ``val_loss``, ``moe_aux_loss``, ``router_entropy``, ``dead_expert_fraction``,
+    ``load_imbalance_mean``, ``load_imbalance_max``) and ``tokens_per_sec``, ``samples_per_sec``, ``mfu``.
+    ``grad_snr`` keeps two gradient-sized buffers; leave it out to save them."""
+    loggers: list[Literal["csv", "tensorboard"]] = field(default_factory=lambda: ["csv"])
+    """Where every step's metrics also go, under ``ckpt_dir/logs``: CSV, and/or TensorBoard (needs the
+    ``tensorboard`` package); ``[]`` for none."""
+    peak_flops: float | None = None
+    """Peak FLOP/s of one device, for model FLOPs utilisation (``mfu``); known CUDA devices need no value."""
+    dry_run: bool = False
+    """Print the plan (model and data size, batch and step arithmetic, schedule, outputs) and exit without training;
+    AstrAI's ``--dry-run`` works too."""
 
     def validate(self) -> None:
         """Raise one ``ConfigError`` naming every field with a bad value."""
@@ -258,6 +270,11 @@ class TrainArgs:
             problems.append(f"sharded_checkpoint needs parallel_mode fsdp, got {self.parallel_mode}")
         if self.device_type not in (None, "cpu", "cuda"):
             problems.append(f"device_type must be cpu or cuda, got {self.device_type!r}")
+        unknown = [m for m in self.metrics if m not in KNOWN_METRICS]
+        if unknown:
+            problems.append(f"metrics {unknown} are unknown; choose from {list(KNOWN_METRICS)}")
+        if self.peak_flops is not None and self.peak_flops <= 0:
+            problems.append(f"peak_flops must be positive, got {self.peak_flops}")
         if isinstance(self.resume, str) and not self.resume:
             problems.append("resume must be true, false, auto or a checkpoint path, got ''")
         if problems:

@@ -58,11 +58,12 @@ def read_bin_shards(root: Path) -> dict[str, list[np.ndarray]]:
     return streams
 
 
-def read_jsonl(path: Path) -> list[Record]:
-    """Records of a JSONL file, or of the sorted top-level ``*.jsonl`` files of a directory."""
+def read_jsonl(path: Path, what: str = "data_root_path") -> list[Record]:
+    """Records of a JSONL file, or of the sorted top-level ``*.jsonl`` files of a directory; ``what`` names the
+    path in error messages."""
     files = [path] if path.is_file() else sorted(path.glob("*.jsonl"))
     if not files:
-        raise UserError(f"data_root_path {path}: no .jsonl files directly inside")
+        raise UserError(f"{what} {path}: no .jsonl files directly inside")
     records = []
     for file in files:
         with open(file, encoding="utf-8") as f:
@@ -77,5 +78,5 @@ def read_jsonl(path: Path) -> list[Record]:
                     raise UserError(f"{file}:{line_no}: expected a JSON object, got {type(record).__name__}")
                 records.append((f"{file}:{line_no}", record))
     if not records:
-        raise UserError(f"data_root_path {path}: the dataset is empty (no records)")
+        raise UserError(f"{what} {path}: the dataset is empty (no records)")
     return records

@@ -8,7 +8,6 @@ train type's ``main(fabric, args)`` on every rank. Programs that own a launched 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 
 from lightning.fabric import Fabric
 
@@ -16,13 +15,10 @@ from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import ConfigError
 from astrai_fabric.strategy import build_fabric, resolve_topology
 from astrai_fabric.train import dpo, grpo, lm
+from astrai_fabric.train.dry_run import dry_run
 
-MAINS: dict[str, Callable[[Fabric, TrainArgs], list[dict]]] = {
-    "seq": lm.main,
-    "sft": lm.main,
-    "dpo": dpo.main,
-    "grpo": grpo.main,
-}
+TRAIN_TYPES = {"seq": lm, "sft": lm, "dpo": dpo, "grpo": grpo}
+"""Each train type's module: ``build_dataset(args, start)`` and ``main(fabric, args)``."""
 
 
 def run(args: TrainArgs) -> list[dict] | None:
@@ -31,6 +27,9 @@ def run(args: TrainArgs) -> list[dict] | None:
     Returns the per-step records of ``loop.fit`` (rank 0's when this process launched the ranks).
     """
     args.validate()
+    if args.dry_run:
+        dry_run(args, TRAIN_TYPES[args.train_type].build_dataset)
+        return []
     fabric = build_fabric(args, resolve_topology(args))
     if os.environ.get("LT_CLI_USED") == "1":
         return train(fabric, args)  # under `fabric run` the Fabric joined the process group already (P8)
@@ -43,6 +42,6 @@ def train(fabric: Fabric, args: TrainArgs) -> list[dict]:
     ``device_type``, ``backend``, ``precision``, ``tp_size``, ``fsdp_*``) are then ignored. Returns the per-step
     records of ``loop.fit``; every rank must call it."""
     args.validate()
-    if args.train_type not in MAINS:
-        raise ConfigError(f"train_type must be one of {sorted(MAINS)}, got {args.train_type!r}")
-    return MAINS[args.train_type](fabric, args)
+    if args.train_type not in TRAIN_TYPES:
+        raise ConfigError(f"train_type must be one of {sorted(TRAIN_TYPES)}, got {args.train_type!r}")
+    return TRAIN_TYPES[args.train_type].main(fabric, args)

@@ -23,6 +23,7 @@ from astrai_fabric.checkpoint import (
     WEIGHTS_FILE,
     WEIGHTS_INDEX_FILE,
     Checkpoint,
+    checkpoints_after,
     find_latest_checkpoint,
     load_checkpoint,
 )
@@ -32,10 +33,13 @@ from astrai_fabric.data import ResumableSampler
 from astrai_fabric.data.storage import detect_format
 from astrai_fabric.errors import CheckpointError, UserError
 from astrai_fabric.loop import LossFn, fit
+from astrai_fabric.metrics import METRIC_FILE, MetricLog, flops_per_token, peak_flops
 from astrai_fabric.model import AutoRegressiveLM
 from astrai_fabric.optim import build_optimizer, resolve_ns_dtype
+from astrai_fabric.plot import PLOT_FILE, plot_runs
+from astrai_fabric.reporting import Reporter
 from astrai_fabric.schedule import StepPlan, build_scheduler
-from astrai_fabric.strategy import data_parallel, setup_frozen
+from astrai_fabric.strategy import data_parallel, precision_of, setup_frozen
 from astrai_fabric.tokenizer import Tokenizer
 from astrai_fabric.training_state import (
     RESUME_KEY,
@@ -235,6 +239,19 @@ def start_position(fabric: Fabric, start: Start, args: TrainArgs, plan: StepPlan
     return position
 
 
+def refuse_to_overwrite(fabric: Fabric, ckpt_dir: str, step: int) -> None:
+    """Refuse to start a run that would replace checkpoints of another one: ``ckpt_dir`` must hold none saved
+    after the run's first step (rank 0 looks; every rank raises)."""
+    later = checkpoints_after(ckpt_dir, step) if fabric.global_rank == 0 else None
+    names = fabric.broadcast([path.name for path in later] if later is not None else None)
+    if names:
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        raise CheckpointError(
+            f"ckpt_dir {ckpt_dir}: already holds {shown}, past this run's start (step {step}), which it would "
+            "overwrite; continue the newest with --resume auto, or choose a new --ckpt_dir"
+        )
+
+
 def resolved_recipe(args: TrainArgs) -> str:
     """The run's full configuration as a flat recipe that ``--config`` accepts."""
     header = f"# Resolved recipe; rerun with: astrai-fabric {args.train_type} --config {RECIPE_FILE}\n"
@@ -273,22 +290,22 @@ def _read_reference(path: Path) -> Checkpoint:
 
 
 def make_saver(fabric: Fabric, model: nn.Module, optimizer: Any, scheduler: Any, start: Start, args: TrainArgs,
-               tokenizer: Tokenizer | None, extra_meta: dict[str, Any] | None = None):  # fmt: skip
-    """``save(position)`` writing ``{ckpt_dir}/epoch_{E}_step_{S}`` (all ranks call it; rank 0 writes)."""
+               metric_log: MetricLog, extra_meta: dict[str, Any] | None = None):  # fmt: skip
+    """``save(position)`` writing ``{ckpt_dir}/epoch_{E}_step_{S}`` (all ranks call it; rank 0 writes) and
+    returning its path; each checkpoint also gets the run's metric log so far."""
     config = dataclasses.replace(start.model_config, neftune_alpha=args.neftune_alpha).to_dict()
     meta = {"train_type": args.train_type, **{k: v for k, v in args.to_dict().items() if k != "train_type"}}
     meta.update(extra_meta or {})
-    files: dict[str, Any] = dict(tokenizer.files) if tokenizer else {}
-    files[RECIPE_FILE] = resolved_recipe(args)
+    files: dict[str, Any] = {**start.tokenizer.files, RECIPE_FILE: resolved_recipe(args)}
     raw_model = getattr(model, "module", model)  # the module Fabric wraps: clean keys, no `_orig_mod.`
 
     def save(position: RunPosition) -> Path:
         path = Path(args.ckpt_dir) / f"epoch_{position.last_epoch}_step_{position.optimizer_step}"
+        files[METRIC_FILE] = metric_log.text()
         save_training_checkpoint(
             fabric, path, raw_model, optimizer.optimizer, scheduler, position, config, meta, files,
             args.sharded_checkpoint,
         )  # fmt: skip
-        fabric.print(f"checkpoint: {path}")
         return path
 
     return save
@@ -324,7 +341,6 @@ def train_on(
     fabric: Fabric,
     args: TrainArgs,
     start: Start,
-    tokenizer: Tokenizer,
     dataset: Dataset,
     data_summary: str,
     compute_loss: LossFn,
@@ -352,6 +368,7 @@ def train_on(
     model = build_model(fabric, start, args)
     optimizer, scheduler = build_optimizer_and_schedule(fabric, model, start, args, plan)
     position = start_position(fabric, start, args, plan)
+    refuse_to_overwrite(fabric, args.ckpt_dir, position.optimizer_step)
     train_loader, sampler = make_loader(fabric, train_set, args, shuffle=True, collate=collate)
     val_loader = make_loader(fabric, val_set, args, shuffle=False, collate=collate)[0] if val_set is not None else None
     batches = make_batches(model, train_loader, position) if make_batches is not None else train_loader
@@ -360,7 +377,8 @@ def train_on(
     held_out = f", {len(val_set):,} held out" if val_set is not None else ""
     fabric.print(
         f"{args.train_type}: {num_params:,} parameters | {len(train_set):,} training samples: {data_summary}{held_out}"
-        f"\n{plan.describe()}\noutputs: {Path(args.ckpt_dir).resolve()}"
+        f"\n{plan.describe()}\nschedule: {scheduler.describe()}, peak {args.max_lr}"
+        f"\noutputs: {Path(args.ckpt_dir).resolve()}"
     )
     if start.resume is not None:
         fabric.print(
@@ -371,9 +389,19 @@ def train_on(
         Path(args.ckpt_dir).mkdir(parents=True, exist_ok=True)
         (Path(args.ckpt_dir) / RECIPE_FILE).write_text(resolved_recipe(args))
 
-    save = make_saver(fabric, model, optimizer, scheduler, start, args, tokenizer, extra_meta)
+    # A resumed run continues its checkpoint's metric history (AstrAI starts a new one at every resume).
+    metric_log = MetricLog.resumed(args.metrics, start.resume.path if start.resume is not None else None)
+    save = make_saver(fabric, model, optimizer, scheduler, start, args, metric_log, extra_meta)
+    window_size = getattr(dataset, "window_size", None) or start.model_config.max_position_embeddings
+    reporter = Reporter(
+        fabric, plan, metric_log, first_step=position.optimizer_step + 1,
+        flops_per_token=flops_per_token(start.model_config, window_size),
+        peak_flops=peak_flops(fabric.device, precision_of(fabric), args.peak_flops),
+    )  # fmt: skip
     history = fit(fabric, model, optimizer, scheduler, batches, sampler, compute_loss, args, plan, position, save,
-                  val_loader)  # fmt: skip
+                  reporter, val_loader)  # fmt: skip
     latest = find_latest_checkpoint(args.ckpt_dir)
     fabric.print(f"done after step {position.optimizer_step}; latest checkpoint: {latest}")
+    if fabric.global_rank == 0 and latest is not None:
+        fabric.print(f"plot: {plot_runs([Path(args.ckpt_dir)], Path(args.ckpt_dir) / PLOT_FILE)}")
     return history

@@ -17,7 +17,7 @@ from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.data.records import PreferenceDataset, collate_preferences
 from astrai_fabric.data.storage import read_jsonl
 from astrai_fabric.losses import dpo_loss, token_logprobs, with_moe_aux_loss
-from astrai_fabric.train.common import reference_model, require_jsonl, resolve_start, train_on
+from astrai_fabric.train.common import Start, reference_model, require_jsonl, resolve_start, train_on
 
 
 def response_logprobs(model: nn.Module, ids: Tensor, loss_mask: Tensor) -> tuple[Tensor, dict]:
@@ -39,23 +39,26 @@ def dpo_batch_loss(
         ref, _ = response_logprobs(reference, ids, loss_mask)
     policy, ref = policy.view(-1, 2), ref.view(-1, 2)
     loss, metrics = dpo_loss(policy[:, 0], policy[:, 1], ref[:, 0], ref[:, 1], beta)
-    loss, moe_metrics = with_moe_aux_loss(loss, out.get("aux_loss"), moe_aux_loss_coef)
+    loss, moe_metrics = with_moe_aux_loss(loss, out, moe_aux_loss_coef)
     return loss, {**metrics, **moe_metrics}
+
+
+def build_dataset(args: TrainArgs, start: Start) -> tuple[PreferenceDataset, str]:
+    """The tokenised pairs and a one-line description of them."""
+    window_size = args.window_size or start.model_config.max_position_embeddings
+    data_path = require_jsonl(assets.resolve(args.data_root_path), "dpo")
+    dataset = PreferenceDataset(read_jsonl(data_path), start.tokenizer, window_size)
+    dropped = f"; {dataset.num_dropped} dropped: their prompt fills the window" if dataset.num_dropped else ""
+    return dataset, f"preference pairs from {data_path}, at most {window_size} tokens each{dropped}"
 
 
 def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
     """Train dpo on a launched Fabric; returns the per-step records (see ``loop.fit``)."""
     start = resolve_start(fabric, args)
-    tokenizer = start.tokenizer
-    window_size = args.window_size or start.model_config.max_position_embeddings
-    data_path = require_jsonl(assets.resolve(args.data_root_path), "dpo")
-    dataset = PreferenceDataset(read_jsonl(data_path), tokenizer, window_size)
-    if dataset.num_dropped:
-        fabric.print(f"dropped {dataset.num_dropped} pair(s) whose prompt fills the window of {window_size} tokens")
+    dataset, summary = build_dataset(args, start)
     reference, reference_meta = reference_model(fabric, start, args)
     compute_loss = partial(dpo_batch_loss, reference=reference, beta=args.dpo_beta,
                            moe_aux_loss_coef=args.moe_aux_loss_coef)  # fmt: skip
-    collate = partial(collate_preferences, pad_id=tokenizer.pad_token_id or 0)
-    summary = f"preference pairs from {data_path}, at most {window_size} tokens each"
-    return train_on(fabric, args, start, tokenizer, dataset, summary, compute_loss, collate,
+    collate = partial(collate_preferences, pad_id=start.tokenizer.pad_token_id or 0)
+    return train_on(fabric, args, start, dataset, summary, compute_loss, collate,
                     extra_meta={"reference": reference_meta})  # fmt: skip

@@ -30,7 +30,7 @@ from astrai_fabric.generate import generate
 from astrai_fabric.losses import group_advantages, grpo_loss, token_logprobs, with_moe_aux_loss
 from astrai_fabric.rewards import Reward, load_reward, score
 from astrai_fabric.tokenizer import Tokenizer
-from astrai_fabric.train.common import reference_model, require_jsonl, resolve_start, train_on
+from astrai_fabric.train.common import Start, reference_model, require_jsonl, resolve_start, train_on
 from astrai_fabric.training_state import RunPosition
 
 
@@ -57,7 +57,7 @@ def grpo_batch_loss(
     advantages = group_advantages(batch["rewards"]).flatten()
     loss, metrics = grpo_loss(logprobs, old, ref_logprobs, mask, advantages, clip_eps, kl_coef)
     metrics["reward"] = batch["rewards"].mean()
-    loss, moe_metrics = with_moe_aux_loss(loss, out.get("aux_loss"), moe_aux_loss_coef)
+    loss, moe_metrics = with_moe_aux_loss(loss, out, moe_aux_loss_coef)
     return loss, {**metrics, **moe_metrics}
 
 
@@ -113,33 +113,37 @@ class Rollouts:
         return self.fabric.all_reduce(pending, reduce_op="sum").item() == 0
 
 
-def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
-    """Train grpo (offline or online, by what the data holds) on a launched Fabric; returns the per-step records."""
-    start = resolve_start(fabric, args)
-    tokenizer = start.tokenizer
+def build_dataset(args: TrainArgs, start: Start) -> tuple[GroupDataset | PromptDataset, str]:
+    """Scored groups (offline) or prompts (online: the data holds no responses), and a description of them."""
     window_size = args.window_size or start.model_config.max_position_embeddings
     data_path = require_jsonl(assets.resolve(args.data_root_path), "grpo")
     records = read_jsonl(data_path)
-    reference, reference_meta = reference_model(fabric, start, args)
-    compute_loss = partial(grpo_batch_loss, reference=reference, clip_eps=args.grpo_clip_eps,
-                           kl_coef=args.grpo_kl_coef, moe_aux_loss_coef=args.moe_aux_loss_coef)  # fmt: skip
-    meta = {"reference": reference_meta}
-    pad_id = tokenizer.pad_token_id or 0
     if "responses" in records[0][1]:
-        dataset = GroupDataset(records, tokenizer, window_size)
-        summary = f"scored response groups from {data_path} (offline)"
-        return train_on(fabric, args, start, tokenizer, dataset, summary, compute_loss,
-                        partial(collate_groups, pad_id=pad_id), meta)  # fmt: skip
+        return GroupDataset(records, start.tokenizer, window_size), f"scored response groups from {data_path} (offline)"
     if args.reward is None:
         raise ConfigError(
             f"data_root_path {data_path}: records hold prompts without responses (online grpo), which needs --reward "
             "(e.g. --reward astrai_fabric.rewards.LengthReward)"
         )
-    reward = load_reward(args.reward)
-    dataset = PromptDataset(records, tokenizer, window_size)
     summary = f"prompts from {data_path} (online: {args.group_size} samples each, scored by {args.reward})"
+    return PromptDataset(records, start.tokenizer, window_size), summary
+
+
+def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
+    """Train grpo (offline or online, by what the data holds) on a launched Fabric; returns the per-step records."""
+    start = resolve_start(fabric, args)
+    dataset, summary = build_dataset(args, start)
+    reference, reference_meta = reference_model(fabric, start, args)
+    compute_loss = partial(grpo_batch_loss, reference=reference, clip_eps=args.grpo_clip_eps,
+                           kl_coef=args.grpo_kl_coef, moe_aux_loss_coef=args.moe_aux_loss_coef)  # fmt: skip
+    meta = {"reference": reference_meta}
+    if isinstance(dataset, GroupDataset):
+        collate = partial(collate_groups, pad_id=start.tokenizer.pad_token_id or 0)
+        return train_on(fabric, args, start, dataset, summary, compute_loss, collate, meta)
+    reward = load_reward(args.reward)
+    window_size = args.window_size or start.model_config.max_position_embeddings
 
     def rollouts(model: nn.Module, loader: Any, position: RunPosition) -> Rollouts:
-        return Rollouts(fabric, model, loader, tokenizer, reward, args, window_size, position)
+        return Rollouts(fabric, model, loader, start.tokenizer, reward, args, window_size, position)
 
-    return train_on(fabric, args, start, tokenizer, dataset, summary, compute_loss, collate_prompts, meta, rollouts)
+    return train_on(fabric, args, start, dataset, summary, compute_loss, collate_prompts, meta, rollouts)

@@ -14,10 +14,10 @@ from torch import Tensor, nn
 
 from astrai_fabric import assets
 from astrai_fabric.config.train import TrainArgs
-from astrai_fabric.data import load_window_dataset
+from astrai_fabric.data import WindowDataset, load_window_dataset
 from astrai_fabric.losses import causal_lm_loss, with_moe_aux_loss
 from astrai_fabric.model import make_doc_boundary_mask
-from astrai_fabric.train.common import resolve_start, train_on
+from astrai_fabric.train.common import Start, resolve_start, train_on
 
 
 def lm_loss(model: nn.Module, batch: dict[str, Tensor], label_smoothing: float, moe_aux_loss_coef: float):
@@ -28,16 +28,20 @@ def lm_loss(model: nn.Module, batch: dict[str, Tensor], label_smoothing: float, 
     else:
         out = model(batch["input_ids"])
     loss = causal_lm_loss(out["logits"], batch["target_ids"], batch.get("loss_mask"), label_smoothing)
-    return with_moe_aux_loss(loss, out.get("aux_loss"), moe_aux_loss_coef)
+    return with_moe_aux_loss(loss, out, moe_aux_loss_coef)
+
+
+def build_dataset(args: TrainArgs, start: Start) -> tuple[WindowDataset, str]:
+    """The training windows and a one-line description of them."""
+    window_size = args.window_size or start.model_config.max_position_embeddings
+    data_path = assets.resolve(args.data_root_path)
+    dataset = load_window_dataset(args.train_type, data_path, window_size, args.stride, start.tokenizer)
+    return dataset, f"windows of {window_size} tokens from {data_path} ({dataset.stream.num_tokens:,} tokens)"
 
 
 def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
     """Train seq or sft on a launched Fabric; returns the per-step records (see ``loop.fit``)."""
     start = resolve_start(fabric, args)
-    tokenizer = start.tokenizer
-    window_size = args.window_size or start.model_config.max_position_embeddings
-    data_path = assets.resolve(args.data_root_path)
-    dataset = load_window_dataset(args.train_type, data_path, window_size, args.stride, tokenizer)
-    summary = f"windows of {window_size} tokens from {data_path} ({dataset.stream.num_tokens:,} tokens)"
+    dataset, summary = build_dataset(args, start)
     compute_loss = partial(lm_loss, label_smoothing=args.label_smoothing, moe_aux_loss_coef=args.moe_aux_loss_coef)
-    return train_on(fabric, args, start, tokenizer, dataset, summary, compute_loss)
+    return train_on(fabric, args, start, dataset, summary, compute_loss)

@@ -1,0 +1,120 @@
+"""What a run measures and records: gradient SNR, MoE routing diagnostics, throughput and MFU, and AstrAI's
+``metric.jsonl`` (spec §10).
+
+``metric.jsonl`` has one JSON object per line, ``{"type": "step"|"validation"|"epoch", "timestamp", "epoch",
+"step", "consumed_samples", ...}``: step entries carry the loss function's own metrics (``task_loss``, ``dpo_loss``,
+...) plus the names asked for with ``--metrics``; validation entries carry ``val_loss``. Every checkpoint holds the
+whole history. Departure from AstrAI: a resumed run continues the history of the checkpoint it resumed (AstrAI
+starts a new one), so the latest checkpoint always holds the complete run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from astrai_fabric.config.model import ModelConfig
+
+METRIC_FILE = "metric.jsonl"
+KNOWN_METRICS = (
+    "loss", "lr", "grad_norm", "grad_snr", "val_loss", "moe_aux_loss", "router_entropy", "dead_expert_fraction",
+    "load_imbalance_mean", "load_imbalance_max", "tokens_per_sec", "samples_per_sec", "mfu",
+)  # fmt: skip
+"""Names ``--metrics`` accepts: AstrAI's, plus throughput (``tokens_per_sec``, ``samples_per_sec``, ``mfu``)."""
+
+
+class MetricLog:
+    """AstrAI's cumulative metric log; rank 0 keeps it and every checkpoint gets a copy."""
+
+    def __init__(self, names: list[str], entries: list[dict[str, Any]] | None = None) -> None:
+        self.names = [n for n in names if n != "val_loss"]
+        self.entries = list(entries or [])
+
+    @classmethod
+    def resumed(cls, names: list[str], checkpoint_dir: Path | None) -> MetricLog:
+        """The log of the checkpoint a run resumes from (empty for a fresh run or a checkpoint without one)."""
+        path = checkpoint_dir / METRIC_FILE if checkpoint_dir is not None else None
+        if path is None or not path.is_file():
+            return cls(names)
+        return cls(names, [json.loads(line) for line in path.read_text().splitlines() if line.strip()])
+
+    def add(self, kind: str, epoch: int, step: int, consumed_samples: int, **values: float) -> None:
+        entry = {"type": kind, "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), "epoch": epoch, "step": step}
+        self.entries.append({**entry, "consumed_samples": consumed_samples, **values})
+
+    def add_step(self, record: dict[str, Any], loss_metrics: list[str], epoch: int, consumed_samples: int) -> None:
+        """A step entry: the loss function's metrics, then the requested names the record has (AstrAI's choice)."""
+        chosen = [*loss_metrics, *(n for n in self.names if n not in loss_metrics)]
+        values = {n: record[n] for n in chosen if n in record and record[n] is not None}
+        self.add("step", epoch, record["step"], consumed_samples, **values)
+
+    def text(self) -> str:
+        return "".join(json.dumps(entry) + "\n" for entry in self.entries)
+
+
+class GradSNR:
+    """AstrAI's gradient signal-to-noise ratio in dB: ``10 log10(sum m^2 / sum(v - m^2))`` over all gradient
+    entries, with ``m``/``v`` EMAs (beta 0.999) of ``g`` and ``g^2``. Costs two gradient-sized buffers; drop
+    ``grad_snr`` from ``--metrics`` to save them. Sharded gradients give the same value as unsharded ones."""
+
+    def __init__(self, beta: float = 0.999, eps: float = 1e-8) -> None:
+        self.beta, self.eps = beta, eps
+        self.moments: dict[int, tuple[Tensor, Tensor]] = {}
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> float:
+        """Fold in the current gradients and return the SNR (collective under FSDP/TP: every rank calls it)."""
+        signal, noise = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+        for param in model.parameters():
+            if param.grad is None:
+                continue
+            grad = param.grad.detach().float()
+            if id(param) not in self.moments:
+                self.moments[id(param)] = (grad.clone(), grad.square())
+            else:
+                first, second = self.moments[id(param)]
+                first.mul_(self.beta).add_(grad, alpha=1 - self.beta)
+                second.mul_(self.beta).addcmul_(grad, grad, value=1 - self.beta)
+            first, second = self.moments[id(param)]
+            signal += _total(first.square())
+            noise += _total((second - first.square()).clamp(min=0))
+        ratio = float(signal) / (float(noise) + self.eps)
+        return 10.0 * math.log10(max(ratio, self.eps))
+
+
+def _total(tensor: Tensor) -> Tensor:
+    total = tensor.sum()
+    return (total.full_tensor() if isinstance(total, DTensor) else total).double().cpu()
+
+
+def flops_per_token(config: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: ``6 N`` for the weights plus ``12 L H S`` for attention (the PaLM paper's count;
+    MoE layers count all experts, so MFU is an upper bound there)."""
+    num_params = sum(p.numel() for p in _meta_model(config).parameters())
+    return 6 * num_params + 12 * config.num_hidden_layers * config.hidden_size * seq_len
+
+
+def _meta_model(config: ModelConfig) -> nn.Module:
+    from astrai_fabric.model import AutoRegressiveLM
+
+    with torch.device("meta"):
+        return AutoRegressiveLM(config)
+
+
+def peak_flops(device: torch.device, precision: str, given: float | None) -> float | None:
+    """Peak FLOP/s of one device: ``--peak_flops`` when given, Lightning's table for known CUDA devices, else None."""
+    if given is not None:
+        return given
+    if device.type != "cuda":
+        return None
+    from lightning.fabric.utilities.throughput import get_available_flops
+
+    dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float32
+    return get_available_flops(device, dtype)

@@ -1,0 +1,76 @@
+"""``astrai-fabric plot``: loss (train and validation), learning rate and throughput against step, for one run
+or several overlaid. The only matplotlib importer.
+
+A run is a ``--ckpt_dir`` (every ``metric.jsonl`` under it is merged, so resumed runs plot whole), a checkpoint
+directory, or a ``metric.jsonl`` file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from astrai_fabric.errors import UserError
+from astrai_fabric.metrics import METRIC_FILE
+
+PLOT_FILE = "plot.png"
+
+
+def read_entries(run: Path) -> list[dict[str, Any]]:
+    """The run's metric entries, merged over all its ``metric.jsonl`` files, one per (type, step), by step."""
+    files = [run] if run.is_file() else sorted(run.rglob(METRIC_FILE))
+    if not files:
+        raise UserError(f"{run}: no {METRIC_FILE} found (give a run's ckpt_dir, a checkpoint, or a metric.jsonl)")
+    merged: dict[tuple[str, int], dict[str, Any]] = {}
+    for file in files:
+        for number, line in enumerate(file.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                entry = json.loads(line)
+                merged[(entry["type"], entry["step"])] = entry
+            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                raise UserError(f"{file}:{number}: not a metric entry ({err})") from None
+    return sorted(merged.values(), key=lambda e: e["step"])
+
+
+def plot_runs(runs: list[Path], output: Path) -> Path:
+    """Write a PNG with one panel each for loss, learning rate and tokens/s; return its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    figure, (loss_ax, lr_ax, speed_ax) = plt.subplots(1, 3, figsize=(16, 4.5))
+    for run in runs:
+        entries = read_entries(run)
+        name = run.name if run.name != METRIC_FILE else run.parent.name
+        steps = [e for e in entries if e["type"] == "step"]
+        line = _series(loss_ax, steps, "loss", f"{name} train")
+        _series(loss_ax, [e for e in entries if e["type"] == "validation"], "val_loss", f"{name} validation",
+                color=line.get_color() if line else None, linestyle="--", marker="o")  # fmt: skip
+        _series(lr_ax, steps, "lr", name)
+        _series(speed_ax, steps, "tokens_per_sec", name)
+    for axis, title in ((loss_ax, "loss"), (lr_ax, "learning rate"), (speed_ax, "tokens/s")):
+        axis.set_title(title)
+        axis.set_xlabel("optimizer step")
+        axis.grid(alpha=0.3)
+        if axis.lines:
+            axis.legend(fontsize="small")
+        else:
+            axis.text(0.5, 0.5, "not recorded", ha="center", va="center", transform=axis.transAxes)
+    lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    figure.tight_layout()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(output, dpi=110)
+    plt.close(figure)
+    return output
+
+
+def _series(axis: Any, entries: list[dict[str, Any]], key: str, label: str, **style: Any) -> Any:
+    points = [(e["step"], e[key]) for e in entries if isinstance(e.get(key), int | float)]
+    if not points:
+        return None
+    (line,) = axis.plot(*zip(*points, strict=True), label=label, **{k: v for k, v in style.items() if v is not None})
+    return line

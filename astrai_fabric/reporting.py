@@ -1,0 +1,115 @@
+"""What a run shows and records each optimizer step: the progress display, the Fabric's loggers, AstrAI's
+``metric.jsonl`` and the records ``fit`` returns. ``fit`` calls it explicitly; it decides nothing about training.
+
+On a terminal rank 0 shows one progress bar per epoch (step, loss, lr, grad_norm, tokens/s, and the bar's ETA);
+otherwise (a log file, CI) it prints plain lines at about 20 steps per schedule, each with its ETA.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from lightning.fabric import Fabric
+from tqdm import tqdm
+
+from astrai_fabric.metrics import MetricLog
+from astrai_fabric.schedule import StepPlan
+
+SHOWN_METRICS = ("reward", "reward_accuracy", "reward_margin", "kl_loss", "val_loss")
+"""Train-type metrics worth a place on the log line when a loss function reports them."""
+
+
+class Reporter:
+    def __init__(
+        self,
+        fabric: Fabric,
+        plan: StepPlan,
+        metric_log: MetricLog,
+        first_step: int,
+        flops_per_token: float | None = None,
+        peak_flops: float | None = None,
+    ) -> None:
+        self.fabric, self.plan, self.metric_log = fabric, plan, metric_log
+        self.first_step = first_step
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self.is_main = fabric.global_rank == 0
+        self.interactive = self.is_main and sys.stdout.isatty()
+        self.log_every = max(1, plan.total_steps // 20)
+        self.history: list[dict[str, Any]] = []
+        self.bar: tqdm | None = None
+        self.bar_epoch = -1
+        self.started = self.window_start = time.perf_counter()
+
+    def throughput(self, record: dict[str, Any], tokens: int, samples: int) -> None:
+        """Add tokens/s, samples/s (and MFU) of the window just trained to ``record``; call right after the
+        optimizer step, so validation and checkpoints do not count. ``tokens``/``samples``: all ranks together."""
+        seconds = max(time.perf_counter() - self.window_start, 1e-9)
+        record["tokens_per_sec"] = tokens / seconds
+        record["samples_per_sec"] = samples / seconds
+        if self.flops_per_token and self.peak_flops:
+            devices = self.fabric.world_size
+            record["mfu"] = record["tokens_per_sec"] * self.flops_per_token / (self.peak_flops * devices)
+
+    def restart_clock(self) -> None:
+        """The next window's time starts now."""
+        self.window_start = time.perf_counter()
+
+    def step(self, record: dict[str, Any], loss_metrics: list[str], epoch: int, consumed_samples: int) -> None:
+        """Log a finished step's record everywhere: the display, the Fabric's loggers, the metric log."""
+        self.history.append(record)
+        self.fabric.log_dict({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+        if "val_loss" in record:
+            self.metric_log.add("validation", epoch, record["step"], consumed_samples, val_loss=record["val_loss"])
+        self.metric_log.add_step(record, loss_metrics, epoch, consumed_samples)
+        self._show(record, epoch)
+
+    def epoch_end(self, epoch: int, step: int, consumed_samples: int) -> None:
+        self.metric_log.add("epoch", epoch, step, consumed_samples)
+
+    def message(self, text: str) -> None:
+        """A line for the user (a checkpoint was written, ...) that does not break the progress bar."""
+        if self.bar is not None:
+            self.bar.write(text)
+        elif self.is_main:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        for logger in self.fabric.loggers:
+            logger.save()  # flush what buffering loggers (CSV) hold; closing them is their owner's call
+
+    def _show(self, record: dict[str, Any], epoch: int) -> None:
+        step, total = record["step"], self.plan.total_steps
+        if self.interactive:
+            if epoch != self.bar_epoch:
+                if self.bar is not None:
+                    self.bar.close()
+                per_epoch = max(1, total // self.plan.n_epoch)
+                self.bar = tqdm(total=per_epoch, desc=f"Epoch {epoch + 1}/{self.plan.n_epoch}", dynamic_ncols=True)
+                self.bar_epoch = epoch
+            self.bar.update(1)
+            self.bar.set_postfix_str(f"step {step}/{total} | {_fields(record)}", refresh=False)
+        elif self.is_main and (
+            step == self.first_step or step >= total or step % self.log_every == 0 or "val_loss" in record
+        ):
+            print(f"step {step}/{total} | epoch {epoch} | {_fields(record)} | eta {self._eta(step)}", flush=True)
+
+    def _eta(self, step: int) -> str:
+        done = step - self.first_step + 1
+        remaining = max(self.plan.total_steps - step, 0) * (time.perf_counter() - self.started) / max(done, 1)
+        minutes, seconds = divmod(int(remaining), 60)
+        return f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m{seconds:02d}s"
+
+
+def _fields(record: dict[str, Any]) -> str:
+    line = (
+        f"loss {record['loss']:.4f} | lr {record['lr']:.3e} | grad_norm {record['grad_norm']:.4f} | "
+        f"{record['tokens_per_sec']:,.0f} tokens/s"
+    )
+    if "mfu" in record:
+        line += f" | mfu {record['mfu']:.1%}"
+    return line + "".join(f" | {name} {record[name]:.4f}" for name in SHOWN_METRICS if name in record)

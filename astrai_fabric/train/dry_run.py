@@ -1,0 +1,88 @@
+"""``--dry_run``: the plan of a run, printed without training, launching or writing anything."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from astrai_fabric import assets
+from astrai_fabric.checkpoint import checkpoints_after
+from astrai_fabric.config.train import TrainArgs
+from astrai_fabric.errors import UserError
+from astrai_fabric.metrics import _meta_model
+from astrai_fabric.schedule import StepPlan, build_scheduler
+from astrai_fabric.strategy import resolve_accelerator, resolve_precision, resolve_topology
+from astrai_fabric.train.common import _read_start, split_validation
+
+
+def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train type's build_dataset
+    """Print the plan; return 0 when the run could start, 2 (after listing what is missing or in the way) otherwise."""
+    problems: list[str] = []
+    lines = [f"plan for `astrai-fabric {args.train_type}` (dry run: nothing is trained or written)"]
+    topology = resolve_topology(args)
+    tp_size = args.tp_size or 1
+    data_parallel_size = topology.world_size // tp_size
+    accelerator = resolve_accelerator(args)
+    lines.append(
+        f"  processes    {topology.world_size} ({topology.devices} per node x {topology.num_nodes} node(s)), "
+        f"parallel_mode {args.parallel_mode if topology.world_size > 1 else 'single device'}"
+        + (f", tensor parallel {tp_size}" if tp_size > 1 else "")
+        + f", {accelerator}, precision {resolve_precision(args.precision, accelerator)}"
+    )
+    start = dataset = None
+    try:
+        start = _read_start(args)
+    except UserError as err:
+        problems.append(str(err))
+        if not assets.resolve(args.data_root_path).exists():  # reported too: the data is not read without a model
+            problems.append(f"data_root_path {args.data_root_path}: not found")
+    if start is not None:
+        num_params = sum(p.numel() for p in _meta_model(start.model_config).parameters())
+        weights = start.weights.path if start.weights is not None else f"none: AstrAI's init, seed {args.random_seed}"
+        lines.append(f"  model        {assets.resolve(args.param_path)}: {num_params:,} parameters; weights {weights}")
+        lines.append(f"  tokenizer    {start.tokenizer.directory} ({start.tokenizer.vocab_size:,} ids)")
+        if start.resume is not None:
+            lines.append(f"  resume       from {start.resume.path}")
+        elif later := checkpoints_after(args.ckpt_dir, 0):
+            problems.append(
+                f"ckpt_dir {args.ckpt_dir}: holds {len(later)} checkpoint(s) this fresh run would overwrite "
+                "(--resume auto continues the newest)"
+            )
+        try:
+            dataset, summary = build_dataset(args, start)
+        except UserError as err:
+            problems.append(str(err))
+    if dataset is not None:
+        train_set, val_set = split_validation(dataset, args.val_split, args.random_seed)
+        held_out = f", {len(val_set):,} held out for validation every {args.val_step} steps" if val_set else ""
+        lines.append(f"  data         {len(train_set):,} samples: {summary}{held_out}")
+        plan = StepPlan(len(train_set), data_parallel_size, args.batch_per_device, args.grad_accum_steps,
+                        args.n_epoch, args.warmup_ratio)  # fmt: skip
+        lines += [f"  {line}" for line in plan.describe().splitlines()]
+        try:
+            plan.check()
+            scheduler = build_scheduler(
+                torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=args.max_lr), args.schedule_type,
+                plan.total_steps, plan.warmup_steps, args.min_rate, args.cycle_length, args.t_mult,
+                args.stable_steps, args.decay_steps,
+            )  # fmt: skip
+            lines.append(f"  schedule     {scheduler.describe()}, peak learning rate {args.max_lr}")
+        except UserError as err:
+            problems.append(str(err))
+    budget = []
+    if args.max_steps is not None:
+        budget.append(f"max_steps {args.max_steps}")
+    if args.max_tokens is not None:
+        budget.append(f"max_tokens {args.max_tokens:,}")
+    if budget:
+        lines.append(f"  budget       stop at {' or '.join(budget)}")
+    lines.append(
+        f"  outputs      {Path(args.ckpt_dir).resolve()}: epoch_E_step_S/ every {args.ckpt_interval} steps and at "
+        f"the end{', sharded state/' if args.sharded_checkpoint else ''}; recipe.yaml, logs/, plot.png"
+    )
+    print("\n".join(lines))
+    if problems:
+        print("cannot start:\n" + "\n".join(f"  - {item}" for item in problems))
+        return 2
+    return 0

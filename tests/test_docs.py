@@ -1,0 +1,54 @@
+"""The documentation stays true to the code: the options page is what the dataclass docstrings render, every
+troubleshooting message is produced by a test, the data page covers every pipeline option, the README's code map
+covers every module, and relative links resolve."""
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from astrai_fabric.config import reference
+from astrai_fabric.data.prepare import PipelineConfig
+
+ROOT = Path(__file__).parents[1]
+DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
+
+
+def test_options_page_is_generated_from_the_docstrings():
+    assert (ROOT / "docs" / "recipes.md").read_text() == reference.render(), "run `make docs`"
+
+
+def troubleshooting_messages() -> list[str]:
+    text = (ROOT / "docs" / "troubleshooting.md").read_text()
+    return re.findall(r"^\| `(.+?)` \|", text, flags=re.MULTILINE)
+
+
+def test_every_troubleshooting_message_is_produced_by_a_test():
+    messages = troubleshooting_messages()
+    assert len(messages) > 40
+    tests = "\n".join(p.read_text() for p in (ROOT / "tests").glob("test_*.py") if p.name != "test_docs.py")
+    tests = tests.replace("\\", "")  # regular expressions in pytest.raises(match=...) escape brackets
+    for message in messages:
+        pieces = [re.escape(piece) for piece in message.split("...") if piece.strip()]
+        assert re.search(".*?".join(pieces), tests), f"no test checks for {message!r}"
+
+
+def test_data_page_covers_every_pipeline_option():
+    text = (ROOT / "docs" / "data.md").read_text()
+    options = [f.name for f in dataclasses.fields(PipelineConfig) if f.name != "sections"]
+    assert [name for name in options if not re.search(rf"`(\w+\.)?{name}`", text)] == []
+
+
+def test_readme_maps_every_module():
+    code_map = (ROOT / "README.md").read_text().split("## Map of the code")[1]
+    package = ROOT / "astrai_fabric"
+    modules = [p for p in package.iterdir() if (p.suffix == ".py" and p.name != "__main__.py") or p.is_dir()]
+    named = [p.name + ("/" if p.is_dir() else "") for p in modules if p.name != "__pycache__"]
+    assert [name for name in named if name not in code_map and name != "__init__.py"] == []
+
+
+@pytest.mark.parametrize("page", DOCS, ids=lambda p: p.name)
+def test_relative_links_resolve(page):
+    for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text()):
+        assert (page.parent / target).exists(), f"{page.name}: broken link {target}"

@@ -1,0 +1,107 @@
+"""What a user sees: plain progress lines off a terminal, metric.jsonl in AstrAI's shape, CSV logs, the plot,
+and the dry-run plan."""
+
+import json
+import re
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from astrai_fabric.cli import main
+
+ROOT = Path(__file__).parents[1]
+ENV = {"OMP_NUM_THREADS": "1", "PATH": str(Path(sys.executable).parent)}
+PLAIN_LINE = re.compile(
+    r"^(seq|sft|dpo|grpo): [\d,]+ parameters \| .+"
+    r"|^batch: .+|^steps: .+|^schedule: .+|^outputs: .+"
+    r"|^step \d+/\d+ \| epoch \d+ \| loss [\d.]+ \| lr \S+ \| grad_norm [\d.]+ \| [\d,]+ tokens/s"
+    r"( \| \w+ [-\d.]+)* \| eta \S+$"
+    r"|^checkpoint: .+|^done after step \d+; latest checkpoint: .+|^plot: .+\.png$"
+)
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("run")
+    command = [sys.executable, "-m", "astrai_fabric", "sft", "--config", str(ROOT / "recipes" / "tiny-sft.yaml"),
+               "--ckpt_dir", str(out), "--max_steps", "6", "--ckpt_interval", "4", "--val_split", "0.05",
+               "--val_step", "3", "--n_epoch", "1"]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, env=ENV)  # stdout is a pipe, not a terminal
+    assert result.returncode == 0, result.stderr[-2000:]
+    return out, result.stdout
+
+
+def test_log_is_plain_lines_when_stdout_is_not_a_terminal(short_run):
+    _, stdout = short_run
+    assert "\r" not in stdout and "\x1b" not in stdout  # no progress-bar redraws, no colour codes
+    lines = stdout.splitlines()
+    assert [line for line in lines if not PLAIN_LINE.match(line)] == []
+    assert sum(line.startswith("step ") for line in lines) >= 3 and "val_loss" in stdout
+
+
+def test_metric_jsonl_has_astrai_entry_shapes(short_run):
+    out, _ = short_run
+    entries = [json.loads(line) for line in (out / "epoch_0_step_6" / "metric.jsonl").read_text().splitlines()]
+    for entry in entries:
+        # AstrAI's schema (spec §10): these keys first, in this order, then the metrics.
+        assert list(entry)[:5] == ["type", "timestamp", "epoch", "step", "consumed_samples"]
+        assert entry["type"] in ("step", "validation", "epoch")
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d", entry["timestamp"])
+        assert all(isinstance(v, int | float) for k, v in entry.items() if k not in ("type", "timestamp"))
+    steps = [e for e in entries if e["type"] == "step"]
+    assert [e["step"] for e in steps] == [1, 2, 3, 4, 5, 6]  # the whole history in the last checkpoint
+    assert {"task_loss", "loss", "lr", "grad_norm", "grad_snr", "tokens_per_sec"} <= set(steps[0])
+    assert [e["step"] for e in entries if e["type"] == "validation"] == [1, 3, 6]
+    assert steps[-1]["consumed_samples"] == 6 * 16
+    earlier = (out / "epoch_0_step_4" / "metric.jsonl").read_text().splitlines()
+    assert len(earlier) < len(entries)
+
+
+def test_csv_logger_gets_every_step(short_run):
+    out, _ = short_run
+    (csv,) = out.glob("logs/version_*/metrics.csv")
+    header, *rows = csv.read_text().splitlines()
+    assert {"loss", "lr", "grad_norm", "tokens_per_sec", "samples_per_sec", "val_loss"} <= set(header.split(","))
+    assert len(rows) == 6
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_every_run_ends_with_its_plot(short_run, tmp_path, capsys):
+    out, stdout = short_run
+    assert f"plot: {out / 'plot.png'}" in stdout
+    width, height = png_size(out / "plot.png")
+    assert width > 1000 and height > 300
+    # Several runs overlaid, from the command line.
+    assert main(["plot", str(out), str(out / "epoch_0_step_4" / "metric.jsonl"), "-o", str(tmp_path / "two.png")]) == 0
+    assert png_size(tmp_path / "two.png") == (width, height)
+    assert main(["plot", str(tmp_path / "nothing")]) == 2
+    assert "not found" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("recipe", sorted(ROOT.glob("recipes/tiny-*.yaml")), ids=lambda p: p.name)
+def test_dry_run_of_each_tiny_recipe_writes_nothing(recipe, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # the recipes write under ./checkpoints
+    train_type = re.search(r"astrai-fabric (\w+)", recipe.read_text())[1]
+    assert main([train_type, "--config", str(recipe), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    for heading in ("processes", "model", "tokenizer", "data", "batch:", "steps:", "schedule", "outputs"):
+        assert re.search(rf"^  {heading}", out, re.M), heading
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("recipe", ["pretrain-8gpu.yaml", "sft-8gpu.yaml"])
+def test_dry_run_says_what_is_missing(recipe, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    train_type = "seq" if recipe.startswith("pretrain") else "sft"
+    assert main([train_type, "--config", str(ROOT / "recipes" / recipe), "--dry_run"]) == 2
+    out = capsys.readouterr().out
+    assert "cannot start:" in out and "no config.json" in out and "not found" in out
+    assert list(tmp_path.iterdir()) == []
