@@ -24,9 +24,11 @@ import os
 import pickle
 import re
 import shutil
+import signal
 import time
 import uuid
 import warnings
+import zipfile
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -121,11 +123,14 @@ def save_checkpoint(
         }
         _write_text(staging / META_FILE, json.dumps(full_meta, indent=2))
         _write_text(staging / CONFIG_FILE, json.dumps(dict(config), indent=2))
+        _crash_point("meta")
         save_file(_safetensors_ready(state_dict), str(staging / WEIGHTS_FILE))
         _fsync(staging / WEIGHTS_FILE)
+        _crash_point("weights")
         for stem, obj in (extra or {}).items():
             torch.save(obj, staging / f"{stem}.pt")
             _fsync(staging / f"{stem}.pt")
+        _crash_point("extra")
         for name, content in (files or {}).items():
             dest = staging / name
             if isinstance(content, Path):
@@ -136,11 +141,33 @@ def save_checkpoint(
             else:
                 _write_text(dest, content)
         _fsync(staging)
+        _crash_point("rename")
         _move_into_place(staging, target)
+    except (OSError, SafetensorError) as err:  # a full disk, a file-size limit, a lost mount: nothing left behind
+        shutil.rmtree(staging, ignore_errors=True)
+        raise CheckpointError(
+            f"{target}: could not write the checkpoint ({getattr(err, 'strerror', None) or err}); nothing was "
+            "written and earlier checkpoints are intact. Free space (or choose another --ckpt_dir) and resume from "
+            "the newest"
+        ) from None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return target
+
+
+_crash_counts: dict[str, int] = {}
+
+
+def _crash_point(point: str) -> None:
+    """Test hook for crash safety: ``ASTRAI_FABRIC_CRASH_AT=POINT@N`` kills this process with SIGKILL, as a power
+    cut would, the N-th time a save reaches POINT: ``meta``, ``weights`` or ``extra`` (after writing those files), or
+    ``rename`` (everything written and synced, just before the rename that completes the checkpoint)."""
+    wanted = os.environ.get("ASTRAI_FABRIC_CRASH_AT")
+    if wanted and wanted.partition("@")[0] == point:
+        _crash_counts[point] = _crash_counts.get(point, 0) + 1
+        if str(_crash_counts[point]) == (wanted.partition("@")[2] or "1"):
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def staging_dir(target: Path) -> Path:
@@ -215,25 +242,83 @@ CHECKPOINT_NAME = re.compile(r"^epoch_(\d+)_step_(\d+)$")
 def find_latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
     """The complete ``epoch_E_step_S`` directory with the highest step under ``ckpt_dir``, or None.
 
-    Staging directories are hidden (``.NAME.tmp-…``) and never match; a directory without its ``meta.json`` or
-    weights is skipped as incomplete.
+    Staging directories are hidden (``.NAME.tmp-…``) and never match. A directory that is not complete and valid
+    (see ``checkpoint_problem``: damaged by something other than our atomic writes) is skipped with a warning.
     """
-    found = _complete_checkpoints(ckpt_dir)
-    return found[-1][1] if found else None
+    for path in reversed(complete_checkpoints(ckpt_dir)):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        warnings.warn(f"{path}: skipped, not a complete checkpoint ({problem})", stacklevel=2)
+    return None
 
 
-def checkpoints_after(ckpt_dir: str | Path, step: int) -> list[Path]:
-    """The complete checkpoints under ``ckpt_dir`` saved after optimizer step ``step``, oldest first."""
-    return [path for (saved_step, _), path in _complete_checkpoints(ckpt_dir) if saved_step > step]
-
-
-def _complete_checkpoints(ckpt_dir: str | Path) -> list[tuple[tuple[int, int], Path]]:
+def complete_checkpoints(ckpt_dir: str | Path) -> list[Path]:
+    """The ``epoch_E_step_S`` directories under ``ckpt_dir`` with their meta.json and weights, oldest first."""
     found = []
     for path in Path(ckpt_dir).glob("epoch_*_step_*"):
         match = CHECKPOINT_NAME.match(path.name)
         if match and (path / META_FILE).is_file() and (path / WEIGHTS_FILE).is_file():
             found.append(((int(match[2]), int(match[1])), path))
-    return sorted(found)
+    return [path for _, path in sorted(found)]
+
+
+def checkpoint_step(path: Path) -> int:
+    """The optimizer step in a checkpoint directory's name."""
+    return int(CHECKPOINT_NAME.match(path.name)[2])
+
+
+def checkpoints_after(ckpt_dir: str | Path, step: int) -> list[Path]:
+    """The checkpoints under ``ckpt_dir`` saved after optimizer step ``step``, oldest first."""
+    return [path for path in complete_checkpoints(ckpt_dir) if checkpoint_step(path) > step]
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why ``path`` is not a whole checkpoint, or None. Cheap: JSON files parse, the safetensors header and the
+    ``.pt`` archives' directories are intact and the files as long as they say (no tensor is read)."""
+    for name in (META_FILE, CONFIG_FILE):
+        try:
+            if not isinstance(json.loads((path / name).read_text(encoding="utf-8")), dict):
+                return f"{name} is not a JSON object"
+        except (OSError, ValueError) as err:
+            return f"{name}: {err}"
+    weights = path / WEIGHTS_FILE
+    try:
+        with weights.open("rb") as file:
+            header_size = int.from_bytes(file.read(8), "little")
+            header = json.loads(file.read(header_size))
+        end = max((info["data_offsets"][1] for key, info in header.items() if key != "__metadata__"), default=0)
+        if weights.stat().st_size < 8 + header_size + end:
+            return f"{WEIGHTS_FILE} is truncated"
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"{WEIGHTS_FILE}: unreadable header ({err})"
+    for file in sorted(path.glob("*.pt")):
+        if not zipfile.is_zipfile(file):
+            return f"{file.name} is truncated or not a torch archive"
+    return None
+
+
+def remove_stale_staging(ckpt_dir: str | Path) -> list[Path]:
+    """Clear what interrupted saves left: hidden ``.NAME.tmp-*`` folders are deleted; a ``.NAME.old-*`` folder (a
+    replaced checkpoint, caught between the two renames) goes back to ``NAME`` if that is missing. Returns the
+    folders deleted."""
+    root = Path(ckpt_dir)
+    for retired in sorted(root.glob(".epoch_*_step_*.old-*")):
+        original = root / retired.name[1:].rsplit(".old-", 1)[0]
+        if not original.exists():
+            os.rename(retired, original)
+    stale = sorted(root.glob(".epoch_*_step_*.tmp-*")) + sorted(root.glob(".epoch_*_step_*.old-*"))
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
+
+
+def prune_checkpoints(ckpt_dir: str | Path, keep_last_k: int) -> list[Path]:
+    """Delete all but the newest ``keep_last_k`` checkpoints under ``ckpt_dir`` (call after a save completes)."""
+    removed = complete_checkpoints(ckpt_dir)[:-keep_last_k]
+    for path in removed:
+        shutil.rmtree(path)
+    return removed
 
 
 # --- reading -----------------------------------------------------------------------------------------------------

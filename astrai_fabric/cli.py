@@ -25,7 +25,7 @@ from jsonargparse import ArgumentParser, set_parsing_settings
 
 from astrai_fabric import __version__
 from astrai_fabric.config.train import TrainArgs
-from astrai_fabric.errors import UserError
+from astrai_fabric.errors import TrainingError, UserError
 
 TRAIN_COMMANDS = ("seq", "sft", "dpo", "grpo")
 TRAIN_TYPE_ALIASES = {"online_grpo": "grpo"}
@@ -64,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         print(f"astrai-fabric: error: {err}", file=sys.stderr)
         return 2
+    except TrainingError as err:
+        print(f"astrai-fabric: error: {err}", file=sys.stderr)
+        return 1
 
 
 def _dispatch(argv: list[str]) -> int:

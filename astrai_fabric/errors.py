@@ -16,3 +16,8 @@ class ConfigError(UserError, ValueError):
 
 class CheckpointError(UserError):
     """A checkpoint or model directory is missing, unreadable, unsafe, or does not match the model."""
+
+
+class TrainingError(Exception):
+    """A run that cannot go on through no mistake in its input: it diverged, or lost one of its ranks. The CLI
+    prints the message (which says what was saved and how to continue) and exits 1."""

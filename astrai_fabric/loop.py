@@ -4,6 +4,11 @@ Per micro-batch: forward and backward inside the accumulation context, loss divi
 Per optimizer step (the window's last micro-batch): clip (the logged norm is this step's, pre-clip; AstrAI logs
 the previous one, B7), step the optimizer, zero the gradients, step the schedule, then log, validate and
 checkpoint. A checkpoint named ``step_S`` holds the state *after* step S (AstrAI's holds the state before, B1).
+
+A window whose loss or gradient norm is not finite is skipped: no update, no step, no schedule step, its samples
+consumed (AstrAI applies it, and one bad batch can destroy the weights). More than ``--max_bad_steps`` in a row stop
+the run with a ``TrainingError`` after saving. A stop request (``preemption.StopRequest``) ends the run after the
+current optimizer step, with a checkpoint.
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ from torch.utils.data import DataLoader
 from astrai_fabric.accumulation import GradientState, backward_sync
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.data.sampler import ResumableSampler
+from astrai_fabric.errors import TrainingError
 from astrai_fabric.metrics import GradSNR
+from astrai_fabric.preemption import StopRequest
 from astrai_fabric.reporting import Reporter
 from astrai_fabric.schedule import StepPlan
 from astrai_fabric.training_state import RunPosition
@@ -46,8 +53,10 @@ def fit(
     save: Callable[[RunPosition], Path],
     reporter: Reporter,
     val_loader: DataLoader | None = None,
+    stop: StopRequest | None = None,
 ) -> list[dict[str, float]]:
-    """Train from ``position`` (updated in place) until ``n_epoch``, ``max_steps`` or ``max_tokens``.
+    """Train from ``position`` (updated in place) until ``n_epoch``, ``max_steps`` or ``max_tokens``, or until
+    ``stop`` is requested on any rank; the state at the end is saved.
 
     Returns one record per optimizer step: ``step``, ``epoch``, ``loss`` (mean over the accumulation window and
     all ranks), ``lr``, ``grad_norm`` (before clipping), ``grad_snr`` (when asked for), the loss function's own
@@ -61,6 +70,7 @@ def fit(
     window_loss = torch.zeros((), device=fabric.device)
     window_metrics: dict[str, Tensor] = {}
     window_tokens = window_samples = 0
+    bad_in_a_row, diverged = 0, False
     model.train()
 
     done = _budget_reached(position, args)
@@ -82,40 +92,55 @@ def fit(
             if is_accumulating:
                 continue
 
-            # --- optimizer step: the accumulation window is complete --------------------------------------------
-            snr = grad_snr.update(model) if grad_snr is not None else None  # unclipped gradients, as AstrAI
-            grad_norm = _clip_gradients(model, args.max_grad_norm)
-            if math.isfinite(grad_norm):
-                optimizer.step()
-            else:
-                reporter.message(f"warning: step {position.optimizer_step + 1}: gradient norm {grad_norm}, skipped")
-            optimizer.zero_grad(set_to_none=True)
-            lr = optimizer.param_groups[-1]["lr"]  # the rate this step used (AstrAI logs the AdamW group's)
-            scheduler.step()
-            position.optimizer_step += 1
-            step = position.optimizer_step
-
-            # Means over the window's micro-batches and all ranks, in one collective.
+            # --- the accumulation window is complete: one optimizer step -------------------------------------------
+            # One collective: the window's means over its micro-batches and all ranks, and whether any rank was
+            # asked to stop (a signal to one rank stops all after this same step).
             names = sorted(window_metrics)
             window = torch.stack([window_loss, *(window_metrics[n] for n in names)]) / args.grad_accum_steps
-            means = fabric.all_reduce(window, reduce_op="mean").tolist()
-            record = {"step": step, "epoch": position.epoch, "loss": means[0], "lr": lr, "grad_norm": grad_norm}
-            record.update(zip(names, means[1:], strict=True))
-            if snr is not None:
-                record["grad_snr"] = snr
-            reporter.throughput(record, window_tokens, window_samples)
-            if val_loader is not None and (step == 1 or step % args.val_step == 0):
-                record["val_loss"] = validate(fabric, model, val_loader, compute_loss)
-            reporter.step(record, names, position.epoch, position.consumed_samples)
+            stop_flag = torch.tensor([float(stop is not None and stop.requested)], device=fabric.device)
+            means = fabric.all_reduce(torch.cat([window, stop_flag]), reduce_op="mean").tolist()
+            stop_requested = means.pop() > 0
+            if stop_requested and stop is not None:
+                stop.honoured = True
+            grads, grad_norm = _gradients_and_norm(model)  # the same on every rank
+            if math.isfinite(means[0]) and math.isfinite(grad_norm):
+                snr = grad_snr.update(model) if grad_snr is not None else None  # unclipped gradients, as AstrAI
+                _clip(grads, grad_norm, args.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                lr = optimizer.param_groups[-1]["lr"]  # the rate this step used (AstrAI logs the AdamW group's)
+                scheduler.step()
+                position.optimizer_step += 1
+                bad_in_a_row = 0
+
+                step = position.optimizer_step
+                record = {"step": step, "epoch": position.epoch, "loss": means[0], "lr": lr, "grad_norm": grad_norm}
+                record.update(zip(names, means[1:], strict=True))
+                if snr is not None:
+                    record["grad_snr"] = snr
+                reporter.throughput(record, window_tokens, window_samples)
+                if val_loader is not None and (step == 1 or step % args.val_step == 0):
+                    record["val_loss"] = validate(fabric, model, val_loader, compute_loss)
+                reporter.step(record, names, position.epoch, position.consumed_samples)
+                if step % args.ckpt_interval == 0:
+                    reporter.message(f"checkpoint: {save(position)}")
+                    last_saved_step = step
+            else:
+                # No update: the window's samples stay consumed, the step counter and the schedule stand still.
+                optimizer.zero_grad(set_to_none=True)
+                position.skipped_steps += 1
+                bad_in_a_row += 1
+                reporter.message(
+                    f"warning: non-finite loss {means[0]} or gradient norm {grad_norm} after step "
+                    f"{position.optimizer_step}: update skipped ({bad_in_a_row} in a row, {position.skipped_steps} "
+                    "in this run)"
+                )
             window_loss.zero_()
             window_metrics.clear()
             window_tokens = window_samples = 0
-
-            if step % args.ckpt_interval == 0:
-                reporter.message(f"checkpoint: {save(position)}")
-                last_saved_step = step
             reporter.restart_clock()
-            if _budget_reached(position, args):
+            diverged = bad_in_a_row > args.max_bad_steps
+            if stop_requested or diverged or _budget_reached(position, args):
                 done = True
                 break
         else:  # the epoch ran out
@@ -125,6 +150,12 @@ def fit(
     if position.optimizer_step != last_saved_step:
         reporter.message(f"checkpoint: {save(position)}")
     reporter.close()
+    if diverged:
+        raise TrainingError(
+            f"{bad_in_a_row} optimizer steps in a row had a non-finite loss or gradient norm (more than "
+            f"--max_bad_steps {args.max_bad_steps}); stopped after step {position.optimizer_step}, whose state is "
+            f"in {args.ckpt_dir}. Lower --max_lr, raise --warmup_ratio or check the data, then --resume auto"
+        )
     return reporter.history
 
 
@@ -141,8 +172,8 @@ def _budget_reached(position: RunPosition, args: TrainArgs) -> bool:
     )
 
 
-def _clip_gradients(model: nn.Module, max_norm: float) -> float:
-    """Clip the global gradient norm to ``max_norm``; return the norm before clipping (the same on every rank).
+def _gradients_and_norm(model: nn.Module) -> tuple[dict[Any, list[Tensor]], float]:
+    """The gradients grouped by device mesh, and their global L2 norm (the same on every rank).
 
     Torch's ``clip_grad_norm_`` (and Fabric's) needs every gradient on one device mesh; with tensor parallelism
     some live on the 2-D mesh and the rest on the data axis only (P4), so each mesh's norm is taken on its own and
@@ -157,11 +188,15 @@ def _clip_gradients(model: nn.Module, max_norm: float) -> float:
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     total = float(torch.linalg.vector_norm(torch.stack([n.float().to(norms[0].device) for n in norms])))
-    coef = min(1.0, max_norm / (total + 1e-6))  # torch's formula; a float works for plain and DTensor gradients
+    return grads_by_mesh, total
+
+
+def _clip(grads_by_mesh: dict[Any, list[Tensor]], norm: float, max_norm: float) -> None:
+    """Scale the gradients so their global norm is at most ``max_norm`` (torch's formula)."""
+    coef = min(1.0, max_norm / (norm + 1e-6))  # a float works for plain and DTensor gradients alike
     if coef < 1.0:
         for grads in grads_by_mesh.values():
             torch._foreach_mul_(grads, coef)
-    return total
 
 
 @torch.no_grad()

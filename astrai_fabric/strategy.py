@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass
+from datetime import timedelta
 from functools import partial
 
 import torch
@@ -116,8 +117,9 @@ def build_fabric(args: TrainArgs, topology: Topology) -> Fabric:
         )
     elif args.parallel_mode == "ddp":
         strategy = DDPStrategy(
-            process_group_backend=args.backend, gradient_as_bucket_view=True, broadcast_buffers=False
-        )
+            process_group_backend=args.backend, timeout=timedelta(seconds=args.dist_timeout),
+            gradient_as_bucket_view=True, broadcast_buffers=False,
+        )  # fmt: skip
     else:
         tp_size = args.tp_size or 1
         if args.fsdp_cpu_offload and accelerator == "cpu":
@@ -133,6 +135,7 @@ def build_fabric(args: TrainArgs, topology: Topology) -> Fabric:
             data_parallel_size=world_size // tp_size,  # explicit: Lightning's "auto" would put every rank on TP (P1)
             tensor_parallel_size=tp_size,
             process_group_backend=args.backend,
+            timeout=timedelta(seconds=args.dist_timeout),
         )
     return Fabric(
         accelerator=accelerator,

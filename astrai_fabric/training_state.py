@@ -60,6 +60,9 @@ class RunPosition:
     """Input tokens trained on, all ranks together."""
     consumed_samples: int = 0
     """AstrAI's counter: ``batch_per_device * world_size`` per micro-batch, short batches included."""
+    skipped_steps: int = 0
+    """Accumulation windows whose update was skipped for a non-finite loss or gradient norm (their samples count
+    as consumed; ``optimizer_step`` and the schedule did not advance)."""
 
     @property
     def last_epoch(self) -> int:

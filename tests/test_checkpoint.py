@@ -9,9 +9,12 @@ from safetensors.torch import save_file
 
 from astrai_fabric.checkpoint import (
     FORMAT_KEY,
+    find_latest_checkpoint,
     load_checkpoint,
     load_model,
     load_model_weights,
+    prune_checkpoints,
+    remove_stale_staging,
     save_checkpoint,
 )
 from astrai_fabric.errors import CheckpointError, ConfigError
@@ -195,3 +198,25 @@ def test_truncated_pt_and_bad_meta(tmp_path, tiny_model):
     (path / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match=r"meta.json: 'consumed_samples' must be a non-negative integer"):
         load_checkpoint(path)
+
+
+@pytest.mark.parametrize("damage", ["weights", "optimizer", "meta"])
+def test_resume_auto_skips_a_damaged_newest_checkpoint(tmp_path, tiny_model, damage):
+    extra = {"optimizer": {"state": {}, "param_groups": []}}
+    for step in (2, 4):
+        save_tiny(tmp_path / f"epoch_0_step_{step}", tiny_model, meta={"train_type": "seq"}, extra=extra)
+    file = {"weights": "model.safetensors", "optimizer": "optimizer.pt", "meta": "meta.json"}[damage]
+    newest = tmp_path / "epoch_0_step_4" / file
+    newest.write_bytes(newest.read_bytes()[:-10])  # cut short, as a copy interrupted by a full disk would be
+    with pytest.warns(UserWarning, match=rf"epoch_0_step_4: skipped, not a complete checkpoint \({file}"):
+        assert find_latest_checkpoint(tmp_path) == tmp_path / "epoch_0_step_2"
+
+
+def test_prune_keeps_the_newest_and_stale_staging_is_cleared(tmp_path, tiny_model):
+    for step in (1, 2, 10):
+        save_tiny(tmp_path / f"epoch_0_step_{step}", tiny_model)
+    (tmp_path / ".epoch_0_step_11.tmp-1234abcd").mkdir()  # a save killed half-way
+    (tmp_path / ".epoch_0_step_2.old-1234abcd").mkdir()  # a replaced copy; the replacement is in place
+    assert [p.name for p in prune_checkpoints(tmp_path, 2)] == ["epoch_0_step_1"]  # by step, not by name
+    assert len(remove_stale_staging(tmp_path)) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch_0_step_10", "epoch_0_step_2"]

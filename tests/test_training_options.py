@@ -46,6 +46,11 @@ def test_budgets_stop_early_with_a_checkpoint(tmp_path):
     assert (tmp_path / "epoch_0_step_3").is_dir()
 
 
+def test_keep_last_k_deletes_older_checkpoints_once_a_newer_one_is_complete(tmp_path):
+    run(args(tmp_path, max_steps=5, ckpt_interval=1, keep_last_k=2))
+    assert sorted(p.name for p in tmp_path.glob("epoch_*")) == ["epoch_0_step_4", "epoch_0_step_5"]
+
+
 def test_validation_split_reports_val_loss(tmp_path):
     history = run(args(tmp_path, val_split=0.1, val_step=2, max_steps=4))
     assert [("val_loss" in r) for r in history] == [True, True, False, True]  # step 1, then every 2 steps

@@ -1,7 +1,14 @@
 """Mistakes a user can make, each through the real CLI: one message naming what is wrong (listed in
 docs/troubleshooting.md), exit code 2, no traceback, and nothing written or overwritten."""
 
+import json
+import os
+import resource
 import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +30,19 @@ def workspace(tmp_path_factory):
     prepare([root / "texts.jsonl"], root / "shards", text, Tokenizer.from_dir(TINY_MODEL_DIR))
     shutil.copytree(root / "run" / "epoch_0_step_1", root / "no_optimizer")
     (root / "no_optimizer" / "optimizer.pt").unlink()
+    (root / "broken.yaml").write_text("max_lr: [1e-3\n")
+    (root / "typo.yaml").write_text("param_path: bundled:tiny\nmax_lrr: 1.0e-3\n")
+    (root / "latin1.jsonl").write_bytes('{"text": "café"}\n'.encode("latin-1"))
+    config = json.loads((TINY_MODEL_DIR / "config.json").read_text())
+    (root / "small_vocab").mkdir()
+    (root / "small_vocab" / "config.json").write_text(json.dumps(config | {"vocab_size": 1000}))
+    shutil.copytree(root / "run" / "epoch_0_step_1", root / "other_shape")  # weights of one model, config of another
+    (root / "other_shape" / "config.json").write_text(json.dumps(config | {"intermediate_size": 96}))
+    shutil.copytree(root / "run" / "epoch_0_step_1", root / "truncated")
+    weights = root / "truncated" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    shutil.copytree(root / "run" / "epoch_0_step_1", root / "pickled")
+    torch.save({"last_epoch": 1, "hook": os.system}, root / "pickled" / "scheduler.pt")  # a callable inside
     return root
 
 
@@ -39,6 +59,18 @@ NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine 
 
 CASES = [
     # (argv with {w} for the workspace, message)
+    (["seq", "--config", "{w}/broken.yaml"], "broken.yaml: not valid YAML"),
+    (["seq", "--config", "{w}/typo.yaml"], "unknown key(s) max_lrr (did you mean max_lr?)"),
+    (tiny("{w}/new", "--n_epoch", "two"), 'Parser key "n_epoch": Expected a <class \'int\'>. Got value: two'),
+    (tiny("{w}/new", "--batch_per_device", "0"), "batch_per_device must be positive, got 0"),
+    (tiny("{w}/new", "--max_lr", "-1"), "max_lr must be >= 0, got -1.0"),
+    (tiny("{w}/new", "--param_path", "{w}/absent"), "absent: no config.json"),
+    (tiny("{w}/new", "--data_root_path", "{w}/latin1.jsonl"), "latin1.jsonl:1: not UTF-8 text"),
+    (tiny("{w}/new", "--param_path", "{w}/small_vocab", "--tokenizer_path", "bundled:tiny"),
+     "has 2,048 ids, but the model's vocab_size is 1,000"),
+    (tiny("{w}/new", "--param_path", "{w}/other_shape"), "does not match the model built from its config.json"),
+    (tiny("{w}/new", "--param_path", "{w}/truncated"), "model.safetensors: not a readable safetensors file"),
+    (tiny("{w}/new", "--param_path", "{w}/pickled", "--resume", "true"), "scheduler.pt: refused to load"),
     (["frobnicate"], "unknown command 'frobnicate'; choose one of"),
     (tiny("{w}/new", "--metrics", "foo"), "invalid training arguments: metrics ['foo'] are unknown; choose from"),
     (tiny("{w}/new", "--tp_size", "2", "--parallel_mode", "ddp"), "tp_size 2 needs parallel_mode fsdp"),
@@ -79,3 +111,21 @@ def test_mistake_gets_one_clear_message(workspace, capsys, argv, message):
     assert message in captured.err + captured.out, captured.err
     assert "Traceback" not in captured.err
     assert snapshot(workspace) == before  # nothing written, nothing overwritten
+
+
+def limit_file_size() -> None:
+    """In the child: files may not grow past 1 MiB (a full disk, made real), and hitting it raises an OSError."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+
+
+def test_a_full_disk_during_a_save_keeps_the_earlier_checkpoint(workspace, tmp_path):
+    shutil.copytree(workspace / "run", tmp_path / "run")
+    command = [sys.executable, "-m", "astrai_fabric", *tiny(tmp_path / "run", "--resume", "auto", "--max_steps", "3")]
+    env = {"OMP_NUM_THREADS": "1", "PATH": str(Path(sys.executable).parent)}
+    result = subprocess.run(command, capture_output=True, text=True, env=env, preexec_fn=limit_file_size)
+    assert result.returncode == 2
+    assert "epoch_0_step_3: could not write the checkpoint (" in result.stderr and "File too large" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert sorted(p.name for p in (tmp_path / "run").glob("*epoch_*")) == ["epoch_0_step_1"]  # no partial save
+    assert snapshot(tmp_path / "run" / "epoch_0_step_1") == snapshot(workspace / "run" / "epoch_0_step_1")

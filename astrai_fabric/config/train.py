@@ -216,6 +216,14 @@ class TrainArgs:
     ``tensorboard`` package); ``[]`` for none."""
     peak_flops: float | None = None
     """Peak FLOP/s of one device, for model FLOPs utilisation (``mfu``); known CUDA devices need no value."""
+    keep_last_k: int | None = None
+    """Keep only the newest K checkpoints in ``ckpt_dir``, deleting older ones once a newer one is complete;
+    default: keep all."""
+    max_bad_steps: int = 5
+    """A step whose loss or gradient norm is not finite is skipped (no update; its samples count as consumed); after
+    more than this many in a row the run saves and stops with an error."""
+    dist_timeout: float = 1800.0
+    """Seconds a collective waits for the other ranks before the run stops with an error (a rank died or hangs)."""
     dry_run: bool = False
     """Print the plan (model and data size, batch and step arithmetic, schedule, outputs) and exit without training;
     AstrAI's ``--dry-run`` works too."""
@@ -234,7 +242,9 @@ class TrainArgs:
         problems += [
             f"{name} must be positive, got {getattr(self, name)}" for name in positive if getattr(self, name) < 1
         ]
-        optional_positive = ["window_size", "stride", "max_steps", "max_tokens", "tp_size", "cycle_length"]
+        optional_positive = [
+            "window_size", "stride", "max_steps", "max_tokens", "tp_size", "cycle_length", "keep_last_k",
+        ]  # fmt: skip
         problems += [
             f"{name} must be positive, got {getattr(self, name)}"
             for name in optional_positive
@@ -242,7 +252,7 @@ class TrainArgs:
         ]
         non_negative = [
             "num_workers", "neftune_alpha", "moe_aux_loss_coef", "weight_decay", "warmup_ratio", "label_smoothing",
-            "rollout_top_k", "start_epoch", "start_samples", "max_lr",
+            "rollout_top_k", "start_epoch", "start_samples", "max_lr", "max_bad_steps",
         ]  # fmt: skip
         problems += [
             f"{name} must be >= 0, got {getattr(self, name)}" for name in non_negative if getattr(self, name) < 0
@@ -250,6 +260,8 @@ class TrainArgs:
         for name in ("stable_steps", "decay_steps"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not self.dist_timeout > 0:
+            problems.append(f"dist_timeout must be > 0, got {self.dist_timeout}")
         if not self.max_grad_norm > 0:
             problems.append(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
         if self.val_split is not None and not 0 < self.val_split < 1:

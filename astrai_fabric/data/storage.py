@@ -66,8 +66,12 @@ def read_jsonl(path: Path, what: str = "data_root_path") -> list[Record]:
         raise UserError(f"{what} {path}: no .jsonl files directly inside")
     records = []
     for file in files:
-        with open(file, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, start=1):
+        with open(file, "rb") as f:
+            for line_no, raw in enumerate(f, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    raise UserError(f"{file}:{line_no}: not UTF-8 text ({err.reason} at byte {err.start})") from None
                 if not line.strip():
                     continue
                 try:

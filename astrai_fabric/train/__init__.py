@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import os
 
+import torch
 from lightning.fabric import Fabric
 
 from astrai_fabric.config.train import TrainArgs
-from astrai_fabric.errors import ConfigError
+from astrai_fabric.errors import ConfigError, TrainingError
 from astrai_fabric.strategy import build_fabric, resolve_topology
 from astrai_fabric.train import dpo, grpo, lm
 from astrai_fabric.train.dry_run import dry_run
@@ -44,4 +45,19 @@ def train(fabric: Fabric, args: TrainArgs) -> list[dict]:
     args.validate()
     if args.train_type not in TRAIN_TYPES:
         raise ConfigError(f"train_type must be one of {sorted(TRAIN_TYPES)}, got {args.train_type!r}")
-    return TRAIN_TYPES[args.train_type].main(fabric, args)
+    try:
+        return TRAIN_TYPES[args.train_type].main(fabric, args)
+    except RuntimeError as err:
+        if fabric.world_size == 1 or not _is_collective_failure(err):
+            raise
+        raise TrainingError(
+            f"rank {fabric.global_rank} lost the other ranks: one died or did not answer within --dist_timeout "
+            f"{args.dist_timeout:g} s (its own output says why). Checkpoints in {args.ckpt_dir} are intact; "
+            f"--resume auto continues from the newest. [{str(err).splitlines()[0][:200]}]"
+        ) from None
+
+
+def _is_collective_failure(err: RuntimeError) -> bool:
+    """A collective that failed because a peer is gone or silent (gloo and NCCL raise plain RuntimeErrors)."""
+    markers = ("gloo", "NCCL", "Connection reset", "Connection closed", "Timed out", "timed out")
+    return isinstance(err, torch.distributed.DistError) or any(marker in str(err) for marker in markers)

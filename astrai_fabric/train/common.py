@@ -26,6 +26,8 @@ from astrai_fabric.checkpoint import (
     checkpoints_after,
     find_latest_checkpoint,
     load_checkpoint,
+    prune_checkpoints,
+    remove_stale_staging,
 )
 from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.config.train import TrainArgs
@@ -37,6 +39,7 @@ from astrai_fabric.metrics import METRIC_FILE, MetricLog, flops_per_token, peak_
 from astrai_fabric.model import AutoRegressiveLM
 from astrai_fabric.optim import build_optimizer, resolve_ns_dtype
 from astrai_fabric.plot import PLOT_FILE, plot_runs
+from astrai_fabric.preemption import StopRequest, ignore_stop_signals
 from astrai_fabric.reporting import Reporter
 from astrai_fabric.schedule import StepPlan, build_scheduler
 from astrai_fabric.strategy import data_parallel, precision_of, setup_frozen
@@ -116,6 +119,11 @@ def _read_start(args: TrainArgs) -> Start:
     else:
         weights = None
     tokenizer = Tokenizer.from_dir(assets.resolve(args.tokenizer_path) if args.tokenizer_path else param_path)
+    if tokenizer.vocab_size > model_config.vocab_size:  # larger models pad vocab_size; a smaller one cannot work
+        raise UserError(
+            f"tokenizer {tokenizer.directory} has {tokenizer.vocab_size:,} ids, but the model's vocab_size is "
+            f"{model_config.vocab_size:,} ({param_path / CONFIG_FILE}): pass the tokenizer the model was built for"
+        )
     return Start(model_config, weights, resume, tokenizer)
 
 
@@ -306,6 +314,8 @@ def make_saver(fabric: Fabric, model: nn.Module, optimizer: Any, scheduler: Any,
             fabric, path, raw_model, optimizer.optimizer, scheduler, position, config, meta, files,
             args.sharded_checkpoint,
         )  # fmt: skip
+        if args.keep_last_k is not None and fabric.global_rank == 0:
+            prune_checkpoints(args.ckpt_dir, args.keep_last_k)  # only now: the new checkpoint is complete
         return path
 
     return save
@@ -332,6 +342,7 @@ def make_loader(
         collate_fn=collate,
         pin_memory=args.pin_memory and fabric.device.type == "cuda",
         persistent_workers=args.persistent_workers and args.num_workers > 0,
+        worker_init_fn=ignore_stop_signals if args.num_workers > 0 else None,
     )
     # Our sampler already shards by rank in AstrAI's order; Fabric must not replace it.
     return fabric.setup_dataloaders(loader, use_distributed_sampler=False), sampler
@@ -386,6 +397,8 @@ def train_on(
             f"sample {position.sample_index} of {plan.samples_per_rank} per rank"
         )
     if fabric.global_rank == 0:
+        if stale := remove_stale_staging(args.ckpt_dir):
+            fabric.print(f"removed {len(stale)} partial checkpoint(s) left by an interrupted save")
         Path(args.ckpt_dir).mkdir(parents=True, exist_ok=True)
         (Path(args.ckpt_dir) / RECIPE_FILE).write_text(resolved_recipe(args))
 
@@ -398,10 +411,20 @@ def train_on(
         flops_per_token=flops_per_token(start.model_config, window_size),
         peak_flops=peak_flops(fabric.device, precision_of(fabric), args.peak_flops),
     )  # fmt: skip
-    history = fit(fabric, model, optimizer, scheduler, batches, sampler, compute_loss, args, plan, position, save,
-                  reporter, val_loader)  # fmt: skip
+    with StopRequest() as stop:
+        history = fit(fabric, model, optimizer, scheduler, batches, sampler, compute_loss, args, plan, position,
+                      save, reporter, val_loader, stop)  # fmt: skip
     latest = find_latest_checkpoint(args.ckpt_dir)
-    fabric.print(f"done after step {position.optimizer_step}; latest checkpoint: {latest}")
+    skipped = f" ({position.skipped_steps} skipped: non-finite loss)" if position.skipped_steps else ""
+    if stop.honoured:
+        cause = stop.signal_name or "a signal to another rank"
+        fabric.print(
+            f"stopped by {cause} after step {position.optimizer_step}{skipped}; latest checkpoint: {latest}\n"
+            f"continue with: astrai-fabric {args.train_type} --config {Path(args.ckpt_dir) / RECIPE_FILE} "
+            "--resume auto"
+        )
+    else:
+        fabric.print(f"done after step {position.optimizer_step}{skipped}; latest checkpoint: {latest}")
     if fabric.global_rank == 0 and latest is not None:
         fabric.print(f"plot: {plot_runs([Path(args.ckpt_dir)], Path(args.ckpt_dir) / PLOT_FILE)}")
     return history

@@ -1,0 +1,179 @@
+"""Faults a long run must survive, made real: signals to a running CLI (one rank or one of two), non-finite steps,
+a rank killed mid-run, and kill -9 while a checkpoint is being written."""
+
+import itertools
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.fabric import Fabric
+from safetensors.torch import load_file
+from spawn import free_port
+
+from astrai_fabric.checkpoint import find_latest_checkpoint, load_checkpoint
+from astrai_fabric.config.train import TrainArgs
+from astrai_fabric.errors import TrainingError
+from astrai_fabric.train import lm
+from astrai_fabric.train.common import resolve_start, train_on
+
+BIN = Path(sys.executable).parent
+ENV = {"OMP_NUM_THREADS": "1", "PATH": str(BIN)}
+# 145,881 tokens in windows of 32: 4,558 samples, 569 steps of 8 per epoch: far more than any test runs.
+SEQ = ["seq", "--param_path", "bundled:tiny", "--data_root_path", "bundled:data/seq", "--window_size", "32",
+       "--batch_per_device", "4", "--grad_accum_steps", "2", "--num_workers", "0", "--ckpt_interval", "1000",
+       "--loggers", "[]"]  # fmt: skip
+
+
+def cli(*flags: str) -> list[str]:
+    return [sys.executable, "-m", "astrai_fabric", *SEQ, *flags]
+
+
+def started(command: list[str], env: dict | None = None) -> tuple[subprocess.Popen, list[str]]:
+    """A CLI run, returned once it has finished its first optimizer step (its stdout lines so far)."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or ENV)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("step 1/"):
+            return proc, lines
+    raise AssertionError(f"the run ended before its first step: {proc.wait()} {proc.stderr.read()[-2000:]}")
+
+
+def finish(proc: subprocess.Popen, head: list[str], timeout: float = 120) -> tuple[str, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return "".join(head) + out, err
+
+
+def step_losses(checkpoint: Path) -> list[tuple[int, float]]:
+    entries = [json.loads(line) for line in (checkpoint / "metric.jsonl").read_text().splitlines()]
+    return [(e["step"], e["loss"]) for e in entries if e["type"] == "step"]
+
+
+# --- preemption --------------------------------------------------------------------------------------------------
+
+
+def test_sigterm_saves_a_checkpoint_and_resume_auto_continues_exactly(tmp_path):
+    interrupted, uninterrupted = tmp_path / "interrupted", tmp_path / "uninterrupted"
+    proc, head = started(cli("--parallel_mode", "none", "--ckpt_dir", str(interrupted), "--max_steps", "500"))
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = finish(proc, head)
+    assert proc.returncode == 0, stderr[-2000:]
+    stopped_at = int(stdout.split("stopped by SIGTERM after step ")[1].split(";")[0])
+    assert 1 <= stopped_at < 500
+    assert f"--config {interrupted / 'recipe.yaml'} --resume auto" in stdout  # says how to continue
+    assert find_latest_checkpoint(interrupted).name == f"epoch_0_step_{stopped_at}"
+
+    total = str(stopped_at + 3)
+    resumed = subprocess.run(cli("--parallel_mode", "none", "--ckpt_dir", str(interrupted), "--max_steps", total,
+                                 "--resume", "auto"), capture_output=True, text=True, env=ENV)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resuming from {interrupted / f'epoch_0_step_{stopped_at}'}" in resumed.stdout
+    reference = subprocess.run(cli("--parallel_mode", "none", "--ckpt_dir", str(uninterrupted), "--max_steps", total),
+                               capture_output=True, text=True, env=ENV)  # fmt: skip
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    ours, theirs = find_latest_checkpoint(interrupted), find_latest_checkpoint(uninterrupted)
+    assert ours.name == theirs.name == f"epoch_0_step_{total}"
+    assert step_losses(ours) == step_losses(theirs)  # the metric log continues across the resume, bit for bit
+    assert len(step_losses(ours)) == int(total)
+    expected = load_file(theirs / "model.safetensors")
+    assert all(torch.equal(tensor, expected[key]) for key, tensor in load_file(ours / "model.safetensors").items())
+
+
+def two_ranks(ckpt_dir: Path, *flags: str) -> list[tuple[subprocess.Popen, list[str]]]:
+    """Two single-rank 'nodes' joined by environment variables (no launcher process watching them)."""
+    env = dict(ENV, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    command = cli("--parallel_mode", "ddp", "--num_nodes", "2", "--ckpt_dir", str(ckpt_dir), "--max_steps", "500",
+                  "--dist_timeout", "60", *flags)  # fmt: skip
+    rank1 = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(env, NODE_RANK="1")
+    )
+    return [started(command, dict(env, NODE_RANK="0")), (rank1, [])]
+
+
+def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
+    (rank0, head0), (rank1, head1) = two_ranks(tmp_path)
+    rank1.send_signal(signal.SIGINT)  # Ctrl-C reaching one rank only
+    (stdout, stderr0), (_, stderr1) = finish(rank0, head0), finish(rank1, head1)
+    assert (rank0.returncode, rank1.returncode) == (0, 0), stderr0[-1000:] + stderr1[-1000:]
+    assert "stopped by a signal to another rank after step" in stdout
+    stopped_at = int(stdout.split("after step ")[1].split(";")[0])
+    checkpoint = load_checkpoint(find_latest_checkpoint(tmp_path))
+    assert checkpoint.path.name == f"epoch_0_step_{stopped_at}"
+    assert checkpoint.meta["resume_position"]["world_size"] == 2 and "optimizer" in checkpoint.extra
+
+
+def test_a_killed_rank_makes_the_other_exit_with_an_error(tmp_path):
+    (rank0, head0), (rank1, _) = two_ranks(tmp_path)
+    rank1.kill()  # SIGKILL: no chance to say goodbye
+    _, stderr = finish(rank0, head0, timeout=90)  # --dist_timeout 60 bounds the wait
+    assert rank0.returncode == 1
+    assert "astrai-fabric: error: rank 0 lost the other ranks" in stderr and "Traceback" not in stderr
+    rank1.wait()
+
+
+# --- non-finite steps --------------------------------------------------------------------------------------------
+
+
+def poisoned_run(tmp_path: Path, bad_micro_batches, **overrides) -> list[dict]:
+    """seq on the tiny model, the loss made NaN on the given micro-batches (counted from 0)."""
+    args = TrainArgs(train_type="seq", param_path="bundled:tiny", data_root_path="bundled:data/seq", window_size=16,
+                     batch_per_device=2, grad_accum_steps=2, parallel_mode="none", num_workers=0, optimizer="adamw",
+                     ckpt_dir=str(tmp_path), ckpt_interval=1000, loggers=[], **overrides)  # fmt: skip
+    fabric = Fabric(accelerator="cpu", devices=1)
+    calls = itertools.count()
+
+    def loss_fn(model, batch):
+        loss, metrics = lm.lm_loss(model, batch, label_smoothing=0.0, moe_aux_loss_coef=0.0)
+        return (loss * float("nan"), metrics) if next(calls) in bad_micro_batches else (loss, metrics)
+
+    start = resolve_start(fabric, args)
+    dataset, summary = lm.build_dataset(args, start)
+    return train_on(fabric, args, start, dataset, summary, loss_fn)
+
+
+def test_a_non_finite_step_is_skipped_and_counted(tmp_path):
+    clean = poisoned_run(tmp_path / "clean", bad_micro_batches=(), max_steps=4)
+    history = poisoned_run(tmp_path / "poisoned", bad_micro_batches={2, 3}, max_steps=4)  # the 2nd window
+    assert [r["step"] for r in history] == [1, 2, 3, 4]
+    assert [r["lr"] for r in history] == [r["lr"] for r in clean]  # the schedule did not advance on the bad window
+    checkpoint = load_checkpoint(tmp_path / "poisoned" / "epoch_0_step_4")
+    assert checkpoint.meta["resume_position"]["skipped_steps"] == 1
+    assert checkpoint.consumed_samples == 5 * 2 * 2  # the skipped window's samples count as consumed
+    assert checkpoint.extra["scheduler"]["last_epoch"] == 4
+    assert history[0]["loss"] == clean[0]["loss"] and history[1]["loss"] != clean[1]["loss"]  # later data
+
+
+def test_too_many_bad_steps_in_a_row_stop_with_the_last_good_state_saved(tmp_path):
+    with pytest.raises(TrainingError, match=r"3 optimizer steps in a row had a non-finite loss .* after step 1"):
+        poisoned_run(tmp_path, bad_micro_batches=range(2, 100), max_bad_steps=2, max_steps=50)
+    checkpoint = load_checkpoint(find_latest_checkpoint(tmp_path))
+    assert checkpoint.path.name == "epoch_0_step_1"
+    assert checkpoint.meta["resume_position"]["skipped_steps"] == 3
+    assert all(torch.isfinite(t).all() for t in checkpoint.state_dict.values())
+
+
+# --- kill -9 while a checkpoint is written ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("point", ["meta", "weights", "extra", "rename"])
+def test_kill_9_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path, point):
+    env = dict(ENV, ASTRAI_FABRIC_CRASH_AT=f"{point}@2")  # the second save dies at this point
+    run = subprocess.run(cli("--parallel_mode", "none", "--ckpt_dir", str(tmp_path), "--max_steps", "6",
+                             "--ckpt_interval", "2"), capture_output=True, text=True, env=env)  # fmt: skip
+    assert run.returncode == -signal.SIGKILL, run.stderr[-2000:]
+    newest = find_latest_checkpoint(tmp_path)
+    assert newest.name == "epoch_0_step_2"
+    load_checkpoint(newest)  # every file, the .pt extras included
+    assert len(list(tmp_path.glob(".epoch_0_step_4.tmp-*"))) == 1  # the partial one stays hidden
+    if point == "weights":  # and the next run clears it and continues from the newest complete one
+        resumed = subprocess.run(cli("--parallel_mode", "none", "--ckpt_dir", str(tmp_path), "--max_steps", "6",
+                                     "--ckpt_interval", "2", "--resume", "auto"), capture_output=True, text=True,
+                                 env=ENV)  # fmt: skip
+        assert resumed.returncode == 0, resumed.stderr[-2000:]
+        assert "removed 1 partial checkpoint(s)" in resumed.stdout and "resuming from" in resumed.stdout
+        assert find_latest_checkpoint(tmp_path).name == "epoch_0_step_6"
+        assert not list(tmp_path.glob(".epoch_*"))
