@@ -67,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingError as err:
         print(f"astrai-fabric: error: {err}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # a second Ctrl-C during training, or one before it started
+        print("astrai-fabric: interrupted; the checkpoints written so far are complete", file=sys.stderr)
+        return 130
 
 
 def _dispatch(argv: list[str]) -> int:

@@ -3,6 +3,7 @@ a rank killed mid-run, and kill -9 while a checkpoint is being written."""
 
 import itertools
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from spawn import free_port
 from astrai_fabric.checkpoint import find_latest_checkpoint, load_checkpoint
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import TrainingError
+from astrai_fabric.preemption import StopRequest
 from astrai_fabric.train import lm
 from astrai_fabric.train.common import resolve_start, train_on
 
@@ -177,3 +179,12 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path, 
         assert "removed 1 partial checkpoint(s)" in resumed.stdout and "resuming from" in resumed.stdout
         assert find_latest_checkpoint(tmp_path).name == "epoch_0_step_6"
         assert not list(tmp_path.glob(".epoch_*"))
+
+
+def test_stop_request_records_the_first_signal_and_a_second_ctrl_c_stops_at_once():
+    with StopRequest() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)  # a real signal, delivered to this (main) thread's handler
+        assert (stop.requested, stop.signal_name) == (True, "SIGTERM")
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the previous handlers are back
