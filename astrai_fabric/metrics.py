@@ -104,15 +104,15 @@ def _global_norm(tensors: list[Tensor], norm_type: float) -> float:
 def flops_per_token(config: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token: ``6 N`` for the weights plus ``12 L H S`` for attention (the PaLM paper's count;
     MoE layers count all experts, so MFU is an upper bound there)."""
-    num_params = sum(p.numel() for p in _meta_model(config).parameters())
-    return 6 * num_params + 12 * config.num_hidden_layers * config.hidden_size * seq_len
+    return 6 * num_parameters(config) + 12 * config.num_hidden_layers * config.hidden_size * seq_len
 
 
-def _meta_model(config: ModelConfig) -> nn.Module:
+def num_parameters(config: ModelConfig) -> int:
+    """Parameters of the model ``config`` describes, counted on the meta device (nothing is allocated)."""
     from astrai_fabric.model import AutoRegressiveLM
 
     with torch.device("meta"):
-        return AutoRegressiveLM(config)
+        return sum(p.numel() for p in AutoRegressiveLM(config).parameters())
 
 
 def peak_flops(device: torch.device, precision: str, given: float | None) -> float | None:

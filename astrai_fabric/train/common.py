@@ -100,10 +100,10 @@ def resolve_start(fabric: Fabric, args: TrainArgs) -> Start:
     paths = [assets.resolve(args.param_path)]
     if isinstance(args.resume, str) and args.resume not in ("auto", "true", "false"):
         paths.append(Path(args.resume))
-    return read_on_rank_zero(fabric, partial(_read_start, args), paths)
+    return read_on_rank_zero(fabric, partial(read_start, args), paths)
 
 
-def _read_start(args: TrainArgs) -> Start:
+def read_start(args: TrainArgs) -> Start:
     """Read ``param_path`` and find the checkpoint to resume from, checking they belong together."""
     param_path = assets.resolve(args.param_path)
     if not (param_path / CONFIG_FILE).is_file():

@@ -10,10 +10,10 @@ from astrai_fabric import assets
 from astrai_fabric.checkpoint import checkpoints_after
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import UserError
-from astrai_fabric.metrics import _meta_model
+from astrai_fabric.metrics import num_parameters
 from astrai_fabric.schedule import StepPlan, build_scheduler
 from astrai_fabric.strategy import resolve_accelerator, resolve_precision, resolve_topology
-from astrai_fabric.train.common import _read_start, split_validation
+from astrai_fabric.train.common import read_start, split_validation
 
 
 def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train type's build_dataset
@@ -32,13 +32,13 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
     )
     start = dataset = None
     try:
-        start = _read_start(args)
+        start = read_start(args)
     except UserError as err:
         problems.append(str(err))
         if not assets.resolve(args.data_root_path).exists():  # reported too: the data is not read without a model
             problems.append(f"data_root_path {args.data_root_path}: not found")
     if start is not None:
-        num_params = sum(p.numel() for p in _meta_model(start.model_config).parameters())
+        num_params = num_parameters(start.model_config)
         weights = start.weights.path if start.weights is not None else f"none: AstrAI's init, seed {args.random_seed}"
         lines.append(f"  model        {assets.resolve(args.param_path)}: {num_params:,} parameters; weights {weights}")
         lines.append(f"  tokenizer    {start.tokenizer.directory} ({start.tokenizer.vocab_size:,} ids)")
