@@ -7,7 +7,12 @@ and the command line overrides it. AstrAI's own command lines and configs are ac
 ``--train_type sft`` instead of the subcommand, ``-c``, bare booleans (``--resume``), ``--no-X`` negations,
 ``--dry-run``, repeated ``--metrics``, and YAML grouped in AstrAI's sections (``model``, ``data``, ``parallel``,
 ``training``, ``ckpt``, ``log``; a ``runtime`` section is ignored, as AstrAI's trainer ignores it). Mistakes a user
-can fix (``UserError``) print one message and exit with status 2, never a traceback.
+can fix (``UserError``) print one message and exit with status 2, never a traceback. Anything else is a bug: one line
+says so and where its traceback went (a ``crash-*.log`` under ``ckpt_dir`` once that exists, else stderr), exit 1.
+
+A recipe is data: it is read with YAML's safe loader, refusing duplicate keys, aliases and non-string keys, and it
+can never name code to run: ``--trust_code``, which opts into import paths outside the package, is taken from the
+command line only.
 """
 
 from __future__ import annotations
@@ -15,7 +20,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import os
+import socket
 import sys
+import time
+import traceback
 import typing
 from pathlib import Path
 from typing import Any
@@ -24,7 +33,7 @@ import yaml
 from jsonargparse import ArgumentParser, set_parsing_settings
 
 from astrai_fabric import __version__
-from astrai_fabric.config.train import TrainArgs
+from astrai_fabric.config.train import COMMAND_LINE_ONLY, TrainArgs
 from astrai_fabric.errors import TrainingError, UserError
 
 TRAIN_COMMANDS = ("seq", "sft", "dpo", "grpo")
@@ -34,6 +43,7 @@ ASTRAI_SECTIONS = ("model", "data", "parallel", "training", "ckpt", "log")
 IGNORED_SECTIONS = ("runtime",)
 ALIASES = {"devices": "nprocs", "dry-run": "dry_run"}
 """Other spellings of a flag or recipe key → the field."""
+MAX_RECIPE_BYTES = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +68,9 @@ set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
 
 def main(argv: list[str] | None = None) -> int:
+    global _crash_log_dir
     argv = list(sys.argv[1:] if argv is None else argv)
+    _crash_log_dir = None
     try:
         return _dispatch(argv)
     except UserError as err:
@@ -70,6 +82,34 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # a second Ctrl-C during training, or one before it started
         print("astrai-fabric: interrupted; the checkpoints written so far are complete", file=sys.stderr)
         return 130
+    except Exception as err:  # anything else is a bug of ours: one line, the traceback kept, exit (never hang)
+        where = _keep_traceback(err)
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        if any("Traceback" in line for line in lines):  # a loader worker's error carries its traceback as text
+            lines = [lines[0], lines[-1]]
+        summary = " ".join(lines)[:300]
+        print(
+            f"astrai-fabric: error: internal error, a bug: {type(err).__name__}: {summary} ({where})", file=sys.stderr
+        )
+        return 1
+
+
+_crash_log_dir: Path | None = None
+"""Where a bug's traceback goes: the run's ``ckpt_dir`` once it exists (set by ``train_command``)."""
+
+
+def _keep_traceback(err: Exception) -> str:
+    """Write ``err``'s traceback to ``ckpt_dir/crash-HOST-PID.log`` (stderr when there is no ckpt_dir); say where."""
+    text = "".join(traceback.format_exception(err))
+    if _crash_log_dir is not None and _crash_log_dir.is_dir():
+        log = _crash_log_dir / f"crash-{socket.gethostname()}-{os.getpid()}.log"
+        try:
+            log.write_text(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} astrai-fabric {__version__}\n{text}")
+            return f"traceback in {log}; please report it"
+        except OSError:
+            pass
+    print(text, file=sys.stderr, end="")
+    return "traceback above; please report it"
 
 
 def _dispatch(argv: list[str]) -> int:
@@ -167,6 +207,8 @@ def parse_train_args(train_type: str, argv: list[str]) -> tuple[TrainArgs, bool]
         recipe_path = Path(flags[i + 1])
         del flags[i : i + 2]
         recipe = _read_recipe(recipe_path)
+        if refused := [key for key in COMMAND_LINE_ONLY if key in recipe]:
+            raise UserError(f"{recipe_path}: {refused[0]} can only be given on the command line (a recipe is data)")
         named = recipe.pop("train_type", train_type)
         if TRAIN_TYPE_ALIASES.get(named, named) != train_type:
             raise UserError(f"{recipe_path}: train_type is not {train_type!r}, the command given")
@@ -185,7 +227,9 @@ def parse_train_args(train_type: str, argv: list[str]) -> tuple[TrainArgs, bool]
 
 
 def train_command(train_type: str, argv: list[str]) -> int:
+    global _crash_log_dir
     args, print_config = parse_train_args(train_type, argv)
+    _crash_log_dir = Path(args.ckpt_dir)
     if print_config:
         from astrai_fabric.train.common import resolved_recipe
 
@@ -273,7 +317,7 @@ def prepare_command(argv: list[str]) -> int:
 
 
 def plot_command(argv: list[str]) -> int:
-    from astrai_fabric.plot import PLOT_FILE, plot_runs
+    from astrai_fabric.plot import PLOT_FILE, check_output, plot_runs
 
     description = "Loss (train, validation), learning rate and tokens/s against step; runs overlaid; a PNG."
     parser = ArgumentParser(prog="astrai-fabric plot", description=description, exit_on_error=False)
@@ -285,18 +329,55 @@ def plot_command(argv: list[str]) -> int:
         if not run.exists():
             raise UserError(f"{run}: not found")
     default = (runs[0] if runs[0].is_dir() else runs[0].parent) / PLOT_FILE
-    print(f"plot: {plot_runs(runs, Path(namespace.output) if namespace.output else default)}")
+    output = Path(namespace.output) if namespace.output else default
+    check_output(output)
+    print(f"plot: {plot_runs(runs, output)}")
     return 0
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """YAML's safe loader (plain data only), refusing what YAML allows but a recipe must not hold: a key given twice
+    (YAML keeps the last one silently), a key that is not a string, and aliases (``*name``: shared or exponentially
+    large values)."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(
+                None, None, "aliases (*name) are not allowed in a recipe", event.start_mark
+            )
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> dict:
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, str):
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"keys must be strings, got {key!r}", key_node.start_mark
+                )
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 def _read_recipe(path: Path) -> dict[str, Any]:
     """A recipe's keys, flat: AstrAI's sections merged, ``runtime`` dropped, aliases renamed, unknown keys refused."""
     if not path.is_file():
         raise UserError(f"--config {path}: file not found")
+    if path.stat().st_size > MAX_RECIPE_BYTES:
+        raise UserError(f"{path}: {path.stat().st_size:,} bytes; a recipe is a short YAML file (at most 1 MiB)")
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as err:
-        raise UserError(f"{path}: not valid YAML ({err})") from None
+        raw = yaml.load(path.read_bytes().decode("utf-8"), Loader=_RecipeLoader) or {}
+    except UnicodeDecodeError as err:
+        raise UserError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise UserError(f"{path}: not valid YAML{at}: {' '.join(str(err.problem or err.context).split())}") from None
+    except (yaml.YAMLError, RecursionError) as err:
+        raise UserError(f"{path}: not valid YAML ({_clean(err)})") from None
     if not isinstance(raw, dict):
         raise UserError(f"{path}: expected a mapping of flags to values, got {type(raw).__name__}")
     flat: dict[str, Any] = {}

@@ -7,6 +7,7 @@ in the batch. Used by online GRPO and by ``astrai-fabric generate``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -154,8 +155,19 @@ def run_generate(args: GenerateArgs) -> list[list[str]]:
 
     if args.param_path is None or not args.prompt:
         raise ConfigError("generate needs --param_path and at least one --prompt")
-    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.max_new_tokens < 1 or args.num_samples < 1:
-        raise ConfigError("generate: need temperature >= 0, 0 < top_p <= 1, max_new_tokens >= 1, num_samples >= 1")
+    if (
+        not (0 <= args.temperature < math.inf and 0 < args.top_p <= 1 and args.top_k >= 0)
+        or min(args.max_new_tokens, args.num_samples) < 1
+    ):
+        raise ConfigError(
+            "generate: need a finite temperature >= 0, 0 < top_p <= 1, top_k >= 0, max_new_tokens >= 1 and "
+            f"num_samples >= 1; got {args.temperature}, {args.top_p}, {args.top_k}, {args.max_new_tokens}, "
+            f"{args.num_samples}"
+        )
+    if args.device_type not in (None, "cpu", "cuda"):
+        raise ConfigError(f"generate: device_type must be cpu or cuda, got {args.device_type!r}")
+    if args.device_type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("generate: --device_type cuda, but no CUDA device is available here")
     device = torch.device(args.device_type or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = load_model(assets.resolve(args.param_path)).to(device).eval()
     tokenizer = Tokenizer.from_dir(assets.resolve(args.tokenizer_path or args.param_path))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,18 @@ class MetricLog:
         path = checkpoint_dir / METRIC_FILE if checkpoint_dir is not None else None
         if path is None or not path.is_file():
             return cls(names)
-        return cls(names, [json.loads(line) for line in path.read_text().splitlines() if line.strip()])
+        entries = []
+        for line_no, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
+            try:
+                entry = json.loads(line) if line.strip() else None
+            except json.JSONDecodeError:
+                entry = "malformed"
+            if entry is not None and not isinstance(entry, dict):
+                warnings.warn(f"{path}:{line_no}: not a JSON object; this metric history line is dropped", stacklevel=2)
+                continue
+            if entry is not None:
+                entries.append(entry)
+        return cls(names, entries)
 
     def add(self, kind: str, epoch: int, step: int, consumed_samples: int, **values: float) -> None:
         entry = {"type": kind, "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), "epoch": epoch, "step": step}

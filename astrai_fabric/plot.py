@@ -29,10 +29,25 @@ def read_entries(run: Path) -> list[dict[str, Any]]:
                 continue
             try:
                 entry = json.loads(line)
+                if not isinstance(entry["type"], str) or not isinstance(entry["step"], int):
+                    raise TypeError(f"type {entry['type']!r}, step {entry['step']!r}")
                 merged[(entry["type"], entry["step"])] = entry
             except (json.JSONDecodeError, KeyError, TypeError) as err:
                 raise UserError(f"{file}:{number}: not a metric entry ({err})") from None
     return sorted(merged.values(), key=lambda e: e["step"])
+
+
+def check_output(output: Path) -> None:
+    """``output`` is a new or replaceable image file of a format matplotlib writes, in an existing directory."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if output.suffix.lower().lstrip(".") not in formats:
+        raise UserError(f"-o {output}: not an image file name; end it in one of {', '.join('.' + f for f in formats)}")
+    if not output.parent.is_dir():
+        raise UserError(f"-o {output}: the directory {output.parent} does not exist")
+    if output.is_dir():
+        raise UserError(f"-o {output}: is a directory; name the image file")
 
 
 def plot_runs(runs: list[Path], output: Path) -> Path:

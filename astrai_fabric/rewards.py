@@ -3,13 +3,15 @@
 A reward is any callable ``reward(prompts, responses, records) -> [B][G] numbers``: ``prompts`` are the B prompt
 texts, ``responses`` the G sampled texts per prompt, ``records`` the B JSONL records (for reference answers). The
 recipe names it as ``reward: {class_path: package.module.Class, init_args: {...}}`` (a class is instantiated with
-``init_args``, a function is used as is) or simply ``reward: package.module.function``.
+``init_args``, a function is used as is) or simply ``reward: package.module.function``. A recipe is data: only the
+bundled rewards resolve by default; naming any other code needs ``--trust_code`` on the command line.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+import inspect
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -52,26 +54,78 @@ class ExactMatchReward:
         return out
 
 
-def load_reward(spec: str | dict[str, Any]) -> Reward:
-    """Import and build the reward a recipe names (see the module docstring)."""
+BUNDLED: dict[str, Callable[..., Any]] = {
+    "astrai_fabric.rewards.LengthReward": LengthReward,
+    "astrai_fabric.rewards.ExactMatchReward": ExactMatchReward,
+}
+"""The rewards a recipe may name without ``--trust_code``, by import path (resolved here, nothing is imported)."""
+
+
+def reward_spec_problem(spec: Any, trust_code: bool) -> str | None:
+    """Why ``spec`` (a recipe's ``reward``) cannot be used, or None. Checked before anything runs or is written."""
     if isinstance(spec, str):
         spec = {"class_path": spec}
-    if not isinstance(spec, dict) or "class_path" not in spec or set(spec) - {"class_path", "init_args"}:
-        raise ConfigError(f"reward must be an import path or {{class_path, init_args}}, got {spec!r}")
+    if (
+        not isinstance(spec, dict)
+        or not isinstance(spec.get("class_path"), str)
+        or set(spec) - {"class_path", "init_args"}
+    ):
+        return f"reward must be an import path or {{class_path, init_args}}, got {spec!r}"
+    if not isinstance(spec.get("init_args") or {}, dict):
+        return f"reward init_args must be a mapping of argument names to values, got {spec['init_args']!r}"
+    if spec["class_path"] not in BUNDLED and not trust_code:
+        return (
+            f"reward {spec['class_path']!r} is not one of the bundled rewards ({', '.join(BUNDLED)}); importing other "
+            "code runs it, so it needs --trust_code on the command line (a recipe cannot set it)"
+        )
+    return None
+
+
+def load_reward(spec: str | dict[str, Any], trust_code: bool = False) -> Reward:
+    """Build the reward a recipe names (see the module docstring). Outside ``BUNDLED`` only with ``trust_code``, and
+    then only a function or a class whose instances are called as ``reward(prompts, responses, records)``: never an
+    arbitrary class with arbitrary arguments (``subprocess.Popen`` is a class too)."""
+    if problem := reward_spec_problem(spec, trust_code):
+        raise ConfigError(problem)
+    spec = {"class_path": spec} if isinstance(spec, str) else spec
     path, init_args = spec["class_path"], spec.get("init_args") or {}
-    module_name, _, name = path.rpartition(".")
-    try:
-        target = getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError, ValueError) as err:
-        raise ConfigError(f"reward {path!r} cannot be imported ({err})") from None
+    target = BUNDLED.get(path) or _import(path)
     if isinstance(target, type):
+        call = next((vars(base)["__call__"] for base in target.__mro__[:-1] if "__call__" in vars(base)), None)
+        if call is None or not _takes_three_arguments(call, skip_self=True):
+            raise ConfigError(
+                f"reward {path!r} is a class whose instances are not rewards (no __call__(prompts, responses, records))"
+            )
         try:
             return target(**init_args)
         except TypeError as err:
             raise ConfigError(f"reward {path!r}: bad init_args {init_args} ({err})") from None
+    if not inspect.isfunction(target) or not _takes_three_arguments(target):
+        raise ConfigError(f"reward {path!r} is neither a function of (prompts, responses, records) nor a reward class")
     if init_args:
         raise ConfigError(f"reward {path!r} is a function: it takes no init_args")
     return target
+
+
+def _import(path: str) -> Any:
+    module_name, _, name = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ConfigError(f"reward {path!r} cannot be imported ({err})") from None
+
+
+def _takes_three_arguments(function: Any, skip_self: bool = False) -> bool:
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return False
+    dummies = ([None] if skip_self else []) + [[], [], []]
+    try:
+        signature.bind(*dummies)
+    except TypeError:
+        return False
+    return True
 
 
 def score(reward: Reward, prompts: list[str], responses: list[list[str]], records: list[dict]) -> Tensor:

@@ -139,10 +139,17 @@ class _AstraiSchedule(LRScheduler):
         return {k: v for k, v in self.__dict__.items() if k != "optimizer"}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state = dict(state_dict)
-        missing = [k for k in self.hyper if k not in state]
+        """Restore a saved state after checking it has this schedule's keys, each of the kind it is here (a number,
+        or a list of one finite number per parameter group); keys this class does not have are ignored."""
+        if not isinstance(state_dict, dict):
+            raise ConfigError(f"scheduler state must be a mapping, got {type(state_dict).__name__}")
+        missing = [k for k in self.hyper if k not in state_dict]
         if missing:
             raise ConfigError(f"scheduler state lacks {missing}: it was saved by another schedule type")
+        state = {k: v for k, v in state_dict.items() if k in self.__dict__ and k != "optimizer"}
+        wrong = [f"{k}={v!r}" for k, v in state.items() if not _same_kind(v, self.__dict__[k])]
+        if wrong:
+            raise ConfigError(f"scheduler state has values of the wrong kind: {', '.join(wrong)[:300]}")
         self.__dict__.update(state)
         # The groups must run at the restored rate now, whatever set them before (e.g. this scheduler's own
         # constructor, which applies factor(0)).
@@ -234,3 +241,15 @@ def build_scheduler(
         decay = max(1, remaining - stable) if decay_steps is None else decay_steps
         return WSDScheduler(optimizer, warmup_steps, stable, decay, min_rate)
     raise ConfigError(f"schedule_type must be cosine, sgdr or wsd, got {schedule_type!r}")
+
+
+def _same_kind(value: Any, current: Any) -> bool:
+    """``value`` can stand where ``current`` is: None for None, a finite number for a number, a bool for a bool, a
+    list of as many for a list."""
+    if current is None or isinstance(current, bool):
+        return type(value) is type(current)
+    if isinstance(current, int | float):
+        return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if isinstance(current, list):
+        return isinstance(value, list) and len(value) == len(current) and all(map(_same_kind, value, current))
+    return type(value) is type(current)

@@ -3,17 +3,27 @@ holding a ``"special_tokens"`` map (``bos_token``, ``eos_token``, ``pad_token``,
 Jinja string rendered with ``messages`` and ``add_generation_prompt``.
 
 Departure from AstrAI: the template renders in Jinja's sandbox (a template from a downloaded model cannot reach
-Python internals); for ordinary templates the output is identical.
+Python internals), bounded in time (``RENDER_SECONDS``), output size and the size of anything it builds, and its
+failures (``raise_exception``, undefined names, sandbox violations) are one clear error naming the record; for
+ordinary templates the output is identical. Both files are checked when loaded: ``special_tokens`` a map of strings
+in the vocabulary, ``chat_template`` a string (or Hugging Face's list of named templates) that compiles.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import re
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from jinja2 import TemplateError
+from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -23,6 +33,12 @@ TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 Message = dict[str, str]
 """One chat message: ``{"role": "system" | "user" | "assistant", "content": str}``."""
+RENDER_SECONDS = 5.0
+"""Longest one conversation may take to render (ordinary templates take microseconds)."""
+MAX_TEMPLATE_NUMBER = 100_000
+"""Largest number a template may pass to a function or filter, or repeat a string by (Jinja's own ``range`` cap)."""
+MAX_RENDER_CHARS = 1_000_000
+"""Longest rendering of a conversation, or 16 characters per input character when that is more."""
 
 
 class Tokenizer:
@@ -60,15 +76,25 @@ class Tokenizer:
         try:
             tokenizer = HFTokenizer.from_file(str(path))
         except Exception as err:  # tokenizers raises a bare Exception for malformed files
-            raise UserError(f"{path}: not a valid tokenizers file ({err})") from None
-        config: dict[str, Any] = {}
+            raise UserError(f"{path}: not a valid tokenizers file ({' '.join(str(err).split())[:200]})") from None
+        config: Any = {}
         config_path = directory / TOKENIZER_CONFIG_FILE
         if config_path.is_file():
             try:
                 config = json.loads(config_path.read_text(encoding="utf-8"))
-            except json.JSONDecodeError as err:
+            except (json.JSONDecodeError, UnicodeDecodeError) as err:
                 raise UserError(f"{config_path}: not valid JSON ({err})") from None
-        return cls(tokenizer, config.get("special_tokens"), config.get("chat_template"), directory)
+            if not isinstance(config, dict):
+                raise UserError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
+        special_tokens = config.get("special_tokens") or {}
+        if not isinstance(special_tokens, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in special_tokens.items()
+        ):
+            raise UserError(f"{config_path}: 'special_tokens' must map names to token strings, got {special_tokens!r}")
+        loaded = cls(tokenizer, special_tokens, _named_template(config.get("chat_template"), config_path), directory)
+        if loaded.chat_template:
+            assert loaded._template is not None  # compiled now: a broken template is found when it is read
+        return loaded
 
     @property
     def _config_path(self) -> str:
@@ -122,14 +148,137 @@ class Tokenizer:
         if not self.chat_template:
             raise UserError(f"{self._config_path}: no 'chat_template'; chat data needs one")
         try:
-            return ImmutableSandboxedEnvironment().from_string(self.chat_template)
-        except TemplateError as err:
+            return _BoundedSandbox().from_string(self.chat_template)
+        except (TemplateError, RecursionError, MemoryError) as err:
             raise UserError(f"{self._config_path}: chat_template is not valid Jinja ({err})") from None
 
-    def render_chat(self, messages: list[Message], add_generation_prompt: bool = False) -> str:
-        """The chat template applied to ``messages`` (text, not ids)."""
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt)
+    def render_chat(self, messages: list[Message], add_generation_prompt: bool = False, where: str = "") -> str:
+        """The chat template applied to ``messages`` (text, not ids); ``where`` names the record in errors."""
+        max_chars = max(MAX_RENDER_CHARS, 16 * sum(len(str(m.get("content", ""))) for m in messages))
+        chunks, num_chars = [], 0
+        try:
+            with _deadline(RENDER_SECONDS):
+                for chunk in self._template.generate(messages=messages, add_generation_prompt=add_generation_prompt):
+                    chunks.append(chunk)
+                    num_chars += len(chunk)
+                    if num_chars > max_chars:
+                        raise SecurityError(f"the output passed {max_chars:,} characters")
+        except UserError:
+            raise
+        except (Exception, RecursionError) as err:  # the template's own failure: raise_exception, undefined, sandbox
+            record = f" on {where}" if where else ""
+            message = " ".join(str(err).split())[:300] or type(err).__name__
+            raise UserError(f"{self._config_path}: chat_template failed{record}: {message}") from None
+        return "".join(chunks)
 
-    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[Message], add_generation_prompt: bool = True, where: str = ""
+    ) -> list[int]:
         """Token ids of the rendered conversation (AstrAI's default: with the generation prompt)."""
-        return self.encode(self.render_chat(messages, add_generation_prompt))
+        return self.encode(self.render_chat(messages, add_generation_prompt, where))
+
+
+def _named_template(value: Any, config_path: Path) -> str | None:
+    """The template itself: a string, or the ``default`` of Hugging Face's ``[{name, template}, ...]`` list."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(
+        isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str) for t in value
+    ):
+        named = {t["name"]: t["template"] for t in value}
+        if "default" in named:
+            return named["default"]
+        raise UserError(f"{config_path}: 'chat_template' lists {sorted(named)}, but no 'default' template")
+    raise UserError(f"{config_path}: 'chat_template' must be a Jinja string or a list of {{name, template}}")
+
+
+class _TemplateLimit(SecurityError):
+    """A template tried to build something too large or ran too long."""
+
+
+def _check_number(value: Any) -> None:
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_TEMPLATE_NUMBER:
+        raise _TemplateLimit(f"the number {value} is above the template limit {MAX_TEMPLATE_NUMBER:,}")
+
+
+def _check_format(text: str) -> None:
+    """A %- or {}-format string whose widths would build a huge string."""
+    for number in re.findall(r"\d+", text):
+        _check_number(int(number))
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """Jinja's immutable sandbox, also bounding what a template can build: numbers passed to functions and filters,
+    repetition (``'x' * n``), powers, format widths; ``raise_exception`` raises (Hugging Face templates call it)."""
+
+    intercepted_binops = frozenset(["*", "**", "%"])
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.globals = {
+            "range": self.globals["range"],
+            "dict": self.globals["dict"],
+            "namespace": self.globals["namespace"],
+            "raise_exception": _raise_exception,
+        }
+        self.filters = {name: _bounded(f) for name, f in self.filters.items()}
+
+    def call(self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+        for value in (*args, *kwargs.values()):
+            _check_number(value)
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for items, count in ((left, right), (right, left)):
+                if isinstance(items, str | list | tuple) and isinstance(count, int):
+                    if len(items) * count > MAX_RENDER_CHARS:
+                        raise _TemplateLimit(f"repeating {len(items)} items {count} times is above the template limit")
+            if isinstance(left, int) and isinstance(right, int) and left.bit_length() + right.bit_length() > 4096:
+                raise _TemplateLimit("a product of huge numbers")
+        elif operator == "**":
+            _check_number(right)
+            if isinstance(right, int) and isinstance(left, int) and abs(left) > 1 and right > 64:
+                raise _TemplateLimit(f"the power {left} ** {right} is above the template limit")
+        elif operator == "%" and isinstance(left, str):
+            _check_format(left)
+        return super().call_binop(context, operator, left, right)
+
+    def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
+        if isinstance(getattr(value, "__self__", None), str):
+            _check_format(value.__self__)
+        return super().wrap_str_format(value)
+
+
+def _bounded(filter_function: Callable) -> Callable:
+    @functools.wraps(filter_function)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        for value in (*args, *kwargs.values()):
+            _check_number(value)
+        return filter_function(*args, **kwargs)
+
+    return checked
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(f"raise_exception: {message}")
+
+
+@contextmanager
+def _deadline(seconds: float) -> Iterator[None]:
+    """Raise ``_TemplateLimit`` in the main thread when the block takes longer than ``seconds`` (SIGALRM); elsewhere
+    (no signals off the main thread) the other bounds still hold."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum: int, frame: Any) -> None:
+        raise _TemplateLimit(f"rendering took longer than {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import tempfile
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +63,22 @@ class RunPosition:
     skipped_steps: int = 0
     """Accumulation windows whose update was skipped for a non-finite loss or gradient norm (their samples count
     as consumed; ``optimizer_step`` and the schedule did not advance)."""
+
+    @classmethod
+    def from_meta(cls, value: Any, source: Path) -> RunPosition:
+        """The position ``meta.json`` records under ``resume_position``, checked: exactly these fields, each a
+        non-negative integer (``world_size`` positive)."""
+        names = [f.name for f in fields(cls)]
+        if not isinstance(value, dict) or sorted(value) != sorted(names):
+            found = sorted(value) if isinstance(value, dict) else type(value).__name__
+            raise CheckpointError(f"{source}: {RESUME_KEY!r} must hold {names}, got {found}")
+        wrong = [
+            f"{k}={v!r}" for k, v in value.items()
+            if not isinstance(v, int) or isinstance(v, bool) or v < (1 if k == "world_size" else 0)
+        ]  # fmt: skip
+        if wrong:
+            raise CheckpointError(f"{source}: {RESUME_KEY!r} needs non-negative integers, got {', '.join(wrong)}")
+        return cls(**value)
 
     @property
     def last_epoch(self) -> int:
@@ -236,17 +252,38 @@ def load_optimizer_state(optimizer: Optimizer, state: dict[str, Any], source: Pa
             )
         if len(sub_state.get("state", {})) > len(params):
             raise CheckpointError(f"{source}: optimizer state covers more parameters than the model has")
-        for index, entry in sub_state.get("state", {}).items():
-            param = params[index]
-            for key, value in entry.items():
-                if isinstance(value, Tensor) and isinstance(param, DTensor) and value.shape == param.shape:
-                    value = value.to(device=param.device, dtype=param.dtype)
-                    entry[key] = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
-    optimizer.load_state_dict(state)
+        try:
+            for index, entry in sub_state.get("state", {}).items():
+                param = params[index]
+                for key, value in entry.items():
+                    if isinstance(value, Tensor) and value.dim() > 0 and value.shape != param.shape:
+                        raise ValueError(f"state {key!r} of parameter {index} has shape {list(value.shape)}, the "
+                                         f"parameter {list(param.shape)}")  # fmt: skip
+                    if isinstance(value, Tensor) and isinstance(param, DTensor) and value.shape == param.shape:
+                        value = value.to(device=param.device, dtype=param.dtype)
+                        entry[key] = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as err:
+            raise CheckpointError(f"{source}: does not fit this run's optimizer ({err})") from None
+    try:
+        optimizer.load_state_dict(state)
+    except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as err:  # torch's own checks of the layout
+        detail = " ".join(str(err).split())[:300]
+        raise CheckpointError(f"{source}: does not fit this run's optimizer ({detail})") from None
+
+
+def check_rng_state(rng: Any, source: Path) -> None:
+    """``rng.pt`` holds ``{"torch": uint8 [ranks, state]}``, one torch RNG state per rank."""
+    states = rng.get("torch") if isinstance(rng, dict) else None
+    size = torch.get_rng_state().numel()
+    fits = isinstance(states, Tensor) and states.dtype == torch.uint8 and states.dim() == 2
+    if not (fits and states.size(1) == size):
+        found = f"{states.dtype} {list(states.shape)}" if isinstance(states, Tensor) else type(states).__name__
+        raise CheckpointError(f"{source}: expected {{'torch': uint8 [ranks, {size}]}} RNG states, got {found}")
 
 
 def restore_rng(rng: dict[str, Tensor] | None, rank: int, world_size: int) -> bool:
-    """This rank's torch RNG state, when the checkpoint has one saved by the same number of ranks."""
+    """This rank's torch RNG state, when the checkpoint has one saved by the same number of ranks (checked on
+    reading by ``check_rng_state``)."""
     if not rng or "torch" not in rng or rng["torch"].size(0) != world_size:
         return False
     torch.set_rng_state(rng["torch"][rank].to(torch.uint8).clone())  # own storage: a row view crashes it

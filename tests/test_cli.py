@@ -120,7 +120,7 @@ def tiny(tmp_path, *extra) -> list[str]:
     "extra, message",
     [
         (["--data_root_path", "absent"], "data_root_path absent: not found"),
-        (["--window_size", "1000000"], "tokens hold no window of window_size=1000000"),
+        (["--window_size", "1000000"], "window_size 1000000 exceeds max_position_embeddings 256"),
         (["--nprocs", "2"], "parallel_mode none trains in one process, but 2 were requested"),
         (["--resume", "true"], "is not a training checkpoint (no meta.json)"),
         (["--param_path", "absent"], "param_path absent: no config.json"),

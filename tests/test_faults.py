@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -188,3 +189,53 @@ def test_stop_request_records_the_first_signal_and_a_second_ctrl_c_stops_at_once
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the previous handlers are back
+
+
+# --- any exception ends every process: no hang, workers reaped ---------------------------------------------------
+
+FAILING_RUN = """
+import sys
+from astrai_fabric.cli import main
+from astrai_fabric.data.datasets import WindowDataset
+
+read = WindowDataset.__getitem__
+calls = [0]
+
+def fail_mid_epoch(self, index):  # runs in the loader's worker processes (forked, so they have it too)
+    calls[0] += 1
+    if calls[0] > 12:
+        raise RuntimeError("injected failure mid-epoch")
+    return read(self, index)
+
+WindowDataset.__getitem__ = fail_mid_epoch
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("ranks", [1, 2], ids=["one-process", "two-ddp-ranks"])
+def test_an_exception_mid_epoch_ends_every_process_with_workers_reaped(tmp_path, ranks):
+    script = tmp_path / "failing.py"
+    script.write_text(FAILING_RUN)
+    flags = [*SEQ, "--num_workers", "2", "--persistent_workers", "true", "--ckpt_dir", str(tmp_path / "run"),
+             "--nprocs", str(ranks), "--parallel_mode", "ddp" if ranks > 1 else "none"]  # fmt: skip
+    env = {**ENV, "MASTER_PORT": str(free_port())}
+    proc = subprocess.Popen([sys.executable, str(script), *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)  # fmt: skip
+    try:
+        _, stderr = proc.communicate(timeout=60)  # a hang fails here (the bug this guards against never exited)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1, stderr[-3000:]
+    assert "Traceback" not in stderr
+    assert "astrai-fabric: error: internal error, a bug: RuntimeError" in stderr or "lost the other ranks" in stderr
+    logs = list((tmp_path / "run").glob("crash-*.log"))
+    assert logs and "injected failure mid-epoch" in logs[0].read_text()
+    for _ in range(100):  # every process of the run (ranks, loader workers) is gone within 10 s
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("processes of the failed run are still alive")

@@ -59,7 +59,7 @@ NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine 
 
 CASES = [
     # (argv with {w} for the workspace, message)
-    (["seq", "--config", "{w}/broken.yaml"], "broken.yaml: not valid YAML"),
+    (["seq", "--config", "{w}/broken.yaml"], "broken.yaml: not valid YAML at line 2, column 1"),
     (["seq", "--config", "{w}/typo.yaml"], "unknown key(s) max_lrr (did you mean max_lr?)"),
     (tiny("{w}/new", "--n_epoch", "two"), 'Parser key "n_epoch": Expected a <class \'int\'>. Got value: two'),
     (tiny("{w}/new", "--batch_per_device", "0"), "batch_per_device must be positive, got 0"),

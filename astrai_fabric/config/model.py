@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 import warnings
@@ -219,8 +220,49 @@ class ModelConfig:
                     f"n_activated_experts ({self.n_activated_experts}) exceeds n_routed_experts "
                     f"({self.n_routed_experts})"
                 )
+            problems += self._value_problems()  # after the checks above: it divides by head counts
         if problems:
             raise ConfigError(f"{source}: cannot build a model: " + "; ".join(problems))
+
+    def _value_problems(self) -> list[str]:
+        """Ranges of the optional fields (their types are checked on reading): finite, positive where a size."""
+        problems = [
+            f"{f.name!r} must be a finite number, got {getattr(self, f.name)}"
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), float) and not math.isfinite(getattr(self, f.name))
+        ]
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                problems.append(f"{name!r} must be > 0, got {value}")
+        sizes = ("moe_intermediate_size", "shared_expert_intermediate_size")
+        if self.ffn_type == "moe":
+            sizes += ("n_routed_experts", "n_activated_experts")
+        problems += [
+            f"{name!r} must be positive, got {getattr(self, name)}"
+            for name in sizes
+            if getattr(self, name) is not None and getattr(self, name) < 1
+        ]
+        if self.mlp_only_layers and self.num_hidden_layers:
+            outside = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
+            if outside:
+                problems.append(f"'mlp_only_layers' {outside} are not layers of a {self.num_hidden_layers}-layer model")
+        if self.rope_scaling is not None:
+            problems += self._rope_scaling_problems()
+        return problems
+
+    def _rope_scaling_problems(self) -> list[str]:
+        scaling = self.rope_scaling
+        kind = scaling.get("type", "ntk")
+        if not isinstance(kind, str):
+            return [f"'rope_scaling' type must be a string, got {json.dumps(kind)}"]
+        factor = scaling.get("factor", 1.0)
+        is_number = isinstance(factor, int | float) and not isinstance(factor, bool)
+        if not is_number or not (math.isfinite(factor) and factor > 0):
+            return [f"'rope_scaling' factor must be a finite number > 0, got {json.dumps(factor)}"]
+        if kind == "ntk" and self.rope_dim <= 2:
+            return [f"'rope_scaling' ntk needs a RoPE width per head above 2, got {self.rope_dim}"]
+        return []
 
 
 def _plain(value: Any) -> Any:

@@ -8,11 +8,17 @@ spelling. ``validate()`` reports every bad value in one ``ConfigError``.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
 from astrai_fabric.errors import ConfigError
 from astrai_fabric.metrics import KNOWN_METRICS
+from astrai_fabric.rewards import reward_spec_problem
+
+COMMAND_LINE_ONLY = ("trust_code",)
+"""Flags a recipe may not set, and which resolved recipes leave out: a recipe file is data, never a way to opt into
+running code."""
 
 TrainType = Literal["seq", "sft", "dpo", "grpo"]
 ParallelMode = Literal["none", "ddp", "fsdp"]
@@ -129,7 +135,11 @@ class TrainArgs:
     """GRPO weight of the KL penalty to the reference model."""
     reward: str | dict | None = None
     """Online GRPO: the reward function, an import path or ``{class_path, init_args}`` (e.g.
-    ``astrai_fabric.rewards.LengthReward``); required when the grpo data holds prompts without responses."""
+    ``astrai_fabric.rewards.LengthReward``); required when the grpo data holds prompts without responses. Only the
+    bundled rewards (``astrai_fabric.rewards.*``) resolve unless ``--trust_code`` is given."""
+    trust_code: bool = False
+    """Allow import paths outside astrai_fabric (``--reward mypackage.score``): importing them runs their code.
+    Command line only: a recipe cannot set it, and the resolved ``recipe.yaml`` leaves it out."""
     rollout_interval: int = 512
     """Online GRPO: optimizer steps trained on each rollout (responses are sampled for that many steps at once)."""
     rollout_temperature: float = 0.7
@@ -230,7 +240,11 @@ class TrainArgs:
 
     def validate(self) -> None:
         """Raise one ``ConfigError`` naming every field with a bad value."""
-        problems = []
+        problems = [
+            f"{f.name} must be a finite number, got {getattr(self, f.name)}"
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), float) and not math.isfinite(getattr(self, f.name))
+        ]
         if self.data_root_path is None:
             problems.append("data_root_path is required")
         if self.param_path is None:
@@ -287,6 +301,8 @@ class TrainArgs:
             problems.append(f"metrics {unknown} are unknown; choose from {list(KNOWN_METRICS)}")
         if self.peak_flops is not None and self.peak_flops <= 0:
             problems.append(f"peak_flops must be positive, got {self.peak_flops}")
+        if self.reward is not None and (problem := reward_spec_problem(self.reward, self.trust_code)):
+            problems.append(problem)
         if isinstance(self.resume, str) and not self.resume:
             problems.append("resume must be true, false, auto or a checkpoint path, got ''")
         if problems:

@@ -37,6 +37,13 @@ class TokenStream:
     def keys(self) -> list[str]:
         return list(self._segments)
 
+    def check_range(self, key: str, limit: int, expected: str) -> None:
+        """Every value of ``key`` in ``[0, limit)``: one vectorised min/max per shard, the culprit named."""
+        for index, segment in enumerate(self._segments[key]):
+            if len(segment) and (segment.min() < 0 or segment.max() >= limit):
+                where = getattr(segment, "filename", None) or f"{key} (part {index})"
+                raise UserError(f"{where}: holds {key} values in [{segment.min()}, {segment.max()}]; {expected}")
+
     def read(self, key: str, begin: int, end: int) -> np.ndarray:
         """Tokens ``[begin, end)`` of ``key``, across shard boundaries."""
         ends, segments = self._ends[key], self._segments[key]
@@ -58,6 +65,8 @@ class WindowDataset(Dataset):
         self.window_size, self.stride = window_size, stride or window_size
         total = stream.num_tokens
         self.num_samples = 0 if total <= window_size else (total - 1 - window_size) // self.stride + 1
+        self.num_untrained_windows = 0
+        """sft: windows whose loss mask selects no token (set by ``load_window_dataset``)."""
 
     def __len__(self) -> int:
         return self.num_samples
@@ -67,6 +76,13 @@ class WindowDataset(Dataset):
             raise IndexError(f"sample {index} out of range [0, {self.num_samples})")
         begin = min(index * self.stride, self.stream.num_tokens - 1 - self.window_size)
         return begin, begin + self.window_size
+
+    def count_untrained_windows(self) -> int:
+        """Windows whose shifted loss mask is 0 everywhere (vectorised over the whole stream)."""
+        trained = np.zeros(self.stream.num_tokens + 1, dtype=np.int64)
+        np.cumsum(self.stream.read("loss_mask", 0, self.stream.num_tokens).astype(np.bool_), out=trained[1:])
+        begins = np.minimum(np.arange(self.num_samples) * self.stride, self.stream.num_tokens - 1 - self.window_size)
+        return int(np.count_nonzero(trained[begins + self.window_size + 1] == trained[begins + 1]))
 
     def __getitem__(self, index: int) -> dict[str, Tensor]:
         begin, end = self.window(index)
@@ -83,9 +99,17 @@ class WindowDataset(Dataset):
 
 
 def load_window_dataset(
-    train_type: str, path: str | Path, window_size: int, stride: int | None, tokenizer: Tokenizer | None
+    train_type: str,
+    path: str | Path,
+    window_size: int,
+    stride: int | None,
+    tokenizer: Tokenizer | None,
+    vocab_size: int | None = None,
+    max_positions: int | None = None,
 ) -> WindowDataset:
-    """Windows over AstrAI bin shards or raw JSONL (tokenised here) at ``path``; one clear error when empty."""
+    """Windows over AstrAI bin shards or raw JSONL (tokenised here) at ``path``; one clear error when empty, when a
+    token id is not below ``vocab_size``, a position id not below ``max_positions``, or (sft) no window trains any
+    token. ``num_untrained_windows`` counts the sft windows without a trained token."""
     path = Path(path)
     if detect_format(path) == "bin":
         stream = TokenStream(read_bin_shards(path))
@@ -98,10 +122,22 @@ def load_window_dataset(
     missing = [k for k in REQUIRED_KEYS[train_type] if k not in stream.keys]
     if missing:
         raise UserError(f"data_root_path {path}: {train_type} data needs keys {missing}; the shards hold {stream.keys}")
+    if vocab_size is not None:
+        stream.check_range("sequence", vocab_size, f"token ids must be below the model's vocab_size {vocab_size:,}")
+    if max_positions is not None and "position_ids" in stream.keys:
+        limit = f"position ids must be below the model's max_position_embeddings {max_positions:,}"
+        stream.check_range("position_ids", max_positions, limit)
     dataset = WindowDataset(stream, train_type, window_size, stride)
     if len(dataset) == 0:
         raise UserError(
             f"data_root_path {path}: {stream.num_tokens} tokens hold no window of window_size={window_size} "
             f"(a sample needs window_size + 1 tokens); lower window_size or add data"
         )
+    if train_type == "sft":
+        dataset.num_untrained_windows = dataset.count_untrained_windows()
+        if dataset.num_untrained_windows == len(dataset):
+            raise UserError(
+                f"data_root_path {path}: no window of {window_size} tokens holds a trained token (loss_mask is 0 "
+                "everywhere: sft trains the assistant turns); the run would learn nothing"
+            )
     return dataset

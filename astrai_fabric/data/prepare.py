@@ -249,11 +249,13 @@ def write_shard(directory: Path, documents: list[Document], config: PipelineConf
 def prepare(inputs: list[Path], output: Path, config: PipelineConfig, tokenizer: Tokenizer) -> str:
     """Write the shards of ``inputs`` under ``output`` (all at once: nothing appears until the end); return a
     summary of what was read, kept and dropped."""
-    if output.exists() and any(output.iterdir()):
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise UserError(f"-o {output}: exists and is not empty; choose a new directory")
     for path in inputs:
         if not path.is_file():
             raise UserError(f"{path}: input file not found")
+        if output.resolve() in (path.resolve(), *path.resolve().parents) and output.exists():
+            raise UserError(f"-o {output}: holds the input {path}; choose a new directory")
     staging = output.parent / f".{output.name}.tmp-{uuid.uuid4().hex[:8]}"
     dropped: Counter[str] = Counter()
     buffers: dict[str, list[Document]] = defaultdict(list)

@@ -10,7 +10,6 @@ padding, B23).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +20,9 @@ from torch.utils.data import Dataset
 from astrai_fabric.data.storage import Record
 from astrai_fabric.errors import UserError
 from astrai_fabric.tokenizer import Message, Tokenizer
+
+FLOAT32_MAX = 3.4028234663852886e38
+"""Rewards are trained on in float32: a larger magnitude (or NaN, which fails every comparison) is refused."""
 
 
 def as_messages(value: Any, where: str, field: str) -> list[Message]:
@@ -54,13 +56,13 @@ class Encoded:
     response_ids: list[list[int]]
 
 
-def encode(tokenizer: Tokenizer, prompt: list[Message], responses: list[str], max_len: int) -> Encoded:
+def encode(tokenizer: Tokenizer, prompt: list[Message], responses: list[str], max_len: int, where: str = "") -> Encoded:
     """Prompt ids (with the generation prompt) and each response's ids, prompt + response cut to ``max_len``."""
-    prompt_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+    prompt_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, where=where)
     response_ids = []
     for text in responses:
         answered = [*prompt, {"role": "assistant", "content": text}]
-        full = tokenizer.apply_chat_template(answered, add_generation_prompt=False)
+        full = tokenizer.apply_chat_template(answered, add_generation_prompt=False, where=where)
         if full[: len(prompt_ids)] != prompt_ids:
             raise UserError(
                 "the chat template renders a prompt with its generation prompt differently from the same prompt "
@@ -75,15 +77,18 @@ class PreferenceDataset(Dataset):
 
     def __init__(self, records: list[Record], tokenizer: Tokenizer, max_len: int) -> None:
         self.samples, self.num_dropped = [], 0
+        self.num_identical = 0
+        """Pairs whose chosen and rejected tokens are the same: their loss is log 2 and their gradient zero."""
         for where, record in records:
             missing = [k for k in ("chosen", "rejected") if k not in record]
             if missing:
                 raise UserError(f"{where}: a dpo record needs {missing}, got keys {sorted(record)}")
             texts = [as_text(record[k], where, k) for k in ("chosen", "rejected")]
-            encoded = encode(tokenizer, prompt_of(record, where), texts, max_len)
+            encoded = encode(tokenizer, prompt_of(record, where), texts, max_len, where)
             if not all(encoded.response_ids):
                 self.num_dropped += 1  # the prompt fills the window: nothing left to prefer
                 continue
+            self.num_identical += encoded.response_ids[0] == encoded.response_ids[1]
             self.samples.append(encoded)
 
     def __len__(self) -> int:
@@ -98,6 +103,8 @@ class GroupDataset(Dataset):
 
     def __init__(self, records: list[Record], tokenizer: Tokenizer, max_len: int) -> None:
         self.samples: list[tuple[Encoded, list[float]]] = []
+        self.num_flat_groups = 0
+        """Groups whose rewards are all equal: zero advantage, so they train nothing but the KL term."""
         group_size = None
         for where, record in records:
             responses, rewards = record.get("responses"), record.get("rewards")
@@ -106,13 +113,15 @@ class GroupDataset(Dataset):
             if not isinstance(rewards, list) or len(rewards) != len(responses):
                 count = len(rewards) if isinstance(rewards, list) else rewards
                 raise UserError(f"{where}: 'rewards' must list one number per response: {count} for {len(responses)}")
-            if not all(isinstance(r, int | float) and not isinstance(r, bool) and math.isfinite(r) for r in rewards):
-                raise UserError(f"{where}: 'rewards' must be finite numbers, got {rewards}")
+            numbers = all(isinstance(r, int | float) and not isinstance(r, bool) for r in rewards)
+            if not numbers or not all(abs(r) <= FLOAT32_MAX for r in rewards):
+                raise UserError(f"{where}: 'rewards' must be numbers finite in float32 (|r| <= 3.4e38), got {rewards}")
+            self.num_flat_groups += len(set(rewards)) == 1
             if group_size is not None and len(responses) != group_size:
                 raise UserError(f"{where}: {len(responses)} responses; earlier records have {group_size}")
             group_size = len(responses)
             texts = [as_text(r, where, "responses") for r in responses]
-            encoded = encode(tokenizer, prompt_of(record, where), texts, max_len)
+            encoded = encode(tokenizer, prompt_of(record, where), texts, max_len, where)
             self.samples.append((encoded, [float(r) for r in rewards]))
 
     def __len__(self) -> int:
@@ -128,7 +137,8 @@ class PromptDataset(Dataset):
     def __init__(self, records: list[Record], tokenizer: Tokenizer, max_len: int) -> None:
         self.samples = []
         for where, record in records:
-            prompt_ids = tokenizer.apply_chat_template(prompt_of(record, where), add_generation_prompt=True)
+            prompt = prompt_of(record, where)
+            prompt_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, where=where)
             if len(prompt_ids) >= max_len:
                 raise UserError(f"{where}: the prompt has {len(prompt_ids)} tokens, window_size is {max_len}")
             self.samples.append((prompt_ids, record))

@@ -34,21 +34,26 @@ def detect_format(path: Path) -> str:
     raise UserError(f"data_root_path {path}: no bin shards (meta.json + *.bin) or .jsonl files found")
 
 
+ID_KEYS = ("sequence", "position_ids")
+"""Keys holding ids: integer dtypes only. Other keys (masks) may be bool, integer or float; nothing else is ever
+mapped (an ``object`` array would be raw bytes read as Python pointers)."""
+
+
 def read_bin_shards(root: Path) -> dict[str, list[np.ndarray]]:
-    """Every key's per-shard arrays (memory-mapped, read-only), shards in sorted order."""
+    """Every key's per-shard arrays (memory-mapped, read-only), shards in sorted order; each ``meta.json`` entry is
+    checked (a 1-D shape, a bool or integer dtype, the file exactly that size) before its file is mapped."""
     streams: dict[str, list[np.ndarray]] = {}
     for meta_path in sorted(root.rglob("meta.json")):
         try:
             meta = json.loads(meta_path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as err:
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise UserError(f"{meta_path}: not valid JSON ({err})") from None
+        if not isinstance(meta, dict):
+            raise UserError(f"{meta_path}: expected a JSON object {{key: {{shape, dtype}}}}, got {type(meta).__name__}")
         for key, info in meta.items():
             file = meta_path.parent / f"{key}.bin"
-            try:
-                dtype, shape = np.dtype(info["dtype"]), tuple(info["shape"])
-            except (KeyError, TypeError) as err:
-                raise UserError(f"{meta_path}: entry {key!r} needs 'shape' and 'dtype' ({err})") from None
-            expected = int(np.prod(shape)) * dtype.itemsize
+            dtype, shape = _shard_layout(meta_path, key, info)
+            expected = shape[0] * dtype.itemsize
             if not file.is_file() or file.stat().st_size != expected:
                 found = file.stat().st_size if file.is_file() else "no file"
                 raise UserError(f"{file}: expected {expected} bytes for shape {list(shape)} {dtype}, found {found}")
@@ -56,6 +61,28 @@ def read_bin_shards(root: Path) -> dict[str, list[np.ndarray]]:
     if not streams:
         raise UserError(f"data_root_path {root}: no bin shard holds any key")
     return streams
+
+
+def _shard_layout(meta_path: Path, key: str, info: Any) -> tuple[np.dtype, tuple[int]]:
+    """The dtype and 1-D shape a ``meta.json`` entry gives its key, checked."""
+    where = f"{meta_path}: entry {key!r}"
+    if not isinstance(key, str) or not key or "/" in key or key.startswith("."):
+        raise UserError(f"{meta_path}: {key!r} is not a shard key (a plain file name stem)")
+    if not isinstance(info, dict) or "shape" not in info or "dtype" not in info:
+        raise UserError(f"{where} needs 'shape' and 'dtype', got {info!r}")
+    shape = info["shape"]
+    if not (isinstance(shape, list) and len(shape) == 1 and isinstance(shape[0], int) and not isinstance(shape[0], bool)
+            and shape[0] >= 0):  # fmt: skip
+        raise UserError(f"{where}: 'shape' must be [length], one non-negative integer, got {shape!r}")
+    kinds = "iu" if key in ID_KEYS else "biuf"
+    try:
+        dtype = np.dtype(info["dtype"]) if isinstance(info["dtype"], str) else None
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype.kind not in kinds or dtype.fields is not None or dtype.shape:
+        allowed = "an integer dtype (int32, uint16, ...)" if key in ID_KEYS else "a bool, integer or float dtype"
+        raise UserError(f"{where}: 'dtype' must be {allowed}, got {info['dtype']!r}")
+    return dtype, (shape[0],)
 
 
 def read_jsonl(path: Path, what: str = "data_root_path") -> list[Record]:

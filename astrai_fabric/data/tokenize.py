@@ -47,7 +47,7 @@ def tokenize_chats(records: list[Record], tokenizer: Tokenizer) -> dict[str, np.
                 raise UserError(f"{where}: each message needs a role in {sorted(ROLES)}, got {message!r}")
             if not isinstance(message.get("content"), str):
                 raise UserError(f"{where}: message content must be a string, got {message.get('content')!r}")
-            encoded = tokenizer.encode(tokenizer.render_chat([message]), add_special_tokens=False)
+            encoded = tokenizer.encode(tokenizer.render_chat([message], where=where), add_special_tokens=False)
             ids += encoded
             mask += [int(message["role"] in TRAINED_ROLES)] * len(encoded)
         sequence += ids

@@ -5,6 +5,7 @@ schedule, and how checkpoints are written. Each train type's ``main`` calls thes
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
@@ -30,10 +31,10 @@ from astrai_fabric.checkpoint import (
     remove_stale_staging,
 )
 from astrai_fabric.config.model import ModelConfig
-from astrai_fabric.config.train import TrainArgs
+from astrai_fabric.config.train import COMMAND_LINE_ONLY, TrainArgs
 from astrai_fabric.data import ResumableSampler
 from astrai_fabric.data.storage import detect_format
-from astrai_fabric.errors import CheckpointError, UserError
+from astrai_fabric.errors import CheckpointError, ConfigError, UserError
 from astrai_fabric.loop import LossFn, fit
 from astrai_fabric.metrics import METRIC_FILE, MetricLog, flops_per_token, peak_flops
 from astrai_fabric.model import AutoRegressiveLM
@@ -48,6 +49,7 @@ from astrai_fabric.training_state import (
     RESUME_KEY,
     STATE_DIR,
     RunPosition,
+    check_rng_state,
     load_optimizer_state,
     load_sharded_optimizer_state,
     load_weights,
@@ -103,16 +105,34 @@ def resolve_start(fabric: Fabric, args: TrainArgs) -> Start:
     return read_on_rank_zero(fabric, partial(read_start, args), paths)
 
 
+def check_ckpt_dir(ckpt_dir: str) -> None:
+    """``ckpt_dir`` is a directory this process may write into, or can be created as one (checked at the start, not
+    at the first save)."""
+    path = Path(ckpt_dir)
+    existing = next(p for p in (path, *path.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise UserError(f"ckpt_dir {ckpt_dir}: {existing} is a file, not a directory; choose another --ckpt_dir")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"ckpt_dir {ckpt_dir}: {existing} is not writable here; choose another --ckpt_dir")
+
+
 def read_start(args: TrainArgs) -> Start:
     """Read ``param_path`` and find the checkpoint to resume from, checking they belong together."""
+    check_ckpt_dir(args.ckpt_dir)
     param_path = assets.resolve(args.param_path)
     if not (param_path / CONFIG_FILE).is_file():
         raise UserError(f"param_path {param_path}: no config.json (expected a model or checkpoint directory)")
     model_config = ModelConfig.from_file(param_path / CONFIG_FILE)
     model_config.check_buildable(source=str(param_path / CONFIG_FILE))
+    if args.window_size is not None and args.window_size > model_config.max_position_embeddings:
+        raise ConfigError(
+            f"window_size {args.window_size} exceeds max_position_embeddings {model_config.max_position_embeddings} "
+            f"of {param_path / CONFIG_FILE}: the model has no position past it; lower --window_size"
+        )
     resume = _resume_checkpoint(args, param_path)
     if resume is not None:
         _check_resume_matches(resume, model_config, args)
+        _check_resume_state(resume)
         weights = resume
     elif (param_path / WEIGHTS_FILE).exists() or (param_path / WEIGHTS_INDEX_FILE).exists():
         weights = load_checkpoint(param_path, load_extra=False)
@@ -159,6 +179,22 @@ def _check_resume_matches(ckpt: Checkpoint, model_config: ModelConfig, args: Tra
             f"--resume: {ckpt.path} was written by a {trained_as} run, this is {args.train_type}; to start "
             f"{args.train_type} from its weights, pass it as --param_path without --resume"
         )
+
+
+def _check_resume_state(ckpt: Checkpoint) -> None:
+    """What a resume applies, checked before any of it is: the position, the RNG states, the reference's record."""
+    if RESUME_KEY in ckpt.meta:
+        RunPosition.from_meta(ckpt.meta[RESUME_KEY], ckpt.path / "meta.json")
+    if "rng" in ckpt.extra:
+        check_rng_state(ckpt.extra["rng"], ckpt.path / "rng.pt")
+    reference = ckpt.meta.get("reference", {"param_path": None, "random_seed": 0})
+    if not (
+        isinstance(reference, dict)
+        and isinstance(reference.get("param_path"), str | None)
+        and isinstance(reference.get("random_seed"), int)
+    ):
+        raise CheckpointError(f"{ckpt.path / 'meta.json'}: 'reference' must be {{param_path, random_seed}}, got "
+                              f"{reference!r}")  # fmt: skip
 
 
 def require_jsonl(path: Path, train_type: str) -> Path:
@@ -210,7 +246,10 @@ def build_optimizer_and_schedule(fabric: Fabric, model: nn.Module, start: Start,
         args.cycle_length, args.t_mult, args.stable_steps, args.decay_steps,
     )  # fmt: skip
     if start.resume is not None and "scheduler" in start.resume.extra:
-        scheduler.load_state_dict(start.resume.extra["scheduler"])
+        try:
+            scheduler.load_state_dict(start.resume.extra["scheduler"])
+        except UserError as err:
+            raise CheckpointError(f"{start.resume.path / 'scheduler.pt'}: {err}") from None
     return optimizer, scheduler
 
 
@@ -224,7 +263,13 @@ def start_position(fabric: Fabric, start: Start, args: TrainArgs, plan: StepPlan
         index = args.start_samples % plan.samples_per_rank
         return RunPosition(epoch=epoch, sample_index=index, world_size=world_size)
     if RESUME_KEY in ckpt.meta:  # ours: exact
-        saved = RunPosition(**ckpt.meta[RESUME_KEY])
+        saved = RunPosition.from_meta(ckpt.meta[RESUME_KEY], ckpt.path / "meta.json")
+        if saved.sample_index * saved.world_size > plan.samples_per_rank * world_size:
+            raise CheckpointError(
+                f"--resume: {ckpt.path} stopped {saved.sample_index * saved.world_size:,} samples into epoch "
+                f"{saved.epoch}, but an epoch of this data has {plan.samples_per_rank * world_size:,}: resume with the "
+                "data it was trained on"
+            )
         position, exact = saved.rescaled(world_size, plan.samples_per_rank)
         if not exact:
             fabric.print(
@@ -263,7 +308,8 @@ def refuse_to_overwrite(fabric: Fabric, ckpt_dir: str, step: int) -> None:
 def resolved_recipe(args: TrainArgs) -> str:
     """The run's full configuration as a flat recipe that ``--config`` accepts."""
     header = f"# Resolved recipe; rerun with: astrai-fabric {args.train_type} --config {RECIPE_FILE}\n"
-    return header + yaml.safe_dump(args.to_dict(), sort_keys=False)
+    values = {k: v for k, v in args.to_dict().items() if k not in COMMAND_LINE_ONLY}
+    return header + yaml.safe_dump(values, sort_keys=False)
 
 
 def reference_model(fabric: Fabric, start: Start, args: TrainArgs) -> tuple[nn.Module, dict[str, Any]]:
@@ -348,6 +394,16 @@ def make_loader(
     return fabric.setup_dataloaders(loader, use_distributed_sampler=False), sampler
 
 
+def shut_down_workers(*loaders: DataLoader | None) -> None:
+    """Stop the loaders' worker processes now, whatever ended the loop. A loader with persistent workers keeps them
+    alive while it is referenced, and after an exception its traceback references it until the interpreter exits,
+    where multiprocessing joins them: they ignore SIGTERM (``ignore_stop_signals``), so that join would never end."""
+    for loader in loaders:
+        iterator = getattr(getattr(loader, "_dataloader", loader), "_iterator", None)  # Fabric's wrapper, then torch's
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+
+
 def train_on(
     fabric: Fabric,
     args: TrainArgs,
@@ -411,9 +467,12 @@ def train_on(
         flops_per_token=flops_per_token(start.model_config, window_size),
         peak_flops=peak_flops(fabric.device, precision_of(fabric), args.peak_flops),
     )  # fmt: skip
-    with StopRequest() as stop:
-        history = fit(fabric, model, optimizer, scheduler, batches, sampler, compute_loss, args, plan, position,
-                      save, reporter, val_loader, stop)  # fmt: skip
+    try:
+        with StopRequest() as stop:
+            history = fit(fabric, model, optimizer, scheduler, batches, sampler, compute_loss, args, plan, position,
+                          save, reporter, val_loader, stop)  # fmt: skip
+    finally:
+        shut_down_workers(train_loader, val_loader)
     latest = find_latest_checkpoint(args.ckpt_dir)
     skipped = f" ({position.skipped_steps} skipped: non-finite loss)" if position.skipped_steps else ""
     if stop.honoured:
@@ -426,5 +485,8 @@ def train_on(
     else:
         fabric.print(f"done after step {position.optimizer_step}{skipped}; latest checkpoint: {latest}")
     if fabric.global_rank == 0 and latest is not None:
-        fabric.print(f"plot: {plot_runs([Path(args.ckpt_dir)], Path(args.ckpt_dir) / PLOT_FILE)}")
+        try:
+            fabric.print(f"plot: {plot_runs([Path(args.ckpt_dir)], Path(args.ckpt_dir) / PLOT_FILE)}")
+        except UserError as err:  # the run is done and saved: a metric history it cannot plot is only a warning
+            fabric.print(f"warning: no plot ({err})")
     return history

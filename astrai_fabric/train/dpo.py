@@ -49,7 +49,13 @@ def build_dataset(args: TrainArgs, start: Start) -> tuple[PreferenceDataset, str
     data_path = require_jsonl(assets.resolve(args.data_root_path), "dpo")
     dataset = PreferenceDataset(read_jsonl(data_path), start.tokenizer, window_size)
     dropped = f"; {dataset.num_dropped} dropped: their prompt fills the window" if dataset.num_dropped else ""
-    return dataset, f"preference pairs from {data_path}, at most {window_size} tokens each{dropped}"
+    summary = f"preference pairs from {data_path}, at most {window_size} tokens each{dropped}"
+    if dataset.num_identical:
+        summary += (
+            f"\nwarning: {dataset.num_identical:,} of {len(dataset):,} pairs have chosen equal to rejected: they "
+            "add nothing to the gradient"
+        )
+    return dataset, summary
 
 
 def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:

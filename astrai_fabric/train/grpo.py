@@ -119,7 +119,14 @@ def build_dataset(args: TrainArgs, start: Start) -> tuple[GroupDataset | PromptD
     data_path = require_jsonl(assets.resolve(args.data_root_path), "grpo")
     records = read_jsonl(data_path)
     if "responses" in records[0][1]:
-        return GroupDataset(records, start.tokenizer, window_size), f"scored response groups from {data_path} (offline)"
+        groups = GroupDataset(records, start.tokenizer, window_size)
+        summary = f"scored response groups from {data_path} (offline)"
+        if groups.num_flat_groups:
+            summary += (
+                f"\nwarning: {groups.num_flat_groups:,} of {len(groups):,} groups have all-equal rewards (zero "
+                "advantage): they train only the KL term"
+            )
+        return groups, summary
     if args.reward is None:
         raise ConfigError(
             f"data_root_path {data_path}: records hold prompts without responses (online grpo), which needs --reward "
@@ -140,7 +147,7 @@ def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
     if isinstance(dataset, GroupDataset):
         collate = partial(collate_groups, pad_id=start.tokenizer.pad_token_id or 0)
         return train_on(fabric, args, start, dataset, summary, compute_loss, collate, meta)
-    reward = load_reward(args.reward)
+    reward = load_reward(args.reward, args.trust_code)
     window_size = args.window_size or start.model_config.max_position_embeddings
 
     def rollouts(model: nn.Module, loader: Any, position: RunPosition) -> Rollouts:

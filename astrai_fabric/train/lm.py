@@ -35,8 +35,16 @@ def build_dataset(args: TrainArgs, start: Start) -> tuple[WindowDataset, str]:
     """The training windows and a one-line description of them."""
     window_size = args.window_size or start.model_config.max_position_embeddings
     data_path = assets.resolve(args.data_root_path)
-    dataset = load_window_dataset(args.train_type, data_path, window_size, args.stride, start.tokenizer)
-    return dataset, f"windows of {window_size} tokens from {data_path} ({dataset.stream.num_tokens:,} tokens)"
+    config = start.model_config
+    dataset = load_window_dataset(args.train_type, data_path, window_size, args.stride, start.tokenizer,
+                                  config.vocab_size, config.max_position_embeddings)  # fmt: skip
+    summary = f"windows of {window_size} tokens from {data_path} ({dataset.stream.num_tokens:,} tokens)"
+    if dataset.num_untrained_windows:
+        summary += (
+            f"\nwarning: {dataset.num_untrained_windows:,} of {len(dataset):,} windows hold no trained token "
+            "(loss_mask 0 throughout): they count as samples but add nothing to the gradient"
+        )
+    return dataset, summary
 
 
 def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:

@@ -1,0 +1,520 @@
+"""Hostile and malformed input, file type by file type, through the real CLI entry point (in-process): recipes and
+flags, a model's config.json, tokenizer files and chat templates, bin shards, JSONL records, checkpoints and their
+.pt files, ckpt_dir, and the prepare, generate and plot commands.
+
+Every case asserts the error promise: the exit code, one line naming the culprit, no traceback, nothing written or
+overwritten (a byte-for-byte snapshot of the workspace), and a hang guard (faulthandler ends the test process after
+60 s, so a hang fails loudly instead of running into CI's limit; a guard, not a speed assertion).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from astrai_fabric import tokenizer as tokenizer_module
+from astrai_fabric.assets import TINY_MODEL_DIR
+from astrai_fabric.cli import main
+
+TINY_CONFIG = json.loads((TINY_MODEL_DIR / "config.json").read_text())
+TINY_TOKENIZER_CONFIG = json.loads((TINY_MODEL_DIR / "tokenizer_config.json").read_text())
+CHAT = TINY_TOKENIZER_CONFIG["chat_template"]
+Files = dict[str, bytes | str | Callable[[Path], None]]
+
+
+@dataclass
+class Case:
+    id: str
+    argv: list[str]
+    """``{c}`` is this case's directory, ``{w}`` the shared workspace (a finished 1-step run in ``{w}/run``)."""
+    message: str
+    files: Files = field(default_factory=dict)
+    """Files written into ``{c}`` before the snapshot: text, bytes, or ``make(path)``."""
+    code: int = 2
+
+
+def seq(*extra: str, data: str = "bundled:data/seq", model: str = "bundled:tiny") -> list[str]:
+    return ["seq", "--param_path", model, "--data_root_path", data, "--window_size", "16", "--parallel_mode",
+            "none", "--num_workers", "0", "--loggers", "[]", "--ckpt_dir", "{c}/out", *extra]  # fmt: skip
+
+
+def sft(*extra: str, data: str = "bundled:data/sft", model: str = "bundled:tiny") -> list[str]:
+    return ["sft", *seq(*extra, data=data, model=model)[1:]]
+
+
+def dpo(*extra: str, data: str = "bundled:data/dpo", model: str = "bundled:tiny") -> list[str]:
+    return ["dpo", *seq(*extra, data=data, model=model)[1:]]
+
+
+def grpo(*extra: str, data: str = "bundled:data/grpo", model: str = "bundled:tiny") -> list[str]:
+    return ["grpo", *seq(*extra, data=data, model=model)[1:], "--window_size", "64"]
+
+
+def model_dir(name: str = "m", **config) -> Files:
+    """A model directory: the tiny model's config.json with ``config`` applied (None deletes a key), its tokenizer."""
+    values = {k: v for k, v in {**TINY_CONFIG, **config}.items() if v is not None}
+    return {
+        f"{name}/config.json": json.dumps(values),
+        f"{name}/tokenizer.json": (TINY_MODEL_DIR / "tokenizer.json").read_bytes(),
+        f"{name}/tokenizer_config.json": json.dumps(TINY_TOKENIZER_CONFIG),
+    }
+
+
+def tokenizer_dir(name: str = "t", tokenizer_json: bytes | str | None = None, **config) -> Files:
+    """A tokenizer directory: the tiny tokenizer with its tokenizer_config.json changed by ``config``."""
+    return {
+        f"{name}/tokenizer.json": tokenizer_json or (TINY_MODEL_DIR / "tokenizer.json").read_bytes(),
+        f"{name}/tokenizer_config.json": config.pop("raw", None) or json.dumps({**TINY_TOKENIZER_CONFIG, **config}),
+    }
+
+
+def template(text: str) -> Files:
+    return tokenizer_dir(chat_template=text)
+
+
+def shards(meta: dict | str, **arrays: np.ndarray | bytes) -> Files:
+    """A bin shard directory ``d/``: ``meta.json`` as given and each key's ``.bin`` bytes."""
+    files: Files = {"d/meta.json": meta if isinstance(meta, str) else json.dumps(meta)}
+    for key, array in arrays.items():
+        files[f"d/{key}.bin"] = array if isinstance(array, bytes) else array.tobytes()
+    return files
+
+
+def seq_shard(tokens: np.ndarray) -> Files:
+    return shards({"sequence": {"shape": [len(tokens)], "dtype": str(tokens.dtype)}}, sequence=tokens)
+
+
+def sft_shard(length: int = 400, mask: int = 1, positions: np.ndarray | None = None) -> Files:
+    ids = np.arange(length, dtype=np.int32) % 2000
+    pos = positions if positions is not None else np.arange(length, dtype=np.int32) % 64
+    loss = np.full(length, mask, dtype=np.bool_)
+    meta = {k: {"shape": [length], "dtype": str(a.dtype)} for k, a in (("sequence", ids), ("position_ids", pos),
+                                                                          ("loss_mask", loss))}  # fmt: skip
+    return shards(meta, sequence=ids, position_ids=pos, loss_mask=loss)
+
+
+def jsonl(*lines: object, name: str = "data.jsonl") -> Files:
+    return {name: "".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines)}
+
+
+def checkpoint(change: Callable[[Path], None]) -> Files:
+    """``ck/``: a copy of the workspace's 1-step checkpoint, then ``change(ck)``."""
+
+    def make(path: Path) -> None:
+        shutil.copytree(path.parents[1] / "w" / "run" / "epoch_0_step_1", path)
+        change(path)
+
+    return {"ck": make}
+
+
+def edit_json(name: str, **values) -> Callable[[Path], None]:
+    def change(ck: Path) -> None:
+        data = json.loads((ck / name).read_text())
+        (ck / name).write_text(json.dumps({**data, **values}))
+
+    return change
+
+
+def replace_pt(stem: str, obj: object) -> Callable[[Path], None]:
+    return lambda ck: torch.save(obj, ck / f"{stem}.pt")
+
+
+def resume(*extra: str) -> list[str]:
+    return seq("--resume", "{c}/ck", *extra)
+
+
+def rename_position(**values) -> Callable[[Path], None]:
+    def change(ck: Path) -> None:
+        meta = json.loads((ck / "meta.json").read_text())
+        meta["resume_position"] = values.get("whole", {**meta["resume_position"], **values})
+        (ck / "meta.json").write_text(json.dumps(meta))
+
+    return change
+
+
+OK_GROUP = {"prompt": "Say hi", "responses": ["hi", "hello"], "rewards": [1.0, 0.0]}
+RECIPE = "param_path: bundled:tiny\ndata_root_path: bundled:data/seq\nckpt_dir: {c}/out\n"
+CASES = [
+    # --- recipes and flags: the same checks for a value from YAML as from the command line ------------------------
+    Case("yaml-duplicate-key", ["seq", "--config", "{c}/r.yaml"], "duplicate key 'max_lr'",
+         {"r.yaml": RECIPE + "max_lr: 1.0e-3\nmax_lr: 2.0e-3\n"}),
+    Case("yaml-non-string-key", ["seq", "--config", "{c}/r.yaml"], "keys must be strings, got 1",
+         {"r.yaml": RECIPE + "1: 2\n"}),
+    Case("yaml-list-key", ["seq", "--config", "{c}/r.yaml"], "keys must be strings",
+         {"r.yaml": RECIPE + "? [a, b]\n: 2\n"}),
+    Case("yaml-alias", ["seq", "--config", "{c}/r.yaml"], "aliases (*name) are not allowed in a recipe",
+         {"r.yaml": RECIPE + "metrics: &m [loss]\nloggers: *m\n"}),
+    Case("yaml-not-utf8", ["seq", "--config", "{c}/r.yaml"], "r.yaml: not UTF-8 text",
+         {"r.yaml": "ckpt_dir: caf\xe9\n".encode("latin-1")}),
+    Case("yaml-inf", ["seq", "--config", "{c}/r.yaml"], "max_lr must be a finite number, got inf",
+         {"r.yaml": RECIPE + "max_lr: .inf\n"}),
+    Case("yaml-nan", ["seq", "--config", "{c}/r.yaml"], "warmup_ratio must be a finite number, got nan",
+         {"r.yaml": RECIPE + "warmup_ratio: .nan\n"}),
+    Case("flag-inf", seq("--max_lr", "inf"), "Parser key \"max_lr\": Expected a <class 'float'>. Got value: inf"),
+    Case("flag-nan", seq("--neftune_alpha", "nan"), "Parser key \"neftune_alpha\": Expected a <class 'float'>"),
+    Case("flag-inf-timeout", seq("--dist_timeout", "inf"), "Parser key \"dist_timeout\": Expected a <class 'float'>"),
+    Case("yaml-inf-timeout", ["seq", "--config", "{c}/r.yaml"], "dist_timeout must be a finite number, got inf",
+         {"r.yaml": RECIPE + "dist_timeout: .inf\n"}),
+    Case("yaml-list-for-int", ["seq", "--config", "{c}/r.yaml"], 'Parser key "batch_per_device"',
+         {"r.yaml": RECIPE + "batch_per_device: [1, 2]\n"}),
+    Case("yaml-mapping-for-float", ["seq", "--config", "{c}/r.yaml"], 'Parser key "max_lr"',
+         {"r.yaml": RECIPE + "max_lr: {a: 1}\n"}),
+    Case("yaml-string-for-bool", ["seq", "--config", "{c}/r.yaml"], 'Parser key "pin_memory"',
+         {"r.yaml": RECIPE + "pin_memory: perhaps\n"}),
+    Case("yaml-unknown-logger", ["seq", "--config", "{c}/r.yaml"], 'Parser key "loggers"',
+         {"r.yaml": RECIPE + "loggers: [wandb2]\n"}),
+    Case("yaml-section-scalar", ["seq", "--config", "{c}/r.yaml"], "unknown key(s) training",
+         {"r.yaml": RECIPE + "training: 3\n"}),
+    Case("yaml-scalar", ["seq", "--config", "{c}/r.yaml"], "expected a mapping of flags to values, got int",
+         {"r.yaml": "42\n"}),
+    Case("yaml-huge", ["seq", "--config", "{c}/r.yaml"], "a recipe is a short YAML file (at most 1 MiB)",
+         {"r.yaml": "# " + "x" * (1 << 20) + "\n"}),
+    Case("yaml-python-tag", ["seq", "--config", "{c}/r.yaml"], "not valid YAML",
+         {"r.yaml": RECIPE + "reward: !!python/object/apply:os.system ['echo pwned']\n"}),
+    Case("flag-negative-window", seq("--window_size", "-1"), "window_size must be positive, got -1"),
+    Case("flag-val-split", seq("--val_split", "2"), "val_split must be in (0, 1), got 2.0"),
+    Case("flag-zero-clip", seq("--max_grad_norm", "0"), "max_grad_norm must be > 0, got 0.0"),
+    Case("flag-top-p", grpo("--rollout_top_p", "1.5"), "rollout_top_p must be in (0, 1], got 1.5"),
+    Case("flag-no-value", seq("--max_lr"), "max_lr"),
+    # --- a recipe is data: code is opted into on the command line only ---------------------------------------------
+    Case("reward-popen", ["grpo", "--config", "{c}/r.yaml"], "needs --trust_code on the command line",
+         {"r.yaml": RECIPE.replace("seq", "grpo_online") + "reward: {class_path: subprocess.Popen, init_args: "
+          "{args: 'touch {c}/pwned', shell: true}}\n"}),
+    Case("reward-os-system", grpo("--reward", "os.system", data="bundled:data/grpo_online"),
+         "'os.system' is not one of the bundled rewards"),
+    Case("trust-code-in-recipe", ["grpo", "--config", "{c}/r.yaml"], "trust_code can only be given on the command line",
+         {"r.yaml": RECIPE + "trust_code: true\nreward: os.system\n"}),
+    Case("trusted-popen-is-no-reward", grpo("--trust_code", "--reward", '{"class_path": "subprocess.Popen", '
+         '"init_args": {"args": "touch pwned", "shell": true}}', data="bundled:data/grpo_online"),
+         "'subprocess.Popen' is a class whose instances are not rewards"),
+    Case("trusted-builtin-is-no-reward", grpo("--trust_code", "--reward", "os.system",
+         data="bundled:data/grpo_online"), "'os.system' is neither a function of (prompts, responses, records)"),
+    Case("trusted-missing-module", grpo("--trust_code", "--reward", "no_such_module.score",
+         data="bundled:data/grpo_online"), "'no_such_module.score' cannot be imported"),
+    Case("reward-bad-init-args", grpo("--reward", '{"class_path": "astrai_fabric.rewards.LengthReward", '
+         '"init_args": [1]}', data="bundled:data/grpo_online"), "reward init_args must be a mapping"),
+    Case("reward-extra-keys", grpo("--reward", '{"class_path": "astrai_fabric.rewards.LengthReward", "x": 1}',
+         data="bundled:data/grpo_online"), "reward must be an import path or {class_path, init_args}"),
+    # --- the model's config.json -------------------------------------------------------------------------------
+    Case("config-nan-eps", seq(model="{c}/m"), "'rms_norm_eps' must be a finite number, got nan",
+         {**model_dir(), "m/config.json": json.dumps(TINY_CONFIG).replace("1e-06", "NaN")}),
+    Case("config-negative-eps", seq(model="{c}/m"), "'rms_norm_eps' must be > 0, got -1.0", model_dir(rms_norm_eps=-1)),
+    Case("config-zero-theta", seq(model="{c}/m"), "'rope_theta' must be > 0, got 0.0", model_dir(rope_theta=0)),
+    Case("config-infinite-theta", seq(model="{c}/m"), "'rope_theta' must be a finite number",
+         {**model_dir(), "m/config.json": json.dumps(TINY_CONFIG).replace("10000.0", "Infinity")}),
+    Case("config-rope-scaling-string", seq(model="{c}/m"), "'rope_scaling' must be dict or null, got \"2x\"",
+         model_dir(rope_scaling="2x")),
+    Case("config-rope-factor-string", seq(model="{c}/m"), "'rope_scaling' factor must be a finite number > 0",
+         model_dir(rope_scaling={"type": "ntk", "factor": "big"})),
+    Case("config-rope-factor-zero", seq(model="{c}/m"), "'rope_scaling' factor must be a finite number > 0, got 0",
+         model_dir(rope_scaling={"factor": 0})),
+    Case("config-rope-type-number", seq(model="{c}/m"), "'rope_scaling' type must be a string, got 3",
+         model_dir(rope_scaling={"type": 3})),
+    Case("config-heads-not-dividing", seq(model="{c}/m"), "hidden_size (128) must be a multiple of num_attention_heads",
+         model_dir(num_attention_heads=5, num_key_value_heads=5)),
+    Case("config-kv-heads-zero", seq(model="{c}/m"), "'num_key_value_heads' must be positive, got 0",
+         model_dir(num_key_value_heads=0)),
+    Case("config-vocab-string", seq(model="{c}/m"), "'vocab_size' must be int or null, got \"big\"",
+         model_dir(vocab_size="big")),
+    Case("config-layers-bool", seq(model="{c}/m"), "'num_hidden_layers' must be int or null, got true",
+         model_dir(num_hidden_layers=True)),
+    Case("config-no-positions", seq(model="{c}/m"), "'max_position_embeddings' is required",
+         model_dir(max_position_embeddings=None)),
+    Case("config-moe-topk", seq(model="{c}/m"), "n_activated_experts (3) exceeds n_routed_experts (2)",
+         model_dir(ffn_type="moe", n_routed_experts=2, n_shared_experts=0, n_activated_experts=3)),
+    Case("config-moe-width", seq(model="{c}/m"), "'moe_intermediate_size' must be positive, got 0",
+         model_dir(ffn_type="moe", n_routed_experts=2, n_shared_experts=0, n_activated_experts=1,
+                   moe_intermediate_size=0)),
+    Case("config-dense-layer-outside", seq(model="{c}/m"), "'mlp_only_layers' [9] are not layers of a 4-layer model",
+         model_dir(ffn_type="moe", n_routed_experts=2, n_shared_experts=0, n_activated_experts=1, mlp_only_layers=[9])),
+    Case("config-attn-type", seq(model="{c}/m"), "attn_type must be one of ['gqa', 'mla'], got 'flash'",
+         model_dir(attn_type="flash")),
+    Case("config-list", seq(model="{c}/m"), "expected a JSON object, got list", {**model_dir(), "m/config.json": "[]"}),
+    Case("config-not-utf8", seq(model="{c}/m"), "config.json: not valid JSON",
+         {**model_dir(), "m/config.json": b'{"vocab_size": "\xff"}'}),
+    Case("window-past-positions", seq("--window_size", "300"),
+         "window_size 300 exceeds max_position_embeddings 256"),
+    # --- tokenizer files and chat templates -----------------------------------------------------------------------
+    Case("tokenizer-json-garbage", seq("--tokenizer_path", "{c}/t"), "tokenizer.json: not a valid tokenizers file",
+         tokenizer_dir(tokenizer_json="{not json")),
+    Case("tokenizer-config-list", seq("--tokenizer_path", "{c}/t"), "tokenizer_config.json: expected a JSON object",
+         tokenizer_dir(raw="[1, 2]")),
+    Case("special-tokens-list", seq("--tokenizer_path", "{c}/t"), "'special_tokens' must map names to token strings",
+         tokenizer_dir(special_tokens=["<s>"])),
+    Case("special-token-int", seq("--tokenizer_path", "{c}/t"), "'special_tokens' must map names to token strings",
+         tokenizer_dir(special_tokens={"eos_token": 2})),
+    Case("special-token-unknown", seq("--tokenizer_path", "{c}/t"), "special tokens not in the vocabulary: ['<nope>']",
+         tokenizer_dir(special_tokens={"eos_token": "<nope>"})),
+    Case("template-int", seq("--tokenizer_path", "{c}/t"), "'chat_template' must be a Jinja string",
+         tokenizer_dir(chat_template=7)),
+    Case("template-list-no-default", seq("--tokenizer_path", "{c}/t"), "lists ['tool_use'], but no 'default'",
+         tokenizer_dir(chat_template=[{"name": "tool_use", "template": CHAT}])),
+    Case("template-syntax", seq("--tokenizer_path", "{c}/t"), "chat_template is not valid Jinja",
+         template("{% for m in messages %}")),
+    Case("template-raise", sft("--tokenizer_path", "{c}/t"), "chat_template failed on ",
+         template("{{ raise_exception('system messages are not supported') }}")),
+    Case("template-undefined-call", sft("--tokenizer_path", "{c}/t"), "'nothing' is undefined",
+         template("{{ nothing() }}")),
+    Case("template-sandbox", sft("--tokenizer_path", "{c}/t"), "attribute '__class__' of 'str' object is unsafe",
+         template("{{ ''.__class__.__mro__ }}")),
+    Case("template-mutation", sft("--tokenizer_path", "{c}/t"), "is unsafe", template("{{ messages.append(1) }}")),
+    Case("template-huge-repeat", sft("--tokenizer_path", "{c}/t"), "above the template limit",
+         template("{{ 'x' * 1000000000 }}")),
+    Case("template-huge-filter", sft("--tokenizer_path", "{c}/t"), "the number 1000000000 is above the template limit",
+         template("{{ 'x' | center(1000000000) }}")),
+    Case("template-huge-format", dpo("--tokenizer_path", "{c}/t"), "is above the template limit",
+         template("{{ '%0999999999d' % 1 }}")),
+    Case("template-huge-output", sft("--tokenizer_path", "{c}/t"), "the output passed 1,000,000 characters",
+         template("{% for a in range(100000) %}{% for b in range(100000) %}xxxxxxxx{% endfor %}{% endfor %}")),
+    Case("template-endless-loop", sft("--tokenizer_path", "{c}/t"), "rendering took longer than",
+         template("{% for a in 'x' * 100000 %}{% for b in 'x' * 100000 %}{% endfor %}{% endfor %}")),
+    Case("template-recursion", sft("--tokenizer_path", "{c}/t"), "maximum recursion depth exceeded",
+         template("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}")),
+    # --- bin shards ----------------------------------------------------------------------------------------------
+    Case("shard-object-dtype", seq(data="{c}/d"), "'dtype' must be an integer dtype (int32, uint16, ...), got 'O'",
+         shards({"sequence": {"shape": [64], "dtype": "O"}}, sequence=bytes(512))),
+    Case("shard-float-ids", seq(data="{c}/d"), "'dtype' must be an integer dtype", seq_shard(np.ones(64, np.float32))),
+    Case("shard-unknown-dtype", seq(data="{c}/d"), "got 'int33'",
+         shards({"sequence": {"shape": [64], "dtype": "int33"}}, sequence=bytes(256))),
+    Case("shard-structured-dtype", seq(data="{c}/d"), "'dtype' must be",
+         shards({"sequence": {"shape": [64], "dtype": [["a", "i4"]]}}, sequence=bytes(256))),
+    Case("shard-2d-shape", seq(data="{c}/d"), "'shape' must be [length], one non-negative integer, got [8, 8]",
+         shards({"sequence": {"shape": [8, 8], "dtype": "int32"}}, sequence=bytes(256))),
+    Case("shard-negative-shape", seq(data="{c}/d"), "got [-4]",
+         shards({"sequence": {"shape": [-4], "dtype": "int32"}}, sequence=bytes(16))),
+    Case("shard-size-mismatch", seq(data="{c}/d"), "sequence.bin: expected 400 bytes for shape [100] int32, found 256",
+         shards({"sequence": {"shape": [100], "dtype": "int32"}}, sequence=bytes(256))),
+    Case("shard-entry-not-object", seq(data="{c}/d"), "entry 'sequence' needs 'shape' and 'dtype'",
+         shards({"sequence": "int32"}, sequence=bytes(256))),
+    Case("shard-meta-list", seq(data="{c}/d"), "expected a JSON object {key: {shape, dtype}}, got list",
+         shards("[]", sequence=bytes(256))),
+    Case("shard-meta-not-json", seq(data="{c}/d"), "meta.json: not valid JSON", shards("{", sequence=bytes(256))),
+    Case("shard-token-past-vocab", seq(data="{c}/d"), "holds sequence values in [0, 5000]; token ids must be below "
+         "the model's vocab_size 2,048", seq_shard(np.r_[np.zeros(99, np.int32), 5000].astype(np.int32))),
+    Case("shard-negative-token", seq(data="{c}/d"), "holds sequence values in [-1, 0]",
+         seq_shard(np.r_[np.zeros(99), -1].astype(np.int64))),
+    Case("shard-position-past-rope", sft(data="{c}/d"), "position ids must be below the model's "
+         "max_position_embeddings 256", sft_shard(positions=np.arange(400, dtype=np.int32))),
+    Case("shard-sft-nothing-trained", sft(data="{c}/d"), "no window of 16 tokens holds a trained token",
+         sft_shard(mask=0)),
+    Case("shard-sft-missing-key", sft(data="{c}/d"), "sft data needs keys ['loss_mask', 'position_ids']",
+         seq_shard(np.zeros(64, np.int32))),
+    Case("shard-too-short", seq(data="{c}/d"), "tokens hold no window of window_size=16",
+         seq_shard(np.zeros(10, np.int32))),
+    # --- JSONL records -------------------------------------------------------------------------------------------
+    Case("jsonl-array-line", seq(data="{c}/data.jsonl"), "data.jsonl:2: expected a JSON object, got list",
+         jsonl({"text": "a"}, [1, 2])),
+    Case("jsonl-bad-json", seq(data="{c}/data.jsonl"), "data.jsonl:1: not valid JSON", jsonl("{'text': 1}")),
+    Case("jsonl-seq-text-number", seq(data="{c}/data.jsonl"), "data.jsonl:1: a seq record needs a string field 'text'",
+         jsonl({"text": 3})),
+    Case("jsonl-sft-role", sft(data="{c}/data.jsonl"), "data.jsonl:1: each message needs a role in",
+         jsonl({"messages": [{"role": "wizard", "content": "x"}]})),
+    Case("jsonl-sft-content", sft(data="{c}/data.jsonl"), "message content must be a string, got ['x']",
+         jsonl({"messages": [{"role": "user", "content": ["x"]}]})),
+    Case("jsonl-sft-no-assistant", sft(data="{c}/data.jsonl"), "holds a trained token",
+         jsonl(*[{"messages": [{"role": "user", "content": "only a question " * 4}]}] * 8)),
+    Case("jsonl-dpo-missing", dpo(data="{c}/data.jsonl"), "data.jsonl:1: a dpo record needs ['rejected']",
+         jsonl({"prompt": "p", "chosen": "a"})),
+    Case("jsonl-dpo-number", dpo(data="{c}/data.jsonl"), "'chosen' must be a string or a list of messages, got 5",
+         jsonl({"prompt": "p", "chosen": 5, "rejected": "b"})),
+    Case("jsonl-dpo-prompt", dpo(data="{c}/data.jsonl"), "'prompt' must be a string or a list of {role, content}",
+         jsonl({"prompt": {"a": 1}, "chosen": "a", "rejected": "b"})),
+    Case("jsonl-grpo-float32-overflow", grpo(data="{c}/data.jsonl"), "'rewards' must be numbers finite in float32",
+         jsonl({**OK_GROUP, "rewards": [1e39, 0.0]})),
+    Case("jsonl-grpo-nan", grpo(data="{c}/data.jsonl"), "'rewards' must be numbers finite in float32",
+         jsonl('{"prompt": "p", "responses": ["a", "b"], "rewards": [NaN, 1]}')),
+    Case("jsonl-grpo-string-reward", grpo(data="{c}/data.jsonl"), "'rewards' must be numbers",
+         jsonl({**OK_GROUP, "rewards": ["1", 0]})),
+    Case("jsonl-grpo-ragged", grpo(data="{c}/data.jsonl"), "data.jsonl:2: 3 responses; earlier records have 2",
+         jsonl(OK_GROUP, {**OK_GROUP, "responses": ["a", "b", "c"], "rewards": [1, 2, 3]})),
+    # --- checkpoints: meta.json and .pt contents checked before any is applied ----------------------------------
+    Case("meta-position-keys", resume(), "'resume_position' must hold ['epoch', 'sample_index'",
+         checkpoint(rename_position(whole={"epoch": 0}))),
+    Case("meta-position-negative", resume(), "'resume_position' needs non-negative integers, got sample_index=-5",
+         checkpoint(rename_position(sample_index=-5))),
+    Case("meta-position-string", resume(), "got optimizer_step='1'", checkpoint(rename_position(optimizer_step="1"))),
+    Case("meta-position-beyond-data", resume(), "but an epoch of this data has",
+         checkpoint(rename_position(sample_index=10**9))),
+    Case("meta-epoch-negative", resume(), "'epoch' must be a non-negative integer, got -1",
+         checkpoint(edit_json("meta.json", epoch=-1))),
+    Case("meta-not-object", resume(), "meta.json: expected a JSON object, got list",
+         checkpoint(lambda ck: (ck / "meta.json").write_text("[]"))),
+    Case("meta-reference", ["dpo", *resume()[1:]], "'reference' must be {param_path, random_seed}",
+         checkpoint(edit_json("meta.json", reference="base", train_type="dpo"))),
+    Case("rng-wrong-shape", resume(), "rng.pt: expected {'torch': uint8 [ranks, 5056]} RNG states, got torch.uint8",
+         checkpoint(replace_pt("rng", {"torch": torch.zeros(1, 7, dtype=torch.uint8)}))),
+    Case("rng-not-a-mapping", resume(), "rng.pt: expected {'torch'", checkpoint(replace_pt("rng", [1, 2]))),
+    Case("scheduler-list", resume(), "scheduler.pt: scheduler state must be a mapping, got list",
+         checkpoint(replace_pt("scheduler", [1, 2]))),
+    Case("scheduler-wrong-kind", resume(), "scheduler.pt: scheduler state has values of the wrong kind: last_epoch='x'",
+         checkpoint(lambda ck: torch.save({**torch.load(ck / "scheduler.pt"), "last_epoch": "x"},
+                                          ck / "scheduler.pt"))),
+    Case("optimizer-wrong-shape", resume(), "optimizer.pt: does not fit this run's optimizer",
+         checkpoint(lambda ck: torch.save(_reshaped_optimizer_state(ck), ck / "optimizer.pt"))),
+    Case("optimizer-groups", resume(), "optimizer.pt: does not fit this run's optimizer",
+         checkpoint(lambda ck: torch.save(_extra_group(ck), ck / "optimizer.pt"))),
+    Case("checkpoint-config-missing", resume(), "config.json: file not found",
+         checkpoint(lambda ck: (ck / "config.json").unlink())),
+    # --- ckpt_dir and the other commands -------------------------------------------------------------------------
+    Case("ckpt-dir-is-a-file", [*seq()[:-1], "{c}/file"], "ckpt_dir {c}/file: {c}/file is a file, not a directory",
+         {"file": "x"}),
+    Case("ckpt-dir-under-a-file", [*seq()[:-1], "{c}/file/run"], "is a file, not a directory", {"file": "x"}),
+    Case("prepare-output-is-input", ["prepare", "{c}/data.jsonl", "-o", "{c}/data.jsonl", "-c", "{c}/p.json",
+         "--tokenizer_path", "bundled:tiny"], "-o {c}/data.jsonl: exists and is not empty",
+         {**jsonl({"text": "a"}), "p.json": '{"input": {"sections": [{"field": "text", "action": "train"}]}}'}),
+    Case("prepare-config-not-json", ["prepare", "{c}/data.jsonl", "-o", "{c}/o", "-c", "{c}/p.json",
+         "--tokenizer_path", "bundled:tiny"], "p.json", {**jsonl({"text": "a"}), "p.json": "{"}),
+    Case("generate-negative-top-k", ["generate", "--param_path", "{w}/run/epoch_0_step_1", "--prompt", "x",
+         "--top_k", "-1"], "top_k >= 0"),
+    Case("generate-device", ["generate", "--param_path", "{w}/run/epoch_0_step_1", "--prompt", "x",
+         "--device_type", "gpu"], "device_type must be cpu or cuda, got 'gpu'"),
+    Case("generate-nan-temperature", ["generate", "--param_path", "{w}/run/epoch_0_step_1", "--prompt", "x",
+         "--temperature", "nan"], "Parser key \"temperature\": Expected a <class 'float'>. Got value: nan"),
+    Case("generate-huge-temperature", ["generate", "--param_path", "{w}/run/epoch_0_step_1", "--prompt", "x",
+         "--temperature", "-1"], "need a finite temperature >= 0"),
+    Case("plot-format", ["plot", "{w}/run", "-o", "{c}/plot.xyz"], "-o {c}/plot.xyz: not an image file name"),
+    Case("plot-missing-dir", ["plot", "{w}/run", "-o", "{c}/no/plot.png"], "the directory {c}/no does not exist"),
+    Case("plot-bad-entry", ["plot", "{c}/metric.jsonl"], "metric.jsonl:1: not a metric entry",
+         {"metric.jsonl": '{"type": "step", "step": "one"}\n'}),
+]  # fmt: skip
+
+
+def _reshaped_optimizer_state(ck: Path) -> dict:
+    state = torch.load(ck / "optimizer.pt")
+    part = next(iter(state.values()))
+    entry = next(iter(part["state"].values()))
+    key = next(k for k, v in entry.items() if v.dim() > 0)
+    entry[key] = torch.zeros(3, 3)
+    return state
+
+
+def _extra_group(ck: Path) -> dict:
+    state = torch.load(ck / "optimizer.pt")
+    part = next(iter(state.values()))
+    part["param_groups"].append({**part["param_groups"][0], "params": [10_000]})
+    return state
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    """A finished 1-step seq run, for the cases that read a checkpoint."""
+    root = tmp_path_factory.mktemp("hostile") / "w"
+    argv = seq("--max_steps", "1", "--ckpt_dir", str(root / "run"))
+    assert main([a.replace("{c}/out", str(root / "unused")) for a in argv]) == 0
+    return root
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(autouse=True)
+def hang_guard():
+    faulthandler.dump_traceback_later(60, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
+def test_the_table_covers_every_input():
+    assert len(CASES) >= 80 and len({case.id for case in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.id)
+def test_hostile_input_gets_one_line(case, workspace, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(tokenizer_module, "RENDER_SECONDS", 0.5)  # the endless template: a short wait is enough
+    here = tmp_path / "c"
+    here.mkdir()
+    (tmp_path / "w").symlink_to(workspace)  # `checkpoint()` copies from the shared run
+    fill = {"{c}": str(here), "{w}": str(workspace)}
+    for name, content in case.files.items():
+        path = here / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if callable(content):
+            content(path)
+        else:
+            path.write_bytes(content if isinstance(content, bytes) else _fill(content, fill).encode())
+    argv = [_fill(arg, fill) for arg in case.argv]
+    before = snapshot(here), snapshot(workspace)
+    code = main(argv)
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.startswith("astrai-fabric: error:")]
+    assert code == case.code, err[-3000:] + out[-1000:]
+    assert len(lines) == 1 and _fill(case.message, fill) in lines[0], err[-3000:]
+    assert "Traceback" not in err
+    assert (snapshot(here), snapshot(workspace)) == before  # nothing written, nothing overwritten
+    assert not (here / "pwned").exists()
+
+
+def _fill(text: str, values: dict[str, str]) -> str:
+    for key, value in values.items():
+        text = text.replace(key, value)
+    return text
+
+
+def test_a_printed_recipe_does_not_carry_the_trust_code_opt_in(tmp_path, capsys):
+    argv = grpo("--reward", "mypackage.score", "--trust_code", data="bundled:data/grpo_online")
+    assert main([*(a.replace("{c}", str(tmp_path)) for a in argv), "--print_config"]) == 0
+    printed = capsys.readouterr().out
+    assert "mypackage.score" in printed and "trust_code" not in printed
+    (tmp_path / "printed.yaml").write_text(printed)
+    assert main(["grpo", "--config", str(tmp_path / "printed.yaml")]) == 2
+    assert "needs --trust_code on the command line" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, files, warning",
+    [
+        (
+            sft(data="{c}/data.jsonl"),
+            jsonl(
+                {"messages": [{"role": "user", "content": "a question " * 12}]},
+                {"messages": [{"role": "assistant", "content": "an answer " * 12}]},
+            ),
+            r"warning: (\d+) of (\d+) windows hold no trained token",
+        ),
+        (
+            dpo(data="{c}/data.jsonl"),
+            jsonl(
+                {"prompt": "p", "chosen": "same", "rejected": "same"},
+                {"prompt": "p", "chosen": "yes", "rejected": "no"},
+            ),
+            r"warning: 1 of 2 pairs have chosen equal to rejected",
+        ),
+        (
+            grpo(data="{c}/data.jsonl"),
+            jsonl(OK_GROUP, {**OK_GROUP, "rewards": [0.5, 0.5]}),
+            r"warning: 1 of 2 groups have all-equal rewards",
+        ),
+    ],
+    ids=["sft-untrained-windows", "dpo-identical-pairs", "grpo-flat-groups"],
+)
+def test_data_that_trains_nothing_in_places_is_counted_at_start(tmp_path, capsys, argv, files, warning):
+    for name, content in files.items():
+        (tmp_path / name).write_text(content)
+    assert main([a.replace("{c}", str(tmp_path)) for a in argv] + ["--dry_run"]) == 0
+    found = re.search(warning, capsys.readouterr().out)
+    assert found, warning
+    if found.groups():  # sft: the count is of the windows that really lack a trained token
+        untrained, total = map(int, found.groups())
+        assert 0 < untrained < total
+
+
+def test_a_malformed_metric_history_line_is_skipped_with_a_warning(workspace, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(workspace / "run", run)
+    with open(run / "epoch_0_step_1" / "metric.jsonl", "a") as file:
+        file.write("{not json\n")
+    argv = [a.replace("{c}/out", str(run)) for a in seq("--resume", "auto", "--max_steps", "2")]
+    with pytest.warns(UserWarning, match=r"metric.jsonl:\d+: not a JSON object; this metric history line is dropped"):
+        assert main(argv) == 0
+    entries = [json.loads(line) for line in (run / "epoch_0_step_2" / "metric.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in entries if e["type"] == "step"] == [1, 2]
