@@ -1,6 +1,7 @@
 """``fit()``: the one training loop for step-based training (seq, sft, dpo). No callbacks, no hooks.
 
-Per micro-batch: forward and backward inside the accumulation context, loss divided by ``grad_accum_steps``.
+Per micro-batch: the model's noise generators reseeded from the position (``randomness.ModuleNoise``), forward
+and backward inside the accumulation context, loss divided by ``grad_accum_steps``.
 Per optimizer step (the window's last micro-batch): clip (the logged norm is this step's, pre-clip; AstrAI logs
 the previous one, B7), step the optimizer, zero the gradients, step the schedule, then log, validate and
 checkpoint. A checkpoint named ``step_S`` holds the state *after* step S (AstrAI's holds the state before, B1).
@@ -31,8 +32,10 @@ from astrai_fabric.data.sampler import ResumableSampler
 from astrai_fabric.errors import TrainingError
 from astrai_fabric.metrics import GradSNR
 from astrai_fabric.preemption import StopRequest
+from astrai_fabric.randomness import ModuleNoise
 from astrai_fabric.reporting import Reporter
 from astrai_fabric.schedule import StepPlan
+from astrai_fabric.strategy import data_parallel
 from astrai_fabric.training_state import RunPosition
 
 LossFn = Callable[[nn.Module, dict[str, Tensor]], tuple[Tensor, dict[str, Tensor]]]
@@ -66,6 +69,8 @@ def fit(
     skip_sync = not (args.fsdp_sync_each_micro_batch and args.parallel_mode == "fsdp")
     world_size = plan.world_size  # data-parallel ranks (tensor-parallel ranks share their samples)
     grad_snr = GradSNR() if "grad_snr" in args.metrics else None
+    # Noise (NEFTune) depends only on the position: seed, data-parallel rank, step, micro-batch (see randomness).
+    noise = ModuleNoise(getattr(model, "module", model), args.random_seed, data_parallel(fabric)[0], fabric.device)
     last_saved_step = position.optimizer_step
     window_loss = torch.zeros((), device=fabric.device)
     window_metrics: dict[str, Tensor] = {}
@@ -78,6 +83,7 @@ def fit(
         sampler.set_position(position.epoch, position.sample_index)
         for batch in batches:
             is_accumulating = not grad_state.advance()
+            noise.reseed(position.optimizer_step + 1, (grad_state.num_micro_batches - 1) % grad_state.grad_accum_steps)
             with backward_sync(fabric, model, is_accumulating, skip_sync):
                 loss, metrics = compute_loss(model, batch)
                 fabric.backward(loss / args.grad_accum_steps)

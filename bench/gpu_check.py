@@ -6,7 +6,8 @@ a checkpoint save/load round trip. Prints tokens/s, MFU and peak memory. Not par
     python bench/gpu_check.py --smoke         # the same path on CPU with the tiny model: checks the script itself
 
 Model: hidden 2048, 20 layers, 16/8 heads, SwiGLU 5632, vocabulary 32000 (1.0B parameters), windows of 1024
-tokens from the bundled corpus (its tiny tokenizer uses the first 2048 ids), 4 per GPU, muon_adamw, bf16-true.
+tokens from the bundled corpus (its tiny tokenizer uses the first 2048 ids), 4 per GPU, muon_adamw, bf16-true,
+NEFTune on (alpha 5: its noise generator lives on the GPU, ``astrai_fabric.randomness``).
 MFU uses Lightning's table of peak FLOP/s for the GPU (or --peak_flops). Peak memory is torch's
 ``max_memory_allocated`` on rank 0: parameters, gradients and optimizer state are sharded, activations are not.
 """
@@ -63,7 +64,7 @@ def main() -> None:
         window_size=64 if options.smoke else 1024, batch_per_device=4, max_steps=3 if options.smoke else options.steps,
         n_epoch=1000, parallel_mode="fsdp", nprocs=devices, device_type="cpu" if options.smoke else "cuda",
         precision="32-true" if options.smoke else "bf16-true", num_workers=2, ckpt_interval=10**9, loggers=[],
-        metrics=["loss", "lr", "grad_norm", "tokens_per_sec", "mfu"], peak_flops=options.peak_flops,
+        metrics=["loss", "lr", "grad_norm", "tokens_per_sec", "mfu"], peak_flops=options.peak_flops, neftune_alpha=5.0,
     )  # fmt: skip
     history = run(args)
     if int(os.environ.get("LOCAL_RANK", 0)) != 0:  # the launched ranks train; rank 0 reports

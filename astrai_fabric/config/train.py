@@ -124,7 +124,8 @@ class TrainArgs:
     moe_aux_loss_coef: float = 0.01
     """Weight of the MoE load-balancing loss."""
     neftune_alpha: float = 0.0
-    """NEFTune noise on the embeddings during training (AstrAI's Gaussian form); 0 disables it."""
+    """NEFTune noise on the embeddings during training (AstrAI's Gaussian form); 0 disables it. The noise is
+    seeded by ``random_seed``, data-parallel rank, step and micro-batch, so a resume draws the same."""
     dpo_beta: float = 0.1
     """DPO temperature."""
     group_size: int = 4
@@ -199,7 +200,8 @@ class TrainArgs:
 
     # --- data loading --------------------------------------------------------------------------------------------
     random_seed: int = 3407
-    """Seeds the sampler order (``seed + epoch``), the validation split, model initialisation and all RNGs."""
+    """Seeds the sampler order (``seed + epoch``), the validation split, model initialisation, and by position
+    (rank, step, epoch) NEFTune noise, loader workers and GRPO rollouts."""
     num_workers: int = 4
     """DataLoader worker processes per rank."""
     pin_memory: bool = True

@@ -40,8 +40,11 @@ class Embedding(nn.Module):
     """Token embedding, ``N(0, 0.02)``, with AstrAI's NEFTune: Gaussian noise ``alpha / sqrt(seq_len)``.
 
     AstrAI departs from the NEFTune paper (uniform noise scaled by ``alpha / sqrt(seq_len * hidden)``); we keep
-    AstrAI's form so a recipe means the same thing in both trainers.
+    AstrAI's form so a recipe means the same thing in both trainers. The noise comes from ``generator``, which the
+    trainer sets and reseeds from the run's position (``astrai_fabric.randomness``); None draws from the global RNG.
     """
+
+    generator: torch.Generator | None = None
 
     def __init__(self, vocab_size: int, hidden_size: int, neftune_alpha: float = 0.0) -> None:
         super().__init__()
@@ -54,7 +57,8 @@ class Embedding(nn.Module):
     def forward(self, input_ids: Tensor) -> Tensor:
         out = F.embedding(input_ids, self.weight)
         if self.training and self.neftune_alpha > 0:
-            out = out + (self.neftune_alpha / math.sqrt(out.size(1))) * torch.randn_like(out)
+            noise = torch.randn(out.shape, generator=self.generator, device=out.device, dtype=out.dtype)
+            out = out + (self.neftune_alpha / math.sqrt(out.size(1))) * noise
         return out
 
 

@@ -41,6 +41,7 @@ from astrai_fabric.model import AutoRegressiveLM
 from astrai_fabric.optim import build_optimizer, resolve_ns_dtype
 from astrai_fabric.plot import PLOT_FILE, plot_runs
 from astrai_fabric.preemption import StopRequest, ignore_stop_signals
+from astrai_fabric.randomness import derive_seed
 from astrai_fabric.reporting import Reporter
 from astrai_fabric.schedule import StepPlan, build_scheduler
 from astrai_fabric.strategy import data_parallel, precision_of, setup_frozen
@@ -376,14 +377,27 @@ def split_validation(dataset: Dataset, val_split: float | None, seed: int) -> tu
     return train, val
 
 
+class SeededLoader(DataLoader):
+    """A ``DataLoader`` that never draws from the global RNG (a plain one draws its workers' base seed there at
+    every ``iter()``, so a resume would shift the global stream): the base seed comes from the loader's own
+    generator, reseeded at each ``iter()`` from (seed, data-parallel rank, epoch) of its ``ResumableSampler``.
+    Persistent workers keep the seeds of the first epoch this process iterates."""
+
+    def __iter__(self):  # noqa: ANN204 - DataLoader's signature
+        sampler = self.sampler
+        self.generator.manual_seed(derive_seed(sampler.seed, "loader", sampler.rank, sampler.epoch))
+        return super().__iter__()
+
+
 def make_loader(
     fabric: Fabric, dataset: Dataset, args: TrainArgs, shuffle: bool, collate: Callable | None = None
 ) -> tuple[DataLoader, ResumableSampler]:
     sampler = ResumableSampler(len(dataset), *data_parallel(fabric), args.random_seed, shuffle)
-    loader = DataLoader(
+    loader = SeededLoader(
         dataset,
         batch_size=args.batch_per_device,
         sampler=sampler,
+        generator=torch.Generator(),
         num_workers=args.num_workers,
         collate_fn=collate,
         pin_memory=args.pin_memory and fabric.device.type == "cuda",

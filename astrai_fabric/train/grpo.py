@@ -12,7 +12,6 @@ recorded at rollout, online. AstrAI keeps a frozen copy of the *initial* policy 
 
 from __future__ import annotations
 
-import random
 from functools import partial
 from itertools import islice
 from typing import Any
@@ -28,7 +27,9 @@ from astrai_fabric.data.storage import read_jsonl
 from astrai_fabric.errors import ConfigError
 from astrai_fabric.generate import generate
 from astrai_fabric.losses import group_advantages, grpo_loss, token_logprobs, with_moe_aux_loss
+from astrai_fabric.randomness import seeded_generator
 from astrai_fabric.rewards import Reward, load_reward, score
+from astrai_fabric.strategy import data_parallel
 from astrai_fabric.tokenizer import Tokenizer
 from astrai_fabric.train.common import Start, reference_model, require_jsonl, resolve_start, train_on
 from astrai_fabric.training_state import RunPosition
@@ -78,17 +79,18 @@ class Rollouts:
     def __iter__(self):
         prompt_batches = iter(self.prompts)
         while chunk := list(islice(prompt_batches, self.micro_batches)):
-            rolled = [self.rollout(batch) for batch in chunk]  # all sampled by the same policy
+            rolled = [self.rollout(batch, k) for k, batch in enumerate(chunk)]  # all sampled by the same policy
             yield from rolled
 
     @torch.no_grad()
-    def rollout(self, batch: dict[str, list]) -> dict[str, Tensor]:
+    def rollout(self, batch: dict[str, list], index: int) -> dict[str, Tensor]:
         args, tokenizer, group = self.args, self.tokenizer, self.args.group_size
         prompts = [p for p in batch["prompt_ids"] for _ in range(group)]
         max_new = min(args.rollout_max_tokens, self.window_size - max(len(p) for p in prompts))
-        # Seeded by rank and step: a resume at a rollout boundary samples exactly what the first run did.
-        key = f"{args.random_seed}/{self.fabric.global_rank}/{self.position.optimizer_step}"
-        generator = torch.Generator(self.fabric.device).manual_seed(random.Random(key).getrandbits(62))
+        # Seeded by position (data-parallel rank, step, micro-batch of the chunk): a resume at a rollout boundary
+        # samples exactly what the first run did, and the tensor-parallel ranks of one replica sample alike.
+        rank, step = data_parallel(self.fabric)[0], self.position.optimizer_step
+        generator = seeded_generator(self.fabric.device, args.random_seed, "rollout", rank, step, index)
         self.model.eval()
         responses = generate(
             self.model, prompts, max_new, temperature=args.rollout_temperature, top_k=args.rollout_top_k,
