@@ -179,15 +179,23 @@ def staging_dir(target: Path) -> Path:
 
 
 def _move_into_place(staging: Path, target: Path) -> None:
-    if not target.exists():
+    if not os.path.lexists(target):
         os.rename(staging, target)
     else:
         # Keep the old directory until the new one is in place, so no moment exists without a good checkpoint.
         retired = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
         os.rename(target, retired)
         os.rename(staging, target)
-        shutil.rmtree(retired, ignore_errors=True)
+        _remove(retired)
     _fsync(target.parent)
+
+
+def _remove(path: Path) -> None:
+    """Delete a checkpoint directory we replaced; a symlink in its place is unlinked, its target never touched."""
+    if path.is_symlink():
+        path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _format_description() -> dict[str, Any]:
@@ -254,7 +262,8 @@ def find_latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
 
 
 def complete_checkpoints(ckpt_dir: str | Path) -> list[Path]:
-    """The ``epoch_E_step_S`` directories under ``ckpt_dir`` with their meta.json and weights, oldest first."""
+    """The ``epoch_E_step_S`` directories under ``ckpt_dir`` with their meta.json and weights, oldest first (a
+    symlink to one counts; a dangling symlink does not)."""
     found = []
     for path in Path(ckpt_dir).glob("epoch_*_step_*"):
         match = CHECKPOINT_NAME.match(path.name)
@@ -314,8 +323,11 @@ def remove_stale_staging(ckpt_dir: str | Path) -> list[Path]:
 
 
 def prune_checkpoints(ckpt_dir: str | Path, keep_last_k: int) -> list[Path]:
-    """Delete all but the newest ``keep_last_k`` checkpoints under ``ckpt_dir`` (call after a save completes)."""
-    removed = complete_checkpoints(ckpt_dir)[:-keep_last_k]
+    """Delete all but the newest ``keep_last_k`` checkpoints under ``ckpt_dir`` (call after a save completes).
+
+    Only directories a run wrote are pruned: a symlink named like a checkpoint (someone linked one in) is neither
+    deleted nor followed, nor counted among the ``keep_last_k``."""
+    removed = [path for path in complete_checkpoints(ckpt_dir) if not path.is_symlink()][:-keep_last_k]
     for path in removed:
         shutil.rmtree(path)
     return removed

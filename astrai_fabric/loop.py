@@ -8,8 +8,10 @@ checkpoint. A checkpoint named ``step_S`` holds the state *after* step S (AstrAI
 
 A window whose loss or gradient norm is not finite is skipped: no update, no step, no schedule step, its samples
 consumed (AstrAI applies it, and one bad batch can destroy the weights). More than ``--max_bad_steps`` in a row stop
-the run with a ``TrainingError`` after saving. A stop request (``preemption.StopRequest``) ends the run after the
-current optimizer step, with a checkpoint.
+the run with a ``TrainingError`` after saving. An update that leaves any weight non-finite (a learning rate too
+large for the number format, say) stops the run at once with a ``TrainingError`` and nothing of it is saved: every
+save follows a step whose weights were checked on every rank. A stop request (``preemption.StopRequest``) ends the
+run after the current optimizer step, with a checkpoint.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from astrai_fabric.accumulation import GradientState, backward_sync
+from astrai_fabric.checkpoint import find_latest_checkpoint
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.data.sampler import ResumableSampler
 from astrai_fabric.errors import TrainingError
@@ -115,6 +118,14 @@ def fit(
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 lr = optimizer.param_groups[-1]["lr"]  # the rate this step used (AstrAI logs the AdamW group's)
+                if not weights_are_finite(fabric, model):  # never trained on, never saved as a good state
+                    reporter.close()
+                    raise TrainingError(
+                        f"the weights became non-finite (NaN or infinite) in optimizer step "
+                        f"{position.optimizer_step + 1} (loss {means[0]:.4g}, gradient norm {grad_norm:.4g}, "
+                        f"learning rate {lr:.4g}); that state was not saved. {_newest_checkpoint(fabric, args)}. "
+                        "Lower --max_lr or raise --warmup_ratio"
+                    )
                 scheduler.step()
                 position.optimizer_step += 1
                 bad_in_a_row = 0
@@ -159,10 +170,27 @@ def fit(
     if diverged:
         raise TrainingError(
             f"{bad_in_a_row} optimizer steps in a row had a non-finite loss or gradient norm (more than "
-            f"--max_bad_steps {args.max_bad_steps}); stopped after step {position.optimizer_step}, whose state is "
-            f"in {args.ckpt_dir}. Lower --max_lr, raise --warmup_ratio or check the data, then --resume auto"
+            f"--max_bad_steps {args.max_bad_steps}); stopped after step {position.optimizer_step}. "
+            f"{_newest_checkpoint(fabric, args)}. Lower --max_lr, raise --warmup_ratio or check the data"
         )
     return reporter.history
+
+
+def weights_are_finite(fabric: Fabric, model: nn.Module) -> bool:
+    """Whether every parameter is finite on every rank (each rank checks its own shards: one reduction)."""
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    largest = torch.nn.utils.get_total_norm([p.detach() for p in local], norm_type=math.inf)  # NaN and inf survive
+    flag = torch.isfinite(largest).float().reshape(1).to(fabric.device)
+    return fabric.all_reduce(flag, reduce_op="min").item() == 1
+
+
+def _newest_checkpoint(fabric: Fabric, args: TrainArgs) -> str:
+    """Where to continue from, as rank 0 sees ``ckpt_dir`` (said the same on every rank)."""
+    newest = find_latest_checkpoint(args.ckpt_dir) if fabric.global_rank == 0 else None
+    newest = fabric.broadcast(str(newest) if newest is not None else None)
+    if newest is None:
+        return f"ckpt_dir {args.ckpt_dir} holds no checkpoint: start again"
+    return f"The newest checkpoint is {newest}: continue from it with --resume auto"
 
 
 def _num_tokens(batch: dict[str, Tensor]) -> int:

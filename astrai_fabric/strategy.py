@@ -29,6 +29,9 @@ from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import ConfigError
 from astrai_fabric.parallelize import parallelize
 
+LOG_DIR = "logs"
+"""Where the loggers write, under ``ckpt_dir``."""
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -87,10 +90,10 @@ def build_loggers(args: TrainArgs) -> list:
     """The recipe's loggers, writing under ``ckpt_dir/logs`` (created on first use, by rank 0)."""
     loggers = []
     if "csv" in args.loggers:
-        loggers.append(CSVLogger(args.ckpt_dir, name="logs"))
+        loggers.append(CSVLogger(args.ckpt_dir, name=LOG_DIR))
     if "tensorboard" in args.loggers:
         try:
-            loggers.append(TensorBoardLogger(args.ckpt_dir, name="logs"))
+            loggers.append(TensorBoardLogger(args.ckpt_dir, name=LOG_DIR))
         except ModuleNotFoundError as err:
             raise ConfigError(
                 f"loggers tensorboard needs the tensorboard package ({err}): pip install tensorboard"

@@ -163,7 +163,8 @@ def test_tiny_recipe_end_to_end_then_resume(tmp_path):
     assert first.returncode == 0, first.stderr
     assert "checkpoint: " in first.stdout and str(tmp_path) in first.stdout
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == ["epoch_0_step_2", "epoch_0_step_4", "logs", "plot.png", "recipe.yaml"]
+    assert names == [".astrai_fabric.json", "epoch_0_step_2", "epoch_0_step_4", "logs",
+                     "plot.png", "recipe.yaml"]  # fmt: skip
     files = sorted(p.name for p in (tmp_path / "epoch_0_step_4").iterdir())
     assert files == [
         "config.json", "meta.json", "metric.jsonl", "model.safetensors", "optimizer.pt", "recipe.yaml", "rng.pt",

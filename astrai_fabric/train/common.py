@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -30,6 +31,7 @@ from astrai_fabric.checkpoint import (
     prune_checkpoints,
     remove_stale_staging,
 )
+from astrai_fabric.ckpt_dir import check_owned, lock_ckpt_dir, record_written
 from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.config.train import COMMAND_LINE_ONLY, TrainArgs
 from astrai_fabric.data import ResumableSampler
@@ -44,7 +46,7 @@ from astrai_fabric.preemption import StopRequest, ignore_stop_signals
 from astrai_fabric.randomness import derive_seed
 from astrai_fabric.reporting import Reporter
 from astrai_fabric.schedule import StepPlan, build_scheduler
-from astrai_fabric.strategy import data_parallel, precision_of, setup_frozen
+from astrai_fabric.strategy import LOG_DIR, data_parallel, precision_of, setup_frozen
 from astrai_fabric.tokenizer import Tokenizer
 from astrai_fabric.training_state import (
     RESUME_KEY,
@@ -59,6 +61,8 @@ from astrai_fabric.training_state import (
 )
 
 RECIPE_FILE = "recipe.yaml"
+RECIPE_HEADER = "# Resolved recipe; rerun with: astrai-fabric"
+"""How ``recipe.yaml`` begins: in a ``ckpt_dir`` without a manifest (an older run's) it marks the files as ours."""
 
 
 @dataclass
@@ -306,9 +310,40 @@ def refuse_to_overwrite(fabric: Fabric, ckpt_dir: str, step: int) -> None:
         )
 
 
+def written_names(args: TrainArgs) -> list[str]:
+    """The top-level names a run writes in ``ckpt_dir`` besides its checkpoints (guarded by ``hold_ckpt_dir``)."""
+    return [RECIPE_FILE, PLOT_FILE] + ([LOG_DIR] if args.loggers else [])
+
+
+@contextmanager
+def hold_ckpt_dir(fabric: Fabric, args: TrainArgs) -> Iterator[None]:
+    """For the whole run, rank 0 holds the lock on ``ckpt_dir`` (``ckpt_dir.py``) and makes sure the names the run
+    writes there (``written_names``) are free or a run's: checked before anything is created, and again under the
+    lock. A refusal is raised on every rank; the lock is released on the way out, exceptions included."""
+    lock, refusal = None, None
+    if fabric.global_rank == 0:
+        legacy = (RECIPE_FILE, RECIPE_HEADER)
+        try:
+            check_owned(args.ckpt_dir, written_names(args), legacy)  # nothing created yet
+            lock = lock_ckpt_dir(args.ckpt_dir)
+            check_owned(args.ckpt_dir, written_names(args), legacy)  # and no other run in between
+        except CheckpointError as err:
+            refusal = str(err)
+            if lock is not None:
+                lock.release()
+    refusal = fabric.broadcast(refusal)
+    if refusal is not None:
+        raise CheckpointError(refusal)
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
+
+
 def resolved_recipe(args: TrainArgs) -> str:
     """The run's full configuration as a flat recipe that ``--config`` accepts."""
-    header = f"# Resolved recipe; rerun with: astrai-fabric {args.train_type} --config {RECIPE_FILE}\n"
+    header = f"{RECIPE_HEADER} {args.train_type} --config {RECIPE_FILE}\n"
     values = {k: v for k, v in args.to_dict().items() if k not in COMMAND_LINE_ONLY}
     return header + yaml.safe_dump(values, sort_keys=False)
 
@@ -446,61 +481,65 @@ def train_on(
     )
     plan.check()
 
-    model = build_model(fabric, start, args)
-    optimizer, scheduler = build_optimizer_and_schedule(fabric, model, start, args, plan)
-    position = start_position(fabric, start, args, plan)
-    refuse_to_overwrite(fabric, args.ckpt_dir, position.optimizer_step)
-    train_loader, sampler = make_loader(fabric, train_set, args, shuffle=True, collate=collate)
-    val_loader = make_loader(fabric, val_set, args, shuffle=False, collate=collate)[0] if val_set is not None else None
-    batches = make_batches(model, train_loader, position) if make_batches is not None else train_loader
+    with hold_ckpt_dir(fabric, args):  # before anything is written there, until the end
+        model = build_model(fabric, start, args)
+        optimizer, scheduler = build_optimizer_and_schedule(fabric, model, start, args, plan)
+        position = start_position(fabric, start, args, plan)
+        refuse_to_overwrite(fabric, args.ckpt_dir, position.optimizer_step)
+        train_loader, sampler = make_loader(fabric, train_set, args, shuffle=True, collate=collate)
+        val_loader = None
+        if val_set is not None:
+            val_loader = make_loader(fabric, val_set, args, shuffle=False, collate=collate)[0]
+        batches = make_batches(model, train_loader, position) if make_batches is not None else train_loader
 
-    num_params = sum(p.numel() for p in model.parameters())  # a DTensor's numel is the global one
-    held_out = f", {len(val_set):,} held out" if val_set is not None else ""
-    fabric.print(
-        f"{args.train_type}: {num_params:,} parameters | {len(train_set):,} training samples: {data_summary}{held_out}"
-        f"\n{plan.describe()}\nschedule: {scheduler.describe()}, peak {args.max_lr}"
-        f"\noutputs: {Path(args.ckpt_dir).resolve()}"
-    )
-    if start.resume is not None:
+        num_params = sum(p.numel() for p in model.parameters())  # a DTensor's numel is the global one
+        held_out = f", {len(val_set):,} held out" if val_set is not None else ""
         fabric.print(
-            f"resuming from {start.resume.path} at step {position.optimizer_step}, epoch {position.epoch}, "
-            f"sample {position.sample_index} of {plan.samples_per_rank} per rank"
+            f"{args.train_type}: {num_params:,} parameters | {len(train_set):,} training samples: {data_summary}"
+            f"{held_out}"
+            f"\n{plan.describe()}\nschedule: {scheduler.describe()}, peak {args.max_lr}"
+            f"\noutputs: {Path(args.ckpt_dir).resolve()}"
         )
-    if fabric.global_rank == 0:
-        if stale := remove_stale_staging(args.ckpt_dir):
-            fabric.print(f"removed {len(stale)} partial checkpoint(s) left by an interrupted save")
-        Path(args.ckpt_dir).mkdir(parents=True, exist_ok=True)
-        (Path(args.ckpt_dir) / RECIPE_FILE).write_text(resolved_recipe(args))
+        if start.resume is not None:
+            fabric.print(
+                f"resuming from {start.resume.path} at step {position.optimizer_step}, epoch {position.epoch}, "
+                f"sample {position.sample_index} of {plan.samples_per_rank} per rank"
+            )
+        if fabric.global_rank == 0:
+            if stale := remove_stale_staging(args.ckpt_dir):
+                fabric.print(f"removed {len(stale)} partial checkpoint(s) left by an interrupted save")
+            record_written(args.ckpt_dir, written_names(args))  # in the manifest before they exist
+            (Path(args.ckpt_dir) / RECIPE_FILE).write_text(resolved_recipe(args))
 
-    # A resumed run continues its checkpoint's metric history (AstrAI starts a new one at every resume).
-    metric_log = MetricLog.resumed(args.metrics, start.resume.path if start.resume is not None else None)
-    save = make_saver(fabric, model, optimizer, scheduler, start, args, metric_log, extra_meta)
-    window_size = getattr(dataset, "window_size", None) or start.model_config.max_position_embeddings
-    reporter = Reporter(
-        fabric, plan, metric_log, first_step=position.optimizer_step + 1,
-        flops_per_token=flops_per_token(start.model_config, window_size),
-        peak_flops=peak_flops(fabric.device, precision_of(fabric), args.peak_flops),
-    )  # fmt: skip
-    try:
-        with StopRequest() as stop:
-            history = fit(fabric, model, optimizer, scheduler, batches, sampler, compute_loss, args, plan, position,
-                          save, reporter, val_loader, stop)  # fmt: skip
-    finally:
-        shut_down_workers(train_loader, val_loader)
-    latest = find_latest_checkpoint(args.ckpt_dir)
-    skipped = f" ({position.skipped_steps} skipped: non-finite loss)" if position.skipped_steps else ""
-    if stop.honoured:
-        cause = stop.signal_name or "a signal to another rank"
-        fabric.print(
-            f"stopped by {cause} after step {position.optimizer_step}{skipped}; latest checkpoint: {latest}\n"
-            f"continue with: astrai-fabric {args.train_type} --config {Path(args.ckpt_dir) / RECIPE_FILE} "
-            "--resume auto"
-        )
-    else:
-        fabric.print(f"done after step {position.optimizer_step}{skipped}; latest checkpoint: {latest}")
-    if fabric.global_rank == 0 and latest is not None:
+        # A resumed run continues its checkpoint's metric history (AstrAI starts a new one at every resume).
+        metric_log = MetricLog.resumed(args.metrics, start.resume.path if start.resume is not None else None)
+        save = make_saver(fabric, model, optimizer, scheduler, start, args, metric_log, extra_meta)
+        window_size = getattr(dataset, "window_size", None) or start.model_config.max_position_embeddings
+        reporter = Reporter(
+            fabric, plan, metric_log, first_step=position.optimizer_step + 1,
+            flops_per_token=flops_per_token(start.model_config, window_size),
+            peak_flops=peak_flops(fabric.device, precision_of(fabric), args.peak_flops),
+        )  # fmt: skip
         try:
-            fabric.print(f"plot: {plot_runs([Path(args.ckpt_dir)], Path(args.ckpt_dir) / PLOT_FILE)}")
-        except UserError as err:  # the run is done and saved: a metric history it cannot plot is only a warning
-            fabric.print(f"warning: no plot ({err})")
+            with StopRequest() as stop:
+                history = fit(fabric, model, optimizer, scheduler, batches, sampler, compute_loss, args, plan,
+                              position, save, reporter, val_loader, stop)  # fmt: skip
+        finally:
+            shut_down_workers(train_loader, val_loader)
+        latest = find_latest_checkpoint(args.ckpt_dir)
+        skipped = f" ({position.skipped_steps} skipped: non-finite loss)" if position.skipped_steps else ""
+        if stop.honoured:
+            cause = stop.signal_name or "a signal to another rank"
+            fabric.print(
+                f"stopped by {cause} after step {position.optimizer_step}{skipped}; latest checkpoint: {latest}\n"
+                f"continue with: astrai-fabric {args.train_type} --config {Path(args.ckpt_dir) / RECIPE_FILE} "
+                "--resume auto"
+            )
+        else:
+            fabric.print(f"done after step {position.optimizer_step}{skipped}; latest checkpoint: {latest}")
+        if fabric.global_rank == 0 and latest is not None:
+            try:
+                fabric.print(f"plot: {plot_runs([Path(args.ckpt_dir)], Path(args.ckpt_dir) / PLOT_FILE)}")
+            except UserError as err:  # the run is done and saved: a history it cannot plot is only a warning
+                fabric.print(f"warning: no plot ({err})")
     return history

@@ -8,12 +8,13 @@ import torch
 
 from astrai_fabric import assets
 from astrai_fabric.checkpoint import checkpoints_after
+from astrai_fabric.ckpt_dir import in_use_message, lock_holder, not_ours_message, unowned
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import UserError
 from astrai_fabric.metrics import num_parameters
 from astrai_fabric.schedule import StepPlan, build_scheduler
 from astrai_fabric.strategy import resolve_accelerator, resolve_precision, resolve_topology
-from astrai_fabric.train.common import read_start, split_validation
+from astrai_fabric.train.common import RECIPE_FILE, RECIPE_HEADER, read_start, split_validation, written_names
 
 
 def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train type's build_dataset
@@ -30,6 +31,7 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
         + (f", tensor parallel {tp_size}" if tp_size > 1 else "")
         + f", {accelerator}, precision {resolve_precision(args.precision, accelerator)}"
     )
+    problems += _ckpt_dir_problems(args)
     start = dataset = None
     try:
         start = read_start(args)
@@ -86,3 +88,18 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
         print("cannot start:\n" + "\n".join(f"  - {item}" for item in problems))
         return 2
     return 0
+
+
+def _ckpt_dir_problems(args: TrainArgs) -> list[str]:
+    """What a run would refuse in ``ckpt_dir``: another run holding it, files a run did not write (the lock is
+    only probed, never taken)."""
+    root = Path(args.ckpt_dir)
+    problems = []
+    if (holder := lock_holder(root)) is not None:
+        problems.append(in_use_message(root, holder))
+    try:
+        if foreign := unowned(root, written_names(args), legacy=(RECIPE_FILE, RECIPE_HEADER)):
+            problems.append(not_ours_message(root, foreign))
+    except UserError as err:
+        problems.append(str(err))
+    return problems
