@@ -93,7 +93,7 @@ class Tokenizer:
             raise UserError(f"{config_path}: 'special_tokens' must map names to token strings, got {special_tokens!r}")
         loaded = cls(tokenizer, special_tokens, _named_template(config.get("chat_template"), config_path), directory)
         if loaded.chat_template:
-            assert loaded._template is not None  # compiled now: a broken template is found when it is read
+            _ = loaded._template  # compiled now: a broken template is found when it is read
         return loaded
 
     @property

@@ -101,9 +101,9 @@ def test_a_filesystem_that_cannot_lock_warns_once_and_the_run_goes_on(tmp_path, 
 
 
 def test_a_ckpt_dir_that_cannot_be_created_is_one_line(tmp_path, capsys):
-    (tmp_path / "file").write_text("not a directory")
-    assert main(tiny(tmp_path / "file" / "run", "--max_steps", "1")) == 2
+    assert main(tiny(tmp_path / ("x" * 300), "--max_steps", "1")) == 2  # a name longer than the filesystem allows
     assert "ckpt_dir " in (line := error_line(capsys)) and "cannot be created or written" in line
+    assert list(tmp_path.iterdir()) == []
 
 
 # --- the manifest ------------------------------------------------------------------------------------------------

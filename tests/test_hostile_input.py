@@ -162,6 +162,7 @@ CASES = [
     Case("flag-inf", seq("--max_lr", "inf"), "Parser key \"max_lr\": Expected a <class 'float'>. Got value: inf"),
     Case("flag-nan", seq("--neftune_alpha", "nan"), "Parser key \"neftune_alpha\": Expected a <class 'float'>"),
     Case("flag-inf-timeout", seq("--dist_timeout", "inf"), "Parser key \"dist_timeout\": Expected a <class 'float'>"),
+    Case("flag-past-float32", seq("--max_lr", "1e39"), "max_lr must be a finite number, got 1e+39"),
     Case("yaml-inf-timeout", ["seq", "--config", "{c}/r.yaml"], "dist_timeout must be a finite number, got inf",
          {"r.yaml": RECIPE + "dist_timeout: .inf\n"}),
     Case("yaml-list-for-int", ["seq", "--config", "{c}/r.yaml"], 'Parser key "batch_per_device"',

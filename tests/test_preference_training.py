@@ -127,7 +127,9 @@ class WrongShapeReward:
     ],
 )  # fmt: skip
 def test_bad_reward_functions_are_named(tmp_path, reward, message):
-    overrides = dict(batch_per_device=2, group_size=4, reward=reward, max_steps=1, rollout_max_tokens=2)
+    overrides = dict(
+        batch_per_device=2, group_size=4, reward=reward, max_steps=1, rollout_max_tokens=2, trust_code=True
+    )
     with pytest.raises(ConfigError, match=message):
         run(args(tmp_path, "grpo", "grpo_online", **overrides))
 

@@ -8,10 +8,10 @@ spelling. ``validate()`` reports every bad value in one ``ConfigError``.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from astrai_fabric.data.records import FLOAT32_MAX
 from astrai_fabric.errors import ConfigError
 from astrai_fabric.metrics import KNOWN_METRICS
 from astrai_fabric.rewards import reward_spec_problem
@@ -242,10 +242,10 @@ class TrainArgs:
 
     def validate(self) -> None:
         """Raise one ``ConfigError`` naming every field with a bad value."""
-        problems = [
+        problems = [  # finite in float32 too: a learning rate of 1e39 is infinite in the optimizer's tensors
             f"{f.name} must be a finite number, got {getattr(self, f.name)}"
             for f in dataclasses.fields(self)
-            if isinstance(getattr(self, f.name), float) and not math.isfinite(getattr(self, f.name))
+            if isinstance(getattr(self, f.name), float) and not abs(getattr(self, f.name)) <= FLOAT32_MAX
         ]
         if self.data_root_path is None:
             problems.append("data_root_path is required")

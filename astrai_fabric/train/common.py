@@ -114,7 +114,10 @@ def check_ckpt_dir(ckpt_dir: str) -> None:
     """``ckpt_dir`` is a directory this process may write into, or can be created as one (checked at the start, not
     at the first save)."""
     path = Path(ckpt_dir)
-    existing = next(p for p in (path, *path.absolute().parents) if p.exists())
+    try:
+        existing = next(p for p in (path, *path.absolute().parents) if p.exists())
+    except OSError as err:  # e.g. a name longer than the filesystem allows
+        raise UserError(f"ckpt_dir {ckpt_dir}: cannot be created or written ({err.strerror or err})") from None
     if not existing.is_dir():
         raise UserError(f"ckpt_dir {ckpt_dir}: {existing} is a file, not a directory; choose another --ckpt_dir")
     if not os.access(existing, os.W_OK | os.X_OK):
