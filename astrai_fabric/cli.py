@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         return _dispatch(argv)
     except UserError as err:
         print(f"astrai-fabric: error: {err}", file=sys.stderr)
+        _leave_process_group()
         return 2
     except TrainingError as err:
         print(f"astrai-fabric: error: {err}", file=sys.stderr)
@@ -92,6 +93,14 @@ def main(argv: list[str] | None = None) -> int:
             f"astrai-fabric: error: internal error, a bug: {type(err).__name__}: {summary} ({where})", file=sys.stderr
         )
         return 1
+
+
+def _leave_process_group() -> None:
+    """Tear the process group down after a refusal every rank raised together: exiting with gloo's threads still
+    running can abort the process (``terminate called without an active exception``) instead of exiting 2."""
+    distributed = sys.modules.get("torch.distributed")
+    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        distributed.destroy_process_group()
 
 
 _crash_log_dir: Path | None = None
