@@ -146,9 +146,11 @@ def nan_free(root: Path) -> bool:
 
 
 def test_weights_made_non_finite_by_a_step_are_never_saved(tmp_path, capsys):
-    # A huge but finite learning rate: fused AdamW turns the weights to inf/NaN at once while loss and gradients
-    # are finite. Before this check, later steps were skipped and the NaN weights saved as "the last good state".
-    huge = ["--optimizer", "adamw", "--max_lr", "1e300", "--ckpt_interval", "1", "--max_steps", "20"]
+    # A huge but float32-finite rate and decay: AdamW's decay factor 1 - lr * wd overflows the weights to inf in
+    # step 1 while loss and gradients are finite. Before this check, later steps were skipped and the NaN weights
+    # saved as "the last good state".
+    huge = ["--optimizer", "adamw", "--max_lr", "1e30", "--weight_decay", "1e30", "--ckpt_interval", "1",
+            "--max_steps", "20"]  # fmt: skip
     assert main(tiny(tmp_path / "fresh", *huge, "--max_bad_steps", "1")) == 1
     line = error_line(capsys)
     assert "the weights became non-finite (NaN or infinite) in optimizer step 1" in line
