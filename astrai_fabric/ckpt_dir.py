@@ -1,6 +1,6 @@
-"""Who may write into a ``ckpt_dir``: one run at a time (an advisory lock), and only over files a run wrote
-(a manifest). Self-contained: it knows nothing of training; rank 0 of a run calls it and tells the other ranks
-(``train/common.py``). Two hidden files in ``ckpt_dir``::
+"""Who may write into a ``ckpt_dir``: a directory this process can write (``check_writable``), one run at a time
+(an advisory lock), and only over files a run wrote (a manifest). Self-contained: it knows nothing of training;
+rank 0 of a run calls it and tells the other ranks (``train/common.py``). Two hidden files in ``ckpt_dir``::
 
     .astrai_fabric.lock   exists while a run writes here: flock(2)-locked by it, recording its host, pid and
                           start time; removed on release. One found unlocked was left by a run that was killed
@@ -29,6 +29,24 @@ from astrai_fabric.errors import CheckpointError
 LOCK_FILE = ".astrai_fabric.lock"
 MANIFEST_FILE = ".astrai_fabric.json"
 _HELD = (errno.EWOULDBLOCK, errno.EAGAIN)  # flock's answer when another open file holds the lock
+
+
+def check_writable(ckpt_dir: str | Path) -> None:
+    """``ckpt_dir`` is a directory this process may write into, or can be created as one (checked when the run's
+    inputs are read, not at the first save). Reads only."""
+    path = Path(ckpt_dir)
+    try:
+        existing = next(p for p in (path, *path.absolute().parents) if p.exists())
+    except OSError as err:  # e.g. a name longer than the filesystem allows
+        raise CheckpointError(_unwritable(path, err)) from None
+    if not existing.is_dir():
+        raise CheckpointError(f"ckpt_dir {path}: {existing} is a file, not a directory; choose another --ckpt_dir")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise CheckpointError(f"ckpt_dir {path}: {existing} is not writable here; choose another --ckpt_dir")
+
+
+def _unwritable(root: Path, err: OSError) -> str:
+    return f"ckpt_dir {root}: cannot be created or written ({err.strerror or err})"
 
 
 # --- the lock ----------------------------------------------------------------------------------------------------
@@ -116,7 +134,7 @@ def lock_ckpt_dir(ckpt_dir: str | Path) -> DirLock:
         os.fsync(fd)
     except OSError as err:
         DirLock(path, fd, created).release()
-        raise CheckpointError(f"ckpt_dir {root}: cannot be created or written ({err.strerror or err})") from None
+        raise CheckpointError(_unwritable(root, err)) from None
     if previous is not None:
         gone = previous.get("host") == socket.gethostname() and not _pid_exists(previous.get("pid"))
         warnings.warn(
@@ -224,7 +242,7 @@ def record_written(ckpt_dir: str | Path, names: Iterable[str]) -> None:
         os.replace(staging, root / MANIFEST_FILE)
     except OSError as err:
         staging.unlink(missing_ok=True)
-        raise CheckpointError(f"ckpt_dir {root}: cannot be created or written ({err.strerror or err})") from None
+        raise CheckpointError(_unwritable(root, err)) from None
 
 
 def not_ours_message(root: Path, names: list[str]) -> str:

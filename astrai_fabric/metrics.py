@@ -46,15 +46,16 @@ class MetricLog:
             return cls(names)
         entries = []
         for line_no, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
-            try:
-                entry = json.loads(line) if line.strip() else None
-            except json.JSONDecodeError:
-                entry = "malformed"
-            if entry is not None and not isinstance(entry, dict):
-                warnings.warn(f"{path}:{line_no}: not a JSON object; this metric history line is dropped", stacklevel=2)
+            if not line.strip():
                 continue
-            if entry is not None:
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:
+                entry = None
+            if isinstance(entry, dict):
                 entries.append(entry)
+            else:
+                warnings.warn(f"{path}:{line_no}: not a JSON object; this metric history line is dropped", stacklevel=2)
         return cls(names, entries)
 
     def add(self, kind: str, epoch: int, step: int, consumed_samples: int, **values: float) -> None:

@@ -165,7 +165,7 @@ class Tokenizer:
                         raise SecurityError(f"the output passed {max_chars:,} characters")
         except UserError:
             raise
-        except (Exception, RecursionError) as err:  # the template's own failure: raise_exception, undefined, sandbox
+        except Exception as err:  # the template's own failure: raise_exception, undefined, sandbox, recursion, limits
             record = f" on {where}" if where else ""
             message = " ".join(str(err).split())[:300] or type(err).__name__
             raise UserError(f"{self._config_path}: chat_template failed{record}: {message}") from None

@@ -11,7 +11,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
-from astrai_fabric.data.records import FLOAT32_MAX
+import torch
+
 from astrai_fabric.errors import ConfigError
 from astrai_fabric.metrics import KNOWN_METRICS
 from astrai_fabric.rewards import reward_spec_problem
@@ -242,10 +243,11 @@ class TrainArgs:
 
     def validate(self) -> None:
         """Raise one ``ConfigError`` naming every field with a bad value."""
-        problems = [  # finite in float32 too: a learning rate of 1e39 is infinite in the optimizer's tensors
+        largest = torch.finfo(torch.float32).max  # finite in float32 too: a rate of 1e39 is inf in the optimizer
+        problems = [
             f"{f.name} must be a finite number, got {getattr(self, f.name)}"
             for f in dataclasses.fields(self)
-            if isinstance(getattr(self, f.name), float) and not abs(getattr(self, f.name)) <= FLOAT32_MAX
+            if isinstance(getattr(self, f.name), float) and not abs(getattr(self, f.name)) <= largest
         ]
         if self.data_root_path is None:
             problems.append("data_root_path is required")

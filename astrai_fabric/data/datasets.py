@@ -40,9 +40,12 @@ class TokenStream:
     def check_range(self, key: str, limit: int, expected: str) -> None:
         """Every value of ``key`` in ``[0, limit)``: one vectorised min/max per shard, the culprit named."""
         for index, segment in enumerate(self._segments[key]):
-            if len(segment) and (segment.min() < 0 or segment.max() >= limit):
+            if not len(segment):
+                continue
+            low, high = segment.min(), segment.max()
+            if low < 0 or high >= limit:
                 where = getattr(segment, "filename", None) or f"{key} (part {index})"
-                raise UserError(f"{where}: holds {key} values in [{segment.min()}, {segment.max()}]; {expected}")
+                raise UserError(f"{where}: holds {key} values in [{low}, {high}]; {expected}")
 
     def read(self, key: str, begin: int, end: int) -> np.ndarray:
         """Tokens ``[begin, end)`` of ``key``, across shard boundaries."""

@@ -21,7 +21,7 @@ from astrai_fabric.data.storage import Record
 from astrai_fabric.errors import UserError
 from astrai_fabric.tokenizer import Message, Tokenizer
 
-FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_MAX = torch.finfo(torch.float32).max
 """Rewards are trained on in float32: a larger magnitude (or NaN, which fails every comparison) is refused."""
 
 

@@ -5,7 +5,6 @@ schedule, and how checkpoints are written. Each train type's ``main`` calls thes
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from astrai_fabric.checkpoint import (
     prune_checkpoints,
     remove_stale_staging,
 )
-from astrai_fabric.ckpt_dir import check_owned, lock_ckpt_dir, record_written
+from astrai_fabric.ckpt_dir import check_owned, check_writable, lock_ckpt_dir, record_written
 from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.config.train import COMMAND_LINE_ONLY, TrainArgs
 from astrai_fabric.data import ResumableSampler
@@ -110,23 +109,9 @@ def resolve_start(fabric: Fabric, args: TrainArgs) -> Start:
     return read_on_rank_zero(fabric, partial(read_start, args), paths)
 
 
-def check_ckpt_dir(ckpt_dir: str) -> None:
-    """``ckpt_dir`` is a directory this process may write into, or can be created as one (checked at the start, not
-    at the first save)."""
-    path = Path(ckpt_dir)
-    try:
-        existing = next(p for p in (path, *path.absolute().parents) if p.exists())
-    except OSError as err:  # e.g. a name longer than the filesystem allows
-        raise UserError(f"ckpt_dir {ckpt_dir}: cannot be created or written ({err.strerror or err})") from None
-    if not existing.is_dir():
-        raise UserError(f"ckpt_dir {ckpt_dir}: {existing} is a file, not a directory; choose another --ckpt_dir")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(f"ckpt_dir {ckpt_dir}: {existing} is not writable here; choose another --ckpt_dir")
-
-
 def read_start(args: TrainArgs) -> Start:
     """Read ``param_path`` and find the checkpoint to resume from, checking they belong together."""
-    check_ckpt_dir(args.ckpt_dir)
+    check_writable(args.ckpt_dir)
     param_path = assets.resolve(args.param_path)
     if not (param_path / CONFIG_FILE).is_file():
         raise UserError(f"param_path {param_path}: no config.json (expected a model or checkpoint directory)")
