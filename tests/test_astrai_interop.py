@@ -1,34 +1,23 @@
 """Checkpoints cross between AstrAI and astrai_fabric in both directions, checked with AstrAI's own code.
 
-Runs only where AstrAI is available (it needs Python >= 3.12 or one patched line, see docs/checkpoint-format.md):
-
-    ASTRAI_SRC=/path/to/AstrAI ASTRAI_PYTHON=/path/to/astrai-venv/bin/python \
-        .venv/bin/python -m pytest tests/test_astrai_interop.py
+Runs where AstrAI is available (tests/astrai_oracle.py says how it is found; `.ci/run` builds it on every CI run
+from the snapshot in ../shared/astrai), skips with the reason elsewhere.
 
 Each direction runs AstrAI in a real subprocess with its own interpreter, on real files.
 """
 
 import json
-import os
 import subprocess
-import textwrap
 
 import pytest
 import torch
+from astrai_oracle import ASTRAI_PYTHON, ASTRAI_SRC, astrai_env, needs_astrai, run_astrai
 from conftest import tiny_config
 
 from astrai_fabric.checkpoint import load_checkpoint, load_model, save_checkpoint
 from astrai_fabric.model import AutoRegressiveLM
 
-ASTRAI_SRC, ASTRAI_PYTHON = os.environ.get("ASTRAI_SRC"), os.environ.get("ASTRAI_PYTHON")
-pytestmark = pytest.mark.skipif(not (ASTRAI_SRC and ASTRAI_PYTHON), reason="set ASTRAI_SRC and ASTRAI_PYTHON")
-
-
-def run_astrai(script: str) -> str:
-    env = dict(os.environ, PYTHONPATH=ASTRAI_SRC)
-    result = subprocess.run([ASTRAI_PYTHON, "-c", textwrap.dedent(script)], capture_output=True, text=True, env=env)
-    assert result.returncode == 0, result.stderr
-    return result.stdout
+pytestmark = needs_astrai
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -99,8 +88,7 @@ def astrai_train(workdir, *flags) -> subprocess.CompletedProcess:
         "--parallel_mode", "none", "--nprocs", "1", "--device_type", "cpu", "--backend", "gloo", "--num_workers", "0",
         "--ckpt_interval", "3", "--no-pin_memory", "--no-persistent_workers", *flags,
     ]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=ASTRAI_SRC)
-    return subprocess.run(command, cwd=workdir, capture_output=True, text=True, env=env)
+    return subprocess.run(command, cwd=workdir, capture_output=True, text=True, env=astrai_env())
 
 
 def test_training_checkpoints_resume_across_trainers(tmp_path, monkeypatch):
