@@ -1,4 +1,5 @@
-"""AstrAI's checkpoint directory, written atomically and read strictly (spec §2). The only safetensors importer.
+"""AstrAI's checkpoint directory, written atomically and read strictly (AstrAI's
+``astrai/serialization/checkpoint.py``). The only safetensors importer.
 
 A checkpoint is a directory::
 

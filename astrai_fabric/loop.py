@@ -212,8 +212,8 @@ def _gradients_and_norm(model: nn.Module) -> tuple[dict[Any, list[Tensor]], floa
     """The gradients grouped by device mesh, and their global L2 norm (the same on every rank).
 
     Torch's ``clip_grad_norm_`` (and Fabric's) needs every gradient on one device mesh; with tensor parallelism
-    some live on the 2-D mesh and the rest on the data axis only (P4), so each mesh's norm is taken on its own and
-    the parts combined.
+    some live on the 2-D mesh and the rest on the data axis only, and torch refuses one norm over both meshes, so
+    each mesh's norm is taken on its own and the parts combined.
     """
     grads_by_mesh: dict[Any, list[Tensor]] = {}
     for param in model.parameters():

@@ -1,5 +1,5 @@
 """What a run measures and records: gradient SNR, MoE routing diagnostics, throughput and MFU, and AstrAI's
-``metric.jsonl`` (spec §10).
+``metric.jsonl`` (AstrAI's ``astrai/trainer/train_callback.py``).
 
 ``metric.jsonl`` has one JSON object per line, ``{"type": "step"|"validation"|"epoch", "timestamp", "epoch",
 "step", "consumed_samples", ...}``: step entries carry the loss function's own metrics (``task_loss``, ``dpo_loss``,

@@ -1,4 +1,4 @@
-"""Optimizers: AstrAI's ``muon_adamw`` (the default) and plain ``adamw`` (spec §7).
+"""Optimizers: AstrAI's ``muon_adamw`` (the default) and plain ``adamw`` (AstrAI's ``astrai/optim``).
 
 ``muon_adamw`` splits parameters by name, as AstrAI does: a parameter is a *matrix* when it has at least two
 dimensions and its name contains none of ``norm``, ``bias``, ``embed``, ``lm_head``. Matrices go to

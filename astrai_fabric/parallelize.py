@@ -5,7 +5,8 @@ block's attention splits its heads (q/k/v, the gate, MLA's ``kv_b_proj`` column-
 dense MLP splits its width (``up``/``gate`` column-wise, ``down`` row-wise); embeddings, norms, the head and MoE
 experts stay whole. On the data axis every decoder block is an FSDP unit, and so is the root: it holds the
 embedding, final norm and ``lm_head``, so a tied embedding stays one parameter (AstrAI shards ``embed_tokens`` and
-``lm_head`` apart and unties them, B4), and every parameter is a DTensor, which gradient clipping needs (P4).
+``lm_head`` apart and unties them, B4), and every parameter is a DTensor: torch's gradient clipping refuses plain
+tensors and DTensors mixed.
 """
 
 from __future__ import annotations

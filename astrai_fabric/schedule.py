@@ -1,4 +1,5 @@
-"""Total-steps arithmetic and AstrAI's learning-rate schedules (spec §6). Pure math, checked loudly.
+"""Total-steps arithmetic and AstrAI's learning-rate schedules (AstrAI's
+``astrai/trainer/schedule.py``). Pure math, checked loudly.
 
 A schedule multiplies each parameter group's base rate by ``factor(t)``, ``t`` = optimizer steps taken so far;
 the scheduler steps once per optimizer step, so optimizer step ``k`` (1-based) runs at ``factor(k - 1)``.
@@ -224,7 +225,8 @@ def build_scheduler(
     stable_steps: int | None = None,
     decay_steps: int | None = None,
 ) -> _AstraiSchedule:
-    """AstrAI's scheduler arguments from the total steps (spec §6.1), except that an explicit 0 is honoured.
+    """AstrAI's scheduler arguments from the total steps (as its ``scripts/tools/train.py`` derives them), except
+    that an explicit 0 is honoured.
 
     AstrAI writes ``value or default`` and so treats ``--stable_steps 0`` or ``--min_rate 0`` as unset (B15).
     """

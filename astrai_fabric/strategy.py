@@ -3,11 +3,12 @@
 - ``none`` → one process on one device;
 - ``ddp`` → ``DDPStrategy`` with AstrAI's ``gradient_as_bucket_view=True, broadcast_buffers=False``;
 - ``fsdp`` → ``ModelParallelStrategy`` running ``parallelize`` (FSDP2 ``fully_shard`` on every decoder block and
-  the root), with explicit mesh sizes (Lightning's ``"auto"`` would put every rank on the tensor axis: P1).
+  the root), with explicit mesh sizes (Lightning's ``"auto"`` would put every rank on the tensor axis of one node,
+  leaving FSDP a data mesh of one rank and every rank all the data).
 
 Any mode with a world of one process trains on a single device. Launching: the CLI launches ``nprocs`` local
 ranks itself; under ``fabric run``, torchrun or SLURM the processes already exist, the environment fixes the
-world size, and ``fabric.launch()`` must not be called (P8).
+world size, and ``fabric.launch()`` must not be called (it raises there).
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ def build_fabric(args: TrainArgs, topology: Topology) -> Fabric:
         )  # fmt: skip
         strategy = ModelParallelStrategy(
             parallelize_fn=partial(parallelize, **knobs),
-            data_parallel_size=world_size // tp_size,  # explicit: Lightning's "auto" would put every rank on TP (P1)
+            data_parallel_size=world_size // tp_size,  # explicit: Lightning's "auto" would put every rank on TP
             tensor_parallel_size=tp_size,
             process_group_backend=args.backend,
             timeout=timedelta(seconds=args.dist_timeout),

@@ -1,7 +1,8 @@
 """Real multi-process runs on CPU/gloo inside pytest: the spawn + environment pattern.
 
 Each worker process sets the variables a launcher would (``LOCAL_RANK`` among them), so Lightning sees processes
-that already exist and ``fabric.launch()`` runs the function in place instead of re-executing pytest (pitfall P13).
+that already exist and ``fabric.launch()`` runs the function in place instead of re-executing pytest
+(Lightning's launcher re-runs ``sys.argv``).
 A failing assertion or exception in any worker fails ``run_ranks``.
 """
 

@@ -14,7 +14,7 @@ from astrai_fabric.optim import MuonNS, build_optimizer, is_matrix_param, newton
 def test_split_matches_astrai_counts():
     model = AutoRegressiveLM(tiny_config(tie_word_embeddings=False))
     optimizer = build_optimizer(model, "muon_adamw", lr=1e-3, weight_decay=0.1)
-    # AstrAI reports 14 Muon and 7 AdamW tensors for a 2-layer untied model (spec §7).
+    # AstrAI reports 14 Muon and 7 AdamW tensors for a 2-layer untied model (its ``astrai/optim/muon_adamw.py`` split).
     assert len(optimizer.muon.param_groups[0]["params"]) == 14
     assert len(optimizer.adamw.param_groups[0]["params"]) == 7
     assert optimizer.adamw.param_groups[0]["weight_decay"] == 0.0

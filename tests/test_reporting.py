@@ -46,7 +46,7 @@ def test_metric_jsonl_has_astrai_entry_shapes(short_run):
     out, _ = short_run
     entries = [json.loads(line) for line in (out / "epoch_0_step_6" / "metric.jsonl").read_text().splitlines()]
     for entry in entries:
-        # AstrAI's schema (spec §10): these keys first, in this order, then the metrics.
+        # AstrAI's schema (``astrai/trainer/train_callback.py``): these keys first, in this order, then the metrics.
         assert list(entry)[:5] == ["type", "timestamp", "epoch", "step", "consumed_samples"]
         assert entry["type"] in ("step", "validation", "epoch")
         assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d", entry["timestamp"])

@@ -1,4 +1,4 @@
-"""Total steps and learning-rate schedules against hand-computed tables (AstrAI's formulas, spec §6)."""
+"""Total steps and learning-rate schedules against hand-computed tables (``astrai/trainer/schedule.py``)."""
 
 import math
 
@@ -97,7 +97,7 @@ def test_state_dict_is_astrai_layout_and_restores_the_schedule():
     scheduler = build_scheduler(optimizer(), "cosine", total_steps=10, warmup_steps=2)
     rates(scheduler, 3)
     state = scheduler.state_dict()
-    # The keys AstrAI's CosineScheduler saves (spec §2.4, torch 2.13).
+    # The keys AstrAI's CosineScheduler saves (torch 2.13).
     assert sorted(state) == sorted([
         "_get_lr_called_within_step", "_is_initial", "_last_lr", "_step_count", "base_lrs", "last_epoch",
         "lr_decay_steps", "min_rate", "total_steps", "warmup_steps",

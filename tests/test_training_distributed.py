@@ -40,8 +40,8 @@ PARITY_RUNS = {
     for mode in ("ddp", "fsdp")
     for optimizer in ("adamw", "muon_adamw")
 }
-# FSDP reducing after every micro-batch instead of only at the window's end (P16), or freeing parameters after
-# each forward, trains the same model.
+# FSDP reducing after every micro-batch instead of only at the window's end (less memory, more communication),
+# or freeing parameters after each forward, trains the same model.
 PARITY_RUNS["fsdp_sync_each_micro_batch"] = dict(
     parallel_mode="fsdp", optimizer="adamw", fsdp_sync_each_micro_batch=True
 )
@@ -235,7 +235,7 @@ def test_single_process_resume_is_bit_exact(tmp_path):
 
 
 def write_astrai_fsdp_optimizer(path: str) -> None:
-    """An optimizer.pt as AstrAI's FSDP writes it: rank 0's DTensor shards (spec §2.4, B6)."""
+    """An optimizer.pt as AstrAI's FSDP writes it: rank 0's DTensor shards (B6)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor

@@ -1,4 +1,4 @@
-"""``ModelConfig``: AstrAI's model ``config.json``, field for field (spec §1.1).
+"""``ModelConfig``: AstrAI's model ``config.json``, field for field (AstrAI's ``astrai/config/model_config.py``).
 
 Reading is AstrAI's: unknown keys are ignored (with a warning, since Hugging Face configs carry many), missing
 keys take AstrAI's defaults, and ``to_dict`` writes every field in AstrAI's declaration order, which is the key set

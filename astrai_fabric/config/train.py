@@ -1,4 +1,5 @@
-"""``TrainArgs``: every training flag, flat and spelled as AstrAI spells it (spec §9), with AstrAI's defaults.
+"""``TrainArgs``: every training flag, flat and spelled as AstrAI's ``scripts/tools/train.py`` spells it, with
+AstrAI's defaults.
 
 The CLI exposes each field as ``--name`` and a recipe is a flat YAML of the same keys. Departures from AstrAI's
 defaults are the machine-dependent ones (``device_type``, ``backend``, ``precision``); new flags follow AstrAI's

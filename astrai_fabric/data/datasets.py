@@ -1,4 +1,4 @@
-"""Fixed windows over a token stream, for ``seq`` and ``sft`` (spec §3.1-3.2, §4.4).
+"""Fixed windows over a token stream, for ``seq`` and ``sft`` (AstrAI's ``astrai/dataset/dataset.py``).
 
 With ``T`` tokens, window ``W`` and stride ``s`` there are ``0 if T <= W else (T - 1 - W) // s + 1`` samples;
 sample ``i`` reads ``[b, b + W)`` as input and ``[b + 1, b + W + 1)`` as target, ``b = min(i * s, T - 1 - W)``,

@@ -1,4 +1,5 @@
-"""``astrai-fabric prepare``: JSONL records to AstrAI's offline bin shards for seq and sft (spec §4.2-4.3).
+"""``astrai-fabric prepare``: JSONL records to AstrAI's offline bin shards for seq and sft (AstrAI's
+``astrai/preprocessing``).
 
     astrai-fabric prepare INPUT.jsonl... -o DIR -c pipeline.json [--tokenizer_path DIR]
 

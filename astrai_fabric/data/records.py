@@ -1,4 +1,4 @@
-"""Record datasets for ``dpo`` and ``grpo`` (spec §3.3-3.5, §4.5): one independent sample per record.
+"""Record datasets for ``dpo`` and ``grpo`` (AstrAI's ``astrai/dataset/dataset.py``): one independent sample per record.
 
 Every record is tokenised when the dataset is built, so a malformed one fails before training starts with an
 error that names its file and line. Prompts go through the chat template with the generation prompt; a response

@@ -1,4 +1,5 @@
-"""``ResumableSampler``: AstrAI's distributed sampler order, resumable at any sample (spec §4.7).
+"""``ResumableSampler``: AstrAI's distributed sampler order, resumable at any sample
+(AstrAI's ``astrai/dataset/sampler.py``).
 
 Epoch ``e`` shuffles with ``randperm(N, seed + e)``, pads by wrapping around to a multiple of the world size, and
 gives rank ``r`` the positions ``r, r + R, r + 2R, ...`` (``torch.utils.data.DistributedSampler``'s order). So

@@ -1,4 +1,4 @@
-"""Reading training data from disk: AstrAI's bin shards and JSONL files (spec §4.3-4.4).
+"""Reading training data from disk: AstrAI's bin shards and JSONL files (AstrAI's ``astrai/dataset/storage.py``).
 
 Bin layout: ``ROOT/**/meta.json`` next to ``<key>.bin`` files; ``meta.json`` maps each key to
 ``{"shape": [n], "dtype": "int32", ...}`` and each key is one flat array. Shards are read in sorted path order

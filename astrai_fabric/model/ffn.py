@@ -1,4 +1,4 @@
-"""Feed-forward layers: SwiGLU ``MLP`` and DeepSeek-style ``DeepSeekMoE`` (spec §1.3).
+"""Feed-forward layers: SwiGLU ``MLP`` and DeepSeek-style ``DeepSeekMoE`` (AstrAI's ``astrai/model/components/mlp.py``).
 
 Both return ``(hidden_states, aux_loss, router_stats)``; the dense MLP's last two are None.
 """

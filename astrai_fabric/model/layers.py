@@ -1,4 +1,4 @@
-"""Building blocks with AstrAI's parameter names, shapes and initialisation (spec §1.3).
+"""Building blocks with AstrAI's parameter names, shapes and initialisation (AstrAI's ``astrai/model/components``).
 
 Every module with weights has ``reset_parameters`` so a model built on the meta device can be materialised
 (Fabric calls it per module); the order in which ``AutoRegressiveLM`` calls them consumes the random stream exactly

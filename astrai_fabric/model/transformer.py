@@ -1,4 +1,5 @@
-"""``AutoRegressiveLM``: AstrAI's decoder-only transformer with AstrAI's exact ``state_dict`` keys (spec §1.2, §1.4).
+"""``AutoRegressiveLM``: AstrAI's decoder-only transformer with AstrAI's exact ``state_dict`` keys
+(AstrAI's ``astrai/model/transformer.py``).
 
 The model knows nothing of Lightning or ``torch.distributed``; parallelism is applied from outside
 (``astrai_fabric.parallelize``).

@@ -33,7 +33,7 @@ def run(args: TrainArgs) -> list[dict] | None:
         return []
     fabric = build_fabric(args, resolve_topology(args))
     if os.environ.get("LT_CLI_USED") == "1":
-        return train(fabric, args)  # under `fabric run` the Fabric joined the process group already (P8)
+        return train(fabric, args)  # under `fabric run` the Fabric joined the group already (launching raises)
     return fabric.launch(train, args)  # starts the local ranks, or just runs where torchrun/SLURM started them
 
 

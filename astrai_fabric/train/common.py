@@ -217,7 +217,10 @@ def build_model(fabric: Fabric, start: Start, args: TrainArgs) -> nn.Module:
 
 
 def build_optimizer_and_schedule(fabric: Fabric, model: nn.Module, start: Start, args: TrainArgs, plan: StepPlan):
-    """Optimizer (built after sharding, P2) and schedule; a resume restores both (the checkpoint's schedule wins)."""
+    """Optimizer and schedule; a resume restores both (the checkpoint's schedule wins).
+
+    Built after sharding: an optimizer built before would step the pre-shard tensors, silently.
+    """
     optimizer = build_optimizer(
         model, args.optimizer, args.max_lr, args.weight_decay, args.muon_momentum, args.muon_nesterov,
         args.muon_ns_steps, args.muon_adjust_lr, resolve_ns_dtype(args.muon_ns_dtype, fabric.device),
@@ -269,7 +272,7 @@ def start_position(fabric: Fabric, start: Start, args: TrainArgs, plan: StepPlan
                 f"warning: the checkpoint's position ({saved.sample_index} samples on each of {saved.world_size} "
                 f"ranks) falls between samples for {world_size} ranks; up to {world_size - 1} sample(s) repeat"
             )
-    else:  # written by AstrAI: its meta semantics (spec §2.6), floor to a whole optimizer step
+    else:  # written by AstrAI: AstrAI's meta semantics (train_context.py), floor to a whole optimizer step
         per_step = plan.global_batch_size
         consumed = ckpt.consumed_samples // per_step * per_step
         offset = consumed // world_size

@@ -1,4 +1,4 @@
-"""``dpo``: Direct Preference Optimization against a frozen reference model (spec §3.3).
+"""``dpo``: Direct Preference Optimization against a frozen reference model (AstrAI's ``astrai/trainer/strategy.py``).
 
 Data: JSONL records ``{"prompt"|"input", "chosen", "rejected"}`` (strings or chat messages), tokenised with the
 chat template; each pair is one sample, truncated to ``--window_size``.

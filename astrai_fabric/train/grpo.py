@@ -3,7 +3,7 @@
 Offline data: JSONL ``{"prompt", "responses": [G texts], "rewards": [G floats]}``. Online data: JSONL prompts
 ``{"prompt", ...}``; every ``--rollout_interval`` optimizer steps the current policy samples ``--group_size``
 responses per prompt for that many steps' micro-batches, the ``--reward`` function scores them, and training
-follows. Loss and advantages: ``losses.grpo_loss`` (AstrAI's formulas, spec §3.4).
+follows. Loss and advantages: ``losses.grpo_loss`` (AstrAI's formulas, ``astrai/trainer/strategy.py``).
 
 Departure from AstrAI (B11): the ratio's "old" policy is the policy as it was when the batch was drawn: the
 current one for offline data (ratio 1, the on-policy gradient) and the sampling policy's log-probabilities,

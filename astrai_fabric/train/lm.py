@@ -1,4 +1,5 @@
-"""``seq`` (pretraining) and ``sft``: next-token prediction over fixed windows of a token stream (spec §3.1-3.2).
+"""``seq`` (pretraining) and ``sft``: next-token prediction over fixed windows of a token stream, as
+AstrAI's ``seq`` and ``sft`` strategies.
 
 ``seq`` attends causally across the whole window and trains every token. ``sft`` restarts positions and stops
 attention at document boundaries (from the stored position ids) and trains only the tokens its loss mask
