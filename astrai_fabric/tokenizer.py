@@ -26,6 +26,7 @@ from jinja2 import TemplateError
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 from astrai_fabric.errors import UserError
 
@@ -142,6 +143,12 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def decode_whole_chars(self, ids: list[int]) -> str:
+        """``decode`` without special tokens and without a trailing incomplete UTF-8 character: a sample cut off
+        inside a multi-byte character would end in U+FFFD. Invalid bytes elsewhere still show as U+FFFD."""
+        stream = DecodeStream(skip_special_tokens=True)
+        return "".join(piece for i in ids if (piece := stream.step(self._tokenizer, i)) is not None)
 
     @cached_property
     def _template(self) -> Any:

@@ -123,7 +123,8 @@ def tiny(tmp_path, *extra) -> list[str]:
         (["--window_size", "1000000"], "window_size 1000000 exceeds max_position_embeddings 256"),
         (["--nprocs", "2"], "parallel_mode none trains in one process, but 2 were requested"),
         (["--resume", "true"], "is not a training checkpoint (no meta.json)"),
-        (["--param_path", "absent"], "param_path absent: no config.json"),
+        (["--param_path", "absent"], "param_path absent: not found (expected a model or checkpoint directory)"),
+        (["--param_path", "."], "param_path .: no config.json"),
         (["--resume", "absent_dir"], "absent_dir is not a training checkpoint"),
     ],
 )

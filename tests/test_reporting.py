@@ -103,5 +103,5 @@ def test_dry_run_says_what_is_missing(recipe, tmp_path, monkeypatch, capsys):
     train_type = "seq" if recipe.startswith("pretrain") else "sft"
     assert main([train_type, "--config", str(ROOT / "recipes" / recipe), "--dry_run"]) == 2
     out = capsys.readouterr().out
-    assert "cannot start:" in out and "no config.json" in out and "not found" in out
+    assert "cannot start:" in out and "param_path" in out and "not found" in out
     assert list(tmp_path.iterdir()) == []

@@ -26,6 +26,16 @@ def test_encode_decode_round_trip(tokenizer):
     assert tokenizer.decode(tokenizer.encode(text)) == text
 
 
+def test_a_sample_cut_inside_a_character_decodes_to_whole_characters(tokenizer):
+    text = "héllo ✓ 漢字"
+    ids = tokenizer.encode(text)
+    assert tokenizer.decode(ids[:-1]).endswith("\ufffd")  # the last character spans several byte tokens
+    for end in range(len(ids) + 1):
+        whole = tokenizer.decode_whole_chars(ids[:end])
+        assert "\ufffd" not in whole and text.startswith(whole), (end, whole)
+    assert tokenizer.decode_whole_chars([*ids, tokenizer.eos_token_id]) == tokenizer.decode(ids) == text
+
+
 def test_chat_template_matches_the_python_rendering_used_to_train_the_tokenizer(tokenizer):
     messages = [
         {"role": "system", "content": "Answer briefly."},

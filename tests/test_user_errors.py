@@ -64,7 +64,7 @@ CASES = [
     (tiny("{w}/new", "--n_epoch", "two"), 'Parser key "n_epoch": Expected a <class \'int\'>. Got value: two'),
     (tiny("{w}/new", "--batch_per_device", "0"), "batch_per_device must be positive, got 0"),
     (tiny("{w}/new", "--max_lr", "-1"), "max_lr must be >= 0, got -1.0"),
-    (tiny("{w}/new", "--param_path", "{w}/absent"), "absent: no config.json"),
+    (tiny("{w}/new", "--param_path", "{w}/absent"), "absent: not found (expected a model"),
     (tiny("{w}/new", "--data_root_path", "{w}/latin1.jsonl"), "latin1.jsonl:1: not UTF-8 text"),
     (tiny("{w}/new", "--param_path", "{w}/small_vocab", "--tokenizer_path", "bundled:tiny"),
      "has 2,048 ids, but the model's vocab_size is 1,000"),

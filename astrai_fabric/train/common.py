@@ -113,6 +113,8 @@ def read_start(args: TrainArgs) -> Start:
     """Read ``param_path`` and find the checkpoint to resume from, checking they belong together."""
     check_writable(args.ckpt_dir)
     param_path = assets.resolve(args.param_path)
+    if not param_path.exists():
+        raise UserError(f"param_path {param_path}: not found (expected a model or checkpoint directory)")
     if not (param_path / CONFIG_FILE).is_file():
         raise UserError(f"param_path {param_path}: no config.json (expected a model or checkpoint directory)")
     model_config = ModelConfig.from_file(param_path / CONFIG_FILE)
