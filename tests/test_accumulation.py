@@ -142,6 +142,9 @@ def count_reductions_worker(root: str) -> None:
     counts = {}
     ddp = seq_args(root / "ddp", parallel_mode="ddp", **COUNTED)
     counts["ddp"] = ddp_all_reduces(ddp, ddp)
+    # A DDP Fabric handed to train() with arguments that ask FSDP to reduce every micro-batch: DDP stays gated.
+    asks_fsdp = seq_args(root / "ddp_fsdp_args", parallel_mode="fsdp", fsdp_sync_each_micro_batch=True, **COUNTED)
+    counts["ddp_given_fsdp_sync_each_micro_batch"] = ddp_all_reduces(ddp, asks_fsdp)
     for name, each in (("fsdp", False), ("fsdp_sync_each_micro_batch", True)):
         before = reduce_scatters.calls
         run(seq_args(root / name, parallel_mode="fsdp", fsdp_sync_each_micro_batch=each, **COUNTED))
@@ -156,6 +159,7 @@ def test_gradients_reduce_once_per_window_and_each_micro_batch_only_when_fsdp_is
     units = json.loads((TINY_MODEL_DIR / "config.json").read_text())["num_hidden_layers"] + 1
     expected = {
         "ddp": STEPS,
+        "ddp_given_fsdp_sync_each_micro_batch": STEPS,  # the flag is FSDP's; a DDP Fabric ignores it
         "fsdp": STEPS * units,
         "fsdp_sync_each_micro_batch": STEPS * ACCUM * units,
     }
