@@ -38,7 +38,7 @@ from astrai_fabric.preemption import StopRequest
 from astrai_fabric.randomness import ModuleNoise
 from astrai_fabric.reporting import Reporter
 from astrai_fabric.schedule import StepPlan
-from astrai_fabric.strategy import data_parallel
+from astrai_fabric.strategy import data_parallel, is_fsdp
 from astrai_fabric.training_state import RunPosition
 
 LossFn = Callable[[nn.Module, dict[str, Tensor]], tuple[Tensor, dict[str, Tensor]]]
@@ -69,7 +69,8 @@ def fit(
     metrics (same means), throughput (see ``Reporter``) and ``val_loss`` when validated.
     """
     grad_state = GradientState(args.grad_accum_steps)
-    skip_sync = not (args.fsdp_sync_each_micro_batch and args.parallel_mode == "fsdp")
+    # Reducing every micro-batch is an FSDP choice (gradients stay sharded); any other strategy keeps the gate.
+    skip_sync = not (args.fsdp_sync_each_micro_batch and is_fsdp(fabric))
     world_size = plan.world_size  # data-parallel ranks (tensor-parallel ranks share their samples)
     grad_snr = GradSNR() if "grad_snr" in args.metrics else None
     # Noise (NEFTune) depends only on the position: seed, data-parallel rank, step, micro-batch (see randomness).

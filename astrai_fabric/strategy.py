@@ -151,12 +151,18 @@ def build_fabric(args: TrainArgs, topology: Topology) -> Fabric:
     )
 
 
+def is_fsdp(fabric: Fabric) -> bool:
+    """Whether the Fabric shards with FSDP2 (``ModelParallelStrategy``), whoever built it: the strategy decides,
+    not ``parallel_mode``, which a Fabric handed to ``train`` ignores."""
+    return isinstance(fabric.strategy, ModelParallelStrategy)
+
+
 def setup_frozen(fabric: Fabric, module: nn.Module) -> nn.Module:
     """A frozen module used next to the trained one (DPO/GRPO's reference model): sharded like it under FSDP, so
     memory does not double per rank; elsewhere moved and cast to the run's device and precision (DDP would refuse
     to wrap a module with nothing to train, and has nothing to synchronise)."""
     module = fabric.strategy.precision.convert_module(module.requires_grad_(False).eval())
-    if isinstance(fabric.strategy, ModelParallelStrategy):
+    if is_fsdp(fabric):
         return parallelize(module, fabric.strategy.device_mesh, reshard_after_forward=True)
     return fabric.to_device(module)
 

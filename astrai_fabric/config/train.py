@@ -171,7 +171,8 @@ class TrainArgs:
     """``auto``: bf16-true on CUDA (AstrAI's pure bf16), 32-true on CPU (bf16 matmuls are slow there)."""
     fsdp_sync_each_micro_batch: bool = False
     """FSDP: reduce-scatter gradients after every micro-batch instead of only at the optimizer step, trading
-    communication for the memory of unsharded gradients during accumulation."""
+    communication for the memory of unsharded gradients during accumulation. Decided by the Fabric's strategy (FSDP2's
+    ``ModelParallelStrategy``), not by ``parallel_mode``: DDP and single-device runs keep the gate."""
     gradient_checkpointing: bool = False
     """Recompute each decoder block's activations in the backward pass (less memory, ~30% more compute)."""
     compile: Literal["default", "reduce-overhead", "max-autotune"] | None = None

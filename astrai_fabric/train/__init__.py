@@ -40,8 +40,9 @@ def run(args: TrainArgs) -> list[dict] | None:
 def train(fabric: Fabric, args: TrainArgs) -> list[dict]:
     """Train with a Fabric you built and launched: its strategy, devices, precision and loggers are used as they
     are, and nothing is launched. The flags that choose those (``parallel_mode``, ``nprocs``, ``num_nodes``,
-    ``device_type``, ``backend``, ``precision``, ``tp_size``, ``fsdp_*``) are then ignored. Returns the per-step
-    records of ``loop.fit``; every rank must call it."""
+    ``device_type``, ``backend``, ``precision``, ``tp_size``, ``fsdp_*``) are then ignored, except
+    ``fsdp_sync_each_micro_batch``: the loop honours it when the Fabric's strategy is ``ModelParallelStrategy``.
+    Returns the per-step records of ``loop.fit``; every rank must call it."""
     args.validate()
     if args.train_type not in TRAIN_TYPES:
         raise ConfigError(f"train_type must be one of {sorted(TRAIN_TYPES)}, got {args.train_type!r}")
