@@ -1,4 +1,5 @@
-"""Gradient accumulation with AstrAI's ``GradientState`` counter semantics (spec §5).
+"""Gradient accumulation with AstrAI's ``GradientState`` counter semantics (AstrAI's
+``astrai/parallel/executor.py`` and ``astrai/trainer/trainer.py``).
 
 AstrAI counts micro-batches in one process-wide counter, never reset at epoch boundaries (so an accumulation
 window may span two epochs), and syncs when ``count % grad_accum_steps == 0``. Leftover micro-batches at the end
@@ -32,9 +33,9 @@ def backward_sync(
 
     While accumulating (and ``skip_sync``), gradients are not synchronised across ranks (DDP ``no_sync``, FSDP2
     ``set_requires_gradient_sync(False)``); the window's last micro-batch synchronises. Only ``enabled=True`` is
-    ever passed to Fabric: its FSDP context leaves sync switched *off* after an ``enabled=False`` block (pitfall
-    P3), whereas an ``enabled=True`` block restores it on exit. ``skip_sync=False`` makes every micro-batch
-    reduce, which under FSDP keeps gradients sharded (less memory, more communication; P16).
+    ever passed to Fabric: its FSDP context leaves sync switched *off* after an ``enabled=False`` block
+    (Lightning 2.6), whereas an ``enabled=True`` block restores it on exit. ``skip_sync=False`` makes every micro-batch
+    reduce, which under FSDP keeps gradients sharded (less memory, more communication).
     """
     if is_accumulating and skip_sync:
         return fabric.no_backward_sync(model, enabled=True)
