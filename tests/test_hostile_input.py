@@ -371,9 +371,9 @@ CASES = [
     Case("dataset-config-wrong-sources", grpo(data="{c}/d"), "grpo reads the sources ['prompts', 'responses', "
          "'rewards'], got ['prompts', 'rewards']",
          data_config(configured(GRPO_CONFIG, input__sources__responses=None))),
-    Case("dataset-config-not-a-list-field", grpo(data="{c}/d"), 'input.sources.responses: grpo reads it as a '
-         'list_field with "mask_key": "masks"', data_config(configured(GRPO_CONFIG,
-                                                                        input__sources__responses__list_field=False))),
+    Case("dataset-config-not-a-list-field", grpo(data="{c}/d"),
+         'responses: grpo reads it as a list_field with "mask_key": "masks"',
+         data_config(configured(GRPO_CONFIG, input__sources__responses__list_field=False))),
     Case("dataset-config-renamed-mask", dpo(data="{c}/d"), "input.sources.chosen: dpo reads it as token sections",
          data_config(configured(DPO_CONFIG, input__sources__chosen__mask_key="m"), PAIR)),
     Case("dataset-config-value-mixed", grpo(data="{c}/d"), "a 'value' section must be its source's only section",
@@ -385,14 +385,15 @@ CASES = [
          data_config(configured(DPO_CONFIG, mask={"assistant": 1}), PAIR)),
     Case("dataset-config-length-type", dpo(data="{c}/d"), "max_seq_len must be an integer >= 1, got '64'",
          data_config(configured(DPO_CONFIG, preprocessing__max_seq_len="64"), PAIR)),
-    Case("dataset-config-packing", sft(data="{c}/d"), "preprocessing.packing_strategy 'bfd': AstrAI's JSONL route "
-         "ignores it; remove it, or write shards with `astrai-fabric prepare", data_config(configured(
-             SFT_CONFIG, preprocessing__packing_strategy="bfd"))),
+    Case("dataset-config-packing", sft(data="{c}/d"),
+         "'bfd': AstrAI's JSONL route ignores it; remove it, or write shards with `astrai-fabric prepare",
+         data_config(configured(SFT_CONFIG, preprocessing__packing_strategy="bfd"))),
     Case("dataset-config-sft-sources", sft(data="{c}/d"), "input.sources describes dpo/grpo outputs; sft reads "
          "input.sections", data_config(DPO_CONFIG, PAIR)),
-    Case("dataset-config-null-text", dpo(data="{c}/d"), "d/data.jsonl:1: field 'chosen' is rendered as text, so it "
-         "must be a string, got None", data_config(configured(DPO_CONFIG, input__sources__chosen__sections=[
-             {"field": "chosen", "action": "train"}]), {**PAIR, "chosen": None})),
+    Case("dataset-config-null-text", dpo(data="{c}/d"),
+         "d/data.jsonl:1: field 'chosen' is rendered as text, so it must be a string, got None",
+         data_config(configured(DPO_CONFIG, input__sources__chosen__sections=[{"field": "chosen", "action": "train"}]),
+                     {**PAIR, "chosen": None})),
     Case("dataset-config-reward-text", grpo(data="{c}/d"), "'rewards' must be numbers finite in float32",
          data_config(GRPO_CONFIG, {"prompt": [{"role": "user", "content": "hi"}], "responses": ["a", "b"],
                                    "rewards": ["1", 0]})),  # fmt: skip
