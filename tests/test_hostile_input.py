@@ -106,6 +106,51 @@ def jsonl(*lines: object, name: str = "data.jsonl") -> Files:
     return {name: "".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines)}
 
 
+def data_config(config: object, *lines: object) -> Files:
+    """``d/``: JSONL records beside AstrAI's ``dataset_config.json`` (an object, or raw text)."""
+    return {"d/dataset_config.json": config if isinstance(config, str) else json.dumps(config),
+            **jsonl(*lines, name="d/data.jsonl")}  # fmt: skip
+
+
+CHAT_SOURCE = {"sections": [{"field": "chosen", "action": "$role", "template": True}]}
+DPO_CONFIG = {"input": {"sources": {"chosen": CHAT_SOURCE, "rejected": {"sections": [
+    {"field": "rejected", "action": "$role", "template": True}]}}}, "mask": {"assistant": "train"},
+    "output": {"position_ids_mode": "none"}}  # fmt: skip
+GRPO_CONFIG = {
+    "input": {
+        "sources": {
+            "prompts": {"sections": [{"field": "prompt", "action": "mask", "template": True}]},
+            "responses": {
+                "sections": [{"field": "responses", "action": "train"}],
+                "list_field": True,
+                "mask_key": "masks",
+            },
+            "rewards": {"sections": [{"field": "rewards", "action": "value"}]},
+        }
+    },
+    "output": {"position_ids_mode": "none"},
+}
+SFT_CONFIG = {"input": {"sections": [{"field": "messages", "action": "$role", "template": True}]},
+              "mask": {"assistant": "train"}}  # fmt: skip
+PAIR = {"chosen": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}],
+        "rejected": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "5"}]}  # fmt: skip
+
+
+def configured(config: dict, **changes: object) -> dict:
+    """``config`` with ``changes`` applied: ``group__key=value`` sets a nested key, None deletes it."""
+    out = json.loads(json.dumps(config))
+    for path, value in changes.items():
+        *parents, last = path.split("__")
+        node = out
+        for key in parents:
+            node = node.setdefault(key, {})
+        if value is None:
+            node.pop(last, None)
+        else:
+            node[last] = value
+    return out
+
+
 def checkpoint(change: Callable[[Path], None]) -> Files:
     """``ck/``: a copy of the workspace's 1-step checkpoint, then ``change(ck)``."""
 
@@ -311,6 +356,50 @@ CASES = [
          seq_shard(np.zeros(64, np.int32))),
     Case("shard-too-short", seq(data="{c}/d"), "tokens hold no window of window_size=16",
          seq_shard(np.zeros(10, np.int32))),
+    # --- AstrAI's dataset_config.json beside JSONL records ----------------------------------------------------
+    Case("dataset-config-not-json", dpo(data="{c}/d"), "dataset_config.json: not valid JSON", data_config("{", PAIR)),
+    Case("dataset-config-list", dpo(data="{c}/d"), "dataset_config.json: expected a JSON object, got list",
+         data_config("[]", PAIR)),
+    Case("dataset-config-unknown-key", dpo(data="{c}/d"), "unknown key(s) inptu",
+         data_config({**DPO_CONFIG, "inptu": {}}, PAIR)),
+    Case("dataset-config-dpo-sections", dpo(data="{c}/d"), "dpo needs input.sources with the outputs",
+         data_config(SFT_CONFIG, PAIR)),
+    Case("dataset-config-both-layouts", dpo(data="{c}/d"), "input has both sections and sources",
+         data_config(configured(DPO_CONFIG, input__sections=SFT_CONFIG["input"]["sections"]), PAIR)),
+    Case("dataset-config-position-ids", dpo(data="{c}/d"), "trains on the first record only; add",
+         data_config(configured(DPO_CONFIG, output=None), PAIR)),
+    Case("dataset-config-wrong-sources", grpo(data="{c}/d"), "grpo reads the sources ['prompts', 'responses', "
+         "'rewards'], got ['prompts', 'rewards']",
+         data_config(configured(GRPO_CONFIG, input__sources__responses=None))),
+    Case("dataset-config-not-a-list-field", grpo(data="{c}/d"),
+         'responses: grpo reads it as a list_field with "mask_key": "masks"',
+         data_config(configured(GRPO_CONFIG, input__sources__responses__list_field=False))),
+    Case("dataset-config-renamed-mask", dpo(data="{c}/d"), "input.sources.chosen: dpo reads it as token sections",
+         data_config(configured(DPO_CONFIG, input__sources__chosen__mask_key="m"), PAIR)),
+    Case("dataset-config-value-mixed", grpo(data="{c}/d"), "a 'value' section must be its source's only section",
+         data_config(configured(GRPO_CONFIG, input__sources__rewards__sections=[
+             {"field": "rewards", "action": "value"}, {"field": "x", "action": "mask"}]))),
+    Case("dataset-config-bad-action", dpo(data="{c}/d"), "needs a 'field' and an 'action' in",
+         data_config(configured(DPO_CONFIG, input__sources__chosen__sections=[{"field": "c", "action": "keep"}]))),
+    Case("dataset-config-mask-value", dpo(data="{c}/d"), 'mask must map roles to "train" or "mask"',
+         data_config(configured(DPO_CONFIG, mask={"assistant": 1}), PAIR)),
+    Case("dataset-config-length-type", dpo(data="{c}/d"), "max_seq_len must be an integer >= 1, got '64'",
+         data_config(configured(DPO_CONFIG, preprocessing__max_seq_len="64"), PAIR)),
+    Case("dataset-config-packing", sft(data="{c}/d"),
+         "'bfd': AstrAI's JSONL route ignores it; remove it, or write shards with `astrai-fabric prepare",
+         data_config(configured(SFT_CONFIG, preprocessing__packing_strategy="bfd"))),
+    Case("dataset-config-sft-sources", sft(data="{c}/d"), "input.sources describes dpo/grpo outputs; sft reads "
+         "input.sections", data_config(DPO_CONFIG, PAIR)),
+    Case("dataset-config-null-text", dpo(data="{c}/d"),
+         "d/data.jsonl:1: field 'chosen' is rendered as text, so it must be a string, got None",
+         data_config(configured(DPO_CONFIG, input__sources__chosen__sections=[{"field": "chosen", "action": "train"}]),
+                     {**PAIR, "chosen": None})),
+    Case("dataset-config-reward-text", grpo(data="{c}/d"), "'rewards' must be numbers finite in float32",
+         data_config(GRPO_CONFIG, {"prompt": [{"role": "user", "content": "hi"}], "responses": ["a", "b"],
+                                   "rewards": ["1", 0]})),  # fmt: skip
+    Case("dataset-config-other-tokenizer", dpo(data="{c}/d"), "differs from the run's tokenizer",
+         {**data_config(configured(DPO_CONFIG, tokenizer_path="{c}/t"), PAIR),
+          **tokenizer_dir(chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")}),
     # --- JSONL records -------------------------------------------------------------------------------------------
     Case("jsonl-array-line", seq(data="{c}/data.jsonl"), "data.jsonl:2: expected a JSON object, got list",
          jsonl({"text": "a"}, [1, 2])),

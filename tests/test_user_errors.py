@@ -34,6 +34,8 @@ def workspace(tmp_path_factory):
     (root / "typo.yaml").write_text("param_path: bundled:tiny\nmax_lrr: 1.0e-3\n")
     (root / "latin1.jsonl").write_bytes('{"text": "café"}\n'.encode("latin-1"))
     config = json.loads((TINY_MODEL_DIR / "config.json").read_text())
+    (root / "no_tokenizer").mkdir()  # AstrAI's save_pretrained output: config.json, no tokenizer
+    (root / "no_tokenizer" / "config.json").write_text(json.dumps(config))
     (root / "small_vocab").mkdir()
     (root / "small_vocab" / "config.json").write_text(json.dumps(config | {"vocab_size": 1000}))
     shutil.copytree(root / "run" / "epoch_0_step_1", root / "other_shape")  # weights of one model, config of another
@@ -79,6 +81,10 @@ CASES = [
     (tiny("{w}/new", "--tokenizer_path", "{w}/empty"),
      "a tokenizer directory holds tokenizer.json and tokenizer_config.json"),
     (["sft", *tiny("{w}/new")[1:]], "an sft record needs a non-empty list 'messages'"),
+    (["sft", *tiny("{w}/new", "--param_path", "{w}/no_tokenizer", "--data_root_path", "bundled:data/sft")[1:]],
+     "sft on JSONL data needs a tokenizer: {w}/no_tokenizer/tokenizer.json: file not found"),
+    (["dpo", *tiny("{w}/new", "--param_path", "{w}/no_tokenizer", "--data_root_path", "bundled:data/dpo")[1:]],
+     "dpo needs a tokenizer: {w}/no_tokenizer/tokenizer.json: file not found"),
     (["dpo", *tiny("{w}/new", "--data_root_path", "{w}/shards")[1:]], "dpo reads JSONL records, not bin shards"),
     (tiny("{w}/run", "--max_steps", "1"), "already holds epoch_0_step_1, past this run's start (step 0)"),
     (tiny("{w}/run", "--dry_run"), "holds 1 checkpoint(s) this fresh run would overwrite"),
@@ -108,7 +114,7 @@ def test_mistake_gets_one_clear_message(workspace, capsys, argv, message):
     code = main([arg.replace("{w}", str(workspace)) for arg in argv])
     captured = capsys.readouterr()
     assert code == 2, captured.out[-2000:]
-    assert message in captured.err + captured.out, captured.err
+    assert message.replace("{w}", str(workspace)) in captured.err + captured.out, captured.err
     assert "Traceback" not in captured.err
     assert snapshot(workspace) == before  # nothing written, nothing overwritten
 

@@ -110,9 +110,7 @@ def load_window_dataset(
     vocab_size: int | None = None,
     max_positions: int | None = None,
 ) -> WindowDataset:
-    """Windows over AstrAI bin shards or raw JSONL (tokenised here) at ``path``; one clear error when empty, when a
-    token id is not below ``vocab_size``, a position id not below ``max_positions``, or (sft) no window trains any
-    token. ``num_untrained_windows`` counts the sft windows without a trained token."""
+    """Windows over AstrAI bin shards or raw JSONL (tokenised here) at ``path`` (see ``window_dataset``)."""
     path = Path(path)
     if detect_format(path) == "bin":
         stream = TokenStream(read_bin_shards(path))
@@ -122,6 +120,21 @@ def load_window_dataset(
         records = read_jsonl(path)
         tokenize = tokenize_chats if train_type == "sft" else tokenize_text
         stream = TokenStream({k: [v] for k, v in tokenize(records, tokenizer).items()})
+    return window_dataset(stream, train_type, path, window_size, stride, vocab_size, max_positions)
+
+
+def window_dataset(
+    stream: TokenStream,
+    train_type: str,
+    path: Path,
+    window_size: int,
+    stride: int | None,
+    vocab_size: int | None = None,
+    max_positions: int | None = None,
+) -> WindowDataset:
+    """Windows over ``stream`` (read from ``path``); one clear error when empty, when a token id is not below
+    ``vocab_size``, a position id not below ``max_positions``, or (sft) no window trains any token.
+    ``num_untrained_windows`` counts the sft windows without a trained token."""
     missing = [k for k in REQUIRED_KEYS[train_type] if k not in stream.keys]
     if missing:
         raise UserError(f"data_root_path {path}: {train_type} data needs keys {missing}; the shards hold {stream.keys}")

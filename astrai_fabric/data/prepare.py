@@ -74,42 +74,33 @@ class PipelineConfig:
 
     @classmethod
     def from_file(cls, path: Path) -> PipelineConfig:
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise UserError(f"-c {path}: file not found") from None
-        except json.JSONDecodeError as err:
-            raise UserError(f"{path}: not valid JSON ({err})") from None
-        return cls.from_dict(raw, str(path))
+        return cls.from_dict(read_json_object(path, "-c "), str(path))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str) -> PipelineConfig:
-        groups = {"version", "input", "mask", "mask_default", "preprocessing", "output", "tokenizer_path"}
-        _check_keys(raw, groups, source, "")
+        check_keys(raw, GROUPS, source, "")
         if "sources" in raw.get("input", {}):
             raise UserError(f"{source}: input.sources (dpo/grpo outputs) is not supported; those train from JSONL")
-        _check_keys(raw.get("input", {}), {"sections"}, source, "input.")
-        sections = raw.get("input", {}).get("sections")
-        if not isinstance(sections, list) or not sections:
-            raise UserError(f"{source}: input.sections must be a non-empty list of sections")
-        parsed = []
-        for i, section in enumerate(sections):
-            _check_keys(section, {"field", "action", "template", "add_special_tokens"}, source, f"input.sections[{i}].")
-            if "field" not in section or section.get("action") not in ACTIONS:
-                raise UserError(f"{source}: input.sections[{i}] needs a 'field' and an 'action' in {list(ACTIONS)}")
-            parsed.append(Section(**section))
-        options: dict[str, Any] = {"sections": parsed}
+        check_keys(raw.get("input", {}), {"sections"}, source, "input.")
+        sections = parse_sections(raw.get("input", {}).get("sections"), source, "input.sections")
+        return cls.with_options(raw, sections, source)
+
+    @classmethod
+    def with_options(cls, raw: dict[str, Any], sections: list[Section], source: str) -> PipelineConfig:
+        """``sections`` with the options of ``raw`` (every group but ``input``), each checked."""
+        options: dict[str, Any] = {"sections": sections}
         for group, names in (
             ("preprocessing", {"max_seq_len", "min_chars", "max_chars", "max_items", "batch_size", "packing_strategy",
                                "max_packed_len", "truncation_mode", "append_eos"}),
             ("output", {"domain_key", "storage_format", "max_tokens_per_shard", "dtype", "position_ids_mode"}),
         ):  # fmt: skip
             values = raw.get(group, {})
-            _check_keys(values, names, source, f"{group}.")
+            check_keys(values, names, source, f"{group}.")
             options.update({k: v for k, v in values.items() if k not in ("batch_size", "storage_format")})
         for key in ("mask", "mask_default", "tokenizer_path"):
             if key in raw:
                 options[key] = raw[key]
+        _check_types(options, source)
         config = cls(**options)
         problems = []
         if config.packing_strategy not in ("simple", "bfd", "bfd_split"):
@@ -125,7 +116,71 @@ class PipelineConfig:
         return config
 
 
-def _check_keys(values: Any, allowed: set[str], source: str, prefix: str) -> None:
+GROUPS = {"version", "input", "mask", "mask_default", "preprocessing", "output", "tokenizer_path"}
+"""The top-level keys of AstrAI's ``PipelineConfig``."""
+
+
+def read_json_object(path: Path, what: str = "") -> dict[str, Any]:
+    """A JSON object from ``path``; ``what`` prefixes the path in the not-found message."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{what}{path}: file not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise UserError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def parse_sections(sections: Any, source: str, where: str, actions: tuple[str, ...] = ACTIONS) -> list[Section]:
+    """AstrAI's section list ``[{field, action, template, add_special_tokens}, ...]``, each key checked."""
+    if not isinstance(sections, list) or not sections:
+        raise UserError(f"{source}: {where} must be a non-empty list of sections")
+    parsed = []
+    for i, section in enumerate(sections):
+        check_keys(section, {"field", "action", "template", "add_special_tokens"}, source, f"{where}[{i}].")
+        if not isinstance(section.get("field"), str) or section.get("action") not in actions:
+            raise UserError(f"{source}: {where}[{i}] needs a 'field' and an 'action' in {list(actions)}")
+        if not isinstance(section.get("template", False), bool) or not isinstance(
+            section.get("add_special_tokens", False), bool
+        ):
+            raise UserError(f"{source}: {where}[{i}]: 'template' and 'add_special_tokens' must be true or false")
+        parsed.append(Section(**section))
+    return parsed
+
+
+_INTS = {"max_seq_len": 1, "min_chars": 0, "max_chars": 0, "max_items": 0, "max_packed_len": 1,
+         "max_tokens_per_shard": 1}  # fmt: skip
+"""Integer options and their least value."""
+
+
+def _check_types(options: dict[str, Any], source: str) -> None:
+    """Each option's JSON type (the values are then used as they are)."""
+    for key, least in _INTS.items():
+        value = options.get(key, least)
+        if (key != "max_items" or value is not None) and (
+            not isinstance(value, int) or isinstance(value, bool) or value < least
+        ):
+            raise UserError(f"{source}: {key} must be an integer >= {least}, got {value!r}")
+    strings = {"packing_strategy", "truncation_mode", "position_ids_mode", "mask_default"}
+    for key in strings | {"domain_key", "tokenizer_path"}:
+        value = options.get(key, "")
+        if not isinstance(value, str) and not (value is None and key not in strings):
+            raise UserError(f"{source}: {key} must be a string, got {value!r}")
+    if not isinstance(options.get("append_eos", True), bool):
+        raise UserError(f"{source}: append_eos must be true or false, got {options['append_eos']!r}")
+    mask = options.get("mask", {})
+    if not isinstance(mask, dict) or not all(isinstance(k, str) and v in ("train", "mask") for k, v in mask.items()):
+        raise UserError(f'{source}: mask must map roles to "train" or "mask", got {mask!r}')
+    if options.get("mask_default", "mask") not in ("train", "mask"):
+        raise UserError(f'{source}: mask_default must be "train" or "mask", got {options["mask_default"]!r}')
+    dtype = options.get("dtype", {})
+    if not isinstance(dtype, dict) or not all(isinstance(v, str) for v in dtype.values()):
+        raise UserError(f"{source}: output.dtype must map keys to dtype names, got {dtype!r}")
+
+
+def check_keys(values: Any, allowed: set[str], source: str, prefix: str) -> None:
     if not isinstance(values, dict):
         raise UserError(f"{source}: {prefix.rstrip('.') or 'the file'} must be a JSON object")
     unknown = sorted(set(values) - allowed)

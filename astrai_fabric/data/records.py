@@ -10,6 +10,7 @@ padding, B23).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,37 @@ def prompt_of(record: dict[str, Any], where: str) -> list[Message]:
 class Encoded:
     prompt_ids: list[int]
     response_ids: list[list[int]]
+    response_masks: list[list[int]] | None = None
+    """Which response tokens are trained (1), per response; None: all of them. Set by a ``dataset_config.json``
+    route, whose sections decide the mask token by token (``data/dataset_config.py``)."""
+
+    def masks(self) -> list[list[int]]:
+        return self.response_masks or [[1] * len(r) for r in self.response_ids]
+
+    def cut(self, max_len: int) -> Encoded:
+        """Prompt + each response cut to ``max_len`` tokens (the prompt first), masks with their tokens."""
+        room = max(0, max_len - len(self.prompt_ids))
+        masks = [m[:room] for m in self.response_masks] if self.response_masks is not None else None
+        return Encoded(self.prompt_ids[:max_len], [r[:room] for r in self.response_ids], masks)
+
+    def trains_every_response(self) -> bool:
+        """Every response has a trained token the model predicts (the sequence's first token is never predicted)."""
+        return all(any(m[1:] if not self.prompt_ids else m) for m in self.masks())
+
+
+Render = Callable[[dict[str, Any], str], Any]
+"""``render(record, where)``: a record's sample by a ``dataset_config.json``, or None where AstrAI drops it."""
+
+
+def check_rewards(rewards: Any, num_responses: int, where: str) -> list[float]:
+    """One number per response, finite in float32 (bools are not numbers here)."""
+    if not isinstance(rewards, list) or len(rewards) != num_responses:
+        count = len(rewards) if isinstance(rewards, list) else rewards
+        raise UserError(f"{where}: 'rewards' must list one number per response: {count} for {num_responses}")
+    numbers = all(isinstance(r, int | float) and not isinstance(r, bool) for r in rewards)
+    if not numbers or not all(abs(r) <= FLOAT32_MAX for r in rewards):
+        raise UserError(f"{where}: 'rewards' must be numbers finite in float32 (|r| <= 3.4e38), got {rewards}")
+    return [float(r) for r in rewards]
 
 
 def encode(tokenizer: Tokenizer, prompt: list[Message], responses: list[str], max_len: int, where: str = "") -> Encoded:
@@ -75,20 +107,30 @@ def encode(tokenizer: Tokenizer, prompt: list[Message], responses: list[str], ma
 class PreferenceDataset(Dataset):
     """DPO pairs ``{"prompt"|"input", "chosen", "rejected"}`` as ``(prompt_ids, chosen_ids, rejected_ids)``."""
 
-    def __init__(self, records: list[Record], tokenizer: Tokenizer, max_len: int) -> None:
-        self.samples, self.num_dropped = [], 0
+    def __init__(self, records: list[Record], tokenizer: Tokenizer, max_len: int, render: Render | None = None) -> None:
+        self.samples, self.num_dropped, self.num_unrendered = [], 0, 0
+        """``num_dropped``: pairs with nothing left to train in the window; ``num_unrendered``: records ``render``
+        gave no sample (AstrAI drops them)."""
         self.num_identical = 0
         """Pairs whose chosen and rejected tokens are the same: their loss is log 2 and their gradient zero."""
         for where, record in records:
-            missing = [k for k in ("chosen", "rejected") if k not in record]
-            if missing:
-                raise UserError(f"{where}: a dpo record needs {missing}, got keys {sorted(record)}")
-            texts = [as_text(record[k], where, k) for k in ("chosen", "rejected")]
-            encoded = encode(tokenizer, prompt_of(record, where), texts, max_len, where)
-            if not all(encoded.response_ids):
+            if render is not None:
+                encoded = render(record, where)
+                if encoded is None:
+                    self.num_unrendered += 1
+                    continue
+                encoded = encoded.cut(max_len)
+            else:
+                missing = [k for k in ("chosen", "rejected") if k not in record]
+                if missing:
+                    raise UserError(f"{where}: a dpo record needs {missing}, got keys {sorted(record)}")
+                texts = [as_text(record[k], where, k) for k in ("chosen", "rejected")]
+                encoded = encode(tokenizer, prompt_of(record, where), texts, max_len, where)
+            if not encoded.trains_every_response():
                 self.num_dropped += 1  # the prompt fills the window: nothing left to prefer
                 continue
-            self.num_identical += encoded.response_ids[0] == encoded.response_ids[1]
+            chosen, rejected = zip(encoded.response_ids, encoded.masks(), strict=True)
+            self.num_identical += chosen == rejected
             self.samples.append(encoded)
 
     def __len__(self) -> int:
@@ -101,28 +143,34 @@ class PreferenceDataset(Dataset):
 class GroupDataset(Dataset):
     """Offline GRPO groups ``{"prompt", "responses": [G texts], "rewards": [G floats]}``."""
 
-    def __init__(self, records: list[Record], tokenizer: Tokenizer, max_len: int) -> None:
+    def __init__(self, records: list[Record], tokenizer: Tokenizer, max_len: int, render: Render | None = None) -> None:
         self.samples: list[tuple[Encoded, list[float]]] = []
         self.num_flat_groups = 0
         """Groups whose rewards are all equal: zero advantage, so they train nothing but the KL term."""
+        self.num_unrendered = 0
+        """Records ``render`` gave no sample (AstrAI drops them)."""
         group_size = None
         for where, record in records:
-            responses, rewards = record.get("responses"), record.get("rewards")
-            if not isinstance(responses, list) or not responses:
-                raise UserError(f"{where}: a grpo record needs a non-empty list 'responses', got {responses!r}")
-            if not isinstance(rewards, list) or len(rewards) != len(responses):
-                count = len(rewards) if isinstance(rewards, list) else rewards
-                raise UserError(f"{where}: 'rewards' must list one number per response: {count} for {len(responses)}")
-            numbers = all(isinstance(r, int | float) and not isinstance(r, bool) for r in rewards)
-            if not numbers or not all(abs(r) <= FLOAT32_MAX for r in rewards):
-                raise UserError(f"{where}: 'rewards' must be numbers finite in float32 (|r| <= 3.4e38), got {rewards}")
+            if render is not None:
+                rendered = render(record, where)
+                if rendered is None:
+                    self.num_unrendered += 1
+                    continue
+                encoded, rewards = rendered
+                encoded = encoded.cut(max_len)
+                rewards = check_rewards(rewards, len(encoded.response_ids), where)
+            else:
+                responses = record.get("responses")
+                if not isinstance(responses, list) or not responses:
+                    raise UserError(f"{where}: a grpo record needs a non-empty list 'responses', got {responses!r}")
+                rewards = check_rewards(record.get("rewards"), len(responses), where)
+                texts = [as_text(r, where, "responses") for r in responses]
+                encoded = encode(tokenizer, prompt_of(record, where), texts, max_len, where)
             self.num_flat_groups += len(set(rewards)) == 1
-            if group_size is not None and len(responses) != group_size:
-                raise UserError(f"{where}: {len(responses)} responses; earlier records have {group_size}")
-            group_size = len(responses)
-            texts = [as_text(r, where, "responses") for r in responses]
-            encoded = encode(tokenizer, prompt_of(record, where), texts, max_len, where)
-            self.samples.append((encoded, [float(r) for r in rewards]))
+            if group_size is not None and len(rewards) != group_size:
+                raise UserError(f"{where}: {len(rewards)} responses; earlier records have {group_size}")
+            group_size = len(rewards)
+            self.samples.append((encoded, rewards))
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -150,10 +198,13 @@ class PromptDataset(Dataset):
         return self.samples[index]
 
 
-def pack(sequences: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, Tensor]:
+def pack(
+    sequences: list[tuple[list[int], list[int]]], pad_id: int, masks: list[list[int]] | None = None
+) -> dict[str, Tensor]:
     """``(prompt, response)`` pairs → right-padded ``input_ids``, ``attention_mask`` and ``loss_mask [N, L]``.
 
-    ``loss_mask`` marks response tokens (aligned with the tokens themselves, not shifted).
+    ``loss_mask`` marks response tokens (aligned with the tokens themselves, not shifted): all of them, or those
+    ``masks[i]`` (one flag per token of response ``i``) selects.
     """
     length = max(len(p) + len(r) for p, r in sequences)
     ids = torch.full((len(sequences), length), pad_id, dtype=torch.long)
@@ -163,7 +214,7 @@ def pack(sequences: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str,
         tokens = prompt + response
         ids[row, : len(tokens)] = torch.tensor(tokens)
         attention[row, : len(tokens)] = True
-        loss[row, len(prompt) : len(tokens)] = True
+        loss[row, len(prompt) : len(tokens)] = torch.tensor(masks[row], dtype=torch.bool) if masks else True
     return {"input_ids": ids, "attention_mask": attention, "loss_mask": loss}
 
 
@@ -174,13 +225,13 @@ def _grouped(packed: dict[str, Tensor], groups: int) -> dict[str, Tensor]:
 def collate_preferences(batch: list[Encoded], pad_id: int) -> dict[str, Tensor]:
     """``[B, 2, L]`` tensors: index 0 the chosen, 1 the rejected continuation of each prompt."""
     pairs = [(e.prompt_ids, response) for e in batch for response in e.response_ids]
-    return _grouped(pack(pairs, pad_id), len(batch))
+    return _grouped(pack(pairs, pad_id, [m for e in batch for m in e.masks()]), len(batch))
 
 
 def collate_groups(batch: list[tuple[Encoded, list[float]]], pad_id: int) -> dict[str, Tensor]:
     """``[B, G, L]`` tensors for the G responses of each prompt, and ``rewards [B, G]`` (float32)."""
     pairs = [(e.prompt_ids, response) for e, _ in batch for response in e.response_ids]
-    out = _grouped(pack(pairs, pad_id), len(batch))
+    out = _grouped(pack(pairs, pad_id, [m for e, _ in batch for m in e.masks()]), len(batch))
     out["rewards"] = torch.tensor([rewards for _, rewards in batch], dtype=torch.float32)
     return out
 

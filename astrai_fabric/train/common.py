@@ -34,6 +34,7 @@ from astrai_fabric.ckpt_dir import check_owned, check_writable, lock_ckpt_dir, r
 from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.config.train import COMMAND_LINE_ONLY, TrainArgs
 from astrai_fabric.data import ResumableSampler
+from astrai_fabric.data.dataset_config import DatasetConfig, read_dataset_config
 from astrai_fabric.data.storage import detect_format
 from astrai_fabric.errors import CheckpointError, ConfigError, UserError
 from astrai_fabric.loop import LossFn, fit
@@ -46,7 +47,7 @@ from astrai_fabric.randomness import derive_seed
 from astrai_fabric.reporting import Reporter
 from astrai_fabric.schedule import StepPlan, build_scheduler
 from astrai_fabric.strategy import LOG_DIR, data_parallel, precision_of, setup_frozen
-from astrai_fabric.tokenizer import Tokenizer
+from astrai_fabric.tokenizer import TOKENIZER_FILE, Tokenizer
 from astrai_fabric.training_state import (
     RESUME_KEY,
     STATE_DIR,
@@ -73,7 +74,19 @@ class Start:
     weights: Checkpoint | None
     """Weights to start from: the resume checkpoint, else ``param_path`` if it has any, else None (fresh)."""
     resume: Checkpoint | None
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None
+    """None only where the default tokenizer directory (``param_path``) holds none: AstrAI's ``save_pretrained``
+    writes only config.json and model.safetensors, and seq/sft on bin shards need no tokenizer."""
+    no_tokenizer: str | None = None
+    """Why there is no tokenizer (the loader's own message), raised by ``need_tokenizer``."""
+    dataset_config: DatasetConfig | None = None
+    """AstrAI's ``dataset_config.json`` of a JSONL data directory, checked (``data/dataset_config.py``)."""
+
+    def need_tokenizer(self, what: str) -> Tokenizer:
+        """The tokenizer, or the one-line error saying ``what`` needs one and why there is none."""
+        if self.tokenizer is None:
+            raise UserError(f"{what} needs a tokenizer: {self.no_tokenizer}")
+        return self.tokenizer
 
 
 T = TypeVar("T")
@@ -133,13 +146,51 @@ def read_start(args: TrainArgs) -> Start:
         weights = load_checkpoint(param_path, load_extra=False)
     else:
         weights = None
-    tokenizer = Tokenizer.from_dir(assets.resolve(args.tokenizer_path) if args.tokenizer_path else param_path)
-    if tokenizer.vocab_size > model_config.vocab_size:  # larger models pad vocab_size; a smaller one cannot work
+    dataset_config = read_dataset_config(assets.resolve(args.data_root_path), args.train_type)
+    tokenizer, no_tokenizer = _run_tokenizer(args, param_path)
+    if dataset_config is not None and dataset_config.tokenizer_dir is not None:
+        tokenizer, no_tokenizer = _data_tokenizer(dataset_config, tokenizer), None
+    # Larger models pad vocab_size; a smaller one cannot work.
+    if tokenizer is not None and tokenizer.vocab_size > model_config.vocab_size:
         raise UserError(
             f"tokenizer {tokenizer.directory} has {tokenizer.vocab_size:,} ids, but the model's vocab_size is "
             f"{model_config.vocab_size:,} ({param_path / CONFIG_FILE}): pass the tokenizer the model was built for"
         )
-    return Start(model_config, weights, resume, tokenizer)
+    return Start(model_config, weights, resume, tokenizer, no_tokenizer, dataset_config)
+
+
+def _run_tokenizer(args: TrainArgs, param_path: Path) -> tuple[Tokenizer | None, str | None]:
+    """The run's tokenizer: ``--tokenizer_path``, else ``param_path``'s. A ``param_path`` without ``tokenizer.json``
+    gives none (with the reason) rather than an error: AstrAI trains seq/sft on bin shards from such a directory.
+    A named ``--tokenizer_path`` without one, or a tokenizer that is there but broken, is an error at once."""
+    if args.tokenizer_path:
+        return Tokenizer.from_dir(assets.resolve(args.tokenizer_path)), None
+    try:
+        return Tokenizer.from_dir(param_path), None
+    except UserError as err:
+        if (param_path / TOKENIZER_FILE).exists():
+            raise  # there, but broken
+        return None, str(err)
+
+
+def _data_tokenizer(config: DatasetConfig, run_tokenizer: Tokenizer | None) -> Tokenizer:
+    """The tokenizer AstrAI tokenises a ``dataset_config.json`` route with; it must be the run's (the one checkpoints
+    carry and the model was built for) where the run has one."""
+    directory = assets.resolve(str(config.tokenizer_dir))
+    data_tokenizer = Tokenizer.from_dir(directory)
+    if run_tokenizer is None:
+        return data_tokenizer
+
+    def contents(tokenizer: Tokenizer) -> dict[str, bytes]:
+        return {name: path.read_bytes() for name, path in tokenizer.files.items()}
+
+    if contents(data_tokenizer) != contents(run_tokenizer):
+        raise ConfigError(
+            f"{config.path}: its records are tokenised with {directory} (AstrAI's rule: the file's tokenizer_path, "
+            f"else the data directory), which differs from the run's tokenizer {run_tokenizer.directory}; pass "
+            f"--tokenizer_path {directory}, or make the two the same"
+        )
+    return run_tokenizer
 
 
 def _resume_checkpoint(args: TrainArgs, param_path: Path) -> Checkpoint | None:
@@ -379,7 +430,8 @@ def make_saver(fabric: Fabric, model: nn.Module, optimizer: Any, scheduler: Any,
     config = dataclasses.replace(start.model_config, neftune_alpha=args.neftune_alpha).to_dict()
     meta = {"train_type": args.train_type, **{k: v for k, v in args.to_dict().items() if k != "train_type"}}
     meta.update(extra_meta or {})
-    files: dict[str, Any] = {**start.tokenizer.files, RECIPE_FILE: resolved_recipe(args)}
+    tokenizer_files = start.tokenizer.files if start.tokenizer is not None else {}  # a run without one writes none
+    files: dict[str, Any] = {**tokenizer_files, RECIPE_FILE: resolved_recipe(args)}
     raw_model = getattr(model, "module", model)  # the module Fabric wraps: clean keys, no `_orig_mod.`
 
     def save(position: RunPosition) -> Path:

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from astrai_fabric import assets
 from astrai_fabric.config.train import TrainArgs
+from astrai_fabric.data.dataset_config import render_pair, unrendered_warning
 from astrai_fabric.data.records import PreferenceDataset, collate_preferences
 from astrai_fabric.data.storage import read_jsonl
 from astrai_fabric.losses import dpo_loss, token_logprobs, with_moe_aux_loss
@@ -47,9 +48,18 @@ def build_dataset(args: TrainArgs, start: Start) -> tuple[PreferenceDataset, str
     """The tokenised pairs and a one-line description of them."""
     window_size = args.window_size or start.model_config.max_position_embeddings
     data_path = require_jsonl(assets.resolve(args.data_root_path), "dpo")
-    dataset = PreferenceDataset(read_jsonl(data_path), start.tokenizer, window_size)
-    dropped = f"; {dataset.num_dropped} dropped: their prompt fills the window" if dataset.num_dropped else ""
+    tokenizer = start.need_tokenizer("dpo")
+    config = start.dataset_config
+    render = partial(render_pair, config, tokenizer) if config is not None else None
+    dataset = PreferenceDataset(read_jsonl(data_path), tokenizer, window_size, render)
+    dropped = f"; {dataset.num_dropped} dropped: nothing to train in the window" if dataset.num_dropped else ""
     summary = f"preference pairs from {data_path}, at most {window_size} tokens each{dropped}"
+    if config is not None:
+        # AstrAI's train.py always passes a tokenizer_path, so its built-in dpo rendering wins over the file there.
+        summary += (
+            f"\nnote: records rendered by {config.path} (AstrAI's DatasetFactory reads it; its train.py does not)"
+        )
+        summary += unrendered_warning(dataset.num_unrendered, len(dataset))
     if dataset.num_identical:
         summary += (
             f"\nwarning: {dataset.num_identical:,} of {len(dataset):,} pairs have chosen equal to rejected: they "
@@ -65,6 +75,6 @@ def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
     reference, reference_meta = reference_model(fabric, start, args)
     compute_loss = partial(dpo_batch_loss, reference=reference, beta=args.dpo_beta,
                            moe_aux_loss_coef=args.moe_aux_loss_coef)  # fmt: skip
-    collate = partial(collate_preferences, pad_id=start.tokenizer.pad_token_id or 0)
+    collate = partial(collate_preferences, pad_id=start.need_tokenizer("dpo").pad_token_id or 0)
     return train_on(fabric, args, start, dataset, summary, compute_loss, collate,
                     extra_meta={"reference": reference_meta})  # fmt: skip

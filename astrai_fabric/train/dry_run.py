@@ -43,7 +43,10 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
         num_params = num_parameters(start.model_config)
         weights = start.weights.path if start.weights is not None else f"none: AstrAI's init, seed {args.random_seed}"
         lines.append(f"  model        {assets.resolve(args.param_path)}: {num_params:,} parameters; weights {weights}")
-        lines.append(f"  tokenizer    {start.tokenizer.directory} ({start.tokenizer.vocab_size:,} ids)")
+        if start.tokenizer is not None:
+            lines.append(f"  tokenizer    {start.tokenizer.directory} ({start.tokenizer.vocab_size:,} ids)")
+        else:
+            lines.append(f"  tokenizer    none ({start.no_tokenizer}); checkpoints will carry none")
         if start.resume is not None:
             lines.append(f"  resume       from {start.resume.path}")
         elif later := checkpoints_after(args.ckpt_dir, 0):

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from astrai_fabric import assets
 from astrai_fabric.config.train import TrainArgs
+from astrai_fabric.data.dataset_config import render_group, unrendered_warning
 from astrai_fabric.data.records import GroupDataset, PromptDataset, collate_groups, collate_prompts, pack
 from astrai_fabric.data.storage import read_jsonl
 from astrai_fabric.errors import ConfigError
@@ -120,9 +121,14 @@ def build_dataset(args: TrainArgs, start: Start) -> tuple[GroupDataset | PromptD
     window_size = args.window_size or start.model_config.max_position_embeddings
     data_path = require_jsonl(assets.resolve(args.data_root_path), "grpo")
     records = read_jsonl(data_path)
-    if "responses" in records[0][1]:
-        groups = GroupDataset(records, start.tokenizer, window_size)
+    tokenizer = start.need_tokenizer("grpo")
+    config = start.dataset_config
+    if config is not None or "responses" in records[0][1]:
+        render = partial(render_group, config, tokenizer) if config is not None else None
+        groups = GroupDataset(records, tokenizer, window_size, render)
         summary = f"scored response groups from {data_path} (offline)"
+        if config is not None:
+            summary += f"; records rendered by {config.path}" + unrendered_warning(groups.num_unrendered, len(groups))
         if groups.num_flat_groups:
             summary += (
                 f"\nwarning: {groups.num_flat_groups:,} of {len(groups):,} groups have all-equal rewards (zero "
@@ -135,7 +141,7 @@ def build_dataset(args: TrainArgs, start: Start) -> tuple[GroupDataset | PromptD
             "(e.g. --reward astrai_fabric.rewards.LengthReward)"
         )
     summary = f"prompts from {data_path} (online: {args.group_size} samples each, scored by {args.reward})"
-    return PromptDataset(records, start.tokenizer, window_size), summary
+    return PromptDataset(records, tokenizer, window_size), summary
 
 
 def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
@@ -147,12 +153,12 @@ def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
                            kl_coef=args.grpo_kl_coef, moe_aux_loss_coef=args.moe_aux_loss_coef)  # fmt: skip
     meta = {"reference": reference_meta}
     if isinstance(dataset, GroupDataset):
-        collate = partial(collate_groups, pad_id=start.tokenizer.pad_token_id or 0)
+        collate = partial(collate_groups, pad_id=start.need_tokenizer("grpo").pad_token_id or 0)
         return train_on(fabric, args, start, dataset, summary, compute_loss, collate, meta)
     reward = load_reward(args.reward, args.trust_code)
     window_size = args.window_size or start.model_config.max_position_embeddings
 
     def rollouts(model: nn.Module, loader: Any, position: RunPosition) -> Rollouts:
-        return Rollouts(fabric, model, loader, start.tokenizer, reward, args, window_size, position)
+        return Rollouts(fabric, model, loader, start.need_tokenizer("grpo"), reward, args, window_size, position)
 
     return train_on(fabric, args, start, dataset, summary, compute_loss, collate_prompts, meta, rollouts)

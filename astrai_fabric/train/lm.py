@@ -15,7 +15,10 @@ from torch import Tensor, nn
 
 from astrai_fabric import assets
 from astrai_fabric.config.train import TrainArgs
-from astrai_fabric.data import WindowDataset, load_window_dataset
+from astrai_fabric.data import TokenStream, WindowDataset, load_window_dataset
+from astrai_fabric.data.dataset_config import render_stream
+from astrai_fabric.data.datasets import window_dataset
+from astrai_fabric.data.storage import detect_format, read_jsonl
 from astrai_fabric.losses import causal_lm_loss, with_moe_aux_loss
 from astrai_fabric.model import make_doc_boundary_mask
 from astrai_fabric.train.common import Start, resolve_start, train_on
@@ -37,9 +40,25 @@ def build_dataset(args: TrainArgs, start: Start) -> tuple[WindowDataset, str]:
     window_size = args.window_size or start.model_config.max_position_embeddings
     data_path = assets.resolve(args.data_root_path)
     config = start.model_config
-    dataset = load_window_dataset(args.train_type, data_path, window_size, args.stride, start.tokenizer,
-                                  config.vocab_size, config.max_position_embeddings)  # fmt: skip
-    summary = f"windows of {window_size} tokens from {data_path} ({dataset.stream.num_tokens:,} tokens)"
+    jsonl = detect_format(data_path) == "jsonl"
+    tokenizer = start.need_tokenizer(f"{args.train_type} on JSONL data") if jsonl else start.tokenizer
+    note = ""
+    if start.dataset_config is not None:  # AstrAI's dataset_config.json route
+        stream, dropped = render_stream(start.dataset_config, tokenizer, read_jsonl(data_path))
+        stream = TokenStream({k: [v] for k, v in stream.items()})
+        dataset = window_dataset(stream, args.train_type, data_path, window_size, args.stride, config.vocab_size,
+                                 config.max_position_embeddings)  # fmt: skip
+        reasons = ", ".join(f"{n} {reason}" for reason, n in dropped.items())
+        note = f"; records rendered by {start.dataset_config.path}" + (f", dropped: {reasons}" if reasons else "")
+    else:
+        dataset = load_window_dataset(args.train_type, data_path, window_size, args.stride, tokenizer,
+                                      config.vocab_size, config.max_position_embeddings)  # fmt: skip
+    summary = f"windows of {window_size} tokens from {data_path} ({dataset.stream.num_tokens:,} tokens){note}"
+    if tokenizer is None:
+        summary += (
+            f"\nwarning: no tokenizer ({start.no_tokenizer.split(':')[0]} is missing): bin shards need none, so this "
+            "run trains without one and its checkpoints carry none; generate and JSONL data need one (--tokenizer_path)"
+        )
     if dataset.num_untrained_windows:
         summary += (
             f"\nwarning: {dataset.num_untrained_windows:,} of {len(dataset):,} windows hold no trained token "
