@@ -139,8 +139,11 @@ def test_the_mapping_inverts_exactly(pair):
     will build on)."""
     _, theirs, _, directory = pair
     ckpt = load_checkpoint(directory, load_extra=False)
+    model = load_model(directory)
     on_disk = {k: v for file in sorted(directory.glob("*.safetensors")) for k, v in load_file(file).items()}
-    back = hf.state_dict_to_hf(ckpt.state_dict, ckpt.model_config())
+    back = hf.state_dict_to_hf(model.state_dict(), model.config)
+    assert model.config.tied == theirs.config.tie_word_embeddings
+    assert (model.lm_head.weight is model.embed_tokens.weight) == model.config.tied  # one matrix, trained as one
     assert back.keys() == on_disk.keys()
     assert all(back[k].dtype == on_disk[k].dtype and torch.equal(back[k], on_disk[k]) for k in back)
     assert ckpt.source.model_type == theirs.config.model_type
