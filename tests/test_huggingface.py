@@ -8,6 +8,7 @@ transformers is a test-only dependency (the ``test`` extra); nothing in the pack
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -19,8 +20,11 @@ from safetensors.torch import load_file
 transformers = pytest.importorskip("transformers")
 
 from astrai_fabric import hf  # noqa: E402
+from astrai_fabric.assets import TINY_MODEL_DIR  # noqa: E402
 from astrai_fabric.checkpoint import load_checkpoint, load_model, read_model_config  # noqa: E402
 from astrai_fabric.cli import main  # noqa: E402
+from astrai_fabric.config import ModelConfig  # noqa: E402
+from astrai_fabric.config.model import EXTENSION_FIELDS  # noqa: E402
 from astrai_fabric.generate import generate  # noqa: E402
 from astrai_fabric.model import make_doc_boundary_mask  # noqa: E402
 
@@ -154,7 +158,7 @@ def test_configs_map_onto_astrai_fields_and_stay_astrai_shaped():
     config = hf.model_config_from_hf(model.config.to_dict())
     written = config.to_dict()
     assert written["model_type"] == "autoregressive_lm"
-    assert not set(written) - set(hf.ModelConfig().to_dict())  # a plain llama needs no extension field
+    assert not set(written) - set(ModelConfig().to_dict())  # a plain llama needs no extension field
     qwen3 = hf.model_config_from_hf(build_hf("Qwen3Config", head_dim=16).config.to_dict())
     assert (qwen3.head_dim, qwen3.use_qk_norm, qwen3.qk_norm_before_rope) == (16, True, True)
     assert {"head_dim", "qk_norm_before_rope"} <= set(qwen3.to_dict())
@@ -236,6 +240,7 @@ REFUSED = [
     ("layer_types", {"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 8},
      "layer_types '(mixed)' is not supported"),
     ("quantized", {"quantization_config": {"quant_method": "gptq"}}, "quantization_config '(set)' is not supported"),
+    ("bad_type", {"hidden_size": "32"}, "'hidden_size' must be a positive integer, got '32'"),
 ]  # fmt: skip
 
 
@@ -254,6 +259,25 @@ def test_refused_architectures_and_fields_get_one_line(llama_dir, tmp_path, caps
     assert len(lines) == 1 and message in lines[0] and str(directory / "config.json") in lines[0], err
     assert "Traceback" not in err
     assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
+def test_training_starts_from_a_huggingface_directory(tmp_path, capsys):
+    """``--param_path`` of a train type reads the Hugging Face directory through the same function as load_model
+    (the dry run performs every check a run does)."""
+    vocab = json.loads((TINY_MODEL_DIR / "config.json").read_text())["vocab_size"]
+    model = build_hf("Qwen3Config", head_dim=16, vocab_size=vocab, max_position_embeddings=256)  # the data's positions
+    directory = save_hf(model, tmp_path / "m")
+    argv = ["sft", "--param_path", str(directory), "--data_root_path", "bundled:data/sft", "--tokenizer_path",
+            "bundled:tiny", "--window_size", "32", "--parallel_mode", "none", "--ckpt_dir", str(tmp_path / "out"),
+            "--dry_run"]  # fmt: skip
+    assert main(argv) == 0, capsys.readouterr().out[-2000:]
+    assert not (tmp_path / "out").exists()
+
+
+def test_astrai_config_files_keep_astrai_keys():
+    raw = json.loads((TINY_MODEL_DIR / "config.json").read_text())
+    astrai_fields = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in (*EXTENSION_FIELDS, "extra")]
+    assert list(ModelConfig.from_dict(raw).to_dict()) == astrai_fields  # AstrAI's keys, in AstrAI's order
 
 
 def test_training_refuses_before_anything_is_written(llama_dir, tmp_path, capsys):
