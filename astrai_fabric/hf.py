@@ -268,8 +268,11 @@ def _position_limit(read: _Reader, model_type: str) -> int:
         # Qwen's window applies only with use_sliding_window, and then to layers >= max_window_layers.
         if not read.get("use_sliding_window", False):
             window = None
+        first_windowed = read.get("max_window_layers")
+        if window is not None and (not isinstance(first_windowed, int) or isinstance(first_windowed, bool)):
+            raise ConfigError(f"{read.source}: 'max_window_layers' must be an integer, got {first_windowed!r}")
         default_types = [
-            "sliding_attention" if window is not None and i >= read.get("max_window_layers") else "full_attention"
+            "sliding_attention" if window is not None and i >= first_windowed else "full_attention"
             for i in range(n_layers)
         ]
     else:

@@ -239,6 +239,8 @@ REFUSED = [
      "rope_scaling rope_type 'dynamic' is not supported"),
     ("layer_types", {"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 8},
      "layer_types '(mixed)' is not supported"),
+    ("qwen_window_some_layers", {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16,
+                                 "max_window_layers": 1}, "layer_types '(mixed)' is not supported"),
     ("quantized", {"quantization_config": {"quant_method": "gptq"}}, "quantization_config '(set)' is not supported"),
     ("bad_type", {"hidden_size": "32"}, "'hidden_size' must be a positive integer, got '32'"),
 ]  # fmt: skip
