@@ -10,7 +10,9 @@ A checkpoint is a directory::
 
 plus any files the caller adds (tokenizer files, the resolved recipe). AstrAI ignores the ``astrai_fabric`` meta
 key, which records our format version and package versions. A plain model directory (``config.json`` with
-``model.safetensors`` or a sharded ``model.safetensors.index.json``) loads too, as AstrAI's ``load_any`` does.
+``model.safetensors`` or a sharded ``model.safetensors.index.json``) loads too, as AstrAI's ``load_any`` does, and
+so does a Hugging Face model directory (a ``config.json`` whose ``model_type`` is not AstrAI's): its config and
+tensors are mapped by ``astrai_fabric.hf``, or refused there before anything is read further.
 
 Writes go to a hidden sibling (``.NAME.tmp-…``) that is renamed into place once complete, so an interrupted save
 never leaves a directory that looks complete and never touches an existing checkpoint. Loads are strict and every
@@ -41,8 +43,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from astrai_fabric.config.model import ModelConfig
-from astrai_fabric.errors import CheckpointError
+from astrai_fabric import hf
+from astrai_fabric.config.model import ModelConfig, read_config_json
+from astrai_fabric.errors import CheckpointError, ConfigError
 
 META_FILE = "meta.json"
 CONFIG_FILE = "config.json"
@@ -69,6 +72,9 @@ class Checkpoint:
     meta: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
     """``{stem: object}`` for each ``{stem}.pt`` (``optimizer``, ``scheduler``, ...)."""
+    source: hf.HFSource | None = None
+    """The Hugging Face architecture and config for a directory imported from one (``config`` and ``state_dict``
+    are then already ours); None for AstrAI's layout."""
 
     @property
     def is_training_checkpoint(self) -> bool:
@@ -347,6 +353,11 @@ def load_checkpoint(directory: str | Path, *, load_extra: bool = True, skip: Col
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint or model directory")
     config = _read_json(path / CONFIG_FILE, what="AstrAI's model config")
+    source = None
+    if hf.is_hf_config(config):  # mapped (or refused) before a tensor is read
+        model_config = hf.model_config_from_hf(config, source=str(path / CONFIG_FILE))
+        source = hf.HFSource(model_type=config["model_type"], config=config)
+        config = model_config.to_dict()
     meta = _read_json(path / META_FILE, what="the run's meta data") if (path / META_FILE).exists() else {}
     for key in ("epoch", "consumed_samples"):
         if key in meta and (not isinstance(meta[key], int) or isinstance(meta[key], bool) or meta[key] < 0):
@@ -354,15 +365,31 @@ def load_checkpoint(directory: str | Path, *, load_extra: bool = True, skip: Col
     extra = {}
     if load_extra:
         extra = {f.stem: _read_pt(f) for f in sorted(path.glob("*.pt")) if f.stem not in skip}
+    state_dict = _read_weights(path)
+    if source is not None:
+        state_dict = hf.state_dict_from_hf(state_dict, model_config)
     return Checkpoint(
         path=path,
         config=config,
-        state_dict=_read_weights(path),
+        state_dict=state_dict,
         epoch=meta.get("epoch", 0),
         consumed_samples=meta.get("consumed_samples", 0),
         meta=meta,
         extra=extra,
+        source=source,
     )
+
+
+def read_model_config(directory: str | Path) -> ModelConfig:
+    """The model config of a model or checkpoint directory, AstrAI's or Hugging Face's (mapped, or refused with a
+    ``ConfigError`` naming the model_type or field), without reading any weights."""
+    path = Path(directory) / CONFIG_FILE
+    raw = read_config_json(path)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    if hf.is_hf_config(raw):
+        return hf.model_config_from_hf(raw, source=str(path))
+    return ModelConfig.from_dict(raw, source=str(path))
 
 
 def _read_json(path: Path, what: str) -> dict[str, Any]:

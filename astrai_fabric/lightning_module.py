@@ -18,14 +18,13 @@ from torch.utils.data import DataLoader
 
 from astrai_fabric import assets
 from astrai_fabric.checkpoint import (
-    CONFIG_FILE,
     WEIGHTS_FILE,
     WEIGHTS_INDEX_FILE,
     load_checkpoint,
     load_model_weights,
+    read_model_config,
     save_checkpoint,
 )
-from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.data import load_window_dataset
 from astrai_fabric.model import AutoRegressiveLM
 from astrai_fabric.optim import build_optimizer, resolve_ns_dtype
@@ -61,7 +60,7 @@ class AstraiLM(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         directory = assets.resolve(param_path)
-        config = ModelConfig.from_file(directory / CONFIG_FILE)
+        config = read_model_config(directory)  # AstrAI's or Hugging Face's
         torch.manual_seed(random_seed)  # AstrAI's initialisation for this seed when the directory has no weights
         self.model = AutoRegressiveLM(config)
         if (directory / WEIGHTS_FILE).exists() or (directory / WEIGHTS_INDEX_FILE).exists():

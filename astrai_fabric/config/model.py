@@ -2,9 +2,10 @@
 
 Reading is AstrAI's: unknown keys are ignored (with a warning, since Hugging Face configs carry many), missing
 keys take AstrAI's defaults, and ``to_dict`` writes every field in AstrAI's declaration order, which is the key set
-AstrAI's ``save_pretrained`` writes. Where AstrAI accepts anything (its pydantic model coerces or ignores), we check
-each value's type and name the field in one error, and ``check_buildable`` reports every missing architecture field
-at once instead of the ``TypeError`` AstrAI raises deep inside model construction.
+AstrAI's ``save_pretrained`` writes (plus, only where they are not at their default, the extension fields that
+Hugging Face architectures need, ``EXTENSION_FIELDS``). Where AstrAI accepts anything (its pydantic model coerces or
+ignores), we check each value's type and name the field in one error, and ``check_buildable`` reports every missing
+architecture field at once instead of the ``TypeError`` AstrAI raises deep inside model construction.
 """
 
 from __future__ import annotations
@@ -23,6 +24,15 @@ from astrai_fabric.errors import ConfigError
 
 ATTN_TYPES = ("gqa", "mla")
 FFN_TYPES = ("mlp", "moe")
+ASTRAI_MODEL_TYPE = "autoregressive_lm"
+"""The ``model_type`` AstrAI writes; a ``config.json`` with another one is a Hugging Face architecture."""
+EXTENSION_FIELDS = ("head_dim", "attention_qkv_bias", "qk_norm_before_rope", "rope_frequency_scaling")
+"""Our fields beyond AstrAI's schema: written to config.json only when they differ from their default."""
+ROPE_FREQUENCY_TYPES = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+"""``rope_frequency_scaling`` kinds and the numbers each needs (Hugging Face's names)."""
 
 
 @dataclass
@@ -50,7 +60,9 @@ class ModelConfig:
     rope_theta: float | None = None
     """RoPE base frequency; None means 10000."""
     rope_scaling: dict | None = None
-    """RoPE scaling; only ``{"type": "ntk", "factor": f}`` changes anything (a dict without ``type`` counts as NTK)."""
+    """RoPE scaling; only ``{"type": "ntk", "factor": f}`` changes anything (a dict without ``type`` counts as NTK).
+    AstrAI's meaning, kept so its files compute what AstrAI computes; Hugging Face's kinds are
+    ``rope_frequency_scaling``."""
     attn_type: str = "gqa"
     """Attention: ``gqa`` (grouped-query) or ``mla`` (multi-head latent)."""
     num_attention_heads: int | None = None
@@ -89,6 +101,20 @@ class ModelConfig:
     """MoE: layer indices that stay dense."""
     moe_aux_loss_coef: float = 0.01
     """Recorded for AstrAI; training reads ``--moe_aux_loss_coef`` instead (as AstrAI does)."""
+
+    # Fields AstrAI's schema lacks, for architectures imported from Hugging Face (``astrai_fabric.hf``). Their
+    # defaults are AstrAI's behaviour and ``to_dict`` leaves them out while they hold it, so an AstrAI config.json
+    # reads and writes back with exactly AstrAI's keys.
+    head_dim: int | None = None
+    """GQA: per-head query/key/value width; None means ``hidden_size // num_attention_heads`` (AstrAI's rule)."""
+    attention_qkv_bias: bool = False
+    """GQA: the query, key and value projections have biases (Qwen2); the output projection has none."""
+    qk_norm_before_rope: bool = False
+    """With ``use_qk_norm``: normalise each query/key head *before* RoPE (Qwen3's order) instead of after (AstrAI's)."""
+    rope_frequency_scaling: dict | None = None
+    """Hugging Face's RoPE frequency scaling (``modeling_rope_utils.py``): ``{"rope_type": "linear", "factor": f}``
+    divides every frequency by f; ``{"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    "original_max_position_embeddings"}`` divides the low frequencies by f, keeps the high ones and blends between."""
 
     extra: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     """Keys of the source file this schema does not know; kept only to report them, never written."""
@@ -136,19 +162,20 @@ class ModelConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
-        """Read a ``config.json``; a missing or malformed file is a ``ConfigError`` naming it."""
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"{path}: file not found (a model directory needs AstrAI's config.json)")
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ConfigError(f"{path}: not valid JSON ({err})") from None
-        return cls.from_dict(raw, source=str(path))
+        """Read an AstrAI ``config.json``; a missing or malformed file is a ``ConfigError`` naming it.
+
+        (``checkpoint.read_model_config`` reads a model directory of either kind, AstrAI's or Hugging Face's.)
+        """
+        return cls.from_dict(read_config_json(path), source=str(path))
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field in AstrAI's order (what AstrAI's ``save_pretrained`` writes)."""
-        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "extra"}
+        """Every AstrAI field in AstrAI's order (what AstrAI's ``save_pretrained`` writes), then the extension fields
+        that differ from their default (none for a model AstrAI can describe)."""
+        return {
+            f.name: _plain(getattr(self, f.name))
+            for f in dataclasses.fields(self)
+            if f.name != "extra" and not (f.name in EXTENSION_FIELDS and getattr(self, f.name) == f.default)
+        }
 
     def to_file(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
@@ -161,16 +188,18 @@ class ModelConfig:
         return self.tie_word_embeddings is True
 
     @property
-    def head_dim(self) -> int:
-        """Per-head query/key/value width."""
+    def attention_head_dim(self) -> int:
+        """Per-head query/key/value width (the ``head_dim`` field when set)."""
         if self.attn_type == "mla":
             return self.qk_nope_head_dim + self.qk_rope_head_dim
+        if self.head_dim is not None:
+            return self.head_dim
         return self.hidden_size // self.num_attention_heads
 
     @property
     def rope_dim(self) -> int:
         """Width rotated by RoPE in each head."""
-        return self.qk_rope_head_dim if self.attn_type == "mla" else self.head_dim
+        return self.qk_rope_head_dim if self.attn_type == "mla" else self.attention_head_dim
 
     def ffn_type_of_layer(self, layer_id: int) -> str:
         """``mlp`` or ``moe`` for one layer, by AstrAI's rule (``mlp_only_layers``, ``decoder_sparse_step``)."""
@@ -192,7 +221,7 @@ class ModelConfig:
         if self.ffn_type == "moe":
             required += ["n_routed_experts", "n_shared_experts", "n_activated_experts"]
         problems = [f"{name!r} is required" for name in required if getattr(self, name) is None]
-        for name in required + ["num_key_value_heads"]:
+        for name in required + ["num_key_value_heads", "head_dim"]:
             value = getattr(self, name)
             if value is not None and value < (0 if name == "n_shared_experts" else 1):
                 problems.append(f"{name!r} must be positive, got {value}")
@@ -203,16 +232,18 @@ class ModelConfig:
                     f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                     f"num_key_value_heads ({kv_heads})"
                 )
-            if self.attn_type == "gqa" and self.hidden_size % self.num_attention_heads:
+            if self.attn_type == "gqa" and self.head_dim is None and self.hidden_size % self.num_attention_heads:
                 problems.append(
                     f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "
                     f"({self.num_attention_heads})"
                 )
-            if self.attn_type == "mla" and self.num_attention_heads * self.head_dim != self.hidden_size:
+            if self.attn_type == "mla" and self.num_attention_heads * self.attention_head_dim != self.hidden_size:
                 problems.append(
                     "MLA needs num_attention_heads * (qk_nope_head_dim + qk_rope_head_dim) == hidden_size, got "
-                    f"{self.num_attention_heads} * {self.head_dim} != {self.hidden_size}"
+                    f"{self.num_attention_heads} * {self.attention_head_dim} != {self.hidden_size}"
                 )
+            if self.attn_type == "mla" and (self.head_dim is not None or self.attention_qkv_bias):
+                problems.append("'head_dim' and 'attention_qkv_bias' apply to gqa attention only, not mla")
             if self.rope_dim % 2:
                 problems.append(f"the RoPE width per head must be even, got {self.rope_dim}")
             if self.ffn_type == "moe" and self.n_activated_experts > self.n_routed_experts:
@@ -249,6 +280,8 @@ class ModelConfig:
                 problems.append(f"'mlp_only_layers' {outside} are not layers of a {self.num_hidden_layers}-layer model")
         if self.rope_scaling is not None:
             problems += self._rope_scaling_problems()
+        if self.rope_frequency_scaling is not None:
+            problems += self._rope_frequency_problems()
         return problems
 
     def _rope_scaling_problems(self) -> list[str]:
@@ -263,6 +296,32 @@ class ModelConfig:
         if kind == "ntk" and self.rope_dim <= 2:
             return [f"'rope_scaling' ntk needs a RoPE width per head above 2, got {self.rope_dim}"]
         return []
+
+    def _rope_frequency_problems(self) -> list[str]:
+        scaling = self.rope_frequency_scaling
+        kind = scaling.get("rope_type")
+        if kind not in ROPE_FREQUENCY_TYPES:
+            return [f"'rope_frequency_scaling' rope_type must be one of {list(ROPE_FREQUENCY_TYPES)}, got {kind!r}"]
+        if self.rope_scaling is not None:
+            return ["'rope_scaling' and 'rope_frequency_scaling' cannot both be set"]
+        names = ROPE_FREQUENCY_TYPES[kind]
+        values = [scaling.get(name) for name in names]
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) and 0 < v < math.inf for v in values):
+            return [f"'rope_frequency_scaling' {kind} needs finite numbers > 0 for {list(names)}, got {values}"]
+        if kind == "llama3" and not values[1] < values[2]:
+            return [f"'rope_frequency_scaling' llama3 needs low_freq_factor < high_freq_factor, got {values[1:3]}"]
+        return []
+
+
+def read_config_json(path: str | Path) -> Any:
+    """The parsed ``config.json`` at ``path``; a missing or malformed file is a ``ConfigError`` naming it."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: file not found (a model directory needs a config.json)")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: not valid JSON ({err})") from None
 
 
 def _plain(value: Any) -> Any:

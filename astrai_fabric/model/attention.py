@@ -31,30 +31,39 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -> Tensor:
 
 
 class GQA(nn.Module):
-    """Grouped-query attention; RoPE on q and k, then optional QK-norm (after RoPE), then optional gating."""
+    """Grouped-query attention; RoPE on q and k, then optional QK-norm (after RoPE), then optional gating.
+
+    Options for Hugging Face architectures (defaults are AstrAI's): biases on q/k/v (Qwen2), QK-norm before RoPE
+    (Qwen3), and a head width of its own, so ``heads * head_dim`` may differ from ``hidden_size`` (Qwen3).
+    """
 
     def __init__(self, config: ModelConfig, layer_id: int = 0) -> None:
         super().__init__()
         self.layer_id = layer_id
         dim, self.n_heads = config.hidden_size, config.num_attention_heads
         self.n_kv_heads = config.num_key_value_heads or config.num_attention_heads
-        self.head_dim = config.head_dim
+        self.head_dim = config.attention_head_dim
+        self.norm_before_rope = config.qk_norm_before_rope
+        bias = config.attention_qkv_bias
         # Registration order is AstrAI's: it fixes state_dict order and the random stream at initialisation.
-        self.q_proj = Linear(dim, self.n_heads * self.head_dim)
-        self.k_proj = Linear(dim, self.n_kv_heads * self.head_dim)
-        self.v_proj = Linear(dim, self.n_kv_heads * self.head_dim)
-        self.o_proj = Linear(dim, dim, init_std=0.02 / (2 * config.num_hidden_layers) ** 0.5)
+        self.q_proj = Linear(dim, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
+        width = self.n_heads * self.head_dim  # == dim unless head_dim is set
+        self.o_proj = Linear(width, dim, init_std=0.02 / (2 * config.num_hidden_layers) ** 0.5)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.use_qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.use_qk_norm else None
-        self.gate = Linear(dim, dim) if config.use_gated_attention else None
+        self.gate = Linear(dim, width) if config.use_gated_attention else None
 
     def forward(self, x: Tensor, rotary: Tensor, attn_mask: Tensor | None, kv_cache: KVCache | None = None) -> Tensor:
         # Heads counted from the tensors, not the config: tensor parallelism leaves each rank a slice of them.
         q = self.q_proj(x).unflatten(-1, (-1, self.head_dim))
         k = self.k_proj(x).unflatten(-1, (-1, self.head_dim))
         v = self.v_proj(x).unflatten(-1, (-1, self.head_dim))
+        if self.q_norm is not None and self.norm_before_rope:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary_emb(q, rotary), apply_rotary_emb(k, rotary)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.norm_before_rope:
             q, k = self.q_norm(q), self.k_norm(k)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_id, k, v)
@@ -77,7 +86,7 @@ class MLA(nn.Module):
         dim, self.n_heads = config.hidden_size, config.num_attention_heads
         self.n_kv_heads = config.num_key_value_heads or config.num_attention_heads
         self.nope_dim, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
-        self.head_dim = config.head_dim
+        self.head_dim = config.attention_head_dim
         self.q_proj = Linear(dim, self.n_heads * self.head_dim)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.use_qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.use_qk_norm else None

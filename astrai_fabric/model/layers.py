@@ -77,37 +77,74 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
-def rope_table(dim: int, max_len: int, base: float) -> Tensor:
-    """``[max_len, dim/2, 2]`` float32 table of (cos, sin); angles computed in float64 as AstrAI does."""
+def rope_table(dim: int, max_len: int, base: float, frequency_scaling: dict | None = None) -> Tensor:
+    """``[max_len, dim/2, 2]`` float32 table of (cos, sin); angles computed in float64 as AstrAI does.
+
+    ``frequency_scaling`` is a config's ``rope_frequency_scaling`` (Hugging Face's ``linear`` or ``llama3``).
+    """
     inv_freq = base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    if frequency_scaling is not None:
+        inv_freq = scale_frequencies(inv_freq, frequency_scaling)
     angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq).float()
     return torch.stack([angles.cos(), angles.sin()], dim=-1)
 
 
+def scale_frequencies(inv_freq: Tensor, scaling: dict) -> Tensor:
+    """Hugging Face's frequency scaling, by ``rope_type`` (transformers' ``modeling_rope_utils.py``).
+
+    ``linear`` (position interpolation, Chen et al. 2023, arXiv:2306.15595): every frequency divided by ``factor``.
+    ``llama3`` (Meta's Llama 3.1 ``apply_scaling``): wavelengths longer than ``original / low_freq_factor`` are
+    divided by ``factor``, those shorter than ``original / high_freq_factor`` kept, and in between a linear blend
+    in ``original / wavelength``. Neither rescales the attention (its ``attention_factor`` is 1).
+    """
+    factor = scaling["factor"]
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelen > original_len / low, inv_freq / factor, inv_freq)
+    medium = (wavelen <= original_len / low) & (wavelen >= original_len / high)
+    return torch.where(medium, blended, scaled)
+
+
 class RotaryEmbedding(nn.Module):
-    """Looks up (cos, sin) for position ids; NTK ``rope_scaling`` raises the base as AstrAI does.
+    """Looks up (cos, sin) for position ids; NTK ``rope_scaling`` raises the base as AstrAI does, and Hugging Face's
+    ``frequency_scaling`` (``scale_frequencies``) rescales the frequencies.
 
     The table is a non-persistent buffer (never in a ``state_dict``). Departure from AstrAI: it stays float32 when
     the model is cast to bf16 (AstrAI's ``.to(bfloat16)`` quantises cos/sin too, an error of up to ~4e-3).
     """
 
-    def __init__(self, dim: int, max_len: int, base: float = 10000.0, rope_scaling: dict | None = None) -> None:
+    def __init__(
+        self,
+        dim: int,
+        max_len: int,
+        base: float = 10000.0,
+        rope_scaling: dict | None = None,
+        frequency_scaling: dict | None = None,
+    ) -> None:
         super().__init__()
         self.dim, self.max_len = dim, max_len
-        self.base = base
+        self.base, self.frequency_scaling = base, frequency_scaling
         if rope_scaling is not None and rope_scaling.get("type", "ntk") == "ntk":
             # AstrAI treats any dict without "type" (e.g. HF's {"rope_type": ...}) as NTK and ignores other types.
             self.base = base * rope_scaling.get("factor", 1.0) ** (dim / (dim - 2))
-        self.register_buffer("freqs_cis", rope_table(dim, max_len, self.base), persistent=False)
+        self.register_buffer("freqs_cis", self._table(), persistent=False)
+
+    def _table(self) -> Tensor:
+        return rope_table(self.dim, self.max_len, self.base, self.frequency_scaling)
 
     def reset_parameters(self, device: torch.device | str | None = None) -> None:
         """Recompute the table (after ``to_empty``, or on ``device`` for a model built on the meta device)."""
-        self.freqs_cis = rope_table(self.dim, self.max_len, self.base).to(device or self.freqs_cis.device)
+        self.freqs_cis = self._table().to(device or self.freqs_cis.device)
 
     def _apply(self, fn, recurse=True):  # noqa: ANN001 - nn.Module's signature
         super()._apply(fn, recurse)
         if self.freqs_cis.dtype != torch.float32 and not self.freqs_cis.is_meta:
-            self.freqs_cis = rope_table(self.dim, self.max_len, self.base).to(self.freqs_cis.device)
+            self.freqs_cis = self._table().to(self.freqs_cis.device)
         return self
 
     def forward(self, batch_size: int, seq_len: int, position_ids: Tensor | None = None) -> Tensor:

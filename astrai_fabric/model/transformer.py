@@ -88,7 +88,11 @@ class AutoRegressiveLM(nn.Module):
         self.config = config
         rope_base = config.rope_theta if config.rope_theta is not None else 10000.0
         self.rotary_embedding = RotaryEmbedding(
-            config.rope_dim, config.max_position_embeddings, rope_base, config.rope_scaling
+            config.rope_dim,
+            config.max_position_embeddings,
+            rope_base,
+            config.rope_scaling,
+            frequency_scaling=config.rope_frequency_scaling,
         )
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, config.neftune_alpha)
         self.layers = nn.ModuleList(DecoderBlock(config, i) for i in range(config.num_hidden_layers))

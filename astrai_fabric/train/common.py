@@ -28,6 +28,7 @@ from astrai_fabric.checkpoint import (
     find_latest_checkpoint,
     load_checkpoint,
     prune_checkpoints,
+    read_model_config,
     remove_stale_staging,
 )
 from astrai_fabric.ckpt_dir import check_owned, check_writable, lock_ckpt_dir, record_written
@@ -130,7 +131,7 @@ def read_start(args: TrainArgs) -> Start:
         raise UserError(f"param_path {param_path}: not found (expected a model or checkpoint directory)")
     if not (param_path / CONFIG_FILE).is_file():
         raise UserError(f"param_path {param_path}: no config.json (expected a model or checkpoint directory)")
-    model_config = ModelConfig.from_file(param_path / CONFIG_FILE)
+    model_config = read_model_config(param_path)  # AstrAI's config.json, or a Hugging Face one mapped
     model_config.check_buildable(source=str(param_path / CONFIG_FILE))
     if args.window_size is not None and args.window_size > model_config.max_position_embeddings:
         raise ConfigError(
@@ -214,8 +215,11 @@ def _resume_checkpoint(args: TrainArgs, param_path: Path) -> Checkpoint | None:
 
 def _check_resume_matches(ckpt: Checkpoint, model_config: ModelConfig, args: TrainArgs) -> None:
     ours, theirs = model_config.to_dict(), ckpt.model_config().to_dict()
+    keys = [*ours, *(k for k in theirs if k not in ours)]  # extension fields appear only where not at default
     differ = [
-        f"{k}: {theirs[k]!r} there, {ours[k]!r} here" for k in ours if k != "neftune_alpha" and ours[k] != theirs[k]
+        f"{k}: {theirs.get(k)!r} there, {ours.get(k)!r} here"
+        for k in keys
+        if k != "neftune_alpha" and ours.get(k) != theirs.get(k)
     ]
     if differ:
         raise CheckpointError(f"--resume: {ckpt.path} holds a different model than param_path: " + "; ".join(differ))

@@ -1,0 +1,390 @@
+"""Hugging Face model directories: the one place that knows transformers' conventions (transformers is never
+imported; it is the test oracle, ``tests/test_huggingface.py``).
+
+A Hugging Face ``config.json`` names its architecture in ``model_type``. Each supported one maps onto the single
+model of this project, ``AutoRegressiveLM``, so that it computes *the same function*; anything that would compute
+something else is refused by name before a byte is written (AstrAI's adapter loads such models approximately, its
+bug B21). The facts, with the transformers source files that state them (``src/transformers/models/<type>/``):
+
+- **RoPE pairing.** transformers' ``rotate_half`` pairs dims ``(i, i + d/2)`` of each head; ours (AstrAI's,
+  Meta's original) pairs ``(2i, 2i + 1)``, both with frequency ``i``. Importing permutes the rows of each q/k head
+  (weights, biases and the per-head q/k norm weights) from one layout to the other; v and o are unchanged, and the
+  scores ``q·k`` are the same because both sides move alike (``rotate_half_to_interleaved``).
+- **Qwen3** normalises each q/k head *before* RoPE (``qk_norm_before_rope``) and sets ``head_dim`` on its own, so
+  ``heads × head_dim`` may differ from ``hidden_size``. **Qwen2** has q/k/v biases and no o bias.
+- **RoPE scaling**: ``rope_type`` ``linear`` and ``llama3`` have their own formulas (``modeling_rope_utils.py``),
+  kept in ``rope_frequency_scaling``; AstrAI's ``rope_scaling`` (NTK) is a different function.
+- **Mixtral**: router softmax in float32 over all experts, top-k, renormalised, no shared experts; on disk
+  ``block_sparse_moe.gate`` and ``block_sparse_moe.experts.J.w1/w3/w2`` (gate/up/down projections).
+- **Tied embeddings**: a tied checkpoint has no ``lm_head.weight``.
+- Both config forms: transformers 4 (``rope_theta`` + ``rope_scaling``, ``torch_dtype``) and transformers 5
+  (``rope_parameters``, ``dtype``).
+
+Reading the files stays in ``astrai_fabric.checkpoint`` (the only safetensors importer); this module maps configs
+and tensors, both ways (``state_dict_to_hf`` is the inverse of ``state_dict_from_hf``, for export).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+from astrai_fabric.config.model import ASTRAI_MODEL_TYPE, ModelConfig
+from astrai_fabric.errors import ConfigError
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3")
+
+REFUSED_MODEL_TYPES = {
+    "gemma": "its RMSNorm scales by (1 + weight), its embeddings by sqrt(hidden_size) and its MLP uses GELU",
+    "gemma2": "Gemma's norm and embedding scaling, extra norms per block, logit soft-capping and alternating "
+    "sliding-window layers",
+    "gemma3": "Gemma's norm and embedding scaling, extra norms per block and alternating sliding-window layers",
+    "phi3": "fused qkv/gate_up projections with LongRoPE scaling and a sliding window are not mapped",
+    "qwen2_moe": "its shared expert is scaled by a sigmoid gate of its own; ours averages shared experts ungated",
+    "qwen3_moe": "its MoE layout and routing options are not mapped yet",
+    "deepseek_v2": "multi-head latent attention with a decoupled shared RoPE key, YaRN and group-limited routing "
+    "differ from ours",
+    "deepseek_v3": "multi-head latent attention with a decoupled shared RoPE key, YaRN and sigmoid group routing "
+    "differ from ours",
+}
+"""Architectures refused with the reason; any other model_type is refused as unknown."""
+
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    # Each config class's defaults (``configuration_<type>.py``), used where a config.json omits a key, as
+    # transformers itself does. Real checkpoints carry every key; hand-written or diffed configs may not.
+    "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                  num_attention_heads=32, max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=10000.0),
+    "mistral": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096 * 32,
+                    rms_norm_eps=1e-6, rope_theta=10000.0, sliding_window=4096),
+    "qwen2": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                  rope_theta=10000.0, sliding_window=4096, max_window_layers=28),
+    "qwen3": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=32, head_dim=128, max_position_embeddings=32768,
+                  rms_norm_eps=1e-6, rope_theta=10000.0, sliding_window=4096, max_window_layers=28),
+    "mixtral": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096 * 32,
+                    rms_norm_eps=1e-5, rope_theta=1e6, num_local_experts=8, num_experts_per_tok=2),
+}  # fmt: skip
+
+_READ_KEYS = {
+    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
+    "rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor", "hidden_act", "attention_bias",
+    "mlp_bias", "attention_dropout", "sliding_window", "use_sliding_window", "max_window_layers", "layer_types",
+    "num_local_experts", "num_experts_per_tok", "router_jitter_noise", "quantization_config",
+    "final_logit_softcapping", "attn_logit_softcapping",
+}  # fmt: skip
+_HARMLESS_KEYS = {
+    # Metadata, generation defaults and training-loss settings that do not change the function of the weights.
+    "architectures", "transformers_version", "dtype", "torch_dtype", "use_cache", "initializer_range",
+    "bos_token_id", "eos_token_id", "pad_token_id", "pretraining_tp", "output_router_logits",
+    "router_aux_loss_coef", "_name_or_path", "return_dict", "output_attentions", "output_hidden_states",
+    # PreTrainedConfig's generic fields (in ``to_dict()``, rarely in a saved file), none used by a causal LM's forward
+    "id2label", "label2id", "problem_type", "is_encoder_decoder", "chunk_size_feed_forward",
+}  # fmt: skip
+_ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
+              "original_max_position_embeddings", "partial_rotary_factor"}  # fmt: skip
+_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class HFSource:
+    """Where an imported model came from: enough to write the same architecture back (export)."""
+
+    model_type: str
+    config: dict[str, Any]
+    """The Hugging Face ``config.json`` as read."""
+
+
+def is_hf_config(raw: Mapping[str, Any]) -> bool:
+    """True when a ``config.json`` names a Hugging Face architecture (AstrAI writes ``autoregressive_lm`` or
+    nothing)."""
+    return raw.get("model_type") not in (None, ASTRAI_MODEL_TYPE)
+
+
+def model_config_from_hf(raw: Mapping[str, Any], source: str = "config.json") -> ModelConfig:
+    """The ``ModelConfig`` that computes what the Hugging Face config ``raw`` describes, or a ``ConfigError`` (one
+    line naming the model_type or the field) when it cannot be computed exactly."""
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        why = REFUSED_MODEL_TYPES.get(model_type, "unknown architecture")
+        raise ConfigError(
+            f"{source}: Hugging Face model_type {model_type!r} is not supported ({why}); supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    read = _Reader(raw, _DEFAULTS[model_type], source)
+    _refuse_unmapped(read, model_type)
+    hidden, heads = read.int("hidden_size"), read.int("num_attention_heads")
+    head_dim = read.int("head_dim", optional=True)
+    if head_dim is not None and head_dim * heads == hidden:
+        head_dim = None  # AstrAI's own rule gives the same width; keep the config AstrAI-shaped
+    theta, frequency_scaling = _rope(read, model_type)
+    values: dict[str, Any] = dict(
+        model_type=ASTRAI_MODEL_TYPE,
+        vocab_size=read.int("vocab_size"),
+        hidden_size=hidden,
+        num_hidden_layers=read.int("num_hidden_layers"),
+        rms_norm_eps=read.number("rms_norm_eps"),
+        intermediate_size=read.int("intermediate_size"),
+        tie_word_embeddings=read.bool("tie_word_embeddings", default=False),
+        max_position_embeddings=_position_limit(read, model_type),
+        rope_theta=theta,
+        num_attention_heads=heads,
+        num_key_value_heads=read.int("num_key_value_heads", optional=True) or heads,
+        head_dim=head_dim,
+        attention_qkv_bias=model_type == "qwen2",
+        use_qk_norm=model_type == "qwen3" or None,
+        qk_norm_before_rope=model_type == "qwen3",
+        rope_frequency_scaling=frequency_scaling,
+    )
+    if model_type == "mixtral":
+        values.update(
+            ffn_type="moe",
+            n_routed_experts=read.int("num_local_experts"),
+            n_activated_experts=read.int("num_experts_per_tok"),
+            n_shared_experts=0,
+            moe_intermediate_size=values["intermediate_size"],
+            norm_topk_prob=True,
+        )
+    unknown = sorted(k for k in raw if k not in _READ_KEYS | _HARMLESS_KEYS)
+    if unknown:
+        warnings.warn(f"{source}: ignoring keys the {model_type} mapping does not know: {unknown}", stacklevel=2)
+    config = ModelConfig.from_dict(values, source=source)
+    config.check_buildable(source=source)
+    return config
+
+
+class _Reader:
+    """Typed reads of a Hugging Face config with the class defaults; each error names the Hugging Face key."""
+
+    def __init__(self, raw: Mapping[str, Any], defaults: dict[str, Any], source: str) -> None:
+        self.raw, self.defaults, self.source = raw, defaults, source
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.raw[key] if key in self.raw else self.defaults.get(key, default)
+
+    def int(self, key: str, optional: bool = False) -> int | None:
+        value = self.get(key)
+        if value is None and optional:
+            return None
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{self.source}: {key!r} must be a positive integer, got {value!r}")
+        return value
+
+    def number(self, key: str, default: float | None = None) -> float:
+        value = self.get(key, default)
+        if not isinstance(value, int | float) or isinstance(value, bool) or not (0 < value < math.inf):
+            raise ConfigError(f"{self.source}: {key!r} must be a finite number > 0, got {value!r}")
+        return float(value)
+
+    def bool(self, key: str, default: bool) -> bool:
+        value = self.get(key, default)
+        if not isinstance(value, bool):
+            raise ConfigError(f"{self.source}: {key!r} must be true or false, got {value!r}")
+        return value
+
+    def refuse(self, key: str, value: Any, why: str) -> None:
+        raise ConfigError(f"{self.source}: {key} {value!r} is not supported: {why}; nothing was loaded")
+
+
+def _refuse_unmapped(read: _Reader, model_type: str) -> None:
+    """Fields that change the function and that the model here does not compute."""
+    act = read.get("hidden_act", "silu")
+    if act != "silu":
+        read.refuse("hidden_act", act, "the MLP here is SwiGLU with silu")
+    if read.get("mlp_bias", False) not in (False, None):
+        read.refuse("mlp_bias", read.get("mlp_bias"), "the MLP here has no biases")
+    if model_type != "qwen2" and read.get("attention_bias", False) not in (False, None):  # qwen2's are built in
+        read.refuse("attention_bias", read.get("attention_bias"), "its o_proj bias has no equivalent here")
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if read.get(key) is not None:
+            read.refuse(key, read.get(key), "logit soft-capping is not computed here")
+    if read.get("partial_rotary_factor", 1.0) != 1.0:
+        read.refuse("partial_rotary_factor", read.get("partial_rotary_factor"), "RoPE here rotates whole heads")
+    for key in ("attention_dropout", "router_jitter_noise"):
+        value = read.get(key, 0.0)
+        if value not in (0, 0.0, None):
+            read.refuse(key, value, "training-time noise that the model here does not add")
+    if read.get("quantization_config") is not None:
+        read.refuse("quantization_config", "(set)", "quantized weights are not loaded; use a floating-point copy")
+
+
+def _rope(read: _Reader, model_type: str) -> tuple[float, dict[str, Any] | None]:
+    """``(rope_theta, rope_frequency_scaling)`` from either form, read as transformers 5 does
+    (``PreTrainedConfig.convert_rope_params_to_dict``): transformers 4's ``rope_scaling`` wins over
+    ``rope_parameters``, a theta inside the dict over the top-level ``rope_theta``, ``rope_type`` over ``type``."""
+    params = read.get("rope_scaling") or read.get("rope_parameters") or {}
+    key = "rope_scaling" if read.get("rope_scaling") else "rope_parameters"
+    if not isinstance(params, dict):
+        raise ConfigError(f"{read.source}: {key!r} must be an object, got {params!r}")
+    if any(isinstance(v, dict) for v in params.values()):
+        read.refuse(key, "(per layer type)", "RoPE parameters per attention type are not mapped")
+    theta = params.get("rope_theta", read.get("rope_theta"))
+    if not isinstance(theta, int | float) or isinstance(theta, bool) or not (0 < theta < math.inf):
+        raise ConfigError(f"{read.source}: rope_theta must be a finite number > 0, got {theta!r}")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in _ROPE_TYPES:
+        read.refuse(f"{key} rope_type", kind, f"the RoPE types mapped are {list(_ROPE_TYPES)}")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        read.refuse("partial_rotary_factor", params["partial_rotary_factor"], "RoPE here rotates whole heads")
+    unknown = sorted(set(params) - _ROPE_KEYS)
+    if unknown:
+        warnings.warn(f"{read.source}: ignoring {key} keys the {kind} RoPE does not use: {unknown}", stacklevel=3)
+    if kind == "default":
+        return float(theta), None
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": params.get("factor")}
+    if kind == "llama3":
+        scaling.update(
+            low_freq_factor=params.get("low_freq_factor"),
+            high_freq_factor=params.get("high_freq_factor"),
+            # transformers' default when absent: the model's own maximum length
+            original_max_position_embeddings=params.get(
+                "original_max_position_embeddings", read.get("max_position_embeddings")
+            ),
+        )
+    return float(theta), scaling
+
+
+def _position_limit(read: _Reader, model_type: str) -> int:
+    """``max_position_embeddings``, lowered to a sliding window shorter than it.
+
+    transformers' sliding window lets query ``q`` see key ``k`` when ``q - k < window``
+    (``masking_utils.sliding_window_overlay``), so on sequences no longer than the window it is plain causal
+    attention: limiting positions to the window computes the model exactly and refuses (with the usual
+    max_position_embeddings errors) only what would differ. Windows on some layers only are refused.
+    """
+    limit = read.int("max_position_embeddings")
+    window = read.get("sliding_window")
+    n_layers = read.int("num_hidden_layers")
+    if model_type in ("qwen2", "qwen3"):
+        # Qwen's window applies only with use_sliding_window, and then to layers >= max_window_layers.
+        if not read.get("use_sliding_window", False):
+            window = None
+        first_windowed = read.get("max_window_layers")
+        if window is not None and (not isinstance(first_windowed, int) or isinstance(first_windowed, bool)):
+            raise ConfigError(f"{read.source}: 'max_window_layers' must be an integer, got {first_windowed!r}")
+        default_types = [
+            "sliding_attention" if window is not None and i >= first_windowed else "full_attention"
+            for i in range(n_layers)
+        ]
+    else:
+        default_types = ["sliding_attention" if window is not None else "full_attention"] * n_layers
+    layer_types = read.get("layer_types") or default_types
+    if not isinstance(layer_types, list) or set(layer_types) - {"full_attention", "sliding_attention"}:
+        read.refuse("layer_types", layer_types, "only full and sliding-window attention are mapped")
+    if "sliding_attention" in layer_types and "full_attention" in layer_types:
+        read.refuse("layer_types", "(mixed)", "sliding-window attention on some layers only is not computed here")
+    if "sliding_attention" not in layer_types or window is None:
+        return limit
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ConfigError(f"{read.source}: 'sliding_window' must be a positive integer or null, got {window!r}")
+    if window < limit:
+        warnings.warn(
+            f"{read.source}: sliding_window {window} < max_position_embeddings {limit}: positions are limited to "
+            f"{window}, where the sliding window equals full causal attention",
+            stacklevel=3,
+        )
+    return min(limit, window)
+
+
+# --- weights -----------------------------------------------------------------------------------------------------
+
+_KEY_PAIRS = [
+    # (Hugging Face key, ours); {i} a layer, {j} an expert. Names from modeling_<type>.py and AstrAI's layout.
+    ("model.embed_tokens.weight", "embed_tokens.weight"),
+    ("model.norm.weight", "norm.weight"),
+    ("lm_head.weight", "lm_head.weight"),
+    *[(f"model.layers.{{i}}.self_attn.{p}_proj.{t}", f"layers.{{i}}.attention.{p}_proj.{t}")
+      for p in "qkvo" for t in ("weight", "bias")],
+    *[(f"model.layers.{{i}}.self_attn.{p}_norm.weight", f"layers.{{i}}.attention.{p}_norm.weight") for p in "qk"],
+    ("model.layers.{i}.input_layernorm.weight", "layers.{i}.input_norm.weight"),
+    ("model.layers.{i}.post_attention_layernorm.weight", "layers.{i}.post_attention_norm.weight"),
+    *[(f"model.layers.{{i}}.mlp.{p}_proj.weight", f"layers.{{i}}.mlp.{p}.weight") for p in ("gate", "up", "down")],
+    ("model.layers.{i}.block_sparse_moe.gate.weight", "layers.{i}.mlp.router.weight"),
+    # Mixtral's w1/w3/w2 are the gate/up/down projections (MixtralBlockSparseTop2MLP in transformers 4).
+    *[(f"model.layers.{{i}}.block_sparse_moe.experts.{{j}}.{w}.weight",
+       f"layers.{{i}}.mlp.routed_experts.{{j}}.{p}.weight") for w, p in (("w1", "gate"), ("w3", "up"), ("w2", "down"))],
+]  # fmt: skip
+_DERIVED_HF_KEYS = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
+"""Buffers some older checkpoints saved; recomputed from the config, never loaded."""
+_ROTATED = re.compile(r"^layers\.\d+\.attention\.(q_proj|k_proj|q_norm|k_norm)\.(weight|bias)$")
+
+
+def _pattern(template: str) -> re.Pattern[str]:
+    return re.compile("^" + re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{j\}", r"(?P<j>\d+)") + "$")
+
+
+_TO_OURS = [(_pattern(hf), ours) for hf, ours in _KEY_PAIRS]
+_TO_HF = [(_pattern(ours), hf) for hf, ours in _KEY_PAIRS]
+
+
+def _rename(key: str, table: list[tuple[re.Pattern[str], str]]) -> str | None:
+    for pattern, template in table:
+        match = pattern.match(key)
+        if match:
+            return template.format(**match.groupdict())
+    return None
+
+
+def hf_key_to_ours(key: str) -> str | None:
+    """Our name for a Hugging Face tensor name, or None when it has none."""
+    return _rename(key, _TO_OURS)
+
+
+def our_key_to_hf(key: str) -> str | None:
+    """The Hugging Face name of one of our tensor names, or None when it has none."""
+    return _rename(key, _TO_HF)
+
+
+def rotate_half_to_interleaved(rows: Tensor, head_dim: int) -> Tensor:
+    """Reorder the rows of each head from transformers' RoPE layout to ours: row ``i`` goes to ``2i`` and row
+    ``i + d/2`` to ``2i + 1``, so the pair rotated together by frequency ``i`` sits side by side.
+
+    ``rows`` is a q/k projection weight ``[heads * head_dim, in]``, its bias, or a per-head norm weight
+    ``[head_dim]``.
+    """
+    return rows.unflatten(0, (-1, 2, head_dim // 2)).transpose(1, 2).flatten(0, 2).contiguous()
+
+
+def interleaved_to_rotate_half(rows: Tensor, head_dim: int) -> Tensor:
+    """The inverse of ``rotate_half_to_interleaved``."""
+    return rows.unflatten(0, (-1, head_dim // 2, 2)).transpose(1, 2).flatten(0, 2).contiguous()
+
+
+def state_dict_from_hf(hf_state: Mapping[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
+    """Hugging Face tensors under our names, q/k rows in our RoPE pairing; tensors are taken as they are on disk
+    (dtype included). A name with no equivalent keeps its Hugging Face spelling, so the strict match against the
+    model (``checkpoint.load_model_weights``) names it."""
+    ours = {}
+    for key, tensor in hf_state.items():
+        if _DERIVED_HF_KEYS.match(key):
+            continue
+        name = hf_key_to_ours(key) or key
+        if _ROTATED.match(name):
+            tensor = rotate_half_to_interleaved(tensor, config.attention_head_dim)
+        ours[name] = tensor
+    return ours
+
+
+def state_dict_to_hf(state: Mapping[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
+    """Our tensors under Hugging Face names, q/k rows in transformers' pairing (the inverse of
+    ``state_dict_from_hf``); a tied model's ``lm_head.weight`` is left out, as transformers saves it."""
+    hf = {}
+    for key, tensor in state.items():
+        if config.tied and key == "lm_head.weight":
+            continue
+        name = our_key_to_hf(key)
+        if name is None:
+            raise ValueError(f"{key}: no Hugging Face equivalent")
+        if _ROTATED.match(key):
+            tensor = interleaved_to_rotate_half(tensor, config.attention_head_dim)
+        hf[name] = tensor
+    return hf

@@ -1,0 +1,295 @@
+"""Hugging Face import (``astrai_fabric.hf``) against transformers itself, the oracle: tiny random models of every
+supported architecture are built with transformers, saved with ``save_pretrained`` and loaded here; the logits must
+match to 1e-5 in float32 (causal, and per document under our document-boundary mask), and greedy generation token
+for token. Refused architectures and fields give one line and exit 2 through the real CLI.
+
+transformers is a test-only dependency (the ``test`` extra); nothing in the package imports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+transformers = pytest.importorskip("transformers")
+
+from astrai_fabric import hf  # noqa: E402
+from astrai_fabric.assets import TINY_MODEL_DIR  # noqa: E402
+from astrai_fabric.checkpoint import load_checkpoint, load_model, read_model_config  # noqa: E402
+from astrai_fabric.cli import main  # noqa: E402
+from astrai_fabric.config import ModelConfig  # noqa: E402
+from astrai_fabric.config.model import EXTENSION_FIELDS  # noqa: E402
+from astrai_fabric.generate import generate  # noqa: E402
+from astrai_fabric.model import make_doc_boundary_mask  # noqa: E402
+
+TOLERANCE = 1e-5
+"""Max abs logit difference allowed in float32 (the issue's bar); observed differences are ~1e-6."""
+SEQ_LEN = 40
+DOCS = (10, 14, 16)
+"""Document lengths of the packed row (sum ``SEQ_LEN``)."""
+SIZES = dict(vocab_size=96, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6)  # fmt: skip
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}  # fmt: skip
+"""With head_dim 8 and theta 10000 the wavelengths are 6.3, 63, 628, 6283: one blended, three divided."""
+
+CASES = {
+    # id: (config class, extra config fields, save_pretrained options, dtype on disk)
+    "llama": ("LlamaConfig", {}, {}, torch.float32),
+    "llama_tied": ("LlamaConfig", {"tie_word_embeddings": True}, {}, torch.float32),
+    "llama_llama3_rope": ("LlamaConfig", {"rope_parameters": {"rope_theta": 10000.0, **LLAMA3}}, {}, torch.float32),
+    "llama_linear_rope_sharded": (
+        "LlamaConfig", {"rope_parameters": {"rope_type": "linear", "rope_theta": 5000.0, "factor": 4.0}},
+        {"max_shard_size": "20KB"}, torch.float32,
+    ),
+    "llama_bf16": ("LlamaConfig", {}, {}, torch.bfloat16),
+    "mistral": ("MistralConfig", {"sliding_window": None}, {}, torch.float32),
+    "qwen2": ("Qwen2Config", {}, {}, torch.float32),
+    "qwen3_tied": ("Qwen3Config", {"head_dim": 16, "tie_word_embeddings": True}, {}, torch.float32),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}, {}, torch.float32),
+}  # fmt: skip
+
+
+def build_hf(config_class: str, **fields) -> torch.nn.Module:
+    """A random transformers model; every parameter redrawn (norm weights around 1, biases non-zero), since the
+    default init (unit norms, zero biases) would hide a wrong norm order, norm permutation or bias mapping."""
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**{**SIZES, **fields})
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0, 0.3)
+            else:
+                param.normal_(0.0, 0.15)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model
+
+
+def save_hf(model: torch.nn.Module, directory: Path, dtype: torch.dtype = torch.float32, **options) -> Path:
+    model.to(dtype).save_pretrained(directory, **options)
+    model.float()
+    return directory
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def pair(request, tmp_path_factory):
+    """``(case id, transformers model in float32, our model in float32, directory)``."""
+    config_class, fields, options, dtype = CASES[request.param]
+    model = build_hf(config_class, **fields)
+    directory = save_hf(model, tmp_path_factory.mktemp(request.param), dtype, **options)
+    assert (directory / "model.safetensors.index.json").exists() == ("max_shard_size" in options)
+    if dtype != torch.float32:  # the oracle computes with the weights as stored
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    ours = load_model(directory)
+    assert ours.embed_tokens.weight.dtype == dtype  # taken as it is on disk
+    return request.param, model, ours.float().eval(), directory
+
+
+def tokens(batch: int, length: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, SIZES["vocab_size"], (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+@torch.no_grad()
+def test_causal_logits_equal_transformers(pair):
+    case, theirs, ours, _ = pair
+    ids = tokens(2, SEQ_LEN)
+    expected = theirs(ids).logits
+    diff = max_diff(ours(ids)["logits"], expected)
+    print(f"{case}: causal max |logit diff| {diff:.2e} (logits up to {expected.abs().max():.1f})", file=sys.stderr)
+    assert diff <= TOLERANCE
+
+
+@torch.no_grad()
+def test_document_masked_logits_equal_each_document_alone(pair):
+    """Ours on a packed row (positions restart per document, attention stops at the boundaries) equals
+    transformers on each document by itself: the packed-SFT case, with a comparable reference."""
+    case, theirs, ours, _ = pair
+    ids = tokens(1, SEQ_LEN, seed=2)
+    positions = torch.cat([torch.arange(n) for n in DOCS])[None]
+    packed = ours(ids, input_mask=make_doc_boundary_mask(positions), position_ids=positions)["logits"]
+    start, diffs = 0, []
+    for n in DOCS:
+        diffs.append(max_diff(packed[:, start : start + n], theirs(ids[:, start : start + n]).logits))
+        start += n
+    print(f"{case}: document-masked max |logit diff| {max(diffs):.2e}", file=sys.stderr)
+    assert max(diffs) <= TOLERANCE
+
+
+def test_greedy_generation_equals_transformers(pair):
+    _, theirs, ours, _ = pair
+    prompt = tokens(1, 8, seed=3)
+    theirs.generation_config.eos_token_id = None  # random weights: run all 16 steps on both sides
+    # The explicit mask: transformers would otherwise take prompt tokens equal to pad_token_id for padding.
+    out = theirs.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16, do_sample=False,
+                          pad_token_id=0)  # fmt: skip
+    expected = out[0, 8:].tolist()
+    assert generate(ours, prompt.tolist(), 16, temperature=0.0)[0] == expected
+
+
+def test_the_mapping_inverts_exactly(pair):
+    """``state_dict_to_hf`` gives back the tensors on disk bit for bit, names and dtypes included (what export
+    will build on)."""
+    _, theirs, _, directory = pair
+    ckpt = load_checkpoint(directory, load_extra=False)
+    model = load_model(directory)
+    on_disk = {k: v for file in sorted(directory.glob("*.safetensors")) for k, v in load_file(file).items()}
+    back = hf.state_dict_to_hf(model.state_dict(), model.config)
+    assert model.config.tied == theirs.config.tie_word_embeddings
+    assert (model.lm_head.weight is model.embed_tokens.weight) == model.config.tied  # one matrix, trained as one
+    assert back.keys() == on_disk.keys()
+    assert all(back[k].dtype == on_disk[k].dtype and torch.equal(back[k], on_disk[k]) for k in back)
+    assert ckpt.source.model_type == theirs.config.model_type
+
+
+def test_configs_map_onto_astrai_fields_and_stay_astrai_shaped():
+    model = build_hf("LlamaConfig")
+    config = hf.model_config_from_hf(model.config.to_dict())
+    written = config.to_dict()
+    assert written["model_type"] == "autoregressive_lm"
+    assert not set(written) - set(ModelConfig().to_dict())  # a plain llama needs no extension field
+    qwen3 = hf.model_config_from_hf(build_hf("Qwen3Config", head_dim=16).config.to_dict())
+    assert (qwen3.head_dim, qwen3.use_qk_norm, qwen3.qk_norm_before_rope) == (16, True, True)
+    assert {"head_dim", "qk_norm_before_rope"} <= set(qwen3.to_dict())
+
+
+def test_the_permutation_pairs_rotate_half_dims():
+    """Row i of a head goes to 2i and row i + d/2 to 2i + 1; the inverse restores the order."""
+    rows = torch.arange(2 * 8).float()
+    interleaved = hf.rotate_half_to_interleaved(rows, head_dim=8)
+    assert interleaved[:8].tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+    assert torch.equal(hf.interleaved_to_rotate_half(interleaved, head_dim=8), rows)
+
+
+# --- transformers 4's config form, written by hand (the installed transformers writes only the new one) --------
+
+
+def to_transformers4_form(directory: Path) -> None:
+    """Rewrite a saved config.json as transformers 4 wrote it: ``rope_theta`` + ``rope_scaling``, ``torch_dtype``."""
+    config = json.loads((directory / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    kind = rope.pop("rope_type")
+    config["rope_scaling"] = None if kind == "default" else {"type": kind, **rope}  # "type": the oldest spelling
+    config["torch_dtype"] = config.pop("dtype")
+    config["transformers_version"] = "4.46.0"
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+
+
+@pytest.mark.parametrize(
+    "rope", [LLAMA3, {"rope_type": "linear", "factor": 2.0}, None], ids=["llama3", "linear", "none"]
+)
+@torch.no_grad()
+def test_the_transformers4_config_form_reads_the_same(tmp_path, rope):
+    fields = {"rope_parameters": {"rope_theta": 20000.0, **rope}} if rope else {"rope_parameters": None}
+    model = build_hf("LlamaConfig", **fields)
+    directory = save_hf(model, tmp_path / "m")
+    new_form = read_model_config(directory)
+    to_transformers4_form(directory)
+    assert "rope_parameters" not in json.loads((directory / "config.json").read_text())
+    assert read_model_config(directory) == new_form
+    ids = tokens(1, SEQ_LEN)
+    assert max_diff(load_model(directory)(ids)["logits"], model(ids).logits) <= TOLERANCE
+
+
+def test_a_sliding_window_limits_positions_where_it_equals_full_attention(tmp_path):
+    model = build_hf("MistralConfig", sliding_window=24)
+    with pytest.warns(UserWarning, match="positions are limited to 24"):
+        ours = load_model(save_hf(model, tmp_path / "m"))
+    assert ours.config.max_position_embeddings == 24
+    ids = tokens(1, 24)
+    with torch.no_grad():
+        assert max_diff(ours(ids)["logits"], model(ids).logits) <= TOLERANCE
+
+
+# --- refusals, through the real CLI --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> Path:
+    return save_hf(build_hf("LlamaConfig"), tmp_path_factory.mktemp("refuse") / "llama")
+
+
+REFUSED = [
+    ("gemma", {"model_type": "gemma"}, "model_type 'gemma' is not supported"),
+    ("gemma2", {"model_type": "gemma2"}, "model_type 'gemma2' is not supported"),
+    ("phi3", {"model_type": "phi3"}, "model_type 'phi3' is not supported"),
+    ("qwen2_moe", {"model_type": "qwen2_moe"}, "model_type 'qwen2_moe' is not supported"),
+    ("deepseek", {"model_type": "deepseek_v3"}, "model_type 'deepseek_v3' is not supported"),
+    ("unknown_type", {"model_type": "falcon"}, "model_type 'falcon' is not supported (unknown architecture)"),
+    ("gelu", {"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+    ("mlp_bias", {"mlp_bias": True}, "mlp_bias True is not supported"),
+    ("attention_bias", {"attention_bias": True}, "attention_bias True is not supported"),
+    ("partial_rotary", {"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported"),
+    ("softcap", {"final_logit_softcapping": 30.0}, "final_logit_softcapping 30.0 is not supported"),
+    ("yarn", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
+     "rope_parameters rope_type 'yarn' is not supported"),
+    ("dynamic_v4", {"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
+     "rope_scaling rope_type 'dynamic' is not supported"),
+    ("layer_types", {"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 8},
+     "layer_types '(mixed)' is not supported"),
+    ("qwen_window_some_layers", {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16,
+                                 "max_window_layers": 1}, "layer_types '(mixed)' is not supported"),
+    ("quantized", {"quantization_config": {"quant_method": "gptq"}}, "quantization_config '(set)' is not supported"),
+    ("bad_type", {"hidden_size": "32"}, "'hidden_size' must be a positive integer, got '32'"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("change, message", [case[1:] for case in REFUSED], ids=[case[0] for case in REFUSED])
+def test_refused_architectures_and_fields_get_one_line(llama_dir, tmp_path, capsys, change, message):
+    directory = tmp_path / "m"
+    directory.mkdir()
+    (directory / "model.safetensors").symlink_to(llama_dir / "model.safetensors")
+    config = {**json.loads((llama_dir / "config.json").read_text()), **change}
+    (directory / "config.json").write_text(json.dumps(config))
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    code = main(["generate", "--param_path", str(directory), "--prompt", "hi"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("astrai-fabric: error:")]
+    assert code == 2, err
+    assert len(lines) == 1 and message in lines[0] and str(directory / "config.json") in lines[0], err
+    assert "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
+def test_training_starts_from_a_huggingface_directory(tmp_path, capsys):
+    """``--param_path`` of a train type reads the Hugging Face directory through the same function as load_model
+    (the dry run performs every check a run does)."""
+    vocab = json.loads((TINY_MODEL_DIR / "config.json").read_text())["vocab_size"]
+    model = build_hf("Qwen3Config", head_dim=16, vocab_size=vocab, max_position_embeddings=256)  # the data's positions
+    directory = save_hf(model, tmp_path / "m")
+    argv = ["sft", "--param_path", str(directory), "--data_root_path", "bundled:data/sft", "--tokenizer_path",
+            "bundled:tiny", "--window_size", "32", "--parallel_mode", "none", "--ckpt_dir", str(tmp_path / "out"),
+            "--dry_run"]  # fmt: skip
+    assert main(argv) == 0, capsys.readouterr().out[-2000:]
+    assert not (tmp_path / "out").exists()
+
+
+def test_astrai_config_files_keep_astrai_keys():
+    raw = json.loads((TINY_MODEL_DIR / "config.json").read_text())
+    astrai_fields = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in (*EXTENSION_FIELDS, "extra")]
+    assert list(ModelConfig.from_dict(raw).to_dict()) == astrai_fields  # AstrAI's keys, in AstrAI's order
+
+
+def test_training_refuses_before_anything_is_written(llama_dir, tmp_path, capsys):
+    directory = tmp_path / "m"
+    directory.mkdir()
+    config = {**json.loads((llama_dir / "config.json").read_text()), "model_type": "gemma"}
+    (directory / "config.json").write_text(json.dumps(config))
+    argv = ["sft", "--param_path", str(directory), "--data_root_path", "bundled:data/sft", "--tokenizer_path",
+            "bundled:tiny", "--parallel_mode", "none", "--ckpt_dir", str(tmp_path / "out"), "--dry_run"]  # fmt: skip
+    assert main(argv) == 2
+    out, err = capsys.readouterr()  # the dry run lists what stops the run on stdout
+    assert "model_type 'gemma' is not supported" in out and "Traceback" not in err + out
+    assert not (tmp_path / "out").exists()
