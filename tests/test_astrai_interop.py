@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from astrai_fabric.checkpoint import load_checkpoint, load_model, save_checkpoint
 from astrai_fabric.model import AutoRegressiveLM
+from astrai_fabric.optim import build_optimizer
 
 pytestmark = needs_astrai
 
@@ -324,6 +325,9 @@ def test_astrai_trainer_resumes_our_checkpoint(crossed, train_type):
     ours = crossed / "ours" / train_type / crossing.ours_first[-1]
     loaded = torch.load(crossed / f"astrai_loaded_{train_type}.pt", weights_only=True)
     assert_loaded_checkpoint(loaded, ours)
+    # optimizer.pt indexes parameters by position in each sub-optimizer: AstrAI's order must be the one ours saved in.
+    model = load_model(ours)
+    assert loaded["optimizer_params"] == optimizer_params(model, build_optimizer(model, "muon_adamw", 1e-3, 0.1))
 
     meta = json.loads((ours / "meta.json").read_text())
     saved = meta["resume_position"]
