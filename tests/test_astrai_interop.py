@@ -115,53 +115,60 @@ class Crossing:
     """Samples an epoch: windows (seq, sft) or records (dpo, grpo)."""
     flags: tuple[str, ...]
     """AstrAI's flags, the same for every run of this type, in both trainers."""
-    ours_first: tuple[str, ...]
-    """Our first run's own flags, and the checkpoint of it that AstrAI resumes."""
+    ours_flags: tuple[str, ...]
+    """Our first run's own flags (from the model directory)."""
+    ours_checkpoint: str
+    """The checkpoint of our first run that AstrAI's CLI resumes."""
     astrai_after: tuple[str, ...]
     """What AstrAI's continuation writes (interval checkpoints hold the state before their step's update, B1)."""
     astrai_source: str
     """The AstrAI checkpoint our CLI resumes."""
     ours_after: tuple[str, ...]
+    """What our continuation writes."""
 
 
 CROSSINGS = {
     # 8 windows, 2 steps an epoch: both trainers run 4 steps from the same weights (the parity run below);
     # AstrAI's own step_3 then holds 2 updates (B1).
     "seq": Crossing(
-        8,
-        ("--window_size", "32", "--grad_accum_steps", "2", "--n_epoch", "2", "--ckpt_interval", "3"),
-        ("epoch_1_step_3",),
-        ("epoch_1_step_4",),
-        "astrai_fresh/epoch_1_step_3",
-        ("epoch_1_step_4",),
+        num_samples=8,
+        flags=("--window_size", "32", "--grad_accum_steps", "2", "--n_epoch", "2", "--ckpt_interval", "3"),
+        ours_flags=(),
+        ours_checkpoint="epoch_1_step_3",
+        astrai_after=("epoch_1_step_4",),
+        astrai_source="astrai_fresh/epoch_1_step_3",
+        ours_after=("epoch_1_step_4",),
     ),
     # Untied model; AstrAI resumes mid-epoch and crosses into epoch 1; we resume AstrAI's step_4 (3 updates).
     "sft": Crossing(
-        6,
-        ("--window_size", "16", "--n_epoch", "2", "--ckpt_interval", "2"),
-        ("--max_steps", "2", "epoch_0_step_2"),
-        ("epoch_1_step_4", "epoch_1_step_6"),
-        "astrai/sft/epoch_1_step_4",
-        ("epoch_1_step_6",),
+        num_samples=6,
+        flags=("--window_size", "16", "--n_epoch", "2", "--ckpt_interval", "2"),
+        ours_flags=("--max_steps", "2"),
+        ours_checkpoint="epoch_0_step_2",
+        astrai_after=("epoch_1_step_4", "epoch_1_step_6"),
+        astrai_source="astrai/sft/epoch_1_step_4",
+        ours_after=("epoch_1_step_6",),
     ),
     # 5 pairs: epoch 0 ends with a 1-sample batch, so our step_3 (epoch 1, sample 0, AstrAI's consumed_samples 6)
     # resumes in AstrAI one sample into epoch 1 (B2).
     "dpo": Crossing(
-        5,
-        ("--window_size", "64", "--n_epoch", "3", "--ckpt_interval", "3"),
-        ("--max_steps", "3", "epoch_0_step_3"),
-        ("epoch_2_step_6", "epoch_2_step_8"),
-        "astrai/dpo/epoch_2_step_6",
-        ("epoch_2_step_8",),
+        num_samples=5,
+        flags=("--window_size", "64", "--n_epoch", "3", "--ckpt_interval", "3"),
+        ours_flags=("--max_steps", "3"),
+        ours_checkpoint="epoch_0_step_3",
+        astrai_after=("epoch_2_step_6", "epoch_2_step_8"),
+        astrai_source="astrai/dpo/epoch_2_step_6",
+        ours_after=("epoch_2_step_8",),
     ),
     # 5 groups of 4: AstrAI's step_4 follows the short batch, so we resume it by AstrAI's rule, as AstrAI does (B2).
     "grpo": Crossing(
-        5,
-        ("--window_size", "64", "--n_epoch", "2", "--ckpt_interval", "2"),
-        ("--max_steps", "2", "epoch_0_step_2"),
-        ("epoch_1_step_4", "epoch_1_step_6"),
-        "astrai/grpo/epoch_1_step_4",
-        ("epoch_1_step_5",),
+        num_samples=5,
+        flags=("--window_size", "64", "--n_epoch", "2", "--ckpt_interval", "2"),
+        ours_flags=("--max_steps", "2"),
+        ours_checkpoint="epoch_0_step_2",
+        astrai_after=("epoch_1_step_4", "epoch_1_step_6"),
+        astrai_source="astrai/grpo/epoch_1_step_4",
+        ours_after=("epoch_1_step_5",),
     ),
 }
 
@@ -242,12 +249,11 @@ def crossed(tmp_path_factory) -> Path:
     (root / "data").mkdir()
     write_crossing_data(root / "data", root / "model")
     for train_type, crossing in CROSSINGS.items():
-        flags = crossing.ours_first[:-1]
-        assert main(crossing_argv(root, train_type, model_dir(root, train_type), root / "ours" / train_type, False,
-                                  *flags)) == 0  # fmt: skip
+        argv = crossing_argv(root, train_type, model_dir(root, train_type), root / "ours" / train_type, False)
+        assert main([*argv, *crossing.ours_flags]) == 0
     jobs = [{"argv": crossing_argv(root, "seq", root / "model", root / "astrai_fresh", True)}]
     for train_type, crossing in CROSSINGS.items():
-        ours = root / "ours" / train_type / crossing.ours_first[-1]
+        ours = root / "ours" / train_type / crossing.ours_checkpoint
         argv = crossing_argv(root, train_type, ours, root / "astrai" / train_type, True, "--resume")
         jobs.append({"argv": argv, "dump": str(root / f"astrai_loaded_{train_type}.pt"), "peek": PEEK})
     for train_type, crossing in CROSSINGS.items():
@@ -322,7 +328,7 @@ def test_astrai_trainer_resumes_our_checkpoint(crossed, train_type):
     from astrai_fabric.data import ResumableSampler
 
     crossing = CROSSINGS[train_type]
-    ours = crossed / "ours" / train_type / crossing.ours_first[-1]
+    ours = crossed / "ours" / train_type / crossing.ours_checkpoint
     loaded = torch.load(crossed / f"astrai_loaded_{train_type}.pt", weights_only=True)
     assert_loaded_checkpoint(loaded, ours)
     # optimizer.pt indexes parameters by position in each sub-optimizer: AstrAI's order must be the one ours saved in.
@@ -393,7 +399,7 @@ SHARD_SECTIONS = {
     "sft": [{"field": "prompt", "action": "mask"}, {"field": "answer", "action": "train"}],
     "seq": [{"field": "text", "action": "train"}],
 }
-SHARD_WINDOWS = {"sft": (16, None), "seq": (16, 12)}  # (window_size, stride)
+SHARD_WINDOWS = {"sft": (16, None), "seq": (16, 12)}  # (window_size, stride): seq windows overlap
 
 
 @pytest.fixture(scope="module")
@@ -462,7 +468,7 @@ def test_prepared_shards_load_in_astrai(shards):
 @pytest.mark.parametrize("train_type", SHARD_WINDOWS)
 def test_astrai_preprocessed_shards_load_here(shards, train_type):
     """AstrAI's own preprocessing output (int32 loss masks, its layout) read by our datasets: the same windows,
-    key by key, as AstrAI's datasets cut from it (seq with an overlapping stride and a clamped last window)."""
+    key by key, as AstrAI's datasets cut from it (seq with a stride shorter than the window)."""
     from astrai_fabric.data import load_window_dataset
 
     window, stride = SHARD_WINDOWS[train_type]
