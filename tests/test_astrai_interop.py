@@ -27,57 +27,62 @@ from astrai_fabric.optim import build_optimizer
 pytestmark = needs_astrai
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_our_checkpoint_loads_in_astrai(tmp_path, tied):
+@pytest.fixture(scope="module")
+def model_files(tmp_path_factory) -> Path:
+    """Model files both ways, in one AstrAI process: our checkpoints (tied and untied) loaded by AstrAI's
+    `Checkpoint.load` and strict `AutoModel.from_pretrained`, which computes their logits; and a bf16 checkpoint
+    written by AstrAI's `Checkpoint.save`."""
+    root = tmp_path_factory.mktemp("model_files")
     torch.manual_seed(0)
-    model = AutoRegressiveLM(tiny_config(tie_word_embeddings=tied))
-    optimizer = torch.optim.AdamW(model.parameters())
-    model(torch.randint(0, 32, (2, 5)))["logits"].sum().backward()
-    optimizer.step()
-    path = save_checkpoint(
-        tmp_path / "epoch_0_step_1",
-        model.state_dict(),
-        model.config.to_dict(),
-        epoch=0,
-        consumed_samples=2,
-        meta={"strategy": "seq"},
-        extra={"optimizer": optimizer.state_dict()},
-    )
     ids = torch.randint(0, 32, (2, 5))
-    expected = model(ids)["logits"].detach()
-    torch.save(ids, tmp_path / "ids.pt")
-    out = run_astrai(f"""
-        import torch
-        from astrai.model.automodel import AutoModel
-        from astrai.serialization import Checkpoint
-        ckpt = Checkpoint.load("{path}")
-        assert (ckpt.epoch, ckpt.consumed_samples) == (0, 2), (ckpt.epoch, ckpt.consumed_samples)
-        assert sorted(ckpt.extra) == ["optimizer"]
-        model = AutoModel.from_pretrained("{path}")  # strict load
-        logits = model(torch.load("{tmp_path / "ids.pt"}"))["logits"]
-        torch.save(logits.detach(), "{tmp_path / "astrai_logits.pt"}")
-        print(type(model).__name__, model.lm_head.weight is model.embed_tokens.weight)
-    """)
-    assert out.strip() == f"AutoRegressiveLM {tied}"
-    torch.testing.assert_close(torch.load(tmp_path / "astrai_logits.pt"), expected, atol=1e-5, rtol=0)
-
-
-def test_astrai_checkpoint_loads_here(tmp_path):
-    config = tiny_config().to_dict()
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    out_dir = tmp_path / "astrai_ckpt"
+    torch.save(ids, root / "ids.pt")
+    for tied in (True, False):
+        torch.manual_seed(0)
+        model = AutoRegressiveLM(tiny_config(tie_word_embeddings=tied))
+        optimizer = torch.optim.AdamW(model.parameters())
+        model(torch.randint(0, 32, (2, 5)))["logits"].sum().backward()
+        optimizer.step()
+        path = save_checkpoint(
+            root / f"tied_{tied}" / "epoch_0_step_1", model.state_dict(), model.config.to_dict(), epoch=0,
+            consumed_samples=2, meta={"strategy": "seq"}, extra={"optimizer": optimizer.state_dict()},
+        )  # fmt: skip
+        torch.save(model(ids)["logits"].detach(), path.parent / "expected_logits.pt")
+    (root / "config.json").write_text(json.dumps(tiny_config().to_dict()))
     run_astrai(f"""
-        import json, torch
+        import torch
         from astrai.config.model_config import AutoRegressiveLMConfig
+        from astrai.model.automodel import AutoModel
         from astrai.model.transformer import AutoRegressiveLM
         from astrai.serialization import Checkpoint
+        for tied in (True, False):
+            path = "{root}/tied_" + str(tied) + "/epoch_0_step_1"
+            ckpt = Checkpoint.load(path)
+            model = AutoModel.from_pretrained(path)  # strict load
+            logits = model(torch.load("{root / "ids.pt"}"))["logits"].detach()
+            torch.save({{"counters": [ckpt.epoch, ckpt.consumed_samples], "extra": sorted(ckpt.extra),
+                        "class": type(model).__name__, "tied": model.lm_head.weight is model.embed_tokens.weight,
+                        "logits": logits}}, "{root}/tied_" + str(tied) + "/astrai_loaded.pt")
         torch.manual_seed(0)
-        config = AutoRegressiveLMConfig.from_file("{tmp_path / "config.json"}")
+        config = AutoRegressiveLMConfig.from_file("{root / "config.json"}")
         model = AutoRegressiveLM(config).to(torch.bfloat16)  # AstrAI's CLI trains and saves in bf16
         opt = torch.optim.AdamW(model.parameters())
         Checkpoint(state_dict=model.state_dict(), epoch=1, consumed_samples=8, config=config.to_dict(),
-                   meta={{"strategy": "sft"}}, extra={{"optimizer": opt.state_dict()}}).save("{out_dir}")
+                   meta={{"strategy": "sft"}}, extra={{"optimizer": opt.state_dict()}}).save("{root / "astrai_ckpt"}")
     """)
+    return root
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_our_checkpoint_loads_in_astrai(model_files, tied):
+    loaded = torch.load(model_files / f"tied_{tied}" / "astrai_loaded.pt", weights_only=True)
+    assert (loaded["counters"], loaded["extra"]) == ([0, 2], ["optimizer"])
+    assert (loaded["class"], loaded["tied"]) == ("AutoRegressiveLM", tied)
+    expected = torch.load(model_files / f"tied_{tied}" / "expected_logits.pt")
+    torch.testing.assert_close(loaded["logits"], expected, atol=1e-5, rtol=0)
+
+
+def test_astrai_checkpoint_loads_here(model_files):
+    out_dir = model_files / "astrai_ckpt"
     ckpt = load_checkpoint(out_dir)  # weights_only .pt loading accepts AstrAI's optimizer.pt
     assert (ckpt.epoch, ckpt.consumed_samples, ckpt.format_version) == (1, 8, None)
     model = load_model(out_dir)
