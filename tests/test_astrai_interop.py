@@ -3,7 +3,10 @@
 Runs where AstrAI is available (tests/astrai_oracle.py says how it is found; `.ci/run` builds it on every CI run
 from the snapshot in ../shared/astrai), skips with the reason elsewhere.
 
-Each direction runs AstrAI in a real subprocess with its own interpreter, on real files.
+AstrAI runs in real subprocesses with its own interpreter, on real files, three in all (each start costs seconds of
+imports): one per module fixture below. Model files both ways (`model_files`); training checkpoints of every train
+type both ways through both trainers' CLIs, and a seq parity run (`crossed`); bin shards both ways (`shards`).
+docs/astrai-compat.md lists what is checked.
 """
 
 import copy
