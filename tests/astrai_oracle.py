@@ -5,6 +5,7 @@ Found without configuration where the project sits beside the AstrAI snapshot (`
 need it skip and say why.
 """
 
+import json
 import os
 import subprocess
 import textwrap
@@ -41,3 +42,14 @@ def run_astrai(script: str) -> str:
     )
     assert result.returncode == 0, result.stderr[-4000:]
     return result.stdout
+
+
+def run_astrai_cli(jobs: list[dict], jobs_file: Path) -> str:
+    """Run AstrAI's training CLI on each job in one AstrAI process (``astrai_cli_driver.py`` says what a job is and
+    what the driver changes in AstrAI: float32 only); return its output, fail the test on a non-zero exit."""
+    jobs_file.write_text(json.dumps(jobs))
+    driver = Path(__file__).with_name("astrai_cli_driver.py")
+    env = dict(astrai_env(), ASTRAI_SRC=ASTRAI_SRC)
+    result = subprocess.run([ASTRAI_PYTHON, str(driver), str(jobs_file)], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result.stderr

@@ -140,7 +140,7 @@ def window_dataset(
         raise UserError(f"data_root_path {path}: {train_type} data needs keys {missing}; the shards hold {stream.keys}")
     if vocab_size is not None:
         stream.check_range("sequence", vocab_size, f"token ids must be below the model's vocab_size {vocab_size:,}")
-    if max_positions is not None and "position_ids" in stream.keys:
+    if max_positions is not None and train_type == "sft":  # seq never reads them (positions 0..window-1)
         limit = f"position ids must be below the model's max_position_embeddings {max_positions:,}"
         stream.check_range("position_ids", max_positions, limit)
     dataset = WindowDataset(stream, train_type, window_size, stride)
