@@ -74,11 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _dispatch(argv)
     except UserError as err:
-        print(f"astrai-fabric: error: {err}", file=sys.stderr)
+        _print_error(err)
         _leave_process_group()
         return 2
     except TrainingError as err:
-        print(f"astrai-fabric: error: {err}", file=sys.stderr)
+        _print_error(err)
         return 1
     except KeyboardInterrupt:  # a second Ctrl-C during training, or one before it started
         print("astrai-fabric: interrupted; the checkpoints written so far are complete", file=sys.stderr)
@@ -93,6 +93,12 @@ def main(argv: list[str] | None = None) -> int:
             f"astrai-fabric: error: internal error, a bug: {type(err).__name__}: {summary} ({where})", file=sys.stderr
         )
         return 1
+
+
+def _print_error(err: Exception) -> None:
+    """One line on stderr; an error every rank raised together (``errors.raised_on_every_rank``) once per machine."""
+    if not getattr(err, "quiet", False):
+        print(f"astrai-fabric: error: {err}", file=sys.stderr)
 
 
 def _leave_process_group() -> None:

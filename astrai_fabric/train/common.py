@@ -35,7 +35,7 @@ from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.config.train import COMMAND_LINE_ONLY, TrainArgs
 from astrai_fabric.data import ResumableSampler
 from astrai_fabric.data.storage import detect_format
-from astrai_fabric.errors import CheckpointError, ConfigError, UserError
+from astrai_fabric.errors import CheckpointError, ConfigError, UserError, raised_on_every_rank
 from astrai_fabric.loop import LossFn, fit
 from astrai_fabric.metrics import METRIC_FILE, MetricLog, flops_per_token, peak_flops
 from astrai_fabric.model import AutoRegressiveLM
@@ -81,14 +81,23 @@ T = TypeVar("T")
 
 def read_on_rank_zero(fabric: Fabric, read: Callable[[], T], paths: Iterable[Path]) -> T:
     """``read()`` on every rank when every rank sees ``paths``, else on rank 0 only, its result sent to the others
-    (so a resume needs no shared filesystem). A mistake found while reading is raised on every rank."""
-    visible = all(Path(p).exists() for p in paths)
-    everywhere = (
-        fabric.world_size == 1
-        or fabric.all_reduce(torch.tensor(float(visible), device=fabric.device), reduce_op="min").item() == 1
-    )
-    if everywhere:
+    (so a resume needs no shared filesystem). A mistake found while reading is raised on every rank, and shown once
+    when every rank found it (``raised_on_every_rank``)."""
+    if fabric.world_size == 1:
         return read()
+    visible = all(Path(p).exists() for p in paths)
+    if fabric.all_reduce(torch.tensor(float(visible), device=fabric.device), reduce_op="min").item() == 1:
+        try:
+            value, error = read(), None
+        except UserError as err:
+            value, error = None, err
+        failed = fabric.all_reduce(torch.tensor(float(error is not None), device=fabric.device), reduce_op="sum")
+        if error is not None:  # shown once when every rank found it, by each rank that did otherwise
+            raise raised_on_every_rank(error, fabric.local_rank) if failed.item() == fabric.world_size else error
+        if failed.item() > 0:
+            raise UserError(f"{int(failed.item())} other rank(s) could not read {', '.join(map(str, paths))} (their "
+                            "messages say why)")  # fmt: skip
+        return value
     outcome = None
     if fabric.global_rank == 0:
         try:
@@ -97,7 +106,7 @@ def read_on_rank_zero(fabric: Fabric, read: Callable[[], T], paths: Iterable[Pat
             outcome = ("error", err)
     kind, value = fabric.broadcast(outcome)
     if kind == "error":
-        raise value
+        raise raised_on_every_rank(value, fabric.local_rank)
     return value
 
 
@@ -292,10 +301,11 @@ def refuse_to_overwrite(fabric: Fabric, ckpt_dir: str, step: int) -> None:
     names = fabric.broadcast([path.name for path in later] if later is not None else None)
     if names:
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-        raise CheckpointError(
+        message = (
             f"ckpt_dir {ckpt_dir}: already holds {shown}, past this run's start (step {step}), which it would "
             "overwrite; continue the newest with --resume auto, or choose a new --ckpt_dir"
         )
+        raise raised_on_every_rank(CheckpointError(message), fabric.local_rank)
 
 
 def written_names(args: TrainArgs) -> list[str]:
@@ -321,7 +331,7 @@ def hold_ckpt_dir(fabric: Fabric, args: TrainArgs) -> Iterator[None]:
                 lock.release()
     refusal = fabric.broadcast(refusal)
     if refusal is not None:
-        raise CheckpointError(refusal)
+        raise raised_on_every_rank(CheckpointError(refusal), fabric.local_rank)
     try:
         yield
     finally:
