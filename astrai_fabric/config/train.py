@@ -48,6 +48,11 @@ class TrainArgs:
     resume_optimizer: bool = True
     """``false``: resume weights, schedule and data position but start a fresh optimizer (for a checkpoint whose
     optimizer state cannot be restored, such as AstrAI's FSDP checkpoints, which hold rank 0's shard only)."""
+    resume_schedule: bool = True
+    """``true`` (AstrAI's rule): a resume continues the checkpoint's learning-rate schedule, whatever this run's
+    length; when that schedule ends before this run does (``--n_epoch`` raised after a finished run), the extra steps
+    run at the floor and the plan says so. ``false``: rebuild the schedule from this run's flags and length and
+    continue it at the checkpoint's step."""
     window_size: int | None = None
     """Tokens per training sample; default: the model's ``max_position_embeddings``."""
     stride: int | None = None

@@ -243,16 +243,46 @@ def build_optimizer_and_schedule(fabric: Fabric, model: nn.Module, start: Start,
     elif start.resume is not None:
         fabric.print("optimizer: starting fresh (--resume_optimizer false)")
     optimizer = fabric.setup_optimizers(optimizer)  # after loading: Fabric copies the optimizer's param groups
-    scheduler = build_scheduler(
-        optimizer.optimizer, args.schedule_type, plan.total_steps, plan.warmup_steps, args.min_rate,
-        args.cycle_length, args.t_mult, args.stable_steps, args.decay_steps,
-    )  # fmt: skip
-    if start.resume is not None and "scheduler" in start.resume.extra:
-        try:
-            scheduler.load_state_dict(start.resume.extra["scheduler"])
-        except UserError as err:
-            raise CheckpointError(f"{start.resume.path / 'scheduler.pt'}: {err}") from None
+    scheduler, note = build_schedule(optimizer.optimizer, args, plan, start.resume)
+    if note:
+        fabric.print(note)
     return optimizer, scheduler
+
+
+def build_schedule(optimizer: Any, args: TrainArgs, plan: StepPlan, resume: Checkpoint | None):
+    """The learning-rate schedule: this run's, or on a resume the checkpoint's (AstrAI's rule) unless
+    ``--resume_schedule false`` rebuilds it for this run's length from the checkpoint's step. Returns it and a note
+    for the plan (or None): the checkpoint's schedule ends before this run does, or it was rebuilt."""
+
+    def fresh():
+        return build_scheduler(
+            optimizer, args.schedule_type, plan.total_steps, plan.warmup_steps, args.min_rate, args.cycle_length,
+            args.t_mult, args.stable_steps, args.decay_steps,
+        )  # fmt: skip
+
+    scheduler = fresh()
+    if resume is None or "scheduler" not in resume.extra:
+        return scheduler, None
+    try:
+        scheduler.load_state_dict(resume.extra["scheduler"])
+    except UserError as err:
+        raise CheckpointError(f"{resume.path / 'scheduler.pt'}: {err}") from None
+    step = scheduler.last_epoch
+    if not args.resume_schedule:
+        scheduler = fresh()
+        scheduler.continue_at(step)
+        return scheduler, (
+            f"schedule: rebuilt for this run's {plan.total_steps} steps (--resume_schedule false), continuing at step "
+            f"{step}"
+        )
+    end = getattr(scheduler, "total_steps", None)  # cosine and wsd end; sgdr restarts
+    if end is not None and end < plan.total_steps:
+        return scheduler, (
+            f"note: the checkpoint's schedule ends at step {end}, before this run's {plan.total_steps} steps: steps "
+            f"{max(end, step) + 1}-{plan.total_steps} run at the floor ({scheduler.min_rate:g} x max_lr); "
+            f"--resume_schedule false rebuilds the schedule for {plan.total_steps} steps"
+        )
+    return scheduler, None
 
 
 def start_position(fabric: Fabric, start: Start, args: TrainArgs, plan: StepPlan) -> RunPosition:
