@@ -12,6 +12,7 @@ world size, and ``fabric.launch()`` must not be called (P8).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from dataclasses import dataclass
@@ -61,10 +62,18 @@ def resolve_topology(args: TrainArgs) -> Topology:
         topology = Topology(int(env["SLURM_NTASKS"]) // nodes, nodes, True)
     else:
         return Topology(args.nprocs, args.num_nodes, False)
-    if (args.nprocs, args.num_nodes) != (topology.devices, topology.num_nodes):
+    # Only a value given that says otherwise conflicts: the defaults (1) mean "what the launcher decides", and
+    # --nprocs may be the ranks per node or (as AstrAI's docs have it) the world size.
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainArgs)}
+    conflicts = []
+    if args.nprocs != defaults["nprocs"] and args.nprocs not in (topology.devices, topology.world_size):
+        conflicts.append(f"--nprocs {args.nprocs}")
+    if args.num_nodes != defaults["num_nodes"] and args.num_nodes != topology.num_nodes:
+        conflicts.append(f"--num_nodes {args.num_nodes}")
+    if conflicts:
         warnings.warn(
             f"the launcher runs {topology.devices} rank(s) per node on {topology.num_nodes} node(s); "
-            f"--nprocs {args.nprocs} / --num_nodes {args.num_nodes} are ignored",
+            f"{' and '.join(conflicts)} {'is' if len(conflicts) == 1 else 'are'} ignored",
             stacklevel=2,
         )
     return topology

@@ -164,9 +164,10 @@ class TrainArgs:
     process every mode trains on a single device."""
     nprocs: int = 1
     """Local ranks to launch (``--devices`` is the same flag). Under ``fabric run``, torchrun or SLURM the
-    environment decides, and a different value only warns."""
+    environment decides; a value given that is neither its ranks per node nor its world size only warns."""
     num_nodes: int = 1
-    """Machines in the run (with ``fabric run``/torchrun/SLURM, or ``NODE_RANK`` + ``MASTER_ADDR``)."""
+    """Machines in the run (with ``fabric run``/torchrun/SLURM, or ``NODE_RANK`` + ``MASTER_ADDR``); under those
+    launchers the environment decides, and a value given that differs only warns."""
     device_type: str | None = None
     """``cuda`` or ``cpu``; default: cuda when available (AstrAI's default is always cuda)."""
     backend: Literal["gloo", "nccl"] | None = None
