@@ -95,6 +95,36 @@ def resolve_precision(precision: str, accelerator: str) -> str:
     return precision
 
 
+ASTRAI_NUM_WORKERS = 4
+"""AstrAI's default ``num_workers``, the most the machine-decided default gives."""
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, as torch's DataLoader counts them)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def resolve_num_workers(num_workers: int | None, local_ranks: int) -> tuple[int, str]:
+    """``--num_workers``, or by default AstrAI's 4 capped by the CPUs per local rank (more workers than CPUs only
+    compete, and torch warns on every rank). Returns the number and how it was chosen, for the plan."""
+    if num_workers is not None:
+        return num_workers, f"{num_workers} worker process(es) per rank"
+    cpus = available_cpus()
+    chosen = min(ASTRAI_NUM_WORKERS, cpus // max(local_ranks, 1))
+    return chosen, (
+        f"{chosen} worker process(es) per rank (num_workers default: at most {ASTRAI_NUM_WORKERS}, {cpus} CPU(s) for "
+        f"{local_ranks} local rank(s))"
+    )
+
+
+def local_ranks(fabric: Fabric) -> int:
+    """Ranks on this machine (the ones sharing its CPUs)."""
+    return max(1, fabric.world_size // getattr(fabric.strategy, "num_nodes", 1))
+
+
 def build_loggers(args: TrainArgs) -> list:
     """The recipe's loggers, writing under ``ckpt_dir/logs`` (created on first use, by rank 0)."""
     loggers = []

@@ -2,6 +2,7 @@
 and the dry-run plan."""
 
 import json
+import os
 import re
 import struct
 import subprocess
@@ -16,7 +17,7 @@ ROOT = Path(__file__).parents[1]
 ENV = {"OMP_NUM_THREADS": "1", "PATH": str(Path(sys.executable).parent)}
 PLAIN_LINE = re.compile(
     r"^(seq|sft|dpo|grpo): [\d,]+ parameters \| .+"
-    r"|^batch: .+|^steps: .+|^schedule: .+|^outputs: .+"
+    r"|^batch: .+|^steps: .+|^schedule: .+|^loader: .+|^outputs: .+"
     r"|^step \d+/\d+ \| epoch \d+ \| loss [\d.]+ \| lr \S+ \| grad_norm [\d.]+ \| [\d,]+ tokens/s"
     r"( \| \w+ [-\d.]+)* \| eta \S+$"
     r"|^checkpoint: .+|^done after step \d+; latest checkpoint: .+|^plot: .+\.png$"
@@ -105,3 +106,22 @@ def test_dry_run_says_what_is_missing(recipe, tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "cannot start:" in out and "no config.json" in out and "not found" in out
     assert list(tmp_path.iterdir()) == []
+
+
+def test_default_workers_fit_the_cpus_and_a_budget_shows_its_last_step(tmp_path, monkeypatch, capsys, recwarn):
+    recipe = tmp_path / "tiny-seq.yaml"  # the recipe without its num_workers: 0, so the default decides
+    lines = (ROOT / "recipes" / "tiny-seq.yaml").read_text().splitlines()
+    recipe.write_text("\n".join(line for line in lines if not line.startswith("num_workers")))
+    base = ["seq", "--config", str(recipe), "--window_size", "32", "--loggers", "[]"]
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # 2 CPUs, shared by 2 local ranks
+    assert (
+        main([*base, "--nprocs", "2", "--parallel_mode", "ddp", "--ckpt_dir", str(tmp_path / "plan"), "--dry_run"]) == 0
+    )
+    assert "loader       1 worker process(es) per rank (num_workers default: at most 4, 2 CPU(s) for 2 local" in (
+        capsys.readouterr().out
+    )
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})  # 1 CPU: torch warns about more workers than that
+    assert main([*base, "--ckpt_dir", str(tmp_path / "run"), "--max_steps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "loader: 1 worker process(es) per rank (num_workers default: at most 4, 1 CPU(s) for 1 local rank(s))" in out
+    assert [str(w.message) for w in recwarn if "worker processes" in str(w.message)] == []

@@ -209,8 +209,10 @@ class TrainArgs:
     random_seed: int = 3407
     """Seeds the sampler order (``seed + epoch``), the validation split, model initialisation, and by position
     (rank, step, epoch) NEFTune noise, loader workers and GRPO rollouts."""
-    num_workers: int = 4
-    """DataLoader worker processes per rank."""
+    num_workers: int | None = None
+    """DataLoader worker processes per rank; default: AstrAI's 4, capped by the CPUs this process may use divided by
+    the local ranks (2 CPUs and one rank: 2; two ranks: 1 each; fewer CPUs than ranks: 0, loading in the rank itself).
+    The plan prints the number."""
     pin_memory: bool = True
     """Pin host memory for faster copies to the GPU (ignored on CPU)."""
     persistent_workers: bool = True
@@ -269,13 +271,15 @@ class TrainArgs:
         optional_positive = [
             "window_size", "stride", "max_steps", "max_tokens", "tp_size", "cycle_length", "keep_last_k",
         ]  # fmt: skip
+        if self.num_workers is not None and self.num_workers < 0:
+            problems.append(f"num_workers must be >= 0, got {self.num_workers}")
         problems += [
             f"{name} must be positive, got {getattr(self, name)}"
             for name in optional_positive
             if getattr(self, name) is not None and getattr(self, name) < 1
         ]
         non_negative = [
-            "num_workers", "neftune_alpha", "moe_aux_loss_coef", "weight_decay", "warmup_ratio", "label_smoothing",
+            "neftune_alpha", "moe_aux_loss_coef", "weight_decay", "warmup_ratio", "label_smoothing",
             "rollout_top_k", "start_epoch", "start_samples", "max_lr", "max_bad_steps",
         ]  # fmt: skip
         problems += [

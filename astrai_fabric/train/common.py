@@ -45,7 +45,14 @@ from astrai_fabric.preemption import StopRequest, ignore_stop_signals
 from astrai_fabric.randomness import derive_seed
 from astrai_fabric.reporting import Reporter
 from astrai_fabric.schedule import StepPlan, build_scheduler
-from astrai_fabric.strategy import LOG_DIR, data_parallel, precision_of, setup_frozen
+from astrai_fabric.strategy import (
+    LOG_DIR,
+    data_parallel,
+    local_ranks,
+    precision_of,
+    resolve_num_workers,
+    setup_frozen,
+)
 from astrai_fabric.tokenizer import Tokenizer
 from astrai_fabric.training_state import (
     RESUME_KEY,
@@ -456,16 +463,17 @@ def make_loader(
     fabric: Fabric, dataset: Dataset, args: TrainArgs, shuffle: bool, collate: Callable | None = None
 ) -> tuple[DataLoader, ResumableSampler]:
     sampler = ResumableSampler(len(dataset), *data_parallel(fabric), args.random_seed, shuffle)
+    num_workers = resolve_num_workers(args.num_workers, local_ranks(fabric))[0]
     loader = SeededLoader(
         dataset,
         batch_size=args.batch_per_device,
         sampler=sampler,
         generator=torch.Generator(),
-        num_workers=args.num_workers,
+        num_workers=num_workers,
         collate_fn=collate,
         pin_memory=args.pin_memory and fabric.device.type == "cuda",
-        persistent_workers=args.persistent_workers and args.num_workers > 0,
-        worker_init_fn=ignore_stop_signals if args.num_workers > 0 else None,
+        persistent_workers=args.persistent_workers and num_workers > 0,
+        worker_init_fn=ignore_stop_signals if num_workers > 0 else None,
     )
     # Our sampler already shards by rank in AstrAI's order; Fabric must not replace it.
     return fabric.setup_dataloaders(loader, use_distributed_sampler=False), sampler
@@ -526,6 +534,7 @@ def train_on(
             f"{args.train_type}: {num_params:,} parameters | {len(train_set):,} training samples: {data_summary}"
             f"{held_out}"
             f"\n{plan.describe()}\nschedule: {scheduler.describe()}, peak {args.max_lr}"
+            f"\nloader: {resolve_num_workers(args.num_workers, local_ranks(fabric))[1]}"
             f"\noutputs: {Path(args.ckpt_dir).resolve()}"
         )
         if start.resume is not None:

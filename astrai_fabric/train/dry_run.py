@@ -13,7 +13,7 @@ from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import UserError
 from astrai_fabric.metrics import num_parameters
 from astrai_fabric.schedule import StepPlan
-from astrai_fabric.strategy import resolve_accelerator, resolve_precision, resolve_topology
+from astrai_fabric.strategy import resolve_accelerator, resolve_num_workers, resolve_precision, resolve_topology
 from astrai_fabric.train.common import (
     RECIPE_FILE,
     RECIPE_HEADER,
@@ -82,6 +82,7 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
                 lines.append(f"               {note}")
         except UserError as err:
             problems.append(str(err))
+    lines.append(f"  loader       {resolve_num_workers(args.num_workers, topology.devices)[1]}")
     budget = []
     if args.max_steps is not None:
         budget.append(f"max_steps {args.max_steps}")
