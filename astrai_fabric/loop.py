@@ -139,7 +139,8 @@ def fit(
                 reporter.throughput(record, window_tokens, window_samples)
                 if val_loader is not None and (step == 1 or step % args.val_step == 0):
                     record["val_loss"] = validate(fabric, model, val_loader, compute_loss)
-                reporter.step(record, names, position.epoch, position.consumed_samples)
+                last = stop_requested or _budget_reached(position, args)
+                reporter.step(record, names, position.epoch, position.consumed_samples, last)
                 if step % args.ckpt_interval == 0:
                     reporter.message(f"checkpoint: {save(position)}")
                     last_saved_step = step

@@ -125,3 +125,48 @@ def test_default_workers_fit_the_cpus_and_a_budget_shows_its_last_step(tmp_path,
     out = capsys.readouterr().out
     assert "loader: 1 worker process(es) per rank (num_workers default: at most 4, 1 CPU(s) for 1 local rank(s))" in out
     assert [str(w.message) for w in recwarn if "worker processes" in str(w.message)] == []
+    # 855 steps are logged every 42; the step --max_steps ends on is shown too.
+    assert re.findall(r"^step (\d+)/855 ", out, re.M) == ["1", "3"]
+
+
+class FakeFabric:
+    global_rank, world_size, loggers = 0, 1, []
+
+    def log_dict(self, metrics, step):
+        pass
+
+
+def test_progress_shows_each_step_with_its_own_numbers_and_a_compiled_first_step_as_such(monkeypatch, capsys):
+    from functools import partial
+    from types import SimpleNamespace
+
+    from astrai_fabric import reporting
+    from astrai_fabric.metrics import MetricLog
+    from astrai_fabric.schedule import StepPlan
+
+    now = [0.0]
+    monkeypatch.setattr(reporting, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    plan = StepPlan(160, 1, 1, 1, 1, 0.0)  # 160 steps, logged every 8
+
+    def train(reporter, steps):
+        for step in range(1, steps + 1):
+            now[0] += 40.0 if step == 1 else 0.5  # the first step compiles
+            record = {"step": step, "epoch": 0, "loss": 1.0, "lr": 1e-3, "grad_norm": 1.0}
+            reporter.throughput(record, tokens=64, samples=1)
+            reporter.step(record, [], 0, step)
+            reporter.restart_clock()
+        reporter.close()
+
+    train(reporting.Reporter(FakeFabric(), plan, MetricLog([]), first_step=1, compiled=True), 8)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("| first step 40.0 s, compilation included | eta ?")
+    assert lines[1].startswith("step 8/160") and lines[1].endswith("| 128 tokens/s | eta 1m16s")  # 152 x 0.5 s
+
+    # On a terminal: a bar whose counter and postfix always name the same step.
+    monkeypatch.setattr(reporting, "sys", SimpleNamespace(stdout=SimpleNamespace(isatty=lambda: True)))
+    monkeypatch.setattr(reporting, "tqdm", partial(reporting.tqdm, mininterval=0, file=sys.stderr))
+    train(reporting.Reporter(FakeFabric(), plan, MetricLog([]), first_step=1), 5)
+    frames = [f for f in capsys.readouterr().err.split("\r") if "step " in f]
+    assert len(frames) >= 5
+    for frame in frames:
+        assert re.search(r"\| (\d+)/160 ", frame)[1] == re.search(r"step (\d+)/160", frame)[1], frame

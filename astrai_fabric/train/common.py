@@ -555,7 +555,7 @@ def train_on(
         reporter = Reporter(
             fabric, plan, metric_log, first_step=position.optimizer_step + 1,
             flops_per_token=flops_per_token(start.model_config, window_size),
-            peak_flops=peak_flops(fabric.device, precision_of(fabric), args.peak_flops),
+            peak_flops=peak_flops(fabric.device, precision_of(fabric), args.peak_flops), compiled=bool(args.compile),
         )  # fmt: skip
         try:
             with StopRequest() as stop:
