@@ -126,16 +126,20 @@ def local_ranks(fabric: Fabric) -> int:
 
 
 def build_loggers(args: TrainArgs) -> list:
-    """The recipe's loggers, writing under ``ckpt_dir/logs`` (created on first use, by rank 0)."""
-    loggers = []
+    """The recipe's loggers, writing under ``ckpt_dir/logs`` (created on first use, by rank 0), all into the same
+    ``version_N`` folder (each would otherwise take the next free one for itself)."""
+    loggers: list = []
+    version = None
     if "csv" in args.loggers:
         loggers.append(CSVLogger(args.ckpt_dir, name=LOG_DIR))
+        version = loggers[-1].version  # the next free version_N
     if "tensorboard" in args.loggers:
         try:
-            loggers.append(TensorBoardLogger(args.ckpt_dir, name=LOG_DIR))
+            loggers.append(TensorBoardLogger(args.ckpt_dir, name=LOG_DIR, version=version))
         except ModuleNotFoundError as err:
             raise ConfigError(
-                f"loggers tensorboard needs the tensorboard package ({err}): pip install tensorboard"
+                f"loggers tensorboard needs the tensorboard package ({err}): pip install 'astrai-fabric[tensorboard]'"
+                " (or pip install tensorboard)"
             ) from None
     return loggers
 

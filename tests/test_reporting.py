@@ -1,6 +1,7 @@
 """What a user sees: plain progress lines off a terminal, metric.jsonl in AstrAI's shape, CSV logs, the plot,
 and the dry-run plan."""
 
+import importlib.util
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import pytest
 from astrai_fabric.cli import main
 
 ROOT = Path(__file__).parents[1]
+HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None  # the [tensorboard] extra (in [dev])
 ENV = {"OMP_NUM_THREADS": "1", "PATH": str(Path(sys.executable).parent)}
 PLAIN_LINE = re.compile(
     r"^(seq|sft|dpo|grpo): [\d,]+ parameters \| .+"
@@ -30,6 +32,8 @@ def short_run(tmp_path_factory) -> tuple[Path, str]:
     command = [sys.executable, "-m", "astrai_fabric", "sft", "--config", str(ROOT / "recipes" / "tiny-sft.yaml"),
                "--ckpt_dir", str(out), "--max_steps", "6", "--ckpt_interval", "4", "--val_split", "0.05",
                "--val_step", "3", "--n_epoch", "1"]  # fmt: skip
+    if HAS_TENSORBOARD:
+        command += ["--loggers", "csv", "--loggers", "tensorboard"]
     result = subprocess.run(command, capture_output=True, text=True, env=ENV)  # stdout is a pipe, not a terminal
     assert result.returncode == 0, result.stderr[-2000:]
     return out, result.stdout
@@ -67,6 +71,13 @@ def test_csv_logger_gets_every_step(short_run):
     header, *rows = csv.read_text().splitlines()
     assert {"loss", "lr", "grad_norm", "tokens_per_sec", "samples_per_sec", "val_loss"} <= set(header.split(","))
     assert len(rows) == 6
+
+
+@pytest.mark.skipif(not HAS_TENSORBOARD, reason="needs the [tensorboard] extra")
+def test_tensorboard_writes_into_the_csv_loggers_folder(short_run):
+    out, _ = short_run
+    (version,) = out.glob("logs/version_*")  # one folder for the run, not one per logger
+    assert (version / "metrics.csv").is_file() and list(version.glob("events.out.tfevents.*"))
 
 
 def png_size(path: Path) -> tuple[int, int]:

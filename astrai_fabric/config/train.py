@@ -233,8 +233,9 @@ class TrainArgs:
     ``load_imbalance_mean``, ``load_imbalance_max``) and ``tokens_per_sec``, ``samples_per_sec``, ``mfu``.
     ``grad_snr`` keeps two gradient-sized buffers; leave it out to save them."""
     loggers: list[Literal["csv", "tensorboard"]] = field(default_factory=lambda: ["csv"])
-    """Where every step's metrics also go, under ``ckpt_dir/logs``: CSV, and/or TensorBoard (needs the
-    ``tensorboard`` package); ``[]`` for none."""
+    """Where every step's metrics also go, under ``ckpt_dir/logs/version_N`` (one folder per run, shared by both):
+    CSV, and/or TensorBoard (needs the ``tensorboard`` package: ``pip install 'astrai-fabric[tensorboard]'``);
+    ``[]`` for none."""
     peak_flops: float | None = None
     """Peak FLOP/s of one device, for model FLOPs utilisation (``mfu``); known CUDA devices need no value."""
     keep_last_k: int | None = None
