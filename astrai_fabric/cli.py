@@ -253,11 +253,23 @@ def train_command(train_type: str, argv: list[str]) -> int:
     from astrai_fabric.train import TRAIN_TYPES, run  # imports Lightning (~5 s): only when training
     from astrai_fabric.train.dry_run import dry_run
 
+    args.validate()
+    _set_cpu_threads(args.num_threads)
     if args.dry_run:
-        args.validate()
         return dry_run(args, TRAIN_TYPES[train_type].build_dataset)
     run(args)
     return 0
+
+
+def _set_cpu_threads(num_threads: int | None) -> None:
+    """``--num_threads`` for this process and, through ``OMP_NUM_THREADS``, for the ranks it launches (Lightning's
+    launcher then keeps it). Only the command line does this: importing the package changes no setting."""
+    if num_threads is None:
+        return
+    import torch
+
+    torch.set_num_threads(num_threads)
+    os.environ["OMP_NUM_THREADS"] = str(num_threads)
 
 
 def generate_command(argv: list[str]) -> int:

@@ -120,6 +120,27 @@ def resolve_num_workers(num_workers: int | None, local_ranks: int) -> tuple[int,
     )
 
 
+def planned_cpu_threads(num_threads: int | None, local_ranks: int) -> int:
+    """torch's CPU threads per rank a run will have (see ``TrainArgs.num_threads``), for the dry run's plan."""
+    if num_threads is not None:
+        return num_threads
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return int(os.environ["OMP_NUM_THREADS"])
+    if local_ranks == 1:
+        return torch.get_num_threads()
+    return max(1, (os.cpu_count() or 1) // local_ranks)  # what Lightning's launcher sets for its ranks
+
+
+def describe_cpu_threads(threads: int, given: bool) -> str:
+    """The plan's line on CPU threads."""
+    hint = (
+        ""
+        if given or threads == 1
+        else " (--num_threads 1 can be several times faster for a small model on a busy machine)"
+    )
+    return f"{threads} per rank{hint}"
+
+
 def local_ranks(fabric: Fabric) -> int:
     """Ranks on this machine (the ones sharing its CPUs)."""
     return max(1, fabric.world_size // getattr(fabric.strategy, "num_nodes", 1))

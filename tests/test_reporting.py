@@ -19,7 +19,7 @@ HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None  # the [te
 ENV = {"OMP_NUM_THREADS": "1", "PATH": str(Path(sys.executable).parent)}
 PLAIN_LINE = re.compile(
     r"^(seq|sft|dpo|grpo): [\d,]+ parameters \| .+"
-    r"|^batch: .+|^steps: .+|^schedule: .+|^loader: .+|^outputs: .+"
+    r"|^batch: .+|^steps: .+|^schedule: .+|^loader: .+|^cpu threads: .+|^outputs: .+"
     r"|^step \d+/\d+ \| epoch \d+ \| loss [\d.]+ \| lr \S+ \| grad_norm [\d.]+ \| [\d,]+ tokens/s"
     r"( \| \w+ [-\d.]+)* \| eta \S+$"
     r"|^checkpoint: .+|^done after step \d+; latest checkpoint: .+|^plot: .+\.png$"

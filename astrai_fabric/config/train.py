@@ -174,6 +174,12 @@ class TrainArgs:
     """Process-group backend; default: nccl on CUDA, gloo on CPU (AstrAI: always nccl)."""
     precision: Precision = "auto"
     """``auto``: bf16-true on CUDA (AstrAI's pure bf16), 32-true on CPU (bf16 matmuls are slow there)."""
+    num_threads: int | None = None
+    """torch's CPU threads in each rank (``torch.set_num_threads``, and ``OMP_NUM_THREADS`` for the processes it
+    starts); default: ``OMP_NUM_THREADS`` when set, else torch's own count for one local rank and the CPUs divided by
+    the local ranks for several (Lightning's rule). Set by the command line only: a program calling ``train`` or
+    ``run`` keeps its own setting. 1 can be several times faster for a small model on a busy machine
+    (docs/performance.md)."""
     fsdp_sync_each_micro_batch: bool = False
     """FSDP: reduce-scatter gradients after every micro-batch instead of only at the optimizer step, trading
     communication for the memory of unsharded gradients during accumulation."""
@@ -271,6 +277,7 @@ class TrainArgs:
         ]
         optional_positive = [
             "window_size", "stride", "max_steps", "max_tokens", "tp_size", "cycle_length", "keep_last_k",
+            "num_threads",
         ]  # fmt: skip
         if self.num_workers is not None and self.num_workers < 0:
             problems.append(f"num_workers must be >= 0, got {self.num_workers}")

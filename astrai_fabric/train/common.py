@@ -48,6 +48,7 @@ from astrai_fabric.schedule import StepPlan, build_scheduler
 from astrai_fabric.strategy import (
     LOG_DIR,
     data_parallel,
+    describe_cpu_threads,
     local_ranks,
     precision_of,
     resolve_num_workers,
@@ -530,12 +531,14 @@ def train_on(
 
         num_params = sum(p.numel() for p in model.parameters())  # a DTensor's numel is the global one
         held_out = f", {len(val_set):,} held out" if val_set is not None else ""
+        threads = describe_cpu_threads(torch.get_num_threads(), args.num_threads is not None)
         fabric.print(
             f"{args.train_type}: {num_params:,} parameters | {len(train_set):,} training samples: {data_summary}"
             f"{held_out}"
             f"\n{plan.describe()}\nschedule: {scheduler.describe()}, peak {args.max_lr}"
             f"\nloader: {resolve_num_workers(args.num_workers, local_ranks(fabric))[1]}"
-            f"\noutputs: {Path(args.ckpt_dir).resolve()}"
+            + (f"\ncpu threads: {threads}" if fabric.device.type == "cpu" else "")
+            + f"\noutputs: {Path(args.ckpt_dir).resolve()}"
         )
         if start.resume is not None:
             fabric.print(

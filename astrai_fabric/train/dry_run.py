@@ -13,7 +13,14 @@ from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import UserError
 from astrai_fabric.metrics import num_parameters
 from astrai_fabric.schedule import StepPlan
-from astrai_fabric.strategy import resolve_accelerator, resolve_num_workers, resolve_precision, resolve_topology
+from astrai_fabric.strategy import (
+    describe_cpu_threads,
+    planned_cpu_threads,
+    resolve_accelerator,
+    resolve_num_workers,
+    resolve_precision,
+    resolve_topology,
+)
 from astrai_fabric.train.common import (
     RECIPE_FILE,
     RECIPE_HEADER,
@@ -83,6 +90,9 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
         except UserError as err:
             problems.append(str(err))
     lines.append(f"  loader       {resolve_num_workers(args.num_workers, topology.devices)[1]}")
+    if accelerator == "cpu":
+        threads = planned_cpu_threads(args.num_threads, topology.devices)
+        lines.append(f"  cpu threads  {describe_cpu_threads(threads, args.num_threads is not None)}")
     budget = []
     if args.max_steps is not None:
         budget.append(f"max_steps {args.max_steps}")
