@@ -234,7 +234,8 @@ def build_model(fabric: Fabric, start: Start, args: TrainArgs) -> nn.Module:
 
 
 def build_optimizer_and_schedule(fabric: Fabric, model: nn.Module, start: Start, args: TrainArgs, plan: StepPlan):
-    """Optimizer (built after sharding, P2) and schedule; a resume restores both (the checkpoint's schedule wins)."""
+    """Optimizer (built after sharding, P2) and schedule; a resume restores both (the checkpoint's schedule wins
+    unless ``--resume_schedule false``). Also returns the plan's note on the schedule (see ``build_schedule``)."""
     optimizer = build_optimizer(
         model, args.optimizer, args.max_lr, args.weight_decay, args.muon_momentum, args.muon_nesterov,
         args.muon_ns_steps, args.muon_adjust_lr, resolve_ns_dtype(args.muon_ns_dtype, fabric.device),
@@ -252,9 +253,7 @@ def build_optimizer_and_schedule(fabric: Fabric, model: nn.Module, start: Start,
         fabric.print("optimizer: starting fresh (--resume_optimizer false)")
     optimizer = fabric.setup_optimizers(optimizer)  # after loading: Fabric copies the optimizer's param groups
     scheduler, note = build_schedule(optimizer.optimizer, args, plan, start.resume)
-    if note:
-        fabric.print(note)
-    return optimizer, scheduler
+    return optimizer, scheduler, note
 
 
 def build_schedule(optimizer: Any, args: TrainArgs, plan: StepPlan, resume: Checkpoint | None):
@@ -520,7 +519,7 @@ def train_on(
 
     with hold_ckpt_dir(fabric, args):  # before anything is written there, until the end
         model = build_model(fabric, start, args)
-        optimizer, scheduler = build_optimizer_and_schedule(fabric, model, start, args, plan)
+        optimizer, scheduler, schedule_note = build_optimizer_and_schedule(fabric, model, start, args, plan)
         position = start_position(fabric, start, args, plan)
         refuse_to_overwrite(fabric, args.ckpt_dir, position.optimizer_step)
         train_loader, sampler = make_loader(fabric, train_set, args, shuffle=True, collate=collate)
@@ -536,7 +535,8 @@ def train_on(
             f"{args.train_type}: {num_params:,} parameters | {len(train_set):,} training samples: {data_summary}"
             f"{held_out}"
             f"\n{plan.describe()}\nschedule: {scheduler.describe()}, peak {args.max_lr}"
-            f"\nloader: {resolve_num_workers(args.num_workers, local_ranks(fabric))[1]}"
+            + (f"\n{schedule_note}" if schedule_note else "")
+            + f"\nloader: {resolve_num_workers(args.num_workers, local_ranks(fabric))[1]}"
             + (f"\ncpu threads: {threads}" if fabric.device.type == "cpu" else "")
             + f"\noutputs: {Path(args.ckpt_dir).resolve()}"
         )
