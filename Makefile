@@ -37,6 +37,7 @@ bench: install
 	$(BIN)/python bench/checkpoint_io.py
 	$(BIN)/python bench/memory.py
 	$(BIN)/python bench/startup.py
+	$(BIN)/python bench/threads.py
 
 # docs/recipes.md is generated from the option docstrings (tests/test_docs.py checks it is current).
 docs: install

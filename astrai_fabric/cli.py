@@ -74,11 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _dispatch(argv)
     except UserError as err:
-        print(f"astrai-fabric: error: {err}", file=sys.stderr)
+        _print_error(err)
         _leave_process_group()
         return 2
     except TrainingError as err:
-        print(f"astrai-fabric: error: {err}", file=sys.stderr)
+        _print_error(err)
         return 1
     except KeyboardInterrupt:  # a second Ctrl-C during training, or one before it started
         print("astrai-fabric: interrupted; the checkpoints written so far are complete", file=sys.stderr)
@@ -93,6 +93,12 @@ def main(argv: list[str] | None = None) -> int:
             f"astrai-fabric: error: internal error, a bug: {type(err).__name__}: {summary} ({where})", file=sys.stderr
         )
         return 1
+
+
+def _print_error(err: Exception) -> None:
+    """One line on stderr; an error every rank raised together (``errors.raised_on_every_rank``) once per machine."""
+    if not getattr(err, "quiet", False):
+        print(f"astrai-fabric: error: {err}", file=sys.stderr)
 
 
 def _leave_process_group() -> None:
@@ -247,11 +253,23 @@ def train_command(train_type: str, argv: list[str]) -> int:
     from astrai_fabric.train import TRAIN_TYPES, run  # imports Lightning (~5 s): only when training
     from astrai_fabric.train.dry_run import dry_run
 
+    args.validate()
+    _set_cpu_threads(args.num_threads)
     if args.dry_run:
-        args.validate()
         return dry_run(args, TRAIN_TYPES[train_type].build_dataset)
     run(args)
     return 0
+
+
+def _set_cpu_threads(num_threads: int | None) -> None:
+    """``--num_threads`` for this process and, through ``OMP_NUM_THREADS``, for the ranks it launches (Lightning's
+    launcher then keeps it). Only the command line does this: importing the package changes no setting."""
+    if num_threads is None:
+        return
+    import torch
+
+    torch.set_num_threads(num_threads)
+    os.environ["OMP_NUM_THREADS"] = str(num_threads)
 
 
 def generate_command(argv: list[str]) -> int:

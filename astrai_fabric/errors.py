@@ -21,3 +21,11 @@ class CheckpointError(UserError):
 class TrainingError(Exception):
     """A run that cannot go on through no mistake in its input: it diverged, or lost one of its ranks. The CLI
     prints the message (which says what was saved and how to continue) and exits 1."""
+
+
+def raised_on_every_rank(err: Exception, local_rank: int) -> Exception:
+    """Mark ``err`` as raised by every rank together (a refusal rank 0 found and sent to the others, a verdict they
+    reached together): the CLI prints it from local rank 0 only, once per machine rather than once per rank, and every
+    rank still exits with its status. Returns ``err``."""
+    err.quiet = local_rank != 0
+    return err

@@ -32,7 +32,7 @@ from astrai_fabric.accumulation import GradientState, backward_sync
 from astrai_fabric.checkpoint import find_latest_checkpoint
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.data.sampler import ResumableSampler
-from astrai_fabric.errors import TrainingError
+from astrai_fabric.errors import TrainingError, raised_on_every_rank
 from astrai_fabric.metrics import GradSNR
 from astrai_fabric.preemption import StopRequest
 from astrai_fabric.randomness import ModuleNoise
@@ -121,12 +121,13 @@ def fit(
                 lr = optimizer.param_groups[-1]["lr"]  # the rate this step used (AstrAI logs the AdamW group's)
                 if not weights_are_finite(fabric, model):  # never trained on, never saved as a good state
                     reporter.close()
-                    raise TrainingError(
+                    error = TrainingError(
                         f"the weights became non-finite (NaN or infinite) in optimizer step "
                         f"{position.optimizer_step + 1} (loss {means[0]:.4g}, gradient norm {grad_norm:.4g}, "
                         f"learning rate {lr:.4g}); that state was not saved. {_newest_checkpoint(fabric, args)}. "
                         "Lower --max_lr or raise --warmup_ratio"
                     )
+                    raise raised_on_every_rank(error, fabric.local_rank)  # every rank's verdict: said once
                 scheduler.step()
                 position.optimizer_step += 1
                 bad_in_a_row = 0
@@ -139,7 +140,8 @@ def fit(
                 reporter.throughput(record, window_tokens, window_samples)
                 if val_loader is not None and (step == 1 or step % args.val_step == 0):
                     record["val_loss"] = validate(fabric, model, val_loader, compute_loss)
-                reporter.step(record, names, position.epoch, position.consumed_samples)
+                last = stop_requested or _budget_reached(position, args)
+                reporter.step(record, names, position.epoch, position.consumed_samples, last)
                 if step % args.ckpt_interval == 0:
                     reporter.message(f"checkpoint: {save(position)}")
                     last_saved_step = step
@@ -169,11 +171,12 @@ def fit(
         reporter.message(f"checkpoint: {save(position)}")
     reporter.close()
     if diverged:
-        raise TrainingError(
+        error = TrainingError(
             f"{bad_in_a_row} optimizer steps in a row had a non-finite loss or gradient norm (more than "
             f"--max_bad_steps {args.max_bad_steps}); stopped after step {position.optimizer_step}. "
             f"{_newest_checkpoint(fabric, args)}. Lower --max_lr, raise --warmup_ratio or check the data"
         )
+        raise raised_on_every_rank(error, fabric.local_rank)
     return reporter.history
 
 

@@ -30,9 +30,14 @@ class Reporter:
         first_step: int,
         flops_per_token: float | None = None,
         peak_flops: float | None = None,
+        compiled: bool = False,
     ) -> None:
         self.fabric, self.plan, self.metric_log = fabric, plan, metric_log
         self.first_step = first_step
+        self.compiled = compiled
+        """The first step then includes compilation: its time is shown as such, and no ETA is made from it."""
+        self.first_step_end: float | None = None
+        self.window_seconds = 0.0
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         self.is_main = fabric.global_rank == 0
         self.interactive = self.is_main and sys.stdout.isatty()
@@ -46,6 +51,7 @@ class Reporter:
         """Add tokens/s, samples/s (and MFU) of the window just trained to ``record``; call right after the
         optimizer step, so validation and checkpoints do not count. ``tokens``/``samples``: all ranks together."""
         seconds = max(time.perf_counter() - self.window_start, 1e-9)
+        self.window_seconds = seconds
         record["tokens_per_sec"] = tokens / seconds
         record["samples_per_sec"] = samples / seconds
         if self.flops_per_token and self.peak_flops:
@@ -56,14 +62,19 @@ class Reporter:
         """The next window's time starts now."""
         self.window_start = time.perf_counter()
 
-    def step(self, record: dict[str, Any], loss_metrics: list[str], epoch: int, consumed_samples: int) -> None:
-        """Log a finished step's record everywhere: the display, the Fabric's loggers, the metric log."""
+    def step(
+        self, record: dict[str, Any], loss_metrics: list[str], epoch: int, consumed_samples: int, last: bool = False
+    ) -> None:
+        """Log a finished step's record everywhere: the display, the Fabric's loggers, the metric log. ``last``: the
+        run ends after it (a budget or a stop), so the plain log shows it."""
+        if record["step"] == self.first_step:
+            self.first_step_end = time.perf_counter()
         self.history.append(record)
         self.fabric.log_dict({k: v for k, v in record.items() if k != "step"}, step=record["step"])
         if "val_loss" in record:
             self.metric_log.add("validation", epoch, record["step"], consumed_samples, val_loss=record["val_loss"])
         self.metric_log.add_step(record, loss_metrics, epoch, consumed_samples)
-        self._show(record, epoch)
+        self._show(record, epoch, last)
 
     def epoch_end(self, epoch: int, step: int, consumed_samples: int) -> None:
         self.metric_log.add("epoch", epoch, step, consumed_samples)
@@ -82,8 +93,10 @@ class Reporter:
         for logger in self.fabric.loggers:
             logger.save()  # flush what buffering loggers (CSV) hold; closing them is their owner's call
 
-    def _show(self, record: dict[str, Any], epoch: int) -> None:
+    def _show(self, record: dict[str, Any], epoch: int, last: bool) -> None:
         step, total = record["step"], self.plan.total_steps
+        compiling = self.window_seconds if self.compiled and step == self.first_step else None
+        fields = _fields(record, compiling)
         if self.interactive:
             if epoch != self.bar_epoch:
                 if self.bar is not None:
@@ -91,25 +104,37 @@ class Reporter:
                 per_epoch = max(1, total // self.plan.n_epoch)
                 self.bar = tqdm(total=per_epoch, desc=f"Epoch {epoch + 1}/{self.plan.n_epoch}", dynamic_ncols=True)
                 self.bar_epoch = epoch
-            self.bar.update(1)
-            self.bar.set_postfix_str(f"step {step}/{total} | {_fields(record)}", refresh=False)
+            self.bar.set_postfix_str(f"step {step}/{total} | {fields}", refresh=False)
+            self.bar.update(1)  # redraws with the postfix of this step
         elif self.is_main and (
-            step == self.first_step or step >= total or step % self.log_every == 0 or "val_loss" in record
+            step == self.first_step or step >= total or step % self.log_every == 0 or "val_loss" in record or last
         ):
-            print(f"step {step}/{total} | epoch {epoch} | {_fields(record)} | eta {self._eta(step)}", flush=True)
+            print(f"step {step}/{total} | epoch {epoch} | {fields} | eta {self._eta(step)}", flush=True)
 
     def _eta(self, step: int) -> str:
-        done = step - self.first_step + 1
-        remaining = max(self.plan.total_steps - step, 0) * (time.perf_counter() - self.started) / max(done, 1)
+        """Time left at the pace of the steps after the first (which includes start-up work: workers, allocation,
+        compilation); from the first step itself only when it was not compiled."""
+        now = time.perf_counter()
+        if step > self.first_step and self.first_step_end is not None:
+            per_step = (now - self.first_step_end) / (step - self.first_step)
+        elif self.compiled:
+            return "?"
+        else:
+            per_step = now - self.started
+        remaining = max(self.plan.total_steps - step, 0) * per_step
         minutes, seconds = divmod(int(remaining), 60)
         return f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m{seconds:02d}s"
 
 
-def _fields(record: dict[str, Any]) -> str:
-    line = (
-        f"loss {record['loss']:.4f} | lr {record['lr']:.3e} | grad_norm {record['grad_norm']:.4f} | "
+def _fields(record: dict[str, Any], compiling: float | None = None) -> str:
+    """The log line's metrics; ``compiling``: the seconds of a step that went mostly into compilation, shown in place
+    of its throughput."""
+    speed = (
         f"{record['tokens_per_sec']:,.0f} tokens/s"
+        if compiling is None
+        else f"first step {compiling:.1f} s, compilation included"
     )
-    if "mfu" in record:
+    line = f"loss {record['loss']:.4f} | lr {record['lr']:.3e} | grad_norm {record['grad_norm']:.4f} | {speed}"
+    if "mfu" in record and compiling is None:
         line += f" | mfu {record['mfu']:.1%}"
     return line + "".join(f" | {name} {record[name]:.4f}" for name in SHOWN_METRICS if name in record)

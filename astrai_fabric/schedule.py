@@ -157,6 +157,13 @@ class _AstraiSchedule(LRScheduler):
         for group, lr in zip(self.optimizer.param_groups, self._last_lr, strict=True):
             group["lr"] = lr
 
+    def continue_at(self, step: int) -> None:
+        """Go on as if ``step`` optimizer steps had been taken (a schedule rebuilt for a resumed run)."""
+        self.last_epoch = step
+        self._last_lr = self.get_lr()
+        for group, lr in zip(self.optimizer.param_groups, self._last_lr, strict=True):
+            group["lr"] = lr
+
 
 class CosineScheduler(_AstraiSchedule):
     hyper = ("warmup_steps", "lr_decay_steps", "min_rate", "total_steps")

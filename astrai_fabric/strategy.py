@@ -13,6 +13,7 @@ world size, and ``fabric.launch()`` must not be called (it raises there).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from dataclasses import dataclass
@@ -62,10 +63,18 @@ def resolve_topology(args: TrainArgs) -> Topology:
         topology = Topology(int(env["SLURM_NTASKS"]) // nodes, nodes, True)
     else:
         return Topology(args.nprocs, args.num_nodes, False)
-    if (args.nprocs, args.num_nodes) != (topology.devices, topology.num_nodes):
+    # Only a value given that says otherwise conflicts: the defaults (1) mean "what the launcher decides", and
+    # --nprocs may be the ranks per node or (as AstrAI's docs have it) the world size.
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainArgs)}
+    conflicts = []
+    if args.nprocs != defaults["nprocs"] and args.nprocs not in (topology.devices, topology.world_size):
+        conflicts.append(f"--nprocs {args.nprocs}")
+    if args.num_nodes != defaults["num_nodes"] and args.num_nodes != topology.num_nodes:
+        conflicts.append(f"--num_nodes {args.num_nodes}")
+    if conflicts:
         warnings.warn(
             f"the launcher runs {topology.devices} rank(s) per node on {topology.num_nodes} node(s); "
-            f"--nprocs {args.nprocs} / --num_nodes {args.num_nodes} are ignored",
+            f"{' and '.join(conflicts)} {'is' if len(conflicts) == 1 else 'are'} ignored",
             stacklevel=2,
         )
     return topology
@@ -87,17 +96,72 @@ def resolve_precision(precision: str, accelerator: str) -> str:
     return precision
 
 
+ASTRAI_NUM_WORKERS = 4
+"""AstrAI's default ``num_workers``, the most the machine-decided default gives."""
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, as torch's DataLoader counts them)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def resolve_num_workers(num_workers: int | None, local_ranks: int) -> tuple[int, str]:
+    """``--num_workers``, or by default AstrAI's 4 capped by the CPUs per local rank (more workers than CPUs only
+    compete, and torch warns on every rank). Returns the number and how it was chosen, for the plan."""
+    if num_workers is not None:
+        return num_workers, f"{num_workers} worker process(es) per rank"
+    cpus = available_cpus()
+    chosen = min(ASTRAI_NUM_WORKERS, cpus // max(local_ranks, 1))
+    return chosen, (
+        f"{chosen} worker process(es) per rank (num_workers default: at most {ASTRAI_NUM_WORKERS}, {cpus} CPU(s) for "
+        f"{local_ranks} local rank(s))"
+    )
+
+
+def planned_cpu_threads(num_threads: int | None, local_ranks: int) -> int:
+    """torch's CPU threads per rank a run will have (see ``TrainArgs.num_threads``), for the dry run's plan."""
+    if num_threads is not None:
+        return num_threads
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return int(os.environ["OMP_NUM_THREADS"])
+    if local_ranks == 1:
+        return torch.get_num_threads()
+    return max(1, (os.cpu_count() or 1) // local_ranks)  # what Lightning's launcher sets for its ranks
+
+
+def describe_cpu_threads(threads: int, given: bool) -> str:
+    """The plan's line on CPU threads."""
+    hint = (
+        ""
+        if given or threads == 1
+        else " (--num_threads 1 can be several times faster for a small model on a busy machine)"
+    )
+    return f"{threads} per rank{hint}"
+
+
+def local_ranks(fabric: Fabric) -> int:
+    """Ranks on this machine (the ones sharing its CPUs)."""
+    return max(1, fabric.world_size // getattr(fabric.strategy, "num_nodes", 1))
+
+
 def build_loggers(args: TrainArgs) -> list:
-    """The recipe's loggers, writing under ``ckpt_dir/logs`` (created on first use, by rank 0)."""
-    loggers = []
+    """The recipe's loggers, writing under ``ckpt_dir/logs`` (created on first use, by rank 0), all into the same
+    ``version_N`` folder (each would otherwise take the next free one for itself)."""
+    loggers: list = []
+    version = None
     if "csv" in args.loggers:
         loggers.append(CSVLogger(args.ckpt_dir, name=LOG_DIR))
+        version = loggers[-1].version  # the next free version_N
     if "tensorboard" in args.loggers:
         try:
-            loggers.append(TensorBoardLogger(args.ckpt_dir, name=LOG_DIR))
+            loggers.append(TensorBoardLogger(args.ckpt_dir, name=LOG_DIR, version=version))
         except ModuleNotFoundError as err:
             raise ConfigError(
-                f"loggers tensorboard needs the tensorboard package ({err}): pip install tensorboard"
+                f"loggers tensorboard needs the tensorboard package ({err}): pip install 'astrai-fabric[tensorboard]'"
+                " (or pip install tensorboard)"
             ) from None
     return loggers
 

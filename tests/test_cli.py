@@ -221,3 +221,28 @@ def test_generate_command(tmp_path, capsys):
     assert code == 2 and "no such checkpoint or model directory" in err
     code, err = run_cli(["generate", "--param_path", str(tmp_path)], capsys)
     assert code == 2 and "at least one --prompt" in err
+
+
+def test_num_threads_is_set_by_the_command_line_only(tmp_path, monkeypatch, capsys):
+    import os
+
+    import torch
+
+    from astrai_fabric.config.train import TrainArgs
+    from astrai_fabric.train import run
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # restored afterwards, like the value the CLI sets
+    plan = ["seq", "--config", str(ROOT / "recipes" / "tiny-seq.yaml"), "--ckpt_dir", str(tmp_path), "--dry_run"]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)  # a program's own setting
+        run(TrainArgs(param_path="bundled:tiny", data_root_path="bundled:data/seq", train_type="seq",
+                      ckpt_dir=str(tmp_path), num_threads=1, dry_run=True))  # fmt: skip
+        assert torch.get_num_threads() == 3  # the library leaves it alone
+        assert main(plan) == 0
+        assert "  cpu threads  3 per rank (--num_threads 1 can be several times faster" in capsys.readouterr().out
+        assert main([*plan, "--num_threads", "1"]) == 0
+        assert (torch.get_num_threads(), os.environ["OMP_NUM_THREADS"]) == (1, "1")  # and the ranks it launches
+        assert "  cpu threads  1 per rank\n" in capsys.readouterr().out
+    finally:
+        torch.set_num_threads(before)

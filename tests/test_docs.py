@@ -52,3 +52,32 @@ def test_readme_maps_every_module():
 def test_relative_links_resolve(page):
     for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text()):
         assert (page.parent / target).exists(), f"{page.name}: broken link {target}"
+
+
+def training_commands(page: Path) -> list[list[str]]:
+    """The training command lines of a page's bash blocks, in order (``make train`` is tiny-seq.yaml's)."""
+    blocks = re.findall(r"```bash\n(.*?)```", page.read_text(), flags=re.S)
+    commands = []
+    for line in "\n".join(blocks).splitlines():
+        line = line.split("  #")[0].strip()
+        if line.startswith("make train"):
+            line = "astrai-fabric seq --config recipes/tiny-seq.yaml"
+        words = line.removeprefix(".venv/bin/").split()
+        if words[:1] == ["astrai-fabric"] and words[1] in ("seq", "sft", "dpo", "grpo"):
+            commands.append(words[1:])
+    return commands
+
+
+@pytest.mark.parametrize("page", [ROOT / "README.md", ROOT / "docs" / "quickstart.md"], ids=lambda p: p.name)
+def test_each_documented_fresh_run_has_its_own_ckpt_dir(page):
+    # Run in order, a fresh run into a ckpt_dir an earlier command filled would refuse ("already holds ...").
+    fresh = [words for words in training_commands(page) if not {"--resume", "--dry_run"} & set(words)]
+    assert len(fresh) >= 3
+    ckpt_dirs = []
+    for words in fresh:
+        if "--ckpt_dir" in words:
+            ckpt_dirs.append(words[words.index("--ckpt_dir") + 1])
+        else:
+            recipe = (ROOT / words[words.index("--config") + 1]).read_text()
+            ckpt_dirs.append(re.search(r"^ckpt_dir: (\S+)", recipe, flags=re.M)[1])
+    assert len(set(ckpt_dirs)) == len(ckpt_dirs), ckpt_dirs

@@ -106,7 +106,7 @@ def test_slurm_is_detected_from_its_variables(monkeypatch):
         warnings.simplefilter("always")
         topology = resolve_topology(args)
     assert (topology.devices, topology.num_nodes, topology.launched_externally) == (2, 2, True)
-    assert any("--nprocs 8 / --num_nodes 1 are ignored" in str(w.message) for w in caught)  # the launcher decides
+    assert any("--nprocs 8 is ignored" in str(w.message) for w in caught)  # the launcher decides
     environment = build_fabric(args, topology).strategy.cluster_environment
     assert type(environment).__name__ == "SLURMEnvironment"
     assert (environment.global_rank(), environment.local_rank(), environment.node_rank()) == (3, 1, 1)
@@ -122,3 +122,18 @@ def test_fabric_run_environment_decides_devices_and_accelerator(monkeypatch):
     topology = resolve_topology(args)
     assert (topology.devices, topology.num_nodes, topology.world_size) == (4, 2, 8)
     assert resolve_accelerator(args) == "cpu"  # `fabric run --accelerator cpu`, even where CUDA exists
+
+
+def test_under_a_launcher_only_a_conflicting_flag_warns(monkeypatch, tmp_path, capsys, recwarn):
+    from astrai_fabric.cli import main
+
+    monkeypatch.chdir(tmp_path)  # the recipe writes under ./checkpoints (a dry run writes nothing)
+    for key, value in {"TORCHELASTIC_RUN_ID": "1", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "4"}.items():
+        monkeypatch.setenv(key, value)  # torchrun, 2 ranks on each of 2 nodes
+    dry_run = ["seq", "--config", str(ROOT / "recipes" / "tiny-seq.yaml"), "--parallel_mode", "ddp", "--dry_run"]
+    for flags in ([], ["--nprocs", "2"], ["--nprocs", "4", "--num_nodes", "2"]):  # none, per node, world size
+        assert main([*dry_run, *flags]) == 0
+        assert "processes    4 (2 per node x 2 node(s))" in capsys.readouterr().out
+        assert [str(w.message) for w in recwarn if "ignored" in str(w.message)] == [], flags
+    with pytest.warns(UserWarning, match=r"2 rank\(s\) per node on 2 node\(s\); --nprocs 8 and --num_nodes 3 are"):
+        assert main([*dry_run, "--nprocs", "8", "--num_nodes", "3"]) == 0

@@ -1,7 +1,9 @@
 """What a user sees: plain progress lines off a terminal, metric.jsonl in AstrAI's shape, CSV logs, the plot,
 and the dry-run plan."""
 
+import importlib.util
 import json
+import os
 import re
 import struct
 import subprocess
@@ -13,10 +15,11 @@ import pytest
 from astrai_fabric.cli import main
 
 ROOT = Path(__file__).parents[1]
+HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None  # the [tensorboard] extra (in [dev])
 ENV = {"OMP_NUM_THREADS": "1", "PATH": str(Path(sys.executable).parent)}
 PLAIN_LINE = re.compile(
     r"^(seq|sft|dpo|grpo): [\d,]+ parameters \| .+"
-    r"|^batch: .+|^steps: .+|^schedule: .+|^outputs: .+"
+    r"|^batch: .+|^steps: .+|^schedule: .+|^loader: .+|^cpu threads: .+|^outputs: .+"
     r"|^step \d+/\d+ \| epoch \d+ \| loss [\d.]+ \| lr \S+ \| grad_norm [\d.]+ \| [\d,]+ tokens/s"
     r"( \| \w+ [-\d.]+)* \| eta \S+$"
     r"|^checkpoint: .+|^done after step \d+; latest checkpoint: .+|^plot: .+\.png$"
@@ -29,6 +32,8 @@ def short_run(tmp_path_factory) -> tuple[Path, str]:
     command = [sys.executable, "-m", "astrai_fabric", "sft", "--config", str(ROOT / "recipes" / "tiny-sft.yaml"),
                "--ckpt_dir", str(out), "--max_steps", "6", "--ckpt_interval", "4", "--val_split", "0.05",
                "--val_step", "3", "--n_epoch", "1"]  # fmt: skip
+    if HAS_TENSORBOARD:
+        command += ["--loggers", "csv", "--loggers", "tensorboard"]
     result = subprocess.run(command, capture_output=True, text=True, env=ENV)  # stdout is a pipe, not a terminal
     assert result.returncode == 0, result.stderr[-2000:]
     return out, result.stdout
@@ -68,6 +73,13 @@ def test_csv_logger_gets_every_step(short_run):
     assert len(rows) == 6
 
 
+@pytest.mark.skipif(not HAS_TENSORBOARD, reason="needs the [tensorboard] extra")
+def test_tensorboard_writes_into_the_csv_loggers_folder(short_run):
+    out, _ = short_run
+    (version,) = out.glob("logs/version_*")  # one folder for the run, not one per logger
+    assert (version / "metrics.csv").is_file() and list(version.glob("events.out.tfevents.*"))
+
+
 def png_size(path: Path) -> tuple[int, int]:
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
@@ -105,3 +117,67 @@ def test_dry_run_says_what_is_missing(recipe, tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "cannot start:" in out and "param_path" in out and "not found" in out
     assert list(tmp_path.iterdir()) == []
+
+
+def test_default_workers_fit_the_cpus_and_a_budget_shows_its_last_step(tmp_path, monkeypatch, capsys, recwarn):
+    recipe = tmp_path / "tiny-seq.yaml"  # the recipe without its num_workers: 0, so the default decides
+    lines = (ROOT / "recipes" / "tiny-seq.yaml").read_text().splitlines()
+    recipe.write_text("\n".join(line for line in lines if not line.startswith("num_workers")))
+    base = ["seq", "--config", str(recipe), "--window_size", "32", "--loggers", "[]"]
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # 2 CPUs, shared by 2 local ranks
+    assert (
+        main([*base, "--nprocs", "2", "--parallel_mode", "ddp", "--ckpt_dir", str(tmp_path / "plan"), "--dry_run"]) == 0
+    )
+    assert "loader       1 worker process(es) per rank (num_workers default: at most 4, 2 CPU(s) for 2 local" in (
+        capsys.readouterr().out
+    )
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})  # 1 CPU: torch warns about more workers than that
+    assert main([*base, "--ckpt_dir", str(tmp_path / "run"), "--max_steps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "loader: 1 worker process(es) per rank (num_workers default: at most 4, 1 CPU(s) for 1 local rank(s))" in out
+    assert [str(w.message) for w in recwarn if "worker processes" in str(w.message)] == []
+    # 855 steps are logged every 42; the step --max_steps ends on is shown too.
+    assert re.findall(r"^step (\d+)/855 ", out, re.M) == ["1", "3"]
+
+
+class FakeFabric:
+    global_rank, world_size, loggers = 0, 1, []
+
+    def log_dict(self, metrics, step):
+        pass
+
+
+def test_progress_shows_each_step_with_its_own_numbers_and_a_compiled_first_step_as_such(monkeypatch, capsys):
+    from functools import partial
+    from types import SimpleNamespace
+
+    from astrai_fabric import reporting
+    from astrai_fabric.metrics import MetricLog
+    from astrai_fabric.schedule import StepPlan
+
+    now = [0.0]
+    monkeypatch.setattr(reporting, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    plan = StepPlan(160, 1, 1, 1, 1, 0.0)  # 160 steps, logged every 8
+
+    def train(reporter, steps):
+        for step in range(1, steps + 1):
+            now[0] += 40.0 if step == 1 else 0.5  # the first step compiles
+            record = {"step": step, "epoch": 0, "loss": 1.0, "lr": 1e-3, "grad_norm": 1.0}
+            reporter.throughput(record, tokens=64, samples=1)
+            reporter.step(record, [], 0, step)
+            reporter.restart_clock()
+        reporter.close()
+
+    train(reporting.Reporter(FakeFabric(), plan, MetricLog([]), first_step=1, compiled=True), 8)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("| first step 40.0 s, compilation included | eta ?")
+    assert lines[1].startswith("step 8/160") and lines[1].endswith("| 128 tokens/s | eta 1m16s")  # 152 x 0.5 s
+
+    # On a terminal: a bar whose counter and postfix always name the same step.
+    monkeypatch.setattr(reporting, "sys", SimpleNamespace(stdout=SimpleNamespace(isatty=lambda: True)))
+    monkeypatch.setattr(reporting, "tqdm", partial(reporting.tqdm, mininterval=0, file=sys.stderr))
+    train(reporting.Reporter(FakeFabric(), plan, MetricLog([]), first_step=1), 5)
+    frames = [f for f in capsys.readouterr().err.split("\r") if "step " in f]
+    assert len(frames) >= 5
+    for frame in frames:
+        assert re.search(r"\| (\d+)/160 ", frame)[1] == re.search(r"step (\d+)/160", frame)[1], frame

@@ -65,3 +65,31 @@ def test_compiled_run_saves_clean_keys(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     keys = list(saved(tmp_path, 2))
     assert "embed_tokens.weight" in keys and not any("_orig_mod" in k for k in keys)  # AstrAI's B3
+
+
+def test_a_longer_resume_says_its_schedule_ends_early_and_can_rebuild_it(tmp_path, capsys):
+    import json
+    from pathlib import Path
+
+    from astrai_fabric.assets import SEQ_DATA_DIR
+    from astrai_fabric.cli import main
+    from astrai_fabric.schedule import cosine_factor
+
+    data = tmp_path / "verses.jsonl"  # 2 chapters: 65 windows of 32 tokens, 4 steps of 8 x 2 per epoch
+    data.write_text("".join((SEQ_DATA_DIR / "kjv.jsonl").read_text().splitlines(keepends=True)[:2]))
+    base = ["seq", "--config", str(Path(__file__).parents[1] / "recipes" / "tiny-seq.yaml"), "--data_root_path",
+            str(data), "--window_size", "32", "--ckpt_dir", str(tmp_path / "run"), "--loggers", "[]"]  # fmt: skip
+    assert main([*base, "--max_steps", "1"]) == 0  # the recipe's 3 epochs: a schedule of 12 steps
+    assert main([*base, "--resume", "auto", "--n_epoch", "6", "--dry_run"]) == 0
+    assert (
+        "note: the checkpoint's schedule ends at step 12, before this run's 24 steps: steps 13-24 run at the floor "
+        "(0.01 x max_lr); --resume_schedule false rebuilds the schedule for 24 steps"
+    ) in capsys.readouterr().out
+    longer = [*base, "--resume", "auto", "--n_epoch", "6", "--resume_schedule", "false", "--max_steps", "2"]
+    assert main(longer) == 0
+    assert "schedule: rebuilt for this run's 24 steps (--resume_schedule false), continuing at step 1" in (
+        capsys.readouterr().out
+    )
+    entries = (tmp_path / "run" / "epoch_0_step_2" / "metric.jsonl").read_text().splitlines()
+    lr = [json.loads(e)["lr"] for e in entries if json.loads(e)["type"] == "step"][-1]
+    assert lr == pytest.approx(3e-3 * cosine_factor(1, int(0.05 * 24), 24 - int(0.05 * 24), 0.01))

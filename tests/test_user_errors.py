@@ -135,3 +135,14 @@ def test_a_full_disk_during_a_save_keeps_the_earlier_checkpoint(workspace, tmp_p
     assert "Traceback" not in result.stderr
     assert sorted(p.name for p in (tmp_path / "run").glob("*epoch_*")) == ["epoch_0_step_1"]  # no partial save
     assert snapshot(tmp_path / "run" / "epoch_0_step_1") == snapshot(workspace / "run" / "epoch_0_step_1")
+
+
+@pytest.mark.slow
+def test_a_refusal_every_rank_raises_is_printed_once(workspace):
+    # Rank 0 finds the later checkpoint and tells rank 1: both exit 2, one message (not one per rank).
+    command = [sys.executable, "-m", "astrai_fabric",
+               *tiny(workspace / "run", "--max_steps", "1", "--parallel_mode", "ddp", "--nprocs", "2")]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, env={"OMP_NUM_THREADS": "1", "PATH": ""})
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.count("astrai-fabric: error:") == 1, result.stderr[-2000:]
+    assert "already holds epoch_0_step_1, past this run's start (step 0)" in result.stderr

@@ -49,6 +49,11 @@ class TrainArgs:
     resume_optimizer: bool = True
     """``false``: resume weights, schedule and data position but start a fresh optimizer (for a checkpoint whose
     optimizer state cannot be restored, such as AstrAI's FSDP checkpoints, which hold rank 0's shard only)."""
+    resume_schedule: bool = True
+    """``true`` (AstrAI's rule): a resume continues the checkpoint's learning-rate schedule, whatever this run's
+    length; when that schedule ends before this run does (``--n_epoch`` raised after a finished run), the extra steps
+    run at the floor and the plan says so. ``false``: rebuild the schedule from this run's flags and length and
+    continue it at the checkpoint's step."""
     window_size: int | None = None
     """Tokens per training sample; default: the model's ``max_position_embeddings``."""
     stride: int | None = None
@@ -160,15 +165,22 @@ class TrainArgs:
     process every mode trains on a single device."""
     nprocs: int = 1
     """Local ranks to launch (``--devices`` is the same flag). Under ``fabric run``, torchrun or SLURM the
-    environment decides, and a different value only warns."""
+    environment decides; a value given that is neither its ranks per node nor its world size only warns."""
     num_nodes: int = 1
-    """Machines in the run (with ``fabric run``/torchrun/SLURM, or ``NODE_RANK`` + ``MASTER_ADDR``)."""
+    """Machines in the run (with ``fabric run``/torchrun/SLURM, or ``NODE_RANK`` + ``MASTER_ADDR``); under those
+    launchers the environment decides, and a value given that differs only warns."""
     device_type: str | None = None
     """``cuda`` or ``cpu``; default: cuda when available (AstrAI's default is always cuda)."""
     backend: Literal["gloo", "nccl"] | None = None
     """Process-group backend; default: nccl on CUDA, gloo on CPU (AstrAI: always nccl)."""
     precision: Precision = "auto"
     """``auto``: bf16-true on CUDA (AstrAI's pure bf16), 32-true on CPU (bf16 matmuls are slow there)."""
+    num_threads: int | None = None
+    """torch's CPU threads in each rank (``torch.set_num_threads``, and ``OMP_NUM_THREADS`` for the processes it
+    starts); default: ``OMP_NUM_THREADS`` when set, else torch's own count for one local rank and the CPUs divided by
+    the local ranks for several (Lightning's rule). Set by the command line only: a program calling ``train`` or
+    ``run`` keeps its own setting. 1 can be several times faster for a small model on a busy machine
+    (docs/performance.md)."""
     fsdp_sync_each_micro_batch: bool = False
     """FSDP: reduce-scatter gradients after every micro-batch instead of only at the optimizer step, trading
     communication for the memory of unsharded gradients during accumulation. Decided by the Fabric's strategy (FSDP2's
@@ -205,8 +217,10 @@ class TrainArgs:
     random_seed: int = 3407
     """Seeds the sampler order (``seed + epoch``), the validation split, model initialisation, and by position
     (rank, step, epoch) NEFTune noise, loader workers and GRPO rollouts."""
-    num_workers: int = 4
-    """DataLoader worker processes per rank."""
+    num_workers: int | None = None
+    """DataLoader worker processes per rank; default: AstrAI's 4, capped by the CPUs this process may use divided by
+    the local ranks (2 CPUs and one rank: 2; two ranks: 1 each; fewer CPUs than ranks: 0, loading in the rank itself).
+    The plan prints the number."""
     pin_memory: bool = True
     """Pin host memory for faster copies to the GPU (ignored on CPU)."""
     persistent_workers: bool = True
@@ -227,8 +241,9 @@ class TrainArgs:
     ``load_imbalance_mean``, ``load_imbalance_max``) and ``tokens_per_sec``, ``samples_per_sec``, ``mfu``.
     ``grad_snr`` keeps two gradient-sized buffers; leave it out to save them."""
     loggers: list[Literal["csv", "tensorboard"]] = field(default_factory=lambda: ["csv"])
-    """Where every step's metrics also go, under ``ckpt_dir/logs``: CSV, and/or TensorBoard (needs the
-    ``tensorboard`` package); ``[]`` for none."""
+    """Where every step's metrics also go, under ``ckpt_dir/logs/version_N`` (one folder per run, shared by both):
+    CSV, and/or TensorBoard (needs the ``tensorboard`` package: ``pip install 'astrai-fabric[tensorboard]'``);
+    ``[]`` for none."""
     peak_flops: float | None = None
     """Peak FLOP/s of one device, for model FLOPs utilisation (``mfu``); known CUDA devices need no value."""
     keep_last_k: int | None = None
@@ -264,14 +279,17 @@ class TrainArgs:
         ]
         optional_positive = [
             "window_size", "stride", "max_steps", "max_tokens", "tp_size", "cycle_length", "keep_last_k",
+            "num_threads",
         ]  # fmt: skip
+        if self.num_workers is not None and self.num_workers < 0:
+            problems.append(f"num_workers must be >= 0, got {self.num_workers}")
         problems += [
             f"{name} must be positive, got {getattr(self, name)}"
             for name in optional_positive
             if getattr(self, name) is not None and getattr(self, name) < 1
         ]
         non_negative = [
-            "num_workers", "neftune_alpha", "moe_aux_loss_coef", "weight_decay", "warmup_ratio", "label_smoothing",
+            "neftune_alpha", "moe_aux_loss_coef", "weight_decay", "warmup_ratio", "label_smoothing",
             "rollout_top_k", "start_epoch", "start_samples", "max_lr", "max_bad_steps",
         ]  # fmt: skip
         problems += [

@@ -37,7 +37,7 @@ from astrai_fabric.config.train import COMMAND_LINE_ONLY, TrainArgs
 from astrai_fabric.data import ResumableSampler
 from astrai_fabric.data.dataset_config import DatasetConfig, read_dataset_config
 from astrai_fabric.data.storage import detect_format
-from astrai_fabric.errors import CheckpointError, ConfigError, UserError
+from astrai_fabric.errors import CheckpointError, ConfigError, UserError, raised_on_every_rank
 from astrai_fabric.loop import LossFn, fit
 from astrai_fabric.metrics import METRIC_FILE, MetricLog, flops_per_token, peak_flops
 from astrai_fabric.model import AutoRegressiveLM
@@ -47,7 +47,15 @@ from astrai_fabric.preemption import StopRequest, ignore_stop_signals
 from astrai_fabric.randomness import derive_seed
 from astrai_fabric.reporting import Reporter
 from astrai_fabric.schedule import StepPlan, build_scheduler
-from astrai_fabric.strategy import LOG_DIR, data_parallel, precision_of, setup_frozen
+from astrai_fabric.strategy import (
+    LOG_DIR,
+    data_parallel,
+    describe_cpu_threads,
+    local_ranks,
+    precision_of,
+    resolve_num_workers,
+    setup_frozen,
+)
 from astrai_fabric.tokenizer import TOKENIZER_FILE, Tokenizer
 from astrai_fabric.training_state import (
     RESUME_KEY,
@@ -95,14 +103,23 @@ T = TypeVar("T")
 
 def read_on_rank_zero(fabric: Fabric, read: Callable[[], T], paths: Iterable[Path]) -> T:
     """``read()`` on every rank when every rank sees ``paths``, else on rank 0 only, its result sent to the others
-    (so a resume needs no shared filesystem). A mistake found while reading is raised on every rank."""
-    visible = all(Path(p).exists() for p in paths)
-    everywhere = (
-        fabric.world_size == 1
-        or fabric.all_reduce(torch.tensor(float(visible), device=fabric.device), reduce_op="min").item() == 1
-    )
-    if everywhere:
+    (so a resume needs no shared filesystem). A mistake found while reading is raised on every rank, and shown once
+    when every rank found it (``raised_on_every_rank``)."""
+    if fabric.world_size == 1:
         return read()
+    visible = all(Path(p).exists() for p in paths)
+    if fabric.all_reduce(torch.tensor(float(visible), device=fabric.device), reduce_op="min").item() == 1:
+        try:
+            value, error = read(), None
+        except UserError as err:
+            value, error = None, err
+        failed = fabric.all_reduce(torch.tensor(float(error is not None), device=fabric.device), reduce_op="sum")
+        if error is not None:  # shown once when every rank found it, by each rank that did otherwise
+            raise raised_on_every_rank(error, fabric.local_rank) if failed.item() == fabric.world_size else error
+        if failed.item() > 0:
+            raise UserError(f"{int(failed.item())} other rank(s) could not read {', '.join(map(str, paths))} (their "
+                            "messages say why)")  # fmt: skip
+        return value
     outcome = None
     if fabric.global_rank == 0:
         try:
@@ -111,7 +128,7 @@ def read_on_rank_zero(fabric: Fabric, read: Callable[[], T], paths: Iterable[Pat
             outcome = ("error", err)
     kind, value = fabric.broadcast(outcome)
     if kind == "error":
-        raise value
+        raise raised_on_every_rank(value, fabric.local_rank)
     return value
 
 
@@ -274,7 +291,8 @@ def build_model(fabric: Fabric, start: Start, args: TrainArgs) -> nn.Module:
 
 
 def build_optimizer_and_schedule(fabric: Fabric, model: nn.Module, start: Start, args: TrainArgs, plan: StepPlan):
-    """Optimizer and schedule; a resume restores both (the checkpoint's schedule wins).
+    """Optimizer and schedule; a resume restores both (the checkpoint's schedule wins unless
+    ``--resume_schedule false``). Also returns the plan's note on the schedule (see ``build_schedule``).
 
     Built after sharding: an optimizer built before would step the pre-shard tensors, silently.
     """
@@ -294,16 +312,44 @@ def build_optimizer_and_schedule(fabric: Fabric, model: nn.Module, start: Start,
     elif start.resume is not None:
         fabric.print("optimizer: starting fresh (--resume_optimizer false)")
     optimizer = fabric.setup_optimizers(optimizer)  # after loading: Fabric copies the optimizer's param groups
-    scheduler = build_scheduler(
-        optimizer.optimizer, args.schedule_type, plan.total_steps, plan.warmup_steps, args.min_rate,
-        args.cycle_length, args.t_mult, args.stable_steps, args.decay_steps,
-    )  # fmt: skip
-    if start.resume is not None and "scheduler" in start.resume.extra:
-        try:
-            scheduler.load_state_dict(start.resume.extra["scheduler"])
-        except UserError as err:
-            raise CheckpointError(f"{start.resume.path / 'scheduler.pt'}: {err}") from None
-    return optimizer, scheduler
+    scheduler, note = build_schedule(optimizer.optimizer, args, plan, start.resume)
+    return optimizer, scheduler, note
+
+
+def build_schedule(optimizer: Any, args: TrainArgs, plan: StepPlan, resume: Checkpoint | None):
+    """The learning-rate schedule: this run's, or on a resume the checkpoint's (AstrAI's rule) unless
+    ``--resume_schedule false`` rebuilds it for this run's length from the checkpoint's step. Returns it and a note
+    for the plan (or None): the checkpoint's schedule ends before this run does, or it was rebuilt."""
+
+    def fresh():
+        return build_scheduler(
+            optimizer, args.schedule_type, plan.total_steps, plan.warmup_steps, args.min_rate, args.cycle_length,
+            args.t_mult, args.stable_steps, args.decay_steps,
+        )  # fmt: skip
+
+    scheduler = fresh()
+    if resume is None or "scheduler" not in resume.extra:
+        return scheduler, None
+    try:
+        scheduler.load_state_dict(resume.extra["scheduler"])
+    except UserError as err:
+        raise CheckpointError(f"{resume.path / 'scheduler.pt'}: {err}") from None
+    step = scheduler.last_epoch
+    if not args.resume_schedule:
+        scheduler = fresh()
+        scheduler.continue_at(step)
+        return scheduler, (
+            f"schedule: rebuilt for this run's {plan.total_steps} steps (--resume_schedule false), continuing at step "
+            f"{step}"
+        )
+    end = getattr(scheduler, "total_steps", None)  # cosine and wsd end; sgdr restarts
+    if end is not None and end < plan.total_steps:
+        return scheduler, (
+            f"note: the checkpoint's schedule ends at step {end}, before this run's {plan.total_steps} steps: steps "
+            f"{max(end, step) + 1}-{plan.total_steps} run at the floor ({scheduler.min_rate:g} x max_lr); "
+            f"--resume_schedule false rebuilds the schedule for {plan.total_steps} steps"
+        )
+    return scheduler, None
 
 
 def start_position(fabric: Fabric, start: Start, args: TrainArgs, plan: StepPlan) -> RunPosition:
@@ -352,10 +398,11 @@ def refuse_to_overwrite(fabric: Fabric, ckpt_dir: str, step: int) -> None:
     names = fabric.broadcast([path.name for path in later] if later is not None else None)
     if names:
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-        raise CheckpointError(
+        message = (
             f"ckpt_dir {ckpt_dir}: already holds {shown}, past this run's start (step {step}), which it would "
             "overwrite; continue the newest with --resume auto, or choose a new --ckpt_dir"
         )
+        raise raised_on_every_rank(CheckpointError(message), fabric.local_rank)
 
 
 def written_names(args: TrainArgs) -> list[str]:
@@ -381,7 +428,7 @@ def hold_ckpt_dir(fabric: Fabric, args: TrainArgs) -> Iterator[None]:
                 lock.release()
     refusal = fabric.broadcast(refusal)
     if refusal is not None:
-        raise CheckpointError(refusal)
+        raise raised_on_every_rank(CheckpointError(refusal), fabric.local_rank)
     try:
         yield
     finally:
@@ -477,16 +524,17 @@ def make_loader(
     fabric: Fabric, dataset: Dataset, args: TrainArgs, shuffle: bool, collate: Callable | None = None
 ) -> tuple[DataLoader, ResumableSampler]:
     sampler = ResumableSampler(len(dataset), *data_parallel(fabric), args.random_seed, shuffle)
+    num_workers = resolve_num_workers(args.num_workers, local_ranks(fabric))[0]
     loader = SeededLoader(
         dataset,
         batch_size=args.batch_per_device,
         sampler=sampler,
         generator=torch.Generator(),
-        num_workers=args.num_workers,
+        num_workers=num_workers,
         collate_fn=collate,
         pin_memory=args.pin_memory and fabric.device.type == "cuda",
-        persistent_workers=args.persistent_workers and args.num_workers > 0,
-        worker_init_fn=ignore_stop_signals if args.num_workers > 0 else None,
+        persistent_workers=args.persistent_workers and num_workers > 0,
+        worker_init_fn=ignore_stop_signals if num_workers > 0 else None,
     )
     # Our sampler already shards by rank in AstrAI's order; Fabric must not replace it.
     return fabric.setup_dataloaders(loader, use_distributed_sampler=False), sampler
@@ -532,7 +580,7 @@ def train_on(
 
     with hold_ckpt_dir(fabric, args):  # before anything is written there, until the end
         model = build_model(fabric, start, args)
-        optimizer, scheduler = build_optimizer_and_schedule(fabric, model, start, args, plan)
+        optimizer, scheduler, schedule_note = build_optimizer_and_schedule(fabric, model, start, args, plan)
         position = start_position(fabric, start, args, plan)
         refuse_to_overwrite(fabric, args.ckpt_dir, position.optimizer_step)
         train_loader, sampler = make_loader(fabric, train_set, args, shuffle=True, collate=collate)
@@ -543,11 +591,15 @@ def train_on(
 
         num_params = sum(p.numel() for p in model.parameters())  # a DTensor's numel is the global one
         held_out = f", {len(val_set):,} held out" if val_set is not None else ""
+        threads = describe_cpu_threads(torch.get_num_threads(), args.num_threads is not None)
         fabric.print(
             f"{args.train_type}: {num_params:,} parameters | {len(train_set):,} training samples: {data_summary}"
             f"{held_out}"
             f"\n{plan.describe()}\nschedule: {scheduler.describe()}, peak {args.max_lr}"
-            f"\noutputs: {Path(args.ckpt_dir).resolve()}"
+            + (f"\n{schedule_note}" if schedule_note else "")
+            + f"\nloader: {resolve_num_workers(args.num_workers, local_ranks(fabric))[1]}"
+            + (f"\ncpu threads: {threads}" if fabric.device.type == "cpu" else "")
+            + f"\noutputs: {Path(args.ckpt_dir).resolve()}"
         )
         if start.resume is not None:
             fabric.print(
@@ -567,7 +619,7 @@ def train_on(
         reporter = Reporter(
             fabric, plan, metric_log, first_step=position.optimizer_step + 1,
             flops_per_token=flops_per_token(start.model_config, window_size),
-            peak_flops=peak_flops(fabric.device, precision_of(fabric), args.peak_flops),
+            peak_flops=peak_flops(fabric.device, precision_of(fabric), args.peak_flops), compiled=bool(args.compile),
         )  # fmt: skip
         try:
             with StopRequest() as stop:

@@ -12,9 +12,23 @@ from astrai_fabric.ckpt_dir import in_use_message, lock_holder, not_ours_message
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import UserError
 from astrai_fabric.metrics import num_parameters
-from astrai_fabric.schedule import StepPlan, build_scheduler
-from astrai_fabric.strategy import resolve_accelerator, resolve_precision, resolve_topology
-from astrai_fabric.train.common import RECIPE_FILE, RECIPE_HEADER, read_start, split_validation, written_names
+from astrai_fabric.schedule import StepPlan
+from astrai_fabric.strategy import (
+    describe_cpu_threads,
+    planned_cpu_threads,
+    resolve_accelerator,
+    resolve_num_workers,
+    resolve_precision,
+    resolve_topology,
+)
+from astrai_fabric.train.common import (
+    RECIPE_FILE,
+    RECIPE_HEADER,
+    build_schedule,
+    read_start,
+    split_validation,
+    written_names,
+)
 
 
 def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train type's build_dataset
@@ -67,14 +81,21 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
         lines += [f"  {line}" for line in plan.describe().splitlines()]
         try:
             plan.check()
-            scheduler = build_scheduler(
-                torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=args.max_lr), args.schedule_type,
-                plan.total_steps, plan.warmup_steps, args.min_rate, args.cycle_length, args.t_mult,
-                args.stable_steps, args.decay_steps,
-            )  # fmt: skip
+            saved = start.resume.extra.get("scheduler") if start.resume is not None else None
+            lrs = saved.get("base_lrs") if isinstance(saved, dict) else None
+            groups = len(lrs) if isinstance(lrs, list) and lrs else 1  # a stand-in with the saved schedule's groups
+            optimizer = torch.optim.SGD([{"params": [torch.zeros(1, requires_grad=True)]} for _ in range(groups)],
+                                        lr=args.max_lr)  # fmt: skip
+            scheduler, note = build_schedule(optimizer, args, plan, start.resume)
             lines.append(f"  schedule     {scheduler.describe()}, peak learning rate {args.max_lr}")
+            if note:
+                lines.append(f"               {note}")
         except UserError as err:
             problems.append(str(err))
+    lines.append(f"  loader       {resolve_num_workers(args.num_workers, topology.devices)[1]}")
+    if accelerator == "cpu":
+        threads = planned_cpu_threads(args.num_threads, topology.devices)
+        lines.append(f"  cpu threads  {describe_cpu_threads(threads, args.num_threads is not None)}")
     budget = []
     if args.max_steps is not None:
         budget.append(f"max_steps {args.max_steps}")
