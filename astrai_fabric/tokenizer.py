@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import functools
 import json
-from datetime import datetime
 import re
 import signal
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -127,7 +127,8 @@ class Tokenizer:
                 raise UserError(
                     f"{config_path}: 'special_tokens' must map names to token strings, got {special_tokens!r}"
                 )
-            loaded = cls(tokenizer, special_tokens, _named_template(config.get("chat_template"), config_path), directory)
+            template = _named_template(config.get("chat_template"), config_path)
+            loaded = cls(tokenizer, special_tokens, template, directory)
         if loaded.chat_template:
             _ = loaded._template  # compiled now: a broken template is found when it is read
         return loaded
@@ -295,7 +296,7 @@ def _read_hf_config(
             token = _hf_token(config.get(name))
         except TypeError:
             raise UserError(
-                f"{config_path}: {name!r} must be a token string or an AddedToken {{\"content\": ...}}, "
+                f'{config_path}: {name!r} must be a token string or an AddedToken {{"content": ...}}, '
                 f"got {json.dumps(config[name])[:100]}"
             ) from None
         if token is not None:
