@@ -184,7 +184,7 @@ def run_generate(args: GenerateArgs) -> list[list[str]]:
         raise ConfigError(f"a prompt fills the model's {model.config.max_position_embeddings} positions")
     outputs = generate(
         model, batch, min(args.max_new_tokens, limit), temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, stop_ids=stop_ids, pad_id=tokenizer.pad_token_id or 0, generator=generator,
+        top_p=args.top_p, stop_ids=stop_ids, pad_id=tokenizer.padding_id, generator=generator,
     )  # fmt: skip
     texts = [tokenizer.decode_whole_chars(out) for out in outputs]
     grouped = [texts[i : i + args.num_samples] for i in range(0, len(texts), args.num_samples)]

@@ -81,6 +81,19 @@ def template(text: str) -> Files:
     return tokenizer_dir(chat_template=text)
 
 
+HF_EOS = {"eos_token": "<|end_of_sentence|>"}
+
+
+def hf_tokenizer(config: dict, jinja: str | bytes | None = None) -> Files:
+    """A tokenizer directory in Hugging Face's layout: the tiny tokenizer.json, ``config`` as tokenizer_config.json
+    and, when given, ``jinja`` as chat_template.jinja."""
+    files: Files = {"t/tokenizer.json": (TINY_MODEL_DIR / "tokenizer.json").read_bytes(),
+                    "t/tokenizer_config.json": json.dumps(config)}  # fmt: skip
+    if jinja is not None:
+        files["t/chat_template.jinja"] = jinja
+    return files
+
+
 def shards(meta: dict | str, **arrays: np.ndarray | bytes) -> Files:
     """A bin shard directory ``d/``: ``meta.json`` as given and each key's ``.bin`` bytes."""
     files: Files = {"d/meta.json": meta if isinstance(meta, str) else json.dumps(meta)}
@@ -325,6 +338,40 @@ CASES = [
          template("{% for a in 'x' * 100000 %}{% for b in 'x' * 100000 %}{% endfor %}{% endfor %}")),
     Case("template-recursion", sft("--tokenizer_path", "{c}/t"), "maximum recursion depth exceeded",
          template("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}")),
+    # --- Hugging Face's tokenizer layout ---------------------------------------------------------------------------
+    Case("hf-token-int", seq("--tokenizer_path", "{c}/t"), "'eos_token' must be a token string or an AddedToken",
+         hf_tokenizer({"eos_token": 1})),
+    Case("hf-token-dict-no-content", seq("--tokenizer_path", "{c}/t"),
+         "'bos_token' must be a token string or an AddedToken", hf_tokenizer({"bos_token": {"lstrip": False}})),
+    Case("hf-token-unknown", seq("--tokenizer_path", "{c}/t"), "special tokens not in the vocabulary: ['<nope>']",
+         hf_tokenizer({**HF_EOS, "pad_token": {"content": "<nope>"}})),
+    Case("hf-added-tokens-list", seq("--tokenizer_path", "{c}/t"), "'added_tokens_decoder' must map ids to AddedTokens",
+         hf_tokenizer({"added_tokens_decoder": [1]})),
+    Case("hf-added-token-key", seq("--tokenizer_path", "{c}/t"), "'added_tokens_decoder' must map ids to AddedTokens",
+         hf_tokenizer({"added_tokens_decoder": {"-3": {"content": "<|im_start|>"}}})),
+    Case("hf-added-token-id", seq("--tokenizer_path", "{c}/t"),
+         "added_tokens_decoder gives id 7 to '<|im_start|>', but tokenizer.json gives it id 3",
+         hf_tokenizer({"added_tokens_decoder": {"7": {"content": "<|im_start|>"}}})),
+    Case("hf-mixed-layout", seq("--tokenizer_path", "{c}/t"),
+         "holds AstrAI's 'special_tokens' map and Hugging Face's 'eos_token'", tokenizer_dir(**HF_EOS)),
+    Case("hf-template-not-utf8", seq("--tokenizer_path", "{c}/t"), "chat_template.jinja: not UTF-8 text",
+         hf_tokenizer(HF_EOS, b"\xff\xfe{{ x }}")),
+    Case("hf-template-syntax", seq("--tokenizer_path", "{c}/t"), "chat_template.jinja: chat_template is not valid",
+         hf_tokenizer(HF_EOS, "{% for m in messages %}")),
+    Case("hf-template-raise", sft("--tokenizer_path", "{c}/t"), "chat_template.jinja: chat_template failed on ",
+         hf_tokenizer(HF_EOS, "{{ raise_exception('system messages are not supported') }}")),
+    Case("hf-template-sandbox", sft("--tokenizer_path", "{c}/t"), "attribute '__class__' of 'str' object is unsafe",
+         hf_tokenizer(HF_EOS, "{{ ''.__class__.__mro__ }}")),
+    Case("hf-template-huge-tojson", sft("--tokenizer_path", "{c}/t"), "the number 1000000000 is above the template",
+         hf_tokenizer(HF_EOS, "{{ messages | tojson(indent=1000000000) }}")),
+    Case("hf-template-huge-strftime", sft("--tokenizer_path", "{c}/t"), "is above the template limit",
+         hf_tokenizer(HF_EOS, "{{ strftime_now('%0999999999d') }}")),
+    Case("hf-template-endless-loop", sft("--tokenizer_path", "{c}/t"), "rendering took longer than",
+         hf_tokenizer(HF_EOS, "{% for a in 'x' * 100000 %}{% for b in 'x' * 100000 %}{% continue %}{% endfor %}"
+                              "{% endfor %}")),
+    Case("hf-template-not-a-prefix", sft("--tokenizer_path", "{c}/t"),
+         "renders the first 1 messages differently once message 2 follows",
+         hf_tokenizer(HF_EOS, "{{ messages | length }}")),
     # --- bin shards ----------------------------------------------------------------------------------------------
     Case("shard-object-dtype", seq(data="{c}/d"), "'dtype' must be an integer dtype (int32, uint16, ...), got 'O'",
          shards({"sequence": {"shape": [64], "dtype": "O"}}, sequence=bytes(512))),

@@ -5,6 +5,11 @@ then each message rendered alone with the chat template and encoded without spec
 role is ``assistant`` and masked for ``system``/``user``; position ids restart at 0 for every record (AstrAI's
 ``doc_reset``), which is what lets attention stop at document boundaries.
 
+A Hugging Face tokenizer's templates are written for whole conversations (a BOS or a default system prompt once at
+the start, a role header that depends on the turns before), so there each message's tokens are what rendering the
+first k messages adds to the first k - 1 (the template must render a conversation's beginning as a prefix of the
+whole); no BOS is added beyond what the template writes, as transformers' ``apply_chat_template``.
+
 Departure from AstrAI: plain-text records are separated by the tokenizer's EOS token (AstrAI's text pipeline joins
 documents with nothing between them), so the model can learn where a document ends.
 """
@@ -15,7 +20,7 @@ import numpy as np
 
 from astrai_fabric.data.storage import Record
 from astrai_fabric.errors import UserError
-from astrai_fabric.tokenizer import Tokenizer
+from astrai_fabric.tokenizer import HUGGING_FACE, Message, Tokenizer
 
 TRAINED_ROLES = {"assistant"}
 ROLES = {"system", "user", "assistant"}
@@ -34,6 +39,24 @@ def tokenize_text(records: list[Record], tokenizer: Tokenizer) -> dict[str, np.n
     return {"sequence": np.asarray(ids, dtype=np.int32)}
 
 
+def message_texts(tokenizer: Tokenizer, messages: list[Message], where: str) -> list[str]:
+    """Each message's rendered text: rendered alone (AstrAI's pipeline), or, for a Hugging Face tokenizer, what it
+    adds to the conversation before it (module docstring)."""
+    if tokenizer.layout != HUGGING_FACE:
+        return [tokenizer.render_chat([message], where=where) for message in messages]
+    texts, before = [], ""
+    for k in range(1, len(messages) + 1):
+        text = tokenizer.render_chat(messages[:k], where=where)
+        if not text.startswith(before):
+            raise UserError(
+                f"{where}: the chat template renders the first {k - 1} messages differently once message {k} follows, "
+                "so each message's tokens (and the loss mask) cannot be told apart"
+            )
+        texts.append(text[len(before) :])
+        before = text
+    return texts
+
+
 def tokenize_chats(records: list[Record], tokenizer: Tokenizer) -> dict[str, np.ndarray]:
     """``{"sequence", "loss_mask", "position_ids"}`` from records ``{"messages": [{"role", "content"}, ...]}``."""
     sequence, loss_mask, position_ids = [], [], []
@@ -41,13 +64,15 @@ def tokenize_chats(records: list[Record], tokenizer: Tokenizer) -> dict[str, np.
         messages = record.get("messages")
         if not isinstance(messages, list) or not messages:
             raise UserError(f"{where}: an sft record needs a non-empty list 'messages', got keys {sorted(record)}")
-        ids, mask = ([tokenizer.bos_token_id], [0]) if tokenizer.bos_token_id is not None else ([], [])
+        astrai_bos = tokenizer.bos_token_id is not None and tokenizer.layout != HUGGING_FACE
+        ids, mask = ([tokenizer.bos_token_id], [0]) if astrai_bos else ([], [])
         for message in messages:
             if not isinstance(message, dict) or message.get("role") not in ROLES:
                 raise UserError(f"{where}: each message needs a role in {sorted(ROLES)}, got {message!r}")
             if not isinstance(message.get("content"), str):
                 raise UserError(f"{where}: message content must be a string, got {message.get('content')!r}")
-            encoded = tokenizer.encode(tokenizer.render_chat([message], where=where), add_special_tokens=False)
+        for message, text in zip(messages, message_texts(tokenizer, messages, where), strict=True):
+            encoded = tokenizer.encode(text, add_special_tokens=False)
             ids += encoded
             mask += [int(message["role"] in TRAINED_ROLES)] * len(encoded)
         sequence += ids

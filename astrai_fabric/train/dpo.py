@@ -75,6 +75,6 @@ def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
     reference, reference_meta = reference_model(fabric, start, args)
     compute_loss = partial(dpo_batch_loss, reference=reference, beta=args.dpo_beta,
                            moe_aux_loss_coef=args.moe_aux_loss_coef)  # fmt: skip
-    collate = partial(collate_preferences, pad_id=start.need_tokenizer("dpo").pad_token_id or 0)
+    collate = partial(collate_preferences, pad_id=start.need_tokenizer("dpo").padding_id)
     return train_on(fabric, args, start, dataset, summary, compute_loss, collate,
                     extra_meta={"reference": reference_meta})  # fmt: skip

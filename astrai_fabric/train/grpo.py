@@ -95,14 +95,14 @@ class Rollouts:
         self.model.eval()
         responses = generate(
             self.model, prompts, max_new, temperature=args.rollout_temperature, top_k=args.rollout_top_k,
-            top_p=args.rollout_top_p, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_token_id or 0,
+            top_p=args.rollout_top_p, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.padding_id,
             generator=generator, all_done=self._all_done,
         )  # fmt: skip
         texts = [tokenizer.decode(r) for r in responses]
         prompt_texts = [tokenizer.decode(p) for p in batch["prompt_ids"]]
         grouped = [texts[i : i + group] for i in range(0, len(texts), group)]
         rewards = score(self.reward, prompt_texts, grouped, batch["records"])
-        packed = pack(list(zip(prompts, responses, strict=True)), tokenizer.pad_token_id or 0)
+        packed = pack(list(zip(prompts, responses, strict=True)), tokenizer.padding_id)
         packed = {k: v.to(self.fabric.device) for k, v in packed.items()}
         old_logprobs, _ = sequence_logprobs(self.model, packed["input_ids"])
         self.model.train()
@@ -153,7 +153,7 @@ def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
                            kl_coef=args.grpo_kl_coef, moe_aux_loss_coef=args.moe_aux_loss_coef)  # fmt: skip
     meta = {"reference": reference_meta}
     if isinstance(dataset, GroupDataset):
-        collate = partial(collate_groups, pad_id=start.need_tokenizer("grpo").pad_token_id or 0)
+        collate = partial(collate_groups, pad_id=start.need_tokenizer("grpo").padding_id)
         return train_on(fabric, args, start, dataset, summary, compute_loss, collate, meta)
     reward = load_reward(args.reward, args.trust_code)
     window_size = args.window_size or start.model_config.max_position_embeddings
