@@ -11,10 +11,17 @@ from astrai_fabric.checkpoint import checkpoints_after
 from astrai_fabric.ckpt_dir import in_use_message, lock_holder, not_ours_message, unowned
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import UserError
-from astrai_fabric.metrics import num_parameters
 from astrai_fabric.schedule import StepPlan, build_scheduler
 from astrai_fabric.strategy import resolve_accelerator, resolve_precision, resolve_topology
-from astrai_fabric.train.common import RECIPE_FILE, RECIPE_HEADER, read_start, split_validation, written_names
+from astrai_fabric.train.common import (
+    RECIPE_FILE,
+    RECIPE_HEADER,
+    describe_parameters,
+    meta_model,
+    read_start,
+    split_validation,
+    written_names,
+)
 
 
 def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train type's build_dataset
@@ -40,9 +47,11 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
         if not assets.resolve(args.data_root_path).exists():  # reported too: the data is not read without a model
             problems.append(f"data_root_path {args.data_root_path}: not found")
     if start is not None:
-        num_params = num_parameters(start.model_config)
         weights = start.weights.path if start.weights is not None else f"none: AstrAI's init, seed {args.random_seed}"
-        lines.append(f"  model        {assets.resolve(args.param_path)}: {num_params:,} parameters; weights {weights}")
+        lines.append(f"  model        {assets.resolve(args.param_path)}: weights {weights}")
+        parameters, _ = describe_parameters(meta_model(start.model_config, args), args)
+        lines += [f"  {'parameters' if i == 0 else ''}   {line}".replace("    lora:", "  lora   ", 1)
+                  for i, line in enumerate(parameters.splitlines())]  # fmt: skip
         if start.tokenizer is not None:
             lines.append(f"  tokenizer    {start.tokenizer.directory} ({start.tokenizer.vocab_size:,} ids)")
         else:
