@@ -543,7 +543,7 @@ def describe_parameters(model: nn.Module, args: TrainArgs) -> tuple[str, dict[st
         layers = len(lora.lora_layers(getattr(model, "module", model)))
         line += (
             f"\nlora: r={spec.r}, alpha={spec.alpha}, dropout {spec.dropout}, init {spec.init}, on "
-            f"{','.join(spec.targets)} ({layers} layers); base weights frozen, adapters float32"
+            f"{','.join(spec.targets)} ({layers} linear layers); base weights frozen, adapters float32"
         )
         if args.resolved_optimizer == "muon_adamw":
             line += "; note: Muon on LoRA's r x d factors is untested (adamw is the LoRA default)"

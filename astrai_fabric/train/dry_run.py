@@ -50,8 +50,10 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
         weights = start.weights.path if start.weights is not None else f"none: AstrAI's init, seed {args.random_seed}"
         lines.append(f"  model        {assets.resolve(args.param_path)}: weights {weights}")
         parameters, _ = describe_parameters(meta_model(start.model_config, args), args)
-        lines += [f"  {'parameters' if i == 0 else ''}   {line}".replace("    lora:", "  lora   ", 1)
-                  for i, line in enumerate(parameters.splitlines())]  # fmt: skip
+        counts, _, adapters = parameters.partition("\nlora: ")
+        lines.append(f"  parameters   {counts}")
+        if adapters:
+            lines.append(f"  lora         {adapters}")
         if start.tokenizer is not None:
             lines.append(f"  tokenizer    {start.tokenizer.directory} ({start.tokenizer.vocab_size:,} ids)")
         else:
