@@ -218,6 +218,18 @@ def export_checkpoint(source: str | Path, target: str | Path) -> Path:
     )  # fmt: skip
 
 
+def export_merged(source: str | Path, target: str | Path) -> Path:
+    """Write a LoRA checkpoint as a plain AstrAI model directory, the adapter merged into the base
+    (``astrai-fabric export --merge_lora``): ``config.json``, ``model.safetensors``, the tokenizer, ``meta.json``."""
+    source = Path(source)
+    ckpt = load_checkpoint(source, load_extra=False)
+    if ckpt.lora is None:
+        raise CheckpointError(f"{source}: no adapter_model.safetensors: not a LoRA checkpoint (nothing to merge)")
+    copied = {name: source / name for name in ("tokenizer.json", "tokenizer_config.json") if (source / name).is_file()}
+    meta = {"merged_from": str(source.resolve()), "lora": ckpt.lora.spec.adapter_config()}
+    return save_checkpoint(target, ckpt.state_dict, ckpt.config, meta=meta, files=copied)
+
+
 def _integer_state_keys(state: Any) -> Any:
     """Torch optimizer states index ``state`` by integers; distributed checkpoint's flattening made them strings."""
     if isinstance(state, dict) and "state" in state and "param_groups" in state:

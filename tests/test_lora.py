@@ -212,6 +212,10 @@ def test_resume_is_bit_exact_with_dropout_and_gradient_checkpointing(runs):
     model = load_model(step_dir(runs / "dropout", 4))
     expected = lora.merge_state_dict(load_file(runs / "base" / "model.safetensors"), full, 32 / 4)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in expected.items())
+    assert main(["export", str(step_dir(runs / "dropout", 4)), "--merge_lora", "--out", str(runs / "merged")]) == 0
+    assert all(torch.equal(load_model(runs / "merged").state_dict()[k], v) for k, v in expected.items())
+    assert main(["export", str(runs / "base"), "--merge_lora", "--out", str(runs / "unused")]) == 2
+    assert not (runs / "unused").exists()  # not a LoRA checkpoint (nothing to merge)
 
 
 def test_dpo_and_grpo_start_from_the_merged_sft_adapter_at_log_2(runs):
@@ -291,6 +295,7 @@ def test_astrai_loads_our_adapter_and_we_load_astrais(runs, tmp_path):
     ours = step_dir(runs / "dropout", 4)
     ids = torch.randint(0, 500, (2, 9), generator=torch.Generator().manual_seed(0))
     torch.save(ids, tmp_path / "ids.pt")
+    assert main(["export", str(ours), "--merge_lora", "--out", str(tmp_path / "merged")]) == 0
     run_astrai(f"""
         import torch
         from astrai.model.automodel import AutoModel
@@ -306,11 +311,14 @@ def test_astrai_loads_our_adapter_and_we_load_astrais(runs, tmp_path):
             if name.endswith("lora_B"):
                 torch.nn.init.normal_(param, std=0.1)
         save_lora(model, "{tmp_path / "astrai_adapter"}", config)
+        exported = AutoModel.from_pretrained("{tmp_path / "merged"}")  # export --merge_lora, read strictly
+        torch.save(exported(ids)["logits"].detach(), "{tmp_path / "astrai_merged.pt"}")
         torch.save(model(ids)["logits"].detach(), "{tmp_path / "astrai_own.pt"}")
     """)
     with torch.no_grad():
         logits = load_model(ours).eval()(ids)["logits"]
         torch.testing.assert_close(torch.load(tmp_path / "astrai_on_ours.pt"), logits, atol=1e-5, rtol=0)
+        torch.testing.assert_close(torch.load(tmp_path / "astrai_merged.pt"), logits, atol=1e-5, rtol=0)
         theirs = read_adapter(tmp_path / "astrai_adapter")
         model = load_model(runs / "base")
         lora.inject(model, theirs.spec, seed=0)
