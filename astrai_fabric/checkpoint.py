@@ -22,6 +22,7 @@ from a stranger cannot run code.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -43,7 +44,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from astrai_fabric import hf
+from astrai_fabric import hf, lora
 from astrai_fabric.config.model import ModelConfig, read_config_json
 from astrai_fabric.errors import CheckpointError, ConfigError
 
@@ -51,6 +52,12 @@ META_FILE = "meta.json"
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+ADAPTER_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+"""A LoRA checkpoint's adapter, in AstrAI's ``save_lora`` layout (keys ``<layer>.lora_A`` / ``<layer>.lora_B``)."""
+LORA_BASE_KEY = "lora_base"
+"""``meta.json`` key of a LoRA checkpoint: where its base weights are (``path`` relative to the checkpoint,
+``absolute``) and the ``sha256`` of each base weight file."""
 FORMAT_KEY = "astrai_fabric"
 """``meta.json`` key holding our format description; its absence marks a checkpoint written by AstrAI."""
 FORMAT_VERSION = 1
@@ -75,6 +82,9 @@ class Checkpoint:
     source: hf.HFSource | None = None
     """The Hugging Face architecture and config for a directory imported from one (``config`` and ``state_dict``
     are then already ours); None for AstrAI's layout."""
+    lora: LoRAAdapter | None = None
+    """A LoRA checkpoint's adapter (``state_dict`` then holds the base with it merged, or the base alone when read
+    with ``merge_lora=False``)."""
 
     @property
     def is_training_checkpoint(self) -> bool:
@@ -90,12 +100,22 @@ class Checkpoint:
         return ModelConfig.from_dict(self.config, source=str(self.path / CONFIG_FILE))
 
 
+@dataclass
+class LoRAAdapter:
+    """An adapter read from ``adapter_model.safetensors`` + ``adapter_config.json``."""
+
+    spec: lora.LoRASpec
+    state_dict: dict[str, Tensor]
+    base: Path | None = None
+    """The directory of the base weights it was trained on (found through ``meta.json``), if it has one."""
+
+
 # --- writing -----------------------------------------------------------------------------------------------------
 
 
 def save_checkpoint(
     directory: str | Path,
-    state_dict: Mapping[str, Tensor],
+    state_dict: Mapping[str, Tensor] | None,
     config: Mapping[str, Any],
     *,
     epoch: int = 0,
@@ -105,6 +125,8 @@ def save_checkpoint(
     files: Mapping[str, str | bytes | Path] | None = None,
     overwrite: bool = False,
     staging: Path | None = None,
+    adapter: Mapping[str, Tensor] | None = None,
+    adapter_config: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write an AstrAI checkpoint directory atomically and return its path.
 
@@ -112,6 +134,8 @@ def save_checkpoint(
     saved as ``{stem}.pt``; ``files`` maps file names to text, bytes, or a path to copy. An existing directory is
     an error unless ``overwrite``, in which case it is replaced only after the new one is complete. ``staging`` is
     a directory from ``staging_dir`` that others have already written into (a sharded state); default: a new one.
+    A LoRA checkpoint passes ``adapter`` and ``adapter_config`` (written as AstrAI's ``save_lora`` writes them) and
+    ``state_dict`` None unless the merged weights are wanted too.
     """
     target = Path(directory)
     if target.exists() and not overwrite:
@@ -131,8 +155,13 @@ def save_checkpoint(
         _write_text(staging / META_FILE, json.dumps(full_meta, indent=2))
         _write_text(staging / CONFIG_FILE, json.dumps(dict(config), indent=2))
         _crash_point("meta")
-        save_file(_safetensors_ready(state_dict), str(staging / WEIGHTS_FILE))
-        _fsync(staging / WEIGHTS_FILE)
+        if state_dict is not None:
+            save_file(_safetensors_ready(state_dict), str(staging / WEIGHTS_FILE))
+            _fsync(staging / WEIGHTS_FILE)
+        if adapter is not None:
+            save_file(_safetensors_ready(adapter), str(staging / ADAPTER_FILE))
+            _fsync(staging / ADAPTER_FILE)
+            _write_text(staging / ADAPTER_CONFIG_FILE, json.dumps(dict(adapter_config or {}), indent=2))
         _crash_point("weights")
         for stem, obj in (extra or {}).items():
             torch.save(obj, staging / f"{stem}.pt")
@@ -274,7 +303,8 @@ def complete_checkpoints(ckpt_dir: str | Path) -> list[Path]:
     found = []
     for path in Path(ckpt_dir).glob("epoch_*_step_*"):
         match = CHECKPOINT_NAME.match(path.name)
-        if match and (path / META_FILE).is_file() and (path / WEIGHTS_FILE).is_file():
+        weights = (path / WEIGHTS_FILE).is_file() or (path / ADAPTER_FILE).is_file()
+        if match and (path / META_FILE).is_file() and weights:
             found.append(((int(match[2]), int(match[1])), path))
     return [path for _, path in sorted(found)]
 
@@ -298,16 +328,18 @@ def checkpoint_problem(path: Path) -> str | None:
                 return f"{name} is not a JSON object"
         except (OSError, ValueError) as err:
             return f"{name}: {err}"
-    weights = path / WEIGHTS_FILE
-    try:
-        with weights.open("rb") as file:
-            header_size = int.from_bytes(file.read(8), "little")
-            header = json.loads(file.read(header_size))
-        end = max((info["data_offsets"][1] for key, info in header.items() if key != "__metadata__"), default=0)
-        if weights.stat().st_size < 8 + header_size + end:
-            return f"{WEIGHTS_FILE} is truncated"
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        return f"{WEIGHTS_FILE}: unreadable header ({err})"
+    names = [name for name in (WEIGHTS_FILE, ADAPTER_FILE) if (path / name).is_file()] or [WEIGHTS_FILE]
+    for name in names:
+        weights = path / name
+        try:
+            with weights.open("rb") as file:
+                header_size = int.from_bytes(file.read(8), "little")
+                header = json.loads(file.read(header_size))
+            end = max((info["data_offsets"][1] for key, info in header.items() if key != "__metadata__"), default=0)
+            if weights.stat().st_size < 8 + header_size + end:
+                return f"{name} is truncated"
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            return f"{name}: unreadable header ({err})"
     for file in sorted(path.glob("*.pt")):
         if not zipfile.is_zipfile(file):
             return f"{file.name} is truncated or not a torch archive"
@@ -343,11 +375,15 @@ def prune_checkpoints(ckpt_dir: str | Path, keep_last_k: int) -> list[Path]:
 # --- reading -----------------------------------------------------------------------------------------------------
 
 
-def load_checkpoint(directory: str | Path, *, load_extra: bool = True, skip: Collection[str] = ()) -> Checkpoint:
+def load_checkpoint(
+    directory: str | Path, *, load_extra: bool = True, skip: Collection[str] = (), merge_lora: bool = True
+) -> Checkpoint:
     """Read a checkpoint directory, or a plain model directory, as AstrAI's ``Checkpoint.load_any`` does.
 
     ``load_extra=False`` skips every ``*.pt`` file (e.g. when only the weights are wanted); ``skip`` names stems
-    to leave out (``{"optimizer"}``).
+    to leave out (``{"optimizer"}``). A LoRA checkpoint (``adapter_model.safetensors``) gives the model it computes,
+    its adapter merged into the base (its own merged ``model.safetensors`` when it has one, else the base it points
+    to, hash-checked); ``merge_lora=False`` gives the base alone, to resume training the adapter (``lora``).
     """
     path = Path(directory)
     if not path.is_dir():
@@ -365,7 +401,17 @@ def load_checkpoint(directory: str | Path, *, load_extra: bool = True, skip: Col
     extra = {}
     if load_extra:
         extra = {f.stem: _read_pt(f) for f in sorted(path.glob("*.pt")) if f.stem not in skip}
-    state_dict = _read_weights(path)
+    adapter = None
+    if (path / ADAPTER_FILE).is_file():
+        adapter = read_adapter(path)
+        if not merge_lora or not (path / WEIGHTS_FILE).is_file():
+            adapter.base = resolve_lora_base(path, meta)
+    if adapter is not None and (not merge_lora or not (path / WEIGHTS_FILE).is_file()):
+        state_dict = load_checkpoint(adapter.base, load_extra=False).state_dict
+        if merge_lora:
+            state_dict = lora.merge_state_dict(state_dict, adapter.state_dict, adapter.spec.scaling)
+    else:
+        state_dict = _read_weights(path)
     if source is not None:
         state_dict = hf.state_dict_from_hf(state_dict, model_config)
     return Checkpoint(
@@ -377,7 +423,90 @@ def load_checkpoint(directory: str | Path, *, load_extra: bool = True, skip: Col
         meta=meta,
         extra=extra,
         source=source,
+        lora=adapter,
     )
+
+
+def read_adapter(directory: str | Path) -> LoRAAdapter:
+    """``adapter_model.safetensors`` + ``adapter_config.json`` of a directory (ours, or AstrAI's ``save_lora``)."""
+    path = Path(directory)
+    spec = lora.LoRASpec.from_adapter_config(
+        _read_json(path / ADAPTER_CONFIG_FILE, what="the LoRA adapter's config"), str(path / ADAPTER_CONFIG_FILE)
+    )
+    tensors = _read_safetensors(path / ADAPTER_FILE)
+    odd = [k for k in tensors if not lora.is_adapter_key(k)]
+    if odd or not tensors:
+        raise CheckpointError(f"{path / ADAPTER_FILE}: expected only <layer>.lora_A / <layer>.lora_B keys, got "
+                              f"{_abbreviate(odd or ['nothing'])}")  # fmt: skip
+    ranks = {tuple(v.shape)[0 if k.endswith("lora_A") else 1] for k, v in tensors.items() if v.dim() == 2}
+    if ranks != {spec.r} or any(v.dim() != 2 for v in tensors.values()):
+        raise CheckpointError(f"{path / ADAPTER_FILE}: adapter ranks {sorted(ranks)} do not match r={spec.r} of "
+                              f"{ADAPTER_CONFIG_FILE}")  # fmt: skip
+    return LoRAAdapter(spec, tensors)
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """The files a model directory's weights are read from (what a LoRA checkpoint's ``sha256`` covers)."""
+    if (directory / WEIGHTS_FILE).is_file():
+        return [directory / WEIGHTS_FILE]
+    if (directory / WEIGHTS_INDEX_FILE).is_file():
+        index = _read_json(directory / WEIGHTS_INDEX_FILE, what="a sharded safetensors index")
+        shards = sorted(set((index.get("weight_map") or {}).values()))
+        return [directory / WEIGHTS_INDEX_FILE, *(directory / shard for shard in shards)]
+    if (directory / ADAPTER_FILE).is_file():  # a LoRA checkpoint as base: its own base is checked when it loads
+        return [directory / ADAPTER_FILE, directory / ADAPTER_CONFIG_FILE]
+    raise CheckpointError(f"{directory}: no {WEIGHTS_FILE}, {WEIGHTS_INDEX_FILE} or {ADAPTER_FILE} (expected weights)")
+
+
+def weight_digests(directory: Path) -> dict[str, str]:
+    """``{file name: sha256}`` of a model directory's weight files."""
+    digests = {}
+    for file in weight_files(directory):
+        digest = hashlib.sha256()
+        with file.open("rb") as handle:
+            while chunk := handle.read(1 << 24):
+                digest.update(chunk)
+        digests[file.name] = digest.hexdigest()
+    return digests
+
+
+def lora_base_entry(base: Path, checkpoint: Path, digests: dict[str, str]) -> dict[str, Any]:
+    """The ``meta.json`` pointer from ``checkpoint`` to its base: relative where the two share a root, absolute too."""
+    base = base.resolve()
+    try:
+        relative = os.path.relpath(base, checkpoint.resolve())
+    except ValueError:  # another drive (Windows)
+        relative = None
+    return {"path": relative, "absolute": str(base), "sha256": digests}
+
+
+def resolve_lora_base(path: Path, meta: Mapping[str, Any]) -> Path:
+    """The base directory a LoRA checkpoint points to, its weight files checked against the recorded sha256."""
+    entry = meta.get(LORA_BASE_KEY)
+    if not (
+        isinstance(entry, dict)
+        and isinstance(entry.get("sha256"), dict)
+        and all(isinstance(entry.get(k), str | None) for k in ("path", "absolute"))
+    ):
+        raise CheckpointError(
+            f"{path / META_FILE}: a LoRA checkpoint without merged weights needs '{LORA_BASE_KEY}' "
+            f"{{path, absolute, sha256}} naming its base weights, got {entry!r}"
+        )
+    candidates = [Path(entry[k]) if k == "absolute" else path / entry[k] for k in ("path", "absolute") if entry[k]]
+    found = next((c for c in candidates if c.is_dir()), None)
+    if found is None:
+        raise CheckpointError(
+            f"{path}: its LoRA base weights are missing (looked in {', '.join(map(str, candidates))}); "
+            "put the base model back there, or resume from a checkpoint written with --lora_save_full"
+        )
+    digests = weight_digests(found)
+    if digests != entry["sha256"]:
+        differ = sorted(k for k in {*digests, *entry["sha256"]} if digests.get(k) != entry["sha256"].get(k))
+        raise CheckpointError(
+            f"{path}: the LoRA base at {found} is not the one this adapter was trained on (sha256 of "
+            f"{', '.join(differ)} differs); restore that base model, or start a new run from it"
+        )
+    return found
 
 
 def read_model_config(directory: str | Path) -> ModelConfig:

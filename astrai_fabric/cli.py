@@ -296,17 +296,22 @@ def export_command(argv: list[str]) -> int:
     )
     parser.add_argument("checkpoint", help="The checkpoint directory holding state/.")
     parser.add_argument("--out", help="Where to write the complete directory; default: CHECKPOINT_full next to it.")
+    parser.add_argument(
+        "--merge_lora",
+        action="store_true",
+        help="A LoRA checkpoint: write the model with its adapter merged into the base (AstrAI's layout).",
+    )
     try:
         namespace = parser.parse_args(argv)
     except SystemExit as exit_:
         raise SystemExit(exit_.code) from None
     except Exception as err:
         raise UserError(_clean(err)) from None
-    from astrai_fabric.training_state import export_checkpoint
+    from astrai_fabric.training_state import export_checkpoint, export_merged
 
     source = Path(namespace.checkpoint)
     target = Path(namespace.out) if namespace.out else source.with_name(source.name + "_full")
-    target = export_checkpoint(source, target)
+    target = export_merged(source, target) if namespace.merge_lora else export_checkpoint(source, target)
     print(f"exported {source} -> {target}")
     return 0
 

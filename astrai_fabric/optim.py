@@ -185,3 +185,14 @@ def build_optimizer(
         groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         return AdamW(groups, lr=lr, betas=ADAMW_BETAS, **_fused_if_possible(decay + no_decay))
     raise ValueError(f"unknown optimizer {name!r}")
+
+
+def optimizer_state_bytes(model: nn.Module, name: str) -> int:
+    """Bytes the optimizer's state will hold for ``model``'s trainable parameters, all ranks together: AdamW keeps
+    two moments per entry, Muon one momentum per matrix entry, each in the parameter's dtype."""
+    total = 0
+    for param_name, param in model.named_parameters():
+        if param.requires_grad:
+            buffers = 1 if name == "muon_adamw" and is_matrix_param(param_name, param) else 2
+            total += buffers * param.numel() * param.element_size()
+    return total

@@ -35,6 +35,7 @@ from astrai_fabric.checkpoint import (
     staging_dir,
 )
 from astrai_fabric.errors import CheckpointError
+from astrai_fabric.lora import LoRASpec, adapter_state_dict, base_state_dict, merge_state_dict
 
 RESUME_KEY = "resume_position"
 STATE_DIR = "state"
@@ -128,15 +129,28 @@ def save_training_checkpoint(
     meta: dict[str, Any],
     files: dict[str, Any],
     sharded: bool = False,
+    lora: LoRASpec | None = None,
+    lora_save_full: bool = False,
 ) -> None:
     """Write ``directory`` with the state after the last optimizer step (all ranks must call).
 
     Rank 0 writes AstrAI's files. ``sharded``: every rank also writes its shard of the optimizer state into
     ``state/`` with torch distributed checkpoint (into the same staging directory, so the checkpoint still
     appears complete or not at all), and no rank gathers the whole optimizer; ``optimizer.pt`` is left out.
+    ``lora``: only the adapters are gathered and written (``adapter_model.safetensors``), the frozen base is not
+    copied (``meta`` points to it); ``lora_save_full`` adds the merged ``model.safetensors``.
     """
     keep = fabric.global_rank == 0
-    weights = gather_full(model.state_dict(), keep)
+    adapter = None
+    if lora is None:
+        weights = gather_full(model.state_dict(), keep)
+    else:
+        state = model.state_dict()
+        adapter = gather_full(adapter_state_dict(state), keep)
+        weights = None
+        if lora_save_full:
+            base = gather_full(base_state_dict(state), keep)
+            weights = merge_state_dict(base, adapter, lora.scaling) if keep else None
     rng = _gather_rng_states(fabric.world_size)
     extra = {"scheduler": scheduler.state_dict(), "rng": {"torch": rng}}
     meta = {**meta, RESUME_KEY: asdict(position)}
@@ -153,7 +167,8 @@ def save_training_checkpoint(
         # A same-step save replaces an existing directory only after the new one is complete.
         save_checkpoint(
             directory, weights, config, epoch=position.last_epoch, consumed_samples=position.consumed_samples,
-            meta=meta, extra=extra, files=files, overwrite=True, staging=staging,
+            meta=meta, extra=extra, files=files, overwrite=True, staging=staging, adapter=adapter,
+            adapter_config=lora.adapter_config() if lora is not None else None,
         )  # fmt: skip
     fabric.barrier()
 
@@ -201,6 +216,18 @@ def export_checkpoint(source: str | Path, target: str | Path) -> Path:
         target, ckpt.state_dict, ckpt.config, epoch=ckpt.epoch, consumed_samples=ckpt.consumed_samples, meta=meta,
         extra={"optimizer": optimizer_state, **ckpt.extra}, files=copied,
     )  # fmt: skip
+
+
+def export_merged(source: str | Path, target: str | Path) -> Path:
+    """Write a LoRA checkpoint as a plain AstrAI model directory, the adapter merged into the base
+    (``astrai-fabric export --merge_lora``): ``config.json``, ``model.safetensors``, the tokenizer, ``meta.json``."""
+    source = Path(source)
+    ckpt = load_checkpoint(source, load_extra=False)
+    if ckpt.lora is None:
+        raise CheckpointError(f"{source}: no adapter_model.safetensors: not a LoRA checkpoint (nothing to merge)")
+    copied = {name: source / name for name in ("tokenizer.json", "tokenizer_config.json") if (source / name).is_file()}
+    meta = {"merged_from": str(source.resolve()), "lora": ckpt.lora.spec.adapter_config()}
+    return save_checkpoint(target, ckpt.state_dict, ckpt.config, meta=meta, files=copied)
 
 
 def _integer_state_keys(state: Any) -> Any:

@@ -76,9 +76,10 @@ class TrainArgs:
     """Stop once this many input tokens (all ranks together) have been trained on."""
 
     # --- optimizer -----------------------------------------------------------------------------------------------
-    optimizer: Literal["muon_adamw", "adamw"] = "muon_adamw"
+    optimizer: Literal["muon_adamw", "adamw"] | None = None
     """``muon_adamw``: Muon for weight matrices, AdamW for embeddings, head and norms (AstrAI's split);
-    ``adamw``: AdamW for everything (decay on matrices only)."""
+    ``adamw``: AdamW for everything (decay on matrices only). Default: ``muon_adamw``, or ``adamw`` when
+    ``lora_r`` > 0 (LoRA's usual practice; Muon on r x d factors is untested)."""
     max_lr: float = 3e-4
     """Peak learning rate (the schedule's base)."""
     weight_decay: float = 0.1
@@ -158,6 +159,24 @@ class TrainArgs:
     """Online GRPO: nucleus sampling threshold, in (0, 1]."""
     rollout_max_tokens: int = 1024
     """Online GRPO: most tokens generated per response."""
+
+    # --- LoRA ----------------------------------------------------------------------------------------------------
+    lora_r: int = 0
+    """LoRA rank: train low-rank adapters on the ``lora_targets`` layers and freeze every base weight; 0 (the
+    default) trains the whole model. Needs ``param_path`` with weights."""
+    lora_alpha: int = 32
+    """LoRA scale numerator: the adapter adds ``(B A) * lora_alpha / lora_r`` (AstrAI's default 32)."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapters' input, in [0, 1); seeded by position like NEFTune, so a resume drops the same."""
+    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    """Layers to adapt, by name: any of ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``gate``, ``up``, ``down``
+    (repeat the flag or separate by commas); the MoE router never. Default: AstrAI's ``inject_lora`` default."""
+    lora_init: Literal["astrai", "kaiming"] = "astrai"
+    """Adapter initialisation, ``B = 0`` in both: ``astrai``: ``A ~ N(0, 1) / r`` (AstrAI's); ``kaiming``:
+    PEFT's default, ``A ~ U(-1/sqrt(in), 1/sqrt(in))``."""
+    lora_save_full: bool = False
+    """Also write the merged ``model.safetensors`` into each checkpoint (a directory AstrAI's ``Checkpoint.load``
+    reads); by default a LoRA checkpoint holds the adapter and a hash-checked pointer to the base weights."""
 
     # --- parallelism and precision -------------------------------------------------------------------------------
     parallel_mode: ParallelMode = "fsdp"
@@ -258,6 +277,16 @@ class TrainArgs:
     """Print the plan (model and data size, batch and step arithmetic, schedule, outputs) and exit without training;
     AstrAI's ``--dry-run`` works too."""
 
+    def __post_init__(self) -> None:
+        # `--lora_targets q_proj,v_proj` (commas) means the same as the repeated flag.
+        if isinstance(self.lora_targets, list):
+            self.lora_targets = [t.strip() for item in self.lora_targets for t in str(item).split(",") if t.strip()]
+
+    @property
+    def resolved_optimizer(self) -> str:
+        """``optimizer``, or its default: ``adamw`` for LoRA runs, else ``muon_adamw``."""
+        return self.optimizer or ("adamw" if self.lora_r else "muon_adamw")
+
     def validate(self) -> None:
         """Raise one ``ConfigError`` naming every field with a bad value."""
         largest = torch.finfo(torch.float32).max  # finite in float32 too: a rate of 1e39 is inf in the optimizer
@@ -327,10 +356,43 @@ class TrainArgs:
             problems.append(f"peak_flops must be positive, got {self.peak_flops}")
         if self.reward is not None and (problem := reward_spec_problem(self.reward, self.trust_code)):
             problems.append(problem)
+        problems += self._lora_problems()
         if isinstance(self.resume, str) and not self.resume:
             problems.append("resume must be true, false, auto or a checkpoint path, got ''")
         if problems:
             raise ConfigError("invalid training arguments: " + "; ".join(problems))
+
+    def _lora_problems(self) -> list[str]:
+        from astrai_fabric.lora import TARGETS
+
+        problems = []
+        if self.lora_r < 0:
+            problems.append(f"lora_r must be >= 0 (0 = off), got {self.lora_r}")
+        if self.lora_alpha <= 0:
+            problems.append(f"lora_alpha must be positive, got {self.lora_alpha}")
+        if not 0 <= self.lora_dropout < 1:
+            problems.append(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        unknown = [t for t in self.lora_targets if t not in TARGETS]
+        if unknown:
+            problems.append(f"lora_targets {unknown} are unknown; choose from {list(TARGETS)} (the router never)")
+        elif not self.lora_targets:
+            problems.append("lora_targets is empty; name at least one of " + ", ".join(TARGETS))
+        elif len(set(self.lora_targets)) != len(self.lora_targets):
+            problems.append(f"lora_targets {self.lora_targets} names a layer twice")
+        if self.lora_r > 0:
+            if self.reference_path is not None:
+                problems.append(
+                    "reference_path cannot be combined with lora_r: the reference is the base model (the adapters "
+                    "switched off); drop --reference_path"
+                )
+            if (self.tp_size or 1) > 1:
+                problems.append(f"tp_size {self.tp_size} with lora_r: LoRA adapters are not tensor-parallel; use fsdp")
+            if self.sharded_checkpoint:
+                problems.append(
+                    "sharded_checkpoint with lora_r: a LoRA checkpoint holds only the adapters and their (small) "
+                    "optimizer state; drop --sharded_checkpoint"
+                )
+        return problems
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

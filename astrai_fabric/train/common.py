@@ -18,18 +18,22 @@ from lightning.fabric import Fabric
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, random_split
 
-from astrai_fabric import assets
+from astrai_fabric import assets, lora
 from astrai_fabric.checkpoint import (
+    ADAPTER_FILE,
     CONFIG_FILE,
+    LORA_BASE_KEY,
     WEIGHTS_FILE,
     WEIGHTS_INDEX_FILE,
     Checkpoint,
     checkpoints_after,
     find_latest_checkpoint,
     load_checkpoint,
+    lora_base_entry,
     prune_checkpoints,
     read_model_config,
     remove_stale_staging,
+    weight_digests,
 )
 from astrai_fabric.ckpt_dir import check_owned, check_writable, lock_ckpt_dir, record_written
 from astrai_fabric.config.model import ModelConfig
@@ -41,7 +45,7 @@ from astrai_fabric.errors import CheckpointError, ConfigError, UserError, raised
 from astrai_fabric.loop import LossFn, fit
 from astrai_fabric.metrics import METRIC_FILE, MetricLog, flops_per_token, peak_flops
 from astrai_fabric.model import AutoRegressiveLM
-from astrai_fabric.optim import build_optimizer, resolve_ns_dtype
+from astrai_fabric.optim import build_optimizer, optimizer_state_bytes, resolve_ns_dtype
 from astrai_fabric.plot import PLOT_FILE, plot_runs
 from astrai_fabric.preemption import StopRequest, ignore_stop_signals
 from astrai_fabric.randomness import derive_seed
@@ -90,6 +94,10 @@ class Start:
     """Why there is no tokenizer (the loader's own message), raised by ``need_tokenizer``."""
     dataset_config: DatasetConfig | None = None
     """AstrAI's ``dataset_config.json`` of a JSONL data directory, checked (``data/dataset_config.py``)."""
+    lora_base: Path | None = None
+    """LoRA runs: the directory of the frozen base weights, and the sha256 of its weight files (checkpoints point
+    to it rather than copy it)."""
+    lora_digests: dict[str, str] | None = None
 
     def need_tokenizer(self, what: str) -> Tokenizer:
         """The tokenizer, or the one-line error saying ``what`` needs one and why there is none."""
@@ -155,15 +163,28 @@ def read_start(args: TrainArgs) -> Start:
             f"window_size {args.window_size} exceeds max_position_embeddings {model_config.max_position_embeddings} "
             f"of {param_path / CONFIG_FILE}: the model has no position past it; lower --window_size"
         )
+    if args.lora_r:
+        meta_model(model_config, args)  # every target names a layer of this model, checked before anything is read
     resume = _resume_checkpoint(args, param_path)
+    lora_base = lora_digests = None
     if resume is not None:
         _check_resume_matches(resume, model_config, args)
         _check_resume_state(resume)
+        _check_resume_lora(resume, args)
         weights = resume
-    elif (param_path / WEIGHTS_FILE).exists() or (param_path / WEIGHTS_INDEX_FILE).exists():
-        weights = load_checkpoint(param_path, load_extra=False)
+        if resume.lora is not None:
+            lora_base, lora_digests = resume.lora.base, resume.meta[LORA_BASE_KEY]["sha256"]
+    elif any((param_path / name).exists() for name in (WEIGHTS_FILE, WEIGHTS_INDEX_FILE, ADAPTER_FILE)):
+        weights = load_checkpoint(param_path, load_extra=False)  # a LoRA checkpoint: its adapter merged
+        if args.lora_r:
+            lora_base, lora_digests = param_path, weight_digests(param_path)
     else:
         weights = None
+    if args.lora_r and weights is None:
+        raise UserError(
+            f"lora_r {args.lora_r}: param_path {param_path} has no weights to adapt (LoRA trains adapters on a "
+            "trained model; pass a directory with model.safetensors)"
+        )
     dataset_config = read_dataset_config(assets.resolve(args.data_root_path), args.train_type)
     tokenizer, no_tokenizer = _run_tokenizer(args, param_path)
     if dataset_config is not None and dataset_config.tokenizer_dir is not None:
@@ -174,7 +195,47 @@ def read_start(args: TrainArgs) -> Start:
             f"tokenizer {tokenizer.directory} has {tokenizer.vocab_size:,} ids, but the model's vocab_size is "
             f"{model_config.vocab_size:,} ({param_path / CONFIG_FILE}): pass the tokenizer the model was built for"
         )
-    return Start(model_config, weights, resume, tokenizer, no_tokenizer, dataset_config)
+    return Start(model_config, weights, resume, tokenizer, no_tokenizer, dataset_config, lora_base, lora_digests)
+
+
+def meta_model(config: ModelConfig, args: TrainArgs) -> nn.Module:
+    """The run's model on the meta device (nothing allocated), adapters injected: for counting and checking."""
+    with torch.device("meta"):
+        model = AutoRegressiveLM(config)
+    if (spec := lora_spec(args)) is not None:
+        lora.inject(model, spec, args.random_seed)
+    return model
+
+
+def lora_spec(args: TrainArgs) -> lora.LoRASpec | None:
+    """The run's adapter, or None when ``lora_r`` is 0."""
+    if not args.lora_r:
+        return None
+    return lora.LoRASpec(args.lora_r, args.lora_alpha, tuple(args.lora_targets), args.lora_dropout, args.lora_init)
+
+
+def _check_resume_lora(ckpt: Checkpoint, args: TrainArgs) -> None:
+    """A LoRA checkpoint resumes only as the same LoRA run, and a full one only without LoRA."""
+    spec = lora_spec(args)
+    if ckpt.lora is None and spec is None:
+        return
+    if ckpt.lora is None:
+        raise CheckpointError(
+            f"--resume: {ckpt.path} holds no LoRA adapter, but this run has --lora_r {args.lora_r}; to train an "
+            "adapter on its weights, pass it as --param_path without --resume"
+        )
+    if spec is None:
+        raise CheckpointError(
+            f"--resume: {ckpt.path} is a LoRA run (r={ckpt.lora.spec.r}); resume it with the same --lora_r, "
+            "--lora_alpha and --lora_targets, or pass it as --param_path without --resume to train from its merged "
+            "weights"
+        )
+    ours, theirs = (spec.r, spec.alpha, spec.targets), (ckpt.lora.spec.r, ckpt.lora.spec.alpha, ckpt.lora.spec.targets)
+    if ours != theirs:
+        raise CheckpointError(
+            f"--resume: {ckpt.path} holds an adapter with r={theirs[0]}, alpha={theirs[1]}, targets "
+            f"{list(theirs[2])}; this run asks for r={ours[0]}, alpha={ours[1]}, targets {list(ours[2])}"
+        )
 
 
 def _run_tokenizer(args: TrainArgs, param_path: Path) -> tuple[Tokenizer | None, str | None]:
@@ -227,7 +288,8 @@ def _resume_checkpoint(args: TrainArgs, param_path: Path) -> Checkpoint | None:
             f"--resume: {path} is not a training checkpoint (no meta.json); to start from its weights, pass it as "
             "--param_path without --resume"
         )
-    return load_checkpoint(path, skip=() if args.resume_optimizer else ("optimizer",))
+    # A LoRA checkpoint resumes on its base alone, the adapter loaded into the injected layers (never merged).
+    return load_checkpoint(path, skip=() if args.resume_optimizer else ("optimizer",), merge_lora=False)
 
 
 def _check_resume_matches(ckpt: Checkpoint, model_config: ModelConfig, args: TrainArgs) -> None:
@@ -284,6 +346,10 @@ def build_model(fabric: Fabric, start: Start, args: TrainArgs) -> nn.Module:
     """The trained model, handed to Fabric (which shards it under FSDP and casts it to the run's precision)."""
     config = dataclasses.replace(start.model_config, neftune_alpha=args.neftune_alpha)
     model = initial_model(fabric, config, start.weights, args.random_seed)
+    if (spec := lora_spec(args)) is not None:
+        lora.inject(model, spec, args.random_seed)  # base frozen, adapters float32 (lora.py)
+        if start.resume is not None:
+            lora.load_adapter(model, start.resume.lora.state_dict, str(start.resume.path / ADAPTER_FILE))
     model.gradient_checkpointing = args.gradient_checkpointing
     if args.compile:
         model = torch.compile(model, mode=args.compile)
@@ -297,7 +363,7 @@ def build_optimizer_and_schedule(fabric: Fabric, model: nn.Module, start: Start,
     Built after sharding: an optimizer built before would step the pre-shard tensors, silently.
     """
     optimizer = build_optimizer(
-        model, args.optimizer, args.max_lr, args.weight_decay, args.muon_momentum, args.muon_nesterov,
+        model, args.resolved_optimizer, args.max_lr, args.weight_decay, args.muon_momentum, args.muon_nesterov,
         args.muon_ns_steps, args.muon_adjust_lr, resolve_ns_dtype(args.muon_ns_dtype, fabric.device),
     )  # fmt: skip
     if start.resume is not None and args.resume_optimizer:
@@ -443,14 +509,22 @@ def resolved_recipe(args: TrainArgs) -> str:
     return header + yaml.safe_dump(values, sort_keys=False)
 
 
-def reference_model(fabric: Fabric, start: Start, args: TrainArgs) -> tuple[nn.Module, dict[str, Any]]:
+def reference_model(fabric: Fabric, start: Start, args: TrainArgs) -> tuple[nn.Module | None, dict[str, Any]]:
     """The frozen reference of dpo/grpo: the run's *starting* policy, rebuilt the same way on a resume.
+
+    With LoRA there is no second model: the reference is the trained network with its adapters off (the frozen
+    base, ``lora.adapters_off``), returned as None. AstrAI builds a reference without adapters and then loads the
+    LoRA policy's keys into it strictly, which fails (its B13).
 
     Fresh runs copy the starting weights (or the seeded initialisation). A resume of one of our checkpoints rebuilds
     the reference its run started from (``meta.json`` says where: ``reference``); AstrAI re-copies the resumed
     policy instead, so its reference drifts at every resume, and an AstrAI checkpoint resumes that way here too.
     ``--reference_path`` overrides all of these. Returns the model and the ``meta.json`` entry describing it.
     """
+    if args.lora_r:
+        fabric.print("reference model: the base weights (the trained network with its LoRA adapters off)")
+        return None, {"param_path": str(start.lora_base.resolve()), "random_seed": args.random_seed,
+                      "adapters_off": True}  # fmt: skip
     if args.reference_path is not None:
         path, seed = str(assets.resolve(args.reference_path).resolve()), args.random_seed
     elif start.resume is not None and "reference" in start.resume.meta:
@@ -485,18 +559,43 @@ def make_saver(fabric: Fabric, model: nn.Module, optimizer: Any, scheduler: Any,
     files: dict[str, Any] = {**tokenizer_files, RECIPE_FILE: resolved_recipe(args)}
     raw_model = getattr(model, "module", model)  # the module Fabric wraps: clean keys, no `_orig_mod.`
 
+    spec = lora_spec(args)
+
     def save(position: RunPosition) -> Path:
         path = Path(args.ckpt_dir) / f"epoch_{position.last_epoch}_step_{position.optimizer_step}"
         files[METRIC_FILE] = metric_log.text()
+        if spec is not None:  # a pointer to the base weights, relative to this checkpoint, instead of a copy
+            meta[LORA_BASE_KEY] = lora_base_entry(start.lora_base, path, start.lora_digests)
         save_training_checkpoint(
             fabric, path, raw_model, optimizer.optimizer, scheduler, position, config, meta, files,
-            args.sharded_checkpoint,
+            args.sharded_checkpoint, spec, args.lora_save_full,
         )  # fmt: skip
         if args.keep_last_k is not None and fabric.global_rank == 0:
             prune_checkpoints(args.ckpt_dir, args.keep_last_k)  # only now: the new checkpoint is complete
         return path
 
     return save
+
+
+def describe_parameters(model: nn.Module, args: TrainArgs) -> tuple[str, dict[str, int]]:
+    """The plan's line on what trains (total and trainable parameters, the optimizer and its state's memory, the
+    adapters), and the same numbers for ``metric.jsonl``."""
+    trainable, total = lora.parameter_counts(model)  # a DTensor's numel is the global one
+    state = optimizer_state_bytes(model, args.resolved_optimizer)
+    line = f"{total:,} parameters"
+    if trainable != total:
+        line += f", {trainable:,} trainable ({trainable / total:.2%})"
+    line += f"; optimizer {args.resolved_optimizer}, state {state / 2**20:,.1f} MiB (all ranks together)"
+    if (spec := lora_spec(args)) is not None:
+        layers = len(lora.lora_layers(getattr(model, "module", model)))
+        line += (
+            f"\nlora: r={spec.r}, alpha={spec.alpha}, dropout {spec.dropout}, init {spec.init}, on "
+            f"{','.join(spec.targets)} ({layers} linear layers); base weights frozen, adapters float32"
+        )
+        if args.resolved_optimizer == "muon_adamw":
+            line += "; note: Muon on LoRA's r x d factors is untested (adamw is the LoRA default)"
+    counts = {"trainable_parameters": trainable, "total_parameters": total, "optimizer_state_bytes": state}
+    return line, counts
 
 
 def split_validation(dataset: Dataset, val_split: float | None, seed: int) -> tuple[Dataset, Dataset | None]:
@@ -589,13 +688,15 @@ def train_on(
             val_loader = make_loader(fabric, val_set, args, shuffle=False, collate=collate)[0]
         batches = make_batches(model, train_loader, position) if make_batches is not None else train_loader
 
-        num_params = sum(p.numel() for p in model.parameters())  # a DTensor's numel is the global one
+        parameters, counts = describe_parameters(model, args)
+        parameters, _, lora_line = parameters.partition("\n")
         held_out = f", {len(val_set):,} held out" if val_set is not None else ""
         threads = describe_cpu_threads(torch.get_num_threads(), args.num_threads is not None)
         fabric.print(
-            f"{args.train_type}: {num_params:,} parameters | {len(train_set):,} training samples: {data_summary}"
+            f"{args.train_type}: {parameters} | {len(train_set):,} training samples: {data_summary}"
             f"{held_out}"
-            f"\n{plan.describe()}\nschedule: {scheduler.describe()}, peak {args.max_lr}"
+            + (f"\n{lora_line}" if lora_line else "")
+            + f"\n{plan.describe()}\nschedule: {scheduler.describe()}, peak {args.max_lr}"
             + (f"\n{schedule_note}" if schedule_note else "")
             + f"\nloader: {resolve_num_workers(args.num_workers, local_ranks(fabric))[1]}"
             + (f"\ncpu threads: {threads}" if fabric.device.type == "cpu" else "")
@@ -614,6 +715,8 @@ def train_on(
 
         # A resumed run continues its checkpoint's metric history (AstrAI starts a new one at every resume).
         metric_log = MetricLog.resumed(args.metrics, start.resume.path if start.resume is not None else None)
+        if start.resume is None:  # recorded once per run, at its start
+            metric_log.add("parameters", position.epoch, position.optimizer_step, position.consumed_samples, **counts)
         save = make_saver(fabric, model, optimizer, scheduler, start, args, metric_log, extra_meta)
         window_size = getattr(dataset, "window_size", None) or start.model_config.max_position_embeddings
         reporter = Reporter(

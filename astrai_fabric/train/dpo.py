@@ -17,6 +17,7 @@ from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.data.dataset_config import render_pair, unrendered_warning
 from astrai_fabric.data.records import PreferenceDataset, collate_preferences
 from astrai_fabric.data.storage import read_jsonl
+from astrai_fabric.lora import reference_context
 from astrai_fabric.losses import dpo_loss, token_logprobs, with_moe_aux_loss
 from astrai_fabric.train.common import Start, reference_model, require_jsonl, resolve_start, train_on
 
@@ -32,12 +33,15 @@ def response_logprobs(model: nn.Module, ids: Tensor, loss_mask: Tensor) -> tuple
 
 
 def dpo_batch_loss(
-    model: nn.Module, batch: dict[str, Tensor], reference: nn.Module, beta: float, moe_aux_loss_coef: float
+    model: nn.Module, batch: dict[str, Tensor], reference: nn.Module | None, beta: float, moe_aux_loss_coef: float
 ) -> tuple[Tensor, dict[str, Tensor]]:
+    """``reference`` None: the policy with its LoRA adapters off (``lora.adapters_off``) is the reference."""
     ids, loss_mask = batch["input_ids"].flatten(0, 1), batch["loss_mask"].flatten(0, 1)  # pairs: chosen, rejected
+    # The reference first: with LoRA it is the same (possibly sharded) network, run without gradients before the
+    # policy's forward, so the policy's graph is the last forward before backward.
+    with torch.no_grad(), reference_context(model, reference):
+        ref, _ = response_logprobs(reference if reference is not None else model, ids, loss_mask)
     policy, out = response_logprobs(model, ids, loss_mask)
-    with torch.no_grad():
-        ref, _ = response_logprobs(reference, ids, loss_mask)
     policy, ref = policy.view(-1, 2), ref.view(-1, 2)
     loss, metrics = dpo_loss(policy[:, 0], policy[:, 1], ref[:, 0], ref[:, 1], beta)
     loss, moe_metrics = with_moe_aux_loss(loss, out, moe_aux_loss_coef)

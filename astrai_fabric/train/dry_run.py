@@ -11,7 +11,6 @@ from astrai_fabric.checkpoint import checkpoints_after
 from astrai_fabric.ckpt_dir import in_use_message, lock_holder, not_ours_message, unowned
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import UserError
-from astrai_fabric.metrics import num_parameters
 from astrai_fabric.schedule import StepPlan
 from astrai_fabric.strategy import (
     describe_cpu_threads,
@@ -25,6 +24,8 @@ from astrai_fabric.train.common import (
     RECIPE_FILE,
     RECIPE_HEADER,
     build_schedule,
+    describe_parameters,
+    meta_model,
     read_start,
     split_validation,
     written_names,
@@ -54,9 +55,13 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
         if not assets.resolve(args.data_root_path).exists():  # reported too: the data is not read without a model
             problems.append(f"data_root_path {args.data_root_path}: not found")
     if start is not None:
-        num_params = num_parameters(start.model_config)
         weights = start.weights.path if start.weights is not None else f"none: AstrAI's init, seed {args.random_seed}"
-        lines.append(f"  model        {assets.resolve(args.param_path)}: {num_params:,} parameters; weights {weights}")
+        lines.append(f"  model        {assets.resolve(args.param_path)}: weights {weights}")
+        parameters, _ = describe_parameters(meta_model(start.model_config, args), args)
+        counts, _, adapters = parameters.partition("\nlora: ")
+        lines.append(f"  parameters   {counts}")
+        if adapters:
+            lines.append(f"  lora         {adapters}")
         if start.tokenizer is not None:
             lines.append(f"  tokenizer    {start.tokenizer.directory} ({start.tokenizer.vocab_size:,} ids)")
         else:

@@ -27,6 +27,7 @@ from astrai_fabric.data.records import GroupDataset, PromptDataset, collate_grou
 from astrai_fabric.data.storage import read_jsonl
 from astrai_fabric.errors import ConfigError
 from astrai_fabric.generate import generate
+from astrai_fabric.lora import reference_context
 from astrai_fabric.losses import group_advantages, grpo_loss, token_logprobs, with_moe_aux_loss
 from astrai_fabric.randomness import seeded_generator
 from astrai_fabric.rewards import Reward, load_reward, score
@@ -45,16 +46,16 @@ def sequence_logprobs(model: nn.Module, ids: Tensor) -> tuple[Tensor, dict]:
 def grpo_batch_loss(
     model: nn.Module,
     batch: dict[str, Tensor],
-    reference: nn.Module,
+    reference: nn.Module | None,
     clip_eps: float,
     kl_coef: float,
     moe_aux_loss_coef: float,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     ids = batch["input_ids"].flatten(0, 1)  # [B * G, L]: prompt then one response, right-padded
     mask = batch["loss_mask"].flatten(0, 1)[:, 1:]  # predicted tokens that belong to the response
+    with torch.no_grad(), reference_context(model, reference):  # None: the policy with its LoRA adapters off
+        ref_logprobs, _ = sequence_logprobs(reference if reference is not None else model, ids)
     logprobs, out = sequence_logprobs(model, ids)
-    with torch.no_grad():
-        ref_logprobs, _ = sequence_logprobs(reference, ids)
     old = batch["old_logprobs"].flatten(0, 1) if "old_logprobs" in batch else logprobs.detach()
     advantages = group_advantages(batch["rewards"]).flatten()
     loss, metrics = grpo_loss(logprobs, old, ref_logprobs, mask, advantages, clip_eps, kl_coef)

@@ -1,0 +1,328 @@
+"""LoRA: the adapter's math, frozen base weights on every strategy (one spawn of 2 gloo ranks runs ddp and fsdp),
+2 ranks against 1 process, exact resume, adapter checkpoints pointing to their base, dpo/grpo with the reference
+as the adapters-off network, and AstrAI's own inject_lora/load_lora/save_lora as the oracle.
+
+References: the base model's own forward (exact), ``W + (B A) * alpha / r`` computed here in float32, the single
+process run (2 ranks within 1e-5), and AstrAI's LoRALinear in its own interpreter (logits within 1e-5, float32).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from astrai_oracle import needs_astrai, run_astrai
+from conftest import tiny_config
+from safetensors.torch import load_file, save_file
+from spawn import run_ranks
+
+from astrai_fabric import assets, lora
+from astrai_fabric.checkpoint import load_checkpoint, load_model, read_adapter, read_model_config, save_checkpoint
+from astrai_fabric.cli import main
+from astrai_fabric.config.train import TrainArgs
+from astrai_fabric.model import AutoRegressiveLM
+from astrai_fabric.train import run
+from astrai_fabric.train.dpo import response_logprobs
+
+SPEC = lora.LoRASpec(r=4, alpha=8, targets=("q_proj", "v_proj", "down"))
+
+
+def injected(seed: int = 0, spec: lora.LoRASpec = SPEC, **config) -> tuple[AutoRegressiveLM, AutoRegressiveLM]:
+    """A base model and a copy of it with adapters, B random so the adapter changes the output."""
+    torch.manual_seed(seed)
+    base = AutoRegressiveLM(tiny_config(**config))
+    model = AutoRegressiveLM(tiny_config(**config))
+    model.load_state_dict(base.state_dict())
+    lora.inject(model, spec, seed=seed)
+    for _, layer in lora.lora_layers(model):
+        torch.nn.init.normal_(layer.lora_B, std=0.5)
+    return base, model
+
+
+def test_merged_weights_are_base_plus_scaled_product_and_compute_the_same():
+    base, model = injected()
+    ids = torch.randint(0, 32, (2, 7))
+    expected = model(ids)["logits"]
+    layers = dict(lora.lora_layers(model))
+    lora.merge(model)
+    assert not lora.lora_layers(model)
+    for name, layer in layers.items():
+        wanted = base.get_submodule(name).weight + (layer.lora_B @ layer.lora_A) * (SPEC.alpha / SPEC.r)
+        torch.testing.assert_close(model.get_submodule(name).weight, wanted, atol=1e-6, rtol=0)
+    torch.testing.assert_close(model(ids)["logits"], expected, atol=1e-5, rtol=0)
+
+
+def test_zero_b_and_adapters_off_give_the_base_exactly():
+    base, model = injected()
+    ids = torch.randint(0, 32, (2, 7))
+    with lora.adapters_off(model):
+        assert torch.equal(model(ids)["logits"], base(ids)["logits"])
+        assert not model.training
+    assert model.training  # restored
+    fresh = AutoRegressiveLM(tiny_config())
+    fresh.load_state_dict(base.state_dict())
+    lora.inject(fresh, SPEC, seed=1)  # B = 0 as initialised
+    assert torch.equal(fresh(ids)["logits"], base(ids)["logits"])
+    # The reference log-probabilities of dpo with LoRA are the base model's.
+    mask = torch.ones_like(ids)
+    with torch.no_grad(), lora.reference_context(model, None):
+        ref, _ = response_logprobs(model, ids, mask)
+    assert torch.equal(ref, response_logprobs(base, ids, mask)[0].detach())
+
+
+def test_base_frozen_adapters_float32_under_a_bf16_cast_and_targets_by_name():
+    _, model = injected(n_routed_experts=2, n_activated_experts=1, n_shared_experts=0, ffn_type="moe")
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(lora.is_adapter_key(n) for n in trainable)
+    assert not any("router" in n for n in trainable)
+    assert any("routed_experts.0.down" in n for n in trainable)  # AstrAI's rule: every layer of that name
+    model.to(torch.bfloat16)
+    layer = dict(lora.lora_layers(model))["layers.0.attention.q_proj"]
+    assert (layer.weight.dtype, layer.lora_A.dtype, layer.lora_B.dtype) == (torch.bfloat16,) + (torch.float32,) * 2
+    assert model(torch.randint(0, 32, (1, 5)))["logits"].dtype == torch.bfloat16
+    with pytest.raises(Exception, match="lora_targets \\['k_proj'\\]: this model has no such linear layer"):
+        mla = AutoRegressiveLM(tiny_config(attn_type="mla", kv_lora_rank=8, qk_nope_head_dim=2, qk_rope_head_dim=2))
+        lora.inject(mla, lora.LoRASpec(2, targets=("k_proj",)), 0)
+
+
+def test_inits():
+    torch.manual_seed(0)
+    model = AutoRegressiveLM(tiny_config(hidden_size=64, num_attention_heads=4, num_key_value_heads=4))
+    lora.inject(model, lora.LoRASpec(r=8, init="kaiming"), seed=0)
+    a = dict(lora.lora_layers(model))["layers.0.attention.q_proj"].lora_A
+    assert a.abs().max() <= 1 / math.sqrt(64) and a.abs().max() > 0.9 / math.sqrt(64)  # U(-1/sqrt(in), 1/sqrt(in))
+    model = AutoRegressiveLM(tiny_config(hidden_size=64, num_attention_heads=4, num_key_value_heads=4))
+    lora.inject(model, lora.LoRASpec(r=8), seed=0)
+    a = dict(lora.lora_layers(model))["layers.0.attention.q_proj"].lora_A
+    assert abs(a.std().item() - 1 / 8) < 0.02  # AstrAI's randn / r
+    assert all(torch.equal(m.lora_B, torch.zeros_like(m.lora_B)) for _, m in lora.lora_layers(model))
+
+
+def test_dropout_is_repeatable_under_gradient_checkpointing():
+    """The recomputed forward must drop what the first forward dropped: gradients equal those without recompute."""
+    grads = []
+    for recompute in (False, True):
+        _, model = injected(spec=lora.LoRASpec(r=4, dropout=0.5))
+        for _, layer in lora.lora_layers(model):
+            layer.generator = torch.Generator().manual_seed(7)
+        model.gradient_checkpointing = recompute
+        model(torch.arange(10).view(1, 10) % 32)["logits"].square().mean().backward()
+        grads.append([p.grad.clone() for p in model.parameters() if p.requires_grad])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
+# --- training runs -----------------------------------------------------------------------------------------------
+
+
+def make_base(path: Path) -> Path:
+    """A trained-looking base model: the bundled tiny model, seeded, with weights and the tokenizer."""
+    source = assets.resolve("bundled:tiny")
+    config = read_model_config(source)
+    torch.manual_seed(0)
+    model = AutoRegressiveLM(config)
+    files = {name: source / name for name in ("tokenizer.json", "tokenizer_config.json")}
+    return save_checkpoint(path, model.state_dict(), config.to_dict(), files=files)
+
+
+def lora_args(root: Path, name: str, **overrides) -> TrainArgs:
+    values = dict(
+        param_path=str(root / "base"), data_root_path="bundled:data/seq", train_type="seq", ckpt_dir=str(root / name),
+        window_size=32, batch_per_device=2, grad_accum_steps=2, max_steps=4, ckpt_interval=2, max_lr=2e-3,
+        max_grad_norm=0.05, warmup_ratio=0.0, num_workers=0, parallel_mode="none", random_seed=5, lora_r=4,
+        lora_targets=["q_proj", "v_proj", "o_proj", "up"], lora_save_full=True, loggers=[],
+    )  # fmt: skip
+    values.update(overrides)
+    return TrainArgs(**values)
+
+
+def two_rank_worker(root: str) -> None:
+    root = Path(root)
+    for mode in ("ddp", "fsdp"):
+        run(lora_args(root, mode, parallel_mode=mode, nprocs=2, batch_per_device=1))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("lora")
+    make_base(root / "base")
+    run_ranks(two_rank_worker, 2, str(root))
+    run(lora_args(root, "none"))
+    return root
+
+
+def step_dir(run_dir: Path, step: int) -> Path:
+    (path,) = run_dir.glob(f"epoch_*_step_{step}")
+    return path
+
+
+def adapter(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(step_dir(run_dir, step) / "adapter_model.safetensors")
+
+
+@pytest.mark.parametrize("mode", ["none", "ddp", "fsdp"])
+def test_base_weights_stay_bit_identical_and_only_adapters_have_optimizer_state(runs, mode):
+    base = load_file(runs / "base" / "model.safetensors")
+    path = step_dir(runs / mode, 4)
+    trained = adapter(runs / mode, 4)
+    merged = load_file(path / "model.safetensors")  # --lora_save_full: the live base with the adapter merged
+    # Bit for bit: the same float32 merge of the *original* base gives the live merge, so the live base is it.
+    assert merged.keys() == base.keys()
+    for key, tensor in lora.merge_state_dict(base, trained, 32 / 4).items():
+        assert torch.equal(merged[key], tensor), key
+    assert not torch.equal(merged["layers.0.attention.q_proj.weight"], base["layers.0.attention.q_proj.weight"])
+    optimizer = torch.load(path / "optimizer.pt", weights_only=True)
+    shapes = sorted(tuple(v["exp_avg"].shape) for v in optimizer["state"].values())
+    assert shapes == sorted(tuple(t.shape) for t in trained.values())  # adapters only: no base entry
+    meta = json.loads((path / "meta.json").read_text())
+    assert meta["lora_base"]["path"] == "../../base" and set(meta["lora_base"]["sha256"]) == {"model.safetensors"}
+    entries = [json.loads(line) for line in (path / "metric.jsonl").read_text().splitlines()]
+    (counts,) = [e for e in entries if e["type"] == "parameters"]
+    assert counts["trainable_parameters"] == sum(t.numel() for t in trained.values())
+    assert counts["optimizer_state_bytes"] == 2 * 4 * counts["trainable_parameters"]  # AdamW, float32
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_ranks_match_one_process(runs, mode):
+    ours, reference = adapter(runs / mode, 4), adapter(runs / "none", 4)
+    assert ours.keys() == reference.keys()
+    for key in ours:
+        torch.testing.assert_close(ours[key], reference[key], atol=1e-5, rtol=0, msg=lambda m, key=key: f"{key}: {m}")
+
+
+def test_two_rank_fsdp_checkpoint_resumes_on_one_rank(runs, tmp_path):
+    run(lora_args(runs, "fsdp_on_one", resume=str(step_dir(runs / "fsdp", 2))))
+    resumed, reference = adapter(runs / "fsdp_on_one", 4), adapter(runs / "fsdp", 4)
+    for key in reference:
+        torch.testing.assert_close(resumed[key], reference[key], atol=1e-5, rtol=0)
+
+
+def test_resume_is_bit_exact_with_dropout_and_gradient_checkpointing(runs):
+    options = dict(lora_dropout=0.3, gradient_checkpointing=True, lora_save_full=False)
+    run(lora_args(runs, "dropout", **options))
+    run(lora_args(runs, "dropout_resumed", resume=str(step_dir(runs / "dropout", 2)), **options))
+    full, resumed = adapter(runs / "dropout", 4), adapter(runs / "dropout_resumed", 4)
+    assert all(torch.equal(full[k], resumed[k]) for k in full)
+    assert not (step_dir(runs / "dropout", 4) / "model.safetensors").exists()  # the base is pointed to, not copied
+    # The checkpoint loads as the model it computes: the adapter merged into the base it points to.
+    model = load_model(step_dir(runs / "dropout", 4))
+    expected = lora.merge_state_dict(load_file(runs / "base" / "model.safetensors"), full, 32 / 4)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in expected.items())
+    assert main(["export", str(step_dir(runs / "dropout", 4)), "--merge_lora", "--out", str(runs / "merged")]) == 0
+    assert all(torch.equal(load_model(runs / "merged").state_dict()[k], v) for k, v in expected.items())
+    assert main(["export", str(runs / "base"), "--merge_lora", "--out", str(runs / "unused")]) == 2
+    assert not (runs / "unused").exists()  # not a LoRA checkpoint (nothing to merge)
+
+
+def test_dpo_and_grpo_start_from_the_merged_sft_adapter_at_log_2(runs):
+    sft = step_dir(runs / "none", 4)
+    history = run(lora_args(runs, "dpo", train_type="dpo", data_root_path="bundled:data/dpo", param_path=str(sft),
+                            max_steps=1, batch_per_device=1, grad_accum_steps=1, window_size=64))  # fmt: skip
+    assert history[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # the reference is the policy at step 1
+    dpo = load_checkpoint(step_dir(runs / "dpo", 1), merge_lora=False)
+    assert dpo.lora.base.resolve() == sft.resolve()  # the new adapter sits on the sft model, merged
+    merged_sft = load_checkpoint(sft).state_dict
+    assert all(torch.equal(dpo.state_dict[k], v) for k, v in merged_sft.items())
+    assert dpo.meta["reference"]["adapters_off"] is True
+    history = run(lora_args(runs, "grpo", train_type="grpo", data_root_path="bundled:data/grpo", max_steps=1,
+                            batch_per_device=1, grad_accum_steps=1, window_size=64))  # fmt: skip
+    assert history[0]["kl_loss"] == pytest.approx(0.0, abs=1e-7)  # reference = policy before the first update
+
+
+def test_resume_refuses_a_changed_or_missing_base(runs, tmp_path, capsys):
+    shutil.copytree(runs / "base", tmp_path / "base")
+    shutil.copytree(step_dir(runs / "dropout", 2), tmp_path / "dropout" / "epoch_0_step_2")
+    weights = load_file(tmp_path / "base" / "model.safetensors")
+    weights["norm.weight"] = weights["norm.weight"] + 1
+    save_file(weights, tmp_path / "base" / "model.safetensors")
+    argv = ["seq", "--param_path", str(tmp_path / "base"), "--data_root_path", "bundled:data/seq", "--ckpt_dir",
+            str(tmp_path / "out"), "--window_size", "32", "--lora_r", "4", "--lora_targets", "q_proj,v_proj,o_proj,up",
+            "--parallel_mode", "none", "--num_workers", "0", "--resume",
+            str(tmp_path / "dropout/epoch_0_step_2")]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "is not the one this adapter was trained on (sha256 of model.safetensors differs)" in err
+    assert len(err.strip().splitlines()) == 1
+    shutil.rmtree(tmp_path / "base")
+    meta_file = tmp_path / "dropout" / "epoch_0_step_2" / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    meta["lora_base"]["absolute"] = str(tmp_path / "gone")
+    meta_file.write_text(json.dumps(meta))
+    argv[2] = str(runs / "base")
+    assert main(argv) == 2
+    assert "its LoRA base weights are missing" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--lora_r", "-1"], "lora_r must be >= 0 (0 = off), got -1"),
+        (["--lora_r", "4", "--lora_targets", "q_proj,router"], "lora_targets ['router'] are unknown"),
+        (["--lora_r", "4", "--lora_dropout", "1"], "lora_dropout must be in [0, 1), got 1.0"),
+        (["--lora_r", "4", "--lora_alpha", "0"], "lora_alpha must be positive, got 0"),
+        (["--lora_r", "4", "--reference_path", "x"], "reference_path cannot be combined with lora_r"),
+        (["--lora_r", "4", "--tp_size", "2"], "LoRA adapters are not tensor-parallel"),
+        (["--lora_r", "4", "--sharded_checkpoint"], "sharded_checkpoint with lora_r"),
+        (["--lora_r", "4"], "has no weights to adapt"),  # bundled:tiny ships a config only
+    ],
+)
+def test_bad_lora_flags_are_one_line_exit_2(tmp_path, capsys, flags, message):
+    argv = ["dpo", "--param_path", "bundled:tiny", "--data_root_path", "bundled:data/dpo", "--ckpt_dir",
+            str(tmp_path / "out"), "--parallel_mode", "fsdp", "--num_workers", "0", *flags]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_dry_run_prints_trainable_parameters_and_optimizer_state(runs, capsys):
+    argv = ["sft", "--param_path", str(runs / "base"), "--data_root_path", "bundled:data/sft", "--ckpt_dir",
+            str(runs / "dry"), "--lora_r", "8", "--dry_run"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "1,029,248 parameters, 28,672 trainable (2.79%); optimizer adamw, state 0.2 MiB" in out
+    assert "lora         r=8, alpha=32, dropout 0.0, init astrai, on q_proj,k_proj,v_proj,o_proj (16 linear" in out
+
+
+@needs_astrai
+def test_astrai_loads_our_adapter_and_we_load_astrais(runs, tmp_path):
+    """AstrAI's inject_lora + load_lora on our checkpoint's adapter, and its save_lora's adapter here: same logits."""
+    ours = step_dir(runs / "dropout", 4)
+    ids = torch.randint(0, 500, (2, 9), generator=torch.Generator().manual_seed(0))
+    torch.save(ids, tmp_path / "ids.pt")
+    assert main(["export", str(ours), "--merge_lora", "--out", str(tmp_path / "merged")]) == 0
+    run_astrai(f"""
+        import torch
+        from astrai.model.automodel import AutoModel
+        from astrai.model.components.lora import inject_lora, load_lora, save_lora
+        ids = torch.load("{tmp_path / "ids.pt"}")
+        model = AutoModel.from_pretrained("{runs / "base"}")
+        load_lora(model, "{ours}")  # injects from adapter_config.json, then loads adapter_model.safetensors
+        torch.save(model(ids)["logits"].detach(), "{tmp_path / "astrai_on_ours.pt"}")
+        model = AutoModel.from_pretrained("{runs / "base"}")
+        config = inject_lora(model, r=2, alpha=6, target_modules={{"k_proj", "gate"}})
+        torch.manual_seed(1)
+        for name, param in model.named_parameters():
+            if name.endswith("lora_B"):
+                torch.nn.init.normal_(param, std=0.1)
+        save_lora(model, "{tmp_path / "astrai_adapter"}", config)
+        exported = AutoModel.from_pretrained("{tmp_path / "merged"}")  # export --merge_lora, read strictly
+        torch.save(exported(ids)["logits"].detach(), "{tmp_path / "astrai_merged.pt"}")
+        torch.save(model(ids)["logits"].detach(), "{tmp_path / "astrai_own.pt"}")
+    """)
+    with torch.no_grad():
+        logits = load_model(ours).eval()(ids)["logits"]
+        torch.testing.assert_close(torch.load(tmp_path / "astrai_on_ours.pt"), logits, atol=1e-5, rtol=0)
+        torch.testing.assert_close(torch.load(tmp_path / "astrai_merged.pt"), logits, atol=1e-5, rtol=0)
+        theirs = read_adapter(tmp_path / "astrai_adapter")
+        model = load_model(runs / "base")
+        lora.inject(model, theirs.spec, seed=0)
+        lora.load_adapter(model, theirs.state_dict, "astrai_adapter")
+        logits = model.eval()(ids)["logits"]
+    torch.testing.assert_close(torch.load(tmp_path / "astrai_own.pt"), logits, atol=1e-5, rtol=0)
+    assert os.path.exists(ours / "adapter_config.json")
