@@ -18,7 +18,7 @@ ROOT = Path(__file__).parents[1]
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None  # the [tensorboard] extra (in [dev])
 ENV = {"OMP_NUM_THREADS": "1", "PATH": str(Path(sys.executable).parent)}
 PLAIN_LINE = re.compile(
-    r"^(seq|sft|dpo|grpo): [\d,]+ parameters \| .+"
+    r"^(seq|sft|dpo|grpo): [\d,]+ parameters(, [\d,]+ trainable \(\S+\))?; optimizer \w+, state .+ \| .+"
     r"|^batch: .+|^steps: .+|^schedule: .+|^loader: .+|^cpu threads: .+|^outputs: .+"
     r"|^step \d+/\d+ \| epoch \d+ \| loss [\d.]+ \| lr \S+ \| grad_norm [\d.]+ \| [\d,]+ tokens/s"
     r"( \| \w+ [-\d.]+)* \| eta \S+$"
@@ -53,9 +53,11 @@ def test_metric_jsonl_has_astrai_entry_shapes(short_run):
     for entry in entries:
         # AstrAI's schema (``astrai/trainer/train_callback.py``): these keys first, in this order, then the metrics.
         assert list(entry)[:5] == ["type", "timestamp", "epoch", "step", "consumed_samples"]
-        assert entry["type"] in ("step", "validation", "epoch")
+        assert entry["type"] in ("step", "validation", "epoch", "parameters")
         assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d", entry["timestamp"])
         assert all(isinstance(v, int | float) for k, v in entry.items() if k not in ("type", "timestamp"))
+    (counts,) = [e for e in entries if e["type"] == "parameters"]  # recorded once, at the start
+    assert counts["trainable_parameters"] == counts["total_parameters"] > 0 and counts["optimizer_state_bytes"] > 0
     steps = [e for e in entries if e["type"] == "step"]
     assert [e["step"] for e in steps] == [1, 2, 3, 4, 5, 6]  # the whole history in the last checkpoint
     assert {"task_loss", "loss", "lr", "grad_norm", "grad_snr", "tokens_per_sec"} <= set(steps[0])
