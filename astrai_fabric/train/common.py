@@ -18,9 +18,10 @@ from lightning.fabric import Fabric
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, random_split
 
-from astrai_fabric import assets
+from astrai_fabric import assets, hf
 from astrai_fabric.checkpoint import (
     CONFIG_FILE,
+    META_FILE,
     WEIGHTS_FILE,
     WEIGHTS_INDEX_FILE,
     Checkpoint,
@@ -82,6 +83,9 @@ class Start:
     """Why there is no tokenizer (the loader's own message), raised by ``need_tokenizer``."""
     dataset_config: DatasetConfig | None = None
     """AstrAI's ``dataset_config.json`` of a JSONL data directory, checked (``data/dataset_config.py``)."""
+    source: hf.HFSource | None = None
+    """The Hugging Face architecture the model came from (a Hugging Face ``param_path``, or the ``source`` of the
+    checkpoint started or resumed from): recorded in every checkpoint's ``meta.json`` for ``export --format hf``."""
 
     def need_tokenizer(self, what: str) -> Tokenizer:
         """The tokenizer, or the one-line error saying ``what`` needs one and why there is none."""
@@ -157,7 +161,11 @@ def read_start(args: TrainArgs) -> Start:
             f"tokenizer {tokenizer.directory} has {tokenizer.vocab_size:,} ids, but the model's vocab_size is "
             f"{model_config.vocab_size:,} ({param_path / CONFIG_FILE}): pass the tokenizer the model was built for"
         )
-    return Start(model_config, weights, resume, tokenizer, no_tokenizer, dataset_config)
+    origin = resume or weights
+    source = None
+    if origin is not None:
+        source = hf.source_of(origin.source, origin.meta, model_config, str(origin.path / META_FILE))
+    return Start(model_config, weights, resume, tokenizer, no_tokenizer, dataset_config, source)
 
 
 def _run_tokenizer(args: TrainArgs, param_path: Path) -> tuple[Tokenizer | None, str | None]:
@@ -434,6 +442,8 @@ def make_saver(fabric: Fabric, model: nn.Module, optimizer: Any, scheduler: Any,
     config = dataclasses.replace(start.model_config, neftune_alpha=args.neftune_alpha).to_dict()
     meta = {"train_type": args.train_type, **{k: v for k, v in args.to_dict().items() if k != "train_type"}}
     meta.update(extra_meta or {})
+    if start.source is not None:
+        meta[hf.SOURCE_KEY] = start.source.to_meta()
     tokenizer_files = start.tokenizer.files if start.tokenizer is not None else {}  # a run without one writes none
     files: dict[str, Any] = {**tokenizer_files, RECIPE_FILE: resolved_recipe(args)}
     raw_model = getattr(model, "module", model)  # the module Fabric wraps: clean keys, no `_orig_mod.`
