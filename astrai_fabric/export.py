@@ -103,8 +103,8 @@ def export_astrai(source: Path, target: Path, dtype: str | None = None) -> Path:
         return save_model_directory(target, cast(ckpt.state_dict), files)
     if dtype is None:
         raise CheckpointError(
-            f"{source}: no state/ folder: not a sharded checkpoint (it is complete already, in AstrAI's layout; "
-            "--dtype casts it, --format hf writes it for transformers)"
+            f"{source}: no state/ folder: not a sharded checkpoint (it is complete already); AstrAI loads it as it "
+            "is, --dtype casts it, --format hf writes it for transformers"
         )
     if not ckpt.meta:
         return save_model_directory(target, cast(ckpt.state_dict), {CONFIG_FILE: json.dumps(ckpt.config, indent=2)})

@@ -207,6 +207,9 @@ def test_sharded_and_cast_exports_load_in_transformers(tmp_path):
     assert {t.dtype for t in on_disk(tmp_path / "bf16").values()} == {torch.bfloat16}
     as_stored = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype="auto")
     assert as_stored.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert export(source, "--dtype", "bfloat16", "--out", tmp_path / "astrai_bf16") == 0  # AstrAI's layout, cast
+    cast = load_checkpoint(tmp_path / "astrai_bf16")
+    assert {t.dtype for t in cast.state_dict.values()} == {torch.bfloat16} and cast.meta["train_type"] == "seq"
     rounded = {k: v.to(torch.bfloat16) for k, v in load_model(source).state_dict().items()}
     assert all(
         torch.equal(rounded[k], v.to(torch.bfloat16)) for k, v in load_model(tmp_path / "bf16").state_dict().items()
