@@ -150,11 +150,11 @@ def _tokenizer_files(source: Path, config: ModelConfig) -> tuple[dict[str, str |
     if not (source / TOKENIZER_FILE).is_file():
         return {}, {}
     files: dict[str, str | Path] = {name: source / name for name in HF_TOKENIZER_FILES if (source / name).is_file()}
+    tokenizer = Tokenizer.from_dir(source)  # checks both files: JSON objects, special tokens in the vocabulary
     config_path = source / TOKENIZER_CONFIG_FILE
     raw = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
     token_ids: dict[str, int | None] = {}
-    if isinstance(raw, dict) and hf.is_astrai_tokenizer_config(raw):
-        tokenizer = Tokenizer.from_dir(source)  # checks the special tokens are in the vocabulary
+    if hf.is_astrai_tokenizer_config(raw):
         files[TOKENIZER_CONFIG_FILE] = json.dumps(hf.hf_tokenizer_config(raw, config.max_position_embeddings), indent=2)
         token_ids = {f"{name}_id": tokenizer.token_id(name) for name in ("bos_token", "eos_token", "pad_token")}
     return files, token_ids

@@ -21,7 +21,10 @@ bug B21). The facts, with the transformers source files that state them (``src/t
   (``rope_parameters``, ``dtype``).
 
 Reading the files stays in ``astrai_fabric.checkpoint`` (the only safetensors importer); this module maps configs
-and tensors, both ways (``state_dict_to_hf`` is the inverse of ``state_dict_from_hf``, for export).
+and tensors, both ways: ``state_dict_to_hf`` is the inverse of ``state_dict_from_hf``, and ``hf_config`` writes the
+config of the architecture a model came from (``HFSource``, kept in ``meta.json``) or of the transformers class
+computing the same function (``export_model_type``), refusing by field what has no equivalent
+(``astrai_fabric.export`` writes the directory).
 """
 
 from __future__ import annotations
@@ -567,8 +570,9 @@ _HF_SPECIAL_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 
 def is_astrai_tokenizer_config(raw: Mapping[str, Any]) -> bool:
-    """AstrAI's ``tokenizer_config.json`` holds a ``special_tokens`` map; Hugging Face's names them at the top level."""
-    return "special_tokens" in raw and not any(name in raw for name in _HF_SPECIAL_NAMES)
+    """AstrAI's ``tokenizer_config.json`` holds a ``special_tokens`` map (or nothing transformers reads); Hugging
+    Face's names the tokens at the top level, with its ``tokenizer_class`` and ``added_tokens_decoder``."""
+    return not any(name in raw for name in (*_HF_SPECIAL_NAMES, "tokenizer_class", "added_tokens_decoder"))
 
 
 def hf_tokenizer_config(raw: Mapping[str, Any], max_length: int) -> dict[str, Any]:

@@ -181,7 +181,11 @@ def test_what_has_no_equivalent_is_refused_in_one_line(tmp_path, capsys, fields,
 def test_export_options_are_checked_before_anything_is_written(tmp_path, capsys):
     source = native(tmp_path / "ckpt")
     qwen2 = save_hf(build_hf("Qwen2Config"), tmp_path / "qwen2")
+    broken = native(tmp_path / "broken_tokenizer")
+    (broken / "tokenizer.json").write_bytes((TINY_MODEL_DIR / "tokenizer.json").read_bytes())
+    (broken / "tokenizer_config.json").write_text("{")
     cases = [
+        ([broken, "--format", "hf"], "broken_tokenizer/tokenizer_config.json: not valid JSON"),
         ([source, "--format", "hf", "--max_shard_size", "lots"], "'lots': expected a size such as 5GB"),
         ([source, "--max_shard_size", "1GB"], "--max_shard_size applies to --format hf"),
         ([source, "--format", "hf", "--out", qwen2], "already exists; refusing to overwrite it"),
