@@ -167,15 +167,7 @@ def save_checkpoint(
             torch.save(obj, staging / f"{stem}.pt")
             _fsync(staging / f"{stem}.pt")
         _crash_point("extra")
-        for name, content in (files or {}).items():
-            dest = staging / name
-            if isinstance(content, Path):
-                shutil.copyfile(content, dest)
-                _fsync(dest)
-            elif isinstance(content, bytes):
-                _write_bytes(dest, content)
-            else:
-                _write_text(dest, content)
+        _write_files(staging, files or {})
         _fsync(staging)
         _crash_point("rename")
         _move_into_place(staging, target)
@@ -185,6 +177,59 @@ def save_checkpoint(
             f"{target}: could not write the checkpoint ({getattr(err, 'strerror', None) or err}); nothing was "
             "written and earlier checkpoints are intact. Free space (or choose another --ckpt_dir) and resume from "
             "the newest"
+        ) from None
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def save_model_directory(
+    directory: str | Path,
+    tensors: Mapping[str, Tensor],
+    files: Mapping[str, str | bytes | Path],
+    *,
+    max_shard_bytes: int | None = None,
+    metadata: Mapping[str, str] | None = None,
+) -> Path:
+    """Write a model directory atomically: ``files`` (name → text, bytes or a path to copy; the config among them)
+    and the weights as ``model.safetensors`` or, when they exceed ``max_shard_bytes``, as
+    ``model-0000K-of-0000N.safetensors`` shards with ``model.safetensors.index.json`` (the layout transformers
+    writes and reads: tensors in order, a new shard when the next one would overflow, a larger tensor alone).
+    ``metadata`` goes into each safetensors header. An existing directory is an error."""
+    target = Path(directory)
+    if os.path.lexists(target):
+        raise CheckpointError(f"{target}: already exists; refusing to overwrite it (choose another --out)")
+    ready = _safetensors_ready(tensors)
+    shards: list[dict[str, Tensor]] = [{}]
+    size = 0
+    for key, tensor in ready.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if max_shard_bytes is not None and shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = tensor
+        size += nbytes
+    staging = staging_dir(target)
+    try:
+        names = [WEIGHTS_FILE] if len(shards) == 1 else [
+            f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))
+        ]  # fmt: skip
+        for name, shard in zip(names, shards, strict=True):
+            save_file(shard, str(staging / name), metadata=dict(metadata) if metadata else None)
+            _fsync(staging / name)
+        if len(shards) > 1:
+            total = sum(t.numel() * t.element_size() for t in ready.values())
+            weight_map = {k: name for name, shard in zip(names, shards, strict=True) for k in shard}
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            _write_text(staging / WEIGHTS_INDEX_FILE, json.dumps(index, indent=2))
+        _write_files(staging, files)
+        _fsync(staging)
+        _move_into_place(staging, target)
+    except (OSError, SafetensorError) as err:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise CheckpointError(
+            f"{target}: could not write ({getattr(err, 'strerror', None) or err}); nothing was written"
         ) from None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -257,6 +302,19 @@ def _safetensors_ready(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
         ready[key] = tensor.clone() if storage in seen else tensor
         seen.add(storage)
     return ready
+
+
+def _write_files(directory: Path, files: Mapping[str, str | bytes | Path]) -> None:
+    """Each of ``files`` into ``directory``: text, bytes, or a copy of the file a path names."""
+    for name, content in files.items():
+        dest = directory / name
+        if isinstance(content, Path):
+            shutil.copyfile(content, dest)
+            _fsync(dest)
+        elif isinstance(content, bytes):
+            _write_bytes(dest, content)
+        else:
+            _write_text(dest, content)
 
 
 def _write_text(path: Path, text: str) -> None:

@@ -164,7 +164,7 @@ def _top_level_help() -> str:
         "  dpo       direct preference optimization on chosen/rejected pairs",
         "  grpo      group relative policy optimization: scored groups (offline) or sampled and rewarded (online)",
         "  generate  sample continuations of prompts from a model or checkpoint",
-        "  export    turn a checkpoint with a sharded state/ into a complete AstrAI directory",
+        "  export    a checkpoint in AstrAI's layout (completing a sharded one) or Hugging Face's (--format hf)",
         "  prepare   tokenise JSONL into AstrAI's bin shards (seq, sft)",
         "  plot      loss, learning rate and throughput of one or more runs, as a PNG",
         "",
@@ -288,18 +288,30 @@ def generate_command(argv: list[str]) -> int:
 
 
 def export_command(argv: list[str]) -> int:
+    from astrai_fabric.export import DEFAULT_MAX_SHARD_SIZE, DTYPES, FORMATS
+
     parser = ArgumentParser(
         prog="astrai-fabric export",
-        description="Write a checkpoint saved with --sharded_checkpoint as a complete AstrAI directory (with "
-        "optimizer.pt), in one process, no GPUs needed.",
+        description="Write a checkpoint or model directory in AstrAI's layout (default: a --sharded_checkpoint "
+        "checkpoint completed with optimizer.pt, a Hugging Face directory converted) or in Hugging Face's "
+        "(--format hf: what transformers' AutoModelForCausalLM and AutoTokenizer load), in one process, no GPUs.",
         exit_on_error=False,
     )
-    parser.add_argument("checkpoint", help="The checkpoint directory holding state/.")
-    parser.add_argument("--out", help="Where to write the complete directory; default: CHECKPOINT_full next to it.")
+    parser.add_argument("checkpoint", help="The checkpoint or model directory to export.")
+    parser.add_argument("--format", default="astrai", choices=list(FORMATS), help="astrai (default) or hf.")
+    parser.add_argument(
+        "--out", help="Where to write; default: CHECKPOINT_full (astrai) or CHECKPOINT_hf (hf) next to it."
+    )
+    parser.add_argument("--dtype", choices=list(DTYPES), help="Cast the weights; default: the checkpoint's dtype.")
+    parser.add_argument(
+        "--max_shard_size",
+        help=f"--format hf: split the weights into shards of at most this size (default {DEFAULT_MAX_SHARD_SIZE}; "
+        "GB = 10^9 bytes, GiB = 2^30).",
+    )
     parser.add_argument(
         "--merge_lora",
         action="store_true",
-        help="A LoRA checkpoint: write the model with its adapter merged into the base (AstrAI's layout).",
+        help="A LoRA checkpoint: write the model with its adapter merged into the base (--format hf always does).",
     )
     try:
         namespace = parser.parse_args(argv)
@@ -307,11 +319,14 @@ def export_command(argv: list[str]) -> int:
         raise SystemExit(exit_.code) from None
     except Exception as err:
         raise UserError(_clean(err)) from None
-    from astrai_fabric.training_state import export_checkpoint, export_merged
+    from astrai_fabric.export import export
+    from astrai_fabric.training_state import export_merged
 
     source = Path(namespace.checkpoint)
-    target = Path(namespace.out) if namespace.out else source.with_name(source.name + "_full")
-    target = export_merged(source, target) if namespace.merge_lora else export_checkpoint(source, target)
+    if namespace.merge_lora and namespace.format == "astrai":
+        target = export_merged(source, namespace.out or source.with_name(source.name + "_full"))
+    else:
+        target = export(source, namespace.out, namespace.format, namespace.dtype, namespace.max_shard_size)
     print(f"exported {source} -> {target}")
     return 0
 

@@ -21,7 +21,10 @@ bug B21). The facts, with the transformers source files that state them (``src/t
   (``rope_parameters``, ``dtype``).
 
 Reading the files stays in ``astrai_fabric.checkpoint`` (the only safetensors importer); this module maps configs
-and tensors, both ways (``state_dict_to_hf`` is the inverse of ``state_dict_from_hf``, for export).
+and tensors, both ways: ``state_dict_to_hf`` is the inverse of ``state_dict_from_hf``, and ``hf_config`` writes the
+config of the architecture a model came from (``HFSource``, kept in ``meta.json``) or of the transformers class
+computing the same function (``export_model_type``), refusing by field what has no equivalent
+(``astrai_fabric.export`` writes the directory).
 """
 
 from __future__ import annotations
@@ -33,10 +36,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor
 
-from astrai_fabric.config.model import ASTRAI_MODEL_TYPE, ModelConfig
-from astrai_fabric.errors import ConfigError
+from astrai_fabric.config.model import ASTRAI_MODEL_TYPE, EXTENDED_MODEL_TYPE, ModelConfig
+from astrai_fabric.errors import CheckpointError, ConfigError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3")
 
@@ -95,6 +99,13 @@ _ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "h
 _ROPE_TYPES = ("default", "linear", "llama3")
 
 
+SOURCE_KEY = "source"
+"""``meta.json`` key of a checkpoint trained from a Hugging Face directory: its ``HFSource`` (AstrAI ignores it)."""
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # fmt: skip
+"""The transformers class of each supported model_type (``modeling_<type>.py``)."""
+
+
 @dataclass(frozen=True)
 class HFSource:
     """Where an imported model came from: enough to write the same architecture back (export)."""
@@ -103,11 +114,61 @@ class HFSource:
     config: dict[str, Any]
     """The Hugging Face ``config.json`` as read."""
 
+    @property
+    def architecture(self) -> str:
+        """The transformers class named in the config (``architectures``), else the model_type's."""
+        named = self.config.get("architectures")
+        if isinstance(named, list) and len(named) == 1 and isinstance(named[0], str):
+            return named[0]
+        return ARCHITECTURES[self.model_type]
+
+    def to_meta(self) -> dict[str, Any]:
+        """The ``meta.json`` entry (``SOURCE_KEY``) a checkpoint trained from this model carries."""
+        return {"format": "huggingface", "model_type": self.model_type, "architecture": self.architecture,
+                "config": self.config}  # fmt: skip
+
+    @classmethod
+    def from_meta(cls, value: Any, model_config: ModelConfig, where: str) -> HFSource:
+        """A ``meta.json`` ``source`` entry, checked: a supported Hugging Face config whose mapping is the
+        checkpoint's own model (else export would write another model's config around these weights)."""
+        fits = isinstance(value, dict) and value.get("format") == "huggingface"
+        fits = fits and isinstance(value.get("config"), dict)
+        if not fits or value.get("model_type") != value["config"].get("model_type"):
+            raise CheckpointError(
+                f"{where}: {SOURCE_KEY!r} must be {{format: 'huggingface', model_type, architecture, config}} with "
+                f"the config's own model_type, got {str(value)[:200]}"
+            )
+        with warnings.catch_warnings():  # unknown keys were reported when the model was imported
+            warnings.simplefilter("ignore")
+            mapped = model_config_from_hf(value["config"], source=f"{where} {SOURCE_KEY!r} config")
+        ours, theirs = _architecture_fields(model_config), _architecture_fields(mapped)
+        if ours != theirs:
+            differ = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+            raise CheckpointError(
+                f"{where}: {SOURCE_KEY!r} describes another model than config.json (they differ in {differ})"
+            )
+        return cls(model_type=value["model_type"], config=value["config"])
+
+
+def _architecture_fields(config: ModelConfig) -> dict[str, Any]:
+    return {k: v for k, v in config.to_dict().items() if k != "neftune_alpha"}  # NEFTune is training-time noise
+
+
+def source_of(imported: HFSource | None, meta: Mapping[str, Any], model_config: ModelConfig,
+              where: str) -> HFSource | None:  # fmt: skip
+    """The Hugging Face architecture a model directory stands for: the directory's own (``imported``, when it is a
+    Hugging Face directory), else the ``source`` its ``meta.json`` records (checked), else None."""
+    if imported is not None:
+        return imported
+    if SOURCE_KEY in meta:
+        return HFSource.from_meta(meta[SOURCE_KEY], model_config, where)
+    return None
+
 
 def is_hf_config(raw: Mapping[str, Any]) -> bool:
     """True when a ``config.json`` names a Hugging Face architecture (AstrAI writes ``autoregressive_lm`` or
-    nothing)."""
-    return raw.get("model_type") not in (None, ASTRAI_MODEL_TYPE)
+    nothing, we also ``astrai_fabric_lm``)."""
+    return raw.get("model_type") not in (None, ASTRAI_MODEL_TYPE, EXTENDED_MODEL_TYPE)
 
 
 def model_config_from_hf(raw: Mapping[str, Any], source: str = "config.json") -> ModelConfig:
@@ -388,3 +449,177 @@ def state_dict_to_hf(state: Mapping[str, Tensor], config: ModelConfig) -> dict[s
             tensor = interleaved_to_rotate_half(tensor, config.attention_head_dim)
         hf[name] = tensor
     return hf
+
+
+# --- export ------------------------------------------------------------------------------------------------------
+
+
+def hf_config(config: ModelConfig, state: Mapping[str, Tensor], dtype: str, source: HFSource | None,
+              token_ids: Mapping[str, int | None], where: str = "config.json") -> dict[str, Any]:  # fmt: skip
+    """The Hugging Face ``config.json`` of a model: its source's config when it came from one (with the dtype
+    written), else the config of the transformers class computing the same function (``export_model_type``), in the
+    transformers 4 form the Hub's checkpoints carry (``rope_theta`` + ``rope_scaling``, ``torch_dtype``), which
+    transformers 5 reads too. A ``ConfigError`` names what has no equivalent."""
+    if source is not None:
+        written = dict(source.config)
+        for key in ("dtype", "torch_dtype"):
+            if key in written:
+                written[key] = dtype
+        if "dtype" not in written and "torch_dtype" not in written:
+            written["torch_dtype"] = dtype
+        return written
+    model_type = export_model_type(config, state, where)
+    kv_heads = config.num_key_value_heads or config.num_attention_heads
+    rope_theta = 10000.0 if config.rope_theta is None else config.rope_theta
+    rope_scaling = None
+    if config.rope_frequency_scaling is not None:
+        rope_scaling = dict(config.rope_frequency_scaling)
+    elif config.rope_scaling is not None and config.rope_scaling.get("type", "ntk") == "ntk":
+        # AstrAI's NTK scaling only raises the base (model/layers.py, as AstrAI does): the default RoPE with
+        # that base is the same function. Any other AstrAI rope_scaling type changes nothing there, nor here.
+        rope_theta = rope_theta * config.rope_scaling.get("factor", 1.0) ** (config.rope_dim / (config.rope_dim - 2))
+    written = {
+        "architectures": [ARCHITECTURES[model_type]],
+        "model_type": model_type,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": config.attention_head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_position_embeddings,
+        # None is torch's default for the input's dtype; transformers computes its RMSNorm in float32
+        "rms_norm_eps": config.rms_norm_eps if config.rms_norm_eps is not None else torch.finfo(torch.float32).eps,
+        "rope_theta": rope_theta,
+        "rope_scaling": rope_scaling,
+        "tie_word_embeddings": config.tied,
+        "attention_dropout": 0.0,
+        "use_cache": True,
+        "torch_dtype": dtype,
+        **{name: token_ids.get(name) for name in ("bos_token_id", "eos_token_id", "pad_token_id")},
+    }
+    if model_type == "llama":
+        written.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+    if model_type in ("qwen2", "qwen3"):
+        written.update(use_sliding_window=False, sliding_window=None, max_window_layers=config.num_hidden_layers)
+    if model_type == "qwen3":
+        written.update(attention_bias=False)
+    if model_type == "mixtral":
+        written.update(
+            intermediate_size=config.moe_intermediate_size or config.intermediate_size,
+            num_local_experts=config.n_routed_experts,
+            num_experts_per_tok=config.n_activated_experts,
+            sliding_window=None,
+            router_jitter_noise=0.0,
+            output_router_logits=False,
+            router_aux_loss_coef=config.moe_aux_loss_coef,
+        )
+    return written
+
+
+def export_model_type(config: ModelConfig, state: Mapping[str, Tensor], where: str = "config.json") -> str:
+    """The transformers model_type computing what ``config`` (with these weights) computes: dense GQA is ``llama``,
+    with q/k/v biases ``qwen2``, with q/k norms ``qwen3``, an MoE without shared experts ``mixtral``; else a
+    ``ConfigError`` naming the field that has no equivalent."""
+
+    def refuse(field: str, value: Any, why: str) -> None:
+        raise ConfigError(f"{where}: {field} {value!r} cannot be exported to Hugging Face: {why}")
+
+    if config.attn_type == "mla":
+        refuse("attn_type", "mla", "AstrAI's latent attention differs from DeepSeek's (whose RoPE key is shared "
+               "across heads); no transformers class computes it")  # fmt: skip
+    if config.use_gated_attention:
+        refuse("use_gated_attention", True, "no transformers class exported here gates the attention output")
+    if config.use_qk_norm and config.attention_qkv_bias:
+        refuse("attention_qkv_bias", True, "no transformers class has both q/k/v biases and q/k norms")
+    if config.use_qk_norm and not config.qk_norm_before_rope:
+        # Qwen3 normalises before RoPE, AstrAI after; the two agree only when the two weights of every rotated
+        # pair (2i, 2i+1) are equal, since then the per-dim scale commutes with the rotation.
+        unequal = [k for k, v in state.items() if re.search(r"\.(q|k)_norm\.weight$", k)
+                   and not torch.equal(v.float()[0::2], v.float()[1::2])]  # fmt: skip
+        if unequal:
+            refuse("use_qk_norm", True, f"AstrAI normalises q/k after RoPE, transformers' Qwen3 before, and "
+                   f"{unequal[0]} scales the two dims of a rotated pair differently")  # fmt: skip
+    if config.ffn_type == "moe":
+        dense = [i for i in range(config.num_hidden_layers) if config.ffn_type_of_layer(i) == "mlp"]
+        if dense:
+            refuse("mlp_only_layers/decoder_sparse_step", dense, "Mixtral has an MoE in every layer")
+        if config.n_shared_experts:
+            refuse("n_shared_experts", config.n_shared_experts, "Mixtral has no shared experts (Qwen2-MoE's one is "
+                   "gated by a sigmoid of its own, ours are averaged)")  # fmt: skip
+        if not config.norm_topk_prob:
+            refuse("norm_topk_prob", False, "Mixtral renormalises the top-k routing weights")
+        if config.use_qk_norm or config.attention_qkv_bias:
+            refuse("use_qk_norm" if config.use_qk_norm else "attention_qkv_bias", True,
+                   "Mixtral's attention has neither q/k norms nor biases")  # fmt: skip
+        return "mixtral"
+    if config.attention_qkv_bias:
+        return "qwen2"
+    return "qwen3" if config.use_qk_norm else "llama"
+
+
+def generation_config(token_ids: Mapping[str, int | None]) -> dict[str, Any]:
+    """``generation_config.json``: the special token ids transformers' ``generate`` stops and pads with."""
+    return {name: token_ids[name] for name in ("bos_token_id", "eos_token_id", "pad_token_id")
+            if token_ids.get(name) is not None}  # fmt: skip
+
+
+_HF_SPECIAL_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+def is_astrai_tokenizer_config(raw: Mapping[str, Any]) -> bool:
+    """AstrAI's ``tokenizer_config.json`` holds a ``special_tokens`` map (or nothing transformers reads); Hugging
+    Face's names the tokens at the top level, with its ``tokenizer_class`` and ``added_tokens_decoder``."""
+    return not any(name in raw for name in (*_HF_SPECIAL_NAMES, "tokenizer_class", "added_tokens_decoder"))
+
+
+def hf_tokenizer_config(raw: Mapping[str, Any], max_length: int) -> dict[str, Any]:
+    """A Hugging Face ``tokenizer_config.json`` for AstrAI's (``special_tokens`` map, ``chat_template``):
+    transformers' fast tokenizer over the same ``tokenizer.json`` encodes the same ids.
+
+    The chat template is rewritten so that transformers, which renders with ``trim_blocks`` and ``lstrip_blocks``,
+    renders what AstrAI renders with Jinja's defaults (``for_jinja_whitespace_defaults``); one it cannot keep equal is
+    left out with a warning rather than written to render other tokens."""
+    special = dict(raw.get("special_tokens") or {})
+    written: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
+                               "clean_up_tokenization_spaces": False}  # fmt: skip
+    written.update({name: special[name] for name in _HF_SPECIAL_NAMES if name in special})
+    others = [token for name, token in special.items() if name not in _HF_SPECIAL_NAMES]
+    if others:
+        written["additional_special_tokens"] = others
+    template = raw.get("chat_template")
+    if isinstance(template, str):
+        rewritten = for_jinja_whitespace_defaults(template)
+        if rewritten is None:
+            warnings.warn("tokenizer_config.json: the chat template renders differently under transformers' "
+                          "trim_blocks/lstrip_blocks and is not exported", stacklevel=2)  # fmt: skip
+        else:
+            written["chat_template"] = rewritten
+    return written
+
+
+_BLOCK_START = re.compile(r"\{([%#])(?![-+])")
+_BLOCK_END = re.compile(r"(?<![-+])([%#])\}")
+
+
+def for_jinja_whitespace_defaults(template: str) -> str | None:
+    """``template`` with every block and comment tag marked ``{%+ ... +%}``, which turns ``lstrip_blocks`` and
+    ``trim_blocks`` off for that tag (Jinja's whitespace control), so it renders under transformers' settings as
+    under Jinja's defaults; checked by rendering a probe conversation both ways. None when they still differ."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    rewritten = _BLOCK_END.sub(r"+\1}", _BLOCK_START.sub(r"{\1+", template))
+    probe = {"messages": [{"role": "system", "content": " s\n"}, {"role": "user", "content": "u"},
+                          {"role": "assistant", "content": "a "}], "add_generation_prompt": True,
+             "bos_token": "<s>", "eos_token": "</s>"}  # fmt: skip
+    try:
+        plain = ImmutableSandboxedEnvironment().from_string(template).render(**probe)
+        as_hf_renders = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )  # transformers' settings (chat_template_utils.py)
+        as_hf = as_hf_renders.from_string(rewritten).render(**probe)
+    except Exception:  # a template that needs more than the probe offers: not provably equal
+        return None
+    return rewritten if plain == as_hf else None

@@ -198,9 +198,9 @@ def load_sharded_optimizer_state(optimizer: Optimizer, state_dir: Path) -> None:
     optimizer.load_state_dict(template["optimizer"])
 
 
-def export_checkpoint(source: str | Path, target: str | Path) -> Path:
+def export_checkpoint(source: str | Path, target: str | Path, cast: Any = None) -> Path:
     """Write a checkpoint with a sharded ``state/`` as a complete AstrAI directory (with ``optimizer.pt``), in one
-    process without a process group: ``astrai-fabric export``."""
+    process without a process group: ``astrai-fabric export``. ``cast`` maps the weights (``--dtype``)."""
     source = Path(source)
     ckpt = load_checkpoint(source)
     if not (source / STATE_DIR).is_dir():
@@ -213,8 +213,9 @@ def export_checkpoint(source: str | Path, target: str | Path) -> Path:
         p.name: p for p in source.iterdir() if p.is_file() and p.name not in CHECKPOINT_FILES and p.suffix != ".pt"
     }
     return save_checkpoint(
-        target, ckpt.state_dict, ckpt.config, epoch=ckpt.epoch, consumed_samples=ckpt.consumed_samples, meta=meta,
-        extra={"optimizer": optimizer_state, **ckpt.extra}, files=copied,
+        target, cast(ckpt.state_dict) if cast else ckpt.state_dict, ckpt.config, epoch=ckpt.epoch,
+        consumed_samples=ckpt.consumed_samples, meta=meta, extra={"optimizer": optimizer_state, **ckpt.extra},
+        files=copied,
     )  # fmt: skip
 
 

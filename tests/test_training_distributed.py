@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 from spawn import run_ranks
 
+from astrai_fabric.assets import TINY_MODEL_DIR
 from astrai_fabric.checkpoint import load_checkpoint
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.train import run
@@ -61,6 +62,31 @@ ONLINE = dict(train_type="grpo", data_root_path="bundled:data/grpo_online", rewa
 TP2 = dict(parallel_mode="fsdp", tp_size=2, optimizer="muon_adamw")
 RESUME = dict(max_steps=6, ckpt_interval=3, optimizer="muon_adamw")
 SFT = dict(train_type="sft", data_root_path="bundled:data/sft")
+# Hugging Face directories (built with transformers in the fixture): Qwen3 (q/k norm before RoPE, heads x head_dim
+# != hidden) under FSDP, Qwen2 (q/k/v biases) under tensor parallelism. sft averages per-micro-batch token means,
+# so the single process takes the same 1-sample micro-batches in sequence (as RL_RUNS do).
+HF_RUNS = {
+    "hf_qwen3_fsdp": dict(parallel_mode="fsdp", batch_per_device=1, grad_accum_steps=1),
+    "hf_qwen2_tp2": dict(parallel_mode="fsdp", tp_size=2, batch_per_device=1, grad_accum_steps=1),
+}
+HF_REFERENCES = {"hf_qwen3_fsdp": dict(batch_per_device=1, grad_accum_steps=2),
+                 "hf_qwen2_tp2": dict(batch_per_device=1, grad_accum_steps=1)}  # fmt: skip
+
+
+def hf_args(root: Path, name: str, ckpt_dir: Path, **overrides) -> TrainArgs:
+    model = root / name.split("_")[1]
+    return base_args(ckpt_dir, **SFT, param_path=str(model), tokenizer_path="bundled:tiny", max_steps=2, **overrides)
+
+
+def write_hf_models(root: Path) -> None:
+    """Tiny random Qwen3 and Qwen2 directories, as transformers saves them (skipped without transformers)."""
+    try:
+        from test_huggingface import build_hf, save_hf
+    except pytest.skip.Exception:
+        return
+    vocab = json.loads((TINY_MODEL_DIR / "config.json").read_text())["vocab_size"]
+    save_hf(build_hf("Qwen3Config", head_dim=16, vocab_size=vocab, max_position_embeddings=256), root / "qwen3")
+    save_hf(build_hf("Qwen2Config", vocab_size=vocab, max_position_embeddings=256), root / "qwen2")
 
 
 def two_rank_worker(root: str) -> None:
@@ -81,6 +107,12 @@ def two_rank_worker(root: str) -> None:
     history = run(base_args(root / "tp2", nprocs=2, **TP2))
     if os.environ["RANK"] == "0":
         (root / "tp2.json").write_text(json.dumps(history))
+    # Hugging Face directories, after the runs above have warmed up FSDP's and DTensor's caches.
+    for name, overrides in HF_RUNS.items():
+        if (root / name.split("_")[1]).is_dir():
+            history = run(hf_args(root, name, root / name, nprocs=2, **overrides))
+            if os.environ["RANK"] == "0":
+                (root / f"{name}.json").write_text(json.dumps(history))
     # Ranks sample different prompts, stop at different lengths, and must still run the same forward passes.
     run(base_args(root / "fsdp_grpo_online", nprocs=2, batch_per_device=1, parallel_mode="fsdp", **ONLINE))
     two_rank_fsdp = dict(nprocs=2, batch_per_device=1, parallel_mode="fsdp", **RESUME)
@@ -103,6 +135,7 @@ def two_rank_worker(root: str) -> None:
 @pytest.fixture(scope="module")
 def two_rank_runs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("two_ranks")
+    write_hf_models(root)
     run_ranks(two_rank_worker, 2, str(root))
     return root
 
@@ -141,6 +174,18 @@ def test_two_rank_dpo_and_grpo_match_one_process(two_rank_runs, tmp_path, name):
             if key in ref:
                 assert ours[key] == pytest.approx(ref[key], abs=1e-5), key
     assert_weights_close(weights(two_rank_runs / name, 3), weights(tmp_path, 3), atol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(HF_RUNS))
+def test_two_ranks_train_a_huggingface_model_as_one_process(two_rank_runs, tmp_path, name):
+    if not (two_rank_runs / f"{name}.json").exists():
+        pytest.skip("transformers is not installed (the test extra)")
+    reference = run(hf_args(two_rank_runs, name, tmp_path, nprocs=1, **HF_REFERENCES[name]))
+    history = json.loads((two_rank_runs / f"{name}.json").read_text())
+    assert [r["loss"] for r in history] == pytest.approx([r["loss"] for r in reference], abs=1e-5)
+    assert_weights_close(weights(two_rank_runs / name, 2), weights(tmp_path, 2), atol=1e-5)
+    (saved,) = (two_rank_runs / name).glob("epoch_*_step_2")
+    assert json.loads((saved / "meta.json").read_text())["source"]["model_type"] == name.split("_")[1]
 
 
 def test_fsdp_mixed_precision_computes_in_bf16_over_float32_weights(two_rank_runs, tmp_path):

@@ -25,7 +25,12 @@ from astrai_fabric.errors import ConfigError
 ATTN_TYPES = ("gqa", "mla")
 FFN_TYPES = ("mlp", "moe")
 ASTRAI_MODEL_TYPE = "autoregressive_lm"
-"""The ``model_type`` AstrAI writes; a ``config.json`` with another one is a Hugging Face architecture."""
+"""The ``model_type`` AstrAI writes; a ``config.json`` with another one is a Hugging Face architecture (or ours,
+``EXTENDED_MODEL_TYPE``)."""
+EXTENDED_MODEL_TYPE = "astrai_fabric_lm"
+"""The ``model_type`` written when an extension field is set (a model AstrAI's schema cannot express). AstrAI's
+``ConfigFactory`` and ``AutoModel`` refuse a type they do not know (``Unknown component``): under
+``autoregressive_lm`` AstrAI would ignore the extension fields and silently compute another function."""
 EXTENSION_FIELDS = ("head_dim", "attention_qkv_bias", "qk_norm_before_rope", "rope_frequency_scaling")
 """Our fields beyond AstrAI's schema: written to config.json only when they differ from their default."""
 ROPE_FREQUENCY_TYPES = {
@@ -40,7 +45,8 @@ class ModelConfig:
     """Architecture of an AstrAI ``AutoRegressiveLM``; defaults are AstrAI's."""
 
     model_type: str | None = None
-    """Model family for AstrAI's factory; None means ``"autoregressive_lm"``."""
+    """Model family for AstrAI's factory; None means ``"autoregressive_lm"``. Written as ``"astrai_fabric_lm"`` when
+    an extension field is set (AstrAI refuses that type rather than misread the file)."""
     neftune_alpha: float = 0.0
     """NEFTune noise scale; 0 disables it. Noise is added to embeddings in training mode only."""
     vocab_size: int | None = None
@@ -170,17 +176,30 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Every AstrAI field in AstrAI's order (what AstrAI's ``save_pretrained`` writes), then the extension fields
-        that differ from their default (none for a model AstrAI can describe)."""
-        return {
+        that differ from their default (none for a model AstrAI can describe). With any of those the ``model_type``
+        is ``EXTENDED_MODEL_TYPE``, so AstrAI refuses the file instead of computing another function."""
+        values = {
             f.name: _plain(getattr(self, f.name))
             for f in dataclasses.fields(self)
             if f.name != "extra" and not (f.name in EXTENSION_FIELDS and getattr(self, f.name) == f.default)
         }
+        if self.extensions:
+            values["model_type"] = EXTENDED_MODEL_TYPE
+        elif self.model_type == EXTENDED_MODEL_TYPE:
+            values["model_type"] = ASTRAI_MODEL_TYPE
+        return values
 
     def to_file(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
 
     # --- derived values ------------------------------------------------------------------------------------------
+
+    @property
+    def extensions(self) -> list[str]:
+        """The extension fields set away from their default: what AstrAI's schema cannot express (empty for a model
+        AstrAI computes exactly)."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        return [name for name in EXTENSION_FIELDS if getattr(self, name) != defaults[name]]
 
     @property
     def tied(self) -> bool:

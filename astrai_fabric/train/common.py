@@ -18,11 +18,12 @@ from lightning.fabric import Fabric
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, random_split
 
-from astrai_fabric import assets, lora
+from astrai_fabric import assets, hf, lora
 from astrai_fabric.checkpoint import (
     ADAPTER_FILE,
     CONFIG_FILE,
     LORA_BASE_KEY,
+    META_FILE,
     WEIGHTS_FILE,
     WEIGHTS_INDEX_FILE,
     Checkpoint,
@@ -98,6 +99,9 @@ class Start:
     """LoRA runs: the directory of the frozen base weights, and the sha256 of its weight files (checkpoints point
     to it rather than copy it)."""
     lora_digests: dict[str, str] | None = None
+    source: hf.HFSource | None = None
+    """The Hugging Face architecture the model came from (a Hugging Face ``param_path``, or the ``source`` of the
+    checkpoint started or resumed from): recorded in every checkpoint's ``meta.json`` for ``export --format hf``."""
 
     def need_tokenizer(self, what: str) -> Tokenizer:
         """The tokenizer, or the one-line error saying ``what`` needs one and why there is none."""
@@ -195,7 +199,13 @@ def read_start(args: TrainArgs) -> Start:
             f"tokenizer {tokenizer.directory} has {tokenizer.vocab_size:,} ids, but the model's vocab_size is "
             f"{model_config.vocab_size:,} ({param_path / CONFIG_FILE}): pass the tokenizer the model was built for"
         )
-    return Start(model_config, weights, resume, tokenizer, no_tokenizer, dataset_config, lora_base, lora_digests)
+    origin = resume or weights
+    source = None
+    if origin is not None:
+        source = hf.source_of(origin.source, origin.meta, model_config, str(origin.path / META_FILE))
+    return Start(
+        model_config, weights, resume, tokenizer, no_tokenizer, dataset_config, lora_base, lora_digests, source
+    )
 
 
 def meta_model(config: ModelConfig, args: TrainArgs) -> nn.Module:
@@ -555,6 +565,8 @@ def make_saver(fabric: Fabric, model: nn.Module, optimizer: Any, scheduler: Any,
     config = dataclasses.replace(start.model_config, neftune_alpha=args.neftune_alpha).to_dict()
     meta = {"train_type": args.train_type, **{k: v for k, v in args.to_dict().items() if k != "train_type"}}
     meta.update(extra_meta or {})
+    if start.source is not None:
+        meta[hf.SOURCE_KEY] = start.source.to_meta()
     tokenizer_files = start.tokenizer.files if start.tokenizer is not None else {}  # a run without one writes none
     files: dict[str, Any] = {**tokenizer_files, RECIPE_FILE: resolved_recipe(args)}
     raw_model = getattr(model, "module", model)  # the module Fabric wraps: clean keys, no `_orig_mod.`

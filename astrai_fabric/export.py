@@ -1,0 +1,169 @@
+"""``astrai-fabric export``: a checkpoint or model directory written out in AstrAI's layout or in Hugging Face's.
+
+``--format astrai`` (the default) completes a checkpoint saved with ``--sharded_checkpoint`` (gathering the
+optimizer state into ``optimizer.pt``, ``training_state.export_checkpoint``), or turns a Hugging Face directory into
+an AstrAI model directory, or casts a complete checkpoint to ``--dtype``. A model AstrAI's schema cannot express
+(q/k/v biases, q/k norm before RoPE, ``head_dim`` of its own, Hugging Face's RoPE scaling) is refused there: AstrAI
+would compute another function. ``--format hf`` writes what transformers' ``AutoModelForCausalLM`` and
+``AutoTokenizer`` load: the architecture the model came from (``meta.json``'s ``source``) or, for AstrAI's own
+models, the transformers class computing the same function (``hf.export_model_type``), or a one-line refusal naming
+what has no equivalent. Reading and writing stay in ``checkpoint``, the mapping in ``hf``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from astrai_fabric import hf
+from astrai_fabric.checkpoint import (
+    CONFIG_FILE,
+    META_FILE,
+    RESERVED_META,
+    WEIGHTS_FILE,
+    load_checkpoint,
+    load_model_weights,
+    save_checkpoint,
+    save_model_directory,
+)
+from astrai_fabric.config.model import ModelConfig
+from astrai_fabric.errors import CheckpointError, ConfigError, UserError
+from astrai_fabric.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Tokenizer
+
+FORMATS = ("astrai", "hf")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+GENERATION_CONFIG_FILE = "generation_config.json"
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
+                      "tokenizer.model")  # fmt: skip
+"""Tokenizer files a Hugging Face directory may hold, copied as they are."""
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
+          "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+
+
+def parse_size(text: str) -> int:
+    """Bytes in a size as transformers' ``max_shard_size`` spells it: ``5GB`` (10^9), ``1GiB`` (2^30), or bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
+    if not match or match[2].upper() not in _UNITS or float(match[1]) * _UNITS[match[2].upper()] < 1:
+        raise UserError(f"--max_shard_size {text!r}: expected a size such as 5GB, 500MB or 1GiB (or a byte count)")
+    return int(float(match[1]) * _UNITS[match[2].upper()])
+
+
+def export(source: str | Path, target: str | Path | None = None, format: str = "astrai", dtype: str | None = None,
+           max_shard_size: str | None = None) -> Path:  # fmt: skip
+    """Write ``source`` to ``target`` (default: ``SOURCE_full`` for astrai, ``SOURCE_hf`` for hf) and return it."""
+    if format not in FORMATS:
+        raise UserError(f"--format {format!r}: expected one of {list(FORMATS)}")
+    if dtype is not None and dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype!r}: expected one of {list(DTYPES)}")
+    if format == "astrai" and max_shard_size is not None:
+        raise UserError("--max_shard_size applies to --format hf (AstrAI's checkpoint is one model.safetensors)")
+    max_shard_bytes = parse_size(max_shard_size or DEFAULT_MAX_SHARD_SIZE) if format == "hf" else None
+    source = Path(source)
+    if target is None:
+        target = source.with_name(source.name + ("_full" if format == "astrai" else "_hf"))
+    target = Path(target)
+    if target.exists():
+        raise CheckpointError(f"{target}: already exists; refusing to overwrite it (choose another --out)")
+    if format == "hf":
+        return export_hf(source, target, dtype, max_shard_bytes)
+    return export_astrai(source, target, dtype)
+
+
+def export_astrai(source: Path, target: Path, dtype: str | None = None) -> Path:
+    """AstrAI's layout: a sharded checkpoint completed, a Hugging Face directory converted, or a complete
+    checkpoint cast to ``dtype``; refused where AstrAI's schema cannot express the model."""
+    from astrai_fabric.training_state import STATE_DIR, export_checkpoint  # torch.distributed.checkpoint: only here
+
+    if (source / STATE_DIR).is_dir():
+        path = export_checkpoint(source, target, cast=_caster(dtype))
+        config = load_checkpoint(path, load_extra=False).model_config()
+        if config.extensions:  # resumable here; AstrAI refuses its model_type (never misreads it)
+            print(f"note: {path / CONFIG_FILE} keeps model_type {config.to_dict()['model_type']!r} for "
+                  f"{config.extensions}, which AstrAI's schema lacks; use --format hf for transformers",
+                  file=sys.stderr)  # fmt: skip
+        return path
+    ckpt = load_checkpoint(source)
+    config = ckpt.model_config()
+    if config.extensions:
+        what = f"a {ckpt.source.model_type} model" if ckpt.source else "this model"
+        raise ConfigError(
+            f"{source / CONFIG_FILE}: {what} needs {config.extensions}, which AstrAI's schema lacks (AstrAI would "
+            "compute another function); export it with --format hf"
+        )
+    cast = _caster(dtype)
+    if ckpt.source is not None:  # a Hugging Face directory: AstrAI's model directory (no run, no meta.json)
+        files = {name: source / name for name in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE) if (source / name).is_file()}
+        files[CONFIG_FILE] = json.dumps(config.to_dict(), indent=2)
+        return save_model_directory(target, cast(ckpt.state_dict), files)
+    if dtype is None:
+        raise CheckpointError(
+            f"{source}: no state/ folder: not a sharded checkpoint (it is complete already); AstrAI loads it as it "
+            "is, --dtype casts it, --format hf writes it for transformers"
+        )
+    if not ckpt.meta:
+        return save_model_directory(target, cast(ckpt.state_dict), {CONFIG_FILE: json.dumps(ckpt.config, indent=2)})
+    copied = {p.name: p for p in source.iterdir() if p.is_file() and p.suffix not in (".pt", ".safetensors")
+              and p.name not in (META_FILE, CONFIG_FILE)}  # fmt: skip
+    meta = {k: v for k, v in ckpt.meta.items() if k not in RESERVED_META}
+    return save_checkpoint(
+        target, cast(ckpt.state_dict), ckpt.config, epoch=ckpt.epoch, consumed_samples=ckpt.consumed_samples,
+        meta=meta, extra=ckpt.extra, files=copied,
+    )  # fmt: skip
+
+
+def export_hf(source: Path, target: Path, dtype: str | None = None, max_shard_bytes: int | None = None) -> Path:
+    """A directory transformers loads: config.json, generation_config.json, safetensors (sharded above
+    ``max_shard_bytes``, with transformers' ``{"format": "pt"}`` header) and the tokenizer files."""
+    from astrai_fabric.model import AutoRegressiveLM
+
+    ckpt = load_checkpoint(source, load_extra=False)
+    config = ckpt.model_config()
+    config.check_buildable(source=str(source / CONFIG_FILE))
+    origin = hf.source_of(ckpt.source, ckpt.meta, config, str(source / META_FILE))
+    with torch.device("meta"):  # only to check the tensors fit the config, strictly
+        model = AutoRegressiveLM(config)
+    load_model_weights(model, ckpt.state_dict, source=source / WEIGHTS_FILE, assign=True)
+    state = _caster(dtype)(model.state_dict())
+    written_dtype = dtype or str(state["embed_tokens.weight"].dtype).removeprefix("torch.")
+    tokenizer_files, token_ids = _tokenizer_files(source, config)
+    if origin is not None:
+        token_ids = {k: origin.config.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    hf_config = hf.hf_config(config, state, written_dtype, origin, token_ids, where=str(source / CONFIG_FILE))
+    files = {
+        CONFIG_FILE: json.dumps(hf_config, indent=2),
+        GENERATION_CONFIG_FILE: json.dumps(hf.generation_config(token_ids), indent=2),
+        **tokenizer_files,
+    }
+    tensors = hf.state_dict_to_hf(state, config)
+    return save_model_directory(target, tensors, files, max_shard_bytes=max_shard_bytes, metadata={"format": "pt"})
+
+
+def _tokenizer_files(source: Path, config: ModelConfig) -> tuple[dict[str, str | Path], dict[str, int | None]]:
+    """The tokenizer files to write (AstrAI's ``tokenizer_config.json`` turned into Hugging Face's) and the special
+    token ids; none where the directory holds no tokenizer."""
+    if not (source / TOKENIZER_FILE).is_file():
+        return {}, {}
+    files: dict[str, str | Path] = {name: source / name for name in HF_TOKENIZER_FILES if (source / name).is_file()}
+    tokenizer = Tokenizer.from_dir(source)  # checks both files: JSON objects, special tokens in the vocabulary
+    config_path = source / TOKENIZER_CONFIG_FILE
+    raw = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+    token_ids: dict[str, int | None] = {}
+    if hf.is_astrai_tokenizer_config(raw):
+        files[TOKENIZER_CONFIG_FILE] = json.dumps(hf.hf_tokenizer_config(raw, config.max_position_embeddings), indent=2)
+        token_ids = {f"{name}_id": tokenizer.token_id(name) for name in ("bos_token", "eos_token", "pad_token")}
+    return files, token_ids
+
+
+def _caster(dtype: str | None):  # noqa: ANN202 - a small closure
+    def cast(state: dict[str, Tensor]) -> dict[str, Tensor]:
+        if dtype is None:
+            return dict(state)
+        return {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v for k, v in state.items()}
+
+    return cast
