@@ -547,7 +547,9 @@ class StoredStateDict(Mapping[str, Tensor]):
             if out is None:  # an empty box (a rank holding no rows of a small tensor)
                 out = torch.empty((0, *(b - a for a, b in rest)), dtype=dtype or torch.float32)
         except (SafetensorError, OSError, ValueError, RuntimeError) as err:
-            raise CheckpointError(f"{entry.file}: cannot read {entry.key!r}, perhaps truncated ({err})") from None
+            raise CheckpointError(
+                f"{entry.file}: cannot read {entry.key!r}, perhaps changed since it was opened ({err})"
+            ) from None
         return out
 
 

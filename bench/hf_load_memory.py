@@ -4,8 +4,8 @@
 
 Writes, with random weights, a Hugging Face llama directory in Llama-3.2-1B's shape (1.24B parameters, tied
 embeddings, vocabulary 128256; bf16 on disk, sharded at 1 GiB with ``model.safetensors.index.json``) and the same
-model in AstrAI's layout (one ``model.safetensors``), both in a temporary directory beside the current one
-(about 5 GB, deleted afterwards; ``--keep DIR`` writes them there and leaves them). No transformers needed: the
+model in AstrAI's layout (one ``model.safetensors``), both in a temporary directory (``$TMPDIR``, about 5 GB,
+deleted afterwards; ``--keep DIR`` writes them there, reuses them on the next run, and leaves them). No transformers needed: the
 shards are written with safetensors and a hand-written ``config.json``.
 
 Each measurement is a fresh process: import torch and astrai_fabric, read ``ru_maxrss`` (the interpreter's
@@ -148,7 +148,7 @@ def main() -> None:
     parser.add_argument("--no-old", action="store_true", help="measure the new loader only")
     args = parser.parse_args()
     config = {**HF_CONFIG, **(SMALL if args.small else {})}
-    root = args.keep or Path(tempfile.mkdtemp(prefix=".hf_load_memory-", dir="."))
+    root = args.keep or Path(tempfile.mkdtemp(prefix="hf_load_memory-"))
     root.mkdir(parents=True, exist_ok=True)
     try:
         dirs = {layout: (root / layout if (root / layout).exists() else write_model(root, config, layout))

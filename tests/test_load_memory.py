@@ -16,6 +16,7 @@ from spawn import run_ranks
 
 from astrai_fabric import checkpoint, hf
 from astrai_fabric.checkpoint import StoredStateDict, empty_model, load_checkpoint, load_model, read_model_config
+from astrai_fabric.errors import CheckpointError
 from astrai_fabric.model import AutoRegressiveLM
 
 LLAMA = dict(
@@ -101,6 +102,16 @@ def test_a_box_reads_exactly_that_part_of_the_permuted_tensor(llama_dir, monkeyp
         for box in (((3, 13), (0, 32)), ((5, 6), (7, 30)), ((0, full.shape[0]), (1, 2)), ((9, 9), (0, 32))):
             part = state.read(key, box=box)
             assert torch.equal(part, full[box[0][0] : box[0][1], box[1][0] : box[1][1]]), (key, box)
+
+
+def test_a_file_cut_short_after_its_header_was_read_is_named(tmp_path):
+    directory = write_hf_llama(tmp_path / "llama", shards=1)
+    ckpt = load_checkpoint(directory, load_extra=False)  # headers only
+    shard = directory / "model-00001-of-00001.safetensors"
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size // 2)
+    with pytest.raises(CheckpointError, match=r"safetensors: cannot read '.*', perhaps changed since it was opened"):
+        checkpoint.load_model_weights(empty_model(ckpt.model_config()), ckpt.state_dict, source=directory)
 
 
 def sharded_worker(directory: str, out: str) -> None:
