@@ -5,11 +5,12 @@
 Writes, with random weights, a Hugging Face llama directory in Llama-3.2-1B's shape (1.24B parameters, tied
 embeddings, vocabulary 128256; bf16 on disk, sharded at 1 GiB with ``model.safetensors.index.json``) and the same
 model in AstrAI's layout (one ``model.safetensors``), both in a temporary directory (``$TMPDIR``, about 5 GB,
-deleted afterwards; ``--keep DIR`` writes them there, reuses them on the next run, and leaves them). No transformers needed: the
-shards are written with safetensors and a hand-written ``config.json``.
+deleted afterwards; ``--keep DIR`` writes them there, reuses them on the next run, and leaves them). No
+transformers needed: the shards are written with safetensors and a hand-written ``config.json``.
 
-Each measurement is a fresh process: import torch and astrai_fabric, read ``ru_maxrss`` (the interpreter's
-baseline), run the load, read ``ru_maxrss`` again (the peak). "new" is ``load_model(DIR, dtype)`` (meta device,
+Each measurement is a fresh process: import torch and astrai_fabric, reset the peak RSS (``VmHWM``, via
+``/proc/self/clear_refs``: a forked child starts with its parent's peak, and ``ru_maxrss`` keeps it), read the RSS
+(the interpreter's baseline), run the load, read ``VmHWM`` (the peak). "new" is ``load_model(DIR, dtype)`` (meta device,
 tensors read chunk by chunk from memory maps straight into their place, cast per tensor); "old" is what the
 previous release did to start training from a directory: a randomly initialised model at the training dtype,
 every shard read with ``safetensors.torch.load_file`` and copied in. Sides alternate; the table shows medians.
@@ -43,14 +44,19 @@ SMALL = dict(vocab_size=4096, hidden_size=256, intermediate_size=1024, num_hidde
 SHARD_BYTES = 1 << 30
 
 CHILD = r"""
-import json, resource, sys, time
+import json, sys, time
 import torch
 from astrai_fabric import hf
 from astrai_fabric.checkpoint import load_model, load_model_weights, read_model_config
 from astrai_fabric.model import AutoRegressiveLM
 
+def status(field):
+    return int([l for l in open("/proc/self/status") if l.startswith(field)][0].split()[1]) * 1024
+
 directory, side, dtype = sys.argv[1], sys.argv[2], getattr(torch, sys.argv[3])
-baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # VmHWM starts at the parent's peak (fork copies it, exec keeps it): reset it to now
+baseline = status("VmRSS")
 start = time.perf_counter()
 if side == "new":
     model = load_model(directory, dtype=dtype)
@@ -72,7 +78,7 @@ else:  # the previous release's start from weights (train/common.py initial_mode
     del state
     model = model.to(dtype)
 seconds = time.perf_counter() - start
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+peak = status("VmHWM")
 assert all(p.dtype == dtype for p in model.parameters())
 size = sum(p.numel() * p.element_size() for p in model.parameters())
 print(json.dumps(dict(baseline=baseline, peak=peak, size=size, seconds=seconds,
