@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import pickle
 import re
@@ -33,16 +34,17 @@ import time
 import uuid
 import warnings
 import zipfile
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from astrai_fabric import hf, lora
 from astrai_fabric.config.model import ModelConfig, read_config_json
@@ -73,7 +75,8 @@ class Checkpoint:
     path: Path
     config: dict[str, Any]
     """``config.json`` as written (use ``model_config()`` for the typed, validated form)."""
-    state_dict: dict[str, Tensor]
+    state_dict: Mapping[str, Tensor]
+    """A ``StoredStateDict`` when read from files: names and shapes known, each tensor read on use."""
     epoch: int = 0
     consumed_samples: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
@@ -469,9 +472,9 @@ def load_checkpoint(
         if merge_lora:
             state_dict = lora.merge_state_dict(state_dict, adapter.state_dict, adapter.spec.scaling)
     else:
-        state_dict = _read_weights(path)
+        state_dict = _read_weights(path)  # headers only: tensors are read where they go (``load_model_weights``)
     if source is not None:
-        state_dict = hf.state_dict_from_hf(state_dict, model_config)
+        state_dict = state_dict.renamed({key: hf.import_name(key, model_config) for key in state_dict})
     return Checkpoint(
         path=path,
         config=config,
@@ -491,7 +494,7 @@ def read_adapter(directory: str | Path) -> LoRAAdapter:
     spec = lora.LoRASpec.from_adapter_config(
         _read_json(path / ADAPTER_CONFIG_FILE, what="the LoRA adapter's config"), str(path / ADAPTER_CONFIG_FILE)
     )
-    tensors = _read_safetensors(path / ADAPTER_FILE)
+    tensors = dict(StoredStateDict.from_files([path / ADAPTER_FILE]))  # small: read whole
     odd = [k for k in tensors if not lora.is_adapter_key(k)]
     if odd or not tensors:
         raise CheckpointError(f"{path / ADAPTER_FILE}: expected only <layer>.lora_A / <layer>.lora_B keys, got "
@@ -591,16 +594,15 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
     return value
 
 
-def _read_weights(path: Path) -> dict[str, Tensor]:
+def _read_weights(path: Path) -> StoredStateDict:
     if (path / WEIGHTS_FILE).exists():
-        state_dict = _read_safetensors(path / WEIGHTS_FILE)
+        state_dict = StoredStateDict.from_files([path / WEIGHTS_FILE])
     elif (path / WEIGHTS_INDEX_FILE).exists():
         weight_map = _read_json(path / WEIGHTS_INDEX_FILE, what="a sharded safetensors index").get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{path / WEIGHTS_INDEX_FILE}: expected a non-empty 'weight_map' object")
-        state_dict = {}
-        for shard in sorted(set(weight_map.values())):
-            state_dict.update(_read_safetensors(path / shard))
+        shards = sorted({str(v) for v in weight_map.values()})
+        state_dict = StoredStateDict.from_files([path / shard for shard in shards])
         absent = sorted(k for k in weight_map if k not in state_dict)
         if absent:
             raise CheckpointError(f"{path / WEIGHTS_INDEX_FILE}: keys listed but absent from their shards: {absent}")
@@ -609,21 +611,141 @@ def _read_weights(path: Path) -> dict[str, Tensor]:
     return _strip_wrapper_prefixes(state_dict, path)
 
 
-def _read_safetensors(file: Path) -> dict[str, Tensor]:
-    if not file.is_file():
-        raise CheckpointError(f"{file}: file not found")
-    try:
-        return load_file(str(file))
-    except (SafetensorError, OSError, ValueError) as err:
-        raise CheckpointError(f"{file}: not a readable safetensors file, perhaps truncated ({err})") from None
+@dataclass(frozen=True)
+class _Stored:
+    """One tensor on disk: its file, its name there, its shape, and the head width when its rows are stored in
+    transformers' rotate-half pairing (permuted to ours as they are read)."""
+
+    file: Path
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    """safetensors' name for it (``BF16``, ``F32``, ...)."""
+    head_dim: int | None = None
 
 
-def _strip_wrapper_prefixes(state_dict: dict[str, Tensor], path: Path) -> dict[str, Tensor]:
+_CHUNK_ELEMENTS = 1 << 24
+"""Elements read per mapping (32 MiB in bf16). The pages of a memory-mapped file that a read touches count in the
+process's RSS until the file is unmapped, which safetensors does when its handle closes: reading a big tensor in
+row chunks, each through a fresh ``safe_open``, keeps that overhead to one chunk instead of a whole shard."""
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}  # fmt: skip
+
+
+class StoredStateDict(Mapping[str, Tensor]):
+    """A state dict still on disk: names and shapes come from the safetensors headers (checked when the files are
+    opened); a tensor is read only when asked for, straight into its destination (``read``), so loading never holds
+    a second full copy of the model. Indexing reads the whole tensor into memory of its own (the file's dtype);
+    pickling (a broadcast to ranks that cannot see the files) reads every tensor."""
+
+    def __init__(self, entries: dict[str, _Stored]) -> None:
+        self._entries = entries
+
+    @classmethod
+    def from_files(cls, files: list[Path]) -> StoredStateDict:
+        entries = {}
+        for file in files:
+            if not file.is_file():
+                raise CheckpointError(f"{file}: file not found")
+            try:
+                with safe_open(str(file), framework="pt") as handle:  # validates the header against the file size
+                    for key in handle.keys():
+                        stored = handle.get_slice(key)
+                        entries[key] = _Stored(file, key, tuple(stored.get_shape()), stored.get_dtype())
+            except (SafetensorError, OSError, ValueError) as err:
+                raise CheckpointError(f"{file}: not a readable safetensors file, perhaps truncated ({err})") from None
+        return cls(entries)
+
+    def renamed(self, names: Mapping[str, tuple[str, int | None] | None]) -> StoredStateDict:
+        """The same tensors under new names (``names[key]`` is ``(new name, head_dim or None)`` as
+        ``hf.import_name`` gives, or None to leave a tensor out); keys not in ``names`` keep theirs."""
+        entries = {}
+        for key, entry in self._entries.items():
+            target = names.get(key, (key, entry.head_dim))
+            if target is not None:
+                entries[target[0]] = _Stored(entry.file, entry.key, entry.shape, entry.dtype, target[1])
+        return StoredStateDict(entries)
+
+    def __getitem__(self, key: str) -> Tensor:
+        return self.read(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return dict, (dict(self.items()),)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._entries[key].shape
+
+    def dtype(self, key: str) -> torch.dtype | None:
+        """The tensor's dtype on disk (None for one torch has no name for)."""
+        return _SAFETENSORS_DTYPES.get(self._entries[key].dtype)
+
+    def read(
+        self,
+        key: str,
+        out: Tensor | None = None,
+        dtype: torch.dtype | None = None,
+        box: tuple[tuple[int, int], ...] | None = None,
+    ) -> Tensor:
+        """Tensor ``key`` in our layout, copied into ``out`` (cast to its dtype) or into a new tensor of ``dtype``
+        (default: the file's). ``box`` (``(start, stop)`` per dimension) reads only that part: a rank's shard.
+
+        Read in chunks of rows through fresh memory maps (``_CHUNK_ELEMENTS``). Rows of a rotated q/k tensor move
+        only within their head, so each chunk covers whole heads in the file and is permuted on the way in; the
+        only temporary is one chunk's worth.
+        """
+        entry = self._entries[key]
+        if box is None:
+            box = tuple((0, n) for n in entry.shape)
+        try:
+            if not entry.shape:  # a scalar: nothing to chunk
+                with safe_open(str(entry.file), framework="pt") as handle:
+                    source = handle.get_tensor(entry.key)
+                    out = torch.empty((), dtype=dtype or source.dtype) if out is None else out
+                    out.copy_(source)
+                return out
+            (start, stop), rest = box[0], box[1:]
+            columns = tuple(slice(a, b) for a, b in rest)
+            unit = entry.head_dim or 1  # rows read together: whole heads of a rotated tensor
+            row_elements = math.prod(b - a for a, b in rest)
+            step = max(1, _CHUNK_ELEMENTS // max(1, row_elements * unit)) * unit
+            first = start // unit * unit
+            for low in range(first, stop, step):
+                high = min(low + step, -(-stop // unit) * unit)
+                with safe_open(str(entry.file), framework="pt") as handle:
+                    chunk = handle.get_slice(entry.key)[(slice(low, high), *columns)]
+                    if out is None:
+                        out = torch.empty((stop - start, *chunk.shape[1:]), dtype=dtype or chunk.dtype)
+                    if entry.head_dim is not None:
+                        chunk = hf.rotate_half_to_interleaved(chunk, entry.head_dim)
+                    keep = slice(max(start, low) - low, min(stop, high) - low)
+                    out[max(start, low) - start : min(stop, high) - start].copy_(chunk[keep])
+                    del chunk  # before the handle closes and unmaps the file
+            if out is None:  # an empty box (a rank holding no rows of a small tensor)
+                out = torch.empty((0, *(b - a for a, b in rest)), dtype=dtype or torch.float32)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+            raise CheckpointError(
+                f"{entry.file}: cannot read {entry.key!r}, perhaps changed since it was opened ({err})"
+            ) from None
+        return out
+
+
+def _strip_wrapper_prefixes(state_dict: StoredStateDict, path: Path) -> StoredStateDict:
     """Accept AstrAI's ``--compile`` checkpoints (keys start with ``_orig_mod.``, B3) by dropping the prefix."""
     for prefix in _WRAPPER_PREFIXES:
         if state_dict and all(k.startswith(prefix) for k in state_dict):
             warnings.warn(f"{path}: weight names carry the wrapper prefix {prefix!r}; it is removed", stacklevel=3)
-            state_dict = {k[len(prefix) :]: v for k, v in state_dict.items()}
+            state_dict = state_dict.renamed({k: (k[len(prefix) :], None) for k in state_dict})
     return state_dict
 
 
@@ -644,43 +766,109 @@ def _read_pt(file: Path) -> Any:
 
 
 def load_model_weights(
-    model: nn.Module, state_dict: Mapping[str, Tensor], source: str | Path, assign: bool = False
+    model: nn.Module,
+    state_dict: Mapping[str, Tensor],
+    source: str | Path,
+    assign: bool = False,
+    dtype: torch.dtype | None = None,
 ) -> None:
-    """Copy ``state_dict`` into ``model`` after checking it fits exactly: one error lists every mismatch.
+    """Put ``state_dict`` into ``model`` after checking it fits exactly: one error lists every mismatch.
 
     For a tied model an ``lm_head.weight`` in the file is accepted only when it equals the embedding (a file
-    with a different head would silently lose it). ``source`` names the file in the error; ``assign`` makes the
-    model take the tensors themselves (for a model built on the meta device).
+    with a different head would silently lose it). ``source`` names the file in the error.
+
+    A model built on the meta device (or ``assign``) takes new tensors, of ``dtype`` when given, else of the
+    file's dtype. Otherwise every tensor is copied into the parameter it belongs to, cast to its dtype; a
+    sharded parameter (a DTensor, after FSDP or tensor parallelism) receives only its own part, read from the
+    file where ``state_dict`` is a ``StoredStateDict``. Either way one tensor is read at a time, straight into
+    its place, so memory holds the model and at most one tensor (or one chunk of one) besides.
     """
     from astrai_fabric.model.transformer import EMBED_KEY, LM_HEAD_KEY
 
-    state_dict = dict(state_dict)
+    shapes = {k: _stored_shape(state_dict, k) for k in state_dict}
     tied = getattr(getattr(model, "config", None), "tied", False)
-    if tied and LM_HEAD_KEY in state_dict:
-        if EMBED_KEY in state_dict and not torch.equal(state_dict[LM_HEAD_KEY], state_dict[EMBED_KEY]):
+    if tied and LM_HEAD_KEY in shapes:
+        if EMBED_KEY in shapes and not (
+            shapes[LM_HEAD_KEY] == shapes[EMBED_KEY] and torch.equal(state_dict[LM_HEAD_KEY], state_dict[EMBED_KEY])
+        ):
             raise CheckpointError(
                 f"{source}: holds an lm_head.weight that differs from embed_tokens.weight, but the config says "
                 "tie_word_embeddings: true (set it to false to keep the separate head)"
             )
-        del state_dict[LM_HEAD_KEY]
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        del shapes[LM_HEAD_KEY]
+    targets = model.state_dict(keep_vars=True)
+    expected = {k: tuple(v.shape) for k, v in targets.items()}
     problems = []
-    missing = [k for k in expected if k not in state_dict]
-    if missing and not (missing == [LM_HEAD_KEY] and EMBED_KEY in state_dict):  # AstrAI clones the embedding
+    missing = [k for k in expected if k not in shapes]
+    if missing and not (missing == [LM_HEAD_KEY] and EMBED_KEY in shapes):  # AstrAI clones the embedding
         problems.append(f"missing keys {_abbreviate(missing)}")
-    unexpected = [k for k in state_dict if k not in expected]
+    unexpected = [k for k in shapes if k not in expected]
     if unexpected:
         problems.append(f"unexpected keys {_abbreviate(unexpected)}")
     wrong = [
-        f"{k} (file {list(state_dict[k].shape)}, model {list(shape)})"
+        f"{k} (file {list(shapes[k])}, model {list(shape)})"
         for k, shape in expected.items()
-        if k in state_dict and tuple(state_dict[k].shape) != shape
+        if k in shapes and shapes[k] != shape
     ]
     if wrong:
         problems.append(f"wrong shapes {_abbreviate(wrong)}")
     if problems:
         raise CheckpointError(f"{source}: does not match the model built from its config.json: " + "; ".join(problems))
-    model.load_state_dict(state_dict, strict=True, assign=assign)
+    from torch.distributed.tensor import DTensor  # here: importing it costs the CLI's start-up time elsewhere
+
+    if assign or any(t.is_meta for t in targets.values()):
+        loaded = {k: _read_whole(state_dict, k, dtype) for k in shapes}
+        model.load_state_dict(loaded, strict=True, assign=True)
+        return
+    with torch.no_grad():
+        for key, target in targets.items():
+            if dtype is not None and target.dtype != dtype and target.is_floating_point():
+                if isinstance(target, DTensor):
+                    raise ValueError("dtype: a sharded model is cast by its strategy, not while loading")
+                target.data = torch.empty(target.shape, dtype=dtype)  # untouched until read into: no memory yet
+            _read_into(state_dict, EMBED_KEY if key not in shapes else key, target)  # the clone AstrAI makes
+
+
+def _stored_shape(state_dict: Mapping[str, Tensor], key: str) -> tuple[int, ...]:
+    if isinstance(state_dict, StoredStateDict):
+        return state_dict.shape(key)
+    return tuple(state_dict[key].shape)
+
+
+def _read_whole(state_dict: Mapping[str, Tensor], key: str, dtype: torch.dtype | None) -> Tensor:
+    if isinstance(state_dict, StoredStateDict):
+        return state_dict.read(key, dtype=dtype)
+    tensor = state_dict[key]
+    return tensor if dtype is None or not tensor.is_floating_point() else tensor.to(dtype)
+
+
+def _read_into(state_dict: Mapping[str, Tensor], key: str, target: Tensor) -> None:
+    """Copy tensor ``key`` into ``target``: all of it, or a DTensor's local part."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    target = target.detach()
+    if not isinstance(target, DTensor):
+        if isinstance(state_dict, StoredStateDict):
+            state_dict.read(key, out=target)
+        else:
+            target.copy_(state_dict[key])
+        return
+    local = target.to_local()
+    if all(type(p) in (Shard, Replicate) for p in target.placements):
+        # Each rank reads only its own box of the file (see ``load_sharded_weights`` in train/common.py for why
+        # not rank 0 reading and sending).
+        shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+        box = tuple((o, o + n) for o, n in zip(offset, shape, strict=True))
+        if isinstance(state_dict, StoredStateDict):
+            state_dict.read(key, out=local, box=box)
+        else:
+            local.copy_(state_dict[key][tuple(slice(a, b) for a, b in box)])
+        return
+    # Other placements (FSDP's strided shards over a tensor-parallel split): read the whole tensor, one at a time,
+    # and let DTensor cut this rank's part (no communication: every rank has the same full tensor).
+    full = _read_whole(state_dict, key, target.dtype).to(local.device)
+    local.copy_(distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local())
 
 
 def _abbreviate(items: list[str], limit: int = 8) -> str:
@@ -688,19 +876,51 @@ def _abbreviate(items: list[str], limit: int = 8) -> str:
     return f"[{shown}, ... {len(items) - limit} more]" if len(items) > limit else f"[{shown}]"
 
 
-def load_model(directory: str | Path) -> nn.Module:
+def load_model(directory: str | Path, dtype: torch.dtype | None = None) -> nn.Module:
     """Build an ``AutoRegressiveLM`` from a model or checkpoint directory (AstrAI's ``from_pretrained``).
 
-    The model is built on the meta device and takes the file's tensors as they are (dtype included), so no
-    memory or time goes into a random initialisation that would be overwritten.
+    The model's tensors are allocated uninitialised (``empty_model``) and each is read from the memory-mapped files
+    straight into its place, as ``dtype`` (default: the file's dtype, tensor by tensor), so no memory or time goes
+    into a random initialisation that would be overwritten, and the peak is the model plus one chunk of one tensor
+    (docs/huggingface.md, Memory).
     """
-    from astrai_fabric.model import AutoRegressiveLM
-
     ckpt = load_checkpoint(directory, load_extra=False)
     config = ckpt.model_config()
     config.check_buildable(source=str(ckpt.path / CONFIG_FILE))
-    with torch.device("meta"):
-        model = AutoRegressiveLM(config)
-    load_model_weights(model, ckpt.state_dict, source=ckpt.path / WEIGHTS_FILE, assign=True)
-    model.rotary_embedding.reset_parameters(device=model.embed_tokens.weight.device)
+    model = empty_model(config)
+    if dtype is None and isinstance(ckpt.state_dict, StoredStateDict):  # each parameter as its file stores it
+        state = ckpt.state_dict
+        with torch.no_grad():
+            for key, param in model.state_dict(keep_vars=True).items():
+                stored = state.dtype(key) if key in state else None
+                if stored is not None and stored.is_floating_point and stored != param.dtype:
+                    param.data = torch.empty(param.shape, dtype=stored)
+    load_model_weights(model, ckpt.state_dict, source=weights_source(ckpt), dtype=dtype)
     return model
+
+
+class _SkipInit(TorchFunctionMode):
+    """Turns the ``torch.nn.init`` functions into no-ops (the tensors keep whatever ``torch.empty`` gave)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's signature
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return kwargs["tensor"] if "tensor" in kwargs else args[0]
+        return func(*args, **kwargs)
+
+
+def empty_model(config: ModelConfig) -> nn.Module:
+    """An ``AutoRegressiveLM`` on CPU whose weights are allocated by ``torch.empty`` and never initialised: the
+    pages of a large allocation cost no memory until written, so loading into it (``load_model_weights``) peaks at
+    the model's size. Cheaper than the meta device, whose first use imports torch's Python decompositions (~5 s)."""
+    from astrai_fabric.model import AutoRegressiveLM
+
+    with _SkipInit():
+        return AutoRegressiveLM(config)
+
+
+def weights_source(ckpt: Checkpoint) -> Path:
+    """The weights file to name in an error: ``model.safetensors``, or the index of a sharded directory."""
+    if (ckpt.path / WEIGHTS_FILE).exists() or not (ckpt.path / WEIGHTS_INDEX_FILE).exists():
+        return ckpt.path / WEIGHTS_FILE
+    return ckpt.path / WEIGHTS_INDEX_FILE

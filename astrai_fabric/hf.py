@@ -420,18 +420,27 @@ def interleaved_to_rotate_half(rows: Tensor, head_dim: int) -> Tensor:
     return rows.unflatten(0, (-1, head_dim // 2, 2)).transpose(1, 2).flatten(0, 2).contiguous()
 
 
+def import_name(key: str, config: ModelConfig) -> tuple[str, int | None] | None:
+    """Where a Hugging Face tensor goes: ``(our name, head_dim)`` when its rows must be permuted from rotate-half
+    pairing to ours (``rotate_half_to_interleaved`` with that ``head_dim``), ``(our name, None)`` when it is taken
+    as it is, None when it is derived and never loaded. A name with no equivalent keeps its Hugging Face spelling,
+    so the strict match against the model (``checkpoint.load_model_weights``) names it. Lets the loader read each
+    tensor straight into its place without building a renamed state dict first."""
+    if _DERIVED_HF_KEYS.match(key):
+        return None
+    name = hf_key_to_ours(key) or key
+    return name, config.attention_head_dim if _ROTATED.match(name) else None
+
+
 def state_dict_from_hf(hf_state: Mapping[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
-    """Hugging Face tensors under our names, q/k rows in our RoPE pairing; tensors are taken as they are on disk
-    (dtype included). A name with no equivalent keeps its Hugging Face spelling, so the strict match against the
-    model (``checkpoint.load_model_weights``) names it."""
+    """Hugging Face tensors under our names, q/k rows in our RoPE pairing; tensors are taken as they are (dtype
+    included). See ``import_name``."""
     ours = {}
     for key, tensor in hf_state.items():
-        if _DERIVED_HF_KEYS.match(key):
-            continue
-        name = hf_key_to_ours(key) or key
-        if _ROTATED.match(name):
-            tensor = rotate_half_to_interleaved(tensor, config.attention_head_dim)
-        ours[name] = tensor
+        target = import_name(key, config)
+        if target is not None:
+            name, head_dim = target
+            ours[name] = tensor if head_dim is None else rotate_half_to_interleaved(tensor, head_dim)
     return ours
 
 

@@ -33,6 +33,7 @@ from astrai_fabric.checkpoint import (
     load_model_weights,
     save_checkpoint,
     staging_dir,
+    weights_source,
 )
 from astrai_fabric.errors import CheckpointError
 from astrai_fabric.lora import LoRASpec, adapter_state_dict, base_state_dict, merge_state_dict
@@ -250,9 +251,10 @@ def _gather_rng_states(world_size: int) -> Tensor:
     return torch.stack(states)
 
 
-def load_weights(model: nn.Module, ckpt: Checkpoint) -> None:
-    """Weights into an unsharded model, before ``fabric.setup`` shards it."""
-    load_model_weights(model, ckpt.state_dict, source=ckpt.path / "model.safetensors")
+def load_weights(model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype | None = None) -> None:
+    """Weights into a model: one on the meta device takes new tensors of ``dtype``; a materialised one (sharded
+    or not) gets them copied into its parameters, each rank its own part (``checkpoint.load_model_weights``)."""
+    load_model_weights(model, ckpt.state_dict, source=weights_source(ckpt), dtype=dtype)
 
 
 def load_optimizer_state(optimizer: Optimizer, state: dict[str, Any], source: Path) -> None:

@@ -28,6 +28,7 @@ from astrai_fabric.checkpoint import (
     WEIGHTS_INDEX_FILE,
     Checkpoint,
     checkpoints_after,
+    empty_model,
     find_latest_checkpoint,
     load_checkpoint,
     lora_base_entry,
@@ -56,6 +57,7 @@ from astrai_fabric.strategy import (
     LOG_DIR,
     data_parallel,
     describe_cpu_threads,
+    is_fsdp,
     local_ranks,
     precision_of,
     resolve_num_workers,
@@ -344,12 +346,38 @@ def require_jsonl(path: Path, train_type: str) -> Path:
 
 
 def initial_model(fabric: Fabric, config: ModelConfig, weights: Checkpoint | None, seed: int) -> nn.Module:
-    """A model on CPU, initialised from ``seed`` (identically on every rank, AstrAI's init) or from ``weights``."""
+    """A model initialised from ``seed`` (identically on every rank, AstrAI's init) or from ``weights``.
+
+    From weights nothing is initialised: the tensors are allocated empty in the run's parameter dtype (what Fabric's
+    precision would cast them to) and each is read from the memory-mapped files straight into its place
+    (``checkpoint.load_model_weights``), so memory never holds the model twice, nor at a wider dtype. Under FSDP the
+    model is built on the meta device instead and stays there: Fabric shards it, materialises only each rank's
+    shards on its device, and ``load_sharded_weights`` fills them. Nothing after the model draws from the global
+    generator, so skipping the initialisation changes no later random number.
+    """
     fabric.seed_everything(seed, verbose=False)
-    model = AutoRegressiveLM(config)
+    if weights is None:
+        return AutoRegressiveLM(config)
+    if is_fsdp(fabric):
+        with torch.device("meta"):
+            return fabric.strategy.precision.convert_module(AutoRegressiveLM(config))
+    model = empty_model(config)
+    load_weights(model, weights, dtype=fabric.strategy.precision.convert_module(nn.Linear(1, 1)).weight.dtype)
+    return model
+
+
+def load_sharded_weights(model: nn.Module, weights: Checkpoint | None) -> None:
+    """Under FSDP, ``weights`` into a sharded, materialised model (no-op without weights).
+
+    Each rank reads its own slice of every tensor from the memory-mapped files (``checkpoint._read_into``) rather
+    than rank 0 reading everything and sending each rank its part: no collective per tensor, each rank touches
+    only its 1/N of the bytes, and a rank's memory peaks at its shards plus one chunk, where a broadcast from rank
+    0 needs a full-size receive buffer per tensor on every rank and N times the traffic from one process. It needs
+    the files visible to every rank; where they are not (``read_on_rank_zero``), rank 0 has already read the whole
+    state and sent it, as before, and each rank copies its part from that.
+    """
     if weights is not None:
         load_weights(model, weights)
-    return model
 
 
 def build_model(fabric: Fabric, start: Start, args: TrainArgs) -> nn.Module:
@@ -363,7 +391,11 @@ def build_model(fabric: Fabric, start: Start, args: TrainArgs) -> nn.Module:
     model.gradient_checkpointing = args.gradient_checkpointing
     if args.compile:
         model = torch.compile(model, mode=args.compile)
-    return fabric.setup_module(model)
+    module = fabric.setup_module(model)  # under FSDP on the meta device: sharded, then materialised on the device
+    if is_fsdp(fabric):
+        raw = module.module  # Fabric's wrapper, then torch.compile's: the model whose names the file uses
+        load_sharded_weights(getattr(raw, "_orig_mod", raw), start.weights)
+    return module
 
 
 def build_optimizer_and_schedule(fabric: Fabric, model: nn.Module, start: Start, args: TrainArgs, plan: StepPlan):
@@ -549,7 +581,12 @@ def reference_model(fabric: Fabric, start: Start, args: TrainArgs) -> tuple[nn.M
     if path is not None:
         weights = read_on_rank_zero(fabric, partial(_read_reference, Path(path)), [Path(path)])
     model = initial_model(fabric, start.model_config, weights, seed)
-    return setup_frozen(fabric, model), {"param_path": path, "random_seed": seed}
+    model = setup_frozen(fabric, model)
+    if is_fsdp(fabric) and weights is not None:  # sharded on the meta device: materialise, then read the shards
+        model.to_empty(device=fabric.device)
+        model.rotary_embedding.reset_parameters(device=fabric.device)
+        load_sharded_weights(model, weights)
+    return model, {"param_path": path, "random_seed": seed}
 
 
 def _read_reference(path: Path) -> Checkpoint:
