@@ -771,8 +771,12 @@ def load_model_weights(
     source: str | Path,
     assign: bool = False,
     dtype: torch.dtype | None = None,
+    adapter: Mapping[str, Tensor] | None = None,
 ) -> None:
     """Put ``state_dict`` into ``model`` after checking it fits exactly: one error lists every mismatch.
+
+    ``adapter`` holds the tensors of a LoRA run's adapters, which the base's file lacks by design (a model injected
+    on the meta device and sharded gets them here, each rank its part, in the adapters' own dtype).
 
     For a tied model an ``lm_head.weight`` in the file is accepted only when it equals the embedding (a file
     with a different head would silently lose it). ``source`` names the file in the error.
@@ -786,6 +790,8 @@ def load_model_weights(
     from astrai_fabric.model.transformer import EMBED_KEY, LM_HEAD_KEY
 
     shapes = {k: _stored_shape(state_dict, k) for k in state_dict}
+    adapter = dict(adapter or {})
+    shapes.update({k: tuple(v.shape) for k, v in adapter.items()})
     tied = getattr(getattr(model, "config", None), "tied", False)
     if tied and LM_HEAD_KEY in shapes:
         if EMBED_KEY in shapes and not (
@@ -817,7 +823,7 @@ def load_model_weights(
     from torch.distributed.tensor import DTensor  # here: importing it costs the CLI's start-up time elsewhere
 
     if assign or any(t.is_meta for t in targets.values()):
-        loaded = {k: _read_whole(state_dict, k, dtype) for k in shapes}
+        loaded = {k: adapter[k] if k in adapter else _read_whole(state_dict, k, dtype) for k in shapes}
         model.load_state_dict(loaded, strict=True, assign=True)
         return
     with torch.no_grad():
@@ -826,7 +832,10 @@ def load_model_weights(
                 if isinstance(target, DTensor):
                     raise ValueError("dtype: a sharded model is cast by its strategy, not while loading")
                 target.data = torch.empty(target.shape, dtype=dtype)  # untouched until read into: no memory yet
-            _read_into(state_dict, EMBED_KEY if key not in shapes else key, target)  # the clone AstrAI makes
+            if key in adapter:
+                _read_into(adapter, key, target)
+            else:
+                _read_into(state_dict, EMBED_KEY if key not in shapes else key, target)  # the clone AstrAI makes
 
 
 def _stored_shape(state_dict: Mapping[str, Tensor], key: str) -> tuple[int, ...]:

@@ -116,16 +116,24 @@ class LoRALinear(Linear):
 
     @torch.no_grad()
     def reset_adapter(self, init: str, seed: int, name: str) -> None:
-        """``B = 0``, so training starts at the base model; ``A`` is AstrAI's ``randn / r`` or PEFT's default,
-        ``kaiming_uniform_(a=sqrt(5))``, which is ``U(-1/sqrt(in), 1/sqrt(in))``."""
+        for part, value in self.initial_adapter(init, seed, name).items():
+            getattr(self, part).copy_(value)
+
+    def initial_adapter(self, init: str, seed: int, name: str) -> dict[str, Tensor]:
+        """The adapter a run starts from, on the CPU, whatever device the layer is on: ``B = 0``, so training
+        starts at the base model; ``A`` is AstrAI's ``randn / r`` or PEFT's default, ``kaiming_uniform_(a=sqrt(5))``,
+        which is ``U(-1/sqrt(in), 1/sqrt(in))``, drawn from a generator of (seed, layer name)."""
         generator = torch.Generator().manual_seed(derive_seed(seed, f"lora:{name}"))
+        shape = (self.r, self.in_features)
         if init == "astrai":
-            values = torch.randn(self.lora_A.shape, generator=generator) / self.r
+            lora_a = torch.randn(shape, generator=generator) / self.r
         else:
             bound = 1 / math.sqrt(self.in_features)
-            values = torch.empty(self.lora_A.shape).uniform_(-bound, bound, generator=generator)
-        self.lora_A.copy_(values)
-        self.lora_B.zero_()
+            lora_a = torch.empty(shape).uniform_(-bound, bound, generator=generator)
+        return {
+            "lora_A": lora_a.to(ADAPTER_DTYPE),
+            "lora_B": torch.zeros(self.out_features, self.r, dtype=ADAPTER_DTYPE),
+        }
 
     def reset_parameters(self) -> None:
         """Only the base layer: a model materialised from the meta device gets its adapters from the file."""
@@ -186,6 +194,16 @@ def inject(model: nn.Module, spec: LoRASpec, seed: int) -> list[str]:
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, LoRALinear(module, spec, seed, name))
     return [name for name, _ in chosen]
+
+
+def initial_adapter_state(model: nn.Module, spec: LoRASpec, seed: int) -> dict[str, Tensor]:
+    """Every layer's starting adapter under AstrAI's keys, full size on the CPU: what a model injected on the meta
+    device (FSDP) is filled with once sharded, so every world size starts from the same adapter."""
+    return {
+        f"{name}.{part}": value
+        for name, layer in lora_layers(model)
+        for part, value in layer.initial_adapter(spec.init, seed, name).items()
+    }
 
 
 def lora_layers(model: nn.Module) -> list[tuple[str, LoRALinear]]:

@@ -251,10 +251,13 @@ def _gather_rng_states(world_size: int) -> Tensor:
     return torch.stack(states)
 
 
-def load_weights(model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype | None = None) -> None:
+def load_weights(
+    model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype | None = None, adapter: dict[str, Tensor] | None = None
+) -> None:
     """Weights into a model: one on the meta device takes new tensors of ``dtype``; a materialised one (sharded
-    or not) gets them copied into its parameters, each rank its own part (``checkpoint.load_model_weights``)."""
-    load_model_weights(model, ckpt.state_dict, source=weights_source(ckpt), dtype=dtype)
+    or not) gets them copied into its parameters, each rank its own part (``checkpoint.load_model_weights``);
+    ``adapter``: a LoRA run's adapters, which the base's file lacks."""
+    load_model_weights(model, ckpt.state_dict, source=weights_source(ckpt), dtype=dtype, adapter=adapter)
 
 
 def load_optimizer_state(optimizer: Optimizer, state: dict[str, Any], source: Path) -> None:

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import torch
 import yaml
 from lightning.fabric import Fabric
-from torch import nn
+from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, random_split
 
 from astrai_fabric import assets, hf, lora
@@ -366,7 +366,9 @@ def initial_model(fabric: Fabric, config: ModelConfig, weights: Checkpoint | Non
     return model
 
 
-def load_sharded_weights(model: nn.Module, weights: Checkpoint | None) -> None:
+def load_sharded_weights(
+    model: nn.Module, weights: Checkpoint | None, adapter: dict[str, Tensor] | None = None
+) -> None:
     """Under FSDP, ``weights`` into a sharded, materialised model (no-op without weights).
 
     Each rank reads its own slice of every tensor from the memory-mapped files (``checkpoint._read_into``) rather
@@ -377,24 +379,28 @@ def load_sharded_weights(model: nn.Module, weights: Checkpoint | None) -> None:
     state and sent it, as before, and each rank copies its part from that.
     """
     if weights is not None:
-        load_weights(model, weights)
+        load_weights(model, weights, adapter=adapter)
 
 
 def build_model(fabric: Fabric, start: Start, args: TrainArgs) -> nn.Module:
     """The trained model, handed to Fabric (which shards it under FSDP and casts it to the run's precision)."""
     config = dataclasses.replace(start.model_config, neftune_alpha=args.neftune_alpha)
     model = initial_model(fabric, config, start.weights, args.random_seed)
+    adapter = None
     if (spec := lora_spec(args)) is not None:
         lora.inject(model, spec, args.random_seed)  # base frozen, adapters float32 (lora.py)
         if start.resume is not None:
-            lora.load_adapter(model, start.resume.lora.state_dict, str(start.resume.path / ADAPTER_FILE))
+            adapter = dict(start.resume.lora.state_dict)
+            lora.load_adapter(model, adapter, str(start.resume.path / ADAPTER_FILE))  # no-op on the meta device
+        else:
+            adapter = lora.initial_adapter_state(model, spec, args.random_seed)
     model.gradient_checkpointing = args.gradient_checkpointing
     if args.compile:
         model = torch.compile(model, mode=args.compile)
     module = fabric.setup_module(model)  # under FSDP on the meta device: sharded, then materialised on the device
     if is_fsdp(fabric):
         raw = module.module  # Fabric's wrapper, then torch.compile's: the model whose names the file uses
-        load_sharded_weights(getattr(raw, "_orig_mod", raw), start.weights)
+        load_sharded_weights(getattr(raw, "_orig_mod", raw), start.weights, adapter)
     return module
 
 
