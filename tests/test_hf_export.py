@@ -379,3 +379,21 @@ def test_a_source_entry_that_does_not_describe_the_model_is_refused(trained, tmp
     line = run_refused([broken, "--format", "hf", "--out", tmp_path / "out"], tmp_path, capsys)
     assert "'source' describes another model than config.json (they differ in ['hidden_size'" in line
     assert hf.SOURCE_KEY == "source"
+
+
+def test_a_lora_checkpoint_exports_merged_to_transformers_with_our_logits(trained, tmp_path):
+    """export --format hf reads the LoRA checkpoint through load_checkpoint, which merges the adapter into the base
+    the pointer names: transformers gets one plain model computing the merged function."""
+    assert main(sft(trained["llama_hf"], tmp_path / "lora", "--lora_r", "8", "--lora_targets",
+                    "q_proj,k_proj,v_proj,o_proj,gate,up,down")) == 0  # fmt: skip
+    checkpoint = tmp_path / "lora" / "epoch_0_step_2"
+    assert (checkpoint / "adapter_model.safetensors").is_file() and not (checkpoint / "model.safetensors").exists()
+    assert export(checkpoint, "--format", "hf", "--out", tmp_path / "hf") == 0
+    assert not any("lora" in key for key in on_disk(tmp_path / "hf"))
+    merged, base = load_model(checkpoint), load_model(trained["llama_hf"])
+    assert not torch.equal(merged.layers[0].attention.q_proj.weight, base.layers[0].attention.q_proj.weight)
+    back = load_hf(tmp_path / "hf")
+    assert type(back).__name__ == "LlamaForCausalLM"
+    diff = logits_diff(merged, back, vocab=VOCAB)
+    print(f"lora llama: exported merged max |logit diff| {diff:.2e}", file=sys.stderr)
+    assert diff <= TOLERANCE
