@@ -36,6 +36,7 @@ bench: install
 	$(BIN)/python bench/data_pipeline.py
 	$(BIN)/python bench/checkpoint_io.py
 	$(BIN)/python bench/memory.py
+	$(BIN)/python bench/lora_memory.py
 	$(BIN)/python bench/startup.py
 	$(BIN)/python bench/threads.py
 

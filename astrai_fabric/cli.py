@@ -294,13 +294,20 @@ def export_command(argv: list[str]) -> int:
         prog="astrai-fabric export",
         description="Write a checkpoint or model directory in AstrAI's layout (default: a --sharded_checkpoint "
         "checkpoint completed with optimizer.pt, a Hugging Face directory converted) or in Hugging Face's "
-        "(--format hf: what transformers' AutoModelForCausalLM and AutoTokenizer load), in one process, no GPUs.",
+        "(--format hf: what transformers' AutoModelForCausalLM and AutoTokenizer load), or a LoRA adapter in PEFT's "
+        "(--format peft), in one process, no GPUs.",
         exit_on_error=False,
     )
     parser.add_argument("checkpoint", help="The checkpoint or model directory to export.")
-    parser.add_argument("--format", default="astrai", choices=list(FORMATS), help="astrai (default) or hf.")
     parser.add_argument(
-        "--out", help="Where to write; default: CHECKPOINT_full (astrai) or CHECKPOINT_hf (hf) next to it."
+        "--format",
+        default="astrai",
+        choices=list(FORMATS),
+        help="astrai (default), hf, or peft (a LoRA checkpoint's adapter for its Hugging Face base).",
+    )
+    parser.add_argument(
+        "--out",
+        help="Where to write; default: CHECKPOINT_full (astrai), CHECKPOINT_hf (hf) or CHECKPOINT_peft next to it.",
     )
     parser.add_argument("--dtype", choices=list(DTYPES), help="Cast the weights; default: the checkpoint's dtype.")
     parser.add_argument(

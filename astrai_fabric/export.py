@@ -13,6 +13,7 @@ what has no equivalent. Reading and writing stay in ``checkpoint``, the mapping 
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -30,12 +31,13 @@ from astrai_fabric.checkpoint import (
     load_model_weights,
     save_checkpoint,
     save_model_directory,
+    staging_dir,
 )
 from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.errors import CheckpointError, ConfigError, UserError
 from astrai_fabric.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Tokenizer
 
-FORMATS = ("astrai", "hf")
+FORMATS = ("astrai", "hf", "peft")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -61,17 +63,19 @@ def export(source: str | Path, target: str | Path | None = None, format: str = "
         raise UserError(f"--format {format!r}: expected one of {list(FORMATS)}")
     if dtype is not None and dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r}: expected one of {list(DTYPES)}")
-    if format == "astrai" and max_shard_size is not None:
-        raise UserError("--max_shard_size applies to --format hf (AstrAI's checkpoint is one model.safetensors)")
+    if format != "hf" and max_shard_size is not None:
+        raise UserError("--max_shard_size applies to --format hf (AstrAI's checkpoint and an adapter are one file)")
     max_shard_bytes = parse_size(max_shard_size or DEFAULT_MAX_SHARD_SIZE) if format == "hf" else None
     source = Path(source)
     if target is None:
-        target = source.with_name(source.name + ("_full" if format == "astrai" else "_hf"))
+        target = source.with_name(source.name + {"astrai": "_full", "hf": "_hf", "peft": "_peft"}[format])
     target = Path(target)
     if target.exists():
         raise CheckpointError(f"{target}: already exists; refusing to overwrite it (choose another --out)")
     if format == "hf":
         return export_hf(source, target, dtype, max_shard_bytes)
+    if format == "peft":
+        return export_peft(source, target, dtype)
     return export_astrai(source, target, dtype)
 
 
@@ -142,6 +146,53 @@ def export_hf(source: Path, target: Path, dtype: str | None = None, max_shard_by
     }
     tensors = hf.state_dict_to_hf(state, config)
     return save_model_directory(target, tensors, files, max_shard_bytes=max_shard_bytes, metadata={"format": "pt"})
+
+
+PEFT_CONFIG_FILE = "adapter_config.json"
+PEFT_WEIGHTS_FILE = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+"""What PEFT's ``PeftModelForCausalLM`` puts before the transformers model's own tensor names."""
+
+
+def export_peft(source: Path, target: Path, dtype: str | None = None) -> Path:
+    """A LoRA checkpoint's adapter as PEFT writes one for its Hugging Face base: ``adapter_config.json`` (peft_type
+    LORA, r, lora_alpha, transformers' module names as target_modules, the base's directory) and
+    ``adapter_model.safetensors`` under PEFT's names. ``B``'s rows are output rows, so on q/k they are permuted back
+    to transformers' rotate-half pairing like the weight rows; ``A`` (input columns) is unchanged."""
+    ckpt = load_checkpoint(source, load_extra=False, merge_lora=False)
+    if ckpt.lora is None or ckpt.lora.base is None:
+        raise CheckpointError(
+            f"{source}: not a LoRA checkpoint with a base pointer (no {PEFT_WEIGHTS_FILE} and meta.json "
+            "'lora_base'); --format peft writes an adapter, --format hf a model"
+        )
+    base = ckpt.lora.base.resolve()
+    if load_checkpoint(base, load_extra=False).source is None:
+        raise ConfigError(f"{source}: its LoRA base {base} is not a Hugging Face directory, so PEFT has no base "
+                          "model to apply the adapter to; export the merged model with --format hf")  # fmt: skip
+    config, spec = ckpt.model_config(), ckpt.lora.spec
+    tensors, modules = {}, set()
+    for key, tensor in sorted(_caster(dtype)(ckpt.lora.state_dict).items()):
+        layer, _, part = key.rpartition(".")
+        name = hf.our_key_to_hf(f"{layer}.weight")
+        if name is None or ".experts." in name:  # PEFT's LoRA on transformers' MoE experts is not a Linear's
+            raise ConfigError(f"{source}: adapter on {layer} has no PEFT equivalent (only dense layers are mapped)")
+        module = name.removesuffix(".weight")
+        if part == "lora_B" and hf.is_rotated(f"{layer}.weight"):
+            tensor = hf.interleaved_to_rotate_half(tensor, config.attention_head_dim)
+        tensors[f"{PEFT_PREFIX}{module}.{part}.weight"] = tensor.contiguous()
+        modules.add(module.rpartition(".")[2])
+    peft_config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base), "r": spec.r,
+        "lora_alpha": spec.alpha, "lora_dropout": spec.dropout, "target_modules": sorted(modules), "bias": "none",
+        "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True,
+    }  # fmt: skip
+    from safetensors.torch import save_file
+
+    staging = staging_dir(target)  # renamed into place once complete, as every model directory is
+    save_file(tensors, str(staging / PEFT_WEIGHTS_FILE), metadata={"format": "pt"})
+    (staging / PEFT_CONFIG_FILE).write_text(json.dumps(peft_config, indent=2), encoding="utf-8")
+    os.rename(staging, target)
+    return target
 
 
 def _tokenizer_files(source: Path, config: ModelConfig) -> tuple[dict[str, str | Path], dict[str, int | None]]:

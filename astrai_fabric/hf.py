@@ -405,6 +405,11 @@ def our_key_to_hf(key: str) -> str | None:
     return _rename(key, _TO_HF)
 
 
+def is_rotated(key: str) -> bool:
+    """Whether one of our tensors has q/k rows in our RoPE pairing (permuted on import and export)."""
+    return bool(_ROTATED.match(key))
+
+
 def rotate_half_to_interleaved(rows: Tensor, head_dim: int) -> Tensor:
     """Reorder the rows of each head from transformers' RoPE layout to ours: row ``i`` goes to ``2i`` and row
     ``i + d/2`` to ``2i + 1``, so the pair rotated together by frequency ``i`` sits side by side.

@@ -379,3 +379,75 @@ def test_a_source_entry_that_does_not_describe_the_model_is_refused(trained, tmp
     line = run_refused([broken, "--format", "hf", "--out", tmp_path / "out"], tmp_path, capsys)
     assert "'source' describes another model than config.json (they differ in ['hidden_size'" in line
     assert hf.SOURCE_KEY == "source"
+
+
+ALL_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate,up,down"
+
+
+@pytest.fixture(scope="module")
+def lora_run(trained, tmp_path_factory) -> Path:
+    """A LoRA adapter on all seven targets of the tiny llama from Hugging Face, trained 2 steps with the CLI."""
+    root = tmp_path_factory.mktemp("lora")
+    assert main(sft(trained["llama_hf"], root, "--lora_r", "8", "--lora_targets", ALL_TARGETS)) == 0
+    checkpoint = root / "epoch_0_step_2"
+    assert (checkpoint / "adapter_model.safetensors").is_file() and not (checkpoint / "model.safetensors").exists()
+    return checkpoint
+
+
+def test_a_lora_checkpoint_exports_merged_to_transformers_with_our_logits(trained, lora_run, tmp_path):
+    """export --format hf reads the LoRA checkpoint through load_checkpoint, which merges the adapter into the base
+    the pointer names: transformers gets one plain model computing the merged function."""
+    assert export(lora_run, "--format", "hf", "--out", tmp_path / "hf") == 0
+    assert not any("lora" in key for key in on_disk(tmp_path / "hf"))
+    merged, base = load_model(lora_run), load_model(trained["llama_hf"])
+    assert not torch.equal(merged.layers[0].attention.q_proj.weight, base.layers[0].attention.q_proj.weight)
+    back = load_hf(tmp_path / "hf")
+    assert type(back).__name__ == "LlamaForCausalLM"
+    diff = logits_diff(merged, back, vocab=VOCAB)
+    print(f"lora llama: exported merged max |logit diff| {diff:.2e}", file=sys.stderr)
+    assert diff <= TOLERANCE
+
+
+def test_a_lora_checkpoint_exports_as_a_peft_adapter_of_its_huggingface_base(trained, lora_run, tmp_path):
+    """--format peft: PEFT's config and names; with peft installed, PeftModel on transformers' base computes our
+    merged model's logits (float32, 1e-5): q/k's lora_B rows permuted back to rotate-half pairing."""
+    assert export(lora_run, "--format", "peft", "--out", tmp_path / "peft") == 0
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 8 and config["lora_alpha"] == 32
+    assert config["base_model_name_or_path"] == str(trained["llama_hf"].resolve())
+    projections = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    assert config["target_modules"] == projections
+    tensors = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    ours = load_file(lora_run / "adapter_model.safetensors")
+    layers = load_model(trained["llama_hf"]).config.num_hidden_layers
+    expected = {f"base_model.model.model.layers.{i}.{'self_attn' if p[0] in 'qkvo' else 'mlp'}.{p}.lora_{m}.weight"
+                for i in range(layers) for p in projections for m in "AB"}  # fmt: skip
+    assert set(tensors) == expected
+    prefix = "base_model.model.model.layers.0"
+    assert torch.equal(tensors[f"{prefix}.self_attn.q_proj.lora_A.weight"], ours["layers.0.attention.q_proj.lora_A"])
+    assert torch.equal(tensors[f"{prefix}.self_attn.v_proj.lora_B.weight"], ours["layers.0.attention.v_proj.lora_B"])
+    head_dim = load_model(trained["llama_hf"]).config.attention_head_dim
+    assert torch.equal(tensors[f"{prefix}.self_attn.k_proj.lora_B.weight"],
+                       hf.interleaved_to_rotate_half(ours["layers.0.attention.k_proj.lora_B"], head_dim))  # fmt: skip
+    peft = pytest.importorskip("peft")
+    adapted = peft.PeftModel.from_pretrained(load_hf(trained["llama_hf"]), tmp_path / "peft").eval()
+    diff = logits_diff(load_model(lora_run), adapted, vocab=VOCAB)
+    print(f"lora llama: PEFT adapter on transformers' base, max |logit diff| {diff:.2e}", file=sys.stderr)
+    assert diff <= TOLERANCE
+
+
+def test_peft_export_is_refused_without_a_huggingface_base(trained, tmp_path, capsys):
+    line = run_refused([trained["llama"], "--format", "peft", "--out", tmp_path / "a"], tmp_path, capsys)
+    assert "not a LoRA checkpoint with a base pointer" in line
+    base = native(tmp_path / "native", vocab_size=VOCAB, max_position_embeddings=256)
+    assert main(sft(base, tmp_path / "run", "--lora_r", "4", "--max_steps", "1", "--ckpt_interval", "1")) == 0
+    line = run_refused([tmp_path / "run" / "epoch_0_step_1", "--format", "peft", "--out", tmp_path / "b"], tmp_path,
+                       capsys)  # fmt: skip
+    assert "is not a Hugging Face directory, so PEFT has no base model" in line
+    moe = save_hf(build_hf("MixtralConfig", vocab_size=VOCAB, max_position_embeddings=256, num_local_experts=2,
+                           num_experts_per_tok=1), tmp_path / "mixtral_hf")  # fmt: skip
+    assert main(sft(moe, tmp_path / "moe", "--lora_r", "4", "--lora_targets", "up", "--max_steps", "1",
+                    "--ckpt_interval", "1")) == 0  # fmt: skip
+    line = run_refused([tmp_path / "moe" / "epoch_0_step_1", "--format", "peft", "--out", tmp_path / "c"], tmp_path,
+                       capsys)  # fmt: skip
+    assert "has no PEFT equivalent (only dense layers are mapped)" in line
