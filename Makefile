@@ -16,10 +16,11 @@ endif
 
 install: $(VENV)/.installed
 
+# torch first, then named again beside the extras: nothing they pull (peft, accelerate) may swap it for a CUDA build.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q "$(TORCH_REQ)" $(PIP_EXTRA)
-	$(BIN)/python -m pip install -q -e ".[dev]" $(PIP_EXTRA)
+	$(BIN)/python -m pip install -q -e ".[dev]" "$(TORCH_REQ)" $(PIP_EXTRA)
 	touch $@
 
 test: install

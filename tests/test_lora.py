@@ -231,6 +231,14 @@ def test_dpo_and_grpo_start_from_the_merged_sft_adapter_at_log_2(runs):
     history = run(lora_args(runs, "grpo", train_type="grpo", data_root_path="bundled:data/grpo", max_steps=1,
                             batch_per_device=1, grad_accum_steps=1, window_size=64))  # fmt: skip
     assert history[0]["kl_loss"] == pytest.approx(0.0, abs=1e-7)  # reference = policy before the first update
+    # Online: the policy (adapters on) samples the groups, the reference is the same network with them off.
+    reward = {"class_path": "astrai_fabric.rewards.LengthReward"}
+    history = run(lora_args(runs, "grpo_online", train_type="grpo", data_root_path="bundled:data/grpo_online",
+                            max_steps=1, batch_per_device=2, grad_accum_steps=1, window_size=64, group_size=2,
+                            rollout_max_tokens=4, reward=reward))  # fmt: skip
+    assert history[0]["kl_loss"] == pytest.approx(0.0, abs=1e-7)
+    online = load_checkpoint(step_dir(runs / "grpo_online", 1), merge_lora=False)
+    assert online.lora is not None and online.meta["reference"]["adapters_off"] is True
 
 
 def test_resume_refuses_a_changed_or_missing_base(runs, tmp_path, capsys):
