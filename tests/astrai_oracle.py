@@ -20,10 +20,14 @@ def _first_existing(*candidates: Path) -> str | None:
     return next((str(path) for path in candidates if path.exists()), None)
 
 
-ASTRAI_SRC = os.environ.get("ASTRAI_SRC") or _first_existing(
-    _ROOT.parent / "shared" / "astrai", _ROOT / "shared" / "astrai"
+def _absolute(path: str | None) -> str | None:
+    return os.path.abspath(path) if path else None  # its subprocesses run in other working directories
+
+
+ASTRAI_SRC = _absolute(
+    os.environ.get("ASTRAI_SRC") or _first_existing(_ROOT.parent / "shared" / "astrai", _ROOT / "shared" / "astrai")
 )
-ASTRAI_PYTHON = os.environ.get("ASTRAI_PYTHON") or _first_existing(_ROOT / ".astrai-venv" / "bin" / "python")
+ASTRAI_PYTHON = _absolute(os.environ.get("ASTRAI_PYTHON") or _first_existing(_ROOT / ".astrai-venv" / "bin" / "python"))
 
 needs_astrai = pytest.mark.skipif(
     not (ASTRAI_SRC and ASTRAI_PYTHON),
