@@ -16,9 +16,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
+from pathlib import Path
 
 import torch
 from lightning.fabric import Fabric
@@ -159,11 +162,35 @@ def build_loggers(args: TrainArgs) -> list:
         try:
             loggers.append(TensorBoardLogger(args.ckpt_dir, name=LOG_DIR, version=version))
         except ModuleNotFoundError as err:
-            raise ConfigError(
-                f"loggers tensorboard needs the tensorboard package ({err}): pip install 'astrai-fabric[tensorboard]'"
-                " (or pip install tensorboard)"
-            ) from None
+            raise _missing_extra("tensorboard", err) from None
+    if "wandb" in args.loggers:
+        try:  # here, not at the top: wandb is an optional extra (and takes ~2 s to import)
+            from astrai_fabric.wandb_logger import WandbLogger
+        except ModuleNotFoundError as err:
+            raise _missing_extra("wandb", err) from None
+        loggers.append(WandbLogger(Path(args.ckpt_dir) / LOG_DIR, config=args.recipe_values()))
     return loggers
+
+
+def _missing_extra(package: str, err: ModuleNotFoundError) -> ConfigError:
+    """The one line for ``--loggers PACKAGE`` without its package (the extra of the same name installs it)."""
+    return ConfigError(
+        f"loggers {package} needs the {package} package ({err}): pip install 'astrai-fabric[{package}]' "
+        f"(or pip install {package})"
+    )
+
+
+@contextmanager
+def closing_loggers(fabric: Fabric) -> Iterator[None]:
+    """Around a run on a Fabric built here: end what its loggers hold open (a W&B run, TensorBoard's writer) when
+    the run ends, as ``failed`` when it raised. A Fabric the user built keeps its loggers open: they are theirs."""
+    status = "failed"
+    try:
+        yield
+        status = "success"
+    finally:
+        for logger in fabric.loggers:
+            logger.finalize(status)
 
 
 def precision_of(fabric: Fabric) -> str:

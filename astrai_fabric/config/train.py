@@ -259,9 +259,11 @@ class TrainArgs:
     ``grad_norm``, ``grad_snr``, ``val_loss``, ``moe_aux_loss``, ``router_entropy``, ``dead_expert_fraction``,
     ``load_imbalance_mean``, ``load_imbalance_max``) and ``tokens_per_sec``, ``samples_per_sec``, ``mfu``.
     ``grad_snr`` keeps two gradient-sized buffers; leave it out to save them."""
-    loggers: list[Literal["csv", "tensorboard"]] = field(default_factory=lambda: ["csv"])
-    """Where every step's metrics also go, under ``ckpt_dir/logs/version_N`` (one folder per run, shared by both):
-    CSV, and/or TensorBoard (needs the ``tensorboard`` package: ``pip install 'astrai-fabric[tensorboard]'``);
+    loggers: list[Literal["csv", "tensorboard", "wandb"]] = field(default_factory=lambda: ["csv"])
+    """Where every step's metrics also go: CSV and/or TensorBoard under ``ckpt_dir/logs/version_N`` (one folder per
+    run, shared by both; TensorBoard needs ``pip install 'astrai-fabric[tensorboard]'``), and/or Weights & Biases
+    (``pip install 'astrai-fabric[wandb]'``; files under ``ckpt_dir/logs/wandb``, the resolved recipe as the run's
+    config, one W&B run continued by ``--resume``; ``WANDB_MODE=offline`` and ``WANDB_PROJECT`` are read as usual);
     ``[]`` for none."""
     peak_flops: float | None = None
     """Peak FLOP/s of one device, for model FLOPs utilisation (``mfu``); known CUDA devices need no value."""
@@ -273,6 +275,10 @@ class TrainArgs:
     more than this many in a row the run saves and stops with an error."""
     dist_timeout: float = 1800.0
     """Seconds a collective waits for the other ranks before the run stops with an error (a rank died or hangs)."""
+    profile_steps: str | None = None
+    """``A:B``: record a torch.profiler trace of optimizer steps A to B (inclusive, counted from 1 like ``step_S``)
+    and, on CUDA, a memory snapshot, into ``ckpt_dir/profile`` (one file per rank); default: off (no profiler is
+    created). docs/performance.md says how to open them."""
     dry_run: bool = False
     """Print the plan (model and data size, batch and step arithmetic, schedule, outputs) and exit without training;
     AstrAI's ``--dry-run`` works too."""
@@ -286,6 +292,19 @@ class TrainArgs:
     def resolved_optimizer(self) -> str:
         """``optimizer``, or its default: ``adamw`` for LoRA runs, else ``muon_adamw``."""
         return self.optimizer or ("adamw" if self.lora_r else "muon_adamw")
+
+    @property
+    def profile_step_range(self) -> tuple[int, int] | None:
+        """``profile_steps`` as ``(first, last)``; None when off or malformed (``validate`` says which)."""
+        first, colon, last = (self.profile_steps or "").partition(":")
+        if not (colon and first.strip().isdigit() and last.strip().isdigit()):
+            return None
+        first_step, last_step = int(first), int(last)
+        return (first_step, last_step) if 1 <= first_step <= last_step else None
+
+    def recipe_values(self) -> dict:
+        """The values a recipe holds: every field but the command-line-only ones (``recipe.yaml``, W&B's config)."""
+        return {k: v for k, v in self.to_dict().items() if k not in COMMAND_LINE_ONLY}
 
     def validate(self) -> None:
         """Raise one ``ConfigError`` naming every field with a bad value."""
@@ -357,6 +376,10 @@ class TrainArgs:
         if self.reward is not None and (problem := reward_spec_problem(self.reward, self.trust_code)):
             problems.append(problem)
         problems += self._lora_problems()
+        if self.profile_steps is not None and self.profile_step_range is None:
+            problems.append(
+                f"profile_steps must be A:B with optimizer steps 1 <= A <= B (e.g. 10:12), got {self.profile_steps!r}"
+            )
         if isinstance(self.resume, str) and not self.resume:
             problems.append("resume must be true, false, auto or a checkpoint path, got ''")
         if problems:

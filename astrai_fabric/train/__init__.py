@@ -14,7 +14,7 @@ from lightning.fabric import Fabric
 
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import ConfigError, TrainingError
-from astrai_fabric.strategy import build_fabric, resolve_topology
+from astrai_fabric.strategy import build_fabric, closing_loggers, resolve_topology
 from astrai_fabric.train import dpo, grpo, lm
 from astrai_fabric.train.dry_run import dry_run
 
@@ -32,9 +32,10 @@ def run(args: TrainArgs) -> list[dict] | None:
         dry_run(args, TRAIN_TYPES[args.train_type].build_dataset)
         return []
     fabric = build_fabric(args, resolve_topology(args))
-    if os.environ.get("LT_CLI_USED") == "1":
-        return train(fabric, args)  # under `fabric run` the Fabric joined the group already (launching raises)
-    return fabric.launch(train, args)  # starts the local ranks, or just runs where torchrun/SLURM started them
+    with closing_loggers(fabric):
+        if os.environ.get("LT_CLI_USED") == "1":
+            return train(fabric, args)  # under `fabric run` the Fabric joined the group already (launching raises)
+        return fabric.launch(train, args)  # starts the local ranks, or just runs where torchrun/SLURM started them
 
 
 def train(fabric: Fabric, args: TrainArgs) -> list[dict]:

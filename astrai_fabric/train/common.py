@@ -39,7 +39,7 @@ from astrai_fabric.checkpoint import (
 )
 from astrai_fabric.ckpt_dir import check_owned, check_writable, lock_ckpt_dir, record_written
 from astrai_fabric.config.model import ModelConfig
-from astrai_fabric.config.train import COMMAND_LINE_ONLY, TrainArgs
+from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.data import ResumableSampler
 from astrai_fabric.data.dataset_config import DatasetConfig, read_dataset_config
 from astrai_fabric.data.storage import detect_format
@@ -50,6 +50,7 @@ from astrai_fabric.model import AutoRegressiveLM
 from astrai_fabric.optim import build_optimizer, optimizer_state_bytes, resolve_ns_dtype
 from astrai_fabric.plot import PLOT_FILE, plot_runs
 from astrai_fabric.preemption import StopRequest, ignore_stop_signals
+from astrai_fabric.profiling import PROFILE_DIR, StepProfiler, describe_profiling
 from astrai_fabric.randomness import derive_seed
 from astrai_fabric.reporting import Reporter
 from astrai_fabric.schedule import StepPlan, build_scheduler
@@ -521,7 +522,8 @@ def refuse_to_overwrite(fabric: Fabric, ckpt_dir: str, step: int) -> None:
 
 def written_names(args: TrainArgs) -> list[str]:
     """The top-level names a run writes in ``ckpt_dir`` besides its checkpoints (guarded by ``hold_ckpt_dir``)."""
-    return [RECIPE_FILE, PLOT_FILE] + ([LOG_DIR] if args.loggers else [])
+    names = [RECIPE_FILE, PLOT_FILE] + ([LOG_DIR] if args.loggers else [])
+    return names + ([PROFILE_DIR] if args.profile_steps else [])
 
 
 @contextmanager
@@ -553,8 +555,7 @@ def hold_ckpt_dir(fabric: Fabric, args: TrainArgs) -> Iterator[None]:
 def resolved_recipe(args: TrainArgs) -> str:
     """The run's full configuration as a flat recipe that ``--config`` accepts."""
     header = f"{RECIPE_HEADER} {args.train_type} --config {RECIPE_FILE}\n"
-    values = {k: v for k, v in args.to_dict().items() if k not in COMMAND_LINE_ONLY}
-    return header + yaml.safe_dump(values, sort_keys=False)
+    return header + yaml.safe_dump(args.recipe_values(), sort_keys=False)
 
 
 def reference_model(fabric: Fabric, start: Start, args: TrainArgs) -> tuple[nn.Module | None, dict[str, Any]]:
@@ -742,6 +743,8 @@ def train_on(
         if val_set is not None:
             val_loader = make_loader(fabric, val_set, args, shuffle=False, collate=collate)[0]
         batches = make_batches(model, train_loader, position) if make_batches is not None else train_loader
+        profiler = StepProfiler.for_run(fabric, args, position)  # None unless --profile_steps
+        batches = profiler.steps_of(batches) if profiler is not None else batches
 
         parameters, counts = describe_parameters(model, args)
         parameters, _, lora_line = parameters.partition("\n")
@@ -756,6 +759,7 @@ def train_on(
             + f"\nloader: {resolve_num_workers(args.num_workers, local_ranks(fabric))[1]}"
             + (f"\ncpu threads: {threads}" if fabric.device.type == "cpu" else "")
             + f"\noutputs: {Path(args.ckpt_dir).resolve()}"
+            + (f"\nprofiling: {describe_profiling(args)}" if profiler is not None else "")
         )
         if start.resume is not None:
             fabric.print(
@@ -785,6 +789,8 @@ def train_on(
                               position, save, reporter, val_loader, stop)  # fmt: skip
         finally:
             shut_down_workers(train_loader, val_loader)
+            if profiler is not None:
+                profiler.close()  # writes the trace, also when the run ended before the last profiled step
         latest = find_latest_checkpoint(args.ckpt_dir)
         skipped = f" ({position.skipped_steps} skipped: non-finite loss)" if position.skipped_steps else ""
         if stop.honoured:

@@ -11,6 +11,7 @@ from astrai_fabric.checkpoint import checkpoints_after
 from astrai_fabric.ckpt_dir import in_use_message, lock_holder, not_ours_message, unowned
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import UserError
+from astrai_fabric.profiling import describe_profiling
 from astrai_fabric.schedule import StepPlan
 from astrai_fabric.strategy import (
     describe_cpu_threads,
@@ -108,6 +109,8 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
         budget.append(f"max_tokens {args.max_tokens:,}")
     if budget:
         lines.append(f"  budget       stop at {' or '.join(budget)}")
+    if profiling := describe_profiling(args):
+        lines.append(f"  profiling    {profiling}")
     lines.append(
         f"  outputs      {Path(args.ckpt_dir).resolve()}: epoch_E_step_S/ every {args.ckpt_interval} steps and at "
         f"the end{', sharded state/' if args.sharded_checkpoint else ''}; recipe.yaml, logs/, plot.png"
