@@ -75,8 +75,7 @@ class StepProfiler:
             return
         finished = self.position.optimizer_step
         if self._marker is not None and finished >= self._marker[0]:
-            self._marker[1].__exit__(None, None, None)
-            self._marker = None
+            self._end_marker()
         if finished >= self.last:
             self.close()
         elif self._marker is None and finished + 1 >= self.first:
@@ -94,9 +93,8 @@ class StepProfiler:
         self._done = True
         if self._profiler is None:
             return
-        if self._marker is not None:
-            self._marker[1].__exit__(None, None, None)
-            self._marker = None
+        if self._marker is not None:  # the run ended inside the step
+            self._end_marker()
         self._profiler.stop()
         rank = self.fabric.global_rank
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -108,6 +106,10 @@ class StepProfiler:
         self.fabric.print(
             f"profile: {self.directory} (rank*.pt.trace.json{', rank*.memory.pickle' if self.cuda else ''})"
         )
+
+    def _end_marker(self) -> None:
+        self._marker[1].__exit__(None, None, None)
+        self._marker = None
 
     def _start(self) -> None:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])

@@ -297,7 +297,7 @@ class TrainArgs:
     def profile_step_range(self) -> tuple[int, int] | None:
         """``profile_steps`` as ``(first, last)``; None when off or malformed (``validate`` says which)."""
         first, colon, last = (self.profile_steps or "").partition(":")
-        if not (colon and first.strip().isdigit() and last.strip().isdigit()):
+        if not (colon and first.strip().isdecimal() and last.strip().isdecimal()):
             return None
         first_step, last_step = int(first), int(last)
         return (first_step, last_step) if 1 <= first_step <= last_step else None
