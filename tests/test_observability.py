@@ -35,6 +35,8 @@ def test_profile_steps_trace_exactly_those_steps(tmp_path, capsys):
     # The steps' own work is inside their spans: the optimizer's update and the backward pass.
     inside = {e["name"] for e in trace["traceEvents"] if steps[0]["ts"] <= e.get("ts", -1) <= steps[1]["ts"]}
     assert any(name.startswith("Optimizer.step") for name in inside) and any("backward" in n.lower() for n in inside)
+    # The resolved recipe quotes the range: unquoted, YAML would read 2:3 as the base-60 number 123.
+    assert "profile_steps: '2:3'" in (tmp_path / "run" / "recipe.yaml").read_text()
 
 
 @pytest.mark.parametrize("value", ["3:2", "0:2", "2", "a:b", ""])
@@ -46,10 +48,11 @@ def test_profile_steps_must_be_a_step_range(value, tmp_path, capsys):
 
 
 def test_dry_run_says_profiling_is_on(tmp_path, capsys):
-    assert main(tiny(tmp_path / "run", "--profile_steps", "5:5", "--dry_run")) == 0
+    (tmp_path / "recipe.yaml").write_text('profile_steps: "5:5"\n')  # quoted, as a recipe must
+    assert main(tiny(tmp_path / "run", "--config", str(tmp_path / "recipe.yaml"), "--dry_run")) == 0
     assert (
         f"  profiling    steps 5 to 5: a torch.profiler trace per rank (and on CUDA a memory snapshot) in {tmp_path}"
-        in (capsys.readouterr().out)
+        in capsys.readouterr().out
     )
     assert not (tmp_path / "run").exists()
 

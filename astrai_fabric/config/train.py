@@ -278,7 +278,8 @@ class TrainArgs:
     profile_steps: str | None = None
     """``A:B``: record a torch.profiler trace of optimizer steps A to B (inclusive, counted from 1 like ``step_S``)
     and, on CUDA, a memory snapshot, into ``ckpt_dir/profile`` (one file per rank); default: off (no profiler is
-    created). docs/training.md says how to open them."""
+    created). docs/training.md says how to open them. In a recipe, quote it (``profile_steps: "10:12"``): YAML reads
+    an unquoted ``10:12`` as the base-60 number 612."""
     dry_run: bool = False
     """Print the plan (model and data size, batch and step arithmetic, schedule, outputs) and exit without training;
     AstrAI's ``--dry-run`` works too."""
