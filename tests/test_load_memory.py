@@ -86,7 +86,7 @@ def llama_dir(tmp_path_factory):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_streamed_load_equals_the_plain_path_bit_for_bit(llama_dir, monkeypatch, chunk, dtype):
     if chunk is not None:  # 40 elements: one row at a time, rotated q/k tensors one head (8 rows) at a time
-        monkeypatch.setattr(checkpoint, "_CHUNK_ELEMENTS", chunk)
+        monkeypatch.setattr(files, "_CHUNK_ELEMENTS", chunk)
     streamed = load_model(llama_dir, dtype=dtype).state_dict()
     reference = plain_load(llama_dir, dtype)
     assert streamed.keys() == reference.keys()
@@ -103,7 +103,7 @@ def test_the_default_dtype_is_the_files(llama_dir):
 
 def test_a_box_reads_exactly_that_part_of_the_permuted_tensor(llama_dir, monkeypatch):
     """What one FSDP rank reads: rows not aligned to heads (so a chunk covers whole heads and keeps part)."""
-    monkeypatch.setattr(checkpoint, "_CHUNK_ELEMENTS", 40)
+    monkeypatch.setattr(files, "_CHUNK_ELEMENTS", 40)
     state = load_checkpoint(llama_dir, load_extra=False).state_dict
     assert isinstance(state, StoredStateDict)
     for key in ("layers.0.attention.q_proj.weight", "layers.1.attention.k_proj.weight", "embed_tokens.weight"):
