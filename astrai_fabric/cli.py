@@ -326,8 +326,8 @@ def export_command(argv: list[str]) -> int:
         raise SystemExit(exit_.code) from None
     except Exception as err:
         raise UserError(_clean(err)) from None
+    from astrai_fabric.checkpoint.state import export_merged
     from astrai_fabric.export import export
-    from astrai_fabric.training_state import export_merged
 
     source = Path(namespace.checkpoint)
     if namespace.merge_lora and namespace.format == "astrai":

@@ -1,19 +1,18 @@
 """``astrai-fabric export``: a checkpoint or model directory written out in AstrAI's layout or in Hugging Face's.
 
 ``--format astrai`` (the default) completes a checkpoint saved with ``--sharded_checkpoint`` (gathering the
-optimizer state into ``optimizer.pt``, ``training_state.export_checkpoint``), or turns a Hugging Face directory into
+optimizer state into ``optimizer.pt``, ``checkpoint.state.export_checkpoint``), or turns a Hugging Face directory into
 an AstrAI model directory, or casts a complete checkpoint to ``--dtype``. A model AstrAI's schema cannot express
 (q/k/v biases, q/k norm before RoPE, ``head_dim`` of its own, Hugging Face's RoPE scaling) is refused there: AstrAI
 would compute another function. ``--format hf`` writes what transformers' ``AutoModelForCausalLM`` and
 ``AutoTokenizer`` load: the architecture the model came from (``meta.json``'s ``source``) or, for AstrAI's own
 models, the transformers class computing the same function (``hf.export_model_type``), or a one-line refusal naming
-what has no equivalent. Reading and writing stay in ``checkpoint``, the mapping in ``hf``.
+what has no equivalent. Reading and writing stay in ``checkpoint.files``, the mapping in ``checkpoint.hf``.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 from pathlib import Path
@@ -21,17 +20,16 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from astrai_fabric import hf
 from astrai_fabric.checkpoint import (
     CONFIG_FILE,
     META_FILE,
     RESERVED_META,
     WEIGHTS_FILE,
+    hf,
     load_checkpoint,
     load_model_weights,
     save_checkpoint,
     save_model_directory,
-    staging_dir,
 )
 from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.errors import CheckpointError, ConfigError, UserError
@@ -82,7 +80,7 @@ def export(source: str | Path, target: str | Path | None = None, format: str = "
 def export_astrai(source: Path, target: Path, dtype: str | None = None) -> Path:
     """AstrAI's layout: a sharded checkpoint completed, a Hugging Face directory converted, or a complete
     checkpoint cast to ``dtype``; refused where AstrAI's schema cannot express the model."""
-    from astrai_fabric.training_state import STATE_DIR, export_checkpoint  # torch.distributed.checkpoint: only here
+    from astrai_fabric.checkpoint.state import STATE_DIR, export_checkpoint  # torch.distributed.checkpoint: only here
 
     if (source / STATE_DIR).is_dir():
         path = export_checkpoint(source, target, cast=_caster(dtype))
@@ -186,13 +184,8 @@ def export_peft(source: Path, target: Path, dtype: str | None = None) -> Path:
         "lora_alpha": spec.alpha, "lora_dropout": spec.dropout, "target_modules": sorted(modules), "bias": "none",
         "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True,
     }  # fmt: skip
-    from safetensors.torch import save_file
-
-    staging = staging_dir(target)  # renamed into place once complete, as every model directory is
-    save_file(tensors, str(staging / PEFT_WEIGHTS_FILE), metadata={"format": "pt"})
-    (staging / PEFT_CONFIG_FILE).write_text(json.dumps(peft_config, indent=2), encoding="utf-8")
-    os.rename(staging, target)
-    return target
+    files = {PEFT_CONFIG_FILE: json.dumps(peft_config, indent=2).encode("utf-8")}  # bytes: written as they are
+    return save_model_directory(target, tensors, files, metadata={"format": "pt"}, weights_name=PEFT_WEIGHTS_FILE)
 
 
 def _tokenizer_files(source: Path, config: ModelConfig) -> tuple[dict[str, str | Path], dict[str, int | None]]:

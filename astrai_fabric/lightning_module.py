@@ -25,13 +25,13 @@ from astrai_fabric.checkpoint import (
     read_model_config,
     save_checkpoint,
 )
+from astrai_fabric.checkpoint.state import gather_full
 from astrai_fabric.data import load_window_dataset
 from astrai_fabric.model import AutoRegressiveLM
 from astrai_fabric.optim import build_optimizer, resolve_ns_dtype
 from astrai_fabric.schedule import build_scheduler
 from astrai_fabric.tokenizer import Tokenizer
 from astrai_fabric.train.lm import lm_loss
-from astrai_fabric.training_state import gather_full
 
 
 class AstraiLM(L.LightningModule):

@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader
 
 from astrai_fabric.accumulation import GradientState, backward_sync
 from astrai_fabric.checkpoint import find_latest_checkpoint
+from astrai_fabric.checkpoint.state import RunPosition
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.data.sampler import ResumableSampler
 from astrai_fabric.errors import TrainingError, raised_on_every_rank
@@ -39,7 +40,6 @@ from astrai_fabric.randomness import ModuleNoise
 from astrai_fabric.reporting import Reporter
 from astrai_fabric.schedule import StepPlan
 from astrai_fabric.strategy import data_parallel, is_fsdp
-from astrai_fabric.training_state import RunPosition
 
 LossFn = Callable[[nn.Module, dict[str, Tensor]], tuple[Tensor, dict[str, Tensor]]]
 """``(model, batch) -> (loss, metrics)``: the mean loss of one micro-batch and detached extras to log."""

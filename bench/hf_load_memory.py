@@ -46,8 +46,7 @@ SHARD_BYTES = 1 << 30
 CHILD = r"""
 import json, sys, time
 import torch
-from astrai_fabric import hf
-from astrai_fabric.checkpoint import load_model, load_model_weights, read_model_config
+from astrai_fabric.checkpoint import hf, load_model, load_model_weights, read_model_config
 from astrai_fabric.model import AutoRegressiveLM
 
 def status(field):
@@ -88,7 +87,7 @@ print(json.dumps(dict(baseline=baseline, peak=peak, size=size, seconds=seconds,
 
 def write_model(root: Path, config: dict, layout: str) -> Path:
     """A random bf16 llama: Hugging Face's sharded layout, or AstrAI's single file (our names and config)."""
-    from astrai_fabric import hf
+    from astrai_fabric.checkpoint import hf
 
     directory = root / layout
     directory.mkdir()

@@ -302,7 +302,7 @@ def assert_loaded_checkpoint(loaded: dict, checkpoint: Path) -> None:
 
 def optimizer_params(model: nn.Module, optimizer: Any) -> dict[str, list[str]]:
     """Our sub-optimizers' parameter names, in their order (the driver dumps AstrAI's the same way)."""
-    from astrai_fabric.training_state import optimizer_parts
+    from astrai_fabric.checkpoint.state import optimizer_parts
 
     names = {id(param): name for name, param in getattr(model, "module", model).named_parameters()}
     parts = optimizer_parts(getattr(optimizer, "optimizer", optimizer))  # under Fabric's optimizer wrapper

@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 from spawn import free_port
 from test_faults import cli, started
 
-from astrai_fabric import ckpt_dir
 from astrai_fabric.checkpoint import complete_checkpoints, find_latest_checkpoint
+from astrai_fabric.checkpoint import ownership as ckpt_dir
 from astrai_fabric.cli import main
 
 ENV = {"OMP_NUM_THREADS": "1", "PATH": str(Path(sys.executable).parent)}

@@ -20,9 +20,8 @@ transformers = pytest.importorskip("transformers")
 from astrai_oracle import needs_astrai, run_astrai  # noqa: E402
 from test_huggingface import LLAMA3, build_hf, max_diff, save_hf  # noqa: E402
 
-from astrai_fabric import hf  # noqa: E402
 from astrai_fabric.assets import TINY_MODEL_DIR  # noqa: E402
-from astrai_fabric.checkpoint import load_checkpoint, load_model, read_model_config, save_checkpoint  # noqa: E402
+from astrai_fabric.checkpoint import hf, load_checkpoint, load_model, read_model_config, save_checkpoint  # noqa: E402
 from astrai_fabric.cli import main  # noqa: E402
 from astrai_fabric.config import ModelConfig  # noqa: E402
 from astrai_fabric.config.model import EXTENDED_MODEL_TYPE  # noqa: E402

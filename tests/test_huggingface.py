@@ -1,4 +1,4 @@
-"""Hugging Face import (``astrai_fabric.hf``) against transformers itself, the oracle: tiny random models of every
+"""Hugging Face import (``checkpoint/hf.py``) against transformers itself, the oracle: tiny random models of every
 supported architecture are built with transformers, saved with ``save_pretrained`` and loaded here; the logits must
 match to 1e-5 in float32 (causal, and per document under our document-boundary mask), and greedy generation token
 for token. Refused architectures and fields give one line and exit 2 through the real CLI.
@@ -19,9 +19,8 @@ from safetensors.torch import load_file
 
 transformers = pytest.importorskip("transformers")
 
-from astrai_fabric import hf  # noqa: E402
 from astrai_fabric.assets import TINY_MODEL_DIR  # noqa: E402
-from astrai_fabric.checkpoint import load_checkpoint, load_model, read_model_config  # noqa: E402
+from astrai_fabric.checkpoint import hf, load_checkpoint, load_model, read_model_config  # noqa: E402
 from astrai_fabric.cli import main  # noqa: E402
 from astrai_fabric.config import ModelConfig  # noqa: E402
 from astrai_fabric.config.model import EXTENSION_FIELDS  # noqa: E402

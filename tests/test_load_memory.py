@@ -14,8 +14,17 @@ import torch
 from safetensors.torch import load_file, save_file
 from spawn import run_ranks
 
-from astrai_fabric import checkpoint, hf
-from astrai_fabric.checkpoint import StoredStateDict, empty_model, load_checkpoint, load_model, read_model_config
+from astrai_fabric import checkpoint
+from astrai_fabric.checkpoint import (
+    StoredStateDict,
+    empty_model,
+    files,
+    hf,
+    load_checkpoint,
+    load_model,
+    read_model_config,
+)
+from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.errors import CheckpointError
 from astrai_fabric.model import AutoRegressiveLM
 
@@ -77,7 +86,7 @@ def llama_dir(tmp_path_factory):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_streamed_load_equals_the_plain_path_bit_for_bit(llama_dir, monkeypatch, chunk, dtype):
     if chunk is not None:  # 40 elements: one row at a time, rotated q/k tensors one head (8 rows) at a time
-        monkeypatch.setattr(checkpoint, "_CHUNK_ELEMENTS", chunk)
+        monkeypatch.setattr(files, "_CHUNK_ELEMENTS", chunk)
     streamed = load_model(llama_dir, dtype=dtype).state_dict()
     reference = plain_load(llama_dir, dtype)
     assert streamed.keys() == reference.keys()
@@ -94,7 +103,7 @@ def test_the_default_dtype_is_the_files(llama_dir):
 
 def test_a_box_reads_exactly_that_part_of_the_permuted_tensor(llama_dir, monkeypatch):
     """What one FSDP rank reads: rows not aligned to heads (so a chunk covers whole heads and keeps part)."""
-    monkeypatch.setattr(checkpoint, "_CHUNK_ELEMENTS", 40)
+    monkeypatch.setattr(files, "_CHUNK_ELEMENTS", 40)
     state = load_checkpoint(llama_dir, load_extra=False).state_dict
     assert isinstance(state, StoredStateDict)
     for key in ("layers.0.attention.q_proj.weight", "layers.1.attention.k_proj.weight", "embed_tokens.weight"):
@@ -122,7 +131,7 @@ def sharded_worker(directory: str, out: str) -> None:
     from astrai_fabric.strategy import build_fabric, resolve_topology
     from astrai_fabric.train.common import Start, build_model, reference_model
 
-    checkpoint._CHUNK_ELEMENTS = 40  # chunks that straddle each rank's rows
+    files._CHUNK_ELEMENTS = 40  # chunks that straddle each rank's rows
     args = TrainArgs(param_path=directory, data_root_path="-", parallel_mode="fsdp", nprocs=2, device_type="cpu")
     fabric = build_fabric(args, resolve_topology(args))
     fabric.launch()
@@ -152,6 +161,7 @@ MEASURE = r"""
 import gc, json, sys, torch
 from safetensors.torch import load_file
 from astrai_fabric import checkpoint
+from astrai_fabric.checkpoint import files
 
 def status(field):
     return int([l for l in open("/proc/self/status") if l.startswith(field)][0].split()[1]) * 1024
@@ -160,7 +170,7 @@ small, big = sys.argv[1:3]
 checkpoint.load_model(small)  # every import and first use paid before the baselines
 results = {}
 for how, chunk in (("streamed", 1 << 20), ("whole tensors", 1 << 30), ("plain", None)):
-    checkpoint._CHUNK_ELEMENTS = chunk
+    files._CHUNK_ELEMENTS = chunk
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM, the peak RSS, to the current RSS
@@ -184,7 +194,7 @@ def test_loading_holds_the_model_once_and_one_chunk_beside_it(llama_dir, tmp_pat
     embedding beside the model), and the plain path (the whole mapped file beside the model)."""
     config = dict(vocab_size=32768, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
                   num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=64)  # fmt: skip
-    model_config = checkpoint.ModelConfig.from_dict(config)
+    model_config = ModelConfig.from_dict(config)
     big = tmp_path / "big"
     big.mkdir()
     shapes = {k: v.shape for k, v in empty_model(model_config).state_dict().items()}

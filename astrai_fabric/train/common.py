@@ -18,7 +18,7 @@ from lightning.fabric import Fabric
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, random_split
 
-from astrai_fabric import assets, hf, lora
+from astrai_fabric import assets, lora
 from astrai_fabric.checkpoint import (
     ADAPTER_FILE,
     CONFIG_FILE,
@@ -30,6 +30,7 @@ from astrai_fabric.checkpoint import (
     checkpoints_after,
     empty_model,
     find_latest_checkpoint,
+    hf,
     load_checkpoint,
     lora_base_entry,
     prune_checkpoints,
@@ -37,7 +38,18 @@ from astrai_fabric.checkpoint import (
     remove_stale_staging,
     weight_digests,
 )
-from astrai_fabric.ckpt_dir import check_owned, check_writable, lock_ckpt_dir, record_written
+from astrai_fabric.checkpoint.ownership import check_owned, check_writable, lock_ckpt_dir, record_written
+from astrai_fabric.checkpoint.state import (
+    RESUME_KEY,
+    STATE_DIR,
+    RunPosition,
+    check_rng_state,
+    load_optimizer_state,
+    load_sharded_optimizer_state,
+    load_weights,
+    restore_rng,
+    save_training_checkpoint,
+)
 from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.data import ResumableSampler
@@ -65,17 +77,6 @@ from astrai_fabric.strategy import (
     setup_frozen,
 )
 from astrai_fabric.tokenizer import TOKENIZER_FILE, Tokenizer
-from astrai_fabric.training_state import (
-    RESUME_KEY,
-    STATE_DIR,
-    RunPosition,
-    check_rng_state,
-    load_optimizer_state,
-    load_sharded_optimizer_state,
-    load_weights,
-    restore_rng,
-    save_training_checkpoint,
-)
 
 RECIPE_FILE = "recipe.yaml"
 RECIPE_HEADER = "# Resolved recipe; rerun with: astrai-fabric"
@@ -372,7 +373,7 @@ def load_sharded_weights(
 ) -> None:
     """Under FSDP, ``weights`` into a sharded, materialised model (no-op without weights).
 
-    Each rank reads its own slice of every tensor from the memory-mapped files (``checkpoint._read_into``) rather
+    Each rank reads its own slice of every tensor from the memory-mapped files (``weights._read_into``) rather
     than rank 0 reading everything and sending each rank its part: no collective per tensor, each rank touches
     only its 1/N of the bytes, and a rank's memory peaks at its shards plus one chunk, where a broadcast from rank
     0 needs a full-size receive buffer per tensor on every rank and N times the traffic from one process. It needs
@@ -528,7 +529,7 @@ def written_names(args: TrainArgs) -> list[str]:
 
 @contextmanager
 def hold_ckpt_dir(fabric: Fabric, args: TrainArgs) -> Iterator[None]:
-    """For the whole run, rank 0 holds the lock on ``ckpt_dir`` (``ckpt_dir.py``) and makes sure the names the run
+    """For the whole run, rank 0 holds the lock on ``ckpt_dir`` (``ownership.py``) and makes sure the names the run
     writes there (``written_names``) are free or a run's: checked before anything is created, and again under the
     lock. A refusal is raised on every rank; the lock is released on the way out, exceptions included."""
     lock, refusal = None, None

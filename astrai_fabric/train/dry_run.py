@@ -8,7 +8,7 @@ import torch
 
 from astrai_fabric import assets
 from astrai_fabric.checkpoint import checkpoints_after
-from astrai_fabric.ckpt_dir import in_use_message, lock_holder, not_ours_message, unowned
+from astrai_fabric.checkpoint.ownership import in_use_message, lock_holder, not_ours_message, unowned
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import UserError
 from astrai_fabric.profiling import describe_profiling

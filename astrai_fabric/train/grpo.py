@@ -21,6 +21,7 @@ from lightning.fabric import Fabric
 from torch import Tensor, nn
 
 from astrai_fabric import assets
+from astrai_fabric.checkpoint.state import RunPosition
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.data.dataset_config import render_group, unrendered_warning
 from astrai_fabric.data.records import GroupDataset, PromptDataset, collate_groups, collate_prompts, pack
@@ -34,7 +35,6 @@ from astrai_fabric.rewards import Reward, load_reward, score
 from astrai_fabric.strategy import data_parallel
 from astrai_fabric.tokenizer import Tokenizer
 from astrai_fabric.train.common import Start, reference_model, require_jsonl, resolve_start, train_on
-from astrai_fabric.training_state import RunPosition
 
 
 def sequence_logprobs(model: nn.Module, ids: Tensor) -> tuple[Tensor, dict]:

@@ -8,7 +8,8 @@ rank 0 of a run calls it and tells the other ranks (``train/common.py``). Two hi
     .astrai_fabric.json   {"written_by": "astrai-fabric", "names": [...]}: the top-level names runs write here
                           (recipe.yaml, plot.png, logs); anything else by those names belongs to someone else
 
-Checkpoint directories (``epoch_E_step_S``) are not listed: ``train.common.refuse_to_overwrite`` guards them.
+Checkpoint directories (``epoch_E_step_S``) are not listed: ``train.common.refuse_to_overwrite`` guards them
+(``directory.py`` finds and prunes them).
 """
 
 from __future__ import annotations

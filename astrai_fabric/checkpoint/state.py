@@ -1,4 +1,7 @@
-"""What a resume needs, moved between live (possibly sharded) training objects and AstrAI's checkpoint files.
+"""What a resume needs, moved between live (possibly sharded) training objects and AstrAI's checkpoint files:
+gathered, sharded (torch distributed checkpoint) or exported. Imports Lightning and torch.distributed.checkpoint,
+so the package's ``__init__`` does not import it (``import astrai_fabric.checkpoint`` stays light); import it as
+``astrai_fabric.checkpoint.state``. Over 300 lines only while ``RunPosition`` (the loop's counters) is still here.
 
 Saving: every rank takes part in gathering (a DTensor's ``full_tensor()`` is a collective); rank 0 keeps full
 CPU tensors and writes AstrAI's directory, so ``model.safetensors`` and ``optimizer.pt`` are the same whether the
@@ -23,18 +26,15 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
-from astrai_fabric.checkpoint import (
+from astrai_fabric.checkpoint.files import (
     CONFIG_FILE,
     META_FILE,
     RESERVED_META,
     WEIGHTS_FILE,
-    Checkpoint,
-    load_checkpoint,
-    load_model_weights,
     save_checkpoint,
     staging_dir,
-    weights_source,
 )
+from astrai_fabric.checkpoint.weights import Checkpoint, load_checkpoint, load_model_weights, weights_source
 from astrai_fabric.errors import CheckpointError
 from astrai_fabric.lora import LoRASpec, adapter_state_dict, base_state_dict, merge_state_dict
 
@@ -255,7 +255,7 @@ def load_weights(
     model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype | None = None, adapter: dict[str, Tensor] | None = None
 ) -> None:
     """Weights into a model: one on the meta device takes new tensors of ``dtype``; a materialised one (sharded
-    or not) gets them copied into its parameters, each rank its own part (``checkpoint.load_model_weights``);
+    or not) gets them copied into its parameters, each rank its own part (``weights.load_model_weights``);
     ``adapter``: a LoRA run's adapters, which the base's file lacks."""
     load_model_weights(model, ckpt.state_dict, source=weights_source(ckpt), dtype=dtype, adapter=adapter)
 

@@ -1,0 +1,107 @@
+"""The checkpoints in a ``ckpt_dir``: their names (``epoch_E_step_S``), the newest complete one (what ``--resume
+auto`` takes), the ones saved after a step, pruning to ``keep_last_k``, and clearing what an interrupted save left.
+Reads names and headers only, never a tensor. Who may write into a ``ckpt_dir`` at all is ``ownership.py``'s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import warnings
+import zipfile
+from pathlib import Path
+
+from astrai_fabric.checkpoint.files import ADAPTER_FILE, CONFIG_FILE, META_FILE, WEIGHTS_FILE
+
+CHECKPOINT_NAME = re.compile(r"^epoch_(\d+)_step_(\d+)$")
+
+
+def find_latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
+    """The complete ``epoch_E_step_S`` directory with the highest step under ``ckpt_dir``, or None.
+
+    Staging directories are hidden (``.NAME.tmp-…``) and never match. A directory that is not complete and valid
+    (see ``checkpoint_problem``: damaged by something other than our atomic writes) is skipped with a warning.
+    """
+    for path in reversed(complete_checkpoints(ckpt_dir)):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        warnings.warn(f"{path}: skipped, not a complete checkpoint ({problem})", stacklevel=2)
+    return None
+
+
+def complete_checkpoints(ckpt_dir: str | Path) -> list[Path]:
+    """The ``epoch_E_step_S`` directories under ``ckpt_dir`` with their meta.json and weights, oldest first (a
+    symlink to one counts; a dangling symlink does not)."""
+    found = []
+    for path in Path(ckpt_dir).glob("epoch_*_step_*"):
+        match = CHECKPOINT_NAME.match(path.name)
+        weights = (path / WEIGHTS_FILE).is_file() or (path / ADAPTER_FILE).is_file()
+        if match and (path / META_FILE).is_file() and weights:
+            found.append(((int(match[2]), int(match[1])), path))
+    return [path for _, path in sorted(found)]
+
+
+def checkpoint_step(path: Path) -> int:
+    """The optimizer step in a checkpoint directory's name."""
+    return int(CHECKPOINT_NAME.match(path.name)[2])
+
+
+def checkpoints_after(ckpt_dir: str | Path, step: int) -> list[Path]:
+    """The checkpoints under ``ckpt_dir`` saved after optimizer step ``step``, oldest first."""
+    return [path for path in complete_checkpoints(ckpt_dir) if checkpoint_step(path) > step]
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why ``path`` is not a whole checkpoint, or None. Cheap: JSON files parse, the safetensors header and the
+    ``.pt`` archives' directories are intact and the files as long as they say (no tensor is read)."""
+    for name in (META_FILE, CONFIG_FILE):
+        try:
+            if not isinstance(json.loads((path / name).read_text(encoding="utf-8")), dict):
+                return f"{name} is not a JSON object"
+        except (OSError, ValueError) as err:
+            return f"{name}: {err}"
+    names = [name for name in (WEIGHTS_FILE, ADAPTER_FILE) if (path / name).is_file()] or [WEIGHTS_FILE]
+    for name in names:
+        weights = path / name
+        try:
+            with weights.open("rb") as file:
+                header_size = int.from_bytes(file.read(8), "little")
+                header = json.loads(file.read(header_size))
+            end = max((info["data_offsets"][1] for key, info in header.items() if key != "__metadata__"), default=0)
+            if weights.stat().st_size < 8 + header_size + end:
+                return f"{name} is truncated"
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            return f"{name}: unreadable header ({err})"
+    for file in sorted(path.glob("*.pt")):
+        if not zipfile.is_zipfile(file):
+            return f"{file.name} is truncated or not a torch archive"
+    return None
+
+
+def remove_stale_staging(ckpt_dir: str | Path) -> list[Path]:
+    """Clear what interrupted saves left: hidden ``.NAME.tmp-*`` folders are deleted; a ``.NAME.old-*`` folder (a
+    replaced checkpoint, caught between the two renames) goes back to ``NAME`` if that is missing. Returns the
+    folders deleted."""
+    root = Path(ckpt_dir)
+    for retired in sorted(root.glob(".epoch_*_step_*.old-*")):
+        original = root / retired.name[1:].rsplit(".old-", 1)[0]
+        if not original.exists():
+            os.rename(retired, original)
+    stale = sorted(root.glob(".epoch_*_step_*.tmp-*")) + sorted(root.glob(".epoch_*_step_*.old-*"))
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
+
+
+def prune_checkpoints(ckpt_dir: str | Path, keep_last_k: int) -> list[Path]:
+    """Delete all but the newest ``keep_last_k`` checkpoints under ``ckpt_dir`` (call after a save completes).
+
+    Only directories a run wrote are pruned: a symlink named like a checkpoint (someone linked one in) is neither
+    deleted nor followed, nor counted among the ``keep_last_k``."""
+    removed = [path for path in complete_checkpoints(ckpt_dir) if not path.is_symlink()][:-keep_last_k]
+    for path in removed:
+        shutil.rmtree(path)
+    return removed

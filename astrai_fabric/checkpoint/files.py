@@ -1,0 +1,483 @@
+"""The bytes of AstrAI's checkpoint directory: written atomically, read strictly and safely (AstrAI's
+``astrai/serialization/checkpoint.py``). The only safetensors importer.
+
+A checkpoint is a directory::
+
+    meta.json           {"epoch", "consumed_samples", "timestamp", ...run fields..., "astrai_fabric": {...}}
+    config.json         the model config (AstrAI's schema)
+    model.safetensors   full tensors, AstrAI key names, no ``lm_head.weight`` when tied
+    optimizer.pt ...    one ``{key}.pt`` per extra state (AstrAI reads every ``*.pt``)
+
+plus any files the caller adds (tokenizer files, the resolved recipe). AstrAI ignores the ``astrai_fabric`` meta
+key, which records our format version and package versions. A plain model directory (``config.json`` with
+``model.safetensors`` or a sharded ``model.safetensors.index.json``) has the same weight files.
+
+Writes go to a hidden sibling (``.NAME.tmp-…``) that is renamed into place once complete, so an interrupted save
+never leaves a directory that looks complete and never touches an existing checkpoint. Reads are strict and every
+failure is one ``CheckpointError`` naming the file; ``.pt`` files load with ``weights_only=True``, so a checkpoint
+from a stranger cannot run code; safetensors files are opened lazily (``StoredStateDict``: headers checked when
+opened, each tensor read on use, in chunks, straight into its place).
+
+Over 300 lines for one responsibility: every safetensors read and write goes through here (the seam that keeps the
+format's safety rules in one file), and the lazy reader is most of it. What a directory means (a model, a LoRA
+checkpoint, a Hugging Face import) is ``weights.load_checkpoint``'s.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import re
+import shutil
+import signal
+import time
+import uuid
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+from astrai_fabric import __version__
+from astrai_fabric.checkpoint import hf
+from astrai_fabric.errors import CheckpointError
+
+META_FILE = "meta.json"
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+ADAPTER_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+"""A LoRA checkpoint's adapter, in AstrAI's ``save_lora`` layout (keys ``<layer>.lora_A`` / ``<layer>.lora_B``)."""
+FORMAT_KEY = "astrai_fabric"
+"""``meta.json`` key holding our format description; its absence marks a checkpoint written by AstrAI."""
+FORMAT_VERSION = 1
+RESERVED_META = ("epoch", "consumed_samples", "timestamp", FORMAT_KEY)
+# Prefixes that wrappers put in front of parameter names: torch.compile (AstrAI's B3) and DDP.
+_WRAPPER_PREFIXES = ("_orig_mod.", "module.")
+
+
+# --- writing -----------------------------------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    directory: str | Path,
+    state_dict: Mapping[str, Tensor] | None,
+    config: Mapping[str, Any],
+    *,
+    epoch: int = 0,
+    consumed_samples: int = 0,
+    meta: Mapping[str, Any] | None = None,
+    extra: Mapping[str, Any] | None = None,
+    files: Mapping[str, str | bytes | Path] | None = None,
+    overwrite: bool = False,
+    staging: Path | None = None,
+    adapter: Mapping[str, Tensor] | None = None,
+    adapter_config: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write an AstrAI checkpoint directory atomically and return its path.
+
+    ``meta`` holds the run's fields (written after AstrAI's three leading keys); ``extra`` maps stems to objects
+    saved as ``{stem}.pt``; ``files`` maps file names to text, bytes, or a path to copy. An existing directory is
+    an error unless ``overwrite``, in which case it is replaced only after the new one is complete. ``staging`` is
+    a directory from ``staging_dir`` that others have already written into (a sharded state); default: a new one.
+    A LoRA checkpoint passes ``adapter`` and ``adapter_config`` (written as AstrAI's ``save_lora`` writes them) and
+    ``state_dict`` None unless the merged weights are wanted too.
+    """
+    target = Path(directory)
+    if target.exists() and not overwrite:
+        raise CheckpointError(f"{target}: already exists; refusing to overwrite a checkpoint")
+    clashes = [k for k in (meta or {}) if k in RESERVED_META]
+    if clashes:
+        raise ValueError(f"meta keys {clashes} are written by save_checkpoint itself")
+    staging = staging or staging_dir(target)
+    try:
+        full_meta = {
+            "epoch": epoch,
+            "consumed_samples": consumed_samples,
+            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            **(meta or {}),
+            FORMAT_KEY: _format_description(),
+        }
+        _write_text(staging / META_FILE, json.dumps(full_meta, indent=2))
+        _write_text(staging / CONFIG_FILE, json.dumps(dict(config), indent=2))
+        _crash_point("meta")
+        if state_dict is not None:
+            save_file(_safetensors_ready(state_dict), str(staging / WEIGHTS_FILE))
+            _fsync(staging / WEIGHTS_FILE)
+        if adapter is not None:
+            save_file(_safetensors_ready(adapter), str(staging / ADAPTER_FILE))
+            _fsync(staging / ADAPTER_FILE)
+            _write_text(staging / ADAPTER_CONFIG_FILE, json.dumps(dict(adapter_config or {}), indent=2))
+        _crash_point("weights")
+        for stem, obj in (extra or {}).items():
+            torch.save(obj, staging / f"{stem}.pt")
+            _fsync(staging / f"{stem}.pt")
+        _crash_point("extra")
+        _write_files(staging, files or {})
+        _fsync(staging)
+        _crash_point("rename")
+        _move_into_place(staging, target)
+    except (OSError, SafetensorError) as err:  # a full disk, a file-size limit, a lost mount: nothing left behind
+        shutil.rmtree(staging, ignore_errors=True)
+        raise CheckpointError(
+            f"{target}: could not write the checkpoint ({getattr(err, 'strerror', None) or err}); nothing was "
+            "written and earlier checkpoints are intact. Free space (or choose another --ckpt_dir) and resume from "
+            "the newest"
+        ) from None
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def save_model_directory(
+    directory: str | Path,
+    tensors: Mapping[str, Tensor],
+    files: Mapping[str, str | bytes | Path],
+    *,
+    max_shard_bytes: int | None = None,
+    metadata: Mapping[str, str] | None = None,
+    weights_name: str = WEIGHTS_FILE,
+) -> Path:
+    """Write a model directory atomically: ``files`` (name → text, bytes or a path to copy; the config among them)
+    and the weights as ``model.safetensors`` or, when they exceed ``max_shard_bytes``, as
+    ``model-0000K-of-0000N.safetensors`` shards with ``model.safetensors.index.json`` (the layout transformers
+    writes and reads: tensors in order, a new shard when the next one would overflow, a larger tensor alone).
+    ``metadata`` goes into each safetensors header; ``weights_name`` names a single file (PEFT's adapter is
+    ``adapter_model.safetensors``). An existing directory is an error."""
+    target = Path(directory)
+    if os.path.lexists(target):
+        raise CheckpointError(f"{target}: already exists; refusing to overwrite it (choose another --out)")
+    ready = _safetensors_ready(tensors)
+    shards: list[dict[str, Tensor]] = [{}]
+    size = 0
+    for key, tensor in ready.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if max_shard_bytes is not None and shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = tensor
+        size += nbytes
+    staging = staging_dir(target)
+    try:
+        names = [weights_name] if len(shards) == 1 else [
+            f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))
+        ]  # fmt: skip
+        for name, shard in zip(names, shards, strict=True):
+            save_file(shard, str(staging / name), metadata=dict(metadata) if metadata else None)
+            _fsync(staging / name)
+        if len(shards) > 1:
+            total = sum(t.numel() * t.element_size() for t in ready.values())
+            weight_map = {k: name for name, shard in zip(names, shards, strict=True) for k in shard}
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            _write_text(staging / WEIGHTS_INDEX_FILE, json.dumps(index, indent=2))
+        _write_files(staging, files)
+        _fsync(staging)
+        _move_into_place(staging, target)
+    except (OSError, SafetensorError) as err:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise CheckpointError(
+            f"{target}: could not write ({getattr(err, 'strerror', None) or err}); nothing was written"
+        ) from None
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+_crash_counts: dict[str, int] = {}
+
+
+def _crash_point(point: str) -> None:
+    """Test hook for crash safety: ``ASTRAI_FABRIC_CRASH_AT=POINT@N`` kills this process with SIGKILL, as a power
+    cut would, the N-th time a save reaches POINT: ``meta``, ``weights`` or ``extra`` (after writing those files), or
+    ``rename`` (everything written and synced, just before the rename that completes the checkpoint)."""
+    wanted = os.environ.get("ASTRAI_FABRIC_CRASH_AT")
+    if wanted and wanted.partition("@")[0] == point:
+        _crash_counts[point] = _crash_counts.get(point, 0) + 1
+        if str(_crash_counts[point]) == (wanted.partition("@")[2] or "1"):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def staging_dir(target: Path) -> Path:
+    """A new hidden sibling of ``target`` to write into (its name never matches ``epoch_*_step_*``)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    return staging
+
+
+def _move_into_place(staging: Path, target: Path) -> None:
+    if not os.path.lexists(target):
+        os.rename(staging, target)
+    else:
+        # Keep the old directory until the new one is in place, so no moment exists without a good checkpoint.
+        retired = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(target, retired)
+        os.rename(staging, target)
+        _remove(retired)
+    _fsync(target.parent)
+
+
+def _remove(path: Path) -> None:
+    """Delete a checkpoint directory we replaced; a symlink in its place is unlinked, its target never touched."""
+    if path.is_symlink():
+        path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _format_description() -> dict[str, Any]:
+    versions = {"astrai_fabric": __version__}
+    for package in ("torch", "lightning", "safetensors"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            pass
+    return {"format_version": FORMAT_VERSION, "versions": versions}
+
+
+def _safetensors_ready(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """CPU, contiguous, and no two entries sharing storage (safetensors refuses shared tensors)."""
+    ready, seen = {}, set()
+    for key, tensor in state_dict.items():
+        if not isinstance(tensor, Tensor):
+            raise TypeError(f"state_dict[{key!r}] is a {type(tensor).__name__}, not a tensor")
+        tensor = tensor.detach().cpu().contiguous()
+        storage = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        ready[key] = tensor.clone() if storage in seen else tensor
+        seen.add(storage)
+    return ready
+
+
+def _write_files(directory: Path, files: Mapping[str, str | bytes | Path]) -> None:
+    """Each of ``files`` into ``directory``: text, bytes, or a copy of the file a path names."""
+    for name, content in files.items():
+        dest = directory / name
+        if isinstance(content, Path):
+            shutil.copyfile(content, dest)
+            _fsync(dest)
+        elif isinstance(content, bytes):
+            _write_bytes(dest, content)
+        else:
+            _write_text(dest, content)
+
+
+def _write_text(path: Path, text: str) -> None:
+    _write_bytes(path, (text if text.endswith("\n") else text + "\n").encode("utf-8"))
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --- reading -----------------------------------------------------------------------------------------------------
+
+
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    """The JSON object in ``path``, or a ``CheckpointError`` naming the file and ``what`` it should hold."""
+    if not path.is_file():
+        raise CheckpointError(f"{path}: file not found (expected {what})")
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def read_weights(path: Path) -> StoredStateDict:
+    """The weights of a model directory, ``model.safetensors`` or the shards its index lists (headers only)."""
+    if (path / WEIGHTS_FILE).exists():
+        state_dict = StoredStateDict.from_files([path / WEIGHTS_FILE])
+    elif (path / WEIGHTS_INDEX_FILE).exists():
+        weight_map = read_json(path / WEIGHTS_INDEX_FILE, what="a sharded safetensors index").get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{path / WEIGHTS_INDEX_FILE}: expected a non-empty 'weight_map' object")
+        shards = sorted({str(v) for v in weight_map.values()})
+        state_dict = StoredStateDict.from_files([path / shard for shard in shards])
+        absent = sorted(k for k in weight_map if k not in state_dict)
+        if absent:
+            raise CheckpointError(f"{path / WEIGHTS_INDEX_FILE}: keys listed but absent from their shards: {absent}")
+    else:
+        raise CheckpointError(f"{path}: no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE} (expected the model's weights)")
+    return _strip_wrapper_prefixes(state_dict, path)
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """One tensor on disk: its file, its name there, its shape, and the head width when its rows are stored in
+    transformers' rotate-half pairing (permuted to ours as they are read)."""
+
+    file: Path
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    """safetensors' name for it (``BF16``, ``F32``, ...)."""
+    head_dim: int | None = None
+
+
+_CHUNK_ELEMENTS = 1 << 24
+"""Elements read per mapping (32 MiB in bf16). The pages of a memory-mapped file that a read touches count in the
+process's RSS until the file is unmapped, which safetensors does when its handle closes: reading a big tensor in
+row chunks, each through a fresh ``safe_open``, keeps that overhead to one chunk instead of a whole shard."""
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}  # fmt: skip
+
+
+class StoredStateDict(Mapping[str, Tensor]):
+    """A state dict still on disk: names and shapes come from the safetensors headers (checked when the files are
+    opened); a tensor is read only when asked for, straight into its destination (``read``), so loading never holds
+    a second full copy of the model. Indexing reads the whole tensor into memory of its own (the file's dtype);
+    pickling (a broadcast to ranks that cannot see the files) reads every tensor."""
+
+    def __init__(self, entries: dict[str, _Stored]) -> None:
+        self._entries = entries
+
+    @classmethod
+    def from_files(cls, files: list[Path]) -> StoredStateDict:
+        entries = {}
+        for file in files:
+            if not file.is_file():
+                raise CheckpointError(f"{file}: file not found")
+            try:
+                with safe_open(str(file), framework="pt") as handle:  # validates the header against the file size
+                    for key in handle.keys():
+                        stored = handle.get_slice(key)
+                        entries[key] = _Stored(file, key, tuple(stored.get_shape()), stored.get_dtype())
+            except (SafetensorError, OSError, ValueError) as err:
+                raise CheckpointError(f"{file}: not a readable safetensors file, perhaps truncated ({err})") from None
+        return cls(entries)
+
+    def renamed(self, names: Mapping[str, tuple[str, int | None] | None]) -> StoredStateDict:
+        """The same tensors under new names (``names[key]`` is ``(new name, head_dim or None)`` as
+        ``hf.import_name`` gives, or None to leave a tensor out); keys not in ``names`` keep theirs."""
+        entries = {}
+        for key, entry in self._entries.items():
+            target = names.get(key, (key, entry.head_dim))
+            if target is not None:
+                entries[target[0]] = _Stored(entry.file, entry.key, entry.shape, entry.dtype, target[1])
+        return StoredStateDict(entries)
+
+    def __getitem__(self, key: str) -> Tensor:
+        return self.read(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return dict, (dict(self.items()),)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._entries[key].shape
+
+    def dtype(self, key: str) -> torch.dtype | None:
+        """The tensor's dtype on disk (None for one torch has no name for)."""
+        return _SAFETENSORS_DTYPES.get(self._entries[key].dtype)
+
+    def read(
+        self,
+        key: str,
+        out: Tensor | None = None,
+        dtype: torch.dtype | None = None,
+        box: tuple[tuple[int, int], ...] | None = None,
+    ) -> Tensor:
+        """Tensor ``key`` in our layout, copied into ``out`` (cast to its dtype) or into a new tensor of ``dtype``
+        (default: the file's). ``box`` (``(start, stop)`` per dimension) reads only that part: a rank's shard.
+
+        Read in chunks of rows through fresh memory maps (``_CHUNK_ELEMENTS``). Rows of a rotated q/k tensor move
+        only within their head, so each chunk covers whole heads in the file and is permuted on the way in; the
+        only temporary is one chunk's worth.
+        """
+        entry = self._entries[key]
+        if box is None:
+            box = tuple((0, n) for n in entry.shape)
+        try:
+            if not entry.shape:  # a scalar: nothing to chunk
+                with safe_open(str(entry.file), framework="pt") as handle:
+                    source = handle.get_tensor(entry.key)
+                    out = torch.empty((), dtype=dtype or source.dtype) if out is None else out
+                    out.copy_(source)
+                return out
+            (start, stop), rest = box[0], box[1:]
+            columns = tuple(slice(a, b) for a, b in rest)
+            unit = entry.head_dim or 1  # rows read together: whole heads of a rotated tensor
+            row_elements = math.prod(b - a for a, b in rest)
+            step = max(1, _CHUNK_ELEMENTS // max(1, row_elements * unit)) * unit
+            first = start // unit * unit
+            for low in range(first, stop, step):
+                high = min(low + step, -(-stop // unit) * unit)
+                with safe_open(str(entry.file), framework="pt") as handle:
+                    chunk = handle.get_slice(entry.key)[(slice(low, high), *columns)]
+                    if out is None:
+                        out = torch.empty((stop - start, *chunk.shape[1:]), dtype=dtype or chunk.dtype)
+                    if entry.head_dim is not None:
+                        chunk = hf.rotate_half_to_interleaved(chunk, entry.head_dim)
+                    keep = slice(max(start, low) - low, min(stop, high) - low)
+                    out[max(start, low) - start : min(stop, high) - start].copy_(chunk[keep])
+                    del chunk  # before the handle closes and unmaps the file
+            if out is None:  # an empty box (a rank holding no rows of a small tensor)
+                out = torch.empty((0, *(b - a for a, b in rest)), dtype=dtype or torch.float32)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+            raise CheckpointError(
+                f"{entry.file}: cannot read {entry.key!r}, perhaps changed since it was opened ({err})"
+            ) from None
+        return out
+
+
+def _strip_wrapper_prefixes(state_dict: StoredStateDict, path: Path) -> StoredStateDict:
+    """Accept AstrAI's ``--compile`` checkpoints (keys start with ``_orig_mod.``, B3) by dropping the prefix."""
+    for prefix in _WRAPPER_PREFIXES:
+        if state_dict and all(k.startswith(prefix) for k in state_dict):
+            warnings.warn(f"{path}: weight names carry the wrapper prefix {prefix!r}; it is removed", stacklevel=3)
+            state_dict = state_dict.renamed({k: (k[len(prefix) :], None) for k in state_dict})
+    return state_dict
+
+
+def read_pt(file: Path) -> Any:
+    """A ``.pt`` file as plain data (``weights_only``): one that holds other Python objects is refused."""
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as err:
+        found = re.search(r"WeightsUnpickler error: ([^.\n]*?)(?: was not an allowed global|\.|$)", str(err), re.M)
+        raise CheckpointError(
+            f"{file}: refused to load: it holds Python objects other than tensors and plain data, which could run "
+            f"code ({found.group(1) if found else 'not a plain-data file'})"
+        ) from None
+    except (RuntimeError, OSError, EOFError) as err:
+        raise CheckpointError(f"{file}: cannot be read, perhaps truncated ({err})") from None
+
+
+def abbreviate(items: list[str], limit: int = 8) -> str:
+    """``items`` for an error message: the first ``limit``, then how many more."""
+    shown = ", ".join(items[:limit])
+    return f"[{shown}, ... {len(items) - limit} more]" if len(items) > limit else f"[{shown}]"

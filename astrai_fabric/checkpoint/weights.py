@@ -1,0 +1,299 @@
+"""Binding weights to a model: a checkpoint or model directory read as the model it holds (AstrAI's layout, a
+Hugging Face directory mapped through ``hf``, a LoRA checkpoint merged), checked to fit the model exactly, and read
+tensor by tensor straight into its parameters (whole, or each rank its part of a sharded one). ``load_model`` is
+AstrAI's ``from_pretrained``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from astrai_fabric import lora
+from astrai_fabric.checkpoint import hf
+from astrai_fabric.checkpoint.adapter import LoRAAdapter, read_adapter, resolve_lora_base
+from astrai_fabric.checkpoint.files import (
+    ADAPTER_FILE,
+    CONFIG_FILE,
+    FORMAT_KEY,
+    META_FILE,
+    WEIGHTS_FILE,
+    WEIGHTS_INDEX_FILE,
+    StoredStateDict,
+    abbreviate,
+    read_json,
+    read_pt,
+    read_weights,
+)
+from astrai_fabric.config.model import ModelConfig, read_config_json
+from astrai_fabric.errors import CheckpointError, ConfigError
+from astrai_fabric.model import AutoRegressiveLM
+from astrai_fabric.model.transformer import EMBED_KEY, LM_HEAD_KEY
+
+
+@dataclass
+class Checkpoint:
+    """What ``load_checkpoint`` read. ``meta`` is empty and the counters are 0 for a plain model directory."""
+
+    path: Path
+    config: dict[str, Any]
+    """``config.json`` as written (use ``model_config()`` for the typed, validated form)."""
+    state_dict: Mapping[str, Tensor]
+    """A ``StoredStateDict`` when read from files: names and shapes known, each tensor read on use."""
+    epoch: int = 0
+    consumed_samples: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+    """``{stem: object}`` for each ``{stem}.pt`` (``optimizer``, ``scheduler``, ...)."""
+    source: hf.HFSource | None = None
+    """The Hugging Face architecture and config for a directory imported from one (``config`` and ``state_dict``
+    are then already ours); None for AstrAI's layout."""
+    lora: LoRAAdapter | None = None
+    """A LoRA checkpoint's adapter (``state_dict`` then holds the base with it merged, or the base alone when read
+    with ``merge_lora=False``)."""
+
+    @property
+    def is_training_checkpoint(self) -> bool:
+        """True when the directory has a ``meta.json`` (a checkpoint of a run, not just a model)."""
+        return bool(self.meta)
+
+    @property
+    def format_version(self) -> int | None:
+        """Our format version, or None for a directory AstrAI (or anyone else) wrote."""
+        return self.meta.get(FORMAT_KEY, {}).get("format_version") if self.meta else None
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig.from_dict(self.config, source=str(self.path / CONFIG_FILE))
+
+
+def load_checkpoint(
+    directory: str | Path, *, load_extra: bool = True, skip: Collection[str] = (), merge_lora: bool = True
+) -> Checkpoint:
+    """Read a checkpoint directory, or a plain model directory, as AstrAI's ``Checkpoint.load_any`` does.
+
+    ``load_extra=False`` skips every ``*.pt`` file (e.g. when only the weights are wanted); ``skip`` names stems
+    to leave out (``{"optimizer"}``). A LoRA checkpoint (``adapter_model.safetensors``) gives the model it computes,
+    its adapter merged into the base (its own merged ``model.safetensors`` when it has one, else the base it points
+    to, hash-checked); ``merge_lora=False`` gives the base alone, to resume training the adapter (``lora``).
+    """
+    path = Path(directory)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint or model directory")
+    config = read_json(path / CONFIG_FILE, what="AstrAI's model config")
+    source = None
+    if hf.is_hf_config(config):  # mapped (or refused) before a tensor is read
+        model_config = hf.model_config_from_hf(config, source=str(path / CONFIG_FILE))
+        source = hf.HFSource(model_type=config["model_type"], config=config)
+        config = model_config.to_dict()
+    meta = read_json(path / META_FILE, what="the run's meta data") if (path / META_FILE).exists() else {}
+    for key in ("epoch", "consumed_samples"):
+        if key in meta and (not isinstance(meta[key], int) or isinstance(meta[key], bool) or meta[key] < 0):
+            raise CheckpointError(f"{path / META_FILE}: {key!r} must be a non-negative integer, got {meta[key]!r}")
+    extra = {}
+    if load_extra:
+        extra = {f.stem: read_pt(f) for f in sorted(path.glob("*.pt")) if f.stem not in skip}
+    adapter = None
+    if (path / ADAPTER_FILE).is_file():
+        adapter = read_adapter(path)
+        if not merge_lora or not (path / WEIGHTS_FILE).is_file():
+            adapter.base = resolve_lora_base(path, meta)
+    if adapter is not None and (not merge_lora or not (path / WEIGHTS_FILE).is_file()):
+        state_dict = load_checkpoint(adapter.base, load_extra=False).state_dict
+        if merge_lora:
+            state_dict = lora.merge_state_dict(state_dict, adapter.state_dict, adapter.spec.scaling)
+    else:
+        state_dict = read_weights(path)  # headers only: tensors are read where they go (``load_model_weights``)
+    if source is not None:
+        state_dict = state_dict.renamed({key: hf.import_name(key, model_config) for key in state_dict})
+    return Checkpoint(
+        path=path,
+        config=config,
+        state_dict=state_dict,
+        epoch=meta.get("epoch", 0),
+        consumed_samples=meta.get("consumed_samples", 0),
+        meta=meta,
+        extra=extra,
+        source=source,
+        lora=adapter,
+    )
+
+
+def read_model_config(directory: str | Path) -> ModelConfig:
+    """The model config of a model or checkpoint directory, AstrAI's or Hugging Face's (mapped, or refused with a
+    ``ConfigError`` naming the model_type or field), without reading any weights."""
+    path = Path(directory) / CONFIG_FILE
+    raw = read_config_json(path)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    if hf.is_hf_config(raw):
+        return hf.model_config_from_hf(raw, source=str(path))
+    return ModelConfig.from_dict(raw, source=str(path))
+
+
+def load_model_weights(
+    model: nn.Module,
+    state_dict: Mapping[str, Tensor],
+    source: str | Path,
+    assign: bool = False,
+    dtype: torch.dtype | None = None,
+    adapter: Mapping[str, Tensor] | None = None,
+) -> None:
+    """Put ``state_dict`` into ``model`` after checking it fits exactly: one error lists every mismatch.
+
+    ``adapter`` holds the tensors of a LoRA run's adapters, which the base's file lacks by design (a model injected
+    on the meta device and sharded gets them here, each rank its part, in the adapters' own dtype).
+
+    For a tied model an ``lm_head.weight`` in the file is accepted only when it equals the embedding (a file
+    with a different head would silently lose it). ``source`` names the file in the error.
+
+    A model built on the meta device (or ``assign``) takes new tensors, of ``dtype`` when given, else of the
+    file's dtype. Otherwise every tensor is copied into the parameter it belongs to, cast to its dtype; a
+    sharded parameter (a DTensor, after FSDP or tensor parallelism) receives only its own part, read from the
+    file where ``state_dict`` is a ``StoredStateDict``. Either way one tensor is read at a time, straight into
+    its place, so memory holds the model and at most one tensor (or one chunk of one) besides.
+    """
+    shapes = {k: _stored_shape(state_dict, k) for k in state_dict}
+    adapter = dict(adapter or {})
+    shapes.update({k: tuple(v.shape) for k, v in adapter.items()})
+    tied = getattr(getattr(model, "config", None), "tied", False)
+    if tied and LM_HEAD_KEY in shapes:
+        if EMBED_KEY in shapes and not (
+            shapes[LM_HEAD_KEY] == shapes[EMBED_KEY] and torch.equal(state_dict[LM_HEAD_KEY], state_dict[EMBED_KEY])
+        ):
+            raise CheckpointError(
+                f"{source}: holds an lm_head.weight that differs from embed_tokens.weight, but the config says "
+                "tie_word_embeddings: true (set it to false to keep the separate head)"
+            )
+        del shapes[LM_HEAD_KEY]
+    targets = model.state_dict(keep_vars=True)
+    expected = {k: tuple(v.shape) for k, v in targets.items()}
+    problems = []
+    missing = [k for k in expected if k not in shapes]
+    if missing and not (missing == [LM_HEAD_KEY] and EMBED_KEY in shapes):  # AstrAI clones the embedding
+        problems.append(f"missing keys {abbreviate(missing)}")
+    unexpected = [k for k in shapes if k not in expected]
+    if unexpected:
+        problems.append(f"unexpected keys {abbreviate(unexpected)}")
+    wrong = [
+        f"{k} (file {list(shapes[k])}, model {list(shape)})"
+        for k, shape in expected.items()
+        if k in shapes and shapes[k] != shape
+    ]
+    if wrong:
+        problems.append(f"wrong shapes {abbreviate(wrong)}")
+    if problems:
+        raise CheckpointError(f"{source}: does not match the model built from its config.json: " + "; ".join(problems))
+    # Here, not at the top: torch.distributed.tensor adds 2-4 s (measured) to `import astrai_fabric.checkpoint`, which
+    # the CLI's input checks and `generate` pay before any weights are read.
+    from torch.distributed.tensor import DTensor
+
+    if assign or any(t.is_meta for t in targets.values()):
+        loaded = {k: adapter[k] if k in adapter else _read_whole(state_dict, k, dtype) for k in shapes}
+        model.load_state_dict(loaded, strict=True, assign=True)
+        return
+    with torch.no_grad():
+        for key, target in targets.items():
+            if dtype is not None and target.dtype != dtype and target.is_floating_point():
+                if isinstance(target, DTensor):
+                    raise ValueError("dtype: a sharded model is cast by its strategy, not while loading")
+                target.data = torch.empty(target.shape, dtype=dtype)  # untouched until read into: no memory yet
+            if key in adapter:
+                _read_into(adapter, key, target)
+            else:
+                _read_into(state_dict, EMBED_KEY if key not in shapes else key, target)  # the clone AstrAI makes
+
+
+def _stored_shape(state_dict: Mapping[str, Tensor], key: str) -> tuple[int, ...]:
+    if isinstance(state_dict, StoredStateDict):
+        return state_dict.shape(key)
+    return tuple(state_dict[key].shape)
+
+
+def _read_whole(state_dict: Mapping[str, Tensor], key: str, dtype: torch.dtype | None) -> Tensor:
+    if isinstance(state_dict, StoredStateDict):
+        return state_dict.read(key, dtype=dtype)
+    tensor = state_dict[key]
+    return tensor if dtype is None or not tensor.is_floating_point() else tensor.to(dtype)
+
+
+def _read_into(state_dict: Mapping[str, Tensor], key: str, target: Tensor) -> None:
+    """Copy tensor ``key`` into ``target``: all of it, or a DTensor's local part."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor  # not at the top: as above
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    target = target.detach()
+    if not isinstance(target, DTensor):
+        if isinstance(state_dict, StoredStateDict):
+            state_dict.read(key, out=target)
+        else:
+            target.copy_(state_dict[key])
+        return
+    local = target.to_local()
+    if all(type(p) in (Shard, Replicate) for p in target.placements):
+        # Each rank reads only its own box of the file (see ``load_sharded_weights`` in train/common.py for why
+        # not rank 0 reading and sending).
+        shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+        box = tuple((o, o + n) for o, n in zip(offset, shape, strict=True))
+        if isinstance(state_dict, StoredStateDict):
+            state_dict.read(key, out=local, box=box)
+        else:
+            local.copy_(state_dict[key][tuple(slice(a, b) for a, b in box)])
+        return
+    # Other placements (FSDP's strided shards over a tensor-parallel split): read the whole tensor, one at a time,
+    # and let DTensor cut this rank's part (no communication: every rank has the same full tensor).
+    full = _read_whole(state_dict, key, target.dtype).to(local.device)
+    local.copy_(distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local())
+
+
+def load_model(directory: str | Path, dtype: torch.dtype | None = None) -> nn.Module:
+    """Build an ``AutoRegressiveLM`` from a model or checkpoint directory (AstrAI's ``from_pretrained``).
+
+    The model's tensors are allocated uninitialised (``empty_model``) and each is read from the memory-mapped files
+    straight into its place, as ``dtype`` (default: the file's dtype, tensor by tensor), so no memory or time goes
+    into a random initialisation that would be overwritten, and the peak is the model plus one chunk of one tensor
+    (docs/huggingface.md, Memory).
+    """
+    ckpt = load_checkpoint(directory, load_extra=False)
+    config = ckpt.model_config()
+    config.check_buildable(source=str(ckpt.path / CONFIG_FILE))
+    model = empty_model(config)
+    if dtype is None and isinstance(ckpt.state_dict, StoredStateDict):  # each parameter as its file stores it
+        state = ckpt.state_dict
+        with torch.no_grad():
+            for key, param in model.state_dict(keep_vars=True).items():
+                stored = state.dtype(key) if key in state else None
+                if stored is not None and stored.is_floating_point and stored != param.dtype:
+                    param.data = torch.empty(param.shape, dtype=stored)
+    load_model_weights(model, ckpt.state_dict, source=weights_source(ckpt), dtype=dtype)
+    return model
+
+
+class _SkipInit(TorchFunctionMode):
+    """Turns the ``torch.nn.init`` functions into no-ops (the tensors keep whatever ``torch.empty`` gave)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's signature
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return kwargs["tensor"] if "tensor" in kwargs else args[0]
+        return func(*args, **kwargs)
+
+
+def empty_model(config: ModelConfig) -> nn.Module:
+    """An ``AutoRegressiveLM`` on CPU whose weights are allocated by ``torch.empty`` and never initialised: the
+    pages of a large allocation cost no memory until written, so loading into it (``load_model_weights``) peaks at
+    the model's size. Cheaper than the meta device, whose first use imports torch's Python decompositions (~5 s)."""
+    with _SkipInit():
+        return AutoRegressiveLM(config)
+
+
+def weights_source(ckpt: Checkpoint) -> Path:
+    """The weights file to name in an error: ``model.safetensors``, or the index of a sharded directory."""
+    if (ckpt.path / WEIGHTS_FILE).exists() or not (ckpt.path / WEIGHTS_INDEX_FILE).exists():
+        return ckpt.path / WEIGHTS_FILE
+    return ckpt.path / WEIGHTS_INDEX_FILE
