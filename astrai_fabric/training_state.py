@@ -114,8 +114,9 @@ def gather_full(obj: Any, keep: bool) -> Any:
     return obj
 
 
-def optimizer_parts(optimizer: Optimizer) -> dict[str | None, Optimizer]:
-    """The torch optimizers inside (``muon``/``adamw`` for ``MuonAdamW``; the optimizer itself otherwise)."""
+def optimizer_parts(optimizer: Optimizer) -> dict[str | None, Optimizer | None]:
+    """The torch optimizers inside a composite by part name (``muon``/``adamw`` for ``MuonAdamW``; None for a part
+    without parameters, saved as None); ``{None: optimizer}`` for a plain torch optimizer."""
     return getattr(optimizer, "sub_optimizers", {None: optimizer})
 
 
@@ -273,6 +274,8 @@ def load_optimizer_state(optimizer: Optimizer, state: dict[str, Any], source: Pa
         )
     states = {None: state} if single else state
     for name, part in parts.items():
+        if part is None or states[name] is None:
+            continue  # a part without parameters: the composite's load says whether both sides agree
         params = [p for group in part.param_groups for p in group["params"]]
         sub_state = states[name]
         if not isinstance(sub_state, dict):
@@ -299,7 +302,7 @@ def load_optimizer_state(optimizer: Optimizer, state: dict[str, Any], source: Pa
             raise CheckpointError(f"{source}: does not fit this run's optimizer ({err})") from None
     try:
         optimizer.load_state_dict(state)
-    except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as err:  # torch's own checks of the layout
+    except (CheckpointError, ValueError, KeyError, TypeError, IndexError, RuntimeError) as err:  # torch's and ours
         detail = " ".join(str(err).split())[:300]
         raise CheckpointError(f"{source}: does not fit this run's optimizer ({detail})") from None
 
