@@ -3,6 +3,7 @@ updates against AstrAI's own classes (its venv, a subprocess) and across two rea
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from astrai_fabric.optim import (
     optimizer_state_bytes,
     resolve_ns_dtype,
 )
+from astrai_fabric.training_state import load_optimizer_state
 
 
 def test_split_matches_astrai_counts():
@@ -196,6 +198,14 @@ def test_a_lora_run_has_no_matrix_part():
     optimizer = build_optimizer(model, "nora_nadamw", 1e-3, 0.1)
     assert optimizer.parts["nora"] is None and list(optimizer.state_dict()) == ["nora", "nadamw"]
     assert optimizer.state_dict()["nora"] is None  # AstrAI's None slot: LoRA's adapters are NAdamW's, no decay
+    fixed_gradients(model, 0)
+    optimizer.step()
+    resumed = build_optimizer(model, "nora_nadamw", 1e-3, 0.1)
+    load_optimizer_state(resumed, copy.deepcopy(optimizer.state_dict()), Path("ckpt/optimizer.pt"))  # the resume path
+    assert_close_state(resumed.state_dict(), optimizer.state_dict())
+    full = build_optimizer(role_model(), "nora_nadamw", 1e-3, 0.1)
+    with pytest.raises(CheckpointError, match="ckpt/optimizer.pt: does not fit this run's optimizer"):
+        load_optimizer_state(full, optimizer.state_dict(), Path("ckpt/optimizer.pt"))
 
 
 def test_state_bytes_count_one_momentum_per_matrix_entry():
