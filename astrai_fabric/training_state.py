@@ -197,7 +197,7 @@ def load_sharded_optimizer_state(optimizer: Optimizer, state_dir: Path) -> None:
     with warnings.catch_warnings():  # one process reading a sharded state is intended here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(template, checkpoint_id=state_dir)
-    optimizer.load_state_dict(template["optimizer"])
+    optimizer.load_state_dict(_integer_state_keys(template["optimizer"]))
 
 
 def export_checkpoint(source: str | Path, target: str | Path, cast: Any = None) -> Path:
@@ -234,9 +234,14 @@ def export_merged(source: str | Path, target: str | Path) -> Path:
 
 
 def _integer_state_keys(state: Any) -> Any:
-    """Torch optimizer states index ``state`` by integers; distributed checkpoint's flattening made them strings."""
+    """Torch optimizer states index ``state`` by integers; distributed checkpoint's flattening made them strings.
+    Loading into a template, it fills tensors in place but puts any other value (NAdamW's int ``step``) under the
+    string key beside the integer one: folded here, the loaded value winning."""
     if isinstance(state, dict) and "state" in state and "param_groups" in state:
-        return {**state, "state": {int(k): v for k, v in state["state"].items()}}
+        merged: dict[int, Any] = {}
+        for key in sorted(state["state"], key=lambda k: isinstance(k, str)):  # the loaded (string) entries last
+            merged.setdefault(int(key), {}).update(state["state"][key])
+        return {**state, "state": merged}
     if isinstance(state, dict):
         return {k: _integer_state_keys(v) for k, v in state.items()}
     return state

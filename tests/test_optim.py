@@ -21,7 +21,7 @@ from astrai_fabric.optim import (
     optimizer_state_bytes,
     resolve_ns_dtype,
 )
-from astrai_fabric.training_state import load_optimizer_state
+from astrai_fabric.training_state import load_optimizer_state, load_sharded_optimizer_state
 
 
 def test_split_matches_astrai_counts():
@@ -206,6 +206,20 @@ def test_a_lora_run_has_no_matrix_part():
     full = build_optimizer(role_model(), "nora_nadamw", 1e-3, 0.1)
     with pytest.raises(CheckpointError, match="ckpt/optimizer.pt: does not fit this run's optimizer"):
         load_optimizer_state(full, optimizer.state_dict(), Path("ckpt/optimizer.pt"))
+
+
+def test_sharded_state_resumes_with_nadamws_integer_step(tmp_path):
+    """``--sharded_checkpoint``'s path (torch distributed checkpoint, here in one process): NAdamW's ``step`` is an
+    int, which distributed checkpoint loads beside the state entry rather than into it."""
+    import torch.distributed.checkpoint as dcp
+
+    model = role_model()
+    optimizer = run_ours(model, "nora_nadamw", steps=2)
+    dcp.save({"optimizer": optimizer.state_dict()}, checkpoint_id=tmp_path / "state")
+    resumed = build_optimizer(model, "nora_nadamw", **ORACLE_SETTINGS["nora_nadamw"])
+    load_sharded_optimizer_state(resumed, tmp_path / "state")
+    assert resumed.state_dict()["nadamw"]["state"][0]["step"] == 2
+    assert_close_state(resumed.state_dict(), optimizer.state_dict())
 
 
 def test_state_bytes_count_one_momentum_per_matrix_entry():

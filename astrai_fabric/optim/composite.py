@@ -72,6 +72,14 @@ def decay_groups(split: RoleSplit, weight_decay: float) -> list[dict[str, Any]]:
     return [group for group in groups if group["params"]]
 
 
+def evaluate_closure(closure: Callable[[], Any] | None) -> Any:
+    """``Optimizer.step``'s closure contract: evaluated once, with gradients on, before any update."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 def fused_if_possible(params: list[Tensor]) -> dict[str, bool]:
     """Fused AdamW where torch supports it for these tensors (plain tensors on CPU or CUDA), else foreach."""
     plain = params and not any(isinstance(p, DTensor) for p in params)
@@ -112,10 +120,14 @@ class CompositeOptimizer(Optimizer):
 
     def __init__(self, parts: dict[str, Optimizer | None]) -> None:
         self.parts = parts
-        present = [part for part in parts.values() if part is not None]
-        params = [p for part in present for group in part.param_groups for p in group["params"]]
-        super().__init__(params, {"lr": present[0].param_groups[0]["lr"]})
-        self.param_groups = [group for part in present for group in part.param_groups]
+        groups = self._joined_groups()
+        if not groups:
+            raise ValueError(f"{self.name}: the model has no trainable parameters")
+        super().__init__([p for group in groups for p in group["params"]], {"lr": groups[0]["lr"]})
+        self.param_groups = groups
+
+    def _joined_groups(self) -> list[dict[str, Any]]:
+        return [group for part in self.parts.values() if part is not None for group in part.param_groups]
 
     @property
     def sub_optimizers(self) -> dict[str, Optimizer | None]:
@@ -123,10 +135,7 @@ class CompositeOptimizer(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         for part in self.parts.values():
             if part is not None:
                 part.step()
@@ -155,4 +164,4 @@ class CompositeOptimizer(Optimizer):
                 )
             if part is not None:
                 part.load_state_dict(state_dict[name])
-        self.param_groups = [group for part in self.parts.values() if part is not None for group in part.param_groups]
+        self.param_groups = self._joined_groups()

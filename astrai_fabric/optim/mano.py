@@ -20,7 +20,14 @@ import torch
 from torch import Tensor, nn
 from torch.optim import AdamW, Optimizer
 
-from astrai_fabric.optim.composite import CompositeOptimizer, along_dim, decay_groups, fused_if_possible, split_by_role
+from astrai_fabric.optim.composite import (
+    CompositeOptimizer,
+    along_dim,
+    decay_groups,
+    evaluate_closure,
+    fused_if_possible,
+    split_by_role,
+)
 from astrai_fabric.optim.muon import ADAMW_BETAS
 
 MANO_EPS = 1e-8
@@ -50,10 +57,7 @@ class Mano(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         for group in self.param_groups:
             lr, momentum, dim = group["lr"], group["momentum"], group["steps"] % 2
             direction_of = partial(mano_direction, dim=dim, eps=group["eps"])

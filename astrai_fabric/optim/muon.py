@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import AdamW, Muon
 
-from astrai_fabric.optim.composite import CompositeOptimizer, fused_if_possible, is_matrix_param
+from astrai_fabric.optim.composite import CompositeOptimizer, evaluate_closure, fused_if_possible, is_matrix_param
 
 ADAMW_BETAS = (0.9, 0.95)
 """AdamW's betas in ``muon_adamw`` and ``mano_adamw`` (torch's default second beta is 0.999)."""
@@ -59,10 +59,7 @@ class MuonNS(Muon):
         has_dtensor = any(isinstance(p, DTensor) for g in self.param_groups for p in g["params"])
         if self.ns_dtype == torch.bfloat16 and not has_dtensor:
             return super().step(closure)  # exactly torch's (and AstrAI's) update
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         for group in self.param_groups:
             params, grads, buffers = [], [], []
             self._init_group(group, params, grads, buffers)  # torch's: creates momentum buffers exactly as torch does

@@ -8,7 +8,7 @@ Nesterov first moment ``(beta1 * m + (1 - beta1) * g) / (1 - beta1^t)``. Group k
 
 Departure: AstrAI's ``nora_weight_decay`` defaults to 0.0 and its ``--weight_decay`` reaches only a NAdamW group
 that is empty for every built-in model, so its default run decays nothing (B18); here the Nora matrices' decay
-defaults to ``--weight_decay`` (``build_optimizer``'s caller resolves it).
+defaults to ``--weight_decay`` (``TrainArgs.resolved_nora_weight_decay``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from astrai_fabric.optim.composite import CompositeOptimizer, along_dim, decay_groups, split_by_role
+from astrai_fabric.optim.composite import CompositeOptimizer, along_dim, decay_groups, evaluate_closure, split_by_role
 
 NORA_EPS = 1e-10
 NADAMW_BETAS = (0.9, 0.999)
@@ -58,10 +58,7 @@ class Nora(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         for group in self.param_groups:
             lr, direction_of = group["lr"], partial(nora_direction, eps=group["eps"])
             for param in group["params"]:
@@ -94,10 +91,7 @@ class NAdamW(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         for group in self.param_groups:
             (beta1, beta2), lr = group["betas"], group["lr"]
             for param in group["params"]:
