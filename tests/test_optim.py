@@ -208,6 +208,7 @@ def test_a_lora_run_has_no_matrix_part():
         load_optimizer_state(full, optimizer.state_dict(), Path("ckpt/optimizer.pt"))
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process saving, as intended
 def test_sharded_state_resumes_with_nadamws_integer_step(tmp_path):
     """``--sharded_checkpoint``'s path (torch distributed checkpoint, here in one process): NAdamW's ``step`` is an
     int, which distributed checkpoint loads beside the state entry rather than into it."""
