@@ -1,4 +1,5 @@
-"""How long one ``muon_adamw`` step takes next to one forward+backward, per Newton-Schulz dtype.
+"""How long one optimizer step takes next to one forward+backward: ``muon_adamw`` per Newton-Schulz dtype, and
+``nora_nadamw`` and ``mano_adamw`` (no iteration: one projection and normalisation per matrix).
 
     .venv/bin/python bench/optimizer_step.py [--repeats 7]
 
@@ -6,7 +7,8 @@ Model: ~5M parameters (hidden 256, 6 layers, 4/2 heads, SwiGLU 704, vocabulary 2
 of 256 tokens (the model's full context, AstrAI's default window), float32 weights, torch's default threads.
 The optimizer step's cost is fixed by the weights while forward+backward grows with the batch, so the ratio
 is quoted for this batch. Prints a table of median seconds; the target is a step costing at most
-0.6x forward+backward on CPU with ``--muon_ns_dtype auto``.
+0.6x forward+backward on CPU with ``--muon_ns_dtype auto``. The optimizers' steps are timed in turn, one of each
+per round, so a change in the machine's load falls on all of them alike.
 """
 
 from __future__ import annotations
@@ -51,20 +53,34 @@ def main() -> None:
 
     fwd_bwd = timed(forward_backward, args.repeats)
     forward_backward()  # leave gradients for the optimizer steps below
-    rows = []
+    sides = {}  # (optimizer, muon_ns_dtype) -> its step
     for name in ("auto", "float32", "bfloat16"):
         dtype = resolve_ns_dtype(name, torch.device("cpu"))
-        optimizer = build_optimizer(model, "muon_adamw", lr=1e-4, weight_decay=0.1, ns_dtype=dtype)
-        seconds = timed(optimizer.step, args.repeats)
-        rows.append((name, str(dtype).removeprefix("torch."), seconds, seconds / fwd_bwd))
+        sides["muon_adamw", name] = build_optimizer(model, "muon_adamw", lr=1e-4, weight_decay=0.1, ns_dtype=dtype)
+    for optimizer in ("nora_nadamw", "mano_adamw"):
+        sides[optimizer, "-"] = build_optimizer(model, optimizer, lr=1e-4, weight_decay=0.1)
+    times = {side: [] for side in sides}
+    for side in sides:
+        sides[side].step()  # warm-up (and the optimizers' state)
+    for _ in range(args.repeats):
+        for side, optimizer in sides.items():
+            start = time.perf_counter()
+            optimizer.step()
+            times[side].append(time.perf_counter() - start)
+    rows = []
+    for (optimizer, name), samples in times.items():
+        seconds = statistics.median(samples)
+        runs_in = str(resolve_ns_dtype(name, torch.device("cpu"))).removeprefix("torch.") if name != "-" else "-"
+        rows.append((optimizer, name, runs_in, seconds, seconds / fwd_bwd))
 
     threads = torch.get_num_threads()
     print(f"model: {model.num_parameters() / 1e6:.1f}M parameters, batch {tuple(ids.shape)}, {threads} thread(s)")
     print(f"forward+backward: {fwd_bwd:.3f} s (median of {args.repeats})\n")
-    print(f"{'muon_ns_dtype':<14} {'runs in':<9} {'step s':>8} {'step / fwd+bwd':>15}  target <= 0.6 (auto)")
-    for name, dtype, seconds, ratio in rows:
+    header = f"{'optimizer':<12} {'muon_ns_dtype':<14} {'runs in':<9} {'step s':>8} {'step / fwd+bwd':>15}"
+    print(f"{header}  target <= 0.6 (auto)")
+    for optimizer, name, dtype, seconds, ratio in rows:
         mark = ("ok" if ratio <= 0.6 else "MISSED") if name == "auto" else ""
-        print(f"{name:<14} {dtype:<9} {seconds:>8.3f} {ratio:>15.2f}  {mark}")
+        print(f"{optimizer:<12} {name:<14} {dtype:<9} {seconds:>8.3f} {ratio:>15.2f}  {mark}")
 
 
 if __name__ == "__main__":

@@ -49,9 +49,10 @@ def newton_schulz_float32(grad, ns_coefficients, ns_steps, eps):
 def optimizer_params(model, optimizer) -> dict:
     """The parameter names each sub-optimizer holds, in its order (``optimizer.pt`` indexes them by position)."""
     names = {id(param): name for name, param in model.named_parameters()}
-    inner = getattr(optimizer, "optimizer", optimizer)  # AstrAI's AccumOptimizer wraps its MuonAdamW
-    return {part: [names[id(p)] for group in getattr(inner, part).param_groups for p in group["params"]]
-            for part in ("muon", "adamw")}  # fmt: skip
+    inner = getattr(optimizer, "optimizer", optimizer)  # AstrAI's AccumOptimizer wraps its composite
+    parts = {part: getattr(inner, part) for part in inner.state_dict()}  # muon/adamw, nora/nadamw or mano/adamw
+    return {part: None if sub is None else [names[id(p)] for group in sub.param_groups for p in group["params"]]
+            for part, sub in parts.items()}  # fmt: skip
 
 
 class Probed(Exception):

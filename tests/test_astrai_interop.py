@@ -117,8 +117,9 @@ OURS_ONLY = ["--precision", "32-true", "--muon_ns_dtype", "float32"]  # AstrAI's
 
 @dataclass(frozen=True)
 class Crossing:
-    """One train type's route (checkpoint names worked out by hand from the flags; bpd 2, 1 rank)."""
+    """One route: a train type and optimizer (checkpoint names worked out by hand from the flags; bpd 2, 1 rank)."""
 
+    train_type: str
     num_samples: int
     """Samples an epoch: windows (seq, sft) or records (dpo, grpo)."""
     flags: tuple[str, ...]
@@ -133,12 +134,14 @@ class Crossing:
     """The AstrAI checkpoint our CLI resumes."""
     ours_after: tuple[str, ...]
     """What our continuation writes."""
+    optimizer: str = "muon_adamw"
 
 
 CROSSINGS = {
     # 8 windows, 2 steps an epoch: both trainers run 4 steps from the same weights (the parity run below);
     # AstrAI's own step_3 then holds 2 updates (B1).
     "seq": Crossing(
+        train_type="seq",
         num_samples=8,
         flags=("--window_size", "32", "--grad_accum_steps", "2", "--n_epoch", "2", "--ckpt_interval", "3"),
         ours_flags=(),
@@ -149,6 +152,7 @@ CROSSINGS = {
     ),
     # Untied model; AstrAI resumes mid-epoch and crosses into epoch 1; we resume AstrAI's step_4 (3 updates).
     "sft": Crossing(
+        train_type="sft",
         num_samples=6,
         flags=("--window_size", "16", "--n_epoch", "2", "--ckpt_interval", "2"),
         ours_flags=("--max_steps", "2"),
@@ -160,6 +164,7 @@ CROSSINGS = {
     # 5 pairs: epoch 0 ends with a 1-sample batch, so our step_3 (epoch 1, sample 0, AstrAI's consumed_samples 6)
     # resumes in AstrAI one sample into epoch 1 (B2).
     "dpo": Crossing(
+        train_type="dpo",
         num_samples=5,
         flags=("--window_size", "64", "--n_epoch", "3", "--ckpt_interval", "3"),
         ours_flags=("--max_steps", "3"),
@@ -170,6 +175,7 @@ CROSSINGS = {
     ),
     # 5 groups of 4: AstrAI's step_4 follows the short batch, so we resume it by AstrAI's rule, as AstrAI does (B2).
     "grpo": Crossing(
+        train_type="grpo",
         num_samples=5,
         flags=("--window_size", "64", "--n_epoch", "2", "--ckpt_interval", "2"),
         ours_flags=("--max_steps", "2"),
@@ -179,6 +185,19 @@ CROSSINGS = {
         ours_after=("epoch_1_step_5",),
     ),
 }
+
+
+# AstrAI's other optimizers cross as sft does (untied: lm_head joins the embeddings and norms in the rest's group),
+# with the flags both trainers read the same way (not --mano_*/--muon_momentum: AstrAI's Mano reads Muon's, B17).
+OPTIMIZER_FLAGS = {
+    "nora_nadamw": ("--nora_lr", "2e-3", "--nora_weight_decay", "0.05", "--nora_beta", "0.9"),
+    "mano_adamw": ("--weight_decay", "0.05"),
+}
+for _optimizer, _flags in OPTIMIZER_FLAGS.items():
+    CROSSINGS[f"sft_{_optimizer}"] = dataclasses.replace(
+        CROSSINGS["sft"], flags=(*CROSSINGS["sft"].flags, "--optimizer", _optimizer, *_flags), optimizer=_optimizer,
+        astrai_source=f"astrai/sft_{_optimizer}/epoch_1_step_4",
+    )  # fmt: skip
 
 
 def write_model_dir(directory: Path, tied: bool) -> Path:
@@ -233,16 +252,17 @@ def write_crossing_data(root: Path, tokenizer_dir: Path) -> None:
     (root / "grpo_astrai" / "dataset_config.json").write_text(json.dumps(dataset_config))
 
 
-def crossing_argv(root: Path, train_type: str, param_path: Path, ckpt_dir: Path, astrai: bool, *extra: str) -> list:
+def crossing_argv(root: Path, route: str, param_path: Path, ckpt_dir: Path, astrai: bool, *extra: str) -> list:
+    train_type = CROSSINGS[route].train_type
     data = root / "data" / (f"{train_type}_astrai" if astrai and train_type == "grpo" else train_type)
     return [
         "--train_type", train_type, "--data_root_path", str(data), "--param_path", str(param_path), "--ckpt_dir",
-        str(ckpt_dir), *COMMON_FLAGS, *CROSSINGS[train_type].flags, *([] if astrai else OURS_ONLY), *extra,
+        str(ckpt_dir), *COMMON_FLAGS, *CROSSINGS[route].flags, *([] if astrai else OURS_ONLY), *extra,
     ]  # fmt: skip
 
 
-def model_dir(root: Path, train_type: str) -> Path:
-    return root / ("model_untied" if train_type == "sft" else "model")
+def model_dir(root: Path, route: str) -> Path:
+    return root / ("model_untied" if CROSSINGS[route].train_type == "sft" else "model")
 
 
 @pytest.fixture(scope="module")
@@ -256,18 +276,18 @@ def crossed(tmp_path_factory) -> Path:
     write_model_dir(root / "model_untied", tied=False)
     (root / "data").mkdir()
     write_crossing_data(root / "data", root / "model")
-    for train_type, crossing in CROSSINGS.items():
-        argv = crossing_argv(root, train_type, model_dir(root, train_type), root / "ours" / train_type, False)
+    for route, crossing in CROSSINGS.items():
+        argv = crossing_argv(root, route, model_dir(root, route), root / "ours" / route, False)
         assert main([*argv, *crossing.ours_flags]) == 0
     jobs = [{"argv": crossing_argv(root, "seq", root / "model", root / "astrai_fresh", True)}]
-    for train_type, crossing in CROSSINGS.items():
-        ours = root / "ours" / train_type / crossing.ours_checkpoint
-        argv = crossing_argv(root, train_type, ours, root / "astrai" / train_type, True, "--resume")
-        jobs.append({"argv": argv, "dump": str(root / f"astrai_loaded_{train_type}.pt"), "peek": PEEK})
-    for train_type, crossing in CROSSINGS.items():
-        copy = root / "probe" / train_type  # with a tokenizer, which AstrAI's own checkpoints lack (B22)
-        argv = crossing_argv(root, train_type, copy, root / "probe" / f"{train_type}_run", True, "--resume")
-        dump = str(root / f"astrai_probe_{train_type}.pt")
+    for route, crossing in CROSSINGS.items():
+        ours = root / "ours" / route / crossing.ours_checkpoint
+        argv = crossing_argv(root, route, ours, root / "astrai" / route, True, "--resume")
+        jobs.append({"argv": argv, "dump": str(root / f"astrai_loaded_{route}.pt"), "peek": PEEK})
+    for route, crossing in CROSSINGS.items():
+        copy = root / "probe" / route  # with a tokenizer, which AstrAI's own checkpoints lack (B22)
+        argv = crossing_argv(root, route, copy, root / "probe" / f"{route}_run", True, "--resume")
+        dump = str(root / f"astrai_probe_{route}.pt")
         copying = [str(root / crossing.astrai_source), str(copy), str(root / "model")]
         jobs.append({"argv": argv, "dump": dump, "peek": PEEK, "probe": True, "copy": copying})
     run_astrai_cli(jobs, root / "jobs.json")
@@ -306,7 +326,8 @@ def optimizer_params(model: nn.Module, optimizer: Any) -> dict[str, list[str]]:
 
     names = {id(param): name for name, param in getattr(model, "module", model).named_parameters()}
     parts = optimizer_parts(getattr(optimizer, "optimizer", optimizer))  # under Fabric's optimizer wrapper
-    return {part: [names[id(p)] for group in sub.param_groups for p in group["params"]] for part, sub in parts.items()}
+    return {part: None if sub is None else [names[id(p)] for group in sub.param_groups for p in group["params"]]
+            for part, sub in parts.items()}  # fmt: skip
 
 
 def checkpoint_names(directory: Path) -> tuple[str, ...]:
@@ -329,19 +350,20 @@ def test_seq_updates_match_astrai(crossed):
         assert error <= 1e-3, (key, error.item())
 
 
-@pytest.mark.parametrize("train_type", CROSSINGS)
-def test_astrai_trainer_resumes_our_checkpoint(crossed, train_type):
+@pytest.mark.parametrize("route", CROSSINGS)
+def test_astrai_trainer_resumes_our_checkpoint(crossed, route):
     """AstrAI's CLI resumes our checkpoint: it loads our weights, optimizer and scheduler states as saved, and its
     position is AstrAI's rule applied to our `consumed_samples` (where we stopped, but after a short batch, B2)."""
     from astrai_fabric.data import ResumableSampler
 
-    crossing = CROSSINGS[train_type]
-    ours = crossed / "ours" / train_type / crossing.ours_checkpoint
-    loaded = torch.load(crossed / f"astrai_loaded_{train_type}.pt", weights_only=True)
+    crossing = CROSSINGS[route]
+    ours = crossed / "ours" / route / crossing.ours_checkpoint
+    loaded = torch.load(crossed / f"astrai_loaded_{route}.pt", weights_only=True)
     assert_loaded_checkpoint(loaded, ours)
     # optimizer.pt indexes parameters by position in each sub-optimizer: AstrAI's order must be the one ours saved in.
     model = load_model(ours)
-    assert loaded["optimizer_params"] == optimizer_params(model, build_optimizer(model, "muon_adamw", 1e-3, 0.1))
+    optimizer = build_optimizer(model, crossing.optimizer, 1e-3, 0.1)
+    assert loaded["optimizer_params"] == optimizer_params(model, optimizer)
 
     meta = json.loads((ours / "meta.json").read_text())
     saved = meta["resume_position"]
@@ -352,20 +374,20 @@ def test_astrai_trainer_resumes_our_checkpoint(crossed, train_type):
     order = ResumableSampler(crossing.num_samples, seed=SEED).epoch_indices(epoch)
     assert loaded["next_indices"] == order[index:][:PEEK]
     exact = (epoch, index) == (saved["epoch"], saved["sample_index"])
-    assert exact is (train_type != "dpo")  # dpo's checkpoint follows a short batch: AstrAI skips a sample (B2)
+    assert exact is (crossing.train_type != "dpo")  # dpo's checkpoint follows a short batch: AstrAI skips a sample (B2)
 
-    assert checkpoint_names(crossed / "astrai" / train_type) == crossing.astrai_after  # and it trained on
+    assert checkpoint_names(crossed / "astrai" / route) == crossing.astrai_after  # and it trained on
 
 
-@pytest.mark.parametrize("train_type", CROSSINGS)
-def test_we_resume_astrai_trainer_checkpoint(crossed, train_type, monkeypatch):
+@pytest.mark.parametrize("route", CROSSINGS)
+def test_we_resume_astrai_trainer_checkpoint(crossed, route, monkeypatch):
     """Our CLI resumes AstrAI's checkpoint: our real resume path (the CLI, a spy on `fit` records the loaded state
     before training) loads AstrAI's weights, optimizer and scheduler states as saved, and starts at the position
     AstrAI's own resume of that checkpoint starts at (its probe), B1's off-by-one included."""
     import astrai_fabric.train.common as common
     from astrai_fabric.cli import main
 
-    crossing = CROSSINGS[train_type]
+    crossing = CROSSINGS[route]
     source = crossed / crossing.astrai_source
     loaded = {}
     real_fit = common.fit
@@ -382,13 +404,13 @@ def test_we_resume_astrai_trainer_checkpoint(crossed, train_type, monkeypatch):
         return real_fit(fabric, model, optimizer, scheduler, batches, sampler, loss, args, plan, position, *rest)
 
     monkeypatch.setattr(common, "fit", recording_fit)
-    back = crossed / "back" / train_type
+    back = crossed / "back" / route
     tokenizer = ("--tokenizer_path", str(crossed / "model"))  # AstrAI's checkpoints hold none (B22)
-    argv = crossing_argv(crossed, train_type, source, back, False, "--resume", *tokenizer)
+    argv = crossing_argv(crossed, route, source, back, False, "--resume", *tokenizer)
     assert main(argv) == 0
     assert_loaded_checkpoint(loaded, source)
 
-    probe = torch.load(crossed / f"astrai_probe_{train_type}.pt", weights_only=True)
+    probe = torch.load(crossed / f"astrai_probe_{route}.pt", weights_only=True)
     position = loaded["position"]
     assert (position.epoch, position.sample_index) == (probe["sampler_epoch"], probe["sampler_iter"])
     assert (position.optimizer_step, position.consumed_samples) == (probe["optimizer_step"], probe["consumed_samples"])

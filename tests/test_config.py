@@ -1,4 +1,5 @@
-"""ModelConfig reads and writes AstrAI's config.json; bad values give one error naming the field."""
+"""ModelConfig reads and writes AstrAI's config.json; bad values give one error naming the field (TrainArgs'
+optimizer flags too)."""
 
 import json
 
@@ -88,3 +89,20 @@ def test_check_buildable_checks_head_arithmetic():
     )
     with pytest.raises(ConfigError, match="'n_shared_experts' is required"):  # AstrAI raises a TypeError here
         moe.check_buildable()
+
+
+def test_optimizer_flags_are_checked_and_nora_decay_defaults_to_weight_decay():
+    from astrai_fabric.config.train import TrainArgs
+
+    required = dict(param_path="bundled:tiny", data_root_path="bundled:data/seq")
+    args = TrainArgs(**required, optimizer="nora_nadamw", weight_decay=0.07)
+    assert args.resolved_nora_weight_decay == 0.07  # AstrAI's 0.0 left --weight_decay nothing to decay (B18)
+    assert TrainArgs(**required, nora_weight_decay=0.0).resolved_nora_weight_decay == 0.0
+    bad = TrainArgs(**required, nora_beta=1.0, nora_momentum=-0.1, mano_momentum=1.5, nora_weight_decay=-1.0,
+                    nora_lr=-1e-3)  # fmt: skip
+    with pytest.raises(ConfigError) as raised:
+        bad.validate()
+    for message in ("nora_beta must be in [0, 1), got 1.0", "nora_momentum must be in [0, 1], got -0.1",
+                    "mano_momentum must be in [0, 1], got 1.5", "nora_weight_decay must be >= 0, got -1.0",
+                    "nora_lr must be >= 0, got -0.001"):  # fmt: skip
+        assert message in str(raised.value)

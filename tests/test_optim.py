@@ -1,14 +1,27 @@
-"""muon_adamw and adamw: AstrAI's parameter split, optimizer.pt layout, and the Newton-Schulz dtype."""
+"""The optimizers: AstrAI's parameter splits and optimizer.pt layouts, the Newton-Schulz dtype, Nora and Mano's
+updates against AstrAI's own classes (its venv, a subprocess) and across two real gloo ranks."""
 
 import copy
+import json
+from pathlib import Path
 
 import pytest
 import torch
+from astrai_oracle import needs_astrai, run_astrai
 from conftest import tiny_config
 
+from astrai_fabric.checkpoint.state import load_optimizer_state, load_sharded_optimizer_state
 from astrai_fabric.errors import CheckpointError
 from astrai_fabric.model import AutoRegressiveLM
-from astrai_fabric.optim import MuonNS, build_optimizer, is_matrix_param, newton_schulz, resolve_ns_dtype
+from astrai_fabric.optim import (
+    MuonNS,
+    build_optimizer,
+    is_matrix_param,
+    newton_schulz,
+    optimizer_groups,
+    optimizer_state_bytes,
+    resolve_ns_dtype,
+)
 
 
 def test_split_matches_astrai_counts():
@@ -92,3 +105,273 @@ def test_adamw_decays_matrices_only():
     decay, no_decay = optimizer.param_groups
     assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
     assert len(decay["params"]) == 14 and len(no_decay["params"]) == 6  # tied: one embedding, 5 norms
+
+
+# --- nora_nadamw and mano_adamw ---------------------------------------------------------------------------------
+
+
+def role_model(tied: bool = False, **overrides) -> AutoRegressiveLM:
+    torch.manual_seed(0)
+    return AutoRegressiveLM(tiny_config(tie_word_embeddings=tied, **overrides))
+
+
+def fixed_gradient(step_index: int, param_index: int, shape: torch.Size) -> torch.Tensor:
+    """Seeded by (step, parameter position): the same on every side (this process, the 2-rank worker, AstrAI's)."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(1000 * step_index + param_index))
+
+
+def fixed_gradients(model, step_index: int) -> None:
+    for index, param in enumerate(model.parameters()):
+        param.grad = fixed_gradient(step_index, index, param.shape)
+
+
+def test_role_split_is_astrai_and_puts_every_matrix_in_nora():
+    model = role_model()
+    optimizer = build_optimizer(model, "nora_nadamw", lr=1e-3, weight_decay=0.1, nora_weight_decay=0.02)
+    nora_group, nadamw_group = optimizer.param_groups  # AstrAI's NAdamW decay group is empty, so left out (B18)
+    names = {id(p): n for n, p in model.named_parameters()}
+    rest = [names[id(p)] for p in nadamw_group["params"]]
+    # 14 linear weights to Nora; embeddings, norms and the (untied) head to NAdamW without decay, in model order.
+    assert len(nora_group["params"]) == 14 and all("proj" in names[id(p)] or "mlp" in names[id(p)]
+                                                   for p in nora_group["params"])  # fmt: skip
+    assert rest == ["embed_tokens.weight", *[n for n in names.values() if "norm" in n], "lm_head.weight"]
+    assert (nora_group["lr"], nora_group["weight_decay"], nadamw_group["weight_decay"]) == (5e-3, 0.02, 0.0)
+    mano = build_optimizer(model, "mano_adamw", lr=1e-3, weight_decay=0.1)
+    assert [len(g["params"]) for g in mano.param_groups] == [14, 7]
+    assert [g["weight_decay"] for g in mano.param_groups] == [0.1, 0.0]
+    assert mano.parts["adamw"].param_groups[0]["betas"] == (0.9, 0.95)
+
+
+def test_state_layout_is_astrai_and_refuses_other_layouts():
+    model = role_model()
+    optimizer = build_optimizer(model, "nora_nadamw", lr=1e-3, weight_decay=0.1)
+    fixed_gradients(model, 0)
+    optimizer.step()
+    state = optimizer.state_dict()
+    assert list(state) == ["nora", "nadamw"]
+    assert set(state["nora"]["state"][0]) == {"momentum_buffer"}
+    assert state["nadamw"]["state"][0]["step"] == 1 and set(state["nadamw"]["state"][0]) == {"step", "m", "v"}
+    assert set(state["nora"]["param_groups"][0]) == {"lr", "weight_decay", "momentum", "beta", "nesterov", "eps",
+                                                     "params"}  # fmt: skip
+    other = build_optimizer(copy.deepcopy(model), "nora_nadamw", lr=1e-3, weight_decay=0.1)
+    other.load_state_dict(state)
+    assert torch.equal(other.parts["nadamw"].state[other.param_groups[1]["params"][0]]["m"],
+                       state["nadamw"]["state"][0]["m"])  # fmt: skip
+    with pytest.raises(CheckpointError, match="another optimizer"):
+        other.load_state_dict({"muon": None, "adamw": None})
+    with pytest.raises(CheckpointError, match="another model"):
+        other.load_state_dict({"nora": None, "nadamw": state["nadamw"]})  # a LoRA run's state: no Nora part
+
+
+def test_mano_alternates_its_normalised_dimension_across_a_resume():
+    """Step 1 normalises columns, step 2 rows (each at 0.2 * lr * sqrt(length)); the counter is in optimizer.pt,
+    so a resumed optimizer takes the row step next."""
+    lr = 1e-2
+    model = role_model()
+    optimizer = build_optimizer(model, "mano_adamw", lr=lr, weight_decay=0.0)
+    weight = model.layers[0].mlp.up.weight  # [24, 16]
+    for step, dim in enumerate((0, 1)):
+        before = weight.detach().clone()
+        fixed_gradients(model, step)
+        optimizer.step()
+        direction = (before - weight.detach()) / (lr * 0.2 * weight.shape[dim] ** 0.5)
+        torch.testing.assert_close(direction.norm(dim=dim), torch.ones(weight.shape[1 - dim]), atol=1e-5, rtol=0)
+        if step == 0:
+            resumed = build_optimizer(model, "mano_adamw", lr=lr, weight_decay=0.0)
+            resumed.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+            optimizer = resumed
+    assert optimizer.state_dict()["mano"]["param_groups"][0]["steps"] == 2
+
+
+def test_mano_takes_its_own_momentum_not_muons():
+    optimizer = build_optimizer(role_model(), "mano_adamw", 1e-3, 0.1, momentum=0.5, nesterov=True,
+                                mano_momentum=0.8, mano_nesterov=False)  # fmt: skip
+    group = optimizer.parts["mano"].param_groups[0]
+    assert (group["momentum"], group["nesterov"]) == (0.8, False)  # AstrAI would give 0.5 and True (B17)
+
+
+def test_a_lora_run_has_no_matrix_part():
+    from astrai_fabric.lora import LoRASpec, inject
+
+    model = role_model()
+    inject(model, LoRASpec(r=2, alpha=4, targets=("q_proj",)), seed=0)
+    optimizer = build_optimizer(model, "nora_nadamw", 1e-3, 0.1)
+    assert optimizer.parts["nora"] is None and list(optimizer.state_dict()) == ["nora", "nadamw"]
+    assert optimizer.state_dict()["nora"] is None  # AstrAI's None slot: LoRA's adapters are NAdamW's, no decay
+    fixed_gradients(model, 0)
+    optimizer.step()
+    resumed = build_optimizer(model, "nora_nadamw", 1e-3, 0.1)
+    load_optimizer_state(resumed, copy.deepcopy(optimizer.state_dict()), Path("ckpt/optimizer.pt"))  # the resume path
+    assert_close_state(resumed.state_dict(), optimizer.state_dict())
+    full = build_optimizer(role_model(), "nora_nadamw", 1e-3, 0.1)
+    with pytest.raises(CheckpointError, match="ckpt/optimizer.pt: does not fit this run's optimizer"):
+        load_optimizer_state(full, optimizer.state_dict(), Path("ckpt/optimizer.pt"))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process saving, as intended
+def test_sharded_state_resumes_with_nadamws_integer_step(tmp_path):
+    """``--sharded_checkpoint``'s path (torch distributed checkpoint, here in one process): NAdamW's ``step`` is an
+    int, which distributed checkpoint loads beside the state entry rather than into it."""
+    import torch.distributed.checkpoint as dcp
+
+    model = role_model()
+    optimizer = run_ours(model, "nora_nadamw", steps=2)
+    dcp.save({"optimizer": optimizer.state_dict()}, checkpoint_id=tmp_path / "state")
+    resumed = build_optimizer(model, "nora_nadamw", **ORACLE_SETTINGS["nora_nadamw"])
+    load_sharded_optimizer_state(resumed, tmp_path / "state")
+    assert resumed.state_dict()["nadamw"]["state"][0]["step"] == 2
+    assert_close_state(resumed.state_dict(), optimizer.state_dict())
+
+
+def test_state_bytes_count_one_momentum_per_matrix_entry():
+    model = role_model()
+    matrices = sum(p.numel() for p in optimizer_groups(model, "nora_nadamw", 1e-3, 0.1)[0].params)
+    total = sum(p.numel() for p in model.parameters())
+    assert optimizer_state_bytes(model, "nora_nadamw") == 4 * (matrices + 2 * (total - matrices))
+    assert optimizer_state_bytes(model, "mano_adamw") == optimizer_state_bytes(model, "nora_nadamw")
+
+
+# Settings AstrAI's bugs do not touch: its classes take momentum and decay directly (B17 is in its CLI), and Nora's
+# decay is given (B18 is about its default).
+ORACLE_SETTINGS = {
+    "nora_nadamw": dict(lr=1e-3, weight_decay=0.1, nora_lr=1e-2, nora_weight_decay=0.05, nora_beta=0.9,
+                        nora_momentum=0.8),
+    "mano_adamw": dict(lr=1e-2, weight_decay=0.05, mano_momentum=0.9, mano_nesterov=True),
+    "mano_adamw_plain": dict(lr=1e-2, weight_decay=0.0, mano_momentum=0.8, mano_nesterov=False),
+}  # fmt: skip
+ORACLE_STEPS = 4
+
+
+def astrai_kwargs(settings: dict) -> dict:
+    """AstrAI's class arguments for our ``build_optimizer`` keywords (its Mano takes ``momentum``/``nesterov``)."""
+    renames = {"mano_momentum": "momentum", "mano_nesterov": "nesterov"}
+    return {renames.get(key, key): value for key, value in settings.items()}
+
+
+def run_ours(model, setting: str, steps: int):
+    optimizer = build_optimizer(model, setting.removesuffix("_plain"), **ORACLE_SETTINGS[setting])
+    for step_index in range(steps):
+        fixed_gradients(model, step_index)
+        optimizer.step()
+    return optimizer
+
+
+@pytest.fixture(scope="module")
+def astrai_steps(tmp_path_factory):
+    """AstrAI's own NoraNAdamW and ManoAdamW (its venv, one subprocess) on AstrAI's model loaded with our float32
+    weights, stepped on the same seeded gradients: their parameters and optimizer states after each setting."""
+    from safetensors.torch import save_file
+
+    root = tmp_path_factory.mktemp("astrai_optim")
+    model = role_model()
+    (root / "config.json").write_text(json.dumps(model.config.to_dict()))
+    save_file(model.state_dict(), str(root / "model.safetensors"))
+    params = list(model.parameters())
+    gradients = [
+        [fixed_gradient(step, index, p.shape) for index, p in enumerate(params)] for step in range(ORACLE_STEPS)
+    ]
+    torch.save(gradients, root / "gradients.pt")
+    settings = {name: astrai_kwargs(values) for name, values in ORACLE_SETTINGS.items()}
+    run_astrai(f"""
+        import copy, torch
+        from safetensors.torch import load_file
+        from astrai.config.model_config import AutoRegressiveLMConfig
+        from astrai.model.transformer import AutoRegressiveLM
+        from astrai.optim import ManoAdamW, NoraNAdamW
+        base = AutoRegressiveLM(AutoRegressiveLMConfig.from_file("{root / "config.json"}"))
+        base.load_state_dict(load_file("{root / "model.safetensors"}"), strict=True)
+        gradients = torch.load("{root / "gradients.pt"}")
+        results = {{}}
+        for setting, kwargs in {settings!r}.items():
+            model = copy.deepcopy(base)
+            optimizer = (NoraNAdamW if setting.startswith("nora") else ManoAdamW)(model, **kwargs)
+            for step in gradients:
+                for param, grad in zip(model.parameters(), step, strict=True):
+                    param.grad = grad.clone()
+                optimizer.step()
+            results[setting] = {{"params": dict(model.named_parameters()), "state": optimizer.state_dict()}}
+        torch.save(results, "{root / "astrai.pt"}")
+    """)
+    return torch.load(root / "astrai.pt", weights_only=True)
+
+
+def assert_close_state(ours, theirs, where=""):
+    """Same structure and plain values; tensors equal to 1e-5 (float32 on both sides)."""
+    if isinstance(theirs, torch.Tensor):
+        assert isinstance(ours, torch.Tensor) and ours.dtype == theirs.dtype, where
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0, msg=where)
+    elif isinstance(theirs, dict):
+        assert sorted(ours, key=str) == sorted(theirs, key=str), (where, sorted(ours), sorted(theirs))
+        for key, value in theirs.items():
+            assert_close_state(ours[key], value, f"{where}.{key}")
+    elif isinstance(theirs, list | tuple):
+        assert len(ours) == len(theirs), where
+        for index, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+            assert_close_state(a, b, f"{where}[{index}]")
+    else:
+        assert ours == theirs, (where, ours, theirs)
+
+
+@needs_astrai
+@pytest.mark.parametrize("setting", ORACLE_SETTINGS)
+def test_updates_and_state_match_astrai(astrai_steps, setting):
+    """4 steps from the same float32 weights and gradients: every parameter, and optimizer.pt (layout, indices,
+    group keys, values), equals what AstrAI's own class gives within 1e-5."""
+    model = role_model()
+    optimizer = run_ours(model, setting, ORACLE_STEPS)
+    theirs = astrai_steps[setting]
+    start = dict(role_model().named_parameters())
+    for name, param in model.named_parameters():
+        assert not torch.equal(param, start[name]), name  # every parameter moved
+        torch.testing.assert_close(param.detach(), theirs["params"][name], atol=1e-5, rtol=0, msg=name)
+    assert_close_state(optimizer.state_dict(), theirs["state"])
+
+
+SHARDED_SETTINGS = ("nora_nadamw", "mano_adamw")
+SHARDED_STEPS = 3  # Mano: columns, rows, columns
+UNEVEN = dict(intermediate_size=25)  # the MLP's shards are uneven on both dimensions
+
+
+def sharded_worker(out: str) -> None:
+    """Each setting with every parameter a DTensor sharded on dim 0 (FSDP's placement) and on its last dim (tensor
+    parallelism's row-wise one), over 2 gloo ranks; rank 0 saves the gathered parameters."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,))
+    results = {}
+    for setting in SHARDED_SETTINGS:
+        for dim in (0, 1):
+            model = role_model(**UNEVEN)
+            for module in model.modules():
+                for name, param in list(module.named_parameters(recurse=False)):
+                    placement = [Shard(min(dim, param.dim() - 1))]
+                    setattr(module, name, torch.nn.Parameter(distribute_tensor(param.detach(), mesh, placement)))
+            optimizer = build_optimizer(model, setting, **ORACLE_SETTINGS[setting])
+            for step_index in range(SHARDED_STEPS):
+                for index, param in enumerate(model.parameters()):
+                    grad = fixed_gradient(step_index, index, param.shape)
+                    param.grad = distribute_tensor(grad, mesh, param.placements)
+                optimizer.step()
+            results[f"{setting}_dim{dim}"] = {n: p.full_tensor() for n, p in model.named_parameters()}
+    if dist.get_rank() == 0:
+        torch.save(results, out)
+    dist.destroy_process_group()
+
+
+def test_sharded_updates_equal_one_process(tmp_path):
+    """Where an update reduces along a sharded dimension (Nora's rows under last-dim shards, Mano's columns under
+    FSDP's row shards) the shards gather it; 2 real gloo ranks equal one process to 1e-5."""
+    from spawn import run_ranks
+
+    run_ranks(sharded_worker, 2, str(tmp_path / "sharded.pt"))
+    sharded = torch.load(tmp_path / "sharded.pt", weights_only=True)
+    for setting in SHARDED_SETTINGS:
+        model = role_model(**UNEVEN)
+        run_ours(model, setting, SHARDED_STEPS)
+        for dim in (0, 1):
+            for name, param in model.named_parameters():
+                got = sharded[f"{setting}_dim{dim}"][name]
+                torch.testing.assert_close(got, param.detach(), atol=1e-5, rtol=0, msg=f"{setting} dim {dim} {name}")

@@ -93,3 +93,28 @@ def test_a_longer_resume_says_its_schedule_ends_early_and_can_rebuild_it(tmp_pat
     entries = (tmp_path / "run" / "epoch_0_step_2" / "metric.jsonl").read_text().splitlines()
     lr = [json.loads(e)["lr"] for e in entries if json.loads(e)["type"] == "step"][-1]
     assert lr == pytest.approx(3e-3 * cosine_factor(1, int(0.05 * 24), 24 - int(0.05 * 24), 0.01))
+
+
+@pytest.mark.parametrize(
+    "optimizer, flags, expected, plan_line",
+    [
+        # Mano's own momentum, not Muon's (AstrAI's B17); Nora's decay follows --weight_decay (AstrAI's B18).
+        ("mano_adamw", dict(muon_momentum=0.5, mano_momentum=0.8, mano_nesterov=False),
+         {"mano": dict(momentum=0.8, nesterov=False, steps=2, weight_decay=0.1)},
+         "optimizer mano_adamw: mano 28 tensors (lr 0.001, decay 0.1), adamw 10 tensors (lr 0.001, decay 0);"),
+        ("nora_nadamw", dict(weight_decay=0.07, nora_lr=2e-3, nora_beta=0.9, nora_momentum=0.85),
+         {"nora": dict(weight_decay=0.07, beta=0.9, momentum=0.85)},
+         "optimizer nora_nadamw: nora 28 tensors (lr 0.002, decay 0.07), nadamw 10 tensors (lr 0.001, decay 0);"),
+    ],
+    ids=["mano_adamw", "nora_nadamw"],
+)  # fmt: skip
+def test_other_optimizers_train_with_their_own_flags(tmp_path, capsys, optimizer, flags, expected, plan_line):
+    history = run(args(tmp_path, optimizer=optimizer, max_steps=2, **flags))
+    assert len(history) == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in history)
+    (path,) = tmp_path.glob("epoch_*_step_2")
+    state = torch.load(path / "optimizer.pt", weights_only=True)
+    assert list(state) == [*expected, "nadamw" if optimizer == "nora_nadamw" else "adamw"]
+    for part, values in expected.items():
+        group = state[part]["param_groups"][0]
+        assert {key: group[key] for key in values} == values
+    assert plan_line in capsys.readouterr().out  # the plan names the groups

@@ -114,8 +114,9 @@ def gather_full(obj: Any, keep: bool) -> Any:
     return obj
 
 
-def optimizer_parts(optimizer: Optimizer) -> dict[str | None, Optimizer]:
-    """The torch optimizers inside (``muon``/``adamw`` for ``MuonAdamW``; the optimizer itself otherwise)."""
+def optimizer_parts(optimizer: Optimizer) -> dict[str | None, Optimizer | None]:
+    """The torch optimizers inside a composite by part name (``muon``/``adamw`` for ``MuonAdamW``; None for a part
+    without parameters, saved as None); ``{None: optimizer}`` for a plain torch optimizer."""
     return getattr(optimizer, "sub_optimizers", {None: optimizer})
 
 
@@ -196,7 +197,7 @@ def load_sharded_optimizer_state(optimizer: Optimizer, state_dir: Path) -> None:
     with warnings.catch_warnings():  # one process reading a sharded state is intended here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(template, checkpoint_id=state_dir)
-    optimizer.load_state_dict(template["optimizer"])
+    optimizer.load_state_dict(_integer_state_keys(template["optimizer"]))
 
 
 def export_checkpoint(source: str | Path, target: str | Path, cast: Any = None) -> Path:
@@ -233,9 +234,14 @@ def export_merged(source: str | Path, target: str | Path) -> Path:
 
 
 def _integer_state_keys(state: Any) -> Any:
-    """Torch optimizer states index ``state`` by integers; distributed checkpoint's flattening made them strings."""
+    """Torch optimizer states index ``state`` by integers; distributed checkpoint's flattening made them strings.
+    Loading into a template, it fills tensors in place but puts any other value (NAdamW's int ``step``) under the
+    string key beside the integer one: folded here, the loaded value winning."""
     if isinstance(state, dict) and "state" in state and "param_groups" in state:
-        return {**state, "state": {int(k): v for k, v in state["state"].items()}}
+        merged: dict[int, Any] = {}
+        for key in sorted(state["state"], key=lambda k: isinstance(k, str)):  # the loaded (string) entries last
+            merged.setdefault(int(key), {}).update(state["state"][key])
+        return {**state, "state": merged}
     if isinstance(state, dict):
         return {k: _integer_state_keys(v) for k, v in state.items()}
     return state
@@ -273,6 +279,8 @@ def load_optimizer_state(optimizer: Optimizer, state: dict[str, Any], source: Pa
         )
     states = {None: state} if single else state
     for name, part in parts.items():
+        if part is None or states[name] is None:
+            continue  # a part without parameters: the composite's load says whether both sides agree
         params = [p for group in part.param_groups for p in group["params"]]
         sub_state = states[name]
         if not isinstance(sub_state, dict):
@@ -299,7 +307,7 @@ def load_optimizer_state(optimizer: Optimizer, state: dict[str, Any], source: Pa
             raise CheckpointError(f"{source}: does not fit this run's optimizer ({err})") from None
     try:
         optimizer.load_state_dict(state)
-    except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as err:  # torch's own checks of the layout
+    except (CheckpointError, ValueError, KeyError, TypeError, IndexError, RuntimeError) as err:  # torch's and ours
         detail = " ".join(str(err).split())[:300]
         raise CheckpointError(f"{source}: does not fit this run's optimizer ({detail})") from None
 

@@ -76,8 +76,10 @@ class TrainArgs:
     """Stop once this many input tokens (all ranks together) have been trained on."""
 
     # --- optimizer -----------------------------------------------------------------------------------------------
-    optimizer: Literal["muon_adamw", "adamw"] | None = None
-    """``muon_adamw``: Muon for weight matrices, AdamW for embeddings, head and norms (AstrAI's split);
+    optimizer: Literal["muon_adamw", "adamw", "nora_nadamw", "mano_adamw"] | None = None
+    """``muon_adamw``: Muon for weight matrices, AdamW for embeddings, head and norms (AstrAI's split by name);
+    ``nora_nadamw``: Nora for the linear layers' weights (``nora_*``), Nesterov AdamW for the rest; ``mano_adamw``:
+    Mano for the linear layers' weights (``mano_*``), AdamW for the rest (both AstrAI's split by module);
     ``adamw``: AdamW for everything (decay on matrices only). Default: ``muon_adamw``, or ``adamw`` when
     ``lora_r`` > 0 (LoRA's usual practice; Muon on r x d factors is untested)."""
     max_lr: float = 3e-4
@@ -98,17 +100,18 @@ class TrainArgs:
     """Dtype of Muon's Newton-Schulz iteration. ``bfloat16`` is AstrAI's (torch's) behaviour; ``auto`` picks
     ``float32`` on CPU, where bf16 matrix products are ~37x slower, and ``bfloat16`` on CUDA."""
     nora_lr: float = 5e-3
-    """Accepted so AstrAI command lines parse; AstrAI's ``nora_nadamw`` is not offered here."""
+    """``nora_nadamw``: peak learning rate of the Nora matrices (the schedule scales it as it scales ``max_lr``)."""
     nora_beta: float = 0.95
-    """Accepted for AstrAI command lines; unused."""
+    """``nora_nadamw``: EMA factor of Nora's momentum buffer, in [0, 1)."""
     nora_momentum: float = 0.95
-    """Accepted for AstrAI command lines; unused."""
-    nora_weight_decay: float = 0.0
-    """Accepted for AstrAI command lines; unused."""
+    """``nora_nadamw``: Nesterov mix of Nora's update (the gradient moved this far towards the buffer), in [0, 1]."""
+    nora_weight_decay: float | None = None
+    """``nora_nadamw``: decoupled weight decay of the Nora matrices; default: ``weight_decay``. AstrAI's default is
+    0.0, and its ``weight_decay`` reaches no parameter of its models, so nothing decays (its B18); ``0`` is that."""
     mano_momentum: float = 0.95
-    """Accepted for AstrAI command lines; unused (AstrAI ignores it too)."""
+    """``mano_adamw``: Mano's momentum, in [0, 1] (AstrAI gives Mano ``muon_momentum`` instead, its B17)."""
     mano_nesterov: bool = True
-    """Accepted for AstrAI command lines; unused (AstrAI ignores it too)."""
+    """``mano_adamw``: Mano's Nesterov momentum (AstrAI gives Mano ``muon_nesterov`` instead, its B17)."""
 
     # --- learning-rate schedule ----------------------------------------------------------------------------------
     schedule_type: Literal["cosine", "sgdr", "wsd"] = "cosine"
@@ -307,6 +310,11 @@ class TrainArgs:
         """The values a recipe holds: every field but the command-line-only ones (``recipe.yaml``, W&B's config)."""
         return {k: v for k, v in self.to_dict().items() if k not in COMMAND_LINE_ONLY}
 
+    @property
+    def resolved_nora_weight_decay(self) -> float:
+        """``nora_weight_decay``, or ``weight_decay`` when unset (the fix of AstrAI's B18)."""
+        return self.weight_decay if self.nora_weight_decay is None else self.nora_weight_decay
+
     def validate(self) -> None:
         """Raise one ``ConfigError`` naming every field with a bad value."""
         largest = torch.finfo(torch.float32).max  # finite in float32 too: a rate of 1e39 is inf in the optimizer
@@ -339,12 +347,17 @@ class TrainArgs:
         ]
         non_negative = [
             "neftune_alpha", "moe_aux_loss_coef", "weight_decay", "warmup_ratio", "label_smoothing",
-            "rollout_top_k", "start_epoch", "start_samples", "max_lr", "max_bad_steps",
+            "rollout_top_k", "start_epoch", "start_samples", "max_lr", "max_bad_steps", "nora_lr",
         ]  # fmt: skip
         problems += [
             f"{name} must be >= 0, got {getattr(self, name)}" for name in non_negative if getattr(self, name) < 0
         ]
-        for name in ("stable_steps", "decay_steps"):
+        for name in ("muon_momentum", "nora_momentum", "mano_momentum"):
+            if not 0 <= getattr(self, name) <= 1:
+                problems.append(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        if not 0 <= self.nora_beta < 1:
+            problems.append(f"nora_beta must be in [0, 1), got {self.nora_beta}")
+        for name in ("stable_steps", "decay_steps", "nora_weight_decay"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
         if not self.dist_timeout > 0:

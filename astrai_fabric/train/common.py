@@ -59,7 +59,7 @@ from astrai_fabric.errors import CheckpointError, ConfigError, UserError, raised
 from astrai_fabric.loop import LossFn, fit
 from astrai_fabric.metrics import METRIC_FILE, MetricLog, flops_per_token, peak_flops
 from astrai_fabric.model import AutoRegressiveLM
-from astrai_fabric.optim import build_optimizer, optimizer_state_bytes, resolve_ns_dtype
+from astrai_fabric.optim import build_optimizer, optimizer_groups, optimizer_state_bytes, resolve_ns_dtype
 from astrai_fabric.plot import PLOT_FILE, plot_runs
 from astrai_fabric.preemption import StopRequest, ignore_stop_signals
 from astrai_fabric.profiling import PROFILE_DIR, StepProfiler, describe_profiling
@@ -413,8 +413,11 @@ def build_optimizer_and_schedule(fabric: Fabric, model: nn.Module, start: Start,
     Built after sharding: an optimizer built before would step the pre-shard tensors, silently.
     """
     optimizer = build_optimizer(
-        model, args.resolved_optimizer, args.max_lr, args.weight_decay, args.muon_momentum, args.muon_nesterov,
-        args.muon_ns_steps, args.muon_adjust_lr, resolve_ns_dtype(args.muon_ns_dtype, fabric.device),
+        model, args.resolved_optimizer, args.max_lr, args.weight_decay, momentum=args.muon_momentum,
+        nesterov=args.muon_nesterov, ns_steps=args.muon_ns_steps, adjust_lr_fn=args.muon_adjust_lr,
+        ns_dtype=resolve_ns_dtype(args.muon_ns_dtype, fabric.device), nora_lr=args.nora_lr,
+        nora_weight_decay=args.resolved_nora_weight_decay, nora_beta=args.nora_beta,
+        nora_momentum=args.nora_momentum, mano_momentum=args.mano_momentum, mano_nesterov=args.mano_nesterov,
     )  # fmt: skip
     if start.resume is not None and args.resume_optimizer:
         if (start.resume.path / STATE_DIR).is_dir():
@@ -642,7 +645,13 @@ def describe_parameters(model: nn.Module, args: TrainArgs) -> tuple[str, dict[st
     line = f"{total:,} parameters"
     if trainable != total:
         line += f", {trainable:,} trainable ({trainable / total:.2%})"
-    line += f"; optimizer {args.resolved_optimizer}, state {state / 2**20:,.1f} MiB (all ranks together)"
+    groups = optimizer_groups(
+        model, args.resolved_optimizer, args.max_lr, args.weight_decay, args.nora_lr, args.resolved_nora_weight_decay
+    )
+    described = ", ".join(
+        f"{g.part} {len(g.params)} tensors (lr {g.lr:g}, decay {g.weight_decay:g})" for g in groups if g.params
+    )
+    line += f"; optimizer {args.resolved_optimizer}: {described}; state {state / 2**20:,.1f} MiB (all ranks together)"
     if (spec := lora_spec(args)) is not None:
         layers = len(lora.lora_layers(getattr(model, "module", model)))
         line += (

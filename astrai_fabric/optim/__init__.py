@@ -1,0 +1,110 @@
+"""Optimizers, by ``--optimizer``: AstrAI's ``muon_adamw`` (the default), ``nora_nadamw`` and ``mano_adamw``, and
+plain ``adamw``. One module each (``muon``, ``nora``, ``mano``); ``composite`` holds the parameter splits and the
+composite whose ``optimizer.pt`` keeps AstrAI's ``{part: state_dict or None}`` layout. Build after
+``fabric.setup``: an optimizer built before would step the pre-shard tensors."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+from torch.optim import AdamW, Optimizer
+
+from astrai_fabric.optim.composite import CompositeOptimizer, fused_if_possible, is_matrix_param, split_by_role
+from astrai_fabric.optim.mano import Mano, ManoAdamW
+from astrai_fabric.optim.muon import ADAMW_BETAS, MuonAdamW, MuonNS, newton_schulz, resolve_ns_dtype
+from astrai_fabric.optim.nora import NAdamW, Nora, NoraNAdamW
+
+__all__ = [
+    "CompositeOptimizer", "Mano", "ManoAdamW", "MuonAdamW", "MuonNS", "NAdamW", "Nora", "NoraNAdamW",
+    "build_optimizer", "is_matrix_param", "newton_schulz", "optimizer_groups", "optimizer_state_bytes",
+    "resolve_ns_dtype",
+]  # fmt: skip
+
+OPTIMIZERS = ("muon_adamw", "adamw", "nora_nadamw", "mano_adamw")
+STATE_BUFFERS = {"muon": 1, "nora": 1, "mano": 1, "adamw": 2, "nadamw": 2}
+"""State tensors per parameter entry of each part: one momentum, or AdamW's two moments."""
+
+
+class GroupPlan(NamedTuple):
+    """One parameter group as ``build_optimizer`` makes it."""
+
+    part: str
+    params: list[Tensor]
+    lr: float
+    weight_decay: float
+
+
+def optimizer_groups(
+    model: nn.Module,
+    name: str,
+    lr: float,
+    weight_decay: float,
+    nora_lr: float = 5e-3,
+    nora_weight_decay: float = 0.0,
+) -> list[GroupPlan]:
+    """The parameter groups of ``name`` over ``model``'s trainable parameters, as AstrAI makes them: ``nora_nadamw``
+    and ``mano_adamw`` leave empty groups out, ``muon_adamw`` and ``adamw`` keep both of theirs. For the plan and
+    the dry run's memory estimate, without building the optimizer."""
+    if name in ("muon_adamw", "adamw"):
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        matrices = [p for n, p in named if is_matrix_param(n, p)]
+        others = [p for n, p in named if not is_matrix_param(n, p)]
+        first = "muon" if name == "muon_adamw" else "adamw"
+        return [GroupPlan(first, matrices, lr, weight_decay), GroupPlan("adamw", others, lr, 0.0)]
+    if name in ("nora_nadamw", "mano_adamw"):
+        split = split_by_role(model)
+        matrix_part, rest = ("nora", "nadamw") if name == "nora_nadamw" else ("mano", "adamw")
+        matrix_lr, matrix_decay = (nora_lr, nora_weight_decay) if name == "nora_nadamw" else (lr, weight_decay)
+        groups = [
+            GroupPlan(matrix_part, split.matrices, matrix_lr, matrix_decay),
+            GroupPlan(rest, split.decay, lr, weight_decay),
+            GroupPlan(rest, split.no_decay, lr, 0.0),
+        ]
+        return [group for group in groups if group.params]
+    raise ValueError(f"unknown optimizer {name!r}; choose from {list(OPTIMIZERS)}")
+
+
+def build_optimizer(
+    model: nn.Module,
+    name: str,
+    lr: float,
+    weight_decay: float,
+    *,
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    adjust_lr_fn: str = "match_rms_adamw",
+    ns_dtype: torch.dtype = torch.bfloat16,
+    nora_lr: float = 5e-3,
+    nora_weight_decay: float = 0.0,
+    nora_beta: float = 0.95,
+    nora_momentum: float = 0.95,
+    mano_momentum: float = 0.95,
+    mano_nesterov: bool = True,
+) -> Optimizer:
+    """``name`` over ``model``'s trainable parameters; ``momentum``, ``nesterov``, ``ns_*`` and ``adjust_lr_fn``
+    are Muon's, ``nora_*`` Nora's, ``mano_*`` Mano's (AstrAI gives Mano Muon's two, B17)."""
+    if name == "muon_adamw":
+        return MuonAdamW(
+            model.named_parameters(), lr, weight_decay, momentum, nesterov, ns_steps, adjust_lr_fn, ns_dtype
+        )
+    if name == "nora_nadamw":
+        return NoraNAdamW(model, lr, weight_decay, nora_lr, nora_weight_decay, nora_beta, nora_momentum)
+    if name == "mano_adamw":
+        return ManoAdamW(model, lr, weight_decay, mano_momentum, mano_nesterov)
+    groups = optimizer_groups(model, name, lr, weight_decay)  # adamw: decay on matrices only
+    params = [p for group in groups for p in group.params]
+    torch_groups = [{"params": group.params, "weight_decay": group.weight_decay} for group in groups]
+    return AdamW(torch_groups, lr=lr, betas=ADAMW_BETAS, **fused_if_possible(params))
+
+
+def optimizer_state_bytes(model: nn.Module, name: str) -> int:
+    """Bytes the optimizer's state will hold for ``model``'s trainable parameters, all ranks together, each
+    buffer in its parameter's dtype (``STATE_BUFFERS``)."""
+    return sum(
+        STATE_BUFFERS[group.part] * param.numel() * param.element_size()
+        for group in optimizer_groups(model, name, lr=0.0, weight_decay=0.0)
+        for param in group.params
+    )
