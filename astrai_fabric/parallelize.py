@@ -3,18 +3,18 @@
 Fabric's mesh has two axes, ``data_parallel`` x ``tensor_parallel``. With ``fsdp_shard_size`` S below the
 data-parallel size D, the model gets a mesh of three instead, ``replicate`` (D/S) x ``shard`` (S) x
 ``tensor_parallel``, and FSDP2 shards over ``shard`` and replicates over ``replicate`` (HSDP, torch's
-``fully_shard`` on a 2-D mesh). On the tensor axis (``--tp_size``) each decoder
-block's attention splits its heads (q/k/v, the gate, MLA's ``kv_b_proj`` column-wise; ``o_proj`` row-wise) and the
-dense MLP splits its width (``up``/``gate`` column-wise, ``down`` row-wise); embeddings, norms, the head and MoE
-experts stay whole. On the data axis every decoder block is an FSDP unit, and so is the root: it holds the
-embedding, final norm and ``lm_head``, so a tied embedding stays one parameter (AstrAI shards ``embed_tokens`` and
-``lm_head`` apart and unties them, B4), and every parameter is a DTensor: torch's gradient clipping refuses plain
-tensors and DTensors mixed.
+``fully_shard`` on a 2-D mesh). On the tensor axis (``--tp_size``) each decoder block's attention splits its heads
+(q/k/v, the gate, MLA's ``kv_b_proj`` column-wise; ``o_proj`` row-wise) and the dense MLP splits its width
+(``up``/``gate`` column-wise, ``down`` row-wise); embeddings, norms, the head and MoE experts stay whole. On the
+data axis every decoder block is an FSDP unit, and so is the root: it holds the embedding, final norm and
+``lm_head``, so a tied embedding stays one parameter (AstrAI shards ``embed_tokens`` and ``lm_head`` apart and
+unties them, B4), and every parameter is a DTensor: torch's gradient clipping refuses plain tensors and DTensors
+mixed.
 
 The HSDP mesh is a new ``init_device_mesh`` over the same ranks in the same row-major order as Fabric's (which
 builds its own the same way), so a rank's data-parallel index ``replica * S + shard`` is the one Fabric's sampler
-arguments report. Unflattening Fabric's ``data_parallel`` axis (``DeviceMesh._unflatten``) would keep one root mesh,
-but it is private and absent before torch 2.9, while this package supports 2.6 on.
+arguments report. Unflattening Fabric's ``data_parallel`` axis (``DeviceMesh._unflatten``, torch 2.13) would keep
+one root mesh, but it is private and missing from older torch versions this package supports (>= 2.6).
 """
 
 from __future__ import annotations
