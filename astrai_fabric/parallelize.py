@@ -1,19 +1,27 @@
 """Model parallelism for ``ModelParallelStrategy``: tensor parallelism, then FSDP2. The only ``fully_shard`` importer.
 
-The mesh has two axes, ``data_parallel`` x ``tensor_parallel``. On the tensor axis (``--tp_size``) each decoder
-block's attention splits its heads (q/k/v, the gate, MLA's ``kv_b_proj`` column-wise; ``o_proj`` row-wise) and the
-dense MLP splits its width (``up``/``gate`` column-wise, ``down`` row-wise); embeddings, norms, the head and MoE
-experts stay whole. On the data axis every decoder block is an FSDP unit, and so is the root: it holds the
-embedding, final norm and ``lm_head``, so a tied embedding stays one parameter (AstrAI shards ``embed_tokens`` and
-``lm_head`` apart and unties them, B4), and every parameter is a DTensor: torch's gradient clipping refuses plain
-tensors and DTensors mixed.
+Fabric's mesh has two axes, ``data_parallel`` x ``tensor_parallel``. With ``fsdp_shard_size`` S below the
+data-parallel size D, the model gets a mesh of three instead, ``replicate`` (D/S) x ``shard`` (S) x
+``tensor_parallel``, and FSDP2 shards over ``shard`` and replicates over ``replicate`` (HSDP, torch's
+``fully_shard`` on a 2-D mesh). On the tensor axis (``--tp_size``) each decoder block's attention splits its heads
+(q/k/v, the gate, MLA's ``kv_b_proj`` column-wise; ``o_proj`` row-wise) and the dense MLP splits its width
+(``up``/``gate`` column-wise, ``down`` row-wise); embeddings, norms, the head and MoE experts stay whole. On the
+data axis every decoder block is an FSDP unit, and so is the root: it holds the embedding, final norm and
+``lm_head``, so a tied embedding stays one parameter (AstrAI shards ``embed_tokens`` and ``lm_head`` apart and
+unties them, B4), and every parameter is a DTensor: torch's gradient clipping refuses plain tensors and DTensors
+mixed.
+
+The HSDP mesh is a new ``init_device_mesh`` over the same ranks in the same row-major order as Fabric's (which
+builds its own the same way), so a rank's data-parallel index ``replica * S + shard`` is the one Fabric's sampler
+arguments report. Unflattening Fabric's ``data_parallel`` axis (``DeviceMesh._unflatten``, torch 2.13) would keep
+one root mesh, but it is private and missing from older torch versions this package supports (>= 2.6).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -31,19 +39,21 @@ def parallelize(
     param_dtype: str | None = None,
     reduce_dtype: str | None = None,
     cpu_offload: bool = False,
+    fsdp_shard_size: int | None = None,
 ) -> nn.Module:
     """Apply tensor parallelism and FSDP2 to ``model`` (called by Fabric in ``setup_module``).
 
     FSDP knobs: ``reshard_after_forward`` frees gathered parameters after each block's forward (less memory, one
     more all-gather in backward; AstrAI keeps them, False); ``param_dtype``/``reduce_dtype`` set FSDP2's
     mixed-precision policy (e.g. bfloat16 compute with float32 gradient reduction over float32 master weights);
-    ``cpu_offload`` keeps sharded parameters, gradients and optimizer state in CPU memory.
+    ``cpu_offload`` keeps sharded parameters, gradients and optimizer state in CPU memory; ``fsdp_shard_size``:
+    ranks each parameter is sharded over (default: all data-parallel ranks), replicated over the rest (HSDP).
     """
-    tp_mesh = device_mesh["tensor_parallel"]
+    fsdp_mesh, tp_mesh = split_mesh(device_mesh, fsdp_shard_size)
     if tp_mesh.size() > 1:
         apply_tensor_parallel(model, tp_mesh)
     options = dict(
-        mesh=device_mesh["data_parallel"],
+        mesh=fsdp_mesh,
         reshard_after_forward=reshard_after_forward,
         mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES.get(param_dtype), reduce_dtype=DTYPES.get(reduce_dtype)),
         offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
@@ -52,6 +62,29 @@ def parallelize(
         fully_shard(block, **options)
     fully_shard(model, **options)
     return model
+
+
+FSDP_DIMS = ("replicate", "shard")
+"""HSDP's mesh axes, outer to inner: a parameter is replicated over the first and sharded over the second."""
+
+
+def split_mesh(device_mesh: DeviceMesh, fsdp_shard_size: int | None) -> tuple[DeviceMesh, DeviceMesh]:
+    """FSDP's mesh and the tensor-parallel one. Fabric's own axes when every data-parallel rank holds one shard
+    (``fsdp_shard_size`` None or D); otherwise those of a new ``(replicate, shard, tensor_parallel)`` mesh over
+    the same ranks, ``data_parallel`` split into D/S replicas of S shards (collective: every rank must call it)."""
+    data_parallel = device_mesh["data_parallel"].size()
+    if fsdp_shard_size is None or fsdp_shard_size == data_parallel:
+        return device_mesh["data_parallel"], device_mesh["tensor_parallel"]
+    if data_parallel % fsdp_shard_size:
+        raise ConfigError(f"fsdp_shard_size {fsdp_shard_size} must divide the data-parallel size {data_parallel}")
+    shape = (data_parallel // fsdp_shard_size, fsdp_shard_size, device_mesh["tensor_parallel"].size())
+    mesh = init_device_mesh(device_mesh.device_type, shape, mesh_dim_names=(*FSDP_DIMS, "tensor_parallel"))
+    # Row-major like Fabric's, so a rank has the same place in both: its data-parallel index (the sampler's) is
+    # replica * S + shard, and its tensor-parallel group, which must read the same samples, is Fabric's.
+    replica, shard = (mesh[name].get_local_rank() for name in FSDP_DIMS)
+    assert replica * fsdp_shard_size + shard == device_mesh["data_parallel"].get_local_rank()
+    assert mesh["tensor_parallel"].get_local_rank() == device_mesh["tensor_parallel"].get_local_rank()
+    return mesh[FSDP_DIMS], mesh["tensor_parallel"]
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:

@@ -4,7 +4,8 @@
 - ``ddp`` → ``DDPStrategy`` with AstrAI's ``gradient_as_bucket_view=True, broadcast_buffers=False``;
 - ``fsdp`` → ``ModelParallelStrategy`` running ``parallelize`` (FSDP2 ``fully_shard`` on every decoder block and
   the root), with explicit mesh sizes (Lightning's ``"auto"`` would put every rank on the tensor axis of one node,
-  leaving FSDP a data mesh of one rank and every rank all the data).
+  leaving FSDP a data mesh of one rank and every rank all the data); ``--fsdp_shard_size`` below the data-parallel
+  size makes it HSDP (``FSDPLayout``).
 
 Any mode with a world of one process trains on a single device. Launching: the CLI launches ``nprocs`` local
 ranks itself; under ``fabric run``, torchrun or SLURM the processes already exist, the environment fixes the
@@ -81,6 +82,36 @@ def resolve_topology(args: TrainArgs) -> Topology:
             stacklevel=2,
         )
     return topology
+
+
+@dataclass(frozen=True)
+class FSDPLayout:
+    """How FSDP's ranks are arranged: ``replicas`` groups of ``shards`` ranks, each rank a group of ``tp`` for
+    tensor parallelism. One replica is plain FSDP; more is HSDP (sharded inside a group, replicated across)."""
+
+    replicas: int
+    shards: int
+    tp: int = 1
+
+    def describe(self) -> str:
+        """``2 replica(s) x 2 shard(s) x 2 tensor-parallel``, for the plan."""
+        tp = f" x {self.tp} tensor-parallel" if self.tp > 1 else ""
+        return f"{self.replicas} replica(s) x {self.shards} shard(s){tp}"
+
+
+def fsdp_layout(args: TrainArgs, world_size: int) -> FSDPLayout:
+    """The layout ``--tp_size`` and ``--fsdp_shard_size`` ask of ``world_size`` ranks, checked."""
+    tp_size = args.tp_size or 1
+    if world_size % tp_size:
+        raise ConfigError(f"tp_size {tp_size} must divide the world size {world_size}")
+    data_parallel_size = world_size // tp_size
+    shards = args.fsdp_shard_size or data_parallel_size
+    if data_parallel_size % shards:
+        raise ConfigError(
+            f"fsdp_shard_size {shards} must divide the data-parallel size {data_parallel_size} (world size "
+            f"{world_size} / tp_size {tp_size}); the ranks per node is the usual choice"
+        )
+    return FSDPLayout(data_parallel_size // shards, shards, tp_size)
 
 
 def resolve_accelerator(args: TrainArgs) -> str:
@@ -201,9 +232,10 @@ def precision_of(fabric: Fabric) -> str:
 def build_fabric(args: TrainArgs, topology: Topology) -> Fabric:
     accelerator = resolve_accelerator(args)
     world_size = topology.world_size
+    if world_size == 1 and (args.tp_size or 1) > 1:
+        raise ConfigError(f"tp_size {args.tp_size} needs at least {args.tp_size} processes (--nprocs)")
+    layout = fsdp_layout(args, world_size) if args.parallel_mode == "fsdp" else None
     if world_size == 1:
-        if (args.tp_size or 1) > 1:
-            raise ConfigError(f"tp_size {args.tp_size} needs at least {args.tp_size} processes (--nprocs)")
         strategy = "auto"
     elif args.parallel_mode == "none":
         raise ConfigError(
@@ -216,19 +248,18 @@ def build_fabric(args: TrainArgs, topology: Topology) -> Fabric:
             gradient_as_bucket_view=True, broadcast_buffers=False,
         )  # fmt: skip
     else:
-        tp_size = args.tp_size or 1
         if args.fsdp_cpu_offload and accelerator == "cpu":
             raise ConfigError("fsdp_cpu_offload moves state from an accelerator to CPU memory; this run is on CPU")
-        if world_size % tp_size:
-            raise ConfigError(f"tp_size {tp_size} must divide the world size {world_size}")
         knobs = dict(
             reshard_after_forward=args.fsdp_reshard_after_forward, param_dtype=args.fsdp_param_dtype,
             reduce_dtype=args.fsdp_reduce_dtype, cpu_offload=args.fsdp_cpu_offload,
+            fsdp_shard_size=layout.shards,
         )  # fmt: skip
         strategy = ModelParallelStrategy(
             parallelize_fn=partial(parallelize, **knobs),
-            data_parallel_size=world_size // tp_size,  # explicit: Lightning's "auto" would put every rank on TP
-            tensor_parallel_size=tp_size,
+            # explicit: Lightning's "auto" would put every rank on TP
+            data_parallel_size=layout.replicas * layout.shards,
+            tensor_parallel_size=layout.tp,
             process_group_backend=args.backend,
             timeout=timedelta(seconds=args.dist_timeout),
         )
@@ -254,8 +285,35 @@ def setup_frozen(fabric: Fabric, module: nn.Module) -> nn.Module:
     to wrap a module with nothing to train, and has nothing to synchronise)."""
     module = fabric.strategy.precision.convert_module(module.requires_grad_(False).eval())
     if is_fsdp(fabric):
-        return parallelize(module, fabric.strategy.device_mesh, reshard_after_forward=True)
+        shard_size = fsdp_shard_size_of(fabric)
+        return parallelize(module, fabric.strategy.device_mesh, reshard_after_forward=True, fsdp_shard_size=shard_size)
     return fabric.to_device(module)
+
+
+def fsdp_shard_size_of(fabric: Fabric) -> int | None:
+    """The shard size the Fabric's FSDP applies: 1 on a single device; under ``ModelParallelStrategy`` running
+    ``parallelize``, its ``fsdp_shard_size`` (None there means every data-parallel rank); None for any other
+    strategy, or a ``parallelize_fn`` of the user's own (whose layout only it knows)."""
+    if fabric.world_size == 1:
+        return 1
+    # Lightning keeps the function private (pinned <2.7); a partial of ours is the only kind we can read.
+    function = getattr(fabric.strategy, "_parallelize_fn", None)
+    if not (is_fsdp(fabric) and isinstance(function, partial) and function.func is parallelize):
+        return None
+    return function.keywords.get("fsdp_shard_size") or data_parallel(fabric)[1]
+
+
+def check_fsdp_shard_size(fabric: Fabric, args: TrainArgs) -> None:
+    """Refuse ``--fsdp_shard_size`` that a Fabric built elsewhere would not apply: its strategy decides the layout
+    (as it decides ``parallel_mode``), and a silently different one would cost other memory and communication."""
+    if args.fsdp_shard_size is None or fsdp_shard_size_of(fabric) == args.fsdp_shard_size:
+        return
+    raise ConfigError(
+        f"fsdp_shard_size {args.fsdp_shard_size}: the Fabric given to train() decides the sharding, and its "
+        f"{type(fabric.strategy).__name__} does not shard over {args.fsdp_shard_size} rank(s); build it with "
+        "ModelParallelStrategy(parallelize_fn=partial(astrai_fabric.parallelize.parallelize, "
+        f"fsdp_shard_size={args.fsdp_shard_size}), ...) or drop --fsdp_shard_size"
+    )
 
 
 def data_parallel(fabric: Fabric) -> tuple[int, int]:

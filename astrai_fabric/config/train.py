@@ -225,6 +225,11 @@ class TrainArgs:
     compute); default: the compute dtype."""
     fsdp_cpu_offload: bool = False
     """FSDP: keep sharded parameters, gradients and optimizer state in CPU memory (for models that do not fit)."""
+    fsdp_shard_size: int | None = None
+    """FSDP: ranks each parameter is sharded over, the other data-parallel ranks holding replicas of those shards
+    (HSDP), so that between shard groups only one gradient all-reduce per step travels; it must divide the
+    data-parallel size (world size / ``tp_size``). Default: all data-parallel ranks (plain FSDP). Across nodes the
+    ranks per node is the usual choice (docs/distributed.md)."""
     sharded_checkpoint: bool = False
     """FSDP: save the resume state with torch distributed checkpoint, each rank writing its shard into the
     checkpoint's ``state/`` folder (resumable at another world size); the gathered ``optimizer.pt`` is left out."""
@@ -336,7 +341,7 @@ class TrainArgs:
         ]
         optional_positive = [
             "window_size", "stride", "max_steps", "max_tokens", "tp_size", "cycle_length", "keep_last_k",
-            "num_threads",
+            "num_threads", "fsdp_shard_size",
         ]  # fmt: skip
         if self.num_workers is not None and self.num_workers < 0:
             problems.append(f"num_workers must be >= 0, got {self.num_workers}")
@@ -378,6 +383,8 @@ class TrainArgs:
             problems.append(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
         if (self.tp_size or 1) > 1 and self.parallel_mode != "fsdp":
             problems.append(f"tp_size {self.tp_size} needs parallel_mode fsdp (the 2-D mesh), got {self.parallel_mode}")
+        if self.fsdp_shard_size is not None and self.parallel_mode != "fsdp":
+            problems.append(f"fsdp_shard_size needs parallel_mode fsdp, got {self.parallel_mode}")
         if self.sharded_checkpoint and self.parallel_mode != "fsdp":
             problems.append(f"sharded_checkpoint needs parallel_mode fsdp, got {self.parallel_mode}")
         if self.device_type not in (None, "cpu", "cuda"):

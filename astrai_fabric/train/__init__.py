@@ -14,7 +14,7 @@ from lightning.fabric import Fabric
 
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import ConfigError, TrainingError
-from astrai_fabric.strategy import build_fabric, closing_loggers, resolve_topology
+from astrai_fabric.strategy import build_fabric, check_fsdp_shard_size, closing_loggers, resolve_topology
 from astrai_fabric.train import dpo, grpo, lm
 from astrai_fabric.train.dry_run import dry_run
 
@@ -42,9 +42,11 @@ def train(fabric: Fabric, args: TrainArgs) -> list[dict]:
     """Train with a Fabric you built and launched: its strategy, devices, precision and loggers are used as they
     are, and nothing is launched. The flags that choose those (``parallel_mode``, ``nprocs``, ``num_nodes``,
     ``device_type``, ``backend``, ``precision``, ``tp_size``, ``fsdp_*``) are then ignored, except
-    ``fsdp_sync_each_micro_batch``: the loop honours it when the Fabric's strategy is ``ModelParallelStrategy``.
-    Returns the per-step records of ``loop.fit``; every rank must call it."""
+    ``fsdp_sync_each_micro_batch``: the loop honours it when the Fabric's strategy is ``ModelParallelStrategy``;
+    and ``fsdp_shard_size``, refused unless the strategy shards that way. Returns the per-step records of
+    ``loop.fit``; every rank must call it."""
     args.validate()
+    check_fsdp_shard_size(fabric, args)
     if args.train_type not in TRAIN_TYPES:
         raise ConfigError(f"train_type must be one of {sorted(TRAIN_TYPES)}, got {args.train_type!r}")
     try:

@@ -15,6 +15,7 @@ from astrai_fabric.profiling import describe_profiling
 from astrai_fabric.schedule import StepPlan
 from astrai_fabric.strategy import (
     describe_cpu_threads,
+    fsdp_layout,
     planned_cpu_threads,
     resolve_accelerator,
     resolve_num_workers,
@@ -40,11 +41,17 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
     topology = resolve_topology(args)
     tp_size = args.tp_size or 1
     data_parallel_size = topology.world_size // tp_size
+    layout = None
+    if args.parallel_mode == "fsdp" and topology.world_size > 1:
+        try:
+            layout = fsdp_layout(args, topology.world_size)
+        except UserError as err:
+            problems.append(str(err))
     accelerator = resolve_accelerator(args)
     lines.append(
         f"  processes    {topology.world_size} ({topology.devices} per node x {topology.num_nodes} node(s)), "
         f"parallel_mode {args.parallel_mode if topology.world_size > 1 else 'single device'}"
-        + (f", tensor parallel {tp_size}" if tp_size > 1 else "")
+        + (f" ({layout.describe()})" if layout is not None else "")
         + f", {accelerator}, precision {resolve_precision(args.precision, accelerator)}"
     )
     problems += _ckpt_dir_problems(args)
