@@ -33,7 +33,7 @@ import yaml
 from jsonargparse import ArgumentParser, set_parsing_settings
 
 from astrai_fabric import __version__
-from astrai_fabric.config.train import COMMAND_LINE_ONLY, TrainArgs
+from astrai_fabric.config.train import COMMAND_LINE_ONLY, TrainArgs, resolved_recipe
 from astrai_fabric.errors import TrainingError, UserError
 
 TRAIN_COMMANDS = ("seq", "sft", "dpo", "grpo")
@@ -246,8 +246,6 @@ def train_command(train_type: str, argv: list[str]) -> int:
     args, print_config = parse_train_args(train_type, argv)
     _crash_log_dir = Path(args.ckpt_dir)
     if print_config:
-        from astrai_fabric.train.common import resolved_recipe
-
         print(resolved_recipe(args), end="")
         return 0
     from astrai_fabric.train import TRAIN_TYPES, run  # imports Lightning (~5 s): only when training
@@ -273,7 +271,8 @@ def _set_cpu_threads(num_threads: int | None) -> None:
 
 
 def generate_command(argv: list[str]) -> int:
-    from astrai_fabric.generate import GenerateArgs, run_generate
+    from astrai_fabric.config.generate import GenerateArgs
+    from astrai_fabric.generate import run_generate
 
     parser = ArgumentParser(prog="astrai-fabric generate", description=GenerateArgs.__doc__, exit_on_error=False)
     parser.add_class_arguments(GenerateArgs, nested_key=None, as_group=False)

@@ -33,7 +33,7 @@ from astrai_fabric.checkpoint import find_latest_checkpoint
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.data.sampler import ResumableSampler
 from astrai_fabric.errors import TrainingError, raised_on_every_rank
-from astrai_fabric.metrics import GradSNR
+from astrai_fabric.metrics import GradSNR, by_device_mesh, global_norm
 from astrai_fabric.preemption import StopRequest
 from astrai_fabric.randomness import ModuleNoise
 from astrai_fabric.reporting import Reporter
@@ -71,10 +71,10 @@ def fit(
     grad_state = GradientState(args.grad_accum_steps)
     # Reducing every micro-batch is an FSDP choice (gradients stay sharded); any other strategy keeps the gate.
     skip_sync = not (args.fsdp_sync_each_micro_batch and is_fsdp(fabric))
-    world_size = plan.world_size  # data-parallel ranks (tensor-parallel ranks share their samples)
+    num_dp_ranks = plan.num_dp_ranks  # tensor-parallel ranks share their samples
     grad_snr = GradSNR() if "grad_snr" in args.metrics else None
     # Noise (NEFTune) depends only on the position: seed, data-parallel rank, step, micro-batch (see randomness).
-    noise = ModuleNoise(getattr(model, "module", model), args.random_seed, data_parallel(fabric)[0], fabric.device)
+    noise = ModuleNoise(getattr(model, "module", model), args.random_seed, data_parallel(fabric).dp_rank, fabric.device)
     last_saved_step = position.optimizer_step
     window_loss = torch.zeros((), device=fabric.device)
     window_metrics: dict[str, Tensor] = {}
@@ -94,10 +94,10 @@ def fit(
             window_loss += loss.detach()
             for name, value in metrics.items():
                 window_metrics[name] = window_metrics.get(name, 0.0) + value.float()
-            num_tokens, num_samples = _num_tokens(batch) * world_size, batch["input_ids"].size(0) * world_size
+            num_tokens, num_samples = _num_tokens(batch) * num_dp_ranks, batch["input_ids"].size(0) * num_dp_ranks
             window_tokens, window_samples = window_tokens + num_tokens, window_samples + num_samples
             position.sample_index += batch["input_ids"].size(0)
-            position.consumed_samples += args.batch_per_device * world_size
+            position.consumed_samples += args.batch_per_device * num_dp_ranks
             position.num_tokens += num_tokens
             if is_accumulating:
                 continue
@@ -112,7 +112,8 @@ def fit(
             stop_requested = means.pop() > 0
             if stop_requested and stop is not None:
                 stop.honoured = True
-            grads, grad_norm = _gradients_and_norm(model)  # the same on every rank
+            grads = by_device_mesh(p.grad for p in model.parameters() if p.grad is not None)
+            grad_norm = global_norm(grads)  # the same on every rank
             if math.isfinite(means[0]) and math.isfinite(grad_norm):
                 snr = grad_snr.update(model) if grad_snr is not None else None  # unclipped gradients, as AstrAI
                 _clip(grads, grad_norm, args.max_grad_norm)
@@ -210,25 +211,6 @@ def _budget_reached(position: RunPosition, args: TrainArgs) -> bool:
     return (args.max_steps is not None and position.optimizer_step >= args.max_steps) or (
         args.max_tokens is not None and position.num_tokens >= args.max_tokens
     )
-
-
-def _gradients_and_norm(model: nn.Module) -> tuple[dict[Any, list[Tensor]], float]:
-    """The gradients grouped by device mesh, and their global L2 norm (the same on every rank).
-
-    Torch's ``clip_grad_norm_`` (and Fabric's) needs every gradient on one device mesh; with tensor parallelism
-    some live on the 2-D mesh and the rest on the data axis only, and torch refuses one norm over both meshes, so
-    each mesh's norm is taken on its own and the parts combined.
-    """
-    grads_by_mesh: dict[Any, list[Tensor]] = {}
-    for param in model.parameters():
-        if param.grad is not None:
-            grads_by_mesh.setdefault(getattr(param.grad, "device_mesh", None), []).append(param.grad)
-    norms = []
-    for grads in grads_by_mesh.values():
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    total = float(torch.linalg.vector_norm(torch.stack([n.float().to(norms[0].device) for n in norms])))
-    return grads_by_mesh, total
 
 
 def _clip(grads_by_mesh: dict[Any, list[Tensor]], norm: float, max_norm: float) -> None:

@@ -29,7 +29,8 @@ class StepPlan:
 
     num_samples: int
     """Training samples (after the validation split)."""
-    world_size: int
+    num_dp_ranks: int
+    """Data-parallel ranks: the ones that consume different samples (tensor-parallel ranks share theirs)."""
     batch_per_device: int
     grad_accum_steps: int
     n_epoch: int
@@ -38,7 +39,7 @@ class StepPlan:
     @property
     def samples_per_rank(self) -> int:
         """Samples each rank sees per epoch (the sampler pads the last round by wrapping around)."""
-        return math.ceil(self.num_samples / self.world_size)
+        return math.ceil(self.num_samples / self.num_dp_ranks)
 
     @property
     def micro_batches_per_rank(self) -> int:
@@ -48,11 +49,11 @@ class StepPlan:
     @property
     def global_batch_size(self) -> int:
         """Samples per optimizer step, all ranks together."""
-        return self.world_size * self.batch_per_device * self.grad_accum_steps
+        return self.num_dp_ranks * self.batch_per_device * self.grad_accum_steps
 
     @property
     def total_steps(self) -> int:
-        """AstrAI's ``(ceil(ceil(N / world) / batch) // accum) * epochs``: the schedule's length.
+        """AstrAI's ``(ceil(ceil(N / ranks) / batch) // accum) * epochs``: the schedule's length.
 
         Accumulation windows run across epoch boundaries, so a run may take up to ``n_epoch - 1`` more steps than
         this; the learning rate then stays at its floor (AstrAI's behaviour).
@@ -68,14 +69,14 @@ class StepPlan:
             raise ConfigError("the training set is empty: no sample fits (check data_root_path and window_size)")
         if self.total_steps < 1:
             raise ConfigError(
-                f"no optimizer step fits in the data: {self.num_samples} samples over {self.world_size} rank(s) make "
+                f"no optimizer step fits in the data: {self.num_samples} samples over {self.num_dp_ranks} rank(s) make "
                 f"{self.micro_batches_per_rank} micro-batch(es) of {self.batch_per_device} per rank and epoch, fewer "
                 f"than grad_accum_steps={self.grad_accum_steps}; lower batch_per_device or grad_accum_steps"
             )
 
     def describe(self) -> str:
         return (
-            f"batch: {self.world_size} rank(s) x {self.batch_per_device} per device x {self.grad_accum_steps} "
+            f"batch: {self.num_dp_ranks} rank(s) x {self.batch_per_device} per device x {self.grad_accum_steps} "
             f"accumulation = {self.global_batch_size} samples per optimizer step\n"
             f"steps: {self.num_samples} samples -> {self.samples_per_rank} per rank -> "
             f"{self.micro_batches_per_rank} micro-batches per rank per epoch -> {self.total_steps} optimizer steps "

@@ -19,6 +19,7 @@ import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
+from typing import NamedTuple
 
 import torch
 from lightning.fabric import Fabric
@@ -231,7 +232,16 @@ def setup_frozen(fabric: Fabric, module: nn.Module) -> nn.Module:
     return fabric.to_device(module)
 
 
-def data_parallel(fabric: Fabric) -> tuple[int, int]:
-    """``(rank, size)`` on the data axis: the ranks of one tensor-parallel group train on the same samples."""
+class DataParallel(NamedTuple):
+    """This rank's place on the data axis: the ranks of one tensor-parallel group train on the same samples."""
+
+    dp_rank: int
+    """This rank's index among the data-parallel ranks."""
+    num_dp_ranks: int
+    """Data-parallel ranks: the ones that consume different samples (the world size over ``tp_size``)."""
+
+
+def data_parallel(fabric: Fabric) -> DataParallel:
+    """Where this rank sits on the data axis (``DataParallel``)."""
     kwargs = getattr(fabric.strategy, "distributed_sampler_kwargs", None) or {"rank": 0, "num_replicas": 1}
-    return kwargs["rank"], kwargs["num_replicas"]
+    return DataParallel(kwargs["rank"], kwargs["num_replicas"])

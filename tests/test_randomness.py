@@ -60,7 +60,7 @@ def test_neftune_noise_depends_only_on_seed_rank_step_and_micro_batch():
 
 
 def test_the_loader_leaves_the_global_rng_alone_and_seeds_its_workers_by_epoch():
-    sampler = ResumableSampler(10, rank=1, world_size=2, seed=3)
+    sampler = ResumableSampler(10, rank=1, num_dp_ranks=2, seed=3)
     loader = SeededLoader(list(range(10)), batch_size=2, sampler=sampler, generator=torch.Generator())
     state = torch.get_rng_state()
     base_seeds = []

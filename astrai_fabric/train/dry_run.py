@@ -9,7 +9,7 @@ import torch
 from astrai_fabric import assets
 from astrai_fabric.checkpoint import checkpoints_after
 from astrai_fabric.ckpt_dir import in_use_message, lock_holder, not_ours_message, unowned
-from astrai_fabric.config.train import TrainArgs
+from astrai_fabric.config.train import RECIPE_FILE, RECIPE_HEADER, TrainArgs
 from astrai_fabric.errors import UserError
 from astrai_fabric.schedule import StepPlan
 from astrai_fabric.strategy import (
@@ -20,16 +20,11 @@ from astrai_fabric.strategy import (
     resolve_precision,
     resolve_topology,
 )
-from astrai_fabric.train.common import (
-    RECIPE_FILE,
-    RECIPE_HEADER,
-    build_schedule,
-    describe_parameters,
-    meta_model,
-    read_start,
-    split_validation,
-    written_names,
-)
+from astrai_fabric.train.common import build_schedule, describe_parameters
+from astrai_fabric.train.loaders import split_validation
+from astrai_fabric.train.models import meta_model
+from astrai_fabric.train.outputs import written_names
+from astrai_fabric.train.start import read_start
 
 
 def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train type's build_dataset
@@ -38,7 +33,7 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
     lines = [f"plan for `astrai-fabric {args.train_type}` (dry run: nothing is trained or written)"]
     topology = resolve_topology(args)
     tp_size = args.tp_size or 1
-    data_parallel_size = topology.world_size // tp_size
+    num_dp_ranks = topology.world_size // tp_size
     accelerator = resolve_accelerator(args)
     lines.append(
         f"  processes    {topology.world_size} ({topology.devices} per node x {topology.num_nodes} node(s)), "
@@ -81,7 +76,7 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
         train_set, val_set = split_validation(dataset, args.val_split, args.random_seed)
         held_out = f", {len(val_set):,} held out for validation every {args.val_step} steps" if val_set else ""
         lines.append(f"  data         {len(train_set):,} samples: {summary}{held_out}")
-        plan = StepPlan(len(train_set), data_parallel_size, args.batch_per_device, args.grad_accum_steps,
+        plan = StepPlan(len(train_set), num_dp_ranks, args.batch_per_device, args.grad_accum_steps,
                         args.n_epoch, args.warmup_ratio)  # fmt: skip
         lines += [f"  {line}" for line in plan.describe().splitlines()]
         try:

@@ -33,7 +33,8 @@ from astrai_fabric.randomness import seeded_generator
 from astrai_fabric.rewards import Reward, load_reward, score
 from astrai_fabric.strategy import data_parallel
 from astrai_fabric.tokenizer import Tokenizer
-from astrai_fabric.train.common import Start, reference_model, require_jsonl, resolve_start, train_on
+from astrai_fabric.train.common import train_on
+from astrai_fabric.train.start import Start, reference_model, require_jsonl, resolve_start
 from astrai_fabric.training_state import RunPosition
 
 
@@ -91,7 +92,7 @@ class Rollouts:
         max_new = min(args.rollout_max_tokens, self.window_size - max(len(p) for p in prompts))
         # Seeded by position (data-parallel rank, step, micro-batch of the chunk): a resume at a rollout boundary
         # samples exactly what the first run did, and the tensor-parallel ranks of one replica sample alike.
-        rank, step = data_parallel(self.fabric)[0], self.position.optimizer_step
+        rank, step = data_parallel(self.fabric).dp_rank, self.position.optimizer_step
         generator = seeded_generator(self.fabric.device, args.random_seed, "rollout", rank, step, index)
         self.model.eval()
         responses = generate(
@@ -119,7 +120,7 @@ class Rollouts:
 
 def build_dataset(args: TrainArgs, start: Start) -> tuple[GroupDataset | PromptDataset, str]:
     """Scored groups (offline) or prompts (online: the data holds no responses), and a description of them."""
-    window_size = args.window_size or start.model_config.max_position_embeddings
+    window_size = start.window_size
     data_path = require_jsonl(assets.resolve(args.data_root_path), "grpo")
     records = read_jsonl(data_path)
     tokenizer = start.need_tokenizer("grpo")
@@ -157,9 +158,8 @@ def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
         collate = partial(collate_groups, pad_id=start.need_tokenizer("grpo").padding_id)
         return train_on(fabric, args, start, dataset, summary, compute_loss, collate, meta)
     reward = load_reward(args.reward, args.trust_code)
-    window_size = args.window_size or start.model_config.max_position_embeddings
 
     def rollouts(model: nn.Module, loader: Any, position: RunPosition) -> Rollouts:
-        return Rollouts(fabric, model, loader, start.need_tokenizer("grpo"), reward, args, window_size, position)
+        return Rollouts(fabric, model, loader, start.need_tokenizer("grpo"), reward, args, start.window_size, position)
 
     return train_on(fabric, args, start, dataset, summary, compute_loss, collate_prompts, meta, rollouts)
