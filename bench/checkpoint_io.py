@@ -31,10 +31,11 @@ from safetensors.torch import load_file, save_file
 
 from astrai_fabric.checkpoint import load_checkpoint
 from astrai_fabric.config import ModelConfig
+from astrai_fabric.loop import RunPosition
 from astrai_fabric.model import AutoRegressiveLM
 from astrai_fabric.optim import build_optimizer
 from astrai_fabric.schedule import build_scheduler
-from astrai_fabric.training_state import RunPosition, save_training_checkpoint
+from astrai_fabric.training_state import save_training_checkpoint
 
 CONFIG = dict(
     vocab_size=32000, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,

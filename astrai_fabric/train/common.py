@@ -29,7 +29,7 @@ from astrai_fabric.checkpoint import (
 from astrai_fabric.ckpt_dir import record_written
 from astrai_fabric.config.train import RECIPE_FILE, TrainArgs, resolved_recipe
 from astrai_fabric.errors import CheckpointError, UserError
-from astrai_fabric.loop import LossFn, fit
+from astrai_fabric.loop import LoopArgs, LossFn, TrainState, fit
 from astrai_fabric.metrics import MetricLog, flops_per_token, peak_flops
 from astrai_fabric.optim import build_optimizer, optimizer_state_bytes, resolve_ns_dtype
 from astrai_fabric.plot import PLOT_FILE, plot_runs
@@ -51,7 +51,6 @@ from astrai_fabric.train.resume import start_position
 from astrai_fabric.train.start import Start
 from astrai_fabric.training_state import (
     STATE_DIR,
-    RunPosition,
     load_optimizer_state,
     load_sharded_optimizer_state,
 )
@@ -172,12 +171,13 @@ def train_on(
     compute_loss: LossFn,
     collate: Callable | None = None,
     extra_meta: dict[str, Any] | None = None,
-    make_batches: Callable[[nn.Module, Iterable, RunPosition], Iterable] | None = None,
+    make_batches: Callable[[TrainState, Iterable], Iterable] | None = None,
 ) -> list[dict[str, float]]:
     """Everything after the data is read, for every train type: split, plan, model, optimizer, resume, loop.
 
-    ``make_batches(model, loader, position)`` turns the loader's batches into training batches with the live
-    model (online GRPO samples its responses there); by default the loader's batches are trained on as they are.
+    ``make_batches(state, loader)`` turns the loader's batches into training batches with the live model and
+    position (online GRPO samples its responses there: the loop's seam, see ``loop/__init__.py``); by default the
+    loader's batches are trained on as they are.
     """
     train_set, val_set = split_validation(dataset, args.val_split, args.random_seed)
     num_dp_ranks = data_parallel(fabric).num_dp_ranks
@@ -200,7 +200,8 @@ def train_on(
         val_loader = None
         if val_set is not None:
             val_loader = make_loader(fabric, val_set, args, shuffle=False, collate=collate)[0]
-        batches = make_batches(model, train_loader, position) if make_batches is not None else train_loader
+        state = TrainState(model, optimizer, scheduler, position)
+        batches = make_batches(state, train_loader) if make_batches is not None else train_loader
 
         parameters, counts = describe_parameters(model, args)
         parameters, _, lora_line = parameters.partition("\n")
@@ -239,8 +240,9 @@ def train_on(
         )  # fmt: skip
         try:
             with StopRequest() as stop:
-                history = fit(fabric, model, optimizer, scheduler, batches, sampler, compute_loss, args, plan,
-                              position, save, reporter, val_loader, stop)  # fmt: skip
+                history = fit(fabric, state=state, batches=batches, sampler=sampler, compute_loss=compute_loss,
+                              args=LoopArgs.from_args(args), save=save, reporter=reporter, val_loader=val_loader,
+                              stop=stop)  # fmt: skip
         finally:
             shut_down_workers(train_loader, val_loader)
         latest = find_latest_checkpoint(args.ckpt_dir)

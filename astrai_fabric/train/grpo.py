@@ -27,6 +27,7 @@ from astrai_fabric.data.records import GroupDataset, PromptDataset, collate_grou
 from astrai_fabric.data.storage import read_jsonl
 from astrai_fabric.errors import ConfigError
 from astrai_fabric.generate import generate
+from astrai_fabric.loop import RunPosition, TrainState
 from astrai_fabric.lora import reference_context
 from astrai_fabric.losses import group_advantages, grpo_loss, token_logprobs, with_moe_aux_loss
 from astrai_fabric.randomness import seeded_generator
@@ -35,7 +36,6 @@ from astrai_fabric.strategy import data_parallel
 from astrai_fabric.tokenizer import Tokenizer
 from astrai_fabric.train.common import train_on
 from astrai_fabric.train.start import Start, reference_model, require_jsonl, resolve_start
-from astrai_fabric.training_state import RunPosition
 
 
 def sequence_logprobs(model: nn.Module, ids: Tensor) -> tuple[Tensor, dict]:
@@ -159,7 +159,8 @@ def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
         return train_on(fabric, args, start, dataset, summary, compute_loss, collate, meta)
     reward = load_reward(args.reward, args.trust_code)
 
-    def rollouts(model: nn.Module, loader: Any, position: RunPosition) -> Rollouts:
-        return Rollouts(fabric, model, loader, start.need_tokenizer("grpo"), reward, args, start.window_size, position)
+    def rollouts(state: TrainState, loader: Any) -> Rollouts:  # the loop's seam (loop/__init__.py)
+        tokenizer = start.need_tokenizer("grpo")
+        return Rollouts(fabric, state.model, loader, tokenizer, reward, args, start.window_size, state.position)
 
     return train_on(fabric, args, start, dataset, summary, compute_loss, collate_prompts, meta, rollouts)

@@ -17,11 +17,11 @@ from astrai_fabric.checkpoint import (
 from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import CheckpointError
+from astrai_fabric.loop import RunPosition
 from astrai_fabric.schedule import StepPlan
 from astrai_fabric.train.models import lora_spec
 from astrai_fabric.training_state import (
     RESUME_KEY,
-    RunPosition,
     check_rng_state,
     restore_rng,
 )
