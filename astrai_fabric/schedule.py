@@ -18,6 +18,7 @@ from typing import Any
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import ConfigError
 
 DEFAULT_MIN_RATE = 0.01
@@ -35,6 +36,13 @@ class StepPlan:
     grad_accum_steps: int
     n_epoch: int
     warmup_ratio: float
+
+    @classmethod
+    def from_args(cls, args: TrainArgs, num_samples: int, num_dp_ranks: int) -> StepPlan:
+        """The plan of a run of ``args`` over ``num_samples`` training samples on ``num_dp_ranks`` ranks (the run and
+        its dry run both build it here)."""
+        return cls(num_samples, num_dp_ranks, args.batch_per_device, args.grad_accum_steps, args.n_epoch,
+                   args.warmup_ratio)  # fmt: skip
 
     @property
     def samples_per_rank(self) -> int:
@@ -82,6 +90,30 @@ class StepPlan:
             f"{self.micro_batches_per_rank} micro-batches per rank per epoch -> {self.total_steps} optimizer steps "
             f"over {self.n_epoch} epoch(s), {self.warmup_steps} of them warmup"
         )
+
+
+@dataclass(frozen=True)
+class ScheduleArgs:
+    """The flags a run's schedule reads (``TrainArgs`` documents each; ``from_args`` takes them from it)."""
+
+    schedule_type: str
+    min_rate: float | None
+    cycle_length: int | None
+    t_mult: int
+    stable_steps: int | None
+    decay_steps: int | None
+    resume_schedule: bool
+    """Whether a resume continues the checkpoint's schedule (``train.common.build_schedule``)."""
+
+    @classmethod
+    def from_args(cls, args: TrainArgs) -> ScheduleArgs:
+        return cls(args.schedule_type, args.min_rate, args.cycle_length, args.t_mult, args.stable_steps,
+                   args.decay_steps, args.resume_schedule)  # fmt: skip
+
+    def build(self, optimizer: Optimizer, plan: StepPlan) -> _AstraiSchedule:
+        """This schedule over ``plan``'s steps (``build_scheduler``)."""
+        return build_scheduler(optimizer, self.schedule_type, plan.total_steps, plan.warmup_steps, self.min_rate,
+                               self.cycle_length, self.t_mult, self.stable_steps, self.decay_steps)  # fmt: skip
 
 
 def warmup_factor(t: int, warmup_steps: int, min_rate: float) -> float:

@@ -245,3 +245,13 @@ def data_parallel(fabric: Fabric) -> DataParallel:
     """Where this rank sits on the data axis (``DataParallel``)."""
     kwargs = getattr(fabric.strategy, "distributed_sampler_kwargs", None) or {"rank": 0, "num_replicas": 1}
     return DataParallel(kwargs["rank"], kwargs["num_replicas"])
+
+
+def set_cpu_threads(num_threads: int | None) -> None:
+    """``--num_threads`` for this process and, through ``OMP_NUM_THREADS``, for the ranks it launches (Lightning's
+    launcher then keeps it). Only the command line does this (``train.execute``): importing the package changes no
+    setting."""
+    if num_threads is None:
+        return
+    torch.set_num_threads(num_threads)
+    os.environ["OMP_NUM_THREADS"] = str(num_threads)

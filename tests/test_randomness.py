@@ -18,7 +18,7 @@ from astrai_fabric.data import ResumableSampler
 from astrai_fabric.model import AutoRegressiveLM
 from astrai_fabric.randomness import ModuleNoise, derive_seed
 from astrai_fabric.train import run
-from astrai_fabric.train.common import SeededLoader
+from astrai_fabric.train.loaders import SeededLoader
 
 # 4 optimizer steps of 2 x 2 windows of 16 tokens with NEFTune; the interrupted run stops after step 2.
 SEQ = dict(param_path="bundled:tiny", data_root_path="bundled:data/seq", window_size=16, batch_per_device=2,

@@ -35,7 +35,7 @@ from astrai_fabric.optim import build_optimizer, optimizer_state_bytes, resolve_
 from astrai_fabric.plot import PLOT_FILE, plot_runs
 from astrai_fabric.preemption import StopRequest
 from astrai_fabric.reporting import Reporter
-from astrai_fabric.schedule import StepPlan, build_scheduler
+from astrai_fabric.schedule import ScheduleArgs, StepPlan
 from astrai_fabric.strategy import (
     data_parallel,
     describe_cpu_threads,
@@ -44,7 +44,7 @@ from astrai_fabric.strategy import (
     precision_of,
     resolve_num_workers,
 )
-from astrai_fabric.train.loaders import make_loader, shut_down_workers, split_validation
+from astrai_fabric.train.loaders import LoaderArgs, make_loader, shut_down_workers, split_validation
 from astrai_fabric.train.models import initial_model, load_sharded_weights, lora_spec
 from astrai_fabric.train.outputs import hold_ckpt_dir, make_saver, refuse_to_overwrite, written_names
 from astrai_fabric.train.resume import start_position
@@ -100,22 +100,16 @@ def build_optimizer_and_schedule(fabric: Fabric, model: nn.Module, start: Start,
     elif start.resume is not None:
         fabric.print("optimizer: starting fresh (--resume_optimizer false)")
     optimizer = fabric.setup_optimizers(optimizer)  # after loading: Fabric copies the optimizer's param groups
-    scheduler, note = build_schedule(optimizer.optimizer, args, plan, start.resume)
+    scheduler, note = build_schedule(optimizer.optimizer, ScheduleArgs.from_args(args), plan, start.resume)
     return optimizer, scheduler, note
 
 
-def build_schedule(optimizer: Any, args: TrainArgs, plan: StepPlan, resume: Checkpoint | None):
+def build_schedule(optimizer: Any, args: ScheduleArgs, plan: StepPlan, resume: Checkpoint | None):
     """The learning-rate schedule: this run's, or on a resume the checkpoint's (AstrAI's rule) unless
     ``--resume_schedule false`` rebuilds it for this run's length from the checkpoint's step. Returns it and a note
-    for the plan (or None): the checkpoint's schedule ends before this run does, or it was rebuilt."""
-
-    def fresh():
-        return build_scheduler(
-            optimizer, args.schedule_type, plan.total_steps, plan.warmup_steps, args.min_rate, args.cycle_length,
-            args.t_mult, args.stable_steps, args.decay_steps,
-        )  # fmt: skip
-
-    scheduler = fresh()
+    for the plan (or None): the checkpoint's schedule ends before this run does, or it was rebuilt. The run and
+    its dry run both build it here."""
+    scheduler = args.build(optimizer, plan)
     if resume is None or "scheduler" not in resume.extra:
         return scheduler, None
     try:
@@ -124,7 +118,7 @@ def build_schedule(optimizer: Any, args: TrainArgs, plan: StepPlan, resume: Chec
         raise CheckpointError(f"{resume.path / 'scheduler.pt'}: {err}") from None
     step = scheduler.last_epoch
     if not args.resume_schedule:
-        scheduler = fresh()
+        scheduler = args.build(optimizer, plan)
         scheduler.continue_at(step)
         return scheduler, (
             f"schedule: rebuilt for this run's {plan.total_steps} steps (--resume_schedule false), continuing at step "
@@ -181,14 +175,7 @@ def train_on(
     """
     train_set, val_set = split_validation(dataset, args.val_split, args.random_seed)
     num_dp_ranks = data_parallel(fabric).num_dp_ranks
-    plan = StepPlan(
-        len(train_set),
-        num_dp_ranks,
-        args.batch_per_device,
-        args.grad_accum_steps,
-        args.n_epoch,
-        args.warmup_ratio,
-    )
+    plan = StepPlan.from_args(args, len(train_set), num_dp_ranks)
     plan.check()
 
     with hold_ckpt_dir(fabric, args):  # before anything is written there, until the end
@@ -196,10 +183,11 @@ def train_on(
         optimizer, scheduler, schedule_note = build_optimizer_and_schedule(fabric, model, start, args, plan)
         position = start_position(fabric, start.resume, args, plan)
         refuse_to_overwrite(fabric, args.ckpt_dir, position.optimizer_step)
-        train_loader, sampler = make_loader(fabric, train_set, args, shuffle=True, collate=collate)
+        loader_args = LoaderArgs.from_args(args)
+        train_loader, sampler = make_loader(fabric, train_set, loader_args, shuffle=True, collate=collate)
         val_loader = None
         if val_set is not None:
-            val_loader = make_loader(fabric, val_set, args, shuffle=False, collate=collate)[0]
+            val_loader = make_loader(fabric, val_set, loader_args, shuffle=False, collate=collate)[0]
         state = TrainState(model, optimizer, scheduler, position)
         batches = make_batches(state, train_loader) if make_batches is not None else train_loader
 

@@ -11,7 +11,7 @@ from astrai_fabric.checkpoint import checkpoints_after
 from astrai_fabric.ckpt_dir import in_use_message, lock_holder, not_ours_message, unowned
 from astrai_fabric.config.train import RECIPE_FILE, RECIPE_HEADER, TrainArgs
 from astrai_fabric.errors import UserError
-from astrai_fabric.schedule import StepPlan
+from astrai_fabric.schedule import ScheduleArgs, StepPlan
 from astrai_fabric.strategy import (
     describe_cpu_threads,
     planned_cpu_threads,
@@ -76,8 +76,7 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
         train_set, val_set = split_validation(dataset, args.val_split, args.random_seed)
         held_out = f", {len(val_set):,} held out for validation every {args.val_step} steps" if val_set else ""
         lines.append(f"  data         {len(train_set):,} samples: {summary}{held_out}")
-        plan = StepPlan(len(train_set), num_dp_ranks, args.batch_per_device, args.grad_accum_steps,
-                        args.n_epoch, args.warmup_ratio)  # fmt: skip
+        plan = StepPlan.from_args(args, len(train_set), num_dp_ranks)
         lines += [f"  {line}" for line in plan.describe().splitlines()]
         try:
             plan.check()
@@ -86,7 +85,7 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
             groups = len(lrs) if isinstance(lrs, list) and lrs else 1  # a stand-in with the saved schedule's groups
             optimizer = torch.optim.SGD([{"params": [torch.zeros(1, requires_grad=True)]} for _ in range(groups)],
                                         lr=args.max_lr)  # fmt: skip
-            scheduler, note = build_schedule(optimizer, args, plan, start.resume)
+            scheduler, note = build_schedule(optimizer, ScheduleArgs.from_args(args), plan, start.resume)
             lines.append(f"  schedule     {scheduler.describe()}, peak learning rate {args.max_lr}")
             if note:
                 lines.append(f"               {note}")

@@ -27,7 +27,7 @@ from astrai_fabric.data.records import GroupDataset, PromptDataset, collate_grou
 from astrai_fabric.data.storage import read_jsonl
 from astrai_fabric.errors import ConfigError
 from astrai_fabric.generate import generate
-from astrai_fabric.loop import RunPosition, TrainState
+from astrai_fabric.loop.state import RunPosition, TrainState
 from astrai_fabric.lora import reference_context
 from astrai_fabric.losses import group_advantages, grpo_loss, token_logprobs, with_moe_aux_loss
 from astrai_fabric.randomness import seeded_generator

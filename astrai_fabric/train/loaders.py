@@ -6,6 +6,7 @@ loop.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from lightning.fabric import Fabric
@@ -43,9 +44,26 @@ class SeededLoader(DataLoader):
         return super().__iter__()
 
 
+@dataclass(frozen=True)
+class LoaderArgs:
+    """The flags the loaders read (``TrainArgs`` documents each; ``from_args`` takes them from it)."""
+
+    batch_per_device: int
+    num_workers: int | None
+    pin_memory: bool
+    persistent_workers: bool
+    random_seed: int
+
+    @classmethod
+    def from_args(cls, args: TrainArgs) -> LoaderArgs:
+        return cls(args.batch_per_device, args.num_workers, args.pin_memory, args.persistent_workers,
+                   args.random_seed)  # fmt: skip
+
+
 def make_loader(
-    fabric: Fabric, dataset: Dataset, args: TrainArgs, shuffle: bool, collate: Callable | None = None
+    fabric: Fabric, dataset: Dataset, args: LoaderArgs, shuffle: bool, collate: Callable | None = None
 ) -> tuple[DataLoader, ResumableSampler]:
+    """The loader of ``dataset`` on this rank (Fabric-wrapped) and the ``ResumableSampler`` that orders it."""
     sampler = ResumableSampler(len(dataset), *data_parallel(fabric), args.random_seed, shuffle)
     num_workers = resolve_num_workers(args.num_workers, local_ranks(fabric))[0]
     loader = SeededLoader(

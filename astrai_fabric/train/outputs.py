@@ -24,7 +24,7 @@ from astrai_fabric.checkpoint import (
 from astrai_fabric.ckpt_dir import check_owned, lock_ckpt_dir
 from astrai_fabric.config.train import RECIPE_FILE, RECIPE_HEADER, TrainArgs, resolved_recipe
 from astrai_fabric.errors import CheckpointError, raised_on_every_rank
-from astrai_fabric.loop import RunPosition
+from astrai_fabric.loop.state import RunPosition
 from astrai_fabric.metrics import METRIC_FILE, MetricLog
 from astrai_fabric.plot import PLOT_FILE
 from astrai_fabric.strategy import (

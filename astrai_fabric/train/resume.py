@@ -17,7 +17,7 @@ from astrai_fabric.checkpoint import (
 from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import CheckpointError
-from astrai_fabric.loop import RunPosition
+from astrai_fabric.loop.state import RunPosition
 from astrai_fabric.schedule import StepPlan
 from astrai_fabric.train.models import lora_spec
 from astrai_fabric.training_state import (
