@@ -135,6 +135,7 @@ def peak_flops(device: torch.device, precision: str, given: float | None) -> flo
         return given
     if device.type != "cuda":
         return None
+    # Deferred: plot.py imports this module (METRIC_FILE) and must not import Lightning (~17 s here).
     from lightning.fabric.utilities.throughput import get_available_flops
 
     dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float32

@@ -369,6 +369,7 @@ class TrainArgs:
             raise ConfigError("invalid training arguments: " + "; ".join(problems))
 
     def _lora_problems(self) -> list[str]:
+        # Deferred for a cycle: lora imports model/, whose package imports config/.
         from astrai_fabric.lora import TARGETS
 
         problems = []

@@ -39,7 +39,7 @@ from astrai_fabric.strategy import (
     is_fsdp,
     setup_frozen,
 )
-from astrai_fabric.tokenizer import TOKENIZER_FILE, Tokenizer
+from astrai_fabric.tokenizer import Tokenizer
 from astrai_fabric.train.models import initial_model, load_sharded_weights, meta_model
 from astrai_fabric.train.resume import check_resume, resume_checkpoint
 
@@ -81,13 +81,15 @@ class Start:
 T = TypeVar("T")
 
 
-def read_on_rank_zero(fabric: Fabric, read: Callable[[], T], paths: Iterable[Path]) -> T:
-    """``read()`` on every rank when every rank sees ``paths``, else on rank 0 only, its result sent to the others
-    (so a resume needs no shared filesystem). A mistake found while reading is raised on every rank, and shown once
-    when every rank found it (``raised_on_every_rank``)."""
+def read_on_rank_zero(fabric: Fabric, read: Callable[[], T], paths: Iterable[str | Path]) -> T:
+    """``read()`` on every rank when every rank sees ``paths`` (as flags give them: ``bundled:`` names are
+    resolved here), else on rank 0 only, its result sent to the others (so a resume needs no shared filesystem). A
+    mistake found while reading is raised on every rank, and shown once when every rank found it
+    (``raised_on_every_rank``)."""
     if fabric.world_size == 1:
         return read()
-    visible = all(Path(p).exists() for p in paths)
+    paths = [assets.resolve(p) for p in paths]
+    visible = all(p.exists() for p in paths)
     if fabric.all_reduce(torch.tensor(float(visible), device=fabric.device), reduce_op="min").item() == 1:
         try:
             value, error = read(), None
@@ -114,16 +116,16 @@ def read_on_rank_zero(fabric: Fabric, read: Callable[[], T], paths: Iterable[Pat
 
 def resolve_start(fabric: Fabric, args: TrainArgs) -> Start:
     """The start of the run, read where the files are (see ``read_on_rank_zero``)."""
-    paths = [assets.resolve(args.param_path)]
+    paths = [args.param_path]
     if isinstance(args.resume, str) and args.resume not in ("auto", "true", "false"):
-        paths.append(Path(args.resume))
+        paths.append(args.resume)
     return read_on_rank_zero(fabric, partial(read_start, args), paths)
 
 
 def read_start(args: TrainArgs) -> Start:
     """Read ``param_path`` and find the checkpoint to resume from, checking they belong together."""
     check_writable(args.ckpt_dir)
-    param_path = assets.resolve(args.param_path)
+    param_path, data_path = assets.resolve(args.param_path), assets.resolve(args.data_root_path)
     if not param_path.exists():
         raise UserError(f"param_path {param_path}: not found (expected a model or checkpoint directory)")
     if not (param_path / CONFIG_FILE).is_file():
@@ -155,8 +157,13 @@ def read_start(args: TrainArgs) -> Start:
             f"lora_r {args.lora_r}: param_path {param_path} has no weights to adapt (LoRA trains adapters on a "
             "trained model; pass a directory with model.safetensors)"
         )
-    dataset_config = read_dataset_config(assets.resolve(args.data_root_path), args.train_type)
-    tokenizer, no_tokenizer = _run_tokenizer(args, param_path)
+    dataset_config = read_dataset_config(data_path, args.train_type)
+    # The run's tokenizer: --tokenizer_path, which must hold one, else param_path's, where none is no error (the
+    # reason is kept for need_tokenizer): AstrAI trains seq/sft on bin shards from such a directory.
+    if args.tokenizer_path:
+        tokenizer, no_tokenizer = Tokenizer.from_dir(assets.resolve(args.tokenizer_path)), None
+    else:
+        tokenizer, no_tokenizer = Tokenizer.from_dir_if_present(param_path)
     if dataset_config is not None and dataset_config.tokenizer_dir is not None:
         tokenizer, no_tokenizer = _data_tokenizer(dataset_config, tokenizer), None
     # Larger models pad vocab_size; a smaller one cannot work.
@@ -181,20 +188,6 @@ def read_start(args: TrainArgs) -> Start:
         source,
         window_size=args.window_size or model_config.max_position_embeddings,
     )
-
-
-def _run_tokenizer(args: TrainArgs, param_path: Path) -> tuple[Tokenizer | None, str | None]:
-    """The run's tokenizer: ``--tokenizer_path``, else ``param_path``'s. A ``param_path`` without ``tokenizer.json``
-    gives none (with the reason) rather than an error: AstrAI trains seq/sft on bin shards from such a directory.
-    A named ``--tokenizer_path`` without one, or a tokenizer that is there but broken, is an error at once."""
-    if args.tokenizer_path:
-        return Tokenizer.from_dir(assets.resolve(args.tokenizer_path)), None
-    try:
-        return Tokenizer.from_dir(param_path), None
-    except UserError as err:
-        if (param_path / TOKENIZER_FILE).exists():
-            raise  # there, but broken
-        return None, str(err)
 
 
 def _data_tokenizer(config: DatasetConfig, run_tokenizer: Tokenizer | None) -> Tokenizer:
