@@ -3,6 +3,7 @@ top-down, from ``cli.main`` to the optimizer step (issue 14's "Done when").
 
     .venv/bin/python tools/reading_order.py            # prints the count, the definition's numbers, the climbs
     .venv/bin/python tools/reading_order.py --calls 300 --verbose
+    .venv/bin/python tools/reading_order.py --cycles     # only: import cycles between packages (exit 1 if any)
 
 What it does: runs one real ``astrai-fabric sft`` in this process (the bundled ``recipes/tiny-sft.yaml``, two
 optimizer steps, a temporary ``ckpt_dir``) under ``sys.setprofile`` and records, from the call of ``cli.main`` on,
@@ -30,6 +31,11 @@ Definitions, precisely:
 * A climb is a call whose module's height is strictly greater than the height of the previous call's module.
 
 The run's own output is hidden; its outcome (exit status) is printed.
+
+``--cycles`` checks the same top-level graph one level up: each module counted as its top-level part of the
+package (``astrai_fabric.train.start`` as ``astrai_fabric.train``, ``astrai_fabric.lora`` as itself), it lists
+every pair of parts that import each other, directly or through others (a deferred import is no edge: that is
+how a cycle is broken, with the reason beside it).
 """
 
 from __future__ import annotations
@@ -121,6 +127,27 @@ def heights(graph: dict[str, set[str]]) -> dict[str, int]:
     return result
 
 
+def package_cycles(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Pairs ``(a, b)``: part ``a`` imports part ``b`` and ``b`` reaches ``a`` back (see ``--cycles``)."""
+    parts: dict[str, set[str]] = {}
+    for name, deps in graph.items():
+        part = ".".join(name.split(".")[:2])
+        parts.setdefault(part, set()).update(".".join(d.split(".")[:2]) for d in deps)
+    for part, deps in parts.items():
+        deps.discard(part)
+
+    def reachable(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for dep in parts.get(todo.pop(), ()):
+                if dep not in seen:
+                    seen.add(dep)
+                    todo.append(dep)
+        return seen
+
+    return sorted((a, b) for a, deps in parts.items() for b in deps if a in reachable(b))
+
+
 def record_calls(limit: int, steps: int) -> tuple[list[tuple[str, str]], int]:
     """``(module, function)`` of the first ``limit`` calls of one tiny sft run, and the run's exit status."""
     sys.path.insert(0, str(ROOT))
@@ -172,8 +199,14 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=200, help="calls counted from cli.main (default 200)")
     parser.add_argument("--steps", type=int, default=2, help="optimizer steps of the run (default 2)")
     parser.add_argument("--verbose", action="store_true", help="print every counted call")
+    parser.add_argument("--cycles", action="store_true", help="only check for import cycles between packages")
     options = parser.parse_args()
-    height = heights(import_graph())
+    graph = import_graph()
+    cycles = package_cycles(graph)
+    print("import cycles between packages: " + (", ".join(f"{a} <-> {b}" for a, b in cycles) or "none"))
+    if options.cycles:
+        return 1 if cycles else 0
+    height = heights(graph)
     calls, status = record_calls(options.calls, options.steps)
     climbs = 0
     for index, (module, function) in enumerate(calls):
