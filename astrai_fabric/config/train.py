@@ -4,6 +4,8 @@ AstrAI's defaults.
 The CLI exposes each field as ``--name`` and a recipe is a flat YAML of the same keys. Departures from AstrAI's
 defaults are the machine-dependent ones (``device_type``, ``backend``, ``precision``); new flags follow AstrAI's
 spelling. ``validate()`` reports every bad value in one ``ConfigError``.
+One responsibility over 300 lines: every flag with its docstring (docs/recipes.md is rendered from them), their
+validation, and the resolved recipe a run writes.
 """
 
 from __future__ import annotations

@@ -49,11 +49,7 @@ from astrai_fabric.train.models import initial_model, load_sharded_weights, lora
 from astrai_fabric.train.outputs import hold_ckpt_dir, make_saver, refuse_to_overwrite, written_names
 from astrai_fabric.train.resume import start_position
 from astrai_fabric.train.start import Start
-from astrai_fabric.training_state import (
-    STATE_DIR,
-    load_optimizer_state,
-    load_sharded_optimizer_state,
-)
+from astrai_fabric.training_state import STATE_DIR, load_optimizer_state, load_sharded_optimizer_state
 
 
 def build_model(fabric: Fabric, start: Start, args: TrainArgs) -> nn.Module:

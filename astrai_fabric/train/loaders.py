@@ -16,11 +16,7 @@ from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.data import ResumableSampler
 from astrai_fabric.preemption import ignore_stop_signals
 from astrai_fabric.randomness import derive_seed
-from astrai_fabric.strategy import (
-    data_parallel,
-    local_ranks,
-    resolve_num_workers,
-)
+from astrai_fabric.strategy import data_parallel, local_ranks, resolve_num_workers
 
 
 def split_validation(dataset: Dataset, val_split: float | None, seed: int) -> tuple[Dataset, Dataset | None]:

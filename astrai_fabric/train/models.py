@@ -9,19 +9,12 @@ from lightning.fabric import Fabric
 from torch import Tensor, nn
 
 from astrai_fabric import lora
-from astrai_fabric.checkpoint import (
-    Checkpoint,
-    empty_model,
-)
+from astrai_fabric.checkpoint import Checkpoint, empty_model
 from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.model import AutoRegressiveLM
-from astrai_fabric.strategy import (
-    is_fsdp,
-)
-from astrai_fabric.training_state import (
-    load_weights,
-)
+from astrai_fabric.strategy import is_fsdp
+from astrai_fabric.training_state import load_weights
 
 
 def lora_spec(args: TrainArgs) -> lora.LoRASpec | None:

@@ -27,14 +27,10 @@ from astrai_fabric.errors import CheckpointError, raised_on_every_rank
 from astrai_fabric.loop.state import RunPosition
 from astrai_fabric.metrics import METRIC_FILE, MetricLog
 from astrai_fabric.plot import PLOT_FILE
-from astrai_fabric.strategy import (
-    LOG_DIR,
-)
+from astrai_fabric.strategy import LOG_DIR
 from astrai_fabric.train.models import lora_spec
 from astrai_fabric.train.start import Start
-from astrai_fabric.training_state import (
-    save_training_checkpoint,
-)
+from astrai_fabric.training_state import save_training_checkpoint
 
 
 def written_names(args: TrainArgs) -> list[str]:

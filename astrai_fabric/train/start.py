@@ -35,10 +35,7 @@ from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.data.dataset_config import DatasetConfig, read_dataset_config
 from astrai_fabric.data.storage import detect_format
 from astrai_fabric.errors import ConfigError, UserError, raised_on_every_rank
-from astrai_fabric.strategy import (
-    is_fsdp,
-    setup_frozen,
-)
+from astrai_fabric.strategy import is_fsdp, setup_frozen
 from astrai_fabric.tokenizer import Tokenizer
 from astrai_fabric.train.models import initial_model, load_sharded_weights, meta_model
 from astrai_fabric.train.resume import check_resume, resume_checkpoint
