@@ -32,9 +32,14 @@ from typing import Any
 import yaml
 from jsonargparse import ArgumentParser, set_parsing_settings
 
-from astrai_fabric import __version__
-from astrai_fabric.config.train import COMMAND_LINE_ONLY, TrainArgs
+from astrai_fabric import __version__, assets
+from astrai_fabric.config.generate import GenerateArgs
+from astrai_fabric.config.train import COMMAND_LINE_ONLY, TrainArgs, resolved_recipe
+from astrai_fabric.data.prepare import PipelineConfig, prepare
 from astrai_fabric.errors import TrainingError, UserError
+from astrai_fabric.export import DEFAULT_MAX_SHARD_SIZE, DTYPES, FORMATS, export
+from astrai_fabric.generate import run_generate
+from astrai_fabric.tokenizer import Tokenizer
 
 TRAIN_COMMANDS = ("seq", "sft", "dpo", "grpo")
 TRAIN_TYPE_ALIASES = {"online_grpo": "grpo"}
@@ -246,34 +251,15 @@ def train_command(train_type: str, argv: list[str]) -> int:
     args, print_config = parse_train_args(train_type, argv)
     _crash_log_dir = Path(args.ckpt_dir)
     if print_config:
-        from astrai_fabric.train.common import resolved_recipe
-
         print(resolved_recipe(args), end="")
         return 0
-    from astrai_fabric.train import TRAIN_TYPES, run  # imports Lightning (~5 s): only when training
-    from astrai_fabric.train.dry_run import dry_run
+    from astrai_fabric.train import execute  # imports Lightning (5-17 s measured): only when training
 
-    args.validate()
-    _set_cpu_threads(args.num_threads)
-    if args.dry_run:
-        return dry_run(args, TRAIN_TYPES[train_type].build_dataset)
-    run(args)
-    return 0
-
-
-def _set_cpu_threads(num_threads: int | None) -> None:
-    """``--num_threads`` for this process and, through ``OMP_NUM_THREADS``, for the ranks it launches (Lightning's
-    launcher then keeps it). Only the command line does this: importing the package changes no setting."""
-    if num_threads is None:
-        return
-    import torch
-
-    torch.set_num_threads(num_threads)
-    os.environ["OMP_NUM_THREADS"] = str(num_threads)
+    args.validate()  # at the boundary, once: execute takes validated arguments
+    return execute(args, set_threads=True)[0]
 
 
 def generate_command(argv: list[str]) -> int:
-    from astrai_fabric.generate import GenerateArgs, run_generate
 
     parser = ArgumentParser(prog="astrai-fabric generate", description=GenerateArgs.__doc__, exit_on_error=False)
     parser.add_class_arguments(GenerateArgs, nested_key=None, as_group=False)
@@ -288,7 +274,6 @@ def generate_command(argv: list[str]) -> int:
 
 
 def export_command(argv: list[str]) -> int:
-    from astrai_fabric.export import DEFAULT_MAX_SHARD_SIZE, DTYPES, FORMATS
 
     parser = ArgumentParser(
         prog="astrai-fabric export",
@@ -326,8 +311,7 @@ def export_command(argv: list[str]) -> int:
         raise SystemExit(exit_.code) from None
     except Exception as err:
         raise UserError(_clean(err)) from None
-    from astrai_fabric.checkpoint.state import export_merged
-    from astrai_fabric.export import export
+    from astrai_fabric.checkpoint.state import export_merged  # imports Lightning (~17 s here): only for --merge
 
     source = Path(namespace.checkpoint)
     if namespace.merge_lora and namespace.format == "astrai":
@@ -348,9 +332,6 @@ def _parse(parser: ArgumentParser, argv: list[str]) -> Any:
 
 
 def prepare_command(argv: list[str]) -> int:
-    from astrai_fabric import assets
-    from astrai_fabric.data.prepare import PipelineConfig, prepare
-    from astrai_fabric.tokenizer import Tokenizer
 
     description = "Tokenise JSONL records into AstrAI's bin shards for seq or sft (AstrAI's pipeline config)."
     parser = ArgumentParser(prog="astrai-fabric prepare", description=description, exit_on_error=False)
@@ -371,7 +352,7 @@ def prepare_command(argv: list[str]) -> int:
 
 
 def plot_command(argv: list[str]) -> int:
-    from astrai_fabric.plot import PLOT_FILE, check_output, plot_runs
+    from astrai_fabric.plot import PLOT_FILE, check_output, plot_runs  # torch.distributed.tensor (~2.5 s): only here
 
     description = "Loss (train, validation), learning rate and tokens/s against step; runs overlaid; a PNG."
     parser = ArgumentParser(prog="astrai-fabric plot", description=description, exit_on_error=False)

@@ -33,6 +33,7 @@ from astrai_fabric.checkpoint import (
 )
 from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.errors import CheckpointError, ConfigError, UserError
+from astrai_fabric.model import AutoRegressiveLM
 from astrai_fabric.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Tokenizer
 
 FORMATS = ("astrai", "hf", "peft")
@@ -80,7 +81,7 @@ def export(source: str | Path, target: str | Path | None = None, format: str = "
 def export_astrai(source: Path, target: Path, dtype: str | None = None) -> Path:
     """AstrAI's layout: a sharded checkpoint completed, a Hugging Face directory converted, or a complete
     checkpoint cast to ``dtype``; refused where AstrAI's schema cannot express the model."""
-    from astrai_fabric.checkpoint.state import STATE_DIR, export_checkpoint  # torch.distributed.checkpoint: only here
+    from astrai_fabric.checkpoint.state import STATE_DIR, export_checkpoint  # Lightning and DCP (~17 s here): only here
 
     if (source / STATE_DIR).is_dir():
         path = export_checkpoint(source, target, cast=_caster(dtype))
@@ -122,8 +123,6 @@ def export_astrai(source: Path, target: Path, dtype: str | None = None) -> Path:
 def export_hf(source: Path, target: Path, dtype: str | None = None, max_shard_bytes: int | None = None) -> Path:
     """A directory transformers loads: config.json, generation_config.json, safetensors (sharded above
     ``max_shard_bytes``, with transformers' ``{"format": "pt"}`` header) and the tokenizer files."""
-    from astrai_fabric.model import AutoRegressiveLM
-
     ckpt = load_checkpoint(source, load_extra=False)
     config = ckpt.model_config()
     config.check_buildable(source=str(source / CONFIG_FILE))

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
+from astrai_fabric import assets
+from astrai_fabric.checkpoint import load_model
+from astrai_fabric.config.generate import GenerateArgs
+from astrai_fabric.errors import ConfigError
 from astrai_fabric.model.kv_cache import KVCache
+from astrai_fabric.tokenizer import Tokenizer
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device | str) -> tuple[Tensor, Tensor]:
@@ -116,43 +120,8 @@ def _until_stop(tokens: list[int], stop_ids: set[int]) -> list[int]:
     return tokens
 
 
-@dataclass
-class GenerateArgs:
-    """``astrai-fabric generate``: sample continuations of prompts from a model or checkpoint directory."""
-
-    param_path: str | None = None
-    """Model or checkpoint directory (config.json + model.safetensors); ``bundled:tiny`` needs weights first."""
-    prompt: list[str] = field(default_factory=list)
-    """Prompt text; repeat the flag for several prompts (sampled as one batch)."""
-    tokenizer_path: str | None = None
-    """Tokenizer directory; default: ``param_path``."""
-    chat: bool = True
-    """Render each prompt as a user message with the chat template (false: continue the raw text)."""
-    system: str | None = None
-    """A system message before each chat prompt."""
-    max_new_tokens: int = 128
-    """Most tokens to generate per prompt."""
-    temperature: float = 0.7
-    """Sampling temperature; 0 is greedy."""
-    top_k: int = 0
-    """Keep only the k most likely tokens (0: off)."""
-    top_p: float = 0.9
-    """Keep the smallest set of tokens whose probability reaches p (1: off)."""
-    num_samples: int = 1
-    """Continuations per prompt."""
-    seed: int = 3407
-    """Sampling seed."""
-    device_type: str | None = None
-    """``cuda`` or ``cpu``; default: cuda when available."""
-
-
 def run_generate(args: GenerateArgs) -> list[list[str]]:
     """Print and return ``num_samples`` continuations of every prompt."""
-    from astrai_fabric import assets
-    from astrai_fabric.checkpoint import load_model
-    from astrai_fabric.errors import ConfigError
-    from astrai_fabric.tokenizer import Tokenizer
-
     if args.param_path is None or not args.prompt:
         raise ConfigError("generate needs --param_path and at least one --prompt")
     if (

@@ -286,9 +286,3 @@ def adapters_off(model: nn.Module) -> Iterator[None]:
 def reference_context(model: nn.Module, reference: nn.Module | None) -> AbstractContextManager:
     """How DPO/GRPO run their reference: a separate model as it is, or (None) ``model`` with its adapters off."""
     return nullcontext() if reference is not None else adapters_off(model)
-
-
-def parameter_counts(model: nn.Module) -> tuple[int, int]:
-    """``(trainable, total)`` parameters (a DTensor counts its global size; a tied matrix once)."""
-    params = list(model.parameters())
-    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)

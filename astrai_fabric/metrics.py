@@ -14,6 +14,7 @@ import json
 import math
 import time
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +23,9 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from astrai_fabric.config.model import ModelConfig
+from astrai_fabric.model import AutoRegressiveLM
 
 METRIC_FILE = "metric.jsonl"
-KNOWN_METRICS = (
-    "loss", "lr", "grad_norm", "grad_snr", "val_loss", "moe_aux_loss", "router_entropy", "dead_expert_fraction",
-    "load_imbalance_mean", "load_imbalance_max", "tokens_per_sec", "samples_per_sec", "mfu",
-)  # fmt: skip
-"""Names ``--metrics`` accepts: AstrAI's, plus throughput (``tokens_per_sec``, ``samples_per_sec``, ``mfu``)."""
 
 
 class MetricLog:
@@ -98,34 +95,38 @@ class GradSNR:
         squares = torch._foreach_mul(self.first, self.first)
         variances = torch._foreach_sub(self.second, squares)  # exactly 0 at the first step, as AstrAI's
         torch._foreach_clamp_min_(variances, 0.0)  # v >= m^2 holds exactly; rounding can dip below
-        ratio = _global_norm(squares, 1.0) / (_global_norm(variances, 1.0) + self.eps)  # entries >= 0: L1 = sum
+        signal, noise = global_norm(by_device_mesh(squares), 1.0), global_norm(by_device_mesh(variances), 1.0)
+        ratio = signal / (noise + self.eps)  # entries >= 0: L1 = sum
         return 10.0 * math.log10(max(ratio, self.eps))
 
 
-def _global_norm(tensors: list[Tensor], norm_type: float) -> float:
-    """The norm of all entries of (possibly sharded) tensors, one reduction per device mesh."""
-    by_mesh: dict[object, list[Tensor]] = {}
+def by_device_mesh(tensors: Iterable[Tensor]) -> dict[Any, list[Tensor]]:
+    """``tensors`` grouped by their device mesh (None for plain tensors): torch's norms and foreach kernels take one
+    mesh at a time, and with tensor parallelism some gradients live on the 2-D mesh, the rest on the data axis."""
+    groups: dict[Any, list[Tensor]] = {}
     for tensor in tensors:
-        by_mesh.setdefault(getattr(tensor, "device_mesh", None), []).append(tensor)
+        groups.setdefault(getattr(tensor, "device_mesh", None), []).append(tensor)
+    return groups
+
+
+def global_norm(groups: dict[Any, list[Tensor]], norm_type: float = 2.0) -> float:
+    """The ``norm_type`` norm of every entry of ``groups`` (``by_device_mesh``), the same on every rank: each mesh's
+    norm on its own (one reduction per mesh; torch refuses one norm over two meshes), then those norms combined
+    in float32. With one mesh (every strategy but tensor parallelism) that is the mesh's norm exactly."""
     norms = []
-    for group in by_mesh.values():
+    for group in groups.values():
         norm = torch.nn.utils.get_total_norm(group, norm_type=norm_type)
-        norms.append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm))
-    return math.fsum(n**norm_type for n in norms) ** (1 / norm_type)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    stacked = torch.stack([n.float().to(norms[0].device) for n in norms])
+    return float(torch.linalg.vector_norm(stacked, ord=norm_type))
 
 
 def flops_per_token(config: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token: ``6 N`` for the weights plus ``12 L H S`` for attention (the PaLM paper's count;
     MoE layers count all experts, so MFU is an upper bound there)."""
-    return 6 * num_parameters(config) + 12 * config.num_hidden_layers * config.hidden_size * seq_len
-
-
-def num_parameters(config: ModelConfig) -> int:
-    """Parameters of the model ``config`` describes, counted on the meta device (nothing is allocated)."""
-    from astrai_fabric.model import AutoRegressiveLM
-
-    with torch.device("meta"):
-        return sum(p.numel() for p in AutoRegressiveLM(config).parameters())
+    with torch.device("meta"):  # counted without allocating anything
+        num_parameters = AutoRegressiveLM(config).num_parameters()
+    return 6 * num_parameters + 12 * config.num_hidden_layers * config.hidden_size * seq_len
 
 
 def peak_flops(device: torch.device, precision: str, given: float | None) -> float | None:
@@ -134,6 +135,7 @@ def peak_flops(device: torch.device, precision: str, given: float | None) -> flo
         return given
     if device.type != "cuda":
         return None
+    # Deferred: plot.py imports this module (METRIC_FILE) and must not import Lightning (~17 s here).
     from lightning.fabric.utilities.throughput import get_available_flops
 
     dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float32

@@ -39,7 +39,7 @@ def read_entries(run: Path) -> list[dict[str, Any]]:
 
 def check_output(output: Path) -> None:
     """``output`` is a new or replaceable image file of a format matplotlib writes, in an existing directory."""
-    from matplotlib.backend_bases import FigureCanvasBase
+    from matplotlib.backend_bases import FigureCanvasBase  # matplotlib (~3 s): only when a plot is asked for
 
     formats = FigureCanvasBase.get_supported_filetypes()
     if output.suffix.lower().lstrip(".") not in formats:
@@ -52,7 +52,7 @@ def check_output(output: Path) -> None:
 
 def plot_runs(runs: list[Path], output: Path) -> Path:
     """Write a PNG with one panel each for loss, learning rate and tokens/s; return its path."""
-    import matplotlib
+    import matplotlib  # ~3 s, only when a plot is written; the backend is chosen before pyplot loads
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt

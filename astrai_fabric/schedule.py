@@ -18,6 +18,7 @@ from typing import Any
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import ConfigError
 
 DEFAULT_MIN_RATE = 0.01
@@ -29,16 +30,24 @@ class StepPlan:
 
     num_samples: int
     """Training samples (after the validation split)."""
-    world_size: int
+    num_dp_ranks: int
+    """Data-parallel ranks: the ones that consume different samples (tensor-parallel ranks share theirs)."""
     batch_per_device: int
     grad_accum_steps: int
     n_epoch: int
     warmup_ratio: float
 
+    @classmethod
+    def from_args(cls, args: TrainArgs, num_samples: int, num_dp_ranks: int) -> StepPlan:
+        """The plan of a run of ``args`` over ``num_samples`` training samples on ``num_dp_ranks`` ranks (the run and
+        its dry run both build it here)."""
+        return cls(num_samples, num_dp_ranks, args.batch_per_device, args.grad_accum_steps, args.n_epoch,
+                   args.warmup_ratio)  # fmt: skip
+
     @property
     def samples_per_rank(self) -> int:
         """Samples each rank sees per epoch (the sampler pads the last round by wrapping around)."""
-        return math.ceil(self.num_samples / self.world_size)
+        return math.ceil(self.num_samples / self.num_dp_ranks)
 
     @property
     def micro_batches_per_rank(self) -> int:
@@ -48,11 +57,11 @@ class StepPlan:
     @property
     def global_batch_size(self) -> int:
         """Samples per optimizer step, all ranks together."""
-        return self.world_size * self.batch_per_device * self.grad_accum_steps
+        return self.num_dp_ranks * self.batch_per_device * self.grad_accum_steps
 
     @property
     def total_steps(self) -> int:
-        """AstrAI's ``(ceil(ceil(N / world) / batch) // accum) * epochs``: the schedule's length.
+        """AstrAI's ``(ceil(ceil(N / ranks) / batch) // accum) * epochs``: the schedule's length.
 
         Accumulation windows run across epoch boundaries, so a run may take up to ``n_epoch - 1`` more steps than
         this; the learning rate then stays at its floor (AstrAI's behaviour).
@@ -68,19 +77,43 @@ class StepPlan:
             raise ConfigError("the training set is empty: no sample fits (check data_root_path and window_size)")
         if self.total_steps < 1:
             raise ConfigError(
-                f"no optimizer step fits in the data: {self.num_samples} samples over {self.world_size} rank(s) make "
+                f"no optimizer step fits in the data: {self.num_samples} samples over {self.num_dp_ranks} rank(s) make "
                 f"{self.micro_batches_per_rank} micro-batch(es) of {self.batch_per_device} per rank and epoch, fewer "
                 f"than grad_accum_steps={self.grad_accum_steps}; lower batch_per_device or grad_accum_steps"
             )
 
     def describe(self) -> str:
         return (
-            f"batch: {self.world_size} rank(s) x {self.batch_per_device} per device x {self.grad_accum_steps} "
+            f"batch: {self.num_dp_ranks} rank(s) x {self.batch_per_device} per device x {self.grad_accum_steps} "
             f"accumulation = {self.global_batch_size} samples per optimizer step\n"
             f"steps: {self.num_samples} samples -> {self.samples_per_rank} per rank -> "
             f"{self.micro_batches_per_rank} micro-batches per rank per epoch -> {self.total_steps} optimizer steps "
             f"over {self.n_epoch} epoch(s), {self.warmup_steps} of them warmup"
         )
+
+
+@dataclass(frozen=True)
+class ScheduleArgs:
+    """The flags a run's schedule reads (``TrainArgs`` documents each; ``from_args`` takes them from it)."""
+
+    schedule_type: str
+    min_rate: float | None
+    cycle_length: int | None
+    t_mult: int
+    stable_steps: int | None
+    decay_steps: int | None
+    resume_schedule: bool
+    """Whether a resume continues the checkpoint's schedule (``train.common.build_schedule``)."""
+
+    @classmethod
+    def from_args(cls, args: TrainArgs) -> ScheduleArgs:
+        return cls(args.schedule_type, args.min_rate, args.cycle_length, args.t_mult, args.stable_steps,
+                   args.decay_steps, args.resume_schedule)  # fmt: skip
+
+    def build(self, optimizer: Optimizer, plan: StepPlan) -> _AstraiSchedule:
+        """This schedule over ``plan``'s steps (``build_scheduler``)."""
+        return build_scheduler(optimizer, self.schedule_type, plan.total_steps, plan.warmup_steps, self.min_rate,
+                               self.cycle_length, self.t_mult, self.stable_steps, self.decay_steps)  # fmt: skip
 
 
 def warmup_factor(t: int, warmup_steps: int, min_rate: float) -> float:

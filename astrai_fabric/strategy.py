@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from lightning.fabric import Fabric
@@ -300,7 +301,7 @@ def fsdp_shard_size_of(fabric: Fabric) -> int | None:
     function = getattr(fabric.strategy, "_parallelize_fn", None)
     if not (is_fsdp(fabric) and isinstance(function, partial) and function.func is parallelize):
         return None
-    return function.keywords.get("fsdp_shard_size") or data_parallel(fabric)[1]
+    return function.keywords.get("fsdp_shard_size") or data_parallel(fabric).num_dp_ranks
 
 
 def check_fsdp_shard_size(fabric: Fabric, args: TrainArgs) -> None:
@@ -316,7 +317,26 @@ def check_fsdp_shard_size(fabric: Fabric, args: TrainArgs) -> None:
     )
 
 
-def data_parallel(fabric: Fabric) -> tuple[int, int]:
-    """``(rank, size)`` on the data axis: the ranks of one tensor-parallel group train on the same samples."""
+class DataParallel(NamedTuple):
+    """This rank's place on the data axis: the ranks of one tensor-parallel group train on the same samples."""
+
+    dp_rank: int
+    """This rank's index among the data-parallel ranks."""
+    num_dp_ranks: int
+    """Data-parallel ranks: the ones that consume different samples (the world size over ``tp_size``)."""
+
+
+def data_parallel(fabric: Fabric) -> DataParallel:
+    """Where this rank sits on the data axis (``DataParallel``)."""
     kwargs = getattr(fabric.strategy, "distributed_sampler_kwargs", None) or {"rank": 0, "num_replicas": 1}
-    return kwargs["rank"], kwargs["num_replicas"]
+    return DataParallel(kwargs["rank"], kwargs["num_replicas"])
+
+
+def set_cpu_threads(num_threads: int | None) -> None:
+    """``--num_threads`` for this process and, through ``OMP_NUM_THREADS``, for the ranks it launches (Lightning's
+    launcher then keeps it). Only the command line does this (``train.execute``): importing the package changes no
+    setting."""
+    if num_threads is None:
+        return
+    torch.set_num_threads(num_threads)
+    os.environ["OMP_NUM_THREADS"] = str(num_threads)

@@ -93,6 +93,17 @@ class Tokenizer:
         return {k: v for k, v in self.__dict__.items() if k != "_template"}
 
     @classmethod
+    def from_dir_if_present(cls, directory: Path) -> tuple[Tokenizer | None, str | None]:
+        """``directory``'s tokenizer, or None and the reason when it holds no ``tokenizer.json``; one that is there
+        but broken is an error (``from_dir``'s)."""
+        try:
+            return cls.from_dir(directory), None
+        except UserError as err:
+            if (directory / TOKENIZER_FILE).exists():
+                raise  # there, but broken
+            return None, str(err)
+
+    @classmethod
     def from_dir(cls, directory: str | Path) -> Tokenizer:
         """Load ``tokenizer.json`` (required) and ``tokenizer_config.json`` (optional) from ``directory``, in
         AstrAI's or Hugging Face's layout."""

@@ -30,8 +30,9 @@ from lightning.fabric import Fabric
 from safetensors.torch import load_file, save_file
 
 from astrai_fabric.checkpoint import load_checkpoint
-from astrai_fabric.checkpoint.state import RunPosition, save_training_checkpoint
+from astrai_fabric.checkpoint.state import save_training_checkpoint
 from astrai_fabric.config import ModelConfig
+from astrai_fabric.loop import RunPosition
 from astrai_fabric.model import AutoRegressiveLM
 from astrai_fabric.optim import build_optimizer
 from astrai_fabric.schedule import build_scheduler

@@ -59,7 +59,7 @@ baseline = status("VmRSS")
 start = time.perf_counter()
 if side == "new":
     model = load_model(directory, dtype=dtype)
-else:  # the previous release's start from weights (train/common.py initial_model + checkpoint._read_weights)
+else:  # the previous release's start from weights (train/models.py initial_model + checkpoint.files.read_weights)
     from pathlib import Path
     from safetensors.torch import load_file
     config = read_model_config(directory)

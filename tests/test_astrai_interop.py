@@ -392,16 +392,17 @@ def test_we_resume_astrai_trainer_checkpoint(crossed, route, monkeypatch):
     loaded = {}
     real_fit = common.fit
 
-    def recording_fit(fabric, model, optimizer, scheduler, batches, sampler, loss, args, plan, position, *rest):
+    def recording_fit(fabric, *, state, sampler, **rest):
+        model, optimizer, position = state.model, state.optimizer, state.position
         loaded.update(
             model={k: v.detach().clone() for k, v in model.state_dict().items()},
             optimizer=copy.deepcopy(optimizer.state_dict()),
-            scheduler=copy.deepcopy(scheduler.state_dict()),
+            scheduler=copy.deepcopy(state.scheduler.state_dict()),
             position=dataclasses.replace(position),
             next_indices=sampler.epoch_indices(position.epoch)[position.sample_index :][:PEEK],
             optimizer_params=optimizer_params(model, optimizer),
         )
-        return real_fit(fabric, model, optimizer, scheduler, batches, sampler, loss, args, plan, position, *rest)
+        return real_fit(fabric, state=state, sampler=sampler, **rest)
 
     monkeypatch.setattr(common, "fit", recording_fit)
     back = crossed / "back" / route

@@ -21,7 +21,8 @@ from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import TrainingError
 from astrai_fabric.preemption import StopRequest
 from astrai_fabric.train import lm
-from astrai_fabric.train.common import resolve_start, train_on
+from astrai_fabric.train.common import train_on
+from astrai_fabric.train.start import resolve_start
 
 BIN = Path(sys.executable).parent
 ENV = {"OMP_NUM_THREADS": "1", "PATH": str(BIN)}

@@ -129,7 +129,8 @@ def sharded_worker(directory: str, out: str) -> None:
 
     from astrai_fabric.config.train import TrainArgs
     from astrai_fabric.strategy import build_fabric, resolve_topology
-    from astrai_fabric.train.common import Start, build_model, reference_model
+    from astrai_fabric.train.common import build_model
+    from astrai_fabric.train.start import Start, reference_model
 
     files._CHUNK_ELEMENTS = 40  # chunks that straddle each rank's rows
     args = TrainArgs(param_path=directory, data_root_path="-", parallel_mode="fsdp", nprocs=2, device_type="cpu")

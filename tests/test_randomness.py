@@ -18,7 +18,7 @@ from astrai_fabric.data import ResumableSampler
 from astrai_fabric.model import AutoRegressiveLM
 from astrai_fabric.randomness import ModuleNoise, derive_seed
 from astrai_fabric.train import run
-from astrai_fabric.train.common import SeededLoader
+from astrai_fabric.train.loaders import SeededLoader
 
 # 4 optimizer steps of 2 x 2 windows of 16 tokens with NEFTune; the interrupted run stops after step 2.
 SEQ = dict(param_path="bundled:tiny", data_root_path="bundled:data/seq", window_size=16, batch_per_device=2,
@@ -60,7 +60,7 @@ def test_neftune_noise_depends_only_on_seed_rank_step_and_micro_batch():
 
 
 def test_the_loader_leaves_the_global_rng_alone_and_seeds_its_workers_by_epoch():
-    sampler = ResumableSampler(10, rank=1, world_size=2, seed=3)
+    sampler = ResumableSampler(10, rank=1, num_dp_ranks=2, seed=3)
     loader = SeededLoader(list(range(10)), batch_size=2, sampler=sampler, generator=torch.Generator())
     state = torch.get_rng_state()
     base_seeds = []

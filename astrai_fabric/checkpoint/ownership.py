@@ -1,6 +1,6 @@
 """Who may write into a ``ckpt_dir``: a directory this process can write (``check_writable``), one run at a time
 (an advisory lock), and only over files a run wrote (a manifest). Self-contained: it knows nothing of training;
-rank 0 of a run calls it and tells the other ranks (``train/common.py``). Two hidden files in ``ckpt_dir``::
+rank 0 of a run calls it and tells the other ranks (``train/outputs.py``). Two hidden files in ``ckpt_dir``::
 
     .astrai_fabric.lock   exists while a run writes here: flock(2)-locked by it, recording its host, pid and
                           start time; removed on release. One found unlocked was left by a run that was killed

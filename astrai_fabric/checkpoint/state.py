@@ -1,7 +1,7 @@
 """What a resume needs, moved between live (possibly sharded) training objects and AstrAI's checkpoint files:
 gathered, sharded (torch distributed checkpoint) or exported. Imports Lightning and torch.distributed.checkpoint,
 so the package's ``__init__`` does not import it (``import astrai_fabric.checkpoint`` stays light); import it as
-``astrai_fabric.checkpoint.state``. Over 300 lines only while ``RunPosition`` (the loop's counters) is still here.
+``astrai_fabric.checkpoint.state``.
 
 Saving: every rank takes part in gathering (a DTensor's ``full_tensor()`` is a collective); rank 0 keeps full
 CPU tensors and writes AstrAI's directory, so ``model.safetensors`` and ``optimizer.pt`` are the same whether the
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import tempfile
 import warnings
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -38,63 +38,15 @@ from astrai_fabric.checkpoint.weights import Checkpoint, load_checkpoint, load_m
 from astrai_fabric.errors import CheckpointError
 from astrai_fabric.lora import LoRASpec, adapter_state_dict, base_state_dict, merge_state_dict
 
+if TYPE_CHECKING:  # for the annotation only: the loop imports this module (RESUME_KEY)
+    from astrai_fabric.loop.state import RunPosition
+
 RESUME_KEY = "resume_position"
 STATE_DIR = "state"
 SHARDED_KEY = "optimizer_state"
 SHARDED_NOTE = "sharded in state/ (torch distributed checkpoint); `astrai-fabric export` writes optimizer.pt"
 """``meta.json`` says where the optimizer state is when ``optimizer.pt`` is left out."""
 CHECKPOINT_FILES = (META_FILE, CONFIG_FILE, WEIGHTS_FILE)
-
-
-@dataclass
-class RunPosition:
-    """Where a run is: counters of the loop, enough to continue exactly."""
-
-    epoch: int = 0
-    """Epoch of the next sample (0-based)."""
-    sample_index: int = 0
-    """Samples each rank has consumed in ``epoch``."""
-    world_size: int = 1
-    """Ranks that consumed them (the global position is ``sample_index * world_size``)."""
-    optimizer_step: int = 0
-    """Optimizer steps taken since the run began (global, never reset per epoch)."""
-    num_tokens: int = 0
-    """Input tokens trained on, all ranks together."""
-    consumed_samples: int = 0
-    """AstrAI's counter: ``batch_per_device * world_size`` per micro-batch, short batches included."""
-    skipped_steps: int = 0
-    """Accumulation windows whose update was skipped for a non-finite loss or gradient norm (their samples count
-    as consumed; ``optimizer_step`` and the schedule did not advance)."""
-
-    @classmethod
-    def from_meta(cls, value: Any, source: Path) -> RunPosition:
-        """The position ``meta.json`` records under ``resume_position``, checked: exactly these fields, each a
-        non-negative integer (``world_size`` positive)."""
-        names = [f.name for f in fields(cls)]
-        if not isinstance(value, dict) or sorted(value) != sorted(names):
-            found = sorted(value) if isinstance(value, dict) else type(value).__name__
-            raise CheckpointError(f"{source}: {RESUME_KEY!r} must hold {names}, got {found}")
-        wrong = [
-            f"{k}={v!r}" for k, v in value.items()
-            if not isinstance(v, int) or isinstance(v, bool) or v < (1 if k == "world_size" else 0)
-        ]  # fmt: skip
-        if wrong:
-            raise CheckpointError(f"{source}: {RESUME_KEY!r} needs non-negative integers, got {', '.join(wrong)}")
-        return cls(**value)
-
-    @property
-    def last_epoch(self) -> int:
-        """Epoch of the last sample consumed (names the checkpoint, AstrAI's ``epoch``); ``epoch`` is the next one's."""
-        return self.epoch - 1 if self.sample_index == 0 and self.epoch > 0 else self.epoch
-
-    def rescaled(self, world_size: int, samples_per_rank: int) -> tuple[RunPosition, bool]:
-        """The same global position for ``world_size`` ranks; False when it falls between two samples."""
-        global_index = self.sample_index * self.world_size
-        index, exact = global_index // world_size, global_index % world_size == 0
-        position = RunPosition(**{**asdict(self), "sample_index": index, "world_size": world_size})
-        if position.sample_index >= samples_per_rank:  # the epoch was complete
-            position.epoch, position.sample_index = position.epoch + 1, 0
-        return position, exact
 
 
 def gather_full(obj: Any, keep: bool) -> Any:

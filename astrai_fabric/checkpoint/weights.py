@@ -236,7 +236,7 @@ def _read_into(state_dict: Mapping[str, Tensor], key: str, target: Tensor) -> No
         return
     local = target.to_local()
     if all(type(p) in (Shard, Replicate) for p in target.placements):
-        # Each rank reads only its own box of the file (see ``load_sharded_weights`` in train/common.py for why
+        # Each rank reads only its own box of the file (see ``load_sharded_weights`` in train/models.py for why
         # not rank 0 reading and sending).
         shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
         box = tuple((o, o + n) for o, n in zip(offset, shape, strict=True))

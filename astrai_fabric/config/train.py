@@ -4,6 +4,8 @@ AstrAI's defaults.
 The CLI exposes each field as ``--name`` and a recipe is a flat YAML of the same keys. Departures from AstrAI's
 defaults are the machine-dependent ones (``device_type``, ``backend``, ``precision``); new flags follow AstrAI's
 spelling. ``validate()`` reports every bad value in one ``ConfigError``.
+One responsibility over 300 lines: every flag with its docstring (docs/recipes.md is rendered from them), their
+validation, and the resolved recipe a run writes.
 """
 
 from __future__ import annotations
@@ -13,10 +15,16 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+import yaml
 
 from astrai_fabric.errors import ConfigError
-from astrai_fabric.metrics import KNOWN_METRICS
 from astrai_fabric.rewards import reward_spec_problem
+
+KNOWN_METRICS = (
+    "loss", "lr", "grad_norm", "grad_snr", "val_loss", "moe_aux_loss", "router_entropy", "dead_expert_fraction",
+    "load_imbalance_mean", "load_imbalance_max", "tokens_per_sec", "samples_per_sec", "mfu",
+)  # fmt: skip
+"""Names ``--metrics`` accepts: AstrAI's, plus throughput (``tokens_per_sec``, ``samples_per_sec``, ``mfu``)."""
 
 COMMAND_LINE_ONLY = ("trust_code",)
 """Flags a recipe may not set, and which resolved recipes leave out: a recipe file is data, never a way to opt into
@@ -407,6 +415,7 @@ class TrainArgs:
             raise ConfigError("invalid training arguments: " + "; ".join(problems))
 
     def _lora_problems(self) -> list[str]:
+        # Deferred for a cycle: lora imports model/, whose package imports config/.
         from astrai_fabric.lora import TARGETS
 
         problems = []
@@ -440,3 +449,15 @@ class TrainArgs:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+RECIPE_FILE = "recipe.yaml"
+"""The resolved recipe every run writes in its ``ckpt_dir`` (and each checkpoint carries)."""
+RECIPE_HEADER = "# Resolved recipe; rerun with: astrai-fabric"
+"""How ``recipe.yaml`` begins: in a ``ckpt_dir`` without a manifest (an older run's) it marks the files as ours."""
+
+
+def resolved_recipe(args: TrainArgs) -> str:
+    """The run's full configuration as a flat recipe that ``--config`` accepts."""
+    header = f"{RECIPE_HEADER} {args.train_type} --config {RECIPE_FILE}\n"
+    return header + yaml.safe_dump(args.recipe_values(), sort_keys=False)

@@ -1,11 +1,11 @@
 """``ResumableSampler``: AstrAI's distributed sampler order, resumable at any sample
 (AstrAI's ``astrai/dataset/sampler.py``).
 
-Epoch ``e`` shuffles with ``randperm(N, seed + e)``, pads by wrapping around to a multiple of the world size, and
-gives rank ``r`` the positions ``r, r + R, r + 2R, ...`` (``torch.utils.data.DistributedSampler``'s order). So
-``R`` ranks with ``B`` samples each see, step by step, the same samples as one rank with ``R * B``: changing the
-world size does not change the data stream. ``set_position(epoch, index)`` resumes mid-epoch; the rank, world size
-and seed are explicit, not read from a process group.
+Epoch ``e`` shuffles with ``randperm(N, seed + e)``, pads by wrapping around to a multiple of the data-parallel
+ranks ``R``, and gives rank ``r`` the positions ``r, r + R, r + 2R, ...`` (``torch.utils.data.DistributedSampler``'s
+order). So ``R`` ranks with ``B`` samples each see, step by step, the same samples as one rank with ``R * B``:
+changing the number of ranks does not change the data stream. ``set_position(epoch, index)`` resumes mid-epoch; the
+rank, number of ranks and seed are explicit, not read from a process group.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from torch.utils.data import Sampler
 
 
 class ResumableSampler(Sampler[int]):
-    def __init__(self, num_samples: int, rank: int = 0, world_size: int = 1, seed: int = 0, shuffle: bool = True):
-        self.num_samples, self.rank, self.world_size = num_samples, rank, world_size
+    def __init__(self, num_samples: int, rank: int = 0, num_dp_ranks: int = 1, seed: int = 0, shuffle: bool = True):
+        self.num_samples, self.rank, self.num_dp_ranks = num_samples, rank, num_dp_ranks
         self.seed, self.shuffle = seed, shuffle
-        self.samples_per_rank = math.ceil(num_samples / world_size)
+        self.samples_per_rank = math.ceil(num_samples / num_dp_ranks)
         self.epoch, self.index = 0, 0
 
     def set_position(self, epoch: int, index: int = 0) -> None:
@@ -37,9 +37,9 @@ class ResumableSampler(Sampler[int]):
             order = torch.randperm(self.num_samples, generator=generator).tolist()
         else:
             order = list(range(self.num_samples))
-        total = self.samples_per_rank * self.world_size
+        total = self.samples_per_rank * self.num_dp_ranks
         order += (order * math.ceil(total / max(len(order), 1)))[: total - len(order)]  # wrap-around padding
-        return order[self.rank : total : self.world_size]
+        return order[self.rank : total : self.num_dp_ranks]
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.epoch_indices(self.epoch)[self.index :])

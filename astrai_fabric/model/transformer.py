@@ -172,9 +172,10 @@ class AutoRegressiveLM(nn.Module):
         """The repeated blocks, for sharding and activation checkpointing applied from outside."""
         return list(self.layers)
 
-    def num_parameters(self) -> int:
-        """Distinct parameters (a tied matrix counts once)."""
-        return sum(p.numel() for p in self.parameters())
+    def num_parameters(self, trainable_only: bool = False) -> int:
+        """Distinct parameters (a tied matrix counts once; a DTensor its global size), or only those that train
+        (``requires_grad``: LoRA's adapters)."""
+        return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
 
 
 def _reset(module: nn.Module) -> None:

@@ -1,8 +1,14 @@
 """Training entry point: arguments → Fabric → the train type's ``main``.
 
-``run(args)`` is what the CLI calls: it validates, builds the Fabric (the only launch decision is here: the CLI
-launches its own ranks, but under ``fabric run``, torchrun or SLURM the processes exist already), and runs the
-train type's ``main(fabric, args)`` on every rank. Programs that own a launched Fabric call ``main`` directly.
+``execute(args)`` is the one dispatch, what ``astrai-fabric seq|sft|dpo|grpo`` and ``run(args)`` both call once
+``args`` is validated: a dry run prints the plan (``dry_run.py``); otherwise it builds the Fabric (the only launch
+decision is here: the CLI launches its own ranks, but under ``fabric run``, torchrun or SLURM the processes exist
+already) and runs the train type's ``main(fabric, args)`` on every rank. Programs that own a launched Fabric call
+``train(fabric, args)``.
+
+Each ``main`` then reads downward: ``start.resolve_start`` (where the run starts), the train type's dataset and
+loss, ``common.train_on`` (model, optimizer, loaders, saver), ``loop.fit`` (epochs) and ``loop.train_step`` (one
+optimizer step).
 """
 
 from __future__ import annotations
@@ -14,7 +20,13 @@ from lightning.fabric import Fabric
 
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import ConfigError, TrainingError
-from astrai_fabric.strategy import build_fabric, check_fsdp_shard_size, closing_loggers, resolve_topology
+from astrai_fabric.strategy import (
+    build_fabric,
+    check_fsdp_shard_size,
+    closing_loggers,
+    resolve_topology,
+    set_cpu_threads,
+)
 from astrai_fabric.train import dpo, grpo, lm
 from astrai_fabric.train.dry_run import dry_run
 
@@ -23,19 +35,29 @@ TRAIN_TYPES = {"seq": lm, "sft": lm, "dpo": dpo, "grpo": grpo}
 
 
 def run(args: TrainArgs) -> list[dict] | None:
-    """Build the Fabric from ``args``, launch its ranks and train (what ``astrai-fabric seq|sft|dpo|grpo`` does).
+    """Validate ``args``, build the Fabric, launch its ranks and train (what ``astrai-fabric seq|sft|dpo|grpo``
+    does); a dry run prints the plan and returns ``[]``.
 
     Returns the per-step records of ``loop.fit`` (rank 0's when this process launched the ranks).
     """
     args.validate()
+    return execute(args)[1]
+
+
+def execute(args: TrainArgs, *, set_threads: bool = False) -> tuple[int, list[dict] | None]:
+    """Run validated ``args``: print the plan (``--dry_run``; status 0, or 2 when the run could not start, and no
+    records) or launch the ranks and train (status 0 and the records ``run`` returns). ``set_threads`` applies
+    ``--num_threads`` first, to this process and the ranks it launches (``strategy.set_cpu_threads``): the command
+    line's choice; a program calling ``run`` keeps its own setting."""
+    if set_threads:
+        set_cpu_threads(args.num_threads)
     if args.dry_run:
-        dry_run(args, TRAIN_TYPES[args.train_type].build_dataset)
-        return []
+        return dry_run(args, TRAIN_TYPES[args.train_type].build_dataset), []
     fabric = build_fabric(args, resolve_topology(args))
     with closing_loggers(fabric):
         if os.environ.get("LT_CLI_USED") == "1":
-            return train(fabric, args)  # under `fabric run` the Fabric joined the group already (launching raises)
-        return fabric.launch(train, args)  # starts the local ranks, or just runs where torchrun/SLURM started them
+            return 0, _train(fabric, args)  # under `fabric run` the Fabric joined the group already (launching raises)
+        return 0, fabric.launch(_train, args)  # starts the local ranks, or just runs where torchrun/SLURM started them
 
 
 def train(fabric: Fabric, args: TrainArgs) -> list[dict]:
@@ -47,6 +69,11 @@ def train(fabric: Fabric, args: TrainArgs) -> list[dict]:
     ``loop.fit``; every rank must call it."""
     args.validate()
     check_fsdp_shard_size(fabric, args)
+    return _train(fabric, args)
+
+
+def _train(fabric: Fabric, args: TrainArgs) -> list[dict]:
+    """``train`` on validated ``args`` (every rank ``execute`` launches runs this)."""
     if args.train_type not in TRAIN_TYPES:
         raise ConfigError(f"train_type must be one of {sorted(TRAIN_TYPES)}, got {args.train_type!r}")
     try:

@@ -19,7 +19,8 @@ from astrai_fabric.data.records import PreferenceDataset, collate_preferences
 from astrai_fabric.data.storage import read_jsonl
 from astrai_fabric.lora import reference_context
 from astrai_fabric.losses import dpo_loss, token_logprobs, with_moe_aux_loss
-from astrai_fabric.train.common import Start, reference_model, require_jsonl, resolve_start, train_on
+from astrai_fabric.train.common import train_on
+from astrai_fabric.train.start import Start, reference_model, require_jsonl, resolve_start
 
 
 def response_logprobs(model: nn.Module, ids: Tensor, loss_mask: Tensor) -> tuple[Tensor, dict]:
@@ -50,7 +51,7 @@ def dpo_batch_loss(
 
 def build_dataset(args: TrainArgs, start: Start) -> tuple[PreferenceDataset, str]:
     """The tokenised pairs and a one-line description of them."""
-    window_size = args.window_size or start.model_config.max_position_embeddings
+    window_size = start.window_size
     data_path = require_jsonl(assets.resolve(args.data_root_path), "dpo")
     tokenizer = start.need_tokenizer("dpo")
     config = start.dataset_config

@@ -9,10 +9,10 @@ import torch
 from astrai_fabric import assets
 from astrai_fabric.checkpoint import checkpoints_after
 from astrai_fabric.checkpoint.ownership import in_use_message, lock_holder, not_ours_message, unowned
-from astrai_fabric.config.train import TrainArgs
+from astrai_fabric.config.train import RECIPE_FILE, RECIPE_HEADER, TrainArgs
 from astrai_fabric.errors import UserError
 from astrai_fabric.profiling import describe_profiling
-from astrai_fabric.schedule import StepPlan
+from astrai_fabric.schedule import ScheduleArgs, StepPlan
 from astrai_fabric.strategy import (
     describe_cpu_threads,
     fsdp_layout,
@@ -22,16 +22,11 @@ from astrai_fabric.strategy import (
     resolve_precision,
     resolve_topology,
 )
-from astrai_fabric.train.common import (
-    RECIPE_FILE,
-    RECIPE_HEADER,
-    build_schedule,
-    describe_parameters,
-    meta_model,
-    read_start,
-    split_validation,
-    written_names,
-)
+from astrai_fabric.train.common import build_schedule, describe_parameters
+from astrai_fabric.train.loaders import split_validation
+from astrai_fabric.train.models import meta_model
+from astrai_fabric.train.outputs import written_names
+from astrai_fabric.train.start import read_start
 
 
 def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train type's build_dataset
@@ -40,7 +35,7 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
     lines = [f"plan for `astrai-fabric {args.train_type}` (dry run: nothing is trained or written)"]
     topology = resolve_topology(args)
     tp_size = args.tp_size or 1
-    data_parallel_size = topology.world_size // tp_size
+    num_dp_ranks = topology.world_size // tp_size
     layout = None
     if args.parallel_mode == "fsdp" and topology.world_size > 1:
         try:
@@ -89,8 +84,7 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
         train_set, val_set = split_validation(dataset, args.val_split, args.random_seed)
         held_out = f", {len(val_set):,} held out for validation every {args.val_step} steps" if val_set else ""
         lines.append(f"  data         {len(train_set):,} samples: {summary}{held_out}")
-        plan = StepPlan(len(train_set), data_parallel_size, args.batch_per_device, args.grad_accum_steps,
-                        args.n_epoch, args.warmup_ratio)  # fmt: skip
+        plan = StepPlan.from_args(args, len(train_set), num_dp_ranks)
         lines += [f"  {line}" for line in plan.describe().splitlines()]
         try:
             plan.check()
@@ -99,7 +93,7 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
             groups = len(lrs) if isinstance(lrs, list) and lrs else 1  # a stand-in with the saved schedule's groups
             optimizer = torch.optim.SGD([{"params": [torch.zeros(1, requires_grad=True)]} for _ in range(groups)],
                                         lr=args.max_lr)  # fmt: skip
-            scheduler, note = build_schedule(optimizer, args, plan, start.resume)
+            scheduler, note = build_schedule(optimizer, ScheduleArgs.from_args(args), plan, start.resume)
             lines.append(f"  schedule     {scheduler.describe()}, peak learning rate {args.max_lr}")
             if note:
                 lines.append(f"               {note}")

@@ -21,20 +21,21 @@ from lightning.fabric import Fabric
 from torch import Tensor, nn
 
 from astrai_fabric import assets
-from astrai_fabric.checkpoint.state import RunPosition
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.data.dataset_config import render_group, unrendered_warning
 from astrai_fabric.data.records import GroupDataset, PromptDataset, collate_groups, collate_prompts, pack
 from astrai_fabric.data.storage import read_jsonl
 from astrai_fabric.errors import ConfigError
 from astrai_fabric.generate import generate
+from astrai_fabric.loop.state import RunPosition, TrainState
 from astrai_fabric.lora import reference_context
 from astrai_fabric.losses import group_advantages, grpo_loss, token_logprobs, with_moe_aux_loss
 from astrai_fabric.randomness import seeded_generator
 from astrai_fabric.rewards import Reward, load_reward, score
 from astrai_fabric.strategy import data_parallel
 from astrai_fabric.tokenizer import Tokenizer
-from astrai_fabric.train.common import Start, reference_model, require_jsonl, resolve_start, train_on
+from astrai_fabric.train.common import train_on
+from astrai_fabric.train.start import Start, reference_model, require_jsonl, resolve_start
 
 
 def sequence_logprobs(model: nn.Module, ids: Tensor) -> tuple[Tensor, dict]:
@@ -91,7 +92,7 @@ class Rollouts:
         max_new = min(args.rollout_max_tokens, self.window_size - max(len(p) for p in prompts))
         # Seeded by position (data-parallel rank, step, micro-batch of the chunk): a resume at a rollout boundary
         # samples exactly what the first run did, and the tensor-parallel ranks of one replica sample alike.
-        rank, step = data_parallel(self.fabric)[0], self.position.optimizer_step
+        rank, step = data_parallel(self.fabric).dp_rank, self.position.optimizer_step
         generator = seeded_generator(self.fabric.device, args.random_seed, "rollout", rank, step, index)
         self.model.eval()
         responses = generate(
@@ -119,7 +120,7 @@ class Rollouts:
 
 def build_dataset(args: TrainArgs, start: Start) -> tuple[GroupDataset | PromptDataset, str]:
     """Scored groups (offline) or prompts (online: the data holds no responses), and a description of them."""
-    window_size = args.window_size or start.model_config.max_position_embeddings
+    window_size = start.window_size
     data_path = require_jsonl(assets.resolve(args.data_root_path), "grpo")
     records = read_jsonl(data_path)
     tokenizer = start.need_tokenizer("grpo")
@@ -157,9 +158,9 @@ def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
         collate = partial(collate_groups, pad_id=start.need_tokenizer("grpo").padding_id)
         return train_on(fabric, args, start, dataset, summary, compute_loss, collate, meta)
     reward = load_reward(args.reward, args.trust_code)
-    window_size = args.window_size or start.model_config.max_position_embeddings
 
-    def rollouts(model: nn.Module, loader: Any, position: RunPosition) -> Rollouts:
-        return Rollouts(fabric, model, loader, start.need_tokenizer("grpo"), reward, args, window_size, position)
+    def rollouts(state: TrainState, loader: Any) -> Rollouts:  # the loop's seam (loop/__init__.py)
+        tokenizer = start.need_tokenizer("grpo")
+        return Rollouts(fabric, state.model, loader, tokenizer, reward, args, start.window_size, state.position)
 
     return train_on(fabric, args, start, dataset, summary, compute_loss, collate_prompts, meta, rollouts)

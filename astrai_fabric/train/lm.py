@@ -21,7 +21,8 @@ from astrai_fabric.data.datasets import window_dataset
 from astrai_fabric.data.storage import detect_format, read_jsonl
 from astrai_fabric.losses import causal_lm_loss, with_moe_aux_loss
 from astrai_fabric.model import make_doc_boundary_mask
-from astrai_fabric.train.common import Start, resolve_start, train_on
+from astrai_fabric.train.common import train_on
+from astrai_fabric.train.start import Start, resolve_start
 
 
 def lm_loss(model: nn.Module, batch: dict[str, Tensor], label_smoothing: float, moe_aux_loss_coef: float):
@@ -37,7 +38,7 @@ def lm_loss(model: nn.Module, batch: dict[str, Tensor], label_smoothing: float, 
 
 def build_dataset(args: TrainArgs, start: Start) -> tuple[WindowDataset, str]:
     """The training windows and a one-line description of them."""
-    window_size = args.window_size or start.model_config.max_position_embeddings
+    window_size = start.window_size
     data_path = assets.resolve(args.data_root_path)
     config = start.model_config
     jsonl = detect_format(data_path) == "jsonl"

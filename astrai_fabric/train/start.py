@@ -1,0 +1,259 @@
+"""Where a run starts, read once before anything is built: ``resolve_start`` reads ``param_path``, the tokenizer,
+the data directory's ``dataset_config.json`` and the checkpoint to resume (``resume.py``), checks that they belong
+together, and returns a ``Start``; the files are read where they are (``read_on_rank_zero``: no shared filesystem
+needed). Also the frozen reference model of dpo/grpo (``reference_model``), rebuilt from where the run started.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from lightning.fabric import Fabric
+from torch import nn
+
+from astrai_fabric import assets
+from astrai_fabric.checkpoint import (
+    ADAPTER_FILE,
+    CONFIG_FILE,
+    LORA_BASE_KEY,
+    META_FILE,
+    WEIGHTS_FILE,
+    WEIGHTS_INDEX_FILE,
+    Checkpoint,
+    hf,
+    load_checkpoint,
+    read_model_config,
+    weight_digests,
+)
+from astrai_fabric.checkpoint.ownership import check_writable
+from astrai_fabric.config.model import ModelConfig
+from astrai_fabric.config.train import TrainArgs
+from astrai_fabric.data.dataset_config import DatasetConfig, read_dataset_config
+from astrai_fabric.data.storage import detect_format
+from astrai_fabric.errors import ConfigError, UserError, raised_on_every_rank
+from astrai_fabric.strategy import is_fsdp, setup_frozen
+from astrai_fabric.tokenizer import Tokenizer
+from astrai_fabric.train.models import initial_model, load_sharded_weights, meta_model
+from astrai_fabric.train.resume import check_resume, resume_checkpoint
+
+
+@dataclass
+class Start:
+    """Where a run starts: the model's config, the weights (if any), the tokenizer and, when resuming, the
+    checkpoint."""
+
+    model_config: ModelConfig
+    weights: Checkpoint | None
+    """Weights to start from: the resume checkpoint, else ``param_path`` if it has any, else None (fresh)."""
+    resume: Checkpoint | None
+    tokenizer: Tokenizer | None
+    """None only where the default tokenizer directory (``param_path``) holds none: AstrAI's ``save_pretrained``
+    writes only config.json and model.safetensors, and seq/sft on bin shards need no tokenizer."""
+    no_tokenizer: str | None = None
+    """Why there is no tokenizer (the loader's own message), raised by ``need_tokenizer``."""
+    dataset_config: DatasetConfig | None = None
+    """AstrAI's ``dataset_config.json`` of a JSONL data directory, checked (``data/dataset_config.py``)."""
+    lora_base: Path | None = None
+    """LoRA runs: the directory of the frozen base weights, and the sha256 of its weight files (checkpoints point
+    to it rather than copy it)."""
+    lora_digests: dict[str, str] | None = None
+    source: hf.HFSource | None = None
+    """The Hugging Face architecture the model came from (a Hugging Face ``param_path``, or the ``source`` of the
+    checkpoint started or resumed from): recorded in every checkpoint's ``meta.json`` for ``export --format hf``."""
+    window_size: int | None = None
+    """Tokens per training sample: ``--window_size``, else the model's ``max_position_embeddings`` (resolved here
+    once; every train type's data and the throughput's FLOPs count use it)."""
+
+    def need_tokenizer(self, what: str) -> Tokenizer:
+        """The tokenizer, or the one-line error saying ``what`` needs one and why there is none."""
+        if self.tokenizer is None:
+            raise UserError(f"{what} needs a tokenizer: {self.no_tokenizer}")
+        return self.tokenizer
+
+
+T = TypeVar("T")
+
+
+def read_on_rank_zero(fabric: Fabric, read: Callable[[], T], paths: Iterable[str | Path]) -> T:
+    """``read()`` on every rank when every rank sees ``paths`` (as flags give them: ``bundled:`` names are
+    resolved here), else on rank 0 only, its result sent to the others (so a resume needs no shared filesystem). A
+    mistake found while reading is raised on every rank, and shown once when every rank found it
+    (``raised_on_every_rank``)."""
+    if fabric.world_size == 1:
+        return read()
+    paths = [assets.resolve(p) for p in paths]
+    visible = all(p.exists() for p in paths)
+    if fabric.all_reduce(torch.tensor(float(visible), device=fabric.device), reduce_op="min").item() == 1:
+        try:
+            value, error = read(), None
+        except UserError as err:
+            value, error = None, err
+        failed = fabric.all_reduce(torch.tensor(float(error is not None), device=fabric.device), reduce_op="sum")
+        if error is not None:  # shown once when every rank found it, by each rank that did otherwise
+            raise raised_on_every_rank(error, fabric.local_rank) if failed.item() == fabric.world_size else error
+        if failed.item() > 0:
+            raise UserError(f"{int(failed.item())} other rank(s) could not read {', '.join(map(str, paths))} (their "
+                            "messages say why)")  # fmt: skip
+        return value
+    outcome = None
+    if fabric.global_rank == 0:
+        try:
+            outcome = ("value", read())
+        except UserError as err:
+            outcome = ("error", err)
+    kind, value = fabric.broadcast(outcome)
+    if kind == "error":
+        raise raised_on_every_rank(value, fabric.local_rank)
+    return value
+
+
+def resolve_start(fabric: Fabric, args: TrainArgs) -> Start:
+    """The start of the run, read where the files are (see ``read_on_rank_zero``)."""
+    paths = [args.param_path]
+    if isinstance(args.resume, str) and args.resume not in ("auto", "true", "false"):
+        paths.append(args.resume)
+    return read_on_rank_zero(fabric, partial(read_start, args), paths)
+
+
+def read_start(args: TrainArgs) -> Start:
+    """Read ``param_path`` and find the checkpoint to resume from, checking they belong together."""
+    check_writable(args.ckpt_dir)
+    param_path, data_path = assets.resolve(args.param_path), assets.resolve(args.data_root_path)
+    if not param_path.exists():
+        raise UserError(f"param_path {param_path}: not found (expected a model or checkpoint directory)")
+    if not (param_path / CONFIG_FILE).is_file():
+        raise UserError(f"param_path {param_path}: no config.json (expected a model or checkpoint directory)")
+    model_config = read_model_config(param_path)  # AstrAI's config.json, or a Hugging Face one mapped
+    model_config.check_buildable(source=str(param_path / CONFIG_FILE))
+    if args.window_size is not None and args.window_size > model_config.max_position_embeddings:
+        raise ConfigError(
+            f"window_size {args.window_size} exceeds max_position_embeddings {model_config.max_position_embeddings} "
+            f"of {param_path / CONFIG_FILE}: the model has no position past it; lower --window_size"
+        )
+    if args.lora_r:
+        meta_model(model_config, args)  # every target names a layer of this model, checked before anything is read
+    resume = resume_checkpoint(args, param_path)
+    lora_base = lora_digests = None
+    if resume is not None:
+        check_resume(resume, model_config, args)
+        weights = resume
+        if resume.lora is not None:
+            lora_base, lora_digests = resume.lora.base, resume.meta[LORA_BASE_KEY]["sha256"]
+    elif any((param_path / name).exists() for name in (WEIGHTS_FILE, WEIGHTS_INDEX_FILE, ADAPTER_FILE)):
+        weights = load_checkpoint(param_path, load_extra=False)  # a LoRA checkpoint: its adapter merged
+        if args.lora_r:
+            lora_base, lora_digests = param_path, weight_digests(param_path)
+    else:
+        weights = None
+    if args.lora_r and weights is None:
+        raise UserError(
+            f"lora_r {args.lora_r}: param_path {param_path} has no weights to adapt (LoRA trains adapters on a "
+            "trained model; pass a directory with model.safetensors)"
+        )
+    dataset_config = read_dataset_config(data_path, args.train_type)
+    # The run's tokenizer: --tokenizer_path, which must hold one, else param_path's, where none is no error (the
+    # reason is kept for need_tokenizer): AstrAI trains seq/sft on bin shards from such a directory.
+    if args.tokenizer_path:
+        tokenizer, no_tokenizer = Tokenizer.from_dir(assets.resolve(args.tokenizer_path)), None
+    else:
+        tokenizer, no_tokenizer = Tokenizer.from_dir_if_present(param_path)
+    if dataset_config is not None and dataset_config.tokenizer_dir is not None:
+        tokenizer, no_tokenizer = _data_tokenizer(dataset_config, tokenizer), None
+    # Larger models pad vocab_size; a smaller one cannot work.
+    if tokenizer is not None and tokenizer.vocab_size > model_config.vocab_size:
+        raise UserError(
+            f"tokenizer {tokenizer.directory} has {tokenizer.vocab_size:,} ids, but the model's vocab_size is "
+            f"{model_config.vocab_size:,} ({param_path / CONFIG_FILE}): pass the tokenizer the model was built for"
+        )
+    origin = resume or weights
+    source = None
+    if origin is not None:
+        source = hf.source_of(origin.source, origin.meta, model_config, str(origin.path / META_FILE))
+    return Start(
+        model_config,
+        weights,
+        resume,
+        tokenizer,
+        no_tokenizer,
+        dataset_config,
+        lora_base,
+        lora_digests,
+        source,
+        window_size=args.window_size or model_config.max_position_embeddings,
+    )
+
+
+def _data_tokenizer(config: DatasetConfig, run_tokenizer: Tokenizer | None) -> Tokenizer:
+    """The tokenizer AstrAI tokenises a ``dataset_config.json`` route with; it must be the run's (the one checkpoints
+    carry and the model was built for) where the run has one."""
+    directory = assets.resolve(str(config.tokenizer_dir))
+    data_tokenizer = Tokenizer.from_dir(directory)
+    if run_tokenizer is None:
+        return data_tokenizer
+
+    def contents(tokenizer: Tokenizer) -> dict[str, bytes]:
+        return {name: path.read_bytes() for name, path in tokenizer.files.items()}
+
+    if contents(data_tokenizer) != contents(run_tokenizer):
+        raise ConfigError(
+            f"{config.path}: its records are tokenised with {directory} (AstrAI's rule: the file's tokenizer_path, "
+            f"else the data directory), which differs from the run's tokenizer {run_tokenizer.directory}; pass "
+            f"--tokenizer_path {directory}, or make the two the same"
+        )
+    return run_tokenizer
+
+
+def require_jsonl(path: Path, train_type: str) -> Path:
+    """Record-based train types read JSONL (AstrAI's bin output for them has no record offsets either)."""
+    if detect_format(path) != "jsonl":
+        raise UserError(f"data_root_path {path}: {train_type} reads JSONL records, not bin shards")
+    return path
+
+
+def reference_model(fabric: Fabric, start: Start, args: TrainArgs) -> tuple[nn.Module | None, dict[str, Any]]:
+    """The frozen reference of dpo/grpo: the run's *starting* policy, rebuilt the same way on a resume.
+
+    With LoRA there is no second model: the reference is the trained network with its adapters off (the frozen
+    base, ``lora.adapters_off``), returned as None. AstrAI builds a reference without adapters and then loads the
+    LoRA policy's keys into it strictly, which fails (its B13).
+
+    Fresh runs copy the starting weights (or the seeded initialisation). A resume of one of our checkpoints rebuilds
+    the reference its run started from (``meta.json`` says where: ``reference``); AstrAI re-copies the resumed
+    policy instead, so its reference drifts at every resume, and an AstrAI checkpoint resumes that way here too.
+    ``--reference_path`` overrides all of these. Returns the model and the ``meta.json`` entry describing it.
+    """
+    if args.lora_r:
+        fabric.print("reference model: the base weights (the trained network with its LoRA adapters off)")
+        return None, {"param_path": str(start.lora_base.resolve()), "random_seed": args.random_seed,
+                      "adapters_off": True}  # fmt: skip
+    if args.reference_path is not None:
+        path, seed = str(assets.resolve(args.reference_path).resolve()), args.random_seed
+    elif start.resume is not None and "reference" in start.resume.meta:
+        path, seed = start.resume.meta["reference"]["param_path"], start.resume.meta["reference"]["random_seed"]
+    elif start.resume is not None:
+        fabric.print(f"reference model: the resumed policy ({start.resume.path}), as AstrAI does")
+        path, seed = str(start.resume.path.resolve()), args.random_seed
+    else:
+        path = str(start.weights.path.resolve()) if start.weights is not None else None
+        seed = args.random_seed
+    weights = None
+    if path is not None:
+        weights = read_on_rank_zero(fabric, partial(_read_reference, Path(path)), [Path(path)])
+    model = initial_model(fabric, start.model_config, weights, seed)
+    model = setup_frozen(fabric, model)
+    if is_fsdp(fabric) and weights is not None:  # sharded on the meta device: materialise, then read the shards
+        model.to_empty(device=fabric.device)
+        model.rotary_embedding.reset_parameters(device=fabric.device)
+        load_sharded_weights(model, weights)
+    return model, {"param_path": path, "random_seed": seed}
+
+
+def _read_reference(path: Path) -> Checkpoint:
+    if not path.is_dir():
+        raise UserError(f"reference model {path}: not found (pass the starting weights as --reference_path)")
+    return load_checkpoint(path, load_extra=False)
