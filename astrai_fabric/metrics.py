@@ -104,36 +104,39 @@ class GradSNR:
     def update(self, model: nn.Module) -> float:
         """Fold in the current gradients and return the SNR (collective under FSDP/TP: every rank calls it)."""
         grads = [p.grad.detach().float() for p in model.parameters() if p.grad is not None]
+        first_norms: list[Tensor] = []
+        delta_norms: list[Tensor] = []
         if not self.first:
             self.first = [g.clone() for g in grads]
-            self.blocks = _blocks([g.numel() for g in grads])
-            signal = _sum_of_squares(torch._foreach_norm(self.first), self.first)
+            self.blocks = _blocks(grads)
+            for block in self.blocks:
+                first_norms += torch._foreach_norm([self.first[i] for i in block])
         else:
-            delta_norms: list[Tensor] = []
-            first_norms: list[Tensor] = []
             for block in self.blocks:
                 block_grads, block_first = [grads[i] for i in block], [self.first[i] for i in block]
                 deltas = torch._foreach_sub(block_grads, block_first)  # d = g - m
                 delta_norms += torch._foreach_norm(deltas)
                 torch._foreach_add_(block_first, deltas, alpha=1 - self.beta)  # m <- m + (1 - beta) d
                 first_norms += torch._foreach_norm(block_first)
-            order = [i for block in self.blocks for i in block]
-            tensors = [grads[i] for i in order]
-            self.noise = self.beta * (self.noise + (1 - self.beta) * _sum_of_squares(delta_norms, tensors))
-            signal = _sum_of_squares(first_norms, tensors)
+        in_order = [grads[i] for block in self.blocks for i in block]  # the order the norms are in
+        if delta_norms:
+            self.noise = self.beta * (self.noise + (1 - self.beta) * _sum_of_squares(delta_norms, in_order))
+        signal = _sum_of_squares(first_norms, in_order)
         return 10.0 * math.log10(max(signal / (self.noise + self.eps), self.eps))
 
 
-def _blocks(sizes: list[int]) -> list[list[int]]:
-    """Consecutive indices grouped into blocks of at most ``BLOCK_NUMEL`` entries (or one larger tensor)."""
+def _blocks(tensors: list[Tensor]) -> list[list[int]]:
+    """Consecutive indices grouped into blocks of at most ``BLOCK_NUMEL`` entries (or one larger tensor), each on
+    one device mesh (torch's foreach norm takes one mesh at a time; tensor parallelism puts some on another)."""
     blocks: list[list[int]] = []
-    numel = 0
-    for index, size in enumerate(sizes):
-        if not blocks or numel + size > BLOCK_NUMEL:
+    numel, mesh = 0, None
+    for index, tensor in enumerate(tensors):
+        tensor_mesh = getattr(tensor, "device_mesh", None)
+        if not blocks or numel + tensor.numel() > BLOCK_NUMEL or tensor_mesh != mesh:
             blocks.append([])
-            numel = 0
+            numel, mesh = 0, tensor_mesh
         blocks[-1].append(index)
-        numel += size
+        numel += tensor.numel()
     return blocks
 
 
