@@ -86,7 +86,7 @@ class GradSNR:
     Departure from AstrAI's computation (not its formula): ``v`` is never stored. Its only use is the total
     ``N = sum(v - m^2)``, and with ``d = g - m`` (``m`` before the update) each entry's ``v - m^2`` becomes
     ``beta (v - m^2 + (1 - beta) d^2)`` exactly, so ``N`` is one float updated from ``sum d^2``. That keeps one
-    gradient-sized buffer instead of two, passes over gradient-sized memory 4 times a step instead of ~17, and
+    gradient-sized buffer instead of two, makes 4 operations over the gradients a step instead of 8, and
     sums non-negative terms where AstrAI subtracts two float32 EMAs that agree to a few digits at high SNR (its
     clamp at 0 hides the cancellation): this is the exact formula to ~1e-7, where the float32 difference is off by
     ~1e-4 at 50 dB (tests/test_reporting.py). Sharded gradients give the same value as unsharded ones: each sum
