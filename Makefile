@@ -33,6 +33,7 @@ train: install
 # Each prints a table (docs/performance.md records them); bench/gpu_check.py is run by hand on a CUDA machine.
 bench: install
 	$(BIN)/python bench/loop_overhead.py
+	$(BIN)/python bench/step_overhead.py
 	$(BIN)/python bench/optimizer_step.py
 	$(BIN)/python bench/data_pipeline.py
 	$(BIN)/python bench/checkpoint_io.py

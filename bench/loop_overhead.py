@@ -9,8 +9,8 @@ alternate (ours, plain, ours, ...) so machine drift cancels; each pair gives a t
 after the first two) and the table reports every pair and their median. Target: ratio >= 0.97.
 
 ``fit()`` runs without the ``grad_snr`` metric here, which the plain loop does not compute either (it is on by
-default, as in AstrAI, and costs about 3% of a step of this 1M-parameter model on CPU: ~10 passes over
-gradient-sized memory); ``--grad_snr`` measures with it.
+default, as in AstrAI, and costs about 1% of a step: four passes over gradient-sized memory, see
+``bench/step_overhead.py --grad_snr_cost``); ``--grad_snr`` measures with it.
 """
 
 from __future__ import annotations

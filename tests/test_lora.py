@@ -293,7 +293,10 @@ def test_dry_run_prints_trainable_parameters_and_optimizer_state(runs, capsys):
             str(runs / "dry"), "--lora_r", "8", "--dry_run"]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "1,029,248 parameters, 28,672 trainable (2.79%); optimizer adamw, state 0.2 MiB" in out
+    assert (
+        "1,029,248 parameters, 28,672 trainable (2.79%); optimizer adamw: adamw 32 tensors (lr 0.0003, decay 0.1); "
+        "state 0.2 MiB" in out
+    )
     assert "lora         r=8, alpha=32, dropout 0.0, init astrai, on q_proj,k_proj,v_proj,o_proj (16 linear" in out
 
 

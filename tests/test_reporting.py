@@ -3,6 +3,7 @@ and the dry-run plan."""
 
 import importlib.util
 import json
+import math
 import os
 import re
 import struct
@@ -11,14 +12,16 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from astrai_fabric.cli import main
+from astrai_fabric.metrics import GradSNR
 
 ROOT = Path(__file__).parents[1]
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None  # the [tensorboard] extra (in [dev])
 ENV = {"OMP_NUM_THREADS": "1", "PATH": str(Path(sys.executable).parent)}
 PLAIN_LINE = re.compile(
-    r"^(seq|sft|dpo|grpo): [\d,]+ parameters(, [\d,]+ trainable \(\S+\))?; optimizer \w+, state .+ \| .+"
+    r"^(seq|sft|dpo|grpo): [\d,]+ parameters(, [\d,]+ trainable \(\S+\))?; optimizer \w+: .+; state .+ \| .+"
     r"|^batch: .+|^steps: .+|^schedule: .+|^loader: .+|^cpu threads: .+|^outputs: .+"
     r"|^step \d+/\d+ \| epoch \d+ \| loss [\d.]+ \| lr \S+ \| grad_norm [\d.]+ \| [\d,]+ tokens/s"
     r"( \| \w+ [-\d.]+)* \| eta \S+$"
@@ -183,3 +186,28 @@ def test_progress_shows_each_step_with_its_own_numbers_and_a_compiled_first_step
     assert len(frames) >= 5
     for frame in frames:
         assert re.search(r"\| (\d+)/160 ", frame)[1] == re.search(r"step (\d+)/160", frame)[1], frame
+
+
+def test_grad_snr_is_astrai_formula_in_float64():
+    """GradSNR against AstrAI's formula (``astrai/trainer/metric_util.py``: EMAs ``m``, ``v`` of ``g`` and ``g^2``,
+    ``10 log10(sum m^2 / sum max(v - m^2, 0))``), written out here elementwise in float64 as the reference, over
+    gradients that change a little each step (SNR 20-40 dB, where a float32 ``v - m^2`` cancels most digits).
+    Float32 gradients, tolerance 1e-6 relative."""
+    beta, eps = 0.999, 1e-8
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.Linear(48, 8))
+    base = [torch.randn_like(p) for p in model.parameters()]
+    tracker, first, second = GradSNR(beta, eps), None, None
+    for step in range(8):
+        for p, b in zip(model.parameters(), base, strict=True):
+            p.grad = b + 0.05 * (step + 1) * torch.randn_like(b)
+        grads = [p.grad.double() for p in model.parameters()]
+        if first is None:
+            first, second = [g.clone() for g in grads], [g * g for g in grads]
+        else:
+            first = [beta * m + (1 - beta) * g for m, g in zip(first, grads, strict=True)]
+            second = [beta * v + (1 - beta) * g * g for v, g in zip(second, grads, strict=True)]
+        signal = sum(float((m * m).sum()) for m in first)
+        noise = sum(float((v - m * m).clamp(min=0).sum()) for m, v in zip(first, second, strict=True))
+        expected = 10 * math.log10(max(signal / (noise + eps), eps))
+        assert tracker.update(model) == pytest.approx(expected, rel=1e-6), step

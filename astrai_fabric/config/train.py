@@ -274,7 +274,7 @@ class TrainArgs:
     """What ``metric.jsonl`` records besides the loss function's own metrics: AstrAI's names (``loss``, ``lr``,
     ``grad_norm``, ``grad_snr``, ``val_loss``, ``moe_aux_loss``, ``router_entropy``, ``dead_expert_fraction``,
     ``load_imbalance_mean``, ``load_imbalance_max``) and ``tokens_per_sec``, ``samples_per_sec``, ``mfu``.
-    ``grad_snr`` keeps two gradient-sized buffers; leave it out to save them."""
+    ``grad_snr`` keeps one gradient-sized float32 buffer (AstrAI keeps two); leave it out to save it."""
     loggers: list[Literal["csv", "tensorboard", "wandb"]] = field(default_factory=lambda: ["csv"])
     """Where every step's metrics also go: CSV and/or TensorBoard under ``ckpt_dir/logs/version_N`` (one folder per
     run, shared by both; TensorBoard needs ``pip install 'astrai-fabric[tensorboard]'``), and/or Weights & Biases
