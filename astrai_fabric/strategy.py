@@ -17,27 +17,21 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
 from lightning.fabric import Fabric
-from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
 from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
 from torch import nn
 
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import ConfigError
+from astrai_fabric.loggers import build_loggers
 from astrai_fabric.parallelize import parallelize
-
-LOG_DIR = "logs"
-"""Where the loggers write, under ``ckpt_dir``."""
 
 
 @dataclass(frozen=True)
@@ -180,49 +174,6 @@ def describe_cpu_threads(threads: int, given: bool) -> str:
 def local_ranks(fabric: Fabric) -> int:
     """Ranks on this machine (the ones sharing its CPUs)."""
     return max(1, fabric.world_size // getattr(fabric.strategy, "num_nodes", 1))
-
-
-def build_loggers(args: TrainArgs) -> list:
-    """The recipe's loggers, writing under ``ckpt_dir/logs`` (created on first use, by rank 0), all into the same
-    ``version_N`` folder (each would otherwise take the next free one for itself)."""
-    loggers: list = []
-    version = None
-    if "csv" in args.loggers:
-        loggers.append(CSVLogger(args.ckpt_dir, name=LOG_DIR))
-        version = loggers[-1].version  # the next free version_N
-    if "tensorboard" in args.loggers:
-        try:
-            loggers.append(TensorBoardLogger(args.ckpt_dir, name=LOG_DIR, version=version))
-        except ModuleNotFoundError as err:
-            raise _missing_extra("tensorboard", err) from None
-    if "wandb" in args.loggers:
-        try:  # here, not at the top: wandb is an optional extra (and takes ~2 s to import)
-            from astrai_fabric.wandb_logger import WandbLogger
-        except ModuleNotFoundError as err:
-            raise _missing_extra("wandb", err) from None
-        loggers.append(WandbLogger(Path(args.ckpt_dir) / LOG_DIR, config=args.recipe_values()))
-    return loggers
-
-
-def _missing_extra(package: str, err: ModuleNotFoundError) -> ConfigError:
-    """The one line for ``--loggers PACKAGE`` without its package (the extra of the same name installs it)."""
-    return ConfigError(
-        f"loggers {package} needs the {package} package ({err}): pip install 'astrai-fabric[{package}]' "
-        f"(or pip install {package})"
-    )
-
-
-@contextmanager
-def closing_loggers(fabric: Fabric) -> Iterator[None]:
-    """Around a run on a Fabric built here: end what its loggers hold open (a W&B run, TensorBoard's writer) when
-    the run ends, as ``failed`` when it raised. A Fabric the user built keeps its loggers open: they are theirs."""
-    status = "failed"
-    try:
-        yield
-        status = "success"
-    finally:
-        for logger in fabric.loggers:
-            logger.finalize(status)
 
 
 def precision_of(fabric: Fabric) -> str:

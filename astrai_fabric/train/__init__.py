@@ -20,10 +20,10 @@ from lightning.fabric import Fabric
 
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import ConfigError, TrainingError
+from astrai_fabric.loggers import closing_loggers
 from astrai_fabric.strategy import (
     build_fabric,
     check_fsdp_shard_size,
-    closing_loggers,
     resolve_topology,
     set_cpu_threads,
 )

@@ -1,0 +1,61 @@
+"""The Fabric's loggers, under ``ckpt_dir/logs``: CSV, TensorBoard and Weights & Biases (``wandb_logger.py``), the
+only place their packages are imported; the optional ones (``.[tensorboard]``, ``.[wandb]``) refused in one line
+when missing."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from lightning.fabric import Fabric
+from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
+
+from astrai_fabric.config.train import TrainArgs
+from astrai_fabric.errors import ConfigError
+
+LOG_DIR = "logs"
+"""Where the loggers write, under ``ckpt_dir``."""
+
+
+def build_loggers(args: TrainArgs) -> list:
+    """The recipe's loggers, writing under ``ckpt_dir/logs`` (created on first use, by rank 0), all into the same
+    ``version_N`` folder (each would otherwise take the next free one for itself)."""
+    loggers: list = []
+    version = None
+    if "csv" in args.loggers:
+        loggers.append(CSVLogger(args.ckpt_dir, name=LOG_DIR))
+        version = loggers[-1].version  # the next free version_N
+    if "tensorboard" in args.loggers:
+        try:
+            loggers.append(TensorBoardLogger(args.ckpt_dir, name=LOG_DIR, version=version))
+        except ModuleNotFoundError as err:
+            raise _missing_extra("tensorboard", err) from None
+    if "wandb" in args.loggers:
+        try:  # here, not at the top: wandb is an optional extra (and takes ~2 s to import)
+            from astrai_fabric.wandb_logger import WandbLogger
+        except ModuleNotFoundError as err:
+            raise _missing_extra("wandb", err) from None
+        loggers.append(WandbLogger(Path(args.ckpt_dir) / LOG_DIR, config=args.recipe_values()))
+    return loggers
+
+
+def _missing_extra(package: str, err: ModuleNotFoundError) -> ConfigError:
+    """The one line for ``--loggers PACKAGE`` without its package (the extra of the same name installs it)."""
+    return ConfigError(
+        f"loggers {package} needs the {package} package ({err}): pip install 'astrai-fabric[{package}]' "
+        f"(or pip install {package})"
+    )
+
+
+@contextmanager
+def closing_loggers(fabric: Fabric) -> Iterator[None]:
+    """Around a run on a Fabric built here: end what its loggers hold open (a W&B run, TensorBoard's writer) when
+    the run ends, as ``failed`` when it raised. A Fabric the user built keeps its loggers open: they are theirs."""
+    status = "failed"
+    try:
+        yield
+        status = "success"
+    finally:
+        for logger in fabric.loggers:
+            logger.finalize(status)
