@@ -13,6 +13,9 @@ says so and where its traceback went (a ``crash-*.log`` under ``ckpt_dir`` once 
 A recipe is data: it is read with YAML's safe loader, refusing duplicate keys, aliases and non-string keys, and it
 can never name code to run: ``--trust_code``, which opts into import paths outside the package, is taken from the
 command line only.
+
+Over 300 lines for one responsibility: every subcommand's parser and the recipe reader, the project's one
+jsonargparse seam; what each command does lives in the modules it calls.
 """
 
 from __future__ import annotations

@@ -21,6 +21,9 @@ Python internals), bounded in time (``RENDER_SECONDS``), output size and the siz
 failures (``raise_exception``, undefined names, sandbox violations) are one clear error naming the record; for
 ordinary templates the output is identical. Both files are checked when loaded: ``special_tokens`` a map of strings
 in the vocabulary, ``chat_template`` a string (or Hugging Face's list of named templates) that compiles.
+
+Over 300 lines for one responsibility: both tokenizer layouts and their sandboxed chat-template rendering;
+splitting the layouts apart would split the one rule that tells them apart.
 """
 
 from __future__ import annotations

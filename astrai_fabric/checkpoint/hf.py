@@ -26,6 +26,9 @@ config of the architecture a model came from (``HFSource``, kept in ``meta.json`
 computing the same function (``export_model_type``), refusing by field what has no equivalent
 (``astrai_fabric.export`` writes the directory). Over 300 lines for one responsibility: every transformers
 convention stays in this one file, so that no other module knows any.
+
+Over 300 lines for one responsibility: every Hugging Face convention (five architectures, both directions,
+their refusals) in one module, so no other module needs to know any of them.
 """
 
 from __future__ import annotations
