@@ -1,5 +1,6 @@
 """`astrai-fabric prepare`: JSONL -> AstrAI bin shards -> the training windows and masks, checked by hand."""
 
+import faulthandler
 import hashlib
 import json
 import os
@@ -208,8 +209,9 @@ def test_a_killed_prepare_resumes_to_the_same_bytes(tmp_path, capsys):
 
 
 def test_a_dead_worker_stops_the_run_and_the_run_resumes(tmp_path, monkeypatch):
+    faulthandler.dump_traceback_later(60, exit=True)  # a lost result must fail the run, never wait for it
     monkeypatch.setattr(prepare_module, "CHUNK_BYTES", 300)
-    monkeypatch.setenv("ASTRAI_FABRIC_CRASH_AT", "prepare-worker@3")  # each worker SIGKILLs itself at its third chunk
+    monkeypatch.setenv("ASTRAI_FABRIC_CRASH_AT", "prepare-worker@5")  # each worker SIGKILLs itself at its fifth chunk
     records = mixed_records(tmp_path / "in.jsonl")
     config = PipelineConfig.from_dict(STREAMED["simple"], "cfg")
     with pytest.raises(TrainingError, match="a tokenising worker died .* run the same command with --resume"):
@@ -218,12 +220,15 @@ def test_a_dead_worker_stops_the_run_and_the_run_resumes(tmp_path, monkeypatch):
     monkeypatch.delenv("ASTRAI_FABRIC_CRASH_AT")
     prepare([records], tmp_path / "out", config, TOKENIZER, num_proc=2, resume=True)
     assert digest(tmp_path / "out") == BEFORE_STREAMING["simple"]
+    faulthandler.cancel_dump_traceback_later()
 
 
 def test_a_malformed_last_record_is_found_before_anything_is_written(tmp_path):
     records = mixed_records(tmp_path / "in.jsonl")
     with open(records, "a") as f:
         f.write('{"prompt": "no closing brace"\n')
+    # Only 10 records are prepared, but every line is checked first (as before streaming).
+    config = {**STREAMED["simple"], "preprocessing": {**STREAMED["simple"]["preprocessing"], "max_items": 10}}
     with pytest.raises(UserError, match=r"in.jsonl:61: not valid JSON"):
-        prepare([records], tmp_path / "out", PipelineConfig.from_dict(STREAMED["simple"], "cfg"), TOKENIZER)
+        prepare([records], tmp_path / "out", PipelineConfig.from_dict(config, "cfg"), TOKENIZER)
     assert [p.name for p in tmp_path.iterdir()] == ["in.jsonl"]
