@@ -62,7 +62,7 @@ def _start_worker(config: PipelineConfig, tokenizer: Tokenizer) -> None:
 
 
 def _tokenise_in_worker(chunk: Chunk) -> list[Tokenised]:
-    _crash_point("prepare-worker")
+    _crash_point("prepare-worker")  # tests: ASTRAI_FABRIC_CRASH_AT=prepare-worker@N, the N-th chunk of each worker
     assert _worker is not None
     return _worker(chunk)
 

@@ -222,7 +222,7 @@ def _stream(
                     state.finished, state.next = writer.finished, after
                     counts["dropped"] = dict(dropped)
                     state.save(staging)
-                    _crash_point("prepare-shard")
+                    _crash_point("prepare-shard")  # tests: ASTRAI_FABRIC_CRASH_AT=prepare-shard@N, SIGKILL here
             progress.update(len(results))
             rate = (counts["tokens"] - first_tokens) / (time.perf_counter() - started)
             progress.set_postfix_str(f"{rate:,.0f} tokens/s", refresh=False)
