@@ -343,6 +343,8 @@ def prepare_command(argv: list[str]) -> int:
     parser.add_argument("-c", "--config", required=True, help="Pipeline JSON (AstrAI's PipelineConfig).")
     parser.add_argument("--tokenizer_path", help="Tokenizer directory; default: the config's tokenizer_path.")
     parser.add_argument("--batch_size", type=int, help="Accepted for AstrAI command lines; unused.")
+    parser.add_argument("--num_proc", type=int, default=1, help="Tokenising processes (the output is the same).")
+    parser.add_argument("--resume", action="store_true", help="Continue the killed prepare of this -o.")
     namespace = _parse(parser, argv)
     config = PipelineConfig.from_file(Path(namespace.config))
     tokenizer_path = namespace.tokenizer_path or config.tokenizer_path
@@ -350,7 +352,7 @@ def prepare_command(argv: list[str]) -> int:
         raise UserError("prepare needs --tokenizer_path (the tokenizer of the model to train), or tokenizer_path in -c")
     tokenizer = Tokenizer.from_dir(assets.resolve(tokenizer_path))
     inputs = [Path(p) for p in namespace.inputs]
-    print(prepare(inputs, Path(namespace.output_dir), config, tokenizer))
+    print(prepare(inputs, Path(namespace.output_dir), config, tokenizer, namespace.num_proc, namespace.resume))
     return 0
 
 

@@ -119,6 +119,13 @@ def jsonl(*lines: object, name: str = "data.jsonl") -> Files:
     return {name: "".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines)}
 
 
+TEXT_PIPELINE = {"p.json": '{"input": {"sections": [{"field": "text", "action": "train"}]}}'}
+
+
+def prepare_argv() -> list[str]:
+    return ["prepare", "{c}/data.jsonl", "-o", "{c}/o", "-c", "{c}/p.json", "--tokenizer_path", "bundled:tiny"]
+
+
 def data_config(config: object, *lines: object) -> Files:
     """``d/``: JSONL records beside AstrAI's ``dataset_config.json`` (an object, or raw text)."""
     return {"d/dataset_config.json": config if isinstance(config, str) else json.dumps(config),
@@ -510,6 +517,20 @@ CASES = [
          {**jsonl({"text": "a"}), "p.json": '{"input": {"sections": [{"field": "text", "action": "train"}]}}'}),
     Case("prepare-config-not-json", ["prepare", "{c}/data.jsonl", "-o", "{c}/o", "-c", "{c}/p.json",
          "--tokenizer_path", "bundled:tiny"], "p.json", {**jsonl({"text": "a"}), "p.json": "{"}),
+    Case("prepare-num-proc-zero", [*prepare_argv(), "--num_proc", "0"], "--num_proc must be an integer >= 1, got 0",
+         {**jsonl({"text": "a"}), **TEXT_PIPELINE}),
+    Case("prepare-malformed-last-record", prepare_argv(), "data.jsonl:3: not valid JSON",
+         {**jsonl({"text": "a"}, {"text": "b"}, '{"text": "c"'), **TEXT_PIPELINE}),
+    Case("prepare-float-sequence", prepare_argv(), "output.dtype.sequence must be an integer dtype",
+         {**jsonl({"text": "a"}), "p.json": json.dumps({"input": {"sections": [{"field": "text", "action": "train"}]},
+                                                       "output": {"dtype": {"sequence": "float32"}}})}),
+    Case("prepare-unfinished-without-resume", prepare_argv(), "unfinished prepare of it is in {c}/.o.prepare-partial",
+         {**jsonl({"text": "a"}), **TEXT_PIPELINE, ".o.prepare-partial/prepare_state.json": "{}"}),
+    Case("prepare-resume-other-run", [*prepare_argv(), "--resume"], "holds a prepare of a different pipeline (-c), "
+         "tokenizer, list of inputs", {**jsonl({"text": "a"}), **TEXT_PIPELINE, ".o.prepare-partial/prepare_state.json":
+         json.dumps({"identity": {"inputs": [], "pipeline": "x", "tokenizer": "y"}, "num_records": 1})}),
+    Case("prepare-resume-state-not-json", [*prepare_argv(), "--resume"], "prepare_state.json: not a prepare state",
+         {**jsonl({"text": "a"}), **TEXT_PIPELINE, ".o.prepare-partial/prepare_state.json": "[1]"}),
     Case("generate-negative-top-k", ["generate", "--param_path", "{w}/run/epoch_0_step_1", "--prompt", "x",
          "--top_k", "-1"], "top_k >= 0"),
     Case("generate-device", ["generate", "--param_path", "{w}/run/epoch_0_step_1", "--prompt", "x",

@@ -1,15 +1,22 @@
 """`astrai-fabric prepare`: JSONL -> AstrAI bin shards -> the training windows and masks, checked by hand."""
 
+import faulthandler
+import hashlib
 import json
+import os
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
+import astrai_fabric.data.prepare as prepare_module
 from astrai_fabric.assets import TINY_MODEL_DIR
 from astrai_fabric.cli import main
 from astrai_fabric.data import load_window_dataset
 from astrai_fabric.data.prepare import PipelineConfig, prepare
-from astrai_fabric.errors import UserError
+from astrai_fabric.errors import TrainingError, UserError
 from astrai_fabric.tokenizer import Tokenizer
 
 TOKENIZER = Tokenizer.from_dir(TINY_MODEL_DIR)
@@ -108,3 +115,120 @@ def test_bfd_packing_and_domains(tmp_path):
 def test_bad_pipeline_configs(config, message):
     with pytest.raises(UserError, match=message):
         PipelineConfig.from_dict(config, "pipeline.json")
+
+
+# --- streaming, --num_proc, --resume ---------------------------------------------------------------------------------
+
+SFT = [{"field": "prompt", "action": "mask"}, {"field": "answer", "action": "train"}]
+STREAMED = {
+    "simple": {"input": {"sections": SFT}, "preprocessing": {"min_chars": 0, "max_packed_len": 16, "max_seq_len": 64},
+               "output": {"domain_key": "lang", "max_tokens_per_shard": 100}},
+    "bfd": {"input": {"sections": SFT},
+            "preprocessing": {"min_chars": 0, "packing_strategy": "bfd", "max_packed_len": 40},
+            "output": {"domain_key": "lang", "max_tokens_per_shard": 100, "position_ids_mode": "continuous"}},
+    "bfd_split": {"input": {"sections": SFT},
+                  "preprocessing": {"min_chars": 0, "packing_strategy": "bfd_split", "max_packed_len": 24},
+                  "output": {"domain_key": "lang", "max_tokens_per_shard": 100, "dtype": {"sequence": "int64"}}},
+    "text": {"input": {"sections": [{"field": "answer", "action": "train"}]},
+             "preprocessing": {"min_chars": 20, "max_seq_len": 20, "truncation_mode": "keep_end"},
+             "output": {"max_tokens_per_shard": 150}},
+}  # fmt: skip
+BEFORE_STREAMING = {
+    "simple": "4bc74503d571f6209098084b909c218322d556a90b4939d998eebe0be67b9ee8",
+    "bfd": "2890433546dec1ecb9f870829642bb5a1adbf6607f4113c766d82e2ef497b238",
+    "bfd_split": "20d67717aad10dcdfda7093a868e84de5d6e9ffd18ffe2e96e989c9db23cd356",
+    "text": "bbe7e079c02eb370cf5ee63775dc508cbd06625525ec9930c37bb07ccd806506",
+}
+"""Digests of the output of `prepare` as it was before streaming (commit 287ea38, which held every record in memory
+and packed each shard at the end) on `mixed_records()` with the bundled tiny tokenizer: 15 shards over four
+domains (6 for "text"), shard sizes, cuts, bfd orders, continuous positions and an int64 sequence among them."""
+
+
+def mixed_records(path):
+    records = []
+    for i in range(60):
+        record = {"prompt": f"Question {i}: " + "why " * (i % 7), "answer": "because " * (i * 5 % 23 + 1)}
+        if i % 5:
+            record["lang"] = ["en", "xx", "yy"][i % 3]
+        records.append(record)
+    return write(path, records)
+
+
+def digest(out):
+    """One hash over every file's relative path and bytes."""
+    h = hashlib.sha256()
+    for p in sorted(out.rglob("*")):
+        if p.is_file():
+            h.update(str(p.relative_to(out)).encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()
+
+
+def pipeline(tmp_path, name):
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(STREAMED[name]))
+    return path
+
+
+@pytest.mark.parametrize("name", list(STREAMED))
+def test_streamed_shards_are_the_bytes_prepare_wrote_before_streaming(tmp_path, name):
+    records = mixed_records(tmp_path / "in.jsonl")
+    prepare([records], tmp_path / "out", PipelineConfig.from_dict(STREAMED[name], "cfg"), TOKENIZER)
+    assert digest(tmp_path / "out") == BEFORE_STREAMING[name]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out"]  # the staging folder is gone
+
+
+def test_two_processes_write_the_bytes_of_one(tmp_path, monkeypatch):
+    monkeypatch.setattr(prepare_module, "CHUNK_BYTES", 300)  # a chunk of a few records: both workers busy, in turn
+    records = mixed_records(tmp_path / "in.jsonl")
+    config = PipelineConfig.from_dict(STREAMED["bfd"], "cfg")
+    summaries = [prepare([records], tmp_path / f"out{n}", config, TOKENIZER, num_proc=n) for n in (1, 2)]
+    assert digest(tmp_path / "out1") == digest(tmp_path / "out2") == BEFORE_STREAMING["bfd"]
+    assert summaries[0].replace("out1", "out2") == summaries[1]
+
+
+def test_a_killed_prepare_resumes_to_the_same_bytes(tmp_path, capsys):
+    # A real prepare process, SIGKILLed (as a power cut would) right after its third shard is recorded.
+    records = mixed_records(tmp_path / "in.jsonl")
+    argv = ["prepare", str(records), "-o", str(tmp_path / "out"), "-c", str(pipeline(tmp_path, "bfd")),
+            "--tokenizer_path", "bundled:tiny"]  # fmt: skip
+    env = {**os.environ, "ASTRAI_FABRIC_CRASH_AT": "prepare-shard@3", "OMP_NUM_THREADS": "1"}
+    killed = subprocess.run([sys.executable, "-m", "astrai_fabric", *argv], env=env, capture_output=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]
+    staging = tmp_path / ".out.prepare-partial"
+    assert not (tmp_path / "out").exists() and len(list(staging.glob("shards/*/shard_*/meta.json"))) == 3
+    assert main(argv) == 2  # without --resume: refused, the finished shards kept
+    assert f"an unfinished prepare of it is in {staging}; add --resume" in capsys.readouterr().err
+    other = [*argv[:-4], "-c", str(pipeline(tmp_path, "simple")), *argv[-2:], "--resume"]
+    assert main(other) == 2
+    assert "holds a prepare of a different pipeline (-c);" in capsys.readouterr().err
+    assert main([*argv, "--resume", "--num_proc", "2"]) == 0  # the process count is not part of the run
+    assert digest(tmp_path / "out") == BEFORE_STREAMING["bfd"] and not staging.exists()
+    resumed = capsys.readouterr().out.splitlines()
+    whole = prepare([records], tmp_path / "whole", PipelineConfig.from_dict(STREAMED["bfd"], "cfg"), TOKENIZER)
+    assert resumed[:2] == whole.splitlines()[:2]  # each record counted once: "records: 60 read, ..."
+
+
+def test_a_dead_worker_stops_the_run_and_the_run_resumes(tmp_path, monkeypatch):
+    faulthandler.dump_traceback_later(60, exit=True)  # a lost result must fail the run, never wait for it
+    monkeypatch.setattr(prepare_module, "CHUNK_BYTES", 300)
+    monkeypatch.setenv("ASTRAI_FABRIC_CRASH_AT", "prepare-worker@5")  # each worker SIGKILLs itself at its fifth chunk
+    records = mixed_records(tmp_path / "in.jsonl")
+    config = PipelineConfig.from_dict(STREAMED["simple"], "cfg")
+    with pytest.raises(TrainingError, match="a tokenising worker died .* run the same command with --resume"):
+        prepare([records], tmp_path / "out", config, TOKENIZER, num_proc=2)
+    assert not (tmp_path / "out").exists() and (tmp_path / ".out.prepare-partial").is_dir()
+    monkeypatch.delenv("ASTRAI_FABRIC_CRASH_AT")
+    prepare([records], tmp_path / "out", config, TOKENIZER, num_proc=2, resume=True)
+    assert digest(tmp_path / "out") == BEFORE_STREAMING["simple"]
+    faulthandler.cancel_dump_traceback_later()
+
+
+def test_a_malformed_last_record_is_found_before_anything_is_written(tmp_path):
+    records = mixed_records(tmp_path / "in.jsonl")
+    with open(records, "a") as f:
+        f.write('{"prompt": "no closing brace"\n')
+    # Only 10 records are prepared, but every line is checked first (as before streaming).
+    config = {**STREAMED["simple"], "preprocessing": {**STREAMED["simple"]["preprocessing"], "max_items": 10}}
+    with pytest.raises(UserError, match=r"in.jsonl:61: not valid JSON"):
+        prepare([records], tmp_path / "out", PipelineConfig.from_dict(config, "cfg"), TOKENIZER)
+    assert [p.name for p in tmp_path.iterdir()] == ["in.jsonl"]

@@ -8,6 +8,7 @@ Bin layout: ``ROOT/**/meta.json`` next to ``<key>.bin`` files; ``meta.json`` map
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -91,23 +92,37 @@ def read_jsonl(path: Path, what: str = "data_root_path") -> list[Record]:
     files = [path] if path.is_file() else sorted(path.glob("*.jsonl"))
     if not files:
         raise UserError(f"{what} {path}: no .jsonl files directly inside")
-    records = []
-    for file in files:
-        with open(file, "rb") as f:
-            for line_no, raw in enumerate(f, start=1):
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as err:
-                    raise UserError(f"{file}:{line_no}: not UTF-8 text ({err.reason} at byte {err.start})") from None
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise UserError(f"{file}:{line_no}: not valid JSON ({err})") from None
-                if not isinstance(record, dict):
-                    raise UserError(f"{file}:{line_no}: expected a JSON object, got {type(record).__name__}")
-                records.append((f"{file}:{line_no}", record))
+    records = [
+        (f"{file}:{line_no}", parse_record(line, f"{file}:{line_no}"))
+        for file in files
+        for line_no, _, _, line in jsonl_lines(file)
+    ]
     if not records:
         raise UserError(f"{what} {path}: the dataset is empty (no records)")
     return records
+
+
+def jsonl_lines(file: Path, offset: int = 0, first_line: int = 1) -> Iterator[tuple[int, int, int, str]]:
+    """``(line number, start byte, end byte, text)`` of each non-blank line of ``file``, from byte ``offset`` (line
+    ``first_line``); a line that is not UTF-8 is an error that names it."""
+    with open(file, "rb") as f:
+        f.seek(offset)
+        for line_no, raw in enumerate(f, start=first_line):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise UserError(f"{file}:{line_no}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+            if line.strip():
+                yield line_no, offset, offset + len(raw), line
+            offset += len(raw)
+
+
+def parse_record(line: str, where: str) -> dict[str, Any]:
+    """One JSONL line as its record (a JSON object); ``where`` (``"file:line"``) names it in the error."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise UserError(f"{where}: not valid JSON ({err})") from None
+    if not isinstance(record, dict):
+        raise UserError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    return record
