@@ -109,7 +109,7 @@ def save_checkpoint(
         }
         _write_text(staging / META_FILE, json.dumps(full_meta, indent=2))
         _write_text(staging / CONFIG_FILE, json.dumps(dict(config), indent=2))
-        _crash_point("meta")
+        crash_point("meta")
         if state_dict is not None:
             save_file(_safetensors_ready(state_dict), str(staging / WEIGHTS_FILE))
             _fsync(staging / WEIGHTS_FILE)
@@ -117,14 +117,14 @@ def save_checkpoint(
             save_file(_safetensors_ready(adapter), str(staging / ADAPTER_FILE))
             _fsync(staging / ADAPTER_FILE)
             _write_text(staging / ADAPTER_CONFIG_FILE, json.dumps(dict(adapter_config or {}), indent=2))
-        _crash_point("weights")
+        crash_point("weights")
         for stem, obj in (extra or {}).items():
             torch.save(obj, staging / f"{stem}.pt")
             _fsync(staging / f"{stem}.pt")
-        _crash_point("extra")
+        crash_point("extra")
         _write_files(staging, files or {})
         _fsync(staging)
-        _crash_point("rename")
+        crash_point("rename")
         _move_into_place(staging, target)
     except (OSError, SafetensorError) as err:  # a full disk, a file-size limit, a lost mount: nothing left behind
         shutil.rmtree(staging, ignore_errors=True)
@@ -197,10 +197,11 @@ def save_model_directory(
 _crash_counts: dict[str, int] = {}
 
 
-def _crash_point(point: str) -> None:
+def crash_point(point: str) -> None:
     """Test hook for crash safety: ``ASTRAI_FABRIC_CRASH_AT=POINT@N`` kills this process with SIGKILL, as a power
     cut would, the N-th time a save reaches POINT: ``meta``, ``weights`` or ``extra`` (after writing those files), or
-    ``rename`` (everything written and synced, just before the rename that completes the checkpoint)."""
+    ``rename`` (everything written and synced, just before the rename that completes the checkpoint); ``prepare``
+    has its own points (``data/prepare.py``, ``data/parallel.py``)."""
     wanted = os.environ.get("ASTRAI_FABRIC_CRASH_AT")
     if wanted and wanted.partition("@")[0] == point:
         _crash_counts[point] = _crash_counts.get(point, 0) + 1

@@ -17,7 +17,7 @@ from multiprocessing import get_context
 
 import numpy as np
 
-from astrai_fabric.checkpoint import _crash_point
+from astrai_fabric.checkpoint.files import crash_point
 from astrai_fabric.data.pipeline import PipelineConfig, tokenize_record
 from astrai_fabric.data.storage import parse_record
 from astrai_fabric.tokenizer import Tokenizer
@@ -62,7 +62,7 @@ def _start_worker(config: PipelineConfig, tokenizer: Tokenizer) -> None:
 
 
 def _tokenise_in_worker(chunk: Chunk) -> list[Tokenised]:
-    _crash_point("prepare-worker")  # tests: ASTRAI_FABRIC_CRASH_AT=prepare-worker@N, the N-th chunk of each worker
+    crash_point("prepare-worker")  # tests: ASTRAI_FABRIC_CRASH_AT=prepare-worker@N, the N-th chunk of each worker
     assert _worker is not None
     return _worker(chunk)
 

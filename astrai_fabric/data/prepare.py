@@ -34,7 +34,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from astrai_fabric.checkpoint import _crash_point
+from astrai_fabric.checkpoint.files import crash_point
 from astrai_fabric.data.parallel import tokenise_chunks
 from astrai_fabric.data.pipeline import (  # re-exported: data/dataset_config.py and callers import them from here
     ACTIONS,
@@ -222,7 +222,7 @@ def _stream(
                     state.finished, state.next = writer.finished, after
                     counts["dropped"] = dict(dropped)
                     state.save(staging)
-                    _crash_point("prepare-shard")  # tests: ASTRAI_FABRIC_CRASH_AT=prepare-shard@N, SIGKILL here
+                    crash_point("prepare-shard")  # tests: ASTRAI_FABRIC_CRASH_AT=prepare-shard@N, SIGKILL here
             progress.update(len(results))
             rate = (counts["tokens"] - first_tokens) / (time.perf_counter() - started)
             progress.set_postfix_str(f"{rate:,.0f} tokens/s", refresh=False)
