@@ -1,9 +1,11 @@
 """Seeing inside a run: ``--profile_steps`` writes a torch.profiler trace of exactly those optimizer steps, and
 ``--loggers wandb`` logs offline into ``ckpt_dir`` with one W&B run id kept across ``--resume``. Real runs of the
-CLI, in process; W&B's own offline files are read back."""
+CLI (in process; W&B's in subprocesses); W&B's own offline files are read back."""
 
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 
 import pytest
@@ -72,16 +74,19 @@ def offline_runs(ckpt_dir) -> list[str]:
 
 
 @pytest.mark.skipif(not HAS_WANDB, reason="needs the [wandb] extra (pip install 'astrai-fabric[wandb]')")
-def test_wandb_logs_offline_into_ckpt_dir_and_resume_keeps_the_run(tmp_path, monkeypatch):
-    import wandb  # the optional extra: imported only where the skip above let the test run
+def test_wandb_logs_offline_into_ckpt_dir_and_resume_keeps_the_run(tmp_path):
+    # Real processes of the CLI: W&B's service writes a run's files by the time its process has exited, and no W&B
+    # state of this test process (or of other tests in it) is involved.
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
+    (tmp_path / "cwd").mkdir()  # W&B's default would be ./wandb
 
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    (tmp_path / "cwd").mkdir()
-    monkeypatch.chdir(tmp_path / "cwd")  # W&B's default would be ./wandb
+    def train(*flags: str) -> None:
+        command = [sys.executable, "-m", "astrai_fabric", *tiny(run, "--loggers", "wandb", *flags)]
+        done = subprocess.run(command, cwd=tmp_path / "cwd", env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+
     run = tmp_path / "run"
-    assert main(tiny(run, "--loggers", "wandb", "--max_steps", "2", "--ckpt_interval", "2")) == 0
-    wandb.teardown()  # what a process exit does: W&B's service writes a finished run's files when it gets to it
+    train("--max_steps", "2", "--ckpt_interval", "2")
     (first,) = offline_runs(run)
     run_id = (run / "logs" / "wandb_run_id").read_text().strip()
     assert first.endswith(f"-{run_id}") and len(run_id) == 8
@@ -91,8 +96,7 @@ def test_wandb_logs_offline_into_ckpt_dir_and_resume_keeps_the_run(tmp_path, mon
     assert b"trust_code" not in log  # command-line only, as in recipe.yaml
     assert list((tmp_path / "cwd").iterdir()) == []
 
-    assert main(tiny(run, "--loggers", "wandb", "--max_steps", "3", "--resume", "auto")) == 0
-    wandb.teardown()
+    train("--max_steps", "3", "--resume", "auto")
     runs = offline_runs(run)
     assert len(runs) == 2 and all(name.endswith(f"-{run_id}") for name in runs)  # the same W&B run, continued
     assert (run / "logs" / "wandb_run_id").read_text().strip() == run_id
