@@ -6,8 +6,9 @@ The same work as ``astrai-fabric seq`` with ``step_overhead.py``'s flags: the mo
 ``config.json`` with the same seed (so the same initial weights), windows of the same bin shard in the same
 (``ResumableSampler``) order, the same optimizer (Muon's Newton-Schulz in float32, the run's ``auto`` on CPU) and
 schedule, clipping at 1.0, one thread. What a careful person writes by hand: forward, cross-entropy, backward,
-clip, step, schedule, zero, and the loss as a Python float every step. It prints ``step S/N | loss L`` after every
-step, flushed, which the benchmark timestamps.
+clip, step, schedule, zero, and the loss as a Python float every step. It prints ``step S/N | loss L``, flushed,
+after step 1, every ``--log_every`` steps and the last (astrai-fabric's cadence on a pipe), which the benchmark
+times.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
 
 from astrai_fabric.config import ModelConfig
 from astrai_fabric.data import ResumableSampler
@@ -37,6 +39,9 @@ def main() -> None:
     parser.add_argument("--optimizer", required=True)
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--seed", type=int, default=3407)
+    parser.add_argument("--log_every", type=int, default=1, help="print steps 1, k, 2k, ... and the last")
+    parser.add_argument("--profile", metavar="A:B:TRACE", help="torch.profiler over steps A..B (inclusive) with "
+                        "astrai-fabric's --profile_steps settings, written to the Chrome trace TRACE")  # fmt: skip
     options = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -52,7 +57,11 @@ def main() -> None:
     scheduler = build_scheduler(optimizer, "cosine", total_steps=options.steps, warmup_steps=warmup)
     order = iter(ResumableSampler(num_samples, seed=options.seed))
 
+    first_profiled, last_profiled, trace = options.profile.split(":", 2) if options.profile else (0, 0, "")
+    profiler = profile(activities=[ProfilerActivity.CPU], record_shapes=True, profile_memory=True)
     for step in range(1, options.steps + 1):
+        if step == int(first_profiled):
+            profiler.start()
         begins = [next(order) * window for _ in range(options.batch)]
         x = torch.from_numpy(np.stack([tokens[b : b + window] for b in begins]).astype(np.int64))
         y = torch.from_numpy(np.stack([tokens[b + 1 : b + window + 1] for b in begins]).astype(np.int64))
@@ -63,7 +72,12 @@ def main() -> None:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        print(f"step {step}/{options.steps} | loss {loss.item():.4f}", flush=True)
+        loss_value = loss.item()  # every step, as a careful loop does to notice a divergence
+        if step == int(last_profiled):
+            profiler.stop()
+            profiler.export_chrome_trace(trace)
+        if step == 1 or step % options.log_every == 0 or step == options.steps:
+            print(f"step {step}/{options.steps} | loss {loss_value:.4f}", flush=True)
 
 
 if __name__ == "__main__":
