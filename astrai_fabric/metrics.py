@@ -47,7 +47,7 @@ class MetricLog:
                 continue
             try:
                 entry = json.loads(line)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 entry = None
             if isinstance(entry, dict):
                 entries.append(entry)

@@ -24,7 +24,7 @@ def read_entries(run: Path) -> list[dict[str, Any]]:
         raise UserError(f"{run}: no {METRIC_FILE} found (give a run's ckpt_dir, a checkpoint, or a metric.jsonl)")
     merged: dict[tuple[str, int], dict[str, Any]] = {}
     for file in files:
-        for number, line in enumerate(file.read_text().splitlines(), start=1):
+        for number, line in enumerate(file.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
             if not line.strip():
                 continue
             try:
@@ -32,7 +32,7 @@ def read_entries(run: Path) -> list[dict[str, Any]]:
                 if not isinstance(entry["type"], str) or not isinstance(entry["step"], int):
                     raise TypeError(f"type {entry['type']!r}, step {entry['step']!r}")
                 merged[(entry["type"], entry["step"])] = entry
-            except (json.JSONDecodeError, KeyError, TypeError) as err:
+            except (json.JSONDecodeError, RecursionError, KeyError, TypeError) as err:
                 raise UserError(f"{file}:{number}: not a metric entry ({err})") from None
     return sorted(merged.values(), key=lambda e: e["step"])
 

@@ -49,6 +49,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
 from astrai_fabric.errors import UserError
+from astrai_fabric.json_files import read_json_object
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -121,15 +122,10 @@ class Tokenizer:
             tokenizer = HFTokenizer.from_file(str(path))
         except Exception as err:  # tokenizers raises a bare Exception for malformed files
             raise UserError(f"{path}: not a valid tokenizers file ({' '.join(str(err).split())[:200]})") from None
-        config: Any = {}
+        config: dict[str, Any] = {}
         config_path = directory / TOKENIZER_CONFIG_FILE
         if config_path.is_file():
-            try:
-                config = json.loads(config_path.read_text(encoding="utf-8"))
-            except (json.JSONDecodeError, UnicodeDecodeError) as err:
-                raise UserError(f"{config_path}: not valid JSON ({err})") from None
-            if not isinstance(config, dict):
-                raise UserError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
+            config = read_json_object(config_path, "the tokenizer's config")
         if _layout(config, directory, config_path) == HUGGING_FACE:
             special_tokens, chat_template = _read_hf_config(config, directory, config_path, tokenizer)
             loaded = cls(tokenizer, special_tokens, chat_template, directory, HUGGING_FACE)

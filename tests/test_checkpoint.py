@@ -200,15 +200,30 @@ def test_truncated_pt_and_bad_meta(tmp_path, tiny_model):
         load_checkpoint(path)
 
 
-@pytest.mark.parametrize("damage", ["weights", "optimizer", "meta"])
+def _cut_short(data: bytes) -> bytes:
+    return data[:-10]  # as a copy interrupted by a full disk would be
+
+
+DAMAGES = {
+    "weights": ("model.safetensors", _cut_short),
+    "optimizer": ("optimizer.pt", _cut_short),
+    "meta": ("meta.json", _cut_short),
+    # Hostile rather than cut short: a header that claims 2**62 bytes (reading it would first allocate them), and
+    # nesting past the interpreter's recursion limit (Python's JSON parser raises RecursionError, not ValueError).
+    "weights-header-size": ("model.safetensors", lambda data: (2**62).to_bytes(8, "little") + data[8:]),
+    "meta-nested": ("meta.json", lambda data: b"[" * 100_000 + b"]" * 100_000),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
 def test_resume_auto_skips_a_damaged_newest_checkpoint(tmp_path, tiny_model, damage):
     extra = {"optimizer": {"state": {}, "param_groups": []}}
     for step in (2, 4):
         save_tiny(tmp_path / f"epoch_0_step_{step}", tiny_model, meta={"train_type": "seq"}, extra=extra)
-    file = {"weights": "model.safetensors", "optimizer": "optimizer.pt", "meta": "meta.json"}[damage]
+    file, change = DAMAGES[damage]
     newest = tmp_path / "epoch_0_step_4" / file
-    newest.write_bytes(newest.read_bytes()[:-10])  # cut short, as a copy interrupted by a full disk would be
-    with pytest.warns(UserWarning, match=rf"epoch_0_step_4: skipped, not a complete checkpoint \({file}"):
+    newest.write_bytes(change(newest.read_bytes()))
+    with pytest.warns(UserWarning, match=rf"epoch_0_step_4: skipped, not a complete checkpoint \(.*{file}"):
         assert find_latest_checkpoint(tmp_path) == tmp_path / "epoch_0_step_2"
 
 

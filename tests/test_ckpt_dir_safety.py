@@ -125,6 +125,16 @@ def test_files_a_run_did_not_write_are_never_overwritten(tmp_path, capsys):
     assert "is not astrai-fabric's manifest of the files it wrote" in error_line(capsys)
 
 
+def test_a_lock_record_that_is_not_ours_leaves_the_holder_unknown(tmp_path):
+    for content in (b"[" * 4096, b"\xff\xfe", b"[1, 2]"):  # too deep for Python's parser, not UTF-8, not a record
+        (tmp_path / "lock").write_bytes(content)
+        fd = os.open(tmp_path / "lock", os.O_RDONLY)
+        try:
+            assert ckpt_dir._read_holder(fd) is None
+        finally:
+            os.close(fd)
+
+
 def test_a_runs_own_files_are_rewritten_on_resume_also_for_runs_from_before_the_manifest(tmp_path):
     assert main(tiny(tmp_path, "--max_steps", "1")) == 0
     assert json.loads((tmp_path / ".astrai_fabric.json").read_text())["names"] == ["plot.png", "recipe.yaml"]

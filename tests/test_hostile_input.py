@@ -206,6 +206,20 @@ def rename_position(**values) -> Callable[[Path], None]:
     return change
 
 
+NESTED = "[" * 100_000 + "]" * 100_000
+"""Deeper than the interpreter's recursion limit: Python's JSON parser raises RecursionError, not ValueError."""
+
+
+def sparse(size: int) -> Callable[[Path], None]:
+    """A file of ``size`` zero bytes that takes no disk space."""
+
+    def make(path: Path) -> None:
+        with path.open("wb") as file:
+            file.truncate(size)
+
+    return make
+
+
 OK_GROUP = {"prompt": "Say hi", "responses": ["hi", "hello"], "rewards": [1.0, 0.0]}
 RECIPE = "param_path: bundled:tiny\ndata_root_path: bundled:data/seq\nckpt_dir: {c}/out\n"
 CASES = [
@@ -543,6 +557,29 @@ CASES = [
     Case("plot-missing-dir", ["plot", "{w}/run", "-o", "{c}/no/plot.png"], "the directory {c}/no does not exist"),
     Case("plot-bad-entry", ["plot", "{c}/metric.jsonl"], "metric.jsonl:1: not a metric entry",
          {"metric.jsonl": '{"type": "step", "step": "one"}\n'}),
+    # --- JSON the parser itself cannot take: nesting past the recursion limit, a file too large to read ------------
+    Case("config-nested", seq(model="{c}/m"), "config.json: not valid JSON (nested too deeply)",
+         {**model_dir(), "m/config.json": NESTED}),
+    Case("config-huge", seq(model="{c}/m"), "config.json: 67108865 bytes, too large for a model config.json",
+         {**model_dir(), "m/config.json": sparse((64 << 20) + 1)}),
+    Case("tokenizer-config-nested", seq("--tokenizer_path", "{c}/t"),
+         "tokenizer_config.json: not valid JSON (nested too deeply)", tokenizer_dir(raw=NESTED)),
+    Case("shard-meta-nested", seq(data="{c}/d"), "meta.json: not valid JSON (nested too deeply)",
+         shards(NESTED, sequence=bytes(256))),
+    Case("jsonl-nested", seq(data="{c}/data.jsonl"), "data.jsonl:1: not valid JSON (nested too deeply)",
+         jsonl('{"text": ' + NESTED + "}")),
+    Case("dataset-config-nested", dpo(data="{c}/d"), "dataset_config.json: not valid JSON (nested too deeply)",
+         data_config(NESTED, {"chosen": [], "rejected": []})),
+    Case("meta-nested", resume(), "meta.json: not valid JSON (nested too deeply)",
+         checkpoint(lambda ck: (ck / "meta.json").write_text(NESTED))),
+    Case("prepare-config-nested", prepare_argv(), "p.json: not valid JSON (nested too deeply)",
+         {**jsonl({"text": "a"}), "p.json": NESTED}),
+    Case("prepare-state-nested", [*prepare_argv(), "--resume"], "prepare_state.json: not a prepare state",
+         {**jsonl({"text": "a"}), **TEXT_PIPELINE, ".o.prepare-partial/prepare_state.json": NESTED}),
+    Case("ckpt-dir-manifest-nested", seq(), "is not astrai-fabric's manifest of the files it wrote",
+         {"out/.astrai_fabric.json": NESTED}),
+    Case("plot-nested-entry", ["plot", "{c}/metric.jsonl"], "metric.jsonl:1: not a metric entry",
+         {"metric.jsonl": NESTED + "\n"}),
 ]  # fmt: skip
 
 

@@ -14,6 +14,8 @@ import zipfile
 from pathlib import Path
 
 from astrai_fabric.checkpoint.files import ADAPTER_FILE, CONFIG_FILE, META_FILE, WEIGHTS_FILE
+from astrai_fabric.errors import UserError
+from astrai_fabric.json_files import MAX_JSON_BYTES, read_json_file
 
 CHECKPOINT_NAME = re.compile(r"^epoch_(\d+)_step_(\d+)$")
 
@@ -59,21 +61,25 @@ def checkpoint_problem(path: Path) -> str | None:
     ``.pt`` archives' directories are intact and the files as long as they say (no tensor is read)."""
     for name in (META_FILE, CONFIG_FILE):
         try:
-            if not isinstance(json.loads((path / name).read_text(encoding="utf-8")), dict):
+            if not isinstance(read_json_file(path / name, name), dict):
                 return f"{name} is not a JSON object"
-        except (OSError, ValueError) as err:
-            return f"{name}: {err}"
+        except UserError as err:
+            return str(err)
     names = [name for name in (WEIGHTS_FILE, ADAPTER_FILE) if (path / name).is_file()] or [WEIGHTS_FILE]
     for name in names:
         weights = path / name
         try:
             with weights.open("rb") as file:
                 header_size = int.from_bytes(file.read(8), "little")
+                if 8 + header_size > weights.stat().st_size:  # read() would first allocate what the header claims
+                    return f"{name} is truncated"
+                if header_size > MAX_JSON_BYTES:
+                    return f"{name}: unreadable header (it claims {header_size} bytes)"
                 header = json.loads(file.read(header_size))
             end = max((info["data_offsets"][1] for key, info in header.items() if key != "__metadata__"), default=0)
             if weights.stat().st_size < 8 + header_size + end:
                 return f"{name} is truncated"
-        except (OSError, ValueError, KeyError, TypeError) as err:
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as err:
             return f"{name}: unreadable header ({err})"
     for file in sorted(path.glob("*.pt")):
         if not zipfile.is_zipfile(file):

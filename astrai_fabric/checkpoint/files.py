@@ -49,6 +49,7 @@ from torch import Tensor
 from astrai_fabric import __version__
 from astrai_fabric.checkpoint import hf
 from astrai_fabric.errors import CheckpointError
+from astrai_fabric.json_files import read_json_object
 
 META_FILE = "meta.json"
 CONFIG_FILE = "config.json"
@@ -297,15 +298,7 @@ def _fsync(path: Path) -> None:
 
 def read_json(path: Path, what: str) -> dict[str, Any]:
     """The JSON object in ``path``, or a ``CheckpointError`` naming the file and ``what`` it should hold."""
-    if not path.is_file():
-        raise CheckpointError(f"{path}: file not found (expected {what})")
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{path}: not valid JSON ({err})") from None
-    if not isinstance(value, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, got {type(value).__name__}")
-    return value
+    return read_json_object(path, what, CheckpointError)
 
 
 def read_weights(path: Path) -> StoredStateDict:

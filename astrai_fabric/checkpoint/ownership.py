@@ -186,7 +186,7 @@ def describe_holder(holder: dict | None) -> str:
 def _read_holder(fd: int) -> dict | None:
     try:
         record = json.loads(os.pread(fd, 4096, 0) or b"null")
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # not a record this package wrote: the holder is unknown
         return None
     return record if isinstance(record, dict) else None
 
@@ -265,7 +265,7 @@ def _manifest_names(root: Path) -> set[str] | None:
         names = manifest["names"]
         if manifest.get("written_by") != "astrai-fabric" or not all(isinstance(n, str) for n in names):
             raise ValueError("not written by astrai-fabric")
-    except (OSError, ValueError, KeyError, TypeError) as err:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as err:
         raise CheckpointError(
             f"{path}: is not astrai-fabric's manifest of the files it wrote in this ckpt_dir ({err}); choose another "
             "--ckpt_dir, or remove it if it is damaged and every other file there is yours to lose"

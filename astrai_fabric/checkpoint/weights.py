@@ -32,7 +32,7 @@ from astrai_fabric.checkpoint.files import (
     read_weights,
 )
 from astrai_fabric.config.model import ModelConfig, read_config_json
-from astrai_fabric.errors import CheckpointError, ConfigError
+from astrai_fabric.errors import CheckpointError
 from astrai_fabric.model import AutoRegressiveLM
 from astrai_fabric.model.transformer import EMBED_KEY, LM_HEAD_KEY
 
@@ -129,8 +129,6 @@ def read_model_config(directory: str | Path) -> ModelConfig:
     ``ConfigError`` naming the model_type or field), without reading any weights."""
     path = Path(directory) / CONFIG_FILE
     raw = read_config_json(path)
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a JSON object, got {type(raw).__name__}")
     if hf.is_hf_config(raw):
         return hf.model_config_from_hf(raw, source=str(path))
     return ModelConfig.from_dict(raw, source=str(path))

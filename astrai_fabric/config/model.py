@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from astrai_fabric.errors import ConfigError
+from astrai_fabric.json_files import read_json_object
 
 ATTN_TYPES = ("gqa", "mla")
 FFN_TYPES = ("mlp", "moe")
@@ -335,15 +336,9 @@ class ModelConfig:
         return []
 
 
-def read_config_json(path: str | Path) -> Any:
+def read_config_json(path: str | Path) -> dict[str, Any]:
     """The parsed ``config.json`` at ``path``; a missing or malformed file is a ``ConfigError`` naming it."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"{path}: file not found (a model directory needs a config.json)")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ConfigError(f"{path}: not valid JSON ({err})") from None
+    return read_json_object(Path(path), "a model config.json", ConfigError)
 
 
 def _plain(value: Any) -> Any:

@@ -33,12 +33,12 @@ from astrai_fabric.data.prepare import (
     Section,
     check_keys,
     parse_sections,
-    read_json_object,
 )
 from astrai_fabric.data.prepare import tokenize_record as render_document
 from astrai_fabric.data.records import Encoded
 from astrai_fabric.data.storage import Record, detect_format
 from astrai_fabric.errors import UserError
+from astrai_fabric.json_files import read_json_object
 from astrai_fabric.tokenizer import TOKENIZER_FILE, Tokenizer
 
 DATASET_CONFIG_FILE = "dataset_config.json"
@@ -68,7 +68,7 @@ def read_dataset_config(data_root: Path, train_type: str) -> DatasetConfig | Non
     path = data_root / DATASET_CONFIG_FILE
     if not (data_root.is_dir() and path.is_file()) or detect_format(data_root) != "jsonl":
         return None  # bin shards win, as in AstrAI
-    raw = read_json_object(path)
+    raw = read_json_object(path, "the data directory's dataset config")
     source = str(path)
     check_keys(raw, GROUPS, source, "")
     layout = raw.get("input", {})

@@ -19,6 +19,7 @@ import numpy as np
 
 from astrai_fabric.data.storage import ID_KEYS
 from astrai_fabric.errors import UserError
+from astrai_fabric.json_files import read_json_object
 from astrai_fabric.tokenizer import Tokenizer
 
 ACTIONS = ("train", "mask", "$role")
@@ -64,7 +65,7 @@ class PipelineConfig:
 
     @classmethod
     def from_file(cls, path: Path) -> PipelineConfig:
-        return cls.from_dict(read_json_object(path, "-c "), str(path))
+        return cls.from_dict(read_json_object(path, "the pipeline config -c names"), str(path))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str) -> PipelineConfig:
@@ -108,19 +109,6 @@ class PipelineConfig:
 
 GROUPS = {"version", "input", "mask", "mask_default", "preprocessing", "output", "tokenizer_path"}
 """The top-level keys of AstrAI's ``PipelineConfig``."""
-
-
-def read_json_object(path: Path, what: str = "") -> dict[str, Any]:
-    """A JSON object from ``path``; ``what`` prefixes the path in the not-found message."""
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UserError(f"{what}{path}: file not found") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise UserError(f"{path}: not valid JSON ({err})") from None
-    if not isinstance(raw, dict):
-        raise UserError(f"{path}: expected a JSON object, got {type(raw).__name__}")
-    return raw
 
 
 def parse_sections(sections: Any, source: str, where: str, actions: tuple[str, ...] = ACTIONS) -> list[Section]:

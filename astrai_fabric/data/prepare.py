@@ -44,7 +44,6 @@ from astrai_fabric.data.pipeline import (  # re-exported: data/dataset_config.py
     Section,
     check_keys,
     parse_sections,
-    read_json_object,
     tokenize_record,
 )
 from astrai_fabric.data.shard_writer import Position, ShardWriter, StagingState
@@ -53,7 +52,7 @@ from astrai_fabric.errors import TrainingError, UserError
 from astrai_fabric.tokenizer import Tokenizer
 
 __all__ = ["ACTIONS", "GROUPS", "Document", "PipelineConfig", "Section", "check_keys", "parse_sections", "prepare",
-           "read_json_object", "tokenize_record"]  # fmt: skip
+           "tokenize_record"]  # fmt: skip
 
 CHUNK_BYTES = 256 << 10
 """Input text sent to a tokenising worker at a time: about a tenth of a second of work, little to pickle."""

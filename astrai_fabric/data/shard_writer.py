@@ -174,7 +174,7 @@ class StagingState:
             return state
         except FileNotFoundError:
             return None
-        except (TypeError, AttributeError, json.JSONDecodeError, UnicodeDecodeError) as err:
+        except (TypeError, AttributeError, ValueError, RecursionError) as err:  # ValueError: JSON and UTF-8
             # Written whole or not at all (write_synced), so this is not a crash's doing: say so, do not guess.
             raise UserError(f"{path}: not a prepare state ({err}); delete {staging} to start again") from None
 

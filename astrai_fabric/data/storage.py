@@ -7,7 +7,6 @@ Bin layout: ``ROOT/**/meta.json`` next to ``<key>.bin`` files; ``meta.json`` map
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from astrai_fabric.errors import UserError
+from astrai_fabric.json_files import parse_json, read_json_file
 
 Record = tuple[str, dict[str, Any]]
 """A JSONL record with where it came from (``"file.jsonl:line"``), for error messages."""
@@ -45,10 +45,7 @@ def read_bin_shards(root: Path) -> dict[str, list[np.ndarray]]:
     checked (a 1-D shape, a bool or integer dtype, the file exactly that size) before its file is mapped."""
     streams: dict[str, list[np.ndarray]] = {}
     for meta_path in sorted(root.rglob("meta.json")):
-        try:
-            meta = json.loads(meta_path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise UserError(f"{meta_path}: not valid JSON ({err})") from None
+        meta = read_json_file(meta_path, "shard metadata {key: {shape, dtype}}")
         if not isinstance(meta, dict):
             raise UserError(f"{meta_path}: expected a JSON object {{key: {{shape, dtype}}}}, got {type(meta).__name__}")
         for key, info in meta.items():
@@ -119,10 +116,7 @@ def jsonl_lines(file: Path, offset: int = 0, first_line: int = 1) -> Iterator[tu
 
 def parse_record(line: str, where: str) -> dict[str, Any]:
     """One JSONL line as its record (a JSON object); ``where`` (``"file:line"``) names it in the error."""
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise UserError(f"{where}: not valid JSON ({err})") from None
+    record = parse_json(line, where)
     if not isinstance(record, dict):
         raise UserError(f"{where}: expected a JSON object, got {type(record).__name__}")
     return record

@@ -1,0 +1,54 @@
+"""JSON that comes from outside the process: the one place that turns every way it can be malformed into one line.
+
+Every file the package reads as JSON (``config.json``, ``meta.json``, ``tokenizer_config.json``, a sharded
+checkpoint's index, shard metadata, a prepare pipeline, prepare's staging state) and every JSONL line goes through
+``parse_json``. Besides a syntax error and bytes that are not UTF-8, Python's parser has two failures that are not
+``ValueError``: nesting deeper than the interpreter's recursion limit (``[[[[...`` raises ``RecursionError``) and
+a file too large to hold in memory. Both are a bad file, not a bug, so both become the caller's ``UserError``
+subclass naming the file. ``NaN`` and ``Infinity`` stay accepted: Python's own ``json.dumps`` writes them, and a
+``meta.json`` AstrAI saved after a diverged step may hold one.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from astrai_fabric.errors import UserError
+
+MAX_JSON_BYTES = 64 << 20
+"""Metadata files are kilobytes (a large model's sharded index is about 100 KB); a file past this is not one."""
+
+
+def parse_json(text: str | bytes, source: str, error: type[UserError] = UserError) -> Any:
+    """The value ``text`` holds; any malformation is an ``error`` naming ``source`` (a path, ``path:line``)."""
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise error(f"{source}: not valid JSON ({err})") from None
+    except RecursionError:
+        raise error(f"{source}: not valid JSON (nested too deeply)") from None
+
+
+def read_json_file(path: Path, what: str, error: type[UserError] = UserError) -> Any:
+    """The value in the JSON file ``path``; missing, unreadable, oversized or malformed is an ``error`` naming it
+    and ``what`` the file should hold."""
+    if not path.is_file():
+        raise error(f"{path}: file not found (expected {what})")
+    try:
+        size = path.stat().st_size
+        if size > MAX_JSON_BYTES:
+            raise error(f"{path}: {size} bytes, too large for {what} (at most {MAX_JSON_BYTES >> 20} MiB)")
+        data = path.read_bytes()
+    except OSError as err:
+        raise error(f"{path}: cannot read it ({err.strerror or err})") from None
+    return parse_json(data, str(path), error)
+
+
+def read_json_object(path: Path, what: str, error: type[UserError] = UserError) -> dict[str, Any]:
+    """``read_json_file`` for a file that must hold one JSON object."""
+    value = read_json_file(path, what, error)
+    if not isinstance(value, dict):
+        raise error(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
