@@ -87,7 +87,12 @@ class GradSNR:
     sums non-negative terms where AstrAI subtracts two float32 EMAs that agree to a few digits at high SNR (its
     clamp at 0 hides the cancellation): this is the exact formula to ~1e-7, where the float32 difference is off by
     ~1e-4 at 50 dB (tests/test_reporting.py). Sharded gradients give the same value as unsharded ones: each sum
-    takes one reduction per device mesh."""
+    takes one reduction per device mesh.
+
+    A second departure, where AstrAI's and ours could not agree anyway: the one noise total belongs to one set of
+    parameters, so when the parameters that have gradients change (a parameter a step did not use; AstrAI keeps
+    its stale moments and updates the rest), the EMAs start again from that step, with a warning. The models this
+    package builds give every parameter a gradient every step (MoE experts run on empty slices, model/ffn.py)."""
 
     def __init__(self, beta: float = 0.999, eps: float = 1e-8) -> None:
         self.beta, self.eps = beta, eps
@@ -96,14 +101,23 @@ class GradSNR:
         """``sum(v - m^2)`` over all entries: 0 after the first step, where AstrAI's ``v`` and ``m^2`` are both
         ``g^2``."""
         self.blocks: list[list[int]] = []
+        self.with_grads: list[int] = []
+        """Which of the model's parameters (by position) the EMAs are of."""
 
     @torch.no_grad()
     def update(self, model: nn.Module) -> float:
         """Fold in the current gradients and return the SNR (collective under FSDP/TP: every rank calls it)."""
-        grads = [p.grad.detach().float() for p in model.parameters() if p.grad is not None]
+        parameters = list(model.parameters())
+        with_grads = [i for i, p in enumerate(parameters) if p.grad is not None]
+        grads = [parameters[i].grad.detach().float() for i in with_grads]
+        if self.first and with_grads != self.with_grads:
+            warnings.warn("grad_snr: the parameters that have gradients changed; its averages start again here",
+                          stacklevel=2)  # fmt: skip
+            self.first, self.noise = [], 0.0
         first_norms: list[Tensor] = []
         delta_norms: list[Tensor] = []
         if not self.first:
+            self.with_grads = with_grads
             self.first = [g.clone() for g in grads]
             self.blocks = _blocks(grads)
             for block in self.blocks:

@@ -211,3 +211,23 @@ def test_grad_snr_is_astrai_formula_in_float64():
         noise = sum(float((v - m * m).clamp(min=0).sum()) for m, v in zip(first, second, strict=True))
         expected = 10 * math.log10(max(signal / (noise + eps), eps))
         assert tracker.update(model) == pytest.approx(expected, rel=1e-6), step
+
+
+def test_grad_snr_starts_again_when_the_parameters_with_gradients_change():
+    """A parameter that gets no gradient in some step (a user's model; ours give every parameter one) would shift
+    every later EMA onto the wrong parameter: the tracker starts again, with a warning, and from there matches a
+    tracker that began at that step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 4))
+    tracker, fresh = GradSNR(), GradSNR()
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    tracker.update(model)
+    model[0].weight.grad = None  # this step did not use it
+    with pytest.warns(UserWarning, match="grad_snr: the parameters that have gradients changed"):
+        restarted = tracker.update(model)
+    assert restarted == fresh.update(model)
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad = p.grad + 0.1 * torch.randn_like(p)
+    assert tracker.update(model) == pytest.approx(fresh.update(model), rel=1e-12)
