@@ -416,7 +416,7 @@ def _read_recipe(path: Path) -> dict[str, Any]:
         mark = err.problem_mark or err.context_mark
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         raise UserError(f"{path}: not valid YAML{at}: {' '.join(str(err.problem or err.context).split())}") from None
-    except (yaml.YAMLError, RecursionError) as err:
+    except (yaml.YAMLError, RecursionError, ValueError) as err:  # ValueError: an integer of over 4300 digits
         raise UserError(f"{path}: not valid YAML ({_clean(err)})") from None
     if not isinstance(raw, dict):
         raise UserError(f"{path}: expected a mapping of flags to values, got {type(raw).__name__}")

@@ -1,12 +1,14 @@
 """JSON that comes from outside the process: the one place that turns every way it can be malformed into one line.
 
-Every file the package reads as JSON (``config.json``, ``meta.json``, ``tokenizer_config.json``, a sharded
-checkpoint's index, shard metadata, a prepare pipeline, prepare's staging state) and every JSONL line goes through
-``parse_json``. Besides a syntax error and bytes that are not UTF-8, Python's parser has two failures that are not
-``ValueError``: nesting deeper than the interpreter's recursion limit (``[[[[...`` raises ``RecursionError``) and
-a file too large to hold in memory. Both are a bad file, not a bug, so both become the caller's ``UserError``
-subclass naming the file. ``NaN`` and ``Infinity`` stay accepted: Python's own ``json.dumps`` writes them, and a
-``meta.json`` AstrAI saved after a diverged step may hold one.
+The JSON files the package reads (``config.json``, ``meta.json``, ``tokenizer_config.json``, a sharded checkpoint's
+index, shard metadata, ``dataset_config.json``, a prepare pipeline) and JSONL records go through ``parse_json``.
+Python's parser fails in three ways: a ``ValueError`` (a syntax error, bytes that are not UTF-8, an integer of
+more than 4300 digits), a ``RecursionError`` for nesting deeper than the interpreter's limit (``[[[[...``), and
+memory for a file too large to hold. Each is a bad file, not a bug, so each becomes the caller's ``UserError``
+subclass naming the file. Readers where a bad file has a meaning of its own (the ckpt_dir lock record and
+manifest, prepare's staging state, a metric history line) catch the same two exceptions themselves. ``NaN`` and
+``Infinity`` stay accepted: Python's own ``json.dumps`` writes them, and a ``meta.json`` AstrAI saved after a
+diverged step may hold one.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ def parse_json(text: str | bytes, source: str, error: type[UserError] = UserErro
     """The value ``text`` holds; any malformation is an ``error`` naming ``source`` (a path, ``path:line``)."""
     try:
         return json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    except ValueError as err:  # a syntax error, bytes that are not UTF-8, an integer of more than 4300 digits
         raise error(f"{source}: not valid JSON ({err})") from None
     except RecursionError:
         raise error(f"{source}: not valid JSON (nested too deeply)") from None

@@ -47,7 +47,7 @@ class MetricLog:
                 continue
             try:
                 entry = json.loads(line)
-            except (json.JSONDecodeError, RecursionError):
+            except (ValueError, RecursionError):
                 entry = None
             if isinstance(entry, dict):
                 entries.append(entry)

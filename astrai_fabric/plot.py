@@ -32,7 +32,7 @@ def read_entries(run: Path) -> list[dict[str, Any]]:
                 if not isinstance(entry["type"], str) or not isinstance(entry["step"], int):
                     raise TypeError(f"type {entry['type']!r}, step {entry['step']!r}")
                 merged[(entry["type"], entry["step"])] = entry
-            except (json.JSONDecodeError, RecursionError, KeyError, TypeError) as err:
+            except (ValueError, RecursionError, KeyError, TypeError) as err:  # ValueError: JSON, digits
                 raise UserError(f"{file}:{number}: not a metric entry ({err})") from None
     return sorted(merged.values(), key=lambda e: e["step"])
 

@@ -23,6 +23,7 @@ import torch
 
 from astrai_fabric import tokenizer as tokenizer_module
 from astrai_fabric.assets import TINY_MODEL_DIR
+from astrai_fabric.checkpoint.weights import host_memory_bytes
 from astrai_fabric.cli import main
 
 TINY_CONFIG = json.loads((TINY_MODEL_DIR / "config.json").read_text())
@@ -226,6 +227,10 @@ CASES = [
     # --- recipes and flags: the same checks for a value from YAML as from the command line ------------------------
     Case("yaml-duplicate-key", ["seq", "--config", "{c}/r.yaml"], "duplicate key 'max_lr'",
          {"r.yaml": RECIPE + "max_lr: 1.0e-3\nmax_lr: 2.0e-3\n"}),
+    Case("num-threads-a-million", seq("--num_threads", "1000000"), "num_threads must be at most 1024, got 1000000"),
+    Case("num-workers-a-million", seq("--num_workers", "1000000"), "num_workers must be at most 256, got 1000000"),
+    Case("yaml-int-digits", ["seq", "--config", "{c}/r.yaml"], "r.yaml: not valid YAML (Exceeds the limit (4300 "
+         "digits)", {"r.yaml": RECIPE + "max_steps: " + "9" * 5000 + "\n"}),
     Case("yaml-non-string-key", ["seq", "--config", "{c}/r.yaml"], "keys must be strings, got 1",
          {"r.yaml": RECIPE + "1: 2\n"}),
     Case("yaml-list-key", ["seq", "--config", "{c}/r.yaml"], "keys must be strings",
@@ -562,6 +567,14 @@ CASES = [
          {**model_dir(), "m/config.json": NESTED}),
     Case("config-huge", seq(model="{c}/m"), "config.json: 67108865 bytes, too large for a model config.json",
          {**model_dir(), "m/config.json": sparse((64 << 20) + 1)}),
+    Case("config-int-digits", seq(model="{c}/m"), "config.json: not valid JSON (Exceeds the limit (4300 digits)",
+         {**model_dir(), "m/config.json": '{"vocab_size": ' + "9" * 5000 + "}"}),
+    Case("config-int-past-int32", seq(model="{c}/m"), "'vocab_size' must be at most 2147483647, got about 10^400",
+         model_dir(vocab_size=10**400)),
+    # Sizes within bounds whose model no machine here holds: the allocator's refusal of the embedding (512 TiB;
+    # the dry run's count of the whole model: test_a_model_past_memory_is_in_the_dry_runs_list).
+    Case("config-past-memory", seq(model="{c}/m"), "param_path {c}/m: this model does not fit in memory here: "
+         "allocating one of its tensors (524,288.0 GiB) failed", model_dir(vocab_size=2**31 - 1, hidden_size=2**16)),
     Case("tokenizer-config-nested", seq("--tokenizer_path", "{c}/t"),
          "tokenizer_config.json: not valid JSON (nested too deeply)", tokenizer_dir(raw=NESTED)),
     Case("shard-meta-nested", seq(data="{c}/d"), "meta.json: not valid JSON (nested too deeply)",
@@ -713,3 +726,24 @@ def test_a_malformed_metric_history_line_is_skipped_with_a_warning(workspace, tm
         assert main(argv) == 0
     entries = [json.loads(line) for line in (run / "epoch_0_step_2" / "metric.jsonl").read_text().splitlines()]
     assert [e["step"] for e in entries if e["type"] == "step"] == [1, 2]
+
+
+def test_a_model_past_memory_is_in_the_dry_runs_list(tmp_path, capsys):
+    """A model whose every tensor could be allocated but not all of them (what the run itself would find only when
+    the kernel kills it): the dry run counts it on the meta device against this machine's memory."""
+    # Layers of ~4.5 GiB (three 8192 x 32768 float32 matrices and attention), none over 1 GiB, enough of them
+    # for twice this machine's memory.
+    num_layers = 2 * host_memory_bytes() // (4 << 30) + 1
+    config = model_dir(vocab_size=2**16, hidden_size=2**13, intermediate_size=2**15, num_hidden_layers=num_layers)
+    for name, content in config.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    argv = [_fill(arg, {"{c}": str(tmp_path)}) for arg in seq("--dry_run", model="{c}/m")]
+    assert main(argv) == 2
+    out = capsys.readouterr().out
+    assert "cannot start:" in out
+    assert re.search(
+        r"param_path \S+/m: this model does not fit in memory here: [\d,]+ parameters x 4 bytes x 1 "
+        r"process\(es\) per machine need [\d,.]+ GiB before any optimizer state",
+        out,
+    ), out[-2000:]

@@ -6,7 +6,10 @@ AstrAI's ``from_pretrained``.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+import os
+import re
+from collections.abc import Collection, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +35,7 @@ from astrai_fabric.checkpoint.files import (
     read_weights,
 )
 from astrai_fabric.config.model import ModelConfig, read_config_json
-from astrai_fabric.errors import CheckpointError
+from astrai_fabric.errors import CheckpointError, ConfigError
 from astrai_fabric.model import AutoRegressiveLM
 from astrai_fabric.model.transformer import EMBED_KEY, LM_HEAD_KEY
 
@@ -260,7 +263,7 @@ def load_model(directory: str | Path, dtype: torch.dtype | None = None) -> nn.Mo
     ckpt = load_checkpoint(directory, load_extra=False)
     config = ckpt.model_config()
     config.check_buildable(source=str(ckpt.path / CONFIG_FILE))
-    model = empty_model(config)
+    model = empty_model(config, str(ckpt.path / CONFIG_FILE))
     if dtype is None and isinstance(ckpt.state_dict, StoredStateDict):  # each parameter as its file stores it
         state = ckpt.state_dict
         with torch.no_grad():
@@ -282,12 +285,39 @@ class _SkipInit(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def empty_model(config: ModelConfig) -> nn.Module:
+def empty_model(config: ModelConfig, source: str = "config.json") -> nn.Module:
     """An ``AutoRegressiveLM`` on CPU whose weights are allocated by ``torch.empty`` and never initialised: the
     pages of a large allocation cost no memory until written, so loading into it (``load_model_weights``) peaks at
-    the model's size. Cheaper than the meta device, whose first use imports torch's Python decompositions (~5 s)."""
-    with _SkipInit():
+    the model's size. Cheaper than the meta device, whose first use imports torch's Python decompositions (~5 s).
+    ``source`` names the config in the error when the model does not fit in memory (``allocating``)."""
+    with _SkipInit(), allocating(source):
         return AutoRegressiveLM(config)
+
+
+ALLOCATION_FAILED = re.compile(r"can't allocate memory: you tried to allocate (\d+) bytes")
+"""torch's CPU allocator refusing a tensor (a ``RuntimeError``; CUDA's is ``torch.OutOfMemoryError``)."""
+
+
+@contextmanager
+def allocating(source: str) -> Iterator[None]:
+    """Building the model ``source`` describes on this host: the allocator refusing one of its tensors (sizes no
+    machine here holds) is a ``ConfigError`` naming ``source``, the tensor and the machine's memory, not a
+    traceback. Nothing is written before a model is built, so there is nothing to undo."""
+    try:
+        yield
+    except RuntimeError as err:
+        failed = ALLOCATION_FAILED.search(str(err))
+        if failed is None:
+            raise
+        raise ConfigError(
+            f"{source}: this model does not fit in memory here: allocating one of its tensors "
+            f"({int(failed[1]) / 2**30:,.1f} GiB) failed on a machine with {host_memory_bytes() / 2**30:,.1f} GiB"
+        ) from None
+
+
+def host_memory_bytes() -> int:
+    """This machine's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def weights_source(ckpt: Checkpoint) -> Path:

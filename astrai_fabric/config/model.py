@@ -26,6 +26,9 @@ from typing import Any
 from astrai_fabric.errors import ConfigError
 from astrai_fabric.json_files import read_json_object
 
+MAX_SIZE = 2**31 - 1
+"""The largest size (width, count, length) a config may give: token ids are int32 in AstrAI's shards, and a larger
+width or count describes no model that fits any machine."""
 ATTN_TYPES = ("gqa", "mla")
 FFN_TYPES = ("mlp", "moe")
 ASTRAI_MODEL_TYPE = "autoregressive_lm"
@@ -285,6 +288,11 @@ class ModelConfig:
             for f in dataclasses.fields(self)
             if isinstance(getattr(self, f.name), float) and not math.isfinite(getattr(self, f.name))
         ]
+        problems += [
+            f"{f.name!r} must be at most {MAX_SIZE}, got {_short(getattr(self, f.name))}"
+            for f in dataclasses.fields(self)
+            if type(getattr(self, f.name)) is int and getattr(self, f.name) > MAX_SIZE
+        ]
         for name in ("rms_norm_eps", "rope_theta"):
             value = getattr(self, name)
             if value is not None and not value > 0:
@@ -339,6 +347,11 @@ class ModelConfig:
 def read_config_json(path: str | Path) -> dict[str, Any]:
     """The parsed ``config.json`` at ``path``; a missing or malformed file is a ``ConfigError`` naming it."""
     return read_json_object(Path(path), "a model config.json", ConfigError)
+
+
+def _short(number: int) -> str:
+    """``number``, or its size where writing it out would fill the line (str() refuses past 4300 digits)."""
+    return str(number) if number < 10**20 else f"about 10^{round(number.bit_length() * math.log10(2))}"
 
 
 def _plain(value: Any) -> Any:

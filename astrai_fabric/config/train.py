@@ -26,6 +26,10 @@ KNOWN_METRICS = (
 )  # fmt: skip
 """Names ``--metrics`` accepts: AstrAI's, plus throughput (``tokens_per_sec``, ``samples_per_sec``, ``mfu``)."""
 
+MAX_WORKERS, MAX_THREADS = 256, 1024
+"""The most loader workers and CPU threads per rank a run may ask for (the largest machines have a few hundred
+CPUs)."""
+
 COMMAND_LINE_ONLY = ("trust_code",)
 """Flags a recipe may not set, and which resolved recipes leave out: a recipe file is data, never a way to opt into
 running code."""
@@ -210,7 +214,7 @@ class TrainArgs:
     starts); default: ``OMP_NUM_THREADS`` when set, else torch's own count for one local rank and the CPUs divided by
     the local ranks for several (Lightning's rule). Set by the command line only: a program calling ``train`` or
     ``run`` keeps its own setting. 1 can be several times faster for a small model on a busy machine
-    (docs/performance.md)."""
+    (docs/performance.md). At most 1024."""
     fsdp_sync_each_micro_batch: bool = False
     """FSDP: reduce-scatter gradients after every micro-batch instead of only at the optimizer step, trading
     communication for the memory of unsharded gradients during accumulation. Decided by the Fabric's strategy (FSDP2's
@@ -255,7 +259,7 @@ class TrainArgs:
     num_workers: int | None = None
     """DataLoader worker processes per rank; default: AstrAI's 4, capped by the CPUs this process may use divided by
     the local ranks (2 CPUs and one rank: 2; two ranks: 1 each; fewer CPUs than ranks: 0, loading in the rank itself).
-    The plan prints the number."""
+    At most 256. The plan prints the number."""
     pin_memory: bool = True
     """Pin host memory for faster copies to the GPU (ignored on CPU)."""
     persistent_workers: bool = True
@@ -353,6 +357,11 @@ class TrainArgs:
         ]  # fmt: skip
         if self.num_workers is not None and self.num_workers < 0:
             problems.append(f"num_workers must be >= 0, got {self.num_workers}")
+        # Upper bounds no machine needs to pass: each worker is a process, each thread an OS thread (a million of
+        # them exhausted the process limit inside the tokenizer's thread pool: a Rust panic, not a message).
+        for name, most in (("num_workers", MAX_WORKERS), ("num_threads", MAX_THREADS)):
+            if (getattr(self, name) or 0) > most:
+                problems.append(f"{name} must be at most {most}, got {getattr(self, name)}")
         problems += [
             f"{name} must be positive, got {getattr(self, name)}"
             for name in optional_positive

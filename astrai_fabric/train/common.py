@@ -56,7 +56,7 @@ from astrai_fabric.train.start import Start
 def build_model(fabric: Fabric, start: Start, args: TrainArgs) -> nn.Module:
     """The trained model, handed to Fabric (which shards it under FSDP and casts it to the run's precision)."""
     config = dataclasses.replace(start.model_config, neftune_alpha=args.neftune_alpha)
-    model = initial_model(fabric, config, start.weights, args.random_seed)
+    model = initial_model(fabric, config, start.weights, args.random_seed, f"param_path {args.param_path}")
     adapter = None
     if (spec := lora_spec(args)) is not None:
         lora.inject(model, spec, args.random_seed)  # base frozen, adapters float32 (lora.py)

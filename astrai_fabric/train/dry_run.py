@@ -9,6 +9,7 @@ import torch
 from astrai_fabric import assets
 from astrai_fabric.checkpoint import checkpoints_after
 from astrai_fabric.checkpoint.ownership import in_use_message, lock_holder, not_ours_message, unowned
+from astrai_fabric.checkpoint.weights import host_memory_bytes
 from astrai_fabric.config.train import RECIPE_FILE, RECIPE_HEADER, TrainArgs
 from astrai_fabric.errors import UserError
 from astrai_fabric.profiling import describe_profiling
@@ -26,7 +27,25 @@ from astrai_fabric.train.common import build_schedule, describe_parameters
 from astrai_fabric.train.loaders import split_validation
 from astrai_fabric.train.models import meta_model
 from astrai_fabric.train.outputs import written_names
-from astrai_fabric.train.start import read_start
+from astrai_fabric.train.start import Start, read_start
+
+
+def _memory_problems(args: TrainArgs, start: Start, num_parameters: int, num_local_ranks: int) -> list[str]:
+    """Whether each process on a machine can hold the whole model in host memory, where it does: everywhere but
+    FSDP from weights (built on the meta device, only each rank's shards materialised). Parameters alone: the
+    optimizer state, gradients and activations come on top, so a pass here is no promise."""
+    if args.parallel_mode == "fsdp" and start.weights is not None:
+        return []
+    half = start.weights is not None and args.precision in ("bf16-true", "16-true")  # read in the run's dtype
+    bytes_per_parameter = 2 if half else 4  # a fresh model is initialised in float32, then cast
+    needed, memory = num_parameters * bytes_per_parameter * num_local_ranks, host_memory_bytes()
+    if needed <= memory:
+        return []
+    return [
+        f"param_path {args.param_path}: this model does not fit in memory here: {num_parameters:,} parameters x "
+        f"{bytes_per_parameter} bytes x {num_local_ranks} process(es) per machine need {needed / 2**30:,.1f} GiB "
+        f"before any optimizer state; this machine has {memory / 2**30:,.1f} GiB"
+    ]
 
 
 def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train type's build_dataset
@@ -60,7 +79,8 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
     if start is not None:
         weights = start.weights.path if start.weights is not None else f"none: AstrAI's init, seed {args.random_seed}"
         lines.append(f"  model        {assets.resolve(args.param_path)}: weights {weights}")
-        parameters, _ = describe_parameters(meta_model(start.model_config, args), args)
+        parameters, counts = describe_parameters(meta_model(start.model_config, args), args)
+        problems += _memory_problems(args, start, counts["total_parameters"], topology.devices)
         counts, _, adapters = parameters.partition("\nlora: ")
         lines.append(f"  parameters   {counts}")
         if adapters:

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from astrai_fabric import lora
 from astrai_fabric.checkpoint import Checkpoint, empty_model
 from astrai_fabric.checkpoint.state import load_weights
+from astrai_fabric.checkpoint.weights import allocating
 from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.model import AutoRegressiveLM
@@ -33,8 +34,9 @@ def meta_model(config: ModelConfig, args: TrainArgs) -> nn.Module:
     return model
 
 
-def initial_model(fabric: Fabric, config: ModelConfig, weights: Checkpoint | None, seed: int) -> nn.Module:
-    """A model initialised from ``seed`` (identically on every rank, AstrAI's init) or from ``weights``.
+def initial_model(fabric: Fabric, config: ModelConfig, weights: Checkpoint | None, seed: int, source: str) -> nn.Module:
+    """A model initialised from ``seed`` (identically on every rank, AstrAI's init) or from ``weights``; a model
+    too large for this machine's memory is a ``ConfigError`` naming ``source``, where its config came from.
 
     From weights nothing is initialised: the tensors are allocated empty in the run's parameter dtype (what Fabric's
     precision would cast them to) and each is read from the memory-mapped files straight into its place
@@ -45,11 +47,12 @@ def initial_model(fabric: Fabric, config: ModelConfig, weights: Checkpoint | Non
     """
     fabric.seed_everything(seed, verbose=False)
     if weights is None:
-        return AutoRegressiveLM(config)
+        with allocating(source):
+            return AutoRegressiveLM(config)
     if is_fsdp(fabric):
         with torch.device("meta"):
             return fabric.strategy.precision.convert_module(AutoRegressiveLM(config))
-    model = empty_model(config)
+    model = empty_model(config, source)
     load_weights(model, weights, dtype=fabric.strategy.precision.convert_module(nn.Linear(1, 1)).weight.dtype)
     return model
 

@@ -244,7 +244,7 @@ def reference_model(fabric: Fabric, start: Start, args: TrainArgs) -> tuple[nn.M
     weights = None
     if path is not None:
         weights = read_on_rank_zero(fabric, partial(_read_reference, Path(path)), [Path(path)])
-    model = initial_model(fabric, start.model_config, weights, seed)
+    model = initial_model(fabric, start.model_config, weights, seed, f"reference model {path or args.param_path}")
     model = setup_frozen(fabric, model)
     if is_fsdp(fabric) and weights is not None:  # sharded on the meta device: materialise, then read the shards
         model.to_empty(device=fabric.device)
