@@ -302,7 +302,7 @@ ALLOCATION_FAILED = re.compile(r"can't allocate memory: you tried to allocate (\
 def allocating(source: str) -> Iterator[None]:
     """Building the model ``source`` describes on this host: the allocator refusing one of its tensors (sizes no
     machine here holds) is a ``ConfigError`` naming ``source``, the tensor and the machine's memory, not a
-    traceback. Nothing is written before a model is built, so there is nothing to undo."""
+    traceback; a run builds its model before it writes anything."""
     try:
         yield
     except RuntimeError as err:

@@ -30,13 +30,15 @@ from astrai_fabric.train.outputs import written_names
 from astrai_fabric.train.start import Start, read_start
 
 
-def _memory_problems(args: TrainArgs, start: Start, num_parameters: int, num_local_ranks: int) -> list[str]:
+def _memory_problems(
+    args: TrainArgs, start: Start, precision: str, num_parameters: int, num_local_ranks: int
+) -> list[str]:
     """Whether each process on a machine can hold the whole model in host memory, where it does: everywhere but
     FSDP from weights (built on the meta device, only each rank's shards materialised). Parameters alone: the
     optimizer state, gradients and activations come on top, so a pass here is no promise."""
     if args.parallel_mode == "fsdp" and start.weights is not None:
         return []
-    half = start.weights is not None and args.precision in ("bf16-true", "16-true")  # read in the run's dtype
+    half = start.weights is not None and precision in ("bf16-true", "16-true")  # read in the run's dtype
     bytes_per_parameter = 2 if half else 4  # a fresh model is initialised in float32, then cast
     needed, memory = num_parameters * bytes_per_parameter * num_local_ranks, host_memory_bytes()
     if needed <= memory:
@@ -79,8 +81,9 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
     if start is not None:
         weights = start.weights.path if start.weights is not None else f"none: AstrAI's init, seed {args.random_seed}"
         lines.append(f"  model        {assets.resolve(args.param_path)}: weights {weights}")
-        parameters, counts = describe_parameters(meta_model(start.model_config, args), args)
-        problems += _memory_problems(args, start, counts["total_parameters"], topology.devices)
+        parameters, numbers = describe_parameters(meta_model(start.model_config, args), args)
+        precision = resolve_precision(args.precision, accelerator)
+        problems += _memory_problems(args, start, precision, numbers["total_parameters"], topology.devices)
         counts, _, adapters = parameters.partition("\nlora: ")
         lines.append(f"  parameters   {counts}")
         if adapters:
