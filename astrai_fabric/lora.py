@@ -30,14 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from astrai_fabric.config.lora import DEFAULT_TARGETS, TARGETS
 from astrai_fabric.errors import CheckpointError, ConfigError
 from astrai_fabric.model.layers import Linear
 from astrai_fabric.randomness import derive_seed
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate", "up", "down")
-"""Layer names LoRA may adapt (``--lora_targets``)."""
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-"""What AstrAI's ``inject_lora`` adapts when no targets are named."""
 INITS = ("astrai", "kaiming")
 ADAPTER_KEYS = ("lora_A", "lora_B")
 ADAPTER_DTYPE = torch.float32

@@ -23,8 +23,8 @@ import torch
 from lightning.fabric import Fabric
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from astrai_fabric.checkpoint.position import RunPosition
 from astrai_fabric.config.train import TrainArgs
-from astrai_fabric.loop.state import RunPosition
 
 PROFILE_DIR = "profile"
 """Where traces go, under ``ckpt_dir``."""

@@ -1,7 +1,9 @@
-"""The seams of the checkpoint package, read from the source: its public names import without Lightning, one module
-imports safetensors, and it sits in no import cycle (module-level imports, as Python runs them)."""
+"""The package's seams, read from the source: no import circle between its files (every import counted), the
+checkpoint package's public names import without Lightning and one module imports safetensors, ``prepare`` loads
+no model code and the loop no strategy."""
 
 import ast
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -56,3 +58,56 @@ def test_the_checkpoint_package_is_in_no_import_cycle():
             todo.extend(graph[name])
     back = sorted(m for m in seen if any(n.startswith("astrai_fabric.checkpoint") for n in graph[m]))
     assert back == []
+
+
+def load_reading_order():
+    """tools/reading_order.py, whose import graph (every import, with its kind) these tests read."""
+    tool = Path(__file__).parents[1] / "tools" / "reading_order.py"
+    spec = importlib.util.spec_from_file_location("reading_order", tool)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["reading_order"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def file_import_graph() -> dict[str, set[str]]:
+    """``{module: the package's modules it imports}``, every import counted: top-level, inside functions (deferred)
+    and under ``if TYPE_CHECKING:``."""
+    tool = load_reading_order()
+    return tool.graph_of(tool.imports(), {tool.TOP, tool.DEFERRED, tool.TYPING})
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The graph's strongly connected components of more than one module (each holds at least one circle)."""
+    return [group for group in load_reading_order().components(graph) if len(group) > 1]
+
+
+def test_no_import_circle_between_the_package_files():
+    graph = file_import_graph()
+    assert len(graph) > 60 and graph["astrai_fabric.loop.step"], "the graph was not read"
+    assert import_circles(graph) == []
+
+
+def test_the_circle_finder_finds_a_deferred_circle():
+    """The check above can fail: a function-level import closing a circle is found."""
+    graph = file_import_graph()
+    graph["astrai_fabric.errors"] = graph["astrai_fabric.errors"] | {"astrai_fabric.cli"}
+    circles = import_circles(graph)
+    assert any({"astrai_fabric.errors", "astrai_fabric.cli"} <= set(circle) for circle in circles)
+
+
+def test_prepare_loads_no_model_code_and_the_loop_no_strategy():
+    """A fresh process: ``prepare`` tokenises and writes shards; the loop trains whatever Fabric it is handed."""
+    code = (
+        "import sys\n"
+        "import astrai_fabric.data.prepare\n"
+        "heavy = ('astrai_fabric.model', 'astrai_fabric.lora', 'astrai_fabric.checkpoint', 'safetensors',"
+        " 'lightning')\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith(heavy))\n"
+        "assert not loaded, f'data.prepare loaded {loaded}'\n"
+        "import astrai_fabric.loop\n"
+        "loaded = sorted(m for m in sys.modules if m in ('astrai_fabric.strategy', 'astrai_fabric.parallelize'))\n"
+        "assert not loaded, f'loop loaded {loaded}'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={"OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -31,7 +31,6 @@ import os
 import pickle
 import re
 import shutil
-import signal
 import time
 import uuid
 import warnings
@@ -49,6 +48,7 @@ from torch import Tensor
 from astrai_fabric import __version__
 from astrai_fabric.checkpoint import hf
 from astrai_fabric.errors import CheckpointError
+from astrai_fabric.faults import crash_point
 from astrai_fabric.json_files import read_json_object
 
 META_FILE = "meta.json"
@@ -193,21 +193,6 @@ def save_model_directory(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return target
-
-
-_crash_counts: dict[str, int] = {}
-
-
-def crash_point(point: str) -> None:
-    """Test hook for crash safety: ``ASTRAI_FABRIC_CRASH_AT=POINT@N`` kills this process with SIGKILL, as a power
-    cut would, the N-th time a save reaches POINT: ``meta``, ``weights`` or ``extra`` (after writing those files), or
-    ``rename`` (everything written and synced, just before the rename that completes the checkpoint); ``prepare``
-    has its own points (``data/prepare.py``, ``data/parallel.py``)."""
-    wanted = os.environ.get("ASTRAI_FABRIC_CRASH_AT")
-    if wanted and wanted.partition("@")[0] == point:
-        _crash_counts[point] = _crash_counts.get(point, 0) + 1
-        if str(_crash_counts[point]) == (wanted.partition("@")[2] or "1"):
-            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def staging_dir(target: Path) -> Path:

@@ -16,7 +16,7 @@ import tempfile
 import warnings
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -34,14 +34,11 @@ from astrai_fabric.checkpoint.files import (
     save_checkpoint,
     staging_dir,
 )
+from astrai_fabric.checkpoint.position import RESUME_KEY, RunPosition
 from astrai_fabric.checkpoint.weights import Checkpoint, load_checkpoint, load_model_weights, weights_source
 from astrai_fabric.errors import CheckpointError
 from astrai_fabric.lora import LoRASpec, adapter_state_dict, base_state_dict, merge_state_dict
 
-if TYPE_CHECKING:  # for the annotation only: the loop imports this module (RESUME_KEY)
-    from astrai_fabric.loop.state import RunPosition
-
-RESUME_KEY = "resume_position"
 STATE_DIR = "state"
 SHARDED_KEY = "optimizer_state"
 SHARDED_NOTE = "sharded in state/ (torch distributed checkpoint); `astrai-fabric export` writes optimizer.pt"

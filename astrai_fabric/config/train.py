@@ -17,6 +17,7 @@ from typing import Literal
 import torch
 import yaml
 
+from astrai_fabric.config.lora import DEFAULT_TARGETS, TARGETS
 from astrai_fabric.errors import ConfigError
 from astrai_fabric.rewards import reward_spec_problem
 
@@ -183,7 +184,7 @@ class TrainArgs:
     """LoRA scale numerator: the adapter adds ``(B A) * lora_alpha / lora_r`` (AstrAI's default 32)."""
     lora_dropout: float = 0.0
     """Dropout on the adapters' input, in [0, 1); seeded by position like NEFTune, so a resume drops the same."""
-    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    lora_targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
     """Layers to adapt, by name: any of ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``gate``, ``up``, ``down``
     (repeat the flag or separate by commas); the MoE router never. Default: AstrAI's ``inject_lora`` default."""
     lora_init: Literal["astrai", "kaiming"] = "astrai"
@@ -424,9 +425,6 @@ class TrainArgs:
             raise ConfigError("invalid training arguments: " + "; ".join(problems))
 
     def _lora_problems(self) -> list[str]:
-        # Deferred for a cycle: lora imports model/, whose package imports config/.
-        from astrai_fabric.lora import TARGETS
-
         problems = []
         if self.lora_r < 0:
             problems.append(f"lora_r must be >= 0 (0 = off), got {self.lora_r}")

@@ -17,9 +17,9 @@ from multiprocessing import get_context
 
 import numpy as np
 
-from astrai_fabric.checkpoint.files import crash_point
 from astrai_fabric.data.pipeline import PipelineConfig, tokenize_record
 from astrai_fabric.data.storage import parse_record
+from astrai_fabric.faults import crash_point
 from astrai_fabric.tokenizer import Tokenizer
 
 Tokenised = tuple[str, np.ndarray, np.ndarray] | str

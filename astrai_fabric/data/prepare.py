@@ -34,7 +34,6 @@ from typing import Any
 
 from tqdm import tqdm
 
-from astrai_fabric.checkpoint.files import crash_point
 from astrai_fabric.data.parallel import tokenise_chunks
 from astrai_fabric.data.pipeline import (  # re-exported: data/dataset_config.py and callers import them from here
     ACTIONS,
@@ -49,6 +48,7 @@ from astrai_fabric.data.pipeline import (  # re-exported: data/dataset_config.py
 from astrai_fabric.data.shard_writer import Position, ShardWriter, StagingState
 from astrai_fabric.data.storage import jsonl_lines, parse_record
 from astrai_fabric.errors import TrainingError, UserError
+from astrai_fabric.faults import crash_point
 from astrai_fabric.tokenizer import Tokenizer
 
 __all__ = ["ACTIONS", "GROUPS", "Document", "PipelineConfig", "Section", "check_keys", "parse_sections", "prepare",

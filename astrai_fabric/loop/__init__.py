@@ -14,8 +14,9 @@ and, as ``fit`` pulls micro-batches, samples responses with the live ``state.mod
 the training batches.
 """
 
+from astrai_fabric.checkpoint.position import RunPosition
 from astrai_fabric.loop.fit import fit, validate
-from astrai_fabric.loop.state import LoopArgs, LossFn, RunPosition, TrainState
+from astrai_fabric.loop.state import LoopArgs, LossFn, TrainState
 from astrai_fabric.loop.step import StepResult, train_step, weights_are_finite
 
 __all__ = [

@@ -21,13 +21,14 @@ from lightning.fabric import Fabric
 from torch import Tensor, nn
 
 from astrai_fabric import assets
+from astrai_fabric.checkpoint.position import RunPosition
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.data.dataset_config import render_group, unrendered_warning
 from astrai_fabric.data.records import GroupDataset, PromptDataset, collate_groups, collate_prompts, pack
 from astrai_fabric.data.storage import read_jsonl
 from astrai_fabric.errors import ConfigError
 from astrai_fabric.generate import generate
-from astrai_fabric.loop.state import RunPosition, TrainState
+from astrai_fabric.loop.state import TrainState
 from astrai_fabric.lora import reference_context
 from astrai_fabric.losses import group_advantages, grpo_loss, token_logprobs, with_moe_aux_loss
 from astrai_fabric.randomness import seeded_generator

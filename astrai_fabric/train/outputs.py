@@ -22,11 +22,11 @@ from astrai_fabric.checkpoint import (
     prune_checkpoints,
 )
 from astrai_fabric.checkpoint.ownership import check_owned, lock_ckpt_dir
+from astrai_fabric.checkpoint.position import RunPosition
 from astrai_fabric.checkpoint.state import save_training_checkpoint
 from astrai_fabric.config.train import RECIPE_FILE, RECIPE_HEADER, TrainArgs, resolved_recipe
 from astrai_fabric.errors import CheckpointError, raised_on_every_rank
 from astrai_fabric.loggers import LOG_DIR
-from astrai_fabric.loop.state import RunPosition
 from astrai_fabric.metrics import METRIC_FILE, MetricLog
 from astrai_fabric.plot import PLOT_FILE
 from astrai_fabric.profiling import PROFILE_DIR

@@ -10,11 +10,11 @@ from pathlib import Path
 from lightning.fabric import Fabric
 
 from astrai_fabric.checkpoint import Checkpoint, find_latest_checkpoint, load_checkpoint
-from astrai_fabric.checkpoint.state import RESUME_KEY, check_rng_state, restore_rng
+from astrai_fabric.checkpoint.position import RESUME_KEY, RunPosition
+from astrai_fabric.checkpoint.state import check_rng_state, restore_rng
 from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import CheckpointError
-from astrai_fabric.loop.state import RunPosition
 from astrai_fabric.schedule import StepPlan
 from astrai_fabric.train.models import lora_spec
 
