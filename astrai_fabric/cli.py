@@ -235,16 +235,8 @@ def parse_train_args(train_type: str, argv: list[str]) -> tuple[TrainArgs, bool]
         named = recipe.pop("train_type", train_type)
         if TRAIN_TYPE_ALIASES.get(named, named) != train_type:
             raise UserError(f"{recipe_path}: train_type is not {train_type!r}, the command given")
-        try:
-            base = parser.parse_object(recipe)
-        except Exception as err:  # jsonargparse reports type errors as ArgumentError
-            raise UserError(f"{recipe_path}: {_clean(err)}") from None
-    try:
-        namespace = parser.parse_args(flags, namespace=base)
-    except SystemExit as exit_:  # --help
-        raise SystemExit(exit_.code) from None
-    except Exception as err:
-        raise UserError(_clean(err)) from None
+        base = _parse(parser, recipe, source=recipe_path)
+    namespace = _parse(parser, flags, namespace=base)
     values = {k: v for k, v in namespace.as_dict().items() if k in TRAIN_FLAGS.names}
     return TrainArgs(**values, train_type=train_type), print_config
 
@@ -266,12 +258,7 @@ def generate_command(argv: list[str]) -> int:
 
     parser = ArgumentParser(prog="astrai-fabric generate", description=GenerateArgs.__doc__, exit_on_error=False)
     parser.add_class_arguments(GenerateArgs, nested_key=None, as_group=False)
-    try:
-        namespace = parser.parse_args(_normalize(argv, Flags.of(GenerateArgs)))
-    except SystemExit as exit_:
-        raise SystemExit(exit_.code) from None
-    except Exception as err:
-        raise UserError(_clean(err)) from None
+    namespace = _parse(parser, _normalize(argv, Flags.of(GenerateArgs)))
     run_generate(GenerateArgs(**namespace.as_dict()))
     return 0
 
@@ -308,12 +295,7 @@ def export_command(argv: list[str]) -> int:
         action="store_true",
         help="A LoRA checkpoint: write the model with its adapter merged into the base (--format hf always does).",
     )
-    try:
-        namespace = parser.parse_args(argv)
-    except SystemExit as exit_:
-        raise SystemExit(exit_.code) from None
-    except Exception as err:
-        raise UserError(_clean(err)) from None
+    namespace = _parse(parser, argv)
     from astrai_fabric.checkpoint.state import export_merged  # imports Lightning (~17 s here): only for --merge
 
     source = Path(namespace.checkpoint)
@@ -325,13 +307,20 @@ def export_command(argv: list[str]) -> int:
     return 0
 
 
-def _parse(parser: ArgumentParser, argv: list[str]) -> Any:
+def _parse(
+    parser: ArgumentParser, given: list[str] | dict[str, Any], *, namespace: Any = None, source: Path | None = None
+) -> Any:
+    """Flags (a list; onto ``namespace`` when given) or a recipe's mapping (read from ``source``) parsed: the one
+    place a parse error becomes the user's one line (jsonargparse raises ArgumentError, and type errors of its
+    own), and ``--help`` exits with its status."""
     try:
-        return parser.parse_args(argv)
+        if isinstance(given, dict):
+            return parser.parse_object(given)
+        return parser.parse_args(given, namespace=namespace)
     except SystemExit as exit_:  # --help
         raise SystemExit(exit_.code) from None
     except Exception as err:
-        raise UserError(_clean(err)) from None
+        raise UserError(f"{source}: {_clean(err)}" if source is not None else _clean(err)) from None
 
 
 def prepare_command(argv: list[str]) -> int:

@@ -28,7 +28,7 @@ from astrai_fabric.checkpoint import (
 from astrai_fabric.checkpoint.state import gather_full
 from astrai_fabric.data import load_window_dataset
 from astrai_fabric.model import AutoRegressiveLM
-from astrai_fabric.optim import build_optimizer, resolve_ns_dtype
+from astrai_fabric.optim import OptimArgs, build_optimizer, resolve_ns_dtype
 from astrai_fabric.schedule import build_scheduler
 from astrai_fabric.tokenizer import Tokenizer
 from astrai_fabric.train.lm import lm_loss
@@ -87,7 +87,7 @@ class AstraiLM(L.LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
         ns_dtype = resolve_ns_dtype(hp.muon_ns_dtype, self.device)
-        optimizer = build_optimizer(self.model, hp.optimizer, hp.max_lr, hp.weight_decay, ns_dtype=ns_dtype)
+        optimizer = build_optimizer(self.model, OptimArgs(hp.optimizer, hp.max_lr, hp.weight_decay, ns_dtype=ns_dtype))
         total_steps = int(self.trainer.estimated_stepping_batches)
         scheduler = build_scheduler(
             optimizer, hp.schedule_type, total_steps, min(int(hp.warmup_ratio * total_steps), total_steps), hp.min_rate

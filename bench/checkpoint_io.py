@@ -34,7 +34,7 @@ from astrai_fabric.checkpoint.state import save_training_checkpoint
 from astrai_fabric.config import ModelConfig
 from astrai_fabric.loop import RunPosition
 from astrai_fabric.model import AutoRegressiveLM
-from astrai_fabric.optim import build_optimizer
+from astrai_fabric.optim import OptimArgs, build_optimizer
 from astrai_fabric.schedule import build_scheduler
 
 CONFIG = dict(
@@ -46,7 +46,7 @@ CONFIG = dict(
 def trained_state() -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
     torch.manual_seed(0)
     model = AutoRegressiveLM(ModelConfig(**CONFIG))
-    optimizer = build_optimizer(model, "adamw", lr=1e-4, weight_decay=0.1)
+    optimizer = build_optimizer(model, OptimArgs("adamw", lr=1e-4, weight_decay=0.1))
     scheduler = build_scheduler(optimizer, "cosine", total_steps=100, warmup_steps=10)
     for param in model.parameters():
         param.grad = torch.randn_like(param) * 1e-3

@@ -30,7 +30,7 @@ from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.data import ResumableSampler, load_window_dataset
 from astrai_fabric.losses import causal_lm_loss
 from astrai_fabric.model import AutoRegressiveLM
-from astrai_fabric.optim import build_optimizer
+from astrai_fabric.optim import OptimArgs, build_optimizer
 from astrai_fabric.schedule import build_scheduler
 from astrai_fabric.tokenizer import Tokenizer
 from astrai_fabric.train import run
@@ -54,7 +54,7 @@ def plain(steps: int) -> list[float]:
     model = AutoRegressiveLM(ModelConfig.from_file(TINY_MODEL_DIR / "config.json")).train()
     dataset = load_window_dataset("seq", SEQ_DATA_DIR, WINDOW, None, Tokenizer.from_dir(TINY_MODEL_DIR))
     loader = DataLoader(dataset, batch_size=BATCH, sampler=ResumableSampler(len(dataset), seed=SEED))
-    optimizer = build_optimizer(model, "adamw", lr=1e-3, weight_decay=0.1)
+    optimizer = build_optimizer(model, OptimArgs("adamw", lr=1e-3, weight_decay=0.1))
     scheduler = build_scheduler(optimizer, "cosine", total_steps=1000, warmup_steps=50)
     rates, tokens, start = [], 0, time.perf_counter()
     for micro_step, batch in enumerate(loader, start=1):

@@ -42,7 +42,7 @@ def worker(mode: str, nprocs: int, out: str) -> None:
     from astrai_fabric.config import ModelConfig
     from astrai_fabric.config.train import TrainArgs
     from astrai_fabric.model import AutoRegressiveLM
-    from astrai_fabric.optim import build_optimizer
+    from astrai_fabric.optim import OptimArgs, build_optimizer
     from astrai_fabric.strategy import build_fabric, resolve_topology
 
     args = TrainArgs(param_path="-", data_root_path="-", parallel_mode=mode, nprocs=nprocs, device_type="cpu")
@@ -55,7 +55,7 @@ def worker(mode: str, nprocs: int, out: str) -> None:
         if side == "lora":
             lora.inject(model, lora.LoRASpec(r=8), seed=0)
         model = fabric.setup_module(model)
-        setups[side] = (model, fabric.setup_optimizers(build_optimizer(model, "adamw", 1e-4, 0.1)))
+        setups[side] = (model, fabric.setup_optimizers(build_optimizer(model, OptimArgs("adamw", 1e-4, 0.1))))
     ids = torch.randint(0, CONFIG["vocab_size"], (2, 64), generator=torch.Generator().manual_seed(1))
 
     def step(side: str) -> float:

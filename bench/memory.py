@@ -34,7 +34,7 @@ def worker(mode: str, out: str) -> None:
     from astrai_fabric.config import ModelConfig
     from astrai_fabric.config.train import TrainArgs
     from astrai_fabric.model import AutoRegressiveLM
-    from astrai_fabric.optim import build_optimizer
+    from astrai_fabric.optim import OptimArgs, build_optimizer
     from astrai_fabric.strategy import build_fabric, resolve_topology
 
     args = TrainArgs(param_path="-", data_root_path="-", parallel_mode=mode, nprocs=2, device_type="cpu")
@@ -42,7 +42,8 @@ def worker(mode: str, out: str) -> None:
     fabric.launch()
     torch.manual_seed(0)
     model = fabric.setup_module(AutoRegressiveLM(ModelConfig(**CONFIG)))
-    optimizer = fabric.setup_optimizers(build_optimizer(model, "muon_adamw", 1e-4, 0.1, ns_dtype=torch.float32))
+    optimizer = build_optimizer(model, OptimArgs("muon_adamw", 1e-4, 0.1, ns_dtype=torch.float32))
+    optimizer = fabric.setup_optimizers(optimizer)
     ids = torch.randint(0, CONFIG["vocab_size"], (2, 64))
     fabric.backward(model(ids)["logits"].float().logsumexp(-1).mean())
     optimizer.step()  # creates the optimizer state; gradients are still held

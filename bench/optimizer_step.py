@@ -21,7 +21,7 @@ import torch
 
 from astrai_fabric.config import ModelConfig
 from astrai_fabric.model import AutoRegressiveLM
-from astrai_fabric.optim import build_optimizer, resolve_ns_dtype
+from astrai_fabric.optim import OptimArgs, build_optimizer, resolve_ns_dtype
 
 CONFIG = dict(
     vocab_size=2048, hidden_size=256, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
@@ -56,9 +56,10 @@ def main() -> None:
     sides = {}  # (optimizer, muon_ns_dtype) -> its step
     for name in ("auto", "float32", "bfloat16"):
         dtype = resolve_ns_dtype(name, torch.device("cpu"))
-        sides["muon_adamw", name] = build_optimizer(model, "muon_adamw", lr=1e-4, weight_decay=0.1, ns_dtype=dtype)
+        muon = OptimArgs("muon_adamw", lr=1e-4, weight_decay=0.1, ns_dtype=dtype)
+        sides["muon_adamw", name] = build_optimizer(model, muon)
     for optimizer in ("nora_nadamw", "mano_adamw"):
-        sides[optimizer, "-"] = build_optimizer(model, optimizer, lr=1e-4, weight_decay=0.1)
+        sides[optimizer, "-"] = build_optimizer(model, OptimArgs(optimizer, lr=1e-4, weight_decay=0.1))
     times = {side: [] for side in sides}
     for side in sides:
         sides[side].step()  # warm-up (and the optimizers' state)

@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 from astrai_fabric.config import ModelConfig
 from astrai_fabric.data import ResumableSampler
 from astrai_fabric.model import AutoRegressiveLM
-from astrai_fabric.optim import build_optimizer
+from astrai_fabric.optim import OptimArgs, build_optimizer
 from astrai_fabric.schedule import build_scheduler
 
 
@@ -52,7 +52,8 @@ def main() -> None:
 
     torch.manual_seed(options.seed)  # the run seeds the same way before it builds the model
     model = AutoRegressiveLM(ModelConfig.from_file(options.model_dir / "config.json")).train()
-    optimizer = build_optimizer(model, options.optimizer, lr=options.lr, weight_decay=0.1, ns_dtype=torch.float32)
+    optim_args = OptimArgs(options.optimizer, lr=options.lr, weight_decay=0.1, ns_dtype=torch.float32)
+    optimizer = build_optimizer(model, optim_args)
     warmup = int(0.05 * options.steps)  # --warmup_ratio 0.05 of the run's planned steps
     scheduler = build_scheduler(optimizer, "cosine", total_steps=options.steps, warmup_steps=warmup)
     order = iter(ResumableSampler(num_samples, seed=options.seed))

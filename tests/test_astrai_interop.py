@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from astrai_fabric.checkpoint import load_checkpoint, load_model, save_checkpoint
 from astrai_fabric.model import AutoRegressiveLM
-from astrai_fabric.optim import build_optimizer
+from astrai_fabric.optim import OptimArgs, build_optimizer
 
 pytestmark = needs_astrai
 
@@ -362,7 +362,7 @@ def test_astrai_trainer_resumes_our_checkpoint(crossed, route):
     assert_loaded_checkpoint(loaded, ours)
     # optimizer.pt indexes parameters by position in each sub-optimizer: AstrAI's order must be the one ours saved in.
     model = load_model(ours)
-    optimizer = build_optimizer(model, crossing.optimizer, 1e-3, 0.1)
+    optimizer = build_optimizer(model, OptimArgs(crossing.optimizer, 1e-3, 0.1))
     assert loaded["optimizer_params"] == optimizer_params(model, optimizer)
 
     meta = json.loads((ours / "meta.json").read_text())

@@ -15,6 +15,7 @@ from astrai_fabric.errors import CheckpointError
 from astrai_fabric.model import AutoRegressiveLM
 from astrai_fabric.optim import (
     MuonNS,
+    OptimArgs,
     build_optimizer,
     is_matrix_param,
     newton_schulz,
@@ -26,7 +27,7 @@ from astrai_fabric.optim import (
 
 def test_split_matches_astrai_counts():
     model = AutoRegressiveLM(tiny_config(tie_word_embeddings=False))
-    optimizer = build_optimizer(model, "muon_adamw", lr=1e-3, weight_decay=0.1)
+    optimizer = build_optimizer(model, OptimArgs("muon_adamw", lr=1e-3, weight_decay=0.1))
     # AstrAI reports 14 Muon and 7 AdamW tensors for a 2-layer untied model (its ``astrai/optim/muon_adamw.py`` split).
     assert len(optimizer.muon.param_groups[0]["params"]) == 14
     assert len(optimizer.adamw.param_groups[0]["params"]) == 7
@@ -44,14 +45,14 @@ def step(model, optimizer):
 
 def test_optimizer_state_layout_is_astrai():
     model = AutoRegressiveLM(tiny_config())
-    optimizer = build_optimizer(model, "muon_adamw", lr=1e-3, weight_decay=0.1)
+    optimizer = build_optimizer(model, OptimArgs("muon_adamw", lr=1e-3, weight_decay=0.1))
     step(model, optimizer)
     state = optimizer.state_dict()
     assert list(state) == ["muon", "adamw"]
     assert set(state["muon"]["state"][0]) == {"momentum_buffer"}
     assert set(state["adamw"]["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
     assert "ns_dtype" not in state["muon"]["param_groups"][0]  # torch's group keys only
-    other = build_optimizer(copy.deepcopy(model), "muon_adamw", lr=1e-3, weight_decay=0.1)
+    other = build_optimizer(copy.deepcopy(model), OptimArgs("muon_adamw", lr=1e-3, weight_decay=0.1))
     other.load_state_dict(state)
     with pytest.raises(CheckpointError, match="another optimizer"):
         other.load_state_dict({"nora": None, "nadamw": None})
@@ -61,7 +62,7 @@ def test_bfloat16_is_exactly_torch_muon():
     torch.manual_seed(0)
     ours = AutoRegressiveLM(tiny_config())
     theirs = copy.deepcopy(ours)
-    optimizer = build_optimizer(ours, "muon_adamw", lr=1e-2, weight_decay=0.1, ns_dtype=torch.bfloat16)
+    optimizer = build_optimizer(ours, OptimArgs("muon_adamw", lr=1e-2, weight_decay=0.1, ns_dtype=torch.bfloat16))
     matrices = [p for n, p in theirs.named_parameters() if is_matrix_param(n, p)]
     reference = torch.optim.Muon(matrices, lr=1e-2, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
     step(ours, optimizer)
@@ -101,7 +102,7 @@ def test_auto_dtype_depends_on_the_device():
 
 
 def test_adamw_decays_matrices_only():
-    optimizer = build_optimizer(AutoRegressiveLM(tiny_config()), "adamw", lr=1e-3, weight_decay=0.1)
+    optimizer = build_optimizer(AutoRegressiveLM(tiny_config()), OptimArgs("adamw", lr=1e-3, weight_decay=0.1))
     decay, no_decay = optimizer.param_groups
     assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
     assert len(decay["params"]) == 14 and len(no_decay["params"]) == 6  # tied: one embedding, 5 norms
@@ -127,7 +128,7 @@ def fixed_gradients(model, step_index: int) -> None:
 
 def test_role_split_is_astrai_and_puts_every_matrix_in_nora():
     model = role_model()
-    optimizer = build_optimizer(model, "nora_nadamw", lr=1e-3, weight_decay=0.1, nora_weight_decay=0.02)
+    optimizer = build_optimizer(model, OptimArgs("nora_nadamw", lr=1e-3, weight_decay=0.1, nora_weight_decay=0.02))
     nora_group, nadamw_group = optimizer.param_groups  # AstrAI's NAdamW decay group is empty, so left out (B18)
     names = {id(p): n for n, p in model.named_parameters()}
     rest = [names[id(p)] for p in nadamw_group["params"]]
@@ -136,7 +137,7 @@ def test_role_split_is_astrai_and_puts_every_matrix_in_nora():
                                                    for p in nora_group["params"])  # fmt: skip
     assert rest == ["embed_tokens.weight", *[n for n in names.values() if "norm" in n], "lm_head.weight"]
     assert (nora_group["lr"], nora_group["weight_decay"], nadamw_group["weight_decay"]) == (5e-3, 0.02, 0.0)
-    mano = build_optimizer(model, "mano_adamw", lr=1e-3, weight_decay=0.1)
+    mano = build_optimizer(model, OptimArgs("mano_adamw", lr=1e-3, weight_decay=0.1))
     assert [len(g["params"]) for g in mano.param_groups] == [14, 7]
     assert [g["weight_decay"] for g in mano.param_groups] == [0.1, 0.0]
     assert mano.parts["adamw"].param_groups[0]["betas"] == (0.9, 0.95)
@@ -144,7 +145,7 @@ def test_role_split_is_astrai_and_puts_every_matrix_in_nora():
 
 def test_state_layout_is_astrai_and_refuses_other_layouts():
     model = role_model()
-    optimizer = build_optimizer(model, "nora_nadamw", lr=1e-3, weight_decay=0.1)
+    optimizer = build_optimizer(model, OptimArgs("nora_nadamw", lr=1e-3, weight_decay=0.1))
     fixed_gradients(model, 0)
     optimizer.step()
     state = optimizer.state_dict()
@@ -153,7 +154,7 @@ def test_state_layout_is_astrai_and_refuses_other_layouts():
     assert state["nadamw"]["state"][0]["step"] == 1 and set(state["nadamw"]["state"][0]) == {"step", "m", "v"}
     assert set(state["nora"]["param_groups"][0]) == {"lr", "weight_decay", "momentum", "beta", "nesterov", "eps",
                                                      "params"}  # fmt: skip
-    other = build_optimizer(copy.deepcopy(model), "nora_nadamw", lr=1e-3, weight_decay=0.1)
+    other = build_optimizer(copy.deepcopy(model), OptimArgs("nora_nadamw", lr=1e-3, weight_decay=0.1))
     other.load_state_dict(state)
     assert torch.equal(other.parts["nadamw"].state[other.param_groups[1]["params"][0]]["m"],
                        state["nadamw"]["state"][0]["m"])  # fmt: skip
@@ -168,7 +169,7 @@ def test_mano_alternates_its_normalised_dimension_across_a_resume():
     so a resumed optimizer takes the row step next."""
     lr = 1e-2
     model = role_model()
-    optimizer = build_optimizer(model, "mano_adamw", lr=lr, weight_decay=0.0)
+    optimizer = build_optimizer(model, OptimArgs("mano_adamw", lr=lr, weight_decay=0.0))
     weight = model.layers[0].mlp.up.weight  # [24, 16]
     for step, dim in enumerate((0, 1)):
         before = weight.detach().clone()
@@ -177,15 +178,15 @@ def test_mano_alternates_its_normalised_dimension_across_a_resume():
         direction = (before - weight.detach()) / (lr * 0.2 * weight.shape[dim] ** 0.5)
         torch.testing.assert_close(direction.norm(dim=dim), torch.ones(weight.shape[1 - dim]), atol=1e-5, rtol=0)
         if step == 0:
-            resumed = build_optimizer(model, "mano_adamw", lr=lr, weight_decay=0.0)
+            resumed = build_optimizer(model, OptimArgs("mano_adamw", lr=lr, weight_decay=0.0))
             resumed.load_state_dict(copy.deepcopy(optimizer.state_dict()))
             optimizer = resumed
     assert optimizer.state_dict()["mano"]["param_groups"][0]["steps"] == 2
 
 
 def test_mano_takes_its_own_momentum_not_muons():
-    optimizer = build_optimizer(role_model(), "mano_adamw", 1e-3, 0.1, momentum=0.5, nesterov=True,
-                                mano_momentum=0.8, mano_nesterov=False)  # fmt: skip
+    optimizer = build_optimizer(role_model(), OptimArgs("mano_adamw", 1e-3, 0.1, momentum=0.5, nesterov=True,
+                                mano_momentum=0.8, mano_nesterov=False))  # fmt: skip
     group = optimizer.parts["mano"].param_groups[0]
     assert (group["momentum"], group["nesterov"]) == (0.8, False)  # AstrAI would give 0.5 and True (B17)
 
@@ -195,15 +196,15 @@ def test_a_lora_run_has_no_matrix_part():
 
     model = role_model()
     inject(model, LoRASpec(r=2, alpha=4, targets=("q_proj",)), seed=0)
-    optimizer = build_optimizer(model, "nora_nadamw", 1e-3, 0.1)
+    optimizer = build_optimizer(model, OptimArgs("nora_nadamw", 1e-3, 0.1))
     assert optimizer.parts["nora"] is None and list(optimizer.state_dict()) == ["nora", "nadamw"]
     assert optimizer.state_dict()["nora"] is None  # AstrAI's None slot: LoRA's adapters are NAdamW's, no decay
     fixed_gradients(model, 0)
     optimizer.step()
-    resumed = build_optimizer(model, "nora_nadamw", 1e-3, 0.1)
+    resumed = build_optimizer(model, OptimArgs("nora_nadamw", 1e-3, 0.1))
     load_optimizer_state(resumed, copy.deepcopy(optimizer.state_dict()), Path("ckpt/optimizer.pt"))  # the resume path
     assert_close_state(resumed.state_dict(), optimizer.state_dict())
-    full = build_optimizer(role_model(), "nora_nadamw", 1e-3, 0.1)
+    full = build_optimizer(role_model(), OptimArgs("nora_nadamw", 1e-3, 0.1))
     with pytest.raises(CheckpointError, match="ckpt/optimizer.pt: does not fit this run's optimizer"):
         load_optimizer_state(full, optimizer.state_dict(), Path("ckpt/optimizer.pt"))
 
@@ -217,7 +218,7 @@ def test_sharded_state_resumes_with_nadamws_integer_step(tmp_path):
     model = role_model()
     optimizer = run_ours(model, "nora_nadamw", steps=2)
     dcp.save({"optimizer": optimizer.state_dict()}, checkpoint_id=tmp_path / "state")
-    resumed = build_optimizer(model, "nora_nadamw", **ORACLE_SETTINGS["nora_nadamw"])
+    resumed = build_optimizer(model, OptimArgs("nora_nadamw", **ORACLE_SETTINGS["nora_nadamw"]))
     load_sharded_optimizer_state(resumed, tmp_path / "state")
     assert resumed.state_dict()["nadamw"]["state"][0]["step"] == 2
     assert_close_state(resumed.state_dict(), optimizer.state_dict())
@@ -225,7 +226,7 @@ def test_sharded_state_resumes_with_nadamws_integer_step(tmp_path):
 
 def test_state_bytes_count_one_momentum_per_matrix_entry():
     model = role_model()
-    matrices = sum(p.numel() for p in optimizer_groups(model, "nora_nadamw", 1e-3, 0.1)[0].params)
+    matrices = sum(p.numel() for p in optimizer_groups(model, OptimArgs("nora_nadamw", 1e-3, 0.1))[0].params)
     total = sum(p.numel() for p in model.parameters())
     assert optimizer_state_bytes(model, "nora_nadamw") == 4 * (matrices + 2 * (total - matrices))
     assert optimizer_state_bytes(model, "mano_adamw") == optimizer_state_bytes(model, "nora_nadamw")
@@ -249,7 +250,7 @@ def astrai_kwargs(settings: dict) -> dict:
 
 
 def run_ours(model, setting: str, steps: int):
-    optimizer = build_optimizer(model, setting.removesuffix("_plain"), **ORACLE_SETTINGS[setting])
+    optimizer = build_optimizer(model, OptimArgs(setting.removesuffix("_plain"), **ORACLE_SETTINGS[setting]))
     for step_index in range(steps):
         fixed_gradients(model, step_index)
         optimizer.step()
@@ -349,7 +350,7 @@ def sharded_worker(out: str) -> None:
                 for name, param in list(module.named_parameters(recurse=False)):
                     placement = [Shard(min(dim, param.dim() - 1))]
                     setattr(module, name, torch.nn.Parameter(distribute_tensor(param.detach(), mesh, placement)))
-            optimizer = build_optimizer(model, setting, **ORACLE_SETTINGS[setting])
+            optimizer = build_optimizer(model, OptimArgs(setting, **ORACLE_SETTINGS[setting]))
             for step_index in range(SHARDED_STEPS):
                 for index, param in enumerate(model.parameters()):
                     grad = fixed_gradient(step_index, index, param.shape)

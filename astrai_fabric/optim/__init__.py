@@ -5,19 +5,21 @@ composite whose ``optimizer.pt`` keeps AstrAI's ``{part: state_dict or None}`` l
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 from torch.optim import AdamW, Optimizer
 
+from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.optim.composite import CompositeOptimizer, fused_if_possible, is_matrix_param, split_by_role
 from astrai_fabric.optim.mano import Mano, ManoAdamW
 from astrai_fabric.optim.muon import ADAMW_BETAS, MuonAdamW, MuonNS, newton_schulz, resolve_ns_dtype
 from astrai_fabric.optim.nora import NAdamW, Nora, NoraNAdamW
 
 __all__ = [
-    "CompositeOptimizer", "Mano", "ManoAdamW", "MuonAdamW", "MuonNS", "NAdamW", "Nora", "NoraNAdamW",
+    "CompositeOptimizer", "Mano", "ManoAdamW", "MuonAdamW", "MuonNS", "NAdamW", "Nora", "NoraNAdamW", "OptimArgs",
     "build_optimizer", "is_matrix_param", "newton_schulz", "optimizer_groups", "optimizer_state_bytes",
     "resolve_ns_dtype",
 ]  # fmt: skip
@@ -36,68 +38,88 @@ class GroupPlan(NamedTuple):
     weight_decay: float
 
 
-def optimizer_groups(
-    model: nn.Module,
-    name: str,
-    lr: float,
-    weight_decay: float,
-    nora_lr: float = 5e-3,
-    nora_weight_decay: float = 0.0,
-) -> list[GroupPlan]:
-    """The parameter groups of ``name`` over ``model``'s trainable parameters, as AstrAI makes them: ``nora_nadamw``
-    and ``mano_adamw`` leave empty groups out, ``muon_adamw`` and ``adamw`` keep both of theirs. For the plan and
-    the dry run's memory estimate, without building the optimizer."""
-    if name in ("muon_adamw", "adamw"):
+@dataclass(frozen=True)
+class OptimArgs:
+    """The flags the optimizer reads (``TrainArgs`` documents each under its flag name), with the defaults of
+    ``--optimizer``'s parts; ``from_args`` takes them from ``TrainArgs``."""
+
+    name: str = "muon_adamw"
+    """``--optimizer``, resolved (``OPTIMIZERS``)."""
+    lr: float = 3e-4
+    """``--max_lr``: every group's peak learning rate but Nora's."""
+    weight_decay: float = 0.1
+    momentum: float = 0.95
+    """``--muon_momentum``."""
+    nesterov: bool = True
+    """``--muon_nesterov``."""
+    ns_steps: int = 5
+    """``--muon_ns_steps``."""
+    adjust_lr_fn: str = "match_rms_adamw"
+    """``--muon_adjust_lr``."""
+    ns_dtype: torch.dtype = torch.bfloat16
+    """``--muon_ns_dtype``, resolved for the device (``resolve_ns_dtype``)."""
+    nora_lr: float = 5e-3
+    nora_weight_decay: float = 0.0
+    """``--nora_weight_decay``, resolved (it follows ``weight_decay`` when not given)."""
+    nora_beta: float = 0.95
+    nora_momentum: float = 0.95
+    mano_momentum: float = 0.95
+    mano_nesterov: bool = True
+
+    @classmethod
+    def from_args(cls, args: TrainArgs, device: torch.device) -> OptimArgs:
+        return cls(
+            name=args.resolved_optimizer, lr=args.max_lr, weight_decay=args.weight_decay,
+            momentum=args.muon_momentum, nesterov=args.muon_nesterov, ns_steps=args.muon_ns_steps,
+            adjust_lr_fn=args.muon_adjust_lr, ns_dtype=resolve_ns_dtype(args.muon_ns_dtype, device),
+            nora_lr=args.nora_lr, nora_weight_decay=args.resolved_nora_weight_decay, nora_beta=args.nora_beta,
+            nora_momentum=args.nora_momentum, mano_momentum=args.mano_momentum, mano_nesterov=args.mano_nesterov,
+        )  # fmt: skip
+
+
+def optimizer_groups(model: nn.Module, args: OptimArgs) -> list[GroupPlan]:
+    """The parameter groups of ``args.name`` over ``model``'s trainable parameters, as AstrAI makes them:
+    ``nora_nadamw`` and ``mano_adamw`` leave empty groups out, ``muon_adamw`` and ``adamw`` keep both of theirs. For
+    the plan and the dry run's memory estimate, without building the optimizer."""
+    lr, weight_decay = args.lr, args.weight_decay
+    if args.name in ("muon_adamw", "adamw"):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         matrices = [p for n, p in named if is_matrix_param(n, p)]
         others = [p for n, p in named if not is_matrix_param(n, p)]
-        first = "muon" if name == "muon_adamw" else "adamw"
+        first = "muon" if args.name == "muon_adamw" else "adamw"
         return [GroupPlan(first, matrices, lr, weight_decay), GroupPlan("adamw", others, lr, 0.0)]
-    if name in ("nora_nadamw", "mano_adamw"):
+    if args.name in ("nora_nadamw", "mano_adamw"):
         split = split_by_role(model)
-        matrix_part, rest = ("nora", "nadamw") if name == "nora_nadamw" else ("mano", "adamw")
-        matrix_lr, matrix_decay = (nora_lr, nora_weight_decay) if name == "nora_nadamw" else (lr, weight_decay)
+        nora = args.name == "nora_nadamw"
+        matrix_part, rest = ("nora", "nadamw") if nora else ("mano", "adamw")
+        matrix_lr, matrix_decay = (args.nora_lr, args.nora_weight_decay) if nora else (lr, weight_decay)
         groups = [
             GroupPlan(matrix_part, split.matrices, matrix_lr, matrix_decay),
             GroupPlan(rest, split.decay, lr, weight_decay),
             GroupPlan(rest, split.no_decay, lr, 0.0),
         ]
         return [group for group in groups if group.params]
-    raise ValueError(f"unknown optimizer {name!r}; choose from {list(OPTIMIZERS)}")
+    raise ValueError(f"unknown optimizer {args.name!r}; choose from {list(OPTIMIZERS)}")
 
 
-def build_optimizer(
-    model: nn.Module,
-    name: str,
-    lr: float,
-    weight_decay: float,
-    *,
-    momentum: float = 0.95,
-    nesterov: bool = True,
-    ns_steps: int = 5,
-    adjust_lr_fn: str = "match_rms_adamw",
-    ns_dtype: torch.dtype = torch.bfloat16,
-    nora_lr: float = 5e-3,
-    nora_weight_decay: float = 0.0,
-    nora_beta: float = 0.95,
-    nora_momentum: float = 0.95,
-    mano_momentum: float = 0.95,
-    mano_nesterov: bool = True,
-) -> Optimizer:
-    """``name`` over ``model``'s trainable parameters; ``momentum``, ``nesterov``, ``ns_*`` and ``adjust_lr_fn``
-    are Muon's, ``nora_*`` Nora's, ``mano_*`` Mano's (AstrAI gives Mano Muon's two, B17)."""
-    if name == "muon_adamw":
+def build_optimizer(model: nn.Module, args: OptimArgs) -> Optimizer:
+    """``args.name`` over ``model``'s trainable parameters; ``momentum``, ``nesterov``, ``ns_*`` and
+    ``adjust_lr_fn`` are Muon's, ``nora_*`` Nora's, ``mano_*`` Mano's (AstrAI gives Mano Muon's two, B17)."""
+    if args.name == "muon_adamw":
         return MuonAdamW(
-            model.named_parameters(), lr, weight_decay, momentum, nesterov, ns_steps, adjust_lr_fn, ns_dtype
+            model.named_parameters(), args.lr, args.weight_decay, args.momentum, args.nesterov, args.ns_steps,
+            args.adjust_lr_fn, args.ns_dtype,
+        )  # fmt: skip
+    if args.name == "nora_nadamw":
+        return NoraNAdamW(
+            model, args.lr, args.weight_decay, args.nora_lr, args.nora_weight_decay, args.nora_beta, args.nora_momentum
         )
-    if name == "nora_nadamw":
-        return NoraNAdamW(model, lr, weight_decay, nora_lr, nora_weight_decay, nora_beta, nora_momentum)
-    if name == "mano_adamw":
-        return ManoAdamW(model, lr, weight_decay, mano_momentum, mano_nesterov)
-    groups = optimizer_groups(model, name, lr, weight_decay)  # adamw: decay on matrices only
+    if args.name == "mano_adamw":
+        return ManoAdamW(model, args.lr, args.weight_decay, args.mano_momentum, args.mano_nesterov)
+    groups = optimizer_groups(model, args)  # adamw: decay on matrices only
     params = [p for group in groups for p in group.params]
     torch_groups = [{"params": group.params, "weight_decay": group.weight_decay} for group in groups]
-    return AdamW(torch_groups, lr=lr, betas=ADAMW_BETAS, **fused_if_possible(params))
+    return AdamW(torch_groups, lr=args.lr, betas=ADAMW_BETAS, **fused_if_possible(params))
 
 
 def optimizer_state_bytes(model: nn.Module, name: str) -> int:
@@ -105,6 +127,6 @@ def optimizer_state_bytes(model: nn.Module, name: str) -> int:
     buffer in its parameter's dtype (``STATE_BUFFERS``)."""
     return sum(
         STATE_BUFFERS[group.part] * param.numel() * param.element_size()
-        for group in optimizer_groups(model, name, lr=0.0, weight_decay=0.0)
+        for group in optimizer_groups(model, OptimArgs(name))
         for param in group.params
     )
