@@ -82,14 +82,15 @@ class StepPlan:
                 f"than grad_accum_steps={self.grad_accum_steps}; lower batch_per_device or grad_accum_steps"
             )
 
-    def describe(self) -> str:
-        return (
-            f"batch: {self.num_dp_ranks} rank(s) x {self.batch_per_device} per device x {self.grad_accum_steps} "
-            f"accumulation = {self.global_batch_size} samples per optimizer step\n"
-            f"steps: {self.num_samples} samples -> {self.samples_per_rank} per rank -> "
-            f"{self.micro_batches_per_rank} micro-batches per rank per epoch -> {self.total_steps} optimizer steps "
-            f"over {self.n_epoch} epoch(s), {self.warmup_steps} of them warmup"
-        )
+    def describe(self) -> list[tuple[str, str]]:
+        """The plan's ``batch`` and ``steps`` lines, labelled (``train.plan.describe_plan``)."""
+        return [
+            ("batch", f"{self.num_dp_ranks} rank(s) x {self.batch_per_device} per device x {self.grad_accum_steps} "
+                      f"accumulation = {self.global_batch_size} samples per optimizer step"),
+            ("steps", f"{self.num_samples} samples -> {self.samples_per_rank} per rank -> "
+                      f"{self.micro_batches_per_rank} micro-batches per rank per epoch -> {self.total_steps} optimizer "
+                      f"steps over {self.n_epoch} epoch(s), {self.warmup_steps} of them warmup"),
+        ]  # fmt: skip
 
 
 @dataclass(frozen=True)

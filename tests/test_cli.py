@@ -179,7 +179,7 @@ def test_tiny_recipe_end_to_end_then_resume(tmp_path):
         capture_output=True, text=True, env={"OMP_NUM_THREADS": "1", "PATH": ""},
     )  # fmt: skip
     assert second.returncode == 0, second.stderr
-    assert f"resuming from {tmp_path / 'epoch_0_step_4'} at step 4" in second.stdout
+    assert f"  resume       from {tmp_path / 'epoch_0_step_4'} at step 4" in second.stdout
     assert "step 5/" in second.stdout and "step 1/" not in second.stdout
     assert sorted(p.name for p in tmp_path.glob("epoch_*"))[-1] == "epoch_0_step_6"
 
@@ -192,7 +192,7 @@ def test_cli_launches_its_own_ranks(tmp_path):
                "--window_size", "32"]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, env={"OMP_NUM_THREADS": "1", "PATH": ""})
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "batch: 2 rank(s) x 8 per device x 2 accumulation = 32 samples per optimizer step" in result.stdout
+    assert "  batch        2 rank(s) x 8 per device x 2 accumulation = 32 samples per optimizer step" in result.stdout
     assert result.stdout.count("done after step 2") == 1  # printed by rank 0 only
     assert (tmp_path / "epoch_0_step_2" / "optimizer.pt").is_file()
 

@@ -44,7 +44,7 @@ def test_seq_and_sft_on_bin_shards_train_and_resume_without_a_tokenizer(tmp_path
     assert main([*resume, "--dry_run"]) == 0
     assert "tokenizer    none (" in capsys.readouterr().out
     assert main(resume) == 0
-    assert "resuming from" in capsys.readouterr().out
+    assert "  resume       from " in capsys.readouterr().out
     assert not list((tmp_path / "run" / "epoch_0_step_2").glob("tokenizer*"))
 
 

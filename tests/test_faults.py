@@ -75,7 +75,7 @@ def test_sigterm_saves_a_checkpoint_and_resume_auto_continues_exactly(tmp_path):
     resumed = subprocess.run(cli("--parallel_mode", "none", "--ckpt_dir", str(interrupted), "--max_steps", total,
                                  "--resume", "auto"), capture_output=True, text=True, env=ENV)  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert f"resuming from {interrupted / f'epoch_0_step_{stopped_at}'}" in resumed.stdout
+    assert f"  resume       from {interrupted / f'epoch_0_step_{stopped_at}'}" in resumed.stdout
     reference = subprocess.run(cli("--parallel_mode", "none", "--ckpt_dir", str(uninterrupted), "--max_steps", total),
                                capture_output=True, text=True, env=ENV)  # fmt: skip
     assert reference.returncode == 0, reference.stderr[-2000:]
@@ -178,7 +178,7 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path, 
                                      "--ckpt_interval", "2", "--resume", "auto"), capture_output=True, text=True,
                                  env=ENV)  # fmt: skip
         assert resumed.returncode == 0, resumed.stderr[-2000:]
-        assert "removed 1 partial checkpoint(s)" in resumed.stdout and "resuming from" in resumed.stdout
+        assert "removed 1 partial checkpoint(s)" in resumed.stdout and "  resume       from " in resumed.stdout
         assert find_latest_checkpoint(tmp_path).name == "epoch_0_step_6"
         assert not list(tmp_path.glob(".epoch_*"))
 

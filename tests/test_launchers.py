@@ -79,7 +79,7 @@ def test_fabric_run_on_two_simulated_nodes(tmp_path, single_node):
     ]
     outputs = [node.communicate(timeout=300) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs[1][1][-2000:]
-    assert "batch: 2 rank(s)" in outputs[1][0]
+    assert "  batch        2 rank(s)" in outputs[1][0]
     assert_same_run(outputs[1][0], tmp_path, single_node)
 
 

@@ -26,7 +26,7 @@ def test_profile_steps_trace_exactly_those_steps(tmp_path, capsys):
     out = capsys.readouterr().out
     trace_dir = tmp_path / "run" / "profile" / "steps_2-3"
     assert (
-        f"profiling: steps 2 to 3: a torch.profiler trace per rank (and on CUDA a memory snapshot) in {trace_dir}"
+        f"  profiling    steps 2 to 3: a torch.profiler trace per rank (and on CUDA a memory snapshot) in {trace_dir}"
         in out
     )
     assert f"profile: {trace_dir} (rank*.pt.trace.json)" in out

@@ -2,6 +2,7 @@
 and the dry-run plan."""
 
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -21,20 +22,31 @@ ROOT = Path(__file__).parents[1]
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None  # the [tensorboard] extra (in [dev])
 ENV = {"OMP_NUM_THREADS": "1", "PATH": str(Path(sys.executable).parent)}
 PLAIN_LINE = re.compile(
-    r"^(seq|sft|dpo|grpo): [\d,]+ parameters(, [\d,]+ trainable \(\S+\))?; optimizer \w+: .+; state .+ \| .+"
-    r"|^batch: .+|^steps: .+|^schedule: .+|^loader: .+|^cpu threads: .+|^outputs: .+"
+    r"^plan for `astrai-fabric (seq|sft|dpo|grpo)`$"
+    r"|^  (processes|model|tokenizer|data|batch|steps|schedule|loader|cpu threads|budget|outputs) +\S.+"
+    r"|^  parameters   [\d,]+ parameters(, [\d,]+ trainable \(\S+\))?; optimizer \w+: .+; state .+"
     r"|^step \d+/\d+ \| epoch \d+ \| loss [\d.]+ \| lr \S+ \| grad_norm [\d.]+ \| [\d,]+ tokens/s"
     r"( \| \w+ [-\d.]+)* \| eta \S+$"
     r"|^checkpoint: .+|^done after step \d+; latest checkpoint: .+|^plot: .+\.png$"
 )
 
 
+def short_run_argv(ckpt_dir: Path) -> list[str]:
+    return ["sft", "--config", str(ROOT / "recipes" / "tiny-sft.yaml"), "--ckpt_dir", str(ckpt_dir), "--max_steps",
+            "6", "--ckpt_interval", "4", "--val_split", "0.05", "--val_step", "3", "--n_epoch", "1"]  # fmt: skip
+
+
+def plan_lines(out: str) -> list[str]:
+    """The plan's lines, without its title: those from ``plan for`` up to the first one not indented."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("plan for `astrai-fabric "))
+    return list(itertools.takewhile(lambda line: line.startswith("  "), lines[start + 1 :]))
+
+
 @pytest.fixture(scope="module")
 def short_run(tmp_path_factory) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("run")
-    command = [sys.executable, "-m", "astrai_fabric", "sft", "--config", str(ROOT / "recipes" / "tiny-sft.yaml"),
-               "--ckpt_dir", str(out), "--max_steps", "6", "--ckpt_interval", "4", "--val_split", "0.05",
-               "--val_step", "3", "--n_epoch", "1"]  # fmt: skip
+    command = [sys.executable, "-m", "astrai_fabric", *short_run_argv(out)]
     if HAS_TENSORBOARD:
         command += ["--loggers", "csv", "--loggers", "tensorboard"]
     result = subprocess.run(command, capture_output=True, text=True, env=ENV)  # stdout is a pipe, not a terminal
@@ -48,6 +60,22 @@ def test_log_is_plain_lines_when_stdout_is_not_a_terminal(short_run):
     lines = stdout.splitlines()
     assert [line for line in lines if not PLAIN_LINE.match(line)] == []
     assert sum(line.startswith("step ") for line in lines) >= 3 and "val_loss" in stdout
+
+
+def test_the_run_prints_the_plan_its_dry_run_prints(short_run, monkeypatch, capsys):
+    """One renderer (``train.plan.describe_plan``): the dry run of the same flags shows the same lines (in process,
+    with the run's one CPU thread; it also lists the checkpoints the run left, beneath the plan)."""
+    out, stdout = short_run
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert main([*short_run_argv(out), "--dry_run"]) == 2
+    dry = capsys.readouterr().out
+    assert "would overwrite" in dry.partition("cannot start:")[2]
+    run_plan = plan_lines(stdout)
+    assert [line.split()[0] for line in run_plan] == [
+        "processes", "model", "parameters", "tokenizer", "data", "batch", "steps", "schedule", "loader", "cpu",
+        "budget", "outputs",
+    ]  # fmt: skip
+    assert plan_lines(dry) == run_plan
 
 
 def test_metric_jsonl_has_astrai_entry_shapes(short_run):
@@ -109,7 +137,7 @@ def test_dry_run_of_each_tiny_recipe_writes_nothing(recipe, tmp_path, monkeypatc
     train_type = re.search(r"astrai-fabric (\w+)", recipe.read_text())[1]
     assert main([train_type, "--config", str(recipe), "--dry-run"]) == 0
     out = capsys.readouterr().out
-    for heading in ("processes", "model", "tokenizer", "data", "batch:", "steps:", "schedule", "outputs"):
+    for heading in ("processes", "model", "tokenizer", "data", "batch", "steps", "schedule", "outputs"):
         assert re.search(rf"^  {heading}", out, re.M), heading
     assert list(tmp_path.iterdir()) == []
 
@@ -139,7 +167,7 @@ def test_default_workers_fit_the_cpus_and_a_budget_shows_its_last_step(tmp_path,
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})  # 1 CPU: torch warns about more workers than that
     assert main([*base, "--ckpt_dir", str(tmp_path / "run"), "--max_steps", "3"]) == 0
     out = capsys.readouterr().out
-    assert "loader: 1 worker process(es) per rank (num_workers default: at most 4, 1 CPU(s) for 1 local rank(s))" in out
+    assert "loader       1 worker process(es) per rank (num_workers default: at most 4, 1 CPU(s) for 1 local" in out
     assert [str(w.message) for w in recwarn if "worker processes" in str(w.message)] == []
     # 855 steps are logged every 42; the step --max_steps ends on is shown too.
     assert re.findall(r"^step (\d+)/855 ", out, re.M) == ["1", "3"]

@@ -27,20 +27,22 @@ from astrai_fabric.checkpoint import (
     remove_stale_staging,
 )
 from astrai_fabric.checkpoint.ownership import record_written
+from astrai_fabric.checkpoint.position import RunPosition
 from astrai_fabric.checkpoint.state import STATE_DIR, load_optimizer_state, load_sharded_optimizer_state
 from astrai_fabric.config.train import RECIPE_FILE, TrainArgs, resolved_recipe
 from astrai_fabric.errors import CheckpointError, UserError
 from astrai_fabric.loop import LoopArgs, LossFn, TrainState, fit
 from astrai_fabric.metrics import MetricLog, flops_per_token, peak_flops
-from astrai_fabric.optim import build_optimizer, optimizer_groups, optimizer_state_bytes, resolve_ns_dtype
+from astrai_fabric.optim import OptimArgs, build_optimizer
 from astrai_fabric.plot import PLOT_FILE, plot_runs
 from astrai_fabric.preemption import StopRequest
-from astrai_fabric.profiling import StepProfiler, describe_profiling
+from astrai_fabric.profiling import StepProfiler
 from astrai_fabric.reporting import Reporter
 from astrai_fabric.schedule import ScheduleArgs, StepPlan
 from astrai_fabric.strategy import (
     data_parallel,
     describe_cpu_threads,
+    fsdp_layout,
     is_fsdp,
     local_ranks,
     precision_of,
@@ -49,6 +51,14 @@ from astrai_fabric.strategy import (
 from astrai_fabric.train.loaders import LoaderArgs, make_loader, shut_down_workers, split_validation
 from astrai_fabric.train.models import initial_model, load_sharded_weights, lora_spec
 from astrai_fabric.train.outputs import hold_ckpt_dir, make_saver, refuse_to_overwrite, written_names
+from astrai_fabric.train.plan import (
+    ParameterSummary,
+    describe_data,
+    describe_plan,
+    describe_processes,
+    describe_schedule,
+    summarize_parameters,
+)
 from astrai_fabric.train.resume import start_position
 from astrai_fabric.train.start import Start
 
@@ -81,13 +91,7 @@ def build_optimizer_and_schedule(fabric: Fabric, model: nn.Module, start: Start,
 
     Built after sharding: an optimizer built before would step the pre-shard tensors, silently.
     """
-    optimizer = build_optimizer(
-        model, args.resolved_optimizer, args.max_lr, args.weight_decay, momentum=args.muon_momentum,
-        nesterov=args.muon_nesterov, ns_steps=args.muon_ns_steps, adjust_lr_fn=args.muon_adjust_lr,
-        ns_dtype=resolve_ns_dtype(args.muon_ns_dtype, fabric.device), nora_lr=args.nora_lr,
-        nora_weight_decay=args.resolved_nora_weight_decay, nora_beta=args.nora_beta,
-        nora_momentum=args.nora_momentum, mano_momentum=args.mano_momentum, mano_nesterov=args.mano_nesterov,
-    )  # fmt: skip
+    optimizer = build_optimizer(model, OptimArgs.from_args(args, fabric.device))
     if start.resume is not None and args.resume_optimizer:
         if (start.resume.path / STATE_DIR).is_dir():
             load_sharded_optimizer_state(optimizer, start.resume.path / STATE_DIR)
@@ -134,32 +138,36 @@ def build_schedule(optimizer: Any, args: ScheduleArgs, plan: StepPlan, resume: C
     return scheduler, None
 
 
-def describe_parameters(model: nn.Module, args: TrainArgs) -> tuple[str, dict[str, int]]:
-    """The plan's line on what trains (total and trainable parameters, the optimizer and its state's memory, the
-    adapters), and the same numbers for ``metric.jsonl``."""
-    raw_model = getattr(model, "module", model)  # the module Fabric wraps
-    trainable, total = raw_model.num_parameters(trainable_only=True), raw_model.num_parameters()
-    state = optimizer_state_bytes(model, args.resolved_optimizer)
-    line = f"{total:,} parameters"
-    if trainable != total:
-        line += f", {trainable:,} trainable ({trainable / total:.2%})"
-    groups = optimizer_groups(
-        model, args.resolved_optimizer, args.max_lr, args.weight_decay, args.nora_lr, args.resolved_nora_weight_decay
-    )
-    described = ", ".join(
-        f"{g.part} {len(g.params)} tensors (lr {g.lr:g}, decay {g.weight_decay:g})" for g in groups if g.params
-    )
-    line += f"; optimizer {args.resolved_optimizer}: {described}; state {state / 2**20:,.1f} MiB (all ranks together)"
-    if (spec := lora_spec(args)) is not None:
-        layers = len(lora.lora_layers(raw_model))
-        line += (
-            f"\nlora: r={spec.r}, alpha={spec.alpha}, dropout {spec.dropout}, init {spec.init}, on "
-            f"{','.join(spec.targets)} ({layers} linear layers); base weights frozen, adapters float32"
+def describe_run_plan(
+    fabric: Fabric, args: TrainArgs, start: Start, parameters: ParameterSummary, plan: StepPlan, scheduler: Any,
+    schedule_note: str | None, position: RunPosition, data: str,
+) -> str:  # fmt: skip
+    """The plan this run prints before its first step: the dry run's lines (``plan.describe_plan``), told by the
+    Fabric the run has (its ranks, strategy, device and precision: a Fabric built by the caller may differ from the
+    flags)."""
+    world_size, devices = fabric.world_size, local_ranks(fabric)
+    layout = None
+    if is_fsdp(fabric) and world_size > 1:
+        try:
+            layout = fsdp_layout(args, world_size).describe()
+        except UserError:  # a caller's own ModelParallelStrategy, laid out otherwise: its layout is not ours to say
+            layout = None
+    mode = "fsdp" if is_fsdp(fabric) else "ddp"
+    processes = describe_processes(world_size, devices, mode, layout, fabric.device.type, precision_of(fabric))
+    threads = None
+    if fabric.device.type == "cpu":
+        threads = describe_cpu_threads(torch.get_num_threads(), args.num_threads is not None)
+    resume = None
+    if start.resume is not None:
+        resume = (
+            f"from {start.resume.path} at step {position.optimizer_step}, epoch {position.epoch}, sample "
+            f"{position.sample_index} of {plan.samples_per_rank} per rank"
         )
-        if args.resolved_optimizer == "muon_adamw":
-            line += "; note: Muon on LoRA's r x d factors is untested (adamw is the LoRA default)"
-    counts = {"trainable_parameters": trainable, "total_parameters": total, "optimizer_state_bytes": state}
-    return line, counts
+    return describe_plan(
+        args, dry_run=False, processes=processes, start=start, parameters=parameters, data=data, steps=plan,
+        schedule=describe_schedule(args, scheduler), schedule_note=schedule_note,
+        loader=resolve_num_workers(args.num_workers, devices)[1], cpu_threads=threads, resume=resume,
+    )  # fmt: skip
 
 
 def train_on(
@@ -199,26 +207,9 @@ def train_on(
         profiler = StepProfiler.for_run(fabric, args, position)  # None unless --profile_steps
         batches = profiler.steps_of(batches) if profiler is not None else batches
 
-        parameters, counts = describe_parameters(model, args)
-        parameters, _, lora_line = parameters.partition("\n")
-        held_out = f", {len(val_set):,} held out" if val_set is not None else ""
-        threads = describe_cpu_threads(torch.get_num_threads(), args.num_threads is not None)
-        fabric.print(
-            f"{args.train_type}: {parameters} | {len(train_set):,} training samples: {data_summary}"
-            f"{held_out}"
-            + (f"\n{lora_line}" if lora_line else "")
-            + f"\n{plan.describe()}\nschedule: {scheduler.describe()}, peak {args.max_lr}"
-            + (f"\n{schedule_note}" if schedule_note else "")
-            + f"\nloader: {resolve_num_workers(args.num_workers, local_ranks(fabric))[1]}"
-            + (f"\ncpu threads: {threads}" if fabric.device.type == "cpu" else "")
-            + f"\noutputs: {Path(args.ckpt_dir).resolve()}"
-            + (f"\nprofiling: {describe_profiling(args)}" if profiler is not None else "")
-        )
-        if start.resume is not None:
-            fabric.print(
-                f"resuming from {start.resume.path} at step {position.optimizer_step}, epoch {position.epoch}, "
-                f"sample {position.sample_index} of {plan.samples_per_rank} per rank"
-            )
+        parameters = summarize_parameters(model, args)
+        data = describe_data(args, len(train_set), data_summary, val_set)
+        fabric.print(describe_run_plan(fabric, args, start, parameters, plan, scheduler, schedule_note, position, data))
         if fabric.global_rank == 0:
             if stale := remove_stale_staging(args.ckpt_dir):
                 fabric.print(f"removed {len(stale)} partial checkpoint(s) left by an interrupted save")
@@ -228,7 +219,8 @@ def train_on(
         # A resumed run continues its checkpoint's metric history (AstrAI starts a new one at every resume).
         metric_log = MetricLog.resumed(args.metrics, start.resume.path if start.resume is not None else None)
         if start.resume is None:  # recorded once per run, at its start
-            metric_log.add("parameters", position.epoch, position.optimizer_step, position.consumed_samples, **counts)
+            metric_log.add("parameters", position.epoch, position.optimizer_step, position.consumed_samples,
+                           **parameters.counts())  # fmt: skip
         save = make_saver(fabric, model, optimizer, scheduler, start, args, metric_log, extra_meta)
         reporter = Reporter(
             fabric, plan, metric_log, first_step=position.optimizer_step + 1,
@@ -237,8 +229,10 @@ def train_on(
         )  # fmt: skip
         try:
             with StopRequest() as stop:
+                loop_args = LoopArgs.from_args(args, dp_rank=data_parallel(fabric).dp_rank, fsdp=is_fsdp(fabric),
+                                               live_batches=make_batches is not None)  # fmt: skip
                 history = fit(fabric, state=state, batches=batches, sampler=sampler, compute_loss=compute_loss,
-                              args=LoopArgs.from_args(args), save=save, reporter=reporter, val_loader=val_loader,
+                              args=loop_args, save=save, reporter=reporter, val_loader=val_loader,
                               stop=stop)  # fmt: skip
         finally:
             shut_down_workers(train_loader, val_loader)

@@ -12,7 +12,6 @@ from astrai_fabric.checkpoint.ownership import in_use_message, lock_holder, not_
 from astrai_fabric.checkpoint.weights import host_memory_bytes
 from astrai_fabric.config.train import RECIPE_FILE, RECIPE_HEADER, TrainArgs
 from astrai_fabric.errors import UserError
-from astrai_fabric.profiling import describe_profiling
 from astrai_fabric.schedule import ScheduleArgs, StepPlan
 from astrai_fabric.strategy import (
     describe_cpu_threads,
@@ -23,10 +22,17 @@ from astrai_fabric.strategy import (
     resolve_precision,
     resolve_topology,
 )
-from astrai_fabric.train.common import build_schedule, describe_parameters
+from astrai_fabric.train.common import build_schedule
 from astrai_fabric.train.loaders import split_validation
 from astrai_fabric.train.models import meta_model
 from astrai_fabric.train.outputs import written_names
+from astrai_fabric.train.plan import (
+    describe_data,
+    describe_plan,
+    describe_processes,
+    describe_schedule,
+    summarize_parameters,
+)
 from astrai_fabric.train.start import Start, read_start
 
 
@@ -53,25 +59,20 @@ def _memory_problems(
 def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train type's build_dataset
     """Print the plan; return 0 when the run could start, 2 (after listing what is missing or in the way) otherwise."""
     problems: list[str] = []
-    lines = [f"plan for `astrai-fabric {args.train_type}` (dry run: nothing is trained or written)"]
     topology = resolve_topology(args)
-    tp_size = args.tp_size or 1
-    num_dp_ranks = topology.world_size // tp_size
     layout = None
     if args.parallel_mode == "fsdp" and topology.world_size > 1:
         try:
-            layout = fsdp_layout(args, topology.world_size)
+            layout = fsdp_layout(args, topology.world_size).describe()
         except UserError as err:
             problems.append(str(err))
     accelerator = resolve_accelerator(args)
-    lines.append(
-        f"  processes    {topology.world_size} ({topology.devices} per node x {topology.num_nodes} node(s)), "
-        f"parallel_mode {args.parallel_mode if topology.world_size > 1 else 'single device'}"
-        + (f" ({layout.describe()})" if layout is not None else "")
-        + f", {accelerator}, precision {resolve_precision(args.precision, accelerator)}"
+    precision = resolve_precision(args.precision, accelerator)
+    processes = describe_processes(
+        topology.world_size, topology.devices, args.parallel_mode, layout, accelerator, precision
     )
     problems += _ckpt_dir_problems(args)
-    start = dataset = None
+    start = dataset = parameters = data = plan = schedule = note = None
     try:
         start = read_start(args)
     except UserError as err:
@@ -79,22 +80,9 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
         if not assets.resolve(args.data_root_path).exists():  # reported too: the data is not read without a model
             problems.append(f"data_root_path {args.data_root_path}: not found")
     if start is not None:
-        weights = start.weights.path if start.weights is not None else f"none: AstrAI's init, seed {args.random_seed}"
-        lines.append(f"  model        {assets.resolve(args.param_path)}: weights {weights}")
-        parameters, numbers = describe_parameters(meta_model(start.model_config, args), args)
-        precision = resolve_precision(args.precision, accelerator)
-        problems += _memory_problems(args, start, precision, numbers["total_parameters"], topology.devices)
-        counts, _, adapters = parameters.partition("\nlora: ")
-        lines.append(f"  parameters   {counts}")
-        if adapters:
-            lines.append(f"  lora         {adapters}")
-        if start.tokenizer is not None:
-            lines.append(f"  tokenizer    {start.tokenizer.directory} ({start.tokenizer.vocab_size:,} ids)")
-        else:
-            lines.append(f"  tokenizer    none ({start.no_tokenizer}); checkpoints will carry none")
-        if start.resume is not None:
-            lines.append(f"  resume       from {start.resume.path}")
-        elif later := checkpoints_after(args.ckpt_dir, 0):
+        parameters = summarize_parameters(meta_model(start.model_config, args), args)
+        problems += _memory_problems(args, start, precision, parameters.total, topology.devices)
+        if start.resume is None and (later := checkpoints_after(args.ckpt_dir, 0)):
             problems.append(
                 f"ckpt_dir {args.ckpt_dir}: holds {len(later)} checkpoint(s) this fresh run would overwrite "
                 "(--resume auto continues the newest)"
@@ -105,10 +93,8 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
             problems.append(str(err))
     if dataset is not None:
         train_set, val_set = split_validation(dataset, args.val_split, args.random_seed)
-        held_out = f", {len(val_set):,} held out for validation every {args.val_step} steps" if val_set else ""
-        lines.append(f"  data         {len(train_set):,} samples: {summary}{held_out}")
-        plan = StepPlan.from_args(args, len(train_set), num_dp_ranks)
-        lines += [f"  {line}" for line in plan.describe().splitlines()]
+        data = describe_data(args, len(train_set), summary, val_set)
+        plan = StepPlan.from_args(args, len(train_set), topology.world_size // (args.tp_size or 1))
         try:
             plan.check()
             saved = start.resume.extra.get("scheduler") if start.resume is not None else None
@@ -117,29 +103,29 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
             optimizer = torch.optim.SGD([{"params": [torch.zeros(1, requires_grad=True)]} for _ in range(groups)],
                                         lr=args.max_lr)  # fmt: skip
             scheduler, note = build_schedule(optimizer, ScheduleArgs.from_args(args), plan, start.resume)
-            lines.append(f"  schedule     {scheduler.describe()}, peak learning rate {args.max_lr}")
-            if note:
-                lines.append(f"               {note}")
+            schedule = describe_schedule(args, scheduler)
         except UserError as err:
             problems.append(str(err))
-    lines.append(f"  loader       {resolve_num_workers(args.num_workers, topology.devices)[1]}")
+    threads = None
     if accelerator == "cpu":
-        threads = planned_cpu_threads(args.num_threads, topology.devices)
-        lines.append(f"  cpu threads  {describe_cpu_threads(threads, args.num_threads is not None)}")
-    budget = []
-    if args.max_steps is not None:
-        budget.append(f"max_steps {args.max_steps}")
-    if args.max_tokens is not None:
-        budget.append(f"max_tokens {args.max_tokens:,}")
-    if budget:
-        lines.append(f"  budget       stop at {' or '.join(budget)}")
-    if profiling := describe_profiling(args):
-        lines.append(f"  profiling    {profiling}")
-    lines.append(
-        f"  outputs      {Path(args.ckpt_dir).resolve()}: epoch_E_step_S/ every {args.ckpt_interval} steps and at "
-        f"the end{', sharded state/' if args.sharded_checkpoint else ''}; recipe.yaml, logs/, plot.png"
+        threads = describe_cpu_threads(
+            planned_cpu_threads(args.num_threads, topology.devices), args.num_threads is not None
+        )
+    print(
+        describe_plan(
+            args,
+            dry_run=True,
+            processes=processes,
+            start=start,
+            parameters=parameters,
+            data=data,
+            steps=plan,
+            schedule=schedule,
+            schedule_note=note,
+            loader=resolve_num_workers(args.num_workers, topology.devices)[1],
+            cpu_threads=threads,
+        )  # fmt: skip
     )
-    print("\n".join(lines))
     if problems:
         print("cannot start:\n" + "\n".join(f"  - {item}" for item in problems))
         return 2

@@ -1,0 +1,164 @@
+"""The plan of a run: what it trains, on what, how many steps and where its outputs go. ``describe_plan`` renders
+it for the run, before its first step, and for ``--dry_run``, instead of training: one renderer, so the two show
+the same lines in the same form (the dry run adds what is missing)."""
+
+from __future__ import annotations
+
+from collections.abc import Sized
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from astrai_fabric import assets, lora
+from astrai_fabric.config.train import TrainArgs
+from astrai_fabric.optim import OptimArgs, optimizer_groups, optimizer_state_bytes
+from astrai_fabric.profiling import describe_profiling
+from astrai_fabric.schedule import StepPlan
+from astrai_fabric.train.models import lora_spec
+from astrai_fabric.train.start import Start
+
+
+@dataclass(frozen=True)
+class ParameterSummary:
+    """What trains: parameter counts, the optimizer's groups and its state's size, the adapters."""
+
+    total: int
+    trainable: int
+    optimizer: str
+    groups: str
+    """Each non-empty group: its part, tensors, learning rate and decay."""
+    state_bytes: int
+    """The optimizer state's bytes, all ranks together."""
+    lora: str | None
+    """The adapters (rank, scale, targets), or None without LoRA."""
+
+    def describe(self) -> str:
+        line = f"{self.total:,} parameters"
+        if self.trainable != self.total:
+            line += f", {self.trainable:,} trainable ({self.trainable / self.total:.2%})"
+        return (
+            f"{line}; optimizer {self.optimizer}: {self.groups}; state {self.state_bytes / 2**20:,.1f} MiB "
+            "(all ranks together)"
+        )
+
+    def counts(self) -> dict[str, int]:
+        """The numbers ``metric.jsonl``'s ``parameters`` entry records."""
+        return {
+            "trainable_parameters": self.trainable, "total_parameters": self.total,
+            "optimizer_state_bytes": self.state_bytes,
+        }  # fmt: skip
+
+
+def summarize_parameters(model: nn.Module, args: TrainArgs) -> ParameterSummary:
+    """``model``'s (Fabric-wrapped or not, on the meta device or not) parameters under ``args``' optimizer."""
+    raw_model = getattr(model, "module", model)  # the module Fabric wraps
+    optim_args = OptimArgs(
+        args.resolved_optimizer, args.max_lr, args.weight_decay, nora_lr=args.nora_lr,
+        nora_weight_decay=args.resolved_nora_weight_decay,
+    )  # fmt: skip
+    groups = ", ".join(
+        f"{g.part} {len(g.params)} tensors (lr {g.lr:g}, decay {g.weight_decay:g})"
+        for g in optimizer_groups(model, optim_args)
+        if g.params
+    )
+    adapters = None
+    if (spec := lora_spec(args)) is not None:
+        adapters = (
+            f"r={spec.r}, alpha={spec.alpha}, dropout {spec.dropout}, init {spec.init}, on {','.join(spec.targets)} "
+            f"({len(lora.lora_layers(raw_model))} linear layers); base weights frozen, adapters float32"
+        )
+        if args.resolved_optimizer == "muon_adamw":
+            adapters += "; note: Muon on LoRA's r x d factors is untested (adamw is the LoRA default)"
+    return ParameterSummary(
+        total=raw_model.num_parameters(), trainable=raw_model.num_parameters(trainable_only=True),
+        optimizer=args.resolved_optimizer, groups=groups,
+        state_bytes=optimizer_state_bytes(model, args.resolved_optimizer), lora=adapters,
+    )  # fmt: skip
+
+
+def describe_data(args: TrainArgs, num_training_samples: int, summary: str, val_set: Sized | None) -> str:
+    """The plan's ``data`` line: the samples trained on, what they are, and those held out for validation."""
+    held_out = f", {len(val_set):,} held out for validation every {args.val_step} steps" if val_set else ""
+    return f"{num_training_samples:,} samples: {summary}{held_out}"
+
+
+def describe_schedule(args: TrainArgs, scheduler: Any) -> str:
+    """The plan's ``schedule`` line (``scheduler`` is one of ``schedule.py``'s)."""
+    return f"{scheduler.describe()}, peak learning rate {args.max_lr}"
+
+
+def describe_processes(
+    world_size: int, devices: int, parallel_mode: str, layout: str | None, accelerator: str, precision: str
+) -> str:
+    """The plan's ``processes`` line: ranks, nodes, strategy (and FSDP's layout), device and precision."""
+    mode = parallel_mode if world_size > 1 else "single device"
+    return (
+        f"{world_size} ({devices} per node x {world_size // devices} node(s)), parallel_mode {mode}"
+        + (f" ({layout})" if layout is not None else "")
+        + f", {accelerator}, precision {precision}"
+    )
+
+
+def describe_plan(
+    args: TrainArgs,
+    *,
+    dry_run: bool,
+    processes: str,
+    start: Start | None,
+    parameters: ParameterSummary | None,
+    data: str | None,
+    steps: StepPlan | None,
+    schedule: str | None,
+    schedule_note: str | None,
+    loader: str,
+    cpu_threads: str | None,
+    resume: str | None = None,
+) -> str:
+    """The plan as printed: one labelled line per part, in the order a run goes. A part given as None is left out
+    (the dry run could not work it out: it lists why beneath). ``resume`` says where a resumed run continues
+    (default: the checkpoint's path)."""
+    rows: list[tuple[str, str]] = [("processes", processes)]
+    if start is not None:
+        weights = start.weights.path if start.weights is not None else f"none: AstrAI's init, seed {args.random_seed}"
+        rows.append(("model", f"{assets.resolve(args.param_path)}: weights {weights}"))
+    if parameters is not None:
+        rows.append(("parameters", parameters.describe()))
+        if parameters.lora is not None:
+            rows.append(("lora", parameters.lora))
+    if start is not None:
+        if start.tokenizer is not None:
+            tokenizer = f"{start.tokenizer.directory} ({start.tokenizer.vocab_size:,} ids)"
+        else:
+            tokenizer = f"none ({start.no_tokenizer}); checkpoints will carry none"
+        rows.append(("tokenizer", tokenizer))
+        if start.resume is not None:
+            rows.append(("resume", resume or f"from {start.resume.path}"))
+    if data is not None:
+        rows.append(("data", data))
+    if steps is not None:
+        rows += steps.describe()
+    if schedule is not None:
+        rows.append(("schedule", schedule))
+        if schedule_note:
+            rows.append(("", schedule_note))
+    rows.append(("loader", loader))
+    if cpu_threads is not None:
+        rows.append(("cpu threads", cpu_threads))
+    budget = [f"max_steps {args.max_steps}"] if args.max_steps is not None else []
+    if args.max_tokens is not None:
+        budget.append(f"max_tokens {args.max_tokens:,}")
+    if budget:
+        rows.append(("budget", f"stop at {' or '.join(budget)}"))
+    if profiling := describe_profiling(args):
+        rows.append(("profiling", profiling))
+    rows.append((
+        "outputs",
+        f"{Path(args.ckpt_dir).resolve()}: epoch_E_step_S/ every {args.ckpt_interval} steps and at the end"
+        f"{', sharded state/' if args.sharded_checkpoint else ''}; recipe.yaml, logs/, plot.png",
+    ))  # fmt: skip
+    title = f"plan for `astrai-fabric {args.train_type}`" + (
+        " (dry run: nothing is trained or written)" if dry_run else ""
+    )
+    return "\n".join([title, *(f"  {label:<12} {text}" for label, text in rows)])
