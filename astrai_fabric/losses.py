@@ -26,10 +26,12 @@ def causal_lm_loss(
     if loss_mask is None:
         return F.cross_entropy(logits, targets, label_smoothing=label_smoothing)
     mask = loss_mask.flatten().bool()
-    if not mask.any():
-        return logits.sum() * 0.0  # keeps the graph (and DDP/FSDP hooks) intact; gradient is zero
     masked = targets.masked_fill(~mask, IGNORE_INDEX)
-    return F.cross_entropy(logits, masked, ignore_index=IGNORE_INDEX, label_smoothing=label_smoothing)
+    loss = F.cross_entropy(logits, masked, ignore_index=IGNORE_INDEX, label_smoothing=label_smoothing)
+    # Chosen on the device (an ``if`` would wait for it every micro-batch): with no trained token the mean above is
+    # 0/0, and zero times the logits' sum keeps the graph (and DDP/FSDP hooks) intact with a zero gradient; the
+    # untaken branch gets no gradient, and cross-entropy's backward divides by nothing when every target is ignored.
+    return torch.where(mask.any(), loss, logits.sum() * 0.0)
 
 
 def with_moe_aux_loss(task_loss: Tensor, output: dict, coef: float) -> tuple[Tensor, dict[str, Tensor]]:

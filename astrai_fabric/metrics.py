@@ -92,14 +92,18 @@ class GradSNR:
     A second departure, where AstrAI's and ours could not agree anyway: the one noise total belongs to one set of
     parameters, so when the parameters that have gradients change (a parameter a step did not use; AstrAI keeps
     its stale moments and updates the rest), the EMAs start again from that step, with a warning. The models this
-    package builds give every parameter a gradient every step (MoE experts run on empty slices, model/ffn.py)."""
+    package builds give every parameter a gradient every step (MoE experts run on empty slices, model/ffn.py).
+
+    The loop folds a step's gradients in before it reads whether they are finite (``update_on_device``: nothing is
+    read back, the step reads the totals with its other numbers and ``value`` makes the dB), so after a skipped
+    step, whose gradients were not finite, it starts the averages again (``restart``)."""
 
     def __init__(self, beta: float = 0.999, eps: float = 1e-8) -> None:
         self.beta, self.eps = beta, eps
         self.first: list[Tensor] = []
-        self.noise = 0.0
-        """``sum(v - m^2)`` over all entries: 0 after the first step, where AstrAI's ``v`` and ``m^2`` are both
-        ``g^2``."""
+        self.noise: Tensor | float = 0.0
+        """``sum(v - m^2)`` over all entries (float64, on the gradients' device): 0 after the first step, where
+        AstrAI's ``v`` and ``m^2`` are both ``g^2``."""
         self.blocks: list[list[int]] = []
         self.with_grads: list[int] = []
         """Which of the model's parameters (by position) the EMAs are of."""
@@ -107,13 +111,19 @@ class GradSNR:
     @torch.no_grad()
     def update(self, model: nn.Module) -> float:
         """Fold in the current gradients and return the SNR (collective under FSDP/TP: every rank calls it)."""
+        return self.value(self.update_on_device(model))
+
+    @torch.no_grad()
+    def update_on_device(self, model: nn.Module) -> Tensor:
+        """``update`` without reading anything back: the float64 pair (signal, noise) on the gradients' device,
+        for ``value`` once the step reads its numbers together (``loop.step``)."""
         parameters = list(model.parameters())
         with_grads = [i for i, p in enumerate(parameters) if p.grad is not None]
         grads = [parameters[i].grad.detach().float() for i in with_grads]
         if self.first and with_grads != self.with_grads:
             warnings.warn("grad_snr: the parameters that have gradients changed; its averages start again here",
-                          stacklevel=2)  # fmt: skip
-            self.first, self.noise = [], 0.0
+                          stacklevel=3)  # fmt: skip
+            self.restart()
         first_norms: list[Tensor] = []
         delta_norms: list[Tensor] = []
         if not self.first:
@@ -129,10 +139,21 @@ class GradSNR:
                 delta_norms += torch._foreach_norm(deltas)
                 torch._foreach_add_(block_first, deltas, alpha=1 - self.beta)  # m <- m + (1 - beta) d
                 first_norms += torch._foreach_norm(block_first)
+        signal = _sum_of_squares(first_norms)
         if delta_norms:
             self.noise = self.beta * (self.noise + (1 - self.beta) * _sum_of_squares(delta_norms))
-        signal = _sum_of_squares(first_norms)
-        return 10.0 * math.log10(max(signal / (self.noise + self.eps), self.eps))
+        else:
+            self.noise = torch.zeros_like(signal)
+        return torch.stack([signal, self.noise])
+
+    def value(self, signal_and_noise: Tensor | list[float]) -> float:
+        """The SNR in dB from ``update_on_device``'s pair (the same float64 arithmetic AstrAI does in Python)."""
+        signal, noise = (float(x) for x in signal_and_noise)
+        return 10.0 * math.log10(max(signal / (noise + self.eps), self.eps))
+
+    def restart(self) -> None:
+        """Forget the averages: the next update starts them again from its gradients."""
+        self.first, self.noise = [], 0.0
 
 
 def _blocks(tensors: list[Tensor]) -> list[list[int]]:
@@ -159,26 +180,27 @@ def by_device_mesh(tensors: Iterable[Tensor]) -> dict[Any, list[Tensor]]:
     return groups
 
 
-def global_norm(groups: dict[Any, list[Tensor]], norm_type: float = 2.0) -> float:
-    """The ``norm_type`` norm of every entry of ``groups`` (``by_device_mesh``), the same on every rank: each mesh's
-    norm on its own (one reduction per mesh; torch refuses one norm over two meshes), then those norms combined
-    in float32. With one mesh (every strategy but tensor parallelism) that is the mesh's norm exactly."""
+def global_norm(groups: dict[Any, list[Tensor]], norm_type: float = 2.0) -> Tensor:
+    """The ``norm_type`` norm of every entry of ``groups`` (``by_device_mesh``), the same on every rank, as a
+    float32 scalar on the gradients' device (nothing read back): each mesh's norm on its own (one reduction per
+    mesh; torch refuses one norm over two meshes), then those norms combined in float32. With one mesh (every
+    strategy but tensor parallelism) that is the mesh's norm exactly."""
     per_mesh = [torch.nn.utils.get_total_norm(group, norm_type=norm_type) for group in groups.values()]
     return _combined(per_mesh, norm_type)
 
 
-def _sum_of_squares(norms: list[Tensor]) -> float:
-    """The sum of squares of all entries of the (possibly sharded) tensors whose per-tensor L2 ``norms`` these are
-    (GradSNR's sums, from norms its foreach kernels computed already): one reduction per device mesh."""
+def _sum_of_squares(norms: list[Tensor]) -> Tensor:
+    """The sum of squares (float64) of all entries of the (possibly sharded) tensors whose per-tensor L2 ``norms``
+    these are (GradSNR's sums, from norms its foreach kernels computed already): one reduction per device mesh."""
     per_mesh = [torch.linalg.vector_norm(torch.stack(group)) for group in by_device_mesh(norms).values()]
-    return _combined(per_mesh, 2.0) ** 2
+    return _combined(per_mesh, 2.0).double() ** 2
 
 
-def _combined(norms: list[Tensor], norm_type: float) -> float:
+def _combined(norms: list[Tensor], norm_type: float) -> Tensor:
     """The norm of disjoint parts from each part's norm: each made whole (a DTensor's ``full_tensor``, one
     reduction), then combined in float32."""
     whole = [norm.full_tensor() if isinstance(norm, DTensor) else norm for norm in norms]
-    return float(torch.linalg.vector_norm(torch.stack([n.float().to(whole[0].device) for n in whole]), ord=norm_type))
+    return torch.linalg.vector_norm(torch.stack([n.float().to(whole[0].device) for n in whole]), ord=norm_type)
 
 
 def flops_per_token(config: ModelConfig, seq_len: int) -> float:

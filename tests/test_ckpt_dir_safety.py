@@ -167,6 +167,13 @@ def test_weights_made_non_finite_by_a_step_are_never_saved(tmp_path, capsys):
     assert f"ckpt_dir {tmp_path / 'fresh'} holds no checkpoint" in line
     assert complete_checkpoints(tmp_path / "fresh") == []
 
+    # No save due after step 1: step 2 reads step 1's check with its own numbers (one read per step) and stops.
+    sparse = [*huge[:-4], "--ckpt_interval", "50", "--max_steps", "20"]
+    assert main(tiny(tmp_path / "sparse", *sparse, "--max_bad_steps", "1")) == 1
+    line = error_line(capsys)
+    assert "the weights became non-finite (NaN or infinite) in optimizer step 1 (loss " in line
+    assert complete_checkpoints(tmp_path / "sparse") == []
+
     # min_rate 0: step 1 runs at lr 0 (saved, finite), step 2 at max_lr / warmup: the message names step 1's.
     assert main(tiny(tmp_path / "later", *huge, "--min_rate", "0")) == 1
     line = error_line(capsys)

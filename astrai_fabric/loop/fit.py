@@ -2,8 +2,9 @@
 
 A window whose loss or gradient norm is not finite is skipped (``step.py``); more than ``--max_bad_steps`` in a row
 stop the run with a ``TrainingError`` after saving. An update that leaves any weight non-finite (a learning rate
-too large for the number format, say) stops the run at once with a ``TrainingError`` and nothing of it is saved:
-every save follows a step whose weights were checked on every rank. A stop request (``preemption.StopRequest``)
+too large for the number format, say) stops the run with a ``TrainingError`` as soon as a step reads it (the next
+one, or the save that would follow it) and nothing of it is saved: every save follows a step whose weights were
+checked on every rank. A stop request (``preemption.StopRequest``)
 ends the run after the current optimizer step, with a checkpoint. A checkpoint named ``step_S`` holds the state
 *after* step S (AstrAI's holds the state before, B1).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 from lightning.fabric import Fabric
@@ -19,9 +21,10 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from astrai_fabric.checkpoint import find_latest_checkpoint
+from astrai_fabric.checkpoint.position import RunPosition
 from astrai_fabric.data.sampler import ResumableSampler
 from astrai_fabric.errors import TrainingError, raised_on_every_rank
-from astrai_fabric.loop.state import LoopArgs, LossFn, RunPosition, TrainState
+from astrai_fabric.loop.state import LoopArgs, LossFn, TrainState
 from astrai_fabric.loop.step import StepResult, StepTools, train_step
 from astrai_fabric.preemption import StopRequest
 from astrai_fabric.reporting import Reporter
@@ -53,6 +56,16 @@ def fit(
     micro_batches = _epochs(batches, sampler, position, args, reporter)
     last_saved_step = position.optimizer_step
     bad_in_a_row, diverged = 0, False
+    last_update: StepResult | None = None  # the last window applied: a non-finite update is named after it
+
+    def checked_save() -> None:
+        """Save the position, once the last update is known to have left every weight finite."""
+        nonlocal last_saved_step
+        if not tools.weights_finite(fabric):
+            _raise_nonfinite_update(fabric, args, reporter, position.optimizer_step, last_update)
+        reporter.message(f"checkpoint: {save(position)}")
+        last_saved_step = position.optimizer_step
+
     state.model.train()
     done = args.budget_reached(position)
     while not done:
@@ -62,20 +75,13 @@ def fit(
             break
         if result.stop_requested and stop is not None:
             stop.honoured = True
-        if not result.weights_finite:
-            reporter.close()
-            error = TrainingError(
-                f"the weights became non-finite (NaN or infinite) in optimizer step {position.optimizer_step + 1} "
-                f"(loss {result.loss:.4g}, gradient norm {result.grad_norm:.4g}, learning rate {result.lr:.4g}); "
-                f"that state was not saved. {_newest_checkpoint(fabric, args)}. Lower --max_lr or raise "
-                "--warmup_ratio"
-            )
-            raise raised_on_every_rank(error, fabric.local_rank)  # every rank's verdict: said once
+        if result.nonfinite_update is not None:
+            culprit = result if result.lr is not None else last_update  # this window's update, or the last one's
+            _raise_nonfinite_update(fabric, args, reporter, result.nonfinite_update, culprit)
         if result.stepped:
-            bad_in_a_row = 0
+            bad_in_a_row, last_update = 0, result
             if _report(fabric, state, result, args, reporter, val_loader, compute_loss):
-                reporter.message(f"checkpoint: {save(position)}")
-                last_saved_step = position.optimizer_step
+                checked_save()
         else:
             bad_in_a_row += 1
             reporter.message(
@@ -88,7 +94,7 @@ def fit(
         done = result.stop_requested or diverged or args.budget_reached(position)
 
     if position.optimizer_step != last_saved_step:
-        reporter.message(f"checkpoint: {save(position)}")
+        checked_save()
     reporter.close()
     if diverged:
         error = TrainingError(
@@ -98,6 +104,21 @@ def fit(
         )
         raise raised_on_every_rank(error, fabric.local_rank)
     return reporter.history
+
+
+def _raise_nonfinite_update(
+    fabric: Fabric, args: LoopArgs, reporter: Reporter, step: int, culprit: StepResult | None
+) -> NoReturn:
+    """Stop the run: optimizer step ``step`` (whose window was ``culprit``) left a weight non-finite."""
+    reporter.close()
+    numbers = ""
+    if culprit is not None:
+        numbers = f" (loss {culprit.loss:.4g}, gradient norm {culprit.grad_norm:.4g}, learning rate {culprit.lr:.4g})"
+    error = TrainingError(
+        f"the weights became non-finite (NaN or infinite) in optimizer step {step}{numbers}; that state was not "
+        f"saved. {_newest_checkpoint(fabric, args)}. Lower --max_lr or raise --warmup_ratio"
+    )
+    raise raised_on_every_rank(error, fabric.local_rank)  # every rank's verdict: said once
 
 
 def _epochs(

@@ -4,72 +4,17 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from astrai_fabric.checkpoint.state import RESUME_KEY
+from astrai_fabric.checkpoint.position import RunPosition
 from astrai_fabric.config.train import TrainArgs
-from astrai_fabric.errors import CheckpointError
 
 LossFn = Callable[[nn.Module, dict[str, Tensor]], tuple[Tensor, dict[str, Tensor]]]
 """``(model, batch) -> (loss, metrics)``: the mean loss of one micro-batch and detached extras to log."""
-
-
-@dataclass
-class RunPosition:
-    """Where a run is: counters of the loop, enough to continue exactly. A checkpoint's ``meta.json`` records it
-    under ``resume_position`` (``checkpoint.state.save_training_checkpoint``)."""
-
-    epoch: int = 0
-    """Epoch of the next sample (0-based)."""
-    sample_index: int = 0
-    """Samples each rank has consumed in ``epoch``."""
-    world_size: int = 1
-    """Data-parallel ranks that consumed them (the global position is ``sample_index * world_size``). Named as
-    ``meta.json`` spells the key, which checkpoints already hold."""
-    optimizer_step: int = 0
-    """Optimizer steps taken since the run began (global, never reset per epoch)."""
-    num_tokens: int = 0
-    """Input tokens trained on, all ranks together."""
-    consumed_samples: int = 0
-    """AstrAI's counter: ``batch_per_device * world_size`` per micro-batch, short batches included."""
-    skipped_steps: int = 0
-    """Accumulation windows whose update was skipped for a non-finite loss or gradient norm (their samples count
-    as consumed; ``optimizer_step`` and the schedule did not advance)."""
-
-    @classmethod
-    def from_meta(cls, value: Any, source: Path) -> RunPosition:
-        """The position ``meta.json`` records under ``resume_position``, checked: exactly these fields, each a
-        non-negative integer (``world_size`` positive)."""
-        names = [f.name for f in fields(cls)]
-        if not isinstance(value, dict) or sorted(value) != sorted(names):
-            found = sorted(value) if isinstance(value, dict) else type(value).__name__
-            raise CheckpointError(f"{source}: {RESUME_KEY!r} must hold {names}, got {found}")
-        wrong = [
-            f"{k}={v!r}" for k, v in value.items()
-            if not isinstance(v, int) or isinstance(v, bool) or v < (1 if k == "world_size" else 0)
-        ]  # fmt: skip
-        if wrong:
-            raise CheckpointError(f"{source}: {RESUME_KEY!r} needs non-negative integers, got {', '.join(wrong)}")
-        return cls(**value)
-
-    @property
-    def last_epoch(self) -> int:
-        """Epoch of the last sample consumed (names the checkpoint, AstrAI's ``epoch``); ``epoch`` is the next one's."""
-        return self.epoch - 1 if self.sample_index == 0 and self.epoch > 0 else self.epoch
-
-    def rescaled(self, num_dp_ranks: int, samples_per_rank: int) -> tuple[RunPosition, bool]:
-        """The same global position for ``num_dp_ranks`` ranks; False when it falls between two samples."""
-        global_index = self.sample_index * self.world_size
-        index, exact = global_index // num_dp_ranks, global_index % num_dp_ranks == 0
-        position = RunPosition(**{**asdict(self), "sample_index": index, "world_size": num_dp_ranks})
-        if position.sample_index >= samples_per_rank:  # the epoch was complete
-            position.epoch, position.sample_index = position.epoch + 1, 0
-        return position, exact
 
 
 @dataclass
@@ -101,16 +46,28 @@ class LoopArgs:
     random_seed: int
     grad_snr: bool
     """Whether ``grad_snr`` is among ``--metrics`` (it costs two gradient-sized buffers)."""
-    fsdp_sync_each_micro_batch: bool
+    skip_sync: bool
+    """Reduce gradients only at a window's last micro-batch (AstrAI's gate, ``accumulation.backward_sync``): every
+    strategy but FSDP asked for ``--fsdp_sync_each_micro_batch`` (reducing each micro-batch keeps the gradients
+    sharded, an FSDP choice)."""
+    dp_rank: int
+    """This process's data-parallel rank (NEFTune's noise is seeded by it)."""
+    check_weights_each_step: bool = False
+    """Read whether each update left the weights finite at the end of its step (a second read from the device),
+    not with the next step's numbers: the batches are made by the live model between steps (online GRPO)."""
 
     @classmethod
-    def from_args(cls, args: TrainArgs) -> LoopArgs:
+    def from_args(cls, args: TrainArgs, *, dp_rank: int, fsdp: bool, live_batches: bool = False) -> LoopArgs:
+        """The loop's flags from ``args``, and what the caller knows of the Fabric: this rank's data-parallel
+        rank, whether its strategy shards with FSDP (the loop itself never asks the strategy), and whether the
+        batches are made by the live model (``check_weights_each_step``)."""
         return cls(
             n_epoch=args.n_epoch, batch_per_device=args.batch_per_device, grad_accum_steps=args.grad_accum_steps,
             max_steps=args.max_steps, max_tokens=args.max_tokens, max_grad_norm=args.max_grad_norm,
             max_bad_steps=args.max_bad_steps, val_step=args.val_step, ckpt_interval=args.ckpt_interval,
             ckpt_dir=args.ckpt_dir, random_seed=args.random_seed, grad_snr="grad_snr" in args.metrics,
-            fsdp_sync_each_micro_batch=args.fsdp_sync_each_micro_batch,
+            skip_sync=not (args.fsdp_sync_each_micro_batch and fsdp), dp_rank=dp_rank,
+            check_weights_each_step=live_batches,
         )  # fmt: skip
 
     def budget_reached(self, position: RunPosition) -> bool:

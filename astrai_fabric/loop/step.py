@@ -3,10 +3,18 @@
 Per micro-batch: the model's noise generators reseeded from the position (``randomness.ModuleNoise``), forward and
 backward inside the accumulation context (``accumulation.py``), loss divided by ``grad_accum_steps``, the position
 advanced by the micro-batch's samples. Then one collective gives the window's means over its micro-batches and all
-ranks, and whether any rank was asked to stop. A finite loss and gradient norm: clip (the logged norm is this
-step's, pre-clip; AstrAI logs the previous one, B7), step the optimizer, zero the gradients, check every weight is
-finite, step the schedule. Otherwise the update is skipped: gradients zeroed, the window's samples consumed, the
-step counter and the schedule stand still (AstrAI applies it, and one bad batch can destroy the weights).
+ranks, whether any rank was asked to stop, and whether the previous update left a weight non-finite on any rank;
+the step reads those, the gradient norm, the window's tokens and the gradient SNR back to the host in one fetch,
+its only wait for the device. A finite loss and gradient norm: clip (the logged norm is this step's, pre-clip;
+AstrAI logs the previous one, B7), step the optimizer, zero the gradients, step the schedule. Otherwise the update
+is skipped: gradients zeroed, the window's samples consumed, the step counter and the schedule stand still (AstrAI
+applies it, and one bad batch can destroy the weights).
+
+Whether the update left every weight finite is computed at once on the device and read with the next step's
+numbers (``StepTools.unchecked_weights``): a non-finite update is reported one step later, and nothing trusts those
+weights before that read. ``fit`` reads the check before every save (``StepTools.weights_finite``), and a run whose
+batches are made by the live model between steps (online GRPO's rollouts) reads it at the end of each step
+(``LoopArgs.check_weights_each_step``): a second fetch.
 """
 
 from __future__ import annotations
@@ -26,7 +34,6 @@ from astrai_fabric.loop.state import LoopArgs, LossFn, TrainState
 from astrai_fabric.metrics import GradSNR, by_device_mesh, global_norm
 from astrai_fabric.preemption import StopRequest
 from astrai_fabric.randomness import ModuleNoise
-from astrai_fabric.strategy import data_parallel, is_fsdp
 
 
 @dataclass
@@ -38,21 +45,27 @@ class StepTools:
     noise: ModuleNoise
     """NEFTune's noise, seeded by position only: seed, data-parallel rank, step, micro-batch (see randomness)."""
     grad_snr: GradSNR | None
-    skip_sync: bool
-    """Reduce gradients only at a window's last micro-batch (``backward_sync``)."""
     num_dp_ranks: int
+    unchecked_weights: Tensor | None = None
+    """1 where this rank's weights, as the last update left them, hold a NaN or infinity, else 0 (on the device);
+    None once read."""
 
     @classmethod
     def for_run(cls, fabric: Fabric, model: nn.Module, args: LoopArgs, num_dp_ranks: int) -> StepTools:
-        dp_rank = data_parallel(fabric).dp_rank
         return cls(
             grad_state=GradientState(args.grad_accum_steps),
-            noise=ModuleNoise(getattr(model, "module", model), args.random_seed, dp_rank, fabric.device),
+            noise=ModuleNoise(getattr(model, "module", model), args.random_seed, args.dp_rank, fabric.device),
             grad_snr=GradSNR() if args.grad_snr else None,
-            # Reducing every micro-batch is an FSDP choice (gradients stay sharded); any other strategy keeps the gate.
-            skip_sync=not (args.fsdp_sync_each_micro_batch and is_fsdp(fabric)),
             num_dp_ranks=num_dp_ranks,
         )
+
+    def weights_finite(self, fabric: Fabric) -> bool:
+        """Whether the last update left every weight finite on every rank, read now (True when read already).
+        Collective: every rank calls it at the same step."""
+        if self.unchecked_weights is None:
+            return True
+        flag, self.unchecked_weights = self.unchecked_weights, None
+        return fabric.all_reduce(flag, reduce_op="max").item() == 0
 
 
 @dataclass
@@ -70,9 +83,12 @@ class StepResult:
     num_samples: int
     """Real tokens and samples of the window, all ranks together."""
     stepped: bool = False
-    """False: the loss or gradient norm was not finite and the update was skipped."""
-    weights_finite: bool = True
-    """False: the update left a weight non-finite; the schedule and the step counter did not advance."""
+    """False: the update was skipped (a loss or gradient norm that was not finite) or not taken (see
+    ``nonfinite_update``)."""
+    nonfinite_update: int | None = None
+    """The optimizer step whose update left a weight non-finite, when this step found out: the previous one (read
+    with this window's numbers; this window is not applied) or, with ``check_weights_each_step``, this one (the
+    schedule and the step counter did not advance)."""
     lr: float | None = None
     """The learning rate the step used (AstrAI logs the AdamW group's: the last one)."""
     grad_snr: float | None = None
@@ -94,70 +110,95 @@ def train_step(
     model, position = state.model, state.position
     window_loss = torch.zeros((), device=fabric.device)
     window_metrics: dict[str, Tensor] = {}
-    num_tokens = num_samples = 0
+    window_tokens = torch.zeros((), dtype=torch.long, device=fabric.device)  # this rank's, on the device
+    num_samples = 0
     is_accumulating = True
     while is_accumulating:
         batch = next(micro_batches, None)
         if batch is None:
+            position.num_tokens += int(window_tokens) * tools.num_dp_ranks  # the run's end: read once
             return None
         is_accumulating = not tools.grad_state.advance()
         micro_batch = (tools.grad_state.num_micro_batches - 1) % tools.grad_state.grad_accum_steps
         tools.noise.reseed(position.optimizer_step + 1, micro_batch)
-        with backward_sync(fabric, model, is_accumulating, tools.skip_sync):
+        with backward_sync(fabric, model, is_accumulating, args.skip_sync):
             loss, metrics = compute_loss(model, batch)
             fabric.backward(loss / args.grad_accum_steps)
         window_loss += loss.detach()
         for name, value in metrics.items():
             window_metrics[name] = window_metrics.get(name, 0.0) + value.float()
-        tokens, samples = _num_tokens(batch) * tools.num_dp_ranks, batch["input_ids"].size(0) * tools.num_dp_ranks
-        num_tokens, num_samples = num_tokens + tokens, num_samples + samples
+        window_tokens += _num_tokens(batch)
+        num_samples += batch["input_ids"].size(0) * tools.num_dp_ranks
         position.sample_index += batch["input_ids"].size(0)
         position.consumed_samples += args.batch_per_device * tools.num_dp_ranks
-        position.num_tokens += tokens
 
-    # One collective: the window's means over its micro-batches and all ranks, and whether any rank was asked to
-    # stop (a signal to one rank stops all after this same step).
+    # One collective: the window's means over its micro-batches and all ranks, whether any rank was asked to stop
+    # (a signal to one rank stops all after this same step), and whether the last update left any rank's weights
+    # non-finite (the mean of 0/1 flags is positive when one is 1).
     names = sorted(window_metrics)
     window = torch.stack([window_loss, *(window_metrics[n] for n in names)]) / args.grad_accum_steps
-    stop_flag = torch.tensor([float(stop is not None and stop.requested)], device=fabric.device)
-    means = fabric.all_reduce(torch.cat([window, stop_flag]), reduce_op="mean").tolist()
-    stop_requested = means.pop() > 0
+    flags = torch.stack([
+        torch.tensor(float(stop is not None and stop.requested), device=fabric.device),
+        tools.unchecked_weights if tools.unchecked_weights is not None else torch.zeros((), device=fabric.device),
+    ])  # fmt: skip
+    tools.unchecked_weights = None
+    reduced = fabric.all_reduce(torch.cat([window, flags]), reduce_op="mean")
     grads = by_device_mesh(p.grad for p in model.parameters() if p.grad is not None)
     grad_norm = global_norm(grads)  # the same on every rank
-    result = StepResult(means[0], dict(zip(names, means[1:], strict=True)), grad_norm, stop_requested, num_tokens,
+    # GradSNR takes in the gradients before the step knows they are finite (unclipped, as AstrAI): a skipped step
+    # starts its averages again below.
+    snr = tools.grad_snr.update_on_device(model) if tools.grad_snr is not None else None
+    # The step's one read from the device, in float64 (exact for the float32 values and the token count).
+    numbers = [reduced.double(), grad_norm.double().reshape(1), window_tokens.double().reshape(1)]
+    numbers = torch.cat([*numbers, *([snr] if snr is not None else [])]).tolist()
+    count = len(names) + 1
+    means, (stop_flag, nonfinite_weights, norm, local_tokens) = numbers[:count], numbers[count : count + 4]
+    num_tokens = int(local_tokens) * tools.num_dp_ranks
+    position.num_tokens += num_tokens
+    result = StepResult(means[0], dict(zip(names, means[1:], strict=True)), norm, stop_flag > 0, num_tokens,
                         num_samples)  # fmt: skip
-    if not (math.isfinite(means[0]) and math.isfinite(grad_norm)):
+    if nonfinite_weights > 0:
+        result.nonfinite_update = position.optimizer_step
+        return result
+    if not (math.isfinite(result.loss) and math.isfinite(norm)):
         state.optimizer.zero_grad(set_to_none=True)  # no update: the step counter and the schedule stand still
         position.skipped_steps += 1
+        if tools.grad_snr is not None:
+            tools.grad_snr.restart()
         return result
-    result.grad_snr = tools.grad_snr.update(model) if tools.grad_snr is not None else None  # unclipped, as AstrAI
-    _clip(grads, grad_norm, args.max_grad_norm)
+    result.grad_snr = tools.grad_snr.value(numbers[count + 4 :]) if tools.grad_snr is not None else None
+    _clip(grads, norm, args.max_grad_norm)
     state.optimizer.step()
     state.optimizer.zero_grad(set_to_none=True)
     result.lr = state.optimizer.param_groups[-1]["lr"]
-    result.stepped = True
-    if not weights_are_finite(fabric, model):  # never trained on, never saved as a good state
-        result.weights_finite = False
+    tools.unchecked_weights = _nonfinite_flag(model)  # read with the next step's numbers, or before a save
+    if args.check_weights_each_step and not tools.weights_finite(fabric):
+        result.nonfinite_update = position.optimizer_step + 1
         return result
+    result.stepped = True
     state.scheduler.step()
     position.optimizer_step += 1
     return result
 
 
 def weights_are_finite(fabric: Fabric, model: nn.Module) -> bool:
-    """Whether every parameter is finite on every rank (each rank checks its own shards: one reduction).
+    """Whether every parameter is finite on every rank (each rank checks its own shards: one reduction, read)."""
+    return fabric.all_reduce(_nonfinite_flag(model), reduce_op="max").item() == 0
+
+
+def _nonfinite_flag(model: nn.Module) -> Tensor:
+    """1.0 when this rank's parameters (its shards) hold a NaN or infinity, else 0.0, on the device: nothing read.
 
     A sum is non-finite when any element is NaN or infinite, and costs an eighth of an abs-max here (0.3 ms for the
     1M-parameter model on CPU); finite weights could only sum past float's range at magnitudes near 1e32."""
     local = [(p.to_local() if isinstance(p, DTensor) else p).detach() for p in model.parameters()]
-    flag = torch.stack([p.sum() for p in local]).isfinite().all().float().reshape(1).to(fabric.device)
-    return fabric.all_reduce(flag, reduce_op="min").item() == 1
+    return torch.stack([p.sum() for p in local]).isfinite().all().logical_not().float()
 
 
-def _num_tokens(batch: dict[str, Tensor]) -> int:
-    """Real (unpadded) tokens of a micro-batch on this rank."""
+def _num_tokens(batch: dict[str, Tensor]) -> Tensor | int:
+    """Real (unpadded) tokens of a micro-batch on this rank (counted on the device when padding is masked)."""
     if "attention_mask" in batch:
-        return int(batch["attention_mask"].sum())
+        return batch["attention_mask"].sum()
     return batch["input_ids"].numel()
 
 
