@@ -25,7 +25,11 @@ from astrai_fabric import assets, lora
 from astrai_fabric.checkpoint import load_checkpoint, load_model, read_adapter, read_model_config, save_checkpoint
 from astrai_fabric.cli import main
 from astrai_fabric.config.train import TrainArgs
+from astrai_fabric.data.records import GroupDataset, PreferenceDataset, collate_groups, collate_preferences
+from astrai_fabric.data.storage import read_jsonl
+from astrai_fabric.losses import dpo_loss, group_advantages, grpo_loss, token_logprobs
 from astrai_fabric.model import AutoRegressiveLM
+from astrai_fabric.tokenizer import Tokenizer
 from astrai_fabric.train import run
 from astrai_fabric.train.dpo import response_logprobs
 
@@ -218,19 +222,71 @@ def test_resume_is_bit_exact_with_dropout_and_gradient_checkpointing(runs):
     assert not (runs / "unused").exists()  # not a LoRA checkpoint (nothing to merge)
 
 
-def test_dpo_and_grpo_start_from_the_merged_sft_adapter_at_log_2(runs):
+def step_2_batch(dataset, collate, pad_id: int, seed: int) -> dict[str, torch.Tensor]:
+    """The one sample optimizer step 2 trains on (1 rank, 1 sample, no accumulation): position 1 of epoch 0 in
+    AstrAI's order, ``randperm(N, seed + epoch)`` (``data/sampler.py``)."""
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed)).tolist()
+    return collate([dataset[order[1]]], pad_id=pad_id)
+
+
+def expected_dpo_step_2(runs: Path, sft: Path, args: TrainArgs) -> dict[str, float]:
+    """dpo's metrics at step 2, computed here: the policy is the step-1 checkpoint (its adapter merged), the
+    reference the sft model it started from, loaded plain (no LoRA layer at all): the base with adapters off."""
+    tokenizer = Tokenizer.from_dir(sft)
+    data = PreferenceDataset(read_jsonl(assets.resolve(args.data_root_path)), tokenizer, args.window_size)
+    batch = step_2_batch(data, collate_preferences, tokenizer.padding_id, args.random_seed)
+    ids, mask = batch["input_ids"].flatten(0, 1), batch["loss_mask"].flatten(0, 1)
+    policy, reference = load_model(step_dir(runs / "dpo", 1)), load_model(sft)
+    assert not lora.lora_layers(policy) and not lora.lora_layers(reference)
+    with torch.no_grad():
+        pi, ref = (response_logprobs(m, ids, mask)[0].view(-1, 2) for m in (policy, reference))
+    _, metrics = dpo_loss(pi[:, 0], pi[:, 1], ref[:, 0], ref[:, 1], args.dpo_beta)
+    return {name: float(value) for name, value in metrics.items()}
+
+
+def expected_grpo_step_2(runs: Path, args: TrainArgs) -> dict[str, float]:
+    """Offline grpo's metrics at step 2 the same way: policy = step-1 checkpoint, reference = the plain base."""
+    tokenizer = Tokenizer.from_dir(runs / "base")
+    data = GroupDataset(read_jsonl(assets.resolve(args.data_root_path)), tokenizer, args.window_size)
+    batch = step_2_batch(data, collate_groups, tokenizer.padding_id, args.random_seed)
+    ids, mask = batch["input_ids"].flatten(0, 1), batch["loss_mask"].flatten(0, 1)[:, 1:]
+    policy, reference = load_model(step_dir(runs / "grpo", 1)), load_model(runs / "base")
+    with torch.no_grad():
+        logp, ref = (token_logprobs(m(ids)["logits"][:, :-1], ids[:, 1:]) for m in (policy, reference))
+    advantages = group_advantages(batch["rewards"]).flatten()
+    # Offline: the "old" log-probabilities are the live policy's (ratio 1).
+    _, metrics = grpo_loss(logp, logp, ref, mask, advantages, args.grpo_clip_eps, args.grpo_kl_coef)
+    return {name: float(value) for name, value in metrics.items()}
+
+
+def test_dpo_and_grpo_start_from_the_merged_sft_adapter_at_log_2_and_keep_the_base_as_reference(runs):
+    """Step 1: B = 0, so the policy equals its reference (dpo's log 2, grpo's zero KL) whatever the reference is.
+    Step 2: the metrics logged must equal ``expected_dpo_step_2`` / ``expected_grpo_step_2`` (float32, 1e-5; KL
+    1e-6): a reference with the adapters left on (or the live policy) gives log 2 and zero KL instead."""
     sft = step_dir(runs / "none", 4)
-    history = run(lora_args(runs, "dpo", train_type="dpo", data_root_path="bundled:data/dpo", param_path=str(sft),
-                            max_steps=1, batch_per_device=1, grad_accum_steps=1, window_size=64))  # fmt: skip
+    dpo_args = lora_args(runs, "dpo", train_type="dpo", data_root_path="bundled:data/dpo", param_path=str(sft),
+                         max_steps=2, ckpt_interval=1, batch_per_device=1, grad_accum_steps=1,
+                         window_size=64)  # fmt: skip
+    history = run(dpo_args)
     assert history[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # the reference is the policy at step 1
+    expected = expected_dpo_step_2(runs, sft, dpo_args)
+    assert abs(expected["dpo_loss"] - math.log(2)) > 1e-3  # step 1 moved the policy away from its reference
+    assert history[1]["loss"] == pytest.approx(expected["dpo_loss"], abs=1e-5)
+    for name in ("dpo_loss", "chosen_reward", "rejected_reward", "reward_margin"):
+        assert history[1][name] == pytest.approx(expected[name], abs=1e-5), name
     dpo = load_checkpoint(step_dir(runs / "dpo", 1), merge_lora=False)
     assert dpo.lora.base.resolve() == sft.resolve()  # the new adapter sits on the sft model, merged
     merged_sft = load_checkpoint(sft).state_dict
     assert all(torch.equal(dpo.state_dict[k], v) for k, v in merged_sft.items())
     assert dpo.meta["reference"]["adapters_off"] is True
-    history = run(lora_args(runs, "grpo", train_type="grpo", data_root_path="bundled:data/grpo", max_steps=1,
-                            batch_per_device=1, grad_accum_steps=1, window_size=64))  # fmt: skip
+    grpo_args = lora_args(runs, "grpo", train_type="grpo", data_root_path="bundled:data/grpo", max_steps=2,
+                          ckpt_interval=1, batch_per_device=1, grad_accum_steps=1, window_size=64)  # fmt: skip
+    history = run(grpo_args)
     assert history[0]["kl_loss"] == pytest.approx(0.0, abs=1e-7)  # reference = policy before the first update
+    expected = expected_grpo_step_2(runs, grpo_args)
+    assert expected["kl_loss"] > 1e-4  # the adapter trained at step 1 makes the policy differ from the base
+    assert history[1]["kl_loss"] == pytest.approx(expected["kl_loss"], abs=1e-6)
+    assert history[1]["policy_loss"] == pytest.approx(expected["policy_loss"], abs=1e-5)
     # Online: the policy (adapters on) samples the groups, the reference is the same network with them off.
     reward = {"class_path": "astrai_fabric.rewards.LengthReward"}
     history = run(lora_args(runs, "grpo_online", train_type="grpo", data_root_path="bundled:data/grpo_online",
