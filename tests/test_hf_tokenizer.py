@@ -26,7 +26,7 @@ from astrai_fabric.assets import TINY_MODEL_DIR  # noqa: E402
 from astrai_fabric.cli import main  # noqa: E402
 from astrai_fabric.data.tokenize import tokenize_chats  # noqa: E402
 from astrai_fabric.errors import UserError  # noqa: E402
-from astrai_fabric.tokenizer import ASTRAI, HUGGING_FACE, Tokenizer  # noqa: E402
+from astrai_fabric.tokenizer import ASTRAI, HUGGING_FACE, Tokenizer, render_template  # noqa: E402
 
 # Llama 3's shape: BOS from the template, a system header always, roles checked, trailing whitespace trimmed; every
 # tag strips its own whitespace ("-"), as the Hub's template does.
@@ -161,7 +161,7 @@ def test_whitespace_control_and_loop_controls_are_transformers(saved):
         theirs.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
     tools = [{"name": "f", "description": "<a> & 'b' ✓"}]
     expected = theirs.apply_chat_template(messages[:1], tools=tools, tokenize=False)
-    ours_text = ours._template.render(**{**ours._variables(messages[:1], False), "tools": tools})
+    ours_text = render_template(ours._template, {**ours._variables(messages[:1], False), "tools": tools}, "t")
     assert ours_text == expected and "<a> & 'b' ✓" in expected  # transformers' tojson: no HTML escaping
     astrai_layout = Tokenizer(ours._tokenizer, {}, CHATML, layout=ASTRAI)
     with pytest.raises(UserError, match="not valid Jinja"):  # no loop controls, no generation tag

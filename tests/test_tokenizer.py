@@ -1,9 +1,11 @@
-"""The bundled tokenizer in AstrAI's layout, and the loader's errors."""
+"""The bundled tokenizer in AstrAI's layout, and the loader's errors (every field of tokenizer_config.json checked)."""
 
 import json
+import re
 
 import pytest
 
+from astrai_fabric import tokenizer as tokenizer_module
 from astrai_fabric.assets import TINY_MODEL_DIR
 from astrai_fabric.assets.build import render_chat
 from astrai_fabric.errors import UserError
@@ -66,3 +68,24 @@ def test_missing_and_broken_files_are_clear_errors(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({}))
     with pytest.raises(UserError, match="no 'chat_template'"):
         Tokenizer.from_dir(tmp_path).render_chat([{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize("value", [[[1]], {"x": [1]}], ids=["list-of-lists", "map-of-lists"])
+@pytest.mark.parametrize("field", list(tokenizer_module._FIELD_KINDS))
+def test_every_field_of_the_config_has_its_kind_checked(tmp_path, field, value):
+    """A list or map where a string (or a token) is expected is one error naming the file, the field and the kind
+    expected, before the value is used as a key, compared or hashed."""
+    (tmp_path / "tokenizer.json").write_bytes((TINY_MODEL_DIR / "tokenizer.json").read_bytes())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({field: value}))
+    kind = tokenizer_module._FIELD_KINDS[field][0]
+    with pytest.raises(UserError, match=re.escape(f"tokenizer_config.json: {field!r} must {kind}, got ")):
+        Tokenizer.from_dir(tmp_path)
+
+
+def test_a_nested_list_of_extra_special_tokens_is_refused_by_name(tmp_path):
+    (tmp_path / "tokenizer.json").write_bytes((TINY_MODEL_DIR / "tokenizer.json").read_bytes())
+    config = {"eos_token": "<|end_of_sentence|>", "additional_special_tokens": [["<|im_start|>"]]}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    message = "'additional_special_tokens' must be a list of token strings or AddedTokens, got [["
+    with pytest.raises(UserError, match=re.escape(message)):
+        Tokenizer.from_dir(tmp_path)
