@@ -8,13 +8,20 @@ would compute another function. ``--format hf`` writes what transformers' ``Auto
 ``AutoTokenizer`` load: the architecture the model came from (``meta.json``'s ``source``) or, for AstrAI's own
 models, the transformers class computing the same function (``hf.export_model_type``), or a one-line refusal naming
 what has no equivalent. Reading and writing stay in ``checkpoint.files``, the mapping in ``checkpoint.hf``.
+
+``--out`` is checked before anything is read, for every format (``destination``): a new directory, or an empty one,
+whose parent this process may write, neither inside the directory exported nor holding it. Nothing there is ever
+overwritten, replaced or deleted, an earlier export included: the export is written into a hidden sibling and
+renamed into place, which fails rather than replace a directory that is no longer empty.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -31,10 +38,11 @@ from astrai_fabric.checkpoint import (
     save_checkpoint,
     save_model_directory,
 )
+from astrai_fabric.checkpoint.files import abbreviate, inside
 from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.errors import CheckpointError, ConfigError, UserError
 from astrai_fabric.model import AutoRegressiveLM
-from astrai_fabric.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Tokenizer
+from astrai_fabric.tokenizer import ASTRAI, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Tokenizer
 
 FORMATS = ("astrai", "hf", "peft")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -56,26 +64,87 @@ def parse_size(text: str) -> int:
 
 
 def export(source: str | Path, target: str | Path | None = None, format: str = "astrai", dtype: str | None = None,
-           max_shard_size: str | None = None) -> Path:  # fmt: skip
-    """Write ``source`` to ``target`` (default: ``SOURCE_full`` for astrai, ``SOURCE_hf`` for hf) and return it."""
+           max_shard_size: str | None = None, merge_lora: bool = False) -> Path:  # fmt: skip
+    """Write ``source`` to ``target`` (default: ``SOURCE_full`` for astrai, ``SOURCE_hf`` for hf, ``SOURCE_peft``
+    for peft) and return it. ``merge_lora`` (astrai): a LoRA checkpoint's adapter merged into its base."""
     if format not in FORMATS:
         raise UserError(f"--format {format!r}: expected one of {list(FORMATS)}")
     if dtype is not None and dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r}: expected one of {list(DTYPES)}")
     if format != "hf" and max_shard_size is not None:
         raise UserError("--max_shard_size applies to --format hf (AstrAI's checkpoint and an adapter are one file)")
+    if merge_lora and format == "peft":
+        raise UserError("--merge_lora writes the merged model; --format peft writes the adapter alone: drop one")
+    if merge_lora and format == "astrai" and dtype is not None:
+        raise UserError("--dtype does not apply to --merge_lora (the merged model keeps the checkpoint's dtype); "
+                        "use --format hf --dtype, or export the merged model again with --dtype")  # fmt: skip
     max_shard_bytes = parse_size(max_shard_size or DEFAULT_MAX_SHARD_SIZE) if format == "hf" else None
     source = Path(source)
-    if target is None:
-        target = source.with_name(source.name + {"astrai": "_full", "hf": "_hf", "peft": "_peft"}[format])
-    target = Path(target)
-    if target.exists():
-        raise CheckpointError(f"{target}: already exists; refusing to overwrite it (choose another --out)")
+    target = destination(source, target, format)
     if format == "hf":
         return export_hf(source, target, dtype, max_shard_bytes)
     if format == "peft":
         return export_peft(source, target, dtype)
+    if merge_lora:
+        from astrai_fabric.checkpoint.state import export_merged  # Lightning (~17 s here): only here
+
+        return export_merged(source, target)
     return export_astrai(source, target, dtype)
+
+
+_DEFAULT_SUFFIX = {"astrai": "_full", "hf": "_hf", "peft": "_peft"}
+_STAGING_SUFFIX_BYTES = len(".") + len(".tmp-12345678")
+"""What ``checkpoint.files.staging_dir`` adds to the name of the directory it stages."""
+
+
+def destination(source: Path, target: str | Path | None, format: str) -> Path:
+    """``target`` (default: ``SOURCE`` + ``_full``/``_hf``/``_peft`` beside it) checked as ``--ckpt_dir`` is,
+    reading only: a path through directories this process may write, where nothing exists yet or an empty
+    directory does; not a link, not inside ``source`` nor holding it. Refused in one line naming ``--out``."""
+    if target is None:
+        named = source if source.name not in ("", "..") else Path(os.path.abspath(source))
+        if not named.name:
+            raise UserError(f"export {source}: no name to put {_DEFAULT_SUFFIX[format]} after; give --out")
+        target = named.with_name(named.name + _DEFAULT_SUFFIX[format])
+    target = Path(target)
+    flag = f"--out {target}"
+    try:
+        here = Path(os.path.abspath(target))
+        if not here.name:
+            raise CheckpointError(f"{flag}: names no directory to create; choose another --out")
+        out_real, source_real = here.resolve(), Path(os.path.abspath(source)).resolve()
+        if out_real == source_real or source_real in out_real.parents:
+            where = "is" if out_real == source_real else "is inside"
+            raise CheckpointError(f"{flag}: {where} {source}, the directory being exported; export writes a new "
+                                  "directory, never into what it reads: choose another --out")  # fmt: skip
+        if out_real in source_real.parents:
+            raise CheckpointError(f"{flag}: holds {source}, the directory being exported; choose another --out")
+        if os.path.lexists(here):
+            if here.is_symlink():
+                raise CheckpointError(f"{flag}: is a symbolic link; export writes a new directory, never through "
+                                      "a link: choose another --out")  # fmt: skip
+            if not here.is_dir():
+                raise CheckpointError(f"{flag}: {target} is a file, not a directory; choose another --out")
+            entries = sorted(os.listdir(here))
+            if entries:
+                raise CheckpointError(
+                    f"{flag}: already exists and is not empty ({abbreviate(entries)}); export writes a new or "
+                    "empty directory and never over files, an earlier export's included: choose another --out, "
+                    "or remove it"
+                )
+        existing = next(p for p in here.parents if os.path.lexists(p))
+        if not existing.is_dir():
+            what = "is a file, not a directory" if existing.is_file() else "is not a directory"
+            raise CheckpointError(f"{flag}: {existing} {what}; choose another --out")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise CheckpointError(f"{flag}: {existing} is not writable here; choose another --out")
+        longest = os.pathconf(existing, "PC_NAME_MAX") - _STAGING_SUFFIX_BYTES  # its staging sibling's name fits
+        if len(os.fsencode(here.name)) > longest:
+            raise CheckpointError(f"{flag}: cannot be created or written (a name of more than {longest} bytes)")
+    except (OSError, RuntimeError) as err:  # RuntimeError: a symlink loop (Path.resolve, Python < 3.13)
+        why = getattr(err, "strerror", None) or err
+        raise CheckpointError(f"{flag}: cannot be created or written ({why})") from None
+    return target
 
 
 def export_astrai(source: Path, target: Path, dtype: str | None = None) -> Path:
@@ -101,7 +170,7 @@ def export_astrai(source: Path, target: Path, dtype: str | None = None) -> Path:
         )
     cast = _caster(dtype)
     if ckpt.source is not None:  # a Hugging Face directory: AstrAI's model directory (no run, no meta.json)
-        files = {name: source / name for name in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE) if (source / name).is_file()}
+        files: dict[str, str | Path] = dict(_copies(source, (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE)))
         files[CONFIG_FILE] = json.dumps(config.to_dict(), indent=2)
         return save_model_directory(target, cast(ckpt.state_dict), files)
     if dtype is None:
@@ -111,8 +180,9 @@ def export_astrai(source: Path, target: Path, dtype: str | None = None) -> Path:
         )
     if not ckpt.meta:
         return save_model_directory(target, cast(ckpt.state_dict), {CONFIG_FILE: json.dumps(ckpt.config, indent=2)})
-    copied = {p.name: p for p in source.iterdir() if p.is_file() and p.suffix not in (".pt", ".safetensors")
-              and p.name not in (META_FILE, CONFIG_FILE)}  # fmt: skip
+    names = [p.name for p in source.iterdir() if (p.is_file() or p.is_symlink()) and p.suffix not in (".pt",
+             ".safetensors") and p.name not in (META_FILE, CONFIG_FILE)]  # fmt: skip
+    copied = _copies(source, sorted(names))
     meta = {k: v for k, v in ckpt.meta.items() if k not in RESERVED_META}
     return save_checkpoint(
         target, cast(ckpt.state_dict), ckpt.config, epoch=ckpt.epoch, consumed_samples=ckpt.consumed_samples,
@@ -192,15 +262,23 @@ def _tokenizer_files(source: Path, config: ModelConfig) -> tuple[dict[str, str |
     token ids; none where the directory holds no tokenizer."""
     if not (source / TOKENIZER_FILE).is_file():
         return {}, {}
-    files: dict[str, str | Path] = {name: source / name for name in HF_TOKENIZER_FILES if (source / name).is_file()}
+    files: dict[str, str | Path] = dict(_copies(source, HF_TOKENIZER_FILES))
     tokenizer = Tokenizer.from_dir(source)  # checks both files: JSON objects, special tokens in the vocabulary
     config_path = source / TOKENIZER_CONFIG_FILE
     raw = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
     token_ids: dict[str, int | None] = {}
-    if hf.is_astrai_tokenizer_config(raw):
-        files[TOKENIZER_CONFIG_FILE] = json.dumps(hf.hf_tokenizer_config(raw, config.max_position_embeddings), indent=2)
+    if tokenizer.layout == ASTRAI:  # the loader's rule (a Hugging Face layout is copied as it is)
+        written = hf.hf_tokenizer_config(raw, config.max_position_embeddings, str(config_path))
+        files[TOKENIZER_CONFIG_FILE] = json.dumps(written, indent=2)
         token_ids = {f"{name}_id": tokenizer.token_id(name) for name in ("bos_token", "eos_token", "pad_token")}
     return files, token_ids
+
+
+def _copies(source: Path, names: Iterable[str]) -> dict[str, Path]:
+    """Those of ``names`` present in ``source``, to copy into the export as they are: each a regular file inside
+    ``source`` (``checkpoint.files.inside``), so a link to a file elsewhere (or to a device, which would never end)
+    is refused, never copied into what may be published."""
+    return {name: inside(source, name) for name in names if os.path.lexists(source / name)}
 
 
 def _caster(dtype: str | None):  # noqa: ANN202 - a small closure

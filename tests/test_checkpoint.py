@@ -1,11 +1,14 @@
 """AstrAI checkpoint directories: exact round trips, atomic writes, strict and safe loads."""
 
 import json
+import os
+import re
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import tiny_config
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from astrai_fabric.checkpoint import (
     FORMAT_KEY,
@@ -99,20 +102,105 @@ def test_plain_model_directory_loads_like_astrai_load_any(tmp_path, tiny_model):
     load_model(tmp_path)
 
 
-def test_sharded_safetensors_index(tmp_path, tiny_model):
-    state = tiny_model.state_dict()
+SHARD_1, SHARD_2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+
+
+def write_sharded(directory, model, weight_map_change=None) -> dict[str, str]:
+    """``model`` saved as two shards and their index in ``directory`` (``weight_map_change(weight_map)`` applied
+    before the index is written); returns the shards' keys."""
+    directory.mkdir(parents=True, exist_ok=True)
+    state = model.state_dict()
     keys = sorted(state)
-    shards = {"model-00001-of-00002.safetensors": keys[:5], "model-00002-of-00002.safetensors": keys[5:]}
+    shards = {SHARD_1: keys[:5], SHARD_2: keys[5:]}
     for name, shard_keys in shards.items():
-        save_file({k: state[k] for k in shard_keys}, str(tmp_path / name))
+        save_file({k: state[k] for k in shard_keys}, str(directory / name))
     weight_map = {k: name for name, shard_keys in shards.items() for k in shard_keys}
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    (tmp_path / "config.json").write_text(json.dumps(tiny_model.config.to_dict()))
-    assert set(load_checkpoint(tmp_path).state_dict) == set(keys)
-    weight_map["ghost.weight"] = "model-00001-of-00002.safetensors"
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    with pytest.raises(CheckpointError, match=r"absent from their shards: \['ghost.weight'\]"):
-        load_checkpoint(tmp_path)
+    if weight_map_change is not None:
+        weight_map_change(weight_map)
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (directory / "config.json").write_text(json.dumps(model.config.to_dict()))
+    return weight_map
+
+
+def test_sharded_safetensors_index(tmp_path, tiny_model):
+    write_sharded(tmp_path / "m", tiny_model)
+    assert set(load_checkpoint(tmp_path / "m").state_dict) == set(tiny_model.state_dict())
+
+
+def _move_out(m, name: str) -> None:
+    """Shard ``name`` moved beside the model directory (a valid file, so only where it lies is wrong)."""
+    (m / name).rename(m.parent / "outside.safetensors")
+
+
+def _first_key(m) -> str:
+    return sorted(json.loads((m / "model.safetensors.index.json").read_text())["weight_map"])[0]
+
+
+def _edit_index(m, change) -> None:
+    index = json.loads((m / "model.safetensors.index.json").read_text())
+    change(index["weight_map"])
+    (m / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+INDEX_HAZARDS = [
+    # id, change(model directory), message
+    ("a-key-its-shard-lacks", lambda m: _edit_index(m, lambda w: w.update({"ghost.weight": SHARD_1})),
+     f"model.safetensors.index.json: maps 'ghost.weight' to {SHARD_1}, which does not hold it"),
+    ("a-key-in-another-shard", lambda m: _edit_index(m, lambda w: w.update({_first_key(m): SHARD_2})),
+     f"{SHARD_1}: holds 'embed_tokens.weight', but model.safetensors.index.json maps it to {SHARD_2}"),
+    ("a-tensor-not-listed", lambda m: _edit_index(m, lambda w: w.pop(_first_key(m))),
+     "holds 'embed_tokens.weight', but model.safetensors.index.json does not list it"),
+    ("a-parent-path", lambda m: (_move_out(m, SHARD_1), _edit_index(m, lambda w: w.update(
+        {k: "../outside.safetensors" for k, v in w.items() if v == SHARD_1}))),
+     "'weight_map' maps 'embed_tokens.weight' to '../outside.safetensors', expected the file name of a shard"),
+    ("an-absolute-path", lambda m: (_move_out(m, SHARD_1), _edit_index(m, lambda w: w.update(
+        {k: str(m.parent / "outside.safetensors") for k, v in w.items() if v == SHARD_1}))),
+     "expected the file name of a shard beside the index (no path"),
+    ("a-link-out", lambda m: (_move_out(m, SHARD_1), (m / SHARD_1).symlink_to(m.parent / "outside.safetensors")),
+     "outside the model directory; its files are read only from inside it"),
+    ("a-link-out-single", lambda m: (m / "model.safetensors.index.json").unlink() or (m / "model.safetensors")
+     .symlink_to(m.parent / "elsewhere.safetensors") or save_file({}, str(m.parent / "elsewhere.safetensors")),
+     "model.safetensors: links to "),
+    ("a-value-not-a-string", lambda m: _edit_index(m, lambda w: w.update({_first_key(m): [SHARD_1]})),
+     "'weight_map' maps 'embed_tokens.weight' to a list, expected the file name of a shard"),
+    ("a-tensor-stored-twice", lambda m: save_file({_first_key(m): torch.zeros(32, 16),
+                                                   **load_file(m / SHARD_2)}, str(m / SHARD_2)),
+     f"{SHARD_2}: holds 'embed_tokens.weight', which {SHARD_1} holds too; each tensor is stored once"),
+    ("beside-a-single-file", lambda m: save_file(load_file(m / SHARD_1), str(m / "model.safetensors")),
+     "lists shards beside a model.safetensors, so which file holds the model is ambiguous"),
+    ("a-fifo", lambda m: ((m / SHARD_2).unlink(), os.mkfifo(m / SHARD_2)), f"{SHARD_2}: not a regular file"),
+    ("a-link-loop", lambda m: ((m / SHARD_2).unlink(), (m / SHARD_2).symlink_to(SHARD_2)),
+     f"{SHARD_2}: a link that cannot be followed"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("change, message", [c[1:] for c in INDEX_HAZARDS], ids=[c[0] for c in INDEX_HAZARDS])
+def test_a_shard_index_is_read_exactly_or_refused_naming_file_and_key(tmp_path, tiny_model, change, message):
+    write_sharded(tmp_path / "m", tiny_model)
+    change(tmp_path / "m")
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        load_checkpoint(tmp_path / "m")
+
+
+def test_links_within_the_directory_or_the_hugging_face_cache_are_followed(tmp_path, tiny_model):
+    snapshot = tmp_path / "hub" / "models--org--tiny" / "snapshots" / "abc123"
+    write_sharded(snapshot, tiny_model)
+    blobs = snapshot.parents[1] / "blobs"
+    blobs.mkdir()
+    for name in (SHARD_1, SHARD_2, "model.safetensors.index.json"):  # huggingface_hub's layout: links to blobs
+        (snapshot / name).rename(blobs / name)
+        (snapshot / name).symlink_to(Path("../..") / "blobs" / name)
+    (snapshot / "weights").mkdir()
+    (snapshot / "weights" / SHARD_2).symlink_to(blobs / SHARD_2)  # a link inside the directory
+    (snapshot / SHARD_2).unlink()
+    (snapshot / SHARD_2).symlink_to(Path("weights") / SHARD_2)
+    assert set(load_checkpoint(snapshot).state_dict) == set(tiny_model.state_dict())
+    beside = tmp_path / "beside"  # an index that describes the single file beside it is no ambiguity
+    beside.mkdir()
+    save_tiny(beside / "ck", tiny_model)
+    weight_map = {k: "model.safetensors" for k in tiny_model.state_dict() if k != "lm_head.weight"}
+    (beside / "ck" / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert set(load_checkpoint(beside / "ck").state_dict) == set(weight_map)
 
 
 def test_compiled_checkpoint_prefix_is_removed(tmp_path, tiny_model):

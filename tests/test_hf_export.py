@@ -187,7 +187,7 @@ def test_export_options_are_checked_before_anything_is_written(tmp_path, capsys)
         ([broken, "--format", "hf"], "broken_tokenizer/tokenizer_config.json: not valid JSON"),
         ([source, "--format", "hf", "--max_shard_size", "lots"], "'lots': expected a size such as 5GB"),
         ([source, "--max_shard_size", "1GB"], "--max_shard_size applies to --format hf"),
-        ([source, "--format", "hf", "--out", qwen2], "already exists; refusing to overwrite it"),
+        ([source, "--format", "hf", "--out", qwen2], "already exists and is not empty ([config.json, "),
         ([qwen2, "--out", tmp_path / "as_astrai"], "a qwen2 model needs ['attention_qkv_bias'], "
          "which AstrAI's schema lacks (AstrAI would compute another function); export it with --format hf"),
         ([source, "--format", "onnx"], "--format"),
@@ -195,6 +195,20 @@ def test_export_options_are_checked_before_anything_is_written(tmp_path, capsys)
     ]  # fmt: skip
     for argv, message in cases:
         assert message in run_refused(argv, tmp_path, capsys), argv
+
+
+def test_an_empty_out_directory_is_taken_and_anything_else_is_left_alone(tmp_path, capsys):
+    """``--out`` may be an empty directory (replaced by the export's atomic rename); a directory holding anything,
+    a previous export included, is never written into, replaced or deleted."""
+    source = native(tmp_path / "ckpt")
+    (tmp_path / "empty").mkdir()
+    assert export(source, "--format", "hf", "--out", tmp_path / "empty") == 0
+    assert (tmp_path / "empty" / "config.json").is_file() and (tmp_path / "empty" / "model.safetensors").is_file()
+    before = {p.name: p.read_bytes() for p in (tmp_path / "empty").iterdir()}
+    assert "already exists and is not empty" in run_refused([source, "--format", "hf", "--out", tmp_path / "empty"],
+                                                            tmp_path, capsys)  # fmt: skip
+    assert {p.name: p.read_bytes() for p in (tmp_path / "empty").iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "empty"]  # no staging sibling left
 
 
 def test_sharded_and_cast_exports_load_in_transformers(tmp_path):

@@ -15,12 +15,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")
 
 from astrai_fabric.assets import TINY_MODEL_DIR  # noqa: E402
-from astrai_fabric.checkpoint import hf, load_checkpoint, load_model, read_model_config  # noqa: E402
+from astrai_fabric.checkpoint import (  # noqa: E402
+    hf,
+    load_checkpoint,
+    load_model,
+    read_model_config,
+    save_model_directory,
+)
 from astrai_fabric.cli import main  # noqa: E402
 from astrai_fabric.config import ModelConfig  # noqa: E402
 from astrai_fabric.config.model import EXTENSION_FIELDS  # noqa: E402
@@ -292,3 +298,31 @@ def test_training_refuses_before_anything_is_written(llama_dir, tmp_path, capsys
     out, err = capsys.readouterr()  # the dry run lists what stops the run on stdout
     assert "model_type 'gemma' is not supported" in out and "Traceback" not in err + out
     assert not (tmp_path / "out").exists()
+
+
+def test_an_untied_directory_without_its_head_is_refused_not_cloned(llama_dir, tmp_path, capsys):
+    """transformers gives an untied model whose files lack ``lm_head.weight`` a head of its own (random), so a Hugging
+    Face directory like that is refused by name; AstrAI's rule (the embedding cloned into the head) stays for
+    AstrAI's own directories."""
+    tensors = load_file(llama_dir / "model.safetensors")
+    del tensors["lm_head.weight"]
+    headless = tmp_path / "headless"
+    headless.mkdir()
+    save_file(tensors, str(headless / "model.safetensors"))
+    (headless / "config.json").write_text((llama_dir / "config.json").read_text())
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(headless).eval()
+    assert not torch.equal(theirs.lm_head.weight, theirs.model.embed_tokens.weight)  # another function
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    assert main(["generate", "--param_path", str(headless), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("astrai-fabric: error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"astrai-fabric: error: {headless / 'model.safetensors'}: "), lines[0]
+    assert "no lm_head.weight, but config.json says tie_word_embeddings: false" in lines[0]
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+    ours = load_checkpoint(llama_dir)  # the same tensors in AstrAI's layout, its head left out: cloned
+    astrai = tmp_path / "astrai"
+    save_model_directory(astrai, {k: ours.state_dict[k] for k in ours.state_dict if k != "lm_head.weight"},
+                         {"config.json": json.dumps(ours.config)})  # fmt: skip
+    model = load_model(astrai)
+    assert not model.config.tied and torch.equal(model.lm_head.weight, model.embed_tokens.weight)

@@ -87,19 +87,20 @@ def save_checkpoint(
     """Write an AstrAI checkpoint directory atomically and return its path.
 
     ``meta`` holds the run's fields (written after AstrAI's three leading keys); ``extra`` maps stems to objects
-    saved as ``{stem}.pt``; ``files`` maps file names to text, bytes, or a path to copy. An existing directory is
-    an error unless ``overwrite``, in which case it is replaced only after the new one is complete. ``staging`` is
+    saved as ``{stem}.pt``; ``files`` maps file names to text, bytes, or a path to copy. An existing path (other
+    than an empty directory) is an error unless ``overwrite``, in which case it is replaced only after the new one
+    is complete. ``staging`` is
     a directory from ``staging_dir`` that others have already written into (a sharded state); default: a new one.
     A LoRA checkpoint passes ``adapter`` and ``adapter_config`` (written as AstrAI's ``save_lora`` writes them) and
     ``state_dict`` None unless the merged weights are wanted too.
     """
     target = Path(directory)
-    if target.exists() and not overwrite:
+    if not overwrite and not _vacant(target):
         raise CheckpointError(f"{target}: already exists; refusing to overwrite a checkpoint")
     clashes = [k for k in (meta or {}) if k in RESERVED_META]
     if clashes:
         raise ValueError(f"meta keys {clashes} are written by save_checkpoint itself")
-    staging = staging or staging_dir(target)
+    staging = staging or _new_staging(target)
     try:
         full_meta = {
             "epoch": epoch,
@@ -126,7 +127,7 @@ def save_checkpoint(
         _write_files(staging, files or {})
         _fsync(staging)
         crash_point("rename")
-        _move_into_place(staging, target)
+        _move_into_place(staging, target, overwrite)
     except (OSError, SafetensorError) as err:  # a full disk, a file-size limit, a lost mount: nothing left behind
         shutil.rmtree(staging, ignore_errors=True)
         raise CheckpointError(
@@ -154,9 +155,10 @@ def save_model_directory(
     ``model-0000K-of-0000N.safetensors`` shards with ``model.safetensors.index.json`` (the layout transformers
     writes and reads: tensors in order, a new shard when the next one would overflow, a larger tensor alone).
     ``metadata`` goes into each safetensors header; ``weights_name`` names a single file (PEFT's adapter is
-    ``adapter_model.safetensors``). An existing directory is an error."""
+    ``adapter_model.safetensors``). An existing path is an error, an empty directory aside (replaced by the
+    rename that puts the new one in place, which fails should anything appear in it meanwhile)."""
     target = Path(directory)
-    if os.path.lexists(target):
+    if not _vacant(target):
         raise CheckpointError(f"{target}: already exists; refusing to overwrite it (choose another --out)")
     ready = _safetensors_ready(tensors)
     shards: list[dict[str, Tensor]] = [{}]
@@ -168,7 +170,7 @@ def save_model_directory(
             size = 0
         shards[-1][key] = tensor
         size += nbytes
-    staging = staging_dir(target)
+    staging = _new_staging(target)
     try:
         names = [weights_name] if len(shards) == 1 else [
             f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))
@@ -183,7 +185,7 @@ def save_model_directory(
             _write_text(staging / WEIGHTS_INDEX_FILE, json.dumps(index, indent=2))
         _write_files(staging, files)
         _fsync(staging)
-        _move_into_place(staging, target)
+        _move_into_place(staging, target, overwrite=False)
     except (OSError, SafetensorError) as err:
         shutil.rmtree(staging, ignore_errors=True)
         raise CheckpointError(
@@ -203,8 +205,24 @@ def staging_dir(target: Path) -> Path:
     return staging
 
 
-def _move_into_place(staging: Path, target: Path) -> None:
+def _new_staging(target: Path) -> Path:
+    try:
+        return staging_dir(target)
+    except OSError as err:  # a parent that is a file, no permission, a name too long
+        raise CheckpointError(f"{target}: could not write ({err.strerror or err}); nothing was written") from None
+
+
+def _vacant(target: Path) -> bool:
+    """Nothing at ``target``, or an empty directory (not a link): what a new directory may take the place of."""
     if not os.path.lexists(target):
+        return True
+    return target.is_dir() and not target.is_symlink() and not any(target.iterdir())
+
+
+def _move_into_place(staging: Path, target: Path, overwrite: bool) -> None:
+    """``staging`` renamed to ``target``. Without ``overwrite`` the rename alone: it takes the place of nothing or
+    of an empty directory, and fails (an ``OSError``) where anything else has appeared there since the check."""
+    if not overwrite or not os.path.lexists(target):
         os.rename(staging, target)
     else:
         # Keep the old directory until the new one is in place, so no moment exists without a good checkpoint.
@@ -287,21 +305,82 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
 
 
 def read_weights(path: Path) -> StoredStateDict:
-    """The weights of a model directory, ``model.safetensors`` or the shards its index lists (headers only)."""
-    if (path / WEIGHTS_FILE).exists():
-        state_dict = StoredStateDict.from_files([path / WEIGHTS_FILE])
-    elif (path / WEIGHTS_INDEX_FILE).exists():
-        weight_map = read_json(path / WEIGHTS_INDEX_FILE, what="a sharded safetensors index").get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise CheckpointError(f"{path / WEIGHTS_INDEX_FILE}: expected a non-empty 'weight_map' object")
-        shards = sorted({str(v) for v in weight_map.values()})
-        state_dict = StoredStateDict.from_files([path / shard for shard in shards])
-        absent = sorted(k for k in weight_map if k not in state_dict)
+    """The weights of a model directory, ``model.safetensors`` or the shards its index lists (headers only).
+
+    Read exactly or refused, naming the file and the key: the index and the shards' headers agree tensor for
+    tensor (each key in the shard it names, each tensor of a shard listed there, none stored twice); an index
+    beside ``model.safetensors`` must describe that file (else which holds the model is ambiguous: refused); no
+    file is read from outside the directory (``tensor_files``)."""
+    if os.path.lexists(path / WEIGHTS_INDEX_FILE):
+        index, weight_map = read_weight_map(path)
+        state_dict = StoredStateDict.from_files(tensor_files(path))
+        for key in state_dict:
+            if weight_map.get(key) != state_dict.file(key).name:
+                listed = f"maps it to {weight_map[key]}" if key in weight_map else "does not list it"
+                raise CheckpointError(f"{state_dict.file(key)}: holds {key!r}, but {index.name} {listed}")
+        absent = [k for k in weight_map if k not in state_dict]
         if absent:
-            raise CheckpointError(f"{path / WEIGHTS_INDEX_FILE}: keys listed but absent from their shards: {absent}")
+            raise CheckpointError(f"{index}: maps {absent[0]!r} to {weight_map[absent[0]]}, which does not hold it")
+    elif os.path.lexists(path / WEIGHTS_FILE):
+        state_dict = StoredStateDict.from_files(tensor_files(path))
     else:
         raise CheckpointError(f"{path}: no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE} (expected the model's weights)")
     return _strip_wrapper_prefixes(state_dict, path)
+
+
+def read_weight_map(path: Path) -> tuple[Path, dict[str, str]]:
+    """``model.safetensors.index.json`` (checked as ``inside``) and its ``weight_map``, tensor name → the name of a
+    shard beside it; refused where a value is no such name, or where the index sits beside a ``model.safetensors``
+    it does not describe (transformers would read that file and ignore the index)."""
+    index = inside(path, WEIGHTS_INDEX_FILE)
+    weight_map = read_json(index, what="a sharded safetensors index").get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index}: expected a non-empty 'weight_map' object")
+    for key, name in weight_map.items():
+        if not isinstance(name, str):
+            raise CheckpointError(f"{index}: 'weight_map' maps {key!r} to a {type(name).__name__}, expected the "
+                                  "file name of a shard beside the index")  # fmt: skip
+        if name in ("", ".", "..") or any(c in name for c in "/\\\0"):
+            raise CheckpointError(f"{index}: 'weight_map' maps {key!r} to {name[:200]!r}, expected the file name "
+                                  "of a shard beside the index (no path: nothing is read from outside the model "
+                                  "directory)")  # fmt: skip
+    if os.path.lexists(path / WEIGHTS_FILE) and set(weight_map.values()) != {WEIGHTS_FILE}:
+        raise CheckpointError(
+            f"{index}: lists shards beside a {WEIGHTS_FILE}, so which file holds the model is ambiguous "
+            f"(transformers would read {WEIGHTS_FILE} and ignore the index); remove the one that is stale"
+        )
+    return index, weight_map
+
+
+def tensor_files(path: Path) -> list[Path]:
+    """The safetensors files a model directory's weights are read from, each checked as ``inside``: the shards
+    its index names, else ``model.safetensors``. Reads only the index."""
+    if os.path.lexists(path / WEIGHTS_INDEX_FILE):
+        return [inside(path, name) for name in sorted(set(read_weight_map(path)[1].values()))]
+    return [inside(path, WEIGHTS_FILE)]
+
+
+def inside(path: Path, name: str) -> Path:
+    """``path / name``, a regular file inside ``path`` once links are followed: a link may point within the
+    directory or, in the Hugging Face cache (``huggingface_hub``'s ``snapshots/REV/``), into the same repository's
+    ``blobs/``; one pointing anywhere else is refused, so a model's files (its weights, the files an export copies)
+    never make us read outside it."""
+    file = path / name
+    try:
+        root, real = path.resolve(), file.resolve()
+    except (OSError, RuntimeError) as err:  # RuntimeError: a link loop (Path.resolve, Python < 3.13)
+        why = getattr(err, "strerror", None) or err
+        raise CheckpointError(f"{file}: a link that cannot be followed ({why})") from None
+    places = [root]
+    repository = root.parent.parent
+    if root.parent.name == "snapshots" and repository.name.startswith("models--") and (repository / "blobs").is_dir():
+        places.append(repository / "blobs")
+    if not any(place in real.parents for place in places):
+        raise CheckpointError(f"{file}: links to {real}, outside the model directory; its files are read only "
+                              "from inside it: copy the file in instead of linking it")  # fmt: skip
+    if not real.is_file():
+        raise CheckpointError(f"{file}: not a regular file" if real.exists() else f"{file}: file not found")
+    return file
 
 
 @dataclass(frozen=True)
@@ -341,13 +420,17 @@ class StoredStateDict(Mapping[str, Tensor]):
 
     @classmethod
     def from_files(cls, files: list[Path]) -> StoredStateDict:
-        entries = {}
+        """The tensors of ``files``; a name stored in two of them is refused (which one holds it is ambiguous)."""
+        entries: dict[str, _Stored] = {}
         for file in files:
             if not file.is_file():
                 raise CheckpointError(f"{file}: file not found")
             try:
                 with safe_open(str(file), framework="pt") as handle:  # validates the header against the file size
                     for key in handle.keys():
+                        if key in entries:
+                            raise CheckpointError(f"{file}: holds {key!r}, which {entries[key].file.name} holds "
+                                                  "too; each tensor is stored once")  # fmt: skip
                         stored = handle.get_slice(key)
                         entries[key] = _Stored(file, key, tuple(stored.get_shape()), stored.get_dtype())
             except (SafetensorError, OSError, ValueError) as err:
@@ -378,6 +461,10 @@ class StoredStateDict(Mapping[str, Tensor]):
 
     def shape(self, key: str) -> tuple[int, ...]:
         return self._entries[key].shape
+
+    def file(self, key: str) -> Path:
+        """The file that holds tensor ``key``."""
+        return self._entries[key].file
 
     def dtype(self, key: str) -> torch.dtype | None:
         """The tensor's dtype on disk (None for one torch has no name for)."""

@@ -90,7 +90,7 @@ def load_checkpoint(
         raise CheckpointError(f"{path}: no such checkpoint or model directory")
     config = read_json(path / CONFIG_FILE, what="AstrAI's model config")
     source = None
-    if hf.is_hf_config(config):  # mapped (or refused) before a tensor is read
+    if hf.is_hf_config(config, str(path / CONFIG_FILE)):  # mapped (or refused) before a tensor is read
         model_config = hf.model_config_from_hf(config, source=str(path / CONFIG_FILE))
         source = hf.HFSource(model_type=config["model_type"], config=config)
         config = model_config.to_dict()
@@ -112,8 +112,9 @@ def load_checkpoint(
             state_dict = lora.merge_state_dict(state_dict, adapter.state_dict, adapter.spec.scaling)
     else:
         state_dict = read_weights(path)  # headers only: tensors are read where they go (``load_model_weights``)
-    if source is not None:
-        state_dict = state_dict.renamed({key: hf.import_name(key, model_config) for key in state_dict})
+        if source is not None:  # transformers' names (a base read above has ours already)
+            check_hf_names(state_dict, model_config, source.model_type, path)
+            state_dict = state_dict.renamed({key: hf.import_name(key, model_config) for key in state_dict})
     return Checkpoint(
         path=path,
         config=config,
@@ -127,12 +128,30 @@ def load_checkpoint(
     )
 
 
+def check_hf_names(state_dict: Mapping[str, Tensor], config: ModelConfig, model_type: str, path: Path) -> None:
+    """A Hugging Face directory's tensors are bound by transformers' names only, as transformers binds them:
+    a name it would not load (AstrAI's spelling among them) is refused, and so is a missing ``lm_head.weight``
+    where the config unties it (transformers would compute with a head of its own, not a clone of the embedding,
+    which is AstrAI's rule for its own directories)."""
+    weights = path / (WEIGHTS_INDEX_FILE if (path / WEIGHTS_INDEX_FILE).exists() else WEIGHTS_FILE)
+    foreign = [k for k in state_dict if hf.import_name(k, config) is not None and hf.hf_key_to_ours(k) is None]
+    if foreign:
+        raise CheckpointError(f"{weights}: {abbreviate(foreign)} are not tensor names of a Hugging Face "
+                              f"{model_type} model (transformers would not load them)")  # fmt: skip
+    if not config.tied and hf.our_key_to_hf(LM_HEAD_KEY) not in state_dict:
+        raise CheckpointError(
+            f"{weights}: no lm_head.weight, but {CONFIG_FILE} says tie_word_embeddings: false, so transformers "
+            "would compute with a head of its own (randomly initialised), not the embedding; add the head, or set "
+            "tie_word_embeddings: true if the embedding is the head"
+        )
+
+
 def read_model_config(directory: str | Path) -> ModelConfig:
     """The model config of a model or checkpoint directory, AstrAI's or Hugging Face's (mapped, or refused with a
     ``ConfigError`` naming the model_type or field), without reading any weights."""
     path = Path(directory) / CONFIG_FILE
     raw = read_config_json(path)
-    if hf.is_hf_config(raw):
+    if hf.is_hf_config(raw, str(path)):
         return hf.model_config_from_hf(raw, source=str(path))
     return ModelConfig.from_dict(raw, source=str(path))
 
