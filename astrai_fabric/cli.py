@@ -37,6 +37,7 @@ from jsonargparse import ArgumentParser, set_parsing_settings
 
 from astrai_fabric import __version__, assets
 from astrai_fabric.config.generate import GenerateArgs
+from astrai_fabric.config.kinds import kind_problem
 from astrai_fabric.config.train import COMMAND_LINE_ONLY, TrainArgs, resolved_recipe
 from astrai_fabric.data.prepare import PipelineConfig, prepare
 from astrai_fabric.errors import TrainingError, UserError
@@ -233,6 +234,8 @@ def parse_train_args(train_type: str, argv: list[str]) -> tuple[TrainArgs, bool]
         if refused := [key for key in COMMAND_LINE_ONLY if key in recipe]:
             raise UserError(f"{recipe_path}: {refused[0]} can only be given on the command line (a recipe is data)")
         named = recipe.pop("train_type", train_type)
+        if problem := kind_problem(named, str):
+            raise UserError(f"{recipe_path}: train_type {problem}")
         if TRAIN_TYPE_ALIASES.get(named, named) != train_type:
             raise UserError(f"{recipe_path}: train_type is not {train_type!r}, the command given")
         base = _parse(parser, recipe, source=recipe_path)
@@ -244,13 +247,13 @@ def parse_train_args(train_type: str, argv: list[str]) -> tuple[TrainArgs, bool]
 def train_command(train_type: str, argv: list[str]) -> int:
     global _crash_log_dir
     args, print_config = parse_train_args(train_type, argv)
-    _crash_log_dir = Path(args.ckpt_dir)
-    if print_config:
+    if print_config:  # what was given, to fill in: checked when it runs
         print(resolved_recipe(args), end="")
         return 0
+    args.validate()  # at the boundary, once: execute takes validated arguments
+    _crash_log_dir = Path(args.ckpt_dir)
     from astrai_fabric.train import execute  # imports Lightning (5-17 s measured): only when training
 
-    args.validate()  # at the boundary, once: execute takes validated arguments
     return execute(args, set_threads=True)[0]
 
 
@@ -296,13 +299,9 @@ def export_command(argv: list[str]) -> int:
         help="A LoRA checkpoint: write the model with its adapter merged into the base (--format hf always does).",
     )
     namespace = _parse(parser, argv)
-    from astrai_fabric.checkpoint.state import export_merged  # imports Lightning (~17 s here): only for --merge
-
     source = Path(namespace.checkpoint)
-    if namespace.merge_lora and namespace.format == "astrai":
-        target = export_merged(source, namespace.out or source.with_name(source.name + "_full"))
-    else:
-        target = export(source, namespace.out, namespace.format, namespace.dtype, namespace.max_shard_size)
+    target = export(source, namespace.out, namespace.format, namespace.dtype, namespace.max_shard_size,
+                    merge_lora=namespace.merge_lora)  # fmt: skip
     print(f"exported {source} -> {target}")
     return 0
 

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from astrai_fabric.config.model import ModelConfig
-from astrai_fabric.model import AutoRegressiveLM
+from astrai_fabric.model import count_parameters
 
 METRIC_FILE = "metric.jsonl"
 
@@ -206,8 +206,7 @@ def _combined(norms: list[Tensor], norm_type: float) -> Tensor:
 def flops_per_token(config: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token: ``6 N`` for the weights plus ``12 L H S`` for attention (the PaLM paper's count;
     MoE layers count all experts, so MFU is an upper bound there)."""
-    with torch.device("meta"):  # counted without allocating anything
-        num_parameters = AutoRegressiveLM(config).num_parameters()
+    num_parameters = count_parameters(config)  # from the config: nothing built
     return 6 * num_parameters + 12 * config.num_hidden_layers * config.hidden_size * seq_len
 
 

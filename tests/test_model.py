@@ -1,12 +1,15 @@
 """Model behaviour beyond the golden values: tie rules, RoPE table, masks, NEFTune, MoE."""
 
+import dataclasses
 import math
 
 import pytest
 import torch
 from conftest import tiny_config
 
-from astrai_fabric.model import AutoRegressiveLM, make_doc_boundary_mask
+from astrai_fabric.config.model import ModelConfig
+from astrai_fabric.errors import ConfigError
+from astrai_fabric.model import AutoRegressiveLM, count_parameters, make_doc_boundary_mask
 from astrai_fabric.model.layers import apply_rotary_emb, rope_table
 from astrai_fabric.model.transformer import process_attention_mask
 
@@ -171,3 +174,60 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         (out["logits"].square().mean() + out["aux_loss"]).backward()
     for (name, a), b in zip(plain.named_parameters(), recomputed.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, atol=1e-7, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        {"tie_word_embeddings": True, "num_key_value_heads": 2, "use_qk_norm": True, "use_gated_attention": True},
+        {"attention_qkv_bias": True, "head_dim": 24, "qk_norm_before_rope": True, "use_qk_norm": True},
+        {
+            "attn_type": "mla",
+            "kv_lora_rank": 8,
+            "qk_nope_head_dim": 4,
+            "qk_rope_head_dim": 4,
+            "use_qk_norm": True,
+            "use_gated_attention": True,
+            "num_key_value_heads": 2,
+        },
+        {
+            "ffn_type": "moe",
+            "n_routed_experts": 4,
+            "n_shared_experts": 1,
+            "n_activated_experts": 2,
+            "moe_intermediate_size": 12,
+            "shared_expert_intermediate_size": 20,
+            "decoder_sparse_step": 2,
+            "mlp_only_layers": [1, 3],
+        },
+        {
+            "ffn_type": "moe",
+            "n_routed_experts": 3,
+            "n_shared_experts": 0,
+            "n_activated_experts": 1,
+            "mlp_only_layers": [0],
+        },
+    ],
+    ids=["gqa", "tied-qknorm-gated", "bias-head-dim", "mla", "moe-sparse", "moe-no-shared"],
+)
+def test_the_closed_form_parameter_count_is_the_models(changes):
+    """``count_parameters`` (no layer built) against the meta-device model's own count."""
+    base = dict(vocab_size=50, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, intermediate_size=40,
+                max_position_embeddings=16)  # fmt: skip
+    config = ModelConfig(**{**base, **changes})
+    with torch.device("meta"):
+        model = AutoRegressiveLM(config)
+    assert count_parameters(config) == model.num_parameters()
+
+
+def test_a_config_bounds_its_layers_and_experts_before_counting_them():
+    """Counting layer by layer (or building) a config with 2**31 - 1 layers never ends: refused first, at once."""
+    huge = ModelConfig(vocab_size=8, hidden_size=8, num_hidden_layers=2**31 - 1, num_attention_heads=2,
+                       intermediate_size=8, max_position_embeddings=8)  # fmt: skip
+    with pytest.raises(ConfigError, match="'num_hidden_layers' must be at most 4,096, got 2,147,483,647"):
+        huge.check_buildable()
+    experts = dataclasses.replace(huge, num_hidden_layers=64, ffn_type="moe", n_routed_experts=2048,
+                                  n_shared_experts=1, n_activated_experts=2)  # fmt: skip
+    with pytest.raises(ConfigError, match="64 MoE layers x 2,049 experts"):
+        experts.check_buildable()

@@ -43,8 +43,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from astrai_fabric.config.kinds import kind_problem
 from astrai_fabric.config.model import ASTRAI_MODEL_TYPE, EXTENDED_MODEL_TYPE, ModelConfig
-from astrai_fabric.errors import CheckpointError, ConfigError
+from astrai_fabric.errors import CheckpointError, ConfigError, UserError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3")
 
@@ -169,9 +170,11 @@ def source_of(imported: HFSource | None, meta: Mapping[str, Any], model_config: 
     return None
 
 
-def is_hf_config(raw: Mapping[str, Any]) -> bool:
+def is_hf_config(raw: Mapping[str, Any], source: str = "config.json") -> bool:
     """True when a ``config.json`` names a Hugging Face architecture (AstrAI writes ``autoregressive_lm`` or
-    nothing, we also ``astrai_fabric_lm``)."""
+    nothing, we also ``astrai_fabric_lm``). The first read of ``model_type``: its kind is checked here."""
+    if problem := kind_problem(raw.get("model_type"), str | None):
+        raise ConfigError(f"{source}: 'model_type' {problem}")
     return raw.get("model_type") not in (None, ASTRAI_MODEL_TYPE, EXTENDED_MODEL_TYPE)
 
 
@@ -329,6 +332,8 @@ def _position_limit(read: _Reader, model_type: str) -> int:
     limit = read.int("max_position_embeddings")
     window = read.get("sliding_window")
     n_layers = read.int("num_hidden_layers")
+    # The kinds of attention the layers have, not a list of one per layer: the layer count is not bounded yet.
+    default_types = {"sliding_attention" if window is not None else "full_attention"}
     if model_type in ("qwen2", "qwen3"):
         # Qwen's window applies only with use_sliding_window, and then to layers >= max_window_layers.
         if not read.get("use_sliding_window", False):
@@ -336,14 +341,13 @@ def _position_limit(read: _Reader, model_type: str) -> int:
         first_windowed = read.get("max_window_layers")
         if window is not None and (not isinstance(first_windowed, int) or isinstance(first_windowed, bool)):
             raise ConfigError(f"{read.source}: 'max_window_layers' must be an integer, got {first_windowed!r}")
-        default_types = [
-            "sliding_attention" if window is not None and i >= first_windowed else "full_attention"
-            for i in range(n_layers)
-        ]
-    else:
-        default_types = ["sliding_attention" if window is not None else "full_attention"] * n_layers
+        default_types = {"full_attention"} if window is None or first_windowed >= n_layers else set()
+        if window is not None and first_windowed < n_layers:
+            default_types |= {"sliding_attention"} | ({"full_attention"} if first_windowed > 0 else set())
     layer_types = read.get("layer_types") or default_types
-    if not isinstance(layer_types, list) or set(layer_types) - {"full_attention", "sliding_attention"}:
+    if not isinstance(layer_types, list | set) or not all(isinstance(kind, str) for kind in layer_types):
+        read.refuse("layer_types", layer_types, "it must be a list of attention kinds")
+    if set(layer_types) - {"full_attention", "sliding_attention"}:
         read.refuse("layer_types", layer_types, "only full and sliding-window attention are mapped")
     if "sliding_attention" in layer_types and "full_attention" in layer_types:
         read.refuse("layer_types", "(mixed)", "sliding-window attention on some layers only is not computed here")
@@ -587,15 +591,9 @@ def generation_config(token_ids: Mapping[str, int | None]) -> dict[str, Any]:
 _HF_SPECIAL_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 
-def is_astrai_tokenizer_config(raw: Mapping[str, Any]) -> bool:
-    """AstrAI's ``tokenizer_config.json`` holds a ``special_tokens`` map (or nothing transformers reads); Hugging
-    Face's names the tokens at the top level, with its ``tokenizer_class`` and ``added_tokens_decoder``."""
-    return not any(name in raw for name in (*_HF_SPECIAL_NAMES, "tokenizer_class", "added_tokens_decoder"))
-
-
-def hf_tokenizer_config(raw: Mapping[str, Any], max_length: int) -> dict[str, Any]:
-    """A Hugging Face ``tokenizer_config.json`` for AstrAI's (``special_tokens`` map, ``chat_template``):
-    transformers' fast tokenizer over the same ``tokenizer.json`` encodes the same ids.
+def hf_tokenizer_config(raw: Mapping[str, Any], max_length: int, path: str = "tokenizer_config.json") -> dict[str, Any]:
+    """A Hugging Face ``tokenizer_config.json`` for AstrAI's (``special_tokens`` map, ``chat_template``), read from
+    ``path``: transformers' fast tokenizer over the same ``tokenizer.json`` encodes the same ids.
 
     The chat template is rewritten so that transformers, which renders with ``trim_blocks`` and ``lstrip_blocks``,
     renders what AstrAI renders with Jinja's defaults (``for_jinja_whitespace_defaults``); one it cannot keep equal is
@@ -609,9 +607,9 @@ def hf_tokenizer_config(raw: Mapping[str, Any], max_length: int) -> dict[str, An
         written["additional_special_tokens"] = others
     template = raw.get("chat_template")
     if isinstance(template, str):
-        rewritten = for_jinja_whitespace_defaults(template)
+        rewritten = for_jinja_whitespace_defaults(template, path)
         if rewritten is None:
-            warnings.warn("tokenizer_config.json: the chat template renders differently under transformers' "
+            warnings.warn(f"{path}: the chat template renders differently under transformers' "
                           "trim_blocks/lstrip_blocks and is not exported", stacklevel=2)  # fmt: skip
         else:
             written["chat_template"] = rewritten
@@ -622,24 +620,24 @@ _BLOCK_START = re.compile(r"\{([%#])(?![-+])")
 _BLOCK_END = re.compile(r"(?<![-+])([%#])\}")
 
 
-def for_jinja_whitespace_defaults(template: str) -> str | None:
+def for_jinja_whitespace_defaults(template: str, path: str = "tokenizer_config.json") -> str | None:
     """``template`` with every block and comment tag marked ``{%+ ... +%}``, which turns ``lstrip_blocks`` and
     ``trim_blocks`` off for that tag (Jinja's whitespace control), so it renders under transformers' settings as
-    under Jinja's defaults; checked by rendering a probe conversation both ways. None when they still differ."""
+    under Jinja's defaults; checked by rendering a probe conversation both ways, with the renderer training uses
+    (bounded: a template past its bounds is refused, naming ``path``). None when they still differ."""
     # Here, not at the top: jinja2 adds 0.06-0.19 s (measured) to every `import astrai_fabric.checkpoint`, and only
     # exporting a chat template needs it.
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from astrai_fabric.tokenizer import TemplateLimitError, compile_template, render_template
 
     rewritten = _BLOCK_END.sub(r"+\1}", _BLOCK_START.sub(r"{\1+", template))
     probe = {"messages": [{"role": "system", "content": " s\n"}, {"role": "user", "content": "u"},
                           {"role": "assistant", "content": "a "}], "add_generation_prompt": True,
              "bos_token": "<s>", "eos_token": "</s>"}  # fmt: skip
     try:
-        plain = ImmutableSandboxedEnvironment().from_string(template).render(**probe)
-        as_hf_renders = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-        )  # transformers' settings (chat_template_utils.py)
-        as_hf = as_hf_renders.from_string(rewritten).render(**probe)
-    except Exception:  # a template that needs more than the probe offers: not provably equal
+        plain = render_template(compile_template(template, path, huggingface=False), probe, path)
+        as_hf = render_template(compile_template(rewritten, path, huggingface=True), probe, path)  # transformers'
+    except TemplateLimitError:
+        raise
+    except UserError:  # a template that needs more than the probe offers: not provably equal
         return None
     return rewritten if plain == as_hf else None

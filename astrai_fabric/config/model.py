@@ -16,19 +16,25 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import types
 import typing
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from astrai_fabric.config.kinds import kind_problem, wants_float
 from astrai_fabric.errors import ConfigError
 from astrai_fabric.json_files import read_json_object
 
 MAX_SIZE = 2**31 - 1
 """The largest size (width, count, length) a config may give: token ids are int32 in AstrAI's shards, and a larger
 width or count describes no model that fits any machine."""
+MAX_LAYERS = 4096
+"""The most decoder blocks a config may ask for (the deepest published models have about a thousand): every
+layer is a module built, one at a time, before anything can be trained or checked."""
+MAX_EXPERT_MLPS = 2**16
+"""The most expert MLPs (routed and shared, over all MoE layers) a config may ask for: each is a module built one
+at a time (DeepSeek-V3 has 58 x 257 = 14,906)."""
 ATTN_TYPES = ("gqa", "mla")
 FFN_TYPES = ("mlp", "moe")
 ASTRAI_MODEL_TYPE = "autoregressive_lm"
@@ -158,11 +164,11 @@ class ModelConfig:
         for key, value in raw.items():
             if key not in known:
                 continue
-            problem = _type_problem(value, hints[key])
+            problem = kind_problem(value, hints[key])
             if problem:
                 problems.append(f"{key!r} {problem}")
             else:
-                values[key] = float(value) if _wants_float(hints[key]) and value is not None else value
+                values[key] = float(value) if wants_float(hints[key]) and isinstance(value, int) else value
         if problems:
             raise ConfigError(f"{source}: " + "; ".join(problems))
         unknown = {k: v for k, v in raw.items() if k not in known}
@@ -235,12 +241,28 @@ class ModelConfig:
             return "mlp"
         return "moe"
 
+    @property
+    def num_moe_layers(self) -> int:
+        """How many layers ``ffn_type_of_layer`` makes MoE, counted without visiting each layer (a config's layer
+        count is not bounded yet when this is first asked): every ``decoder_sparse_step``-th, less the
+        ``mlp_only_layers`` among them."""
+        layers = self.num_hidden_layers or 0
+        if self.ffn_type != "moe" or layers < 1 or self.decoder_sparse_step < 1:
+            return 0
+        step = self.decoder_sparse_step
+        dense = {i for i in self.mlp_only_layers or [] if 0 <= i < layers and (i + 1) % step == 0}
+        return layers // step - len(dense)
+
     def check_buildable(self, source: str = "config") -> None:
-        """Raise one ``ConfigError`` listing every field a model needs but this config lacks or gets wrong."""
+        """Raise one ``ConfigError`` listing every field a model needs but this config lacks or gets wrong. Sizes
+        are bounded before anything is built or counted layer by layer (``MAX_SIZE``, ``MAX_LAYERS``,
+        ``MAX_EXPERT_MLPS``)."""
+        self._check_counts(source)
         required = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings"]
-        layer_types = {self.ffn_type_of_layer(i) for i in range(self.num_hidden_layers or 1)}
+        num_moe_layers = self.num_moe_layers
+        has_mlp, has_moe = num_moe_layers < (self.num_hidden_layers or 1), num_moe_layers > 0
         expert_widths = (self.moe_intermediate_size, self.n_shared_experts and self.shared_expert_intermediate_size)
-        if "mlp" in layer_types or ("moe" in layer_types and None in expert_widths):
+        if has_mlp or (has_moe and None in expert_widths):
             required.append("intermediate_size")  # dense width, and the fallback width of experts
         if self.attn_type == "mla":
             required += ["kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim"]
@@ -281,17 +303,32 @@ class ModelConfig:
         if problems:
             raise ConfigError(f"{source}: cannot build a model: " + "; ".join(problems))
 
+    def _check_counts(self, source: str) -> None:
+        """The sizes that say how many modules a model has, bounded first: everything after may count or build
+        them one by one."""
+        sizes = [f.name for f in dataclasses.fields(self) if type(getattr(self, f.name)) is int]
+        problems = [
+            f"{name!r} must be at most {MAX_SIZE}, got {_short(getattr(self, name))}"
+            for name in sizes
+            if getattr(self, name) > MAX_SIZE
+        ]
+        if not problems and (self.num_hidden_layers or 0) > MAX_LAYERS:
+            problems.append(f"'num_hidden_layers' must be at most {MAX_LAYERS:,}, got {self.num_hidden_layers:,}")
+        experts = (self.n_routed_experts or 0) + (self.n_shared_experts or 0)
+        if not problems and self.num_moe_layers * experts > MAX_EXPERT_MLPS:
+            problems.append(
+                f"{self.num_moe_layers:,} MoE layers x {experts:,} experts (n_routed_experts + n_shared_experts) "
+                f"= {self.num_moe_layers * experts:,} expert MLPs; at most {MAX_EXPERT_MLPS:,} are built"
+            )
+        if problems:
+            raise ConfigError(f"{source}: cannot build a model: " + "; ".join(problems))
+
     def _value_problems(self) -> list[str]:
         """Ranges of the optional fields (their types are checked on reading): finite, positive where a size."""
         problems = [
             f"{f.name!r} must be a finite number, got {getattr(self, f.name)}"
             for f in dataclasses.fields(self)
             if isinstance(getattr(self, f.name), float) and not math.isfinite(getattr(self, f.name))
-        ]
-        problems += [
-            f"{f.name!r} must be at most {MAX_SIZE}, got {_short(getattr(self, f.name))}"
-            for f in dataclasses.fields(self)
-            if type(getattr(self, f.name)) is int and getattr(self, f.name) > MAX_SIZE
         ]
         for name in ("rms_norm_eps", "rope_theta"):
             value = getattr(self, name)
@@ -361,43 +398,3 @@ def _plain(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     return value
-
-
-def _wants_float(annotation: Any) -> bool:
-    return float in _allowed(annotation)
-
-
-def _allowed(annotation: Any) -> tuple[type, ...]:
-    """The runtime types a field annotation accepts (``X | None`` → ``(X, NoneType)``)."""
-    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        return tuple(t for arg in typing.get_args(annotation) for t in _allowed(arg))
-    if annotation is type(None):
-        return (type(None),)
-    return (typing.get_origin(annotation) or annotation,)
-
-
-def _type_problem(value: Any, annotation: Any) -> str | None:
-    """None when ``value`` fits ``annotation``, else the words for the error message."""
-    allowed = _allowed(annotation)
-    # bool is an int in Python, but a JSON true is no layer count; an int is a fine float (JSON has one number).
-    ok = (
-        isinstance(value, allowed)
-        and not (isinstance(value, bool) and bool not in allowed)
-        or (isinstance(value, int) and not isinstance(value, bool) and float in allowed)
-    )
-    if ok and isinstance(value, list) and typing.get_args(_non_none(annotation)):
-        (item_type,) = typing.get_args(_non_none(annotation))
-        ok = all(isinstance(v, item_type) and not isinstance(v, bool) for v in value)
-    if ok:
-        return None
-    expected = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
-    if typing.get_args(_non_none(annotation)):
-        expected = expected.replace("list", f"list of {typing.get_args(_non_none(annotation))[0].__name__}")
-    return f"must be {expected}, got {json.dumps(value)}"
-
-
-def _non_none(annotation: Any) -> Any:
-    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        return args[0] if len(args) == 1 else annotation
-    return annotation

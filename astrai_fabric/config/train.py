@@ -11,12 +11,14 @@ validation, and the resolved recipe a run writes.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 import yaml
 
+from astrai_fabric.config.kinds import kind_problem
 from astrai_fabric.config.lora import DEFAULT_TARGETS, TARGETS
 from astrai_fabric.errors import ConfigError
 from astrai_fabric.rewards import reward_spec_problem
@@ -334,7 +336,16 @@ class TrainArgs:
         return self.weight_decay if self.nora_weight_decay is None else self.nora_weight_decay
 
     def validate(self) -> None:
-        """Raise one ``ConfigError`` naming every field with a bad value."""
+        """Raise one ``ConfigError`` naming every field with a bad value: first its kind (``config.kinds``; a
+        recipe's ``null`` or list reaches here where the parser lets it through), then its range."""
+        hints = typing.get_type_hints(TrainArgs)
+        kinds = [
+            f"{f.name} {problem}"
+            for f in dataclasses.fields(self)
+            if (problem := kind_problem(getattr(self, f.name), hints[f.name]))
+        ]
+        if kinds:
+            raise ConfigError("invalid training arguments: " + "; ".join(kinds))
         largest = torch.finfo(torch.float32).max  # finite in float32 too: a rate of 1e39 is inf in the optimizer
         problems = [
             f"{f.name} must be a finite number, got {getattr(self, f.name)}"

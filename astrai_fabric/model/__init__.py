@@ -1,5 +1,11 @@
 """AstrAI-compatible decoder-only transformer (no Lightning, no torch.distributed in here)."""
 
-from astrai_fabric.model.transformer import AutoRegressiveLM, DecoderBlock, make_doc_boundary_mask
+from astrai_fabric.model.transformer import (
+    AutoRegressiveLM,
+    DecoderBlock,
+    count_parameters,
+    make_doc_boundary_mask,
+    rope_table_bytes,
+)
 
-__all__ = ["AutoRegressiveLM", "DecoderBlock", "make_doc_boundary_mask"]
+__all__ = ["AutoRegressiveLM", "DecoderBlock", "count_parameters", "make_doc_boundary_mask", "rope_table_bytes"]

@@ -178,6 +178,41 @@ class AutoRegressiveLM(nn.Module):
         return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
 
 
+def count_parameters(config: ModelConfig) -> int:
+    """``AutoRegressiveLM(config).num_parameters()`` from the config alone, without building a layer (a config's
+    sizes are checked against memory before anything is built; tests/test_model.py holds the two equal)."""
+    config.check_buildable()
+    dim, layers, heads = config.hidden_size, config.num_hidden_layers, config.num_attention_heads
+    kv_heads, head_dim = config.num_key_value_heads or heads, config.attention_head_dim
+    width = heads * head_dim
+    if config.attn_type == "mla":
+        rank = config.kv_lora_rank
+        attention = dim * width + dim * rank + rank + rank * kv_heads * 2 * head_dim + dim * dim
+        attention += dim * dim if config.use_gated_attention else 0
+    else:
+        attention = dim * width + 2 * dim * kv_heads * head_dim + width * dim
+        attention += (width + 2 * kv_heads * head_dim) if config.attention_qkv_bias else 0
+        attention += dim * width if config.use_gated_attention else 0
+    attention += 2 * head_dim if config.use_qk_norm else 0
+    mlp = 3 * dim * config.intermediate_size if config.intermediate_size else 0
+    moe = 0
+    if config.num_moe_layers:
+        routed = config.moe_intermediate_size or config.intermediate_size
+        shared = config.shared_expert_intermediate_size or config.intermediate_size
+        moe = dim * config.n_routed_experts + 3 * dim * (
+            config.n_routed_experts * routed + config.n_shared_experts * shared
+        )
+    blocks = layers * (attention + 2 * dim) + (layers - config.num_moe_layers) * mlp + config.num_moe_layers * moe
+    embeddings = config.vocab_size * dim * (1 if config.tied else 2)
+    return embeddings + blocks + dim
+
+
+def rope_table_bytes(config: ModelConfig) -> int:
+    """Bytes the RoPE table takes while it is built (every rank builds its own): float32 (cos, sin) for each
+    position and rotated dimension, with the float32 angles, cos and sin it is stacked from."""
+    return 10 * config.max_position_embeddings * config.rope_dim
+
+
 def _reset(module: nn.Module) -> None:
     if hasattr(module, "reset_parameters"):
         module.reset_parameters()

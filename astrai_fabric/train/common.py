@@ -48,6 +48,7 @@ from astrai_fabric.strategy import (
     precision_of,
     resolve_num_workers,
 )
+from astrai_fabric.train.checks import Placement, preflight
 from astrai_fabric.train.loaders import LoaderArgs, make_loader, shut_down_workers, split_validation
 from astrai_fabric.train.models import initial_model, load_sharded_weights, lora_spec
 from astrai_fabric.train.outputs import hold_ckpt_dir, make_saver, refuse_to_overwrite, written_names
@@ -92,15 +93,11 @@ def build_optimizer_and_schedule(fabric: Fabric, model: nn.Module, start: Start,
     Built after sharding: an optimizer built before would step the pre-shard tensors, silently.
     """
     optimizer = build_optimizer(model, OptimArgs.from_args(args, fabric.device))
-    if start.resume is not None and args.resume_optimizer:
+    if start.resume is not None and args.resume_optimizer:  # its optimizer.pt fits: checked by the preflight
         if (start.resume.path / STATE_DIR).is_dir():
             load_sharded_optimizer_state(optimizer, start.resume.path / STATE_DIR)
-        elif "optimizer" in start.resume.extra:
-            load_optimizer_state(optimizer, start.resume.extra["optimizer"], start.resume.path / "optimizer.pt")
         else:
-            raise CheckpointError(
-                f"--resume: {start.resume.path} has no optimizer.pt (add --resume_optimizer false to start a fresh one)"
-            )
+            load_optimizer_state(optimizer, start.resume.extra["optimizer"], start.resume.path / "optimizer.pt")
     elif start.resume is not None:
         fabric.print("optimizer: starting fresh (--resume_optimizer false)")
     optimizer = fabric.setup_optimizers(optimizer)  # after loading: Fabric copies the optimizer's param groups
@@ -190,7 +187,8 @@ def train_on(
     train_set, val_set = split_validation(dataset, args.val_split, args.random_seed)
     num_dp_ranks = data_parallel(fabric).num_dp_ranks
     plan = StepPlan.from_args(args, len(train_set), num_dp_ranks)
-    plan.check()
+    if problems := preflight(args, start, plan, Placement.of_fabric(fabric, args)):  # what --dry_run lists
+        raise UserError(problems[0])
 
     with hold_ckpt_dir(fabric, args):  # before anything is written there, until the end
         model = build_model(fabric, start, args)

@@ -9,7 +9,6 @@ import torch
 from astrai_fabric import assets
 from astrai_fabric.checkpoint import checkpoints_after
 from astrai_fabric.checkpoint.ownership import in_use_message, lock_holder, not_ours_message, unowned
-from astrai_fabric.checkpoint.weights import host_memory_bytes
 from astrai_fabric.config.train import RECIPE_FILE, RECIPE_HEADER, TrainArgs
 from astrai_fabric.errors import UserError
 from astrai_fabric.schedule import ScheduleArgs, StepPlan
@@ -22,6 +21,7 @@ from astrai_fabric.strategy import (
     resolve_precision,
     resolve_topology,
 )
+from astrai_fabric.train.checks import Placement, preflight
 from astrai_fabric.train.common import build_schedule
 from astrai_fabric.train.loaders import split_validation
 from astrai_fabric.train.models import meta_model
@@ -34,26 +34,6 @@ from astrai_fabric.train.plan import (
     summarize_parameters,
 )
 from astrai_fabric.train.start import Start, read_start
-
-
-def _memory_problems(
-    args: TrainArgs, start: Start, precision: str, num_parameters: int, num_local_ranks: int
-) -> list[str]:
-    """Whether each process on a machine can hold the whole model in host memory, where it does: everywhere but
-    FSDP from weights (built on the meta device, only each rank's shards materialised). Parameters alone: the
-    optimizer state, gradients and activations come on top, so a pass here is no promise."""
-    if args.parallel_mode == "fsdp" and start.weights is not None:
-        return []
-    half = start.weights is not None and precision in ("bf16-true", "16-true")  # read in the run's dtype
-    bytes_per_parameter = 2 if half else 4  # a fresh model is initialised in float32, then cast
-    needed, memory = num_parameters * bytes_per_parameter * num_local_ranks, host_memory_bytes()
-    if needed <= memory:
-        return []
-    return [
-        f"param_path {args.param_path}: this model does not fit in memory here: {num_parameters:,} parameters x "
-        f"{bytes_per_parameter} bytes x {num_local_ranks} process(es) per machine need {needed / 2**30:,.1f} GiB "
-        f"before any optimizer state; this machine has {memory / 2**30:,.1f} GiB"
-    ]
 
 
 def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train type's build_dataset
@@ -81,7 +61,6 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
             problems.append(f"data_root_path {args.data_root_path}: not found")
     if start is not None:
         parameters = summarize_parameters(meta_model(start.model_config, args), args)
-        problems += _memory_problems(args, start, precision, parameters.total, topology.devices)
         if start.resume is None and (later := checkpoints_after(args.ckpt_dir, 0)):
             problems.append(
                 f"ckpt_dir {args.ckpt_dir}: holds {len(later)} checkpoint(s) this fresh run would overwrite "
@@ -95,17 +74,16 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
         train_set, val_set = split_validation(dataset, args.val_split, args.random_seed)
         data = describe_data(args, len(train_set), summary, val_set)
         plan = StepPlan.from_args(args, len(train_set), topology.world_size // (args.tp_size or 1))
+        problems += preflight(args, start, plan, Placement.of_flags(args, topology, accelerator, precision))
         try:
             plan.check()
-            saved = start.resume.extra.get("scheduler") if start.resume is not None else None
-            lrs = saved.get("base_lrs") if isinstance(saved, dict) else None
-            groups = len(lrs) if isinstance(lrs, list) and lrs else 1  # a stand-in with the saved schedule's groups
-            optimizer = torch.optim.SGD([{"params": [torch.zeros(1, requires_grad=True)]} for _ in range(groups)],
-                                        lr=args.max_lr)  # fmt: skip
-            scheduler, note = build_schedule(optimizer, ScheduleArgs.from_args(args), plan, start.resume)
-            schedule = describe_schedule(args, scheduler)
-        except UserError as err:
-            problems.append(str(err))
+        except UserError:
+            pass  # listed by the preflight; no schedule to describe
+        else:
+            try:
+                schedule, note = _schedule(args, start, plan)
+            except UserError as err:
+                problems.append(str(err))
     threads = None
     if accelerator == "cpu":
         threads = describe_cpu_threads(
@@ -130,6 +108,18 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
         print("cannot start:\n" + "\n".join(f"  - {item}" for item in problems))
         return 2
     return 0
+
+
+def _schedule(args: TrainArgs, start: Start, plan: StepPlan) -> tuple[str, str | None]:
+    """The plan's schedule line and note, from the run's own ``build_schedule`` over a stand-in optimizer with the
+    saved schedule's number of groups."""
+    saved = start.resume.extra.get("scheduler") if start.resume is not None else None
+    lrs = saved.get("base_lrs") if isinstance(saved, dict) else None
+    groups = len(lrs) if isinstance(lrs, list) and lrs else 1
+    optimizer = torch.optim.SGD([{"params": [torch.zeros(1, requires_grad=True)]} for _ in range(groups)],
+                                lr=args.max_lr)  # fmt: skip
+    scheduler, note = build_schedule(optimizer, ScheduleArgs.from_args(args), plan, start.resume)
+    return describe_schedule(args, scheduler), note
 
 
 def _ckpt_dir_problems(args: TrainArgs) -> list[str]:

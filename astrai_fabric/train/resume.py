@@ -105,6 +105,19 @@ def _check_resume_lora(ckpt: Checkpoint, args: TrainArgs) -> None:
         )
 
 
+def check_position(ckpt: Checkpoint, plan: StepPlan) -> None:
+    """A checkpoint of ours must stop inside an epoch of this run's data (``start_position`` continues from it)."""
+    if RESUME_KEY not in ckpt.meta:
+        return
+    saved = RunPosition.from_meta(ckpt.meta[RESUME_KEY], ckpt.path / "meta.json")
+    if saved.sample_index * saved.world_size > plan.samples_per_rank * plan.num_dp_ranks:
+        raise CheckpointError(
+            f"--resume: {ckpt.path} stopped {saved.sample_index * saved.world_size:,} samples into epoch "
+            f"{saved.epoch}, but an epoch of this data has {plan.samples_per_rank * plan.num_dp_ranks:,}: resume "
+            "with the data it was trained on"
+        )
+
+
 def start_position(fabric: Fabric, ckpt: Checkpoint | None, args: TrainArgs, plan: StepPlan) -> RunPosition:
     """The loop position to start from: the resumed checkpoint's (``ckpt``), AstrAI's ``start_epoch`` and
     ``start_samples`` for a fresh run, or zero. A resume also restores the RNG states (or reseeds where it holds
@@ -115,14 +128,8 @@ def start_position(fabric: Fabric, ckpt: Checkpoint | None, args: TrainArgs, pla
         epoch = args.start_epoch + args.start_samples // plan.samples_per_rank
         index = args.start_samples % plan.samples_per_rank
         return RunPosition(epoch=epoch, sample_index=index, world_size=num_dp_ranks)
-    if RESUME_KEY in ckpt.meta:  # ours: exact
+    if RESUME_KEY in ckpt.meta:  # ours: exact (``check_position`` passed: the run's preflight)
         saved = RunPosition.from_meta(ckpt.meta[RESUME_KEY], ckpt.path / "meta.json")
-        if saved.sample_index * saved.world_size > plan.samples_per_rank * num_dp_ranks:
-            raise CheckpointError(
-                f"--resume: {ckpt.path} stopped {saved.sample_index * saved.world_size:,} samples into epoch "
-                f"{saved.epoch}, but an epoch of this data has {plan.samples_per_rank * num_dp_ranks:,}: resume with "
-                "the data it was trained on"
-            )
         position, exact = saved.rescaled(num_dp_ranks, plan.samples_per_rank)
         if not exact:
             fabric.print(

@@ -1,0 +1,127 @@
+"""What a run checks once its files are read and its data planned, before it builds a model or writes anything:
+``preflight`` lists the problems, the run raises the first (``common.train_on``) and ``--dry_run`` lists them all
+(``dry_run.py``). One function for both, so a dry run that passes is a run that starts. The checks made while
+files are read happen where they are read, for both alike (``start.read_start``, each train type's
+``build_dataset``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from lightning.fabric import Fabric
+
+from astrai_fabric.checkpoint.state import STATE_DIR, load_optimizer_state
+from astrai_fabric.checkpoint.weights import host_memory_bytes
+from astrai_fabric.config.train import TrainArgs
+from astrai_fabric.errors import CheckpointError, UserError
+from astrai_fabric.model import count_parameters, rope_table_bytes
+from astrai_fabric.optim import OptimArgs, build_optimizer
+from astrai_fabric.schedule import StepPlan
+from astrai_fabric.strategy import Topology, fsdp_layout, is_fsdp, local_ranks, precision_of
+from astrai_fabric.train.models import meta_model
+from astrai_fabric.train.resume import check_position
+from astrai_fabric.train.start import Start
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a run's model lives, as far as its memory is concerned."""
+
+    accelerator: str
+    precision: str
+    num_local_ranks: int
+    """Processes on one machine, sharing its host memory."""
+    num_shards: int
+    """Ranks one copy of the model is sharded over (FSDP's shards x tensor parallelism); 1 when each rank holds it
+    whole."""
+
+    @classmethod
+    def of_fabric(cls, fabric: Fabric, args: TrainArgs) -> Placement:
+        shards = 1
+        if is_fsdp(fabric) and fabric.world_size > 1:
+            try:
+                layout = fsdp_layout(args, fabric.world_size)
+                shards = layout.shards * layout.tp
+            except UserError:  # a caller's own ModelParallelStrategy, laid out otherwise: at least as sharded
+                shards = 1
+        return cls(fabric.device.type, precision_of(fabric), local_ranks(fabric), shards)
+
+    @classmethod
+    def of_flags(cls, args: TrainArgs, topology: Topology, accelerator: str, precision: str) -> Placement:
+        shards = 1
+        if args.parallel_mode == "fsdp" and topology.world_size > 1:
+            try:
+                layout = fsdp_layout(args, topology.world_size)
+                shards = layout.shards * layout.tp
+            except UserError:  # the dry run lists the layout's own problem
+                shards = 1
+        return cls(accelerator, precision, topology.devices, shards)
+
+
+def preflight(args: TrainArgs, start: Start, plan: StepPlan, placement: Placement) -> list[str]:
+    """Every problem that would stop the run before its first step, past reading its files: the step arithmetic,
+    memory, and a resumed checkpoint's position and optimizer state against this run."""
+    problems = []
+    try:
+        plan.check()
+    except UserError as err:
+        problems.append(str(err))
+    problems += _memory_problems(args, start, placement)
+    if start.resume is not None:
+        try:
+            check_position(start.resume, plan)
+            _check_optimizer_state(args, start)
+        except UserError as err:
+            problems.append(str(err))
+    return problems
+
+
+def _memory_problems(args: TrainArgs, start: Start, placement: Placement) -> list[str]:
+    """Whether each process on a machine can hold its part of the model, counted from the config (nothing is built:
+    ``model.count_parameters``). Parameters and the RoPE table alone: the optimizer state, gradients and
+    activations come on top, so a pass here is no promise.
+
+    A rank holds the whole model, initialised in float32 (then cast) or read from weights in the run's dtype; FSDP
+    from weights builds it on the meta device and materialises only each rank's shards, on the rank's device (a
+    GPU's memory, when this machine has one to ask; the dry run of a GPU recipe elsewhere cannot)."""
+    config = start.model_config
+    num_parameters = count_parameters(config)
+    half = start.weights is not None and placement.precision in ("bf16-true", "16-true")
+    bytes_per_parameter = 2 if half else 4
+    shards = placement.num_shards if start.weights is not None else 1
+    per_rank = num_parameters * bytes_per_parameter // shards + rope_table_bytes(config)
+    if shards > 1 and placement.accelerator == "cuda":
+        if not torch.cuda.is_available():
+            return []
+        memory, ranks, where = torch.cuda.get_device_properties(0).total_memory, 1, "each GPU"
+    else:
+        memory, ranks, where = host_memory_bytes(), placement.num_local_ranks, "this machine"
+    needed = per_rank * ranks
+    if needed <= memory:
+        return []
+    sharded = f" / {shards} shards" if shards > 1 else ""
+    table = rope_table_bytes(config)
+    table = f" and a {table / 2**30:,.1f} GiB RoPE table" if table >= 2**30 else ""
+    return [
+        f"param_path {args.param_path}: this model does not fit in memory here: {num_parameters:,} parameters x "
+        f"{bytes_per_parameter} bytes{sharded}{table} x {ranks} process(es) per machine need "
+        f"{needed / 2**30:,.1f} GiB before any optimizer state; {where} has {memory / 2**30:,.1f} GiB"
+    ]
+
+
+def _check_optimizer_state(args: TrainArgs, start: Start) -> None:
+    """The resumed ``optimizer.pt`` loaded into this run's optimizer over the model on the meta device (nothing
+    allocated): another ``--optimizer``, other shapes or groups are refused before anything is built. A sharded
+    state (``state/``) is read shard by shard into the live optimizer (``common.build_optimizer_and_schedule``)."""
+    resume = start.resume
+    if not args.resume_optimizer or (resume.path / STATE_DIR).is_dir():
+        return
+    if "optimizer" not in resume.extra:
+        raise CheckpointError(
+            f"--resume: {resume.path} has no optimizer.pt (add --resume_optimizer false to start a fresh one)"
+        )
+    model = meta_model(start.model_config, args)
+    optimizer = build_optimizer(model, OptimArgs.from_args(args, torch.device("cpu")))
+    load_optimizer_state(optimizer, resume.extra["optimizer"], resume.path / "optimizer.pt")
