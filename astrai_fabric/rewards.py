@@ -11,13 +11,21 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Callable, Sequence
+import os
+import reprlib
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from astrai_fabric.errors import ConfigError
+from astrai_fabric.errors import ConfigError, UserError
 
 
 class Reward(Protocol):
@@ -128,17 +136,101 @@ def _takes_three_arguments(function: Any, skip_self: bool = False) -> bool:
     return True
 
 
-def score(reward: Reward, prompts: list[str], responses: list[list[str]], records: list[dict]) -> Tensor:
-    """``rewards [B, G]`` (float32), checked: one finite number per response, or one clear error."""
-    name = getattr(reward, "__qualname__", type(reward).__qualname__)
-    values = reward(prompts, responses, records)
-    shape = (len(responses), len(responses[0]))
-    try:
-        tensor = torch.as_tensor([[float(v) for v in row] for row in values], dtype=torch.float32)
-    except (TypeError, ValueError) as err:
-        raise ConfigError(f"reward {name} must return {shape[0]} lists of {shape[1]} numbers ({err})") from None
-    if tuple(tensor.shape) != shape:
-        raise ConfigError(f"reward {name} returned shape {list(tensor.shape)}, expected {list(shape)} (prompts, group)")
-    if not torch.isfinite(tensor).all():
-        raise ConfigError(f"reward {name} returned non-finite values: {tensor.tolist()}")
-    return tensor
+FLOAT32_MAX = torch.finfo(torch.float32).max
+"""The largest reward a float32 holds (offline rewards are held to it too: ``data/records.check_rewards``)."""
+
+
+def reward_name(reward: Reward) -> str:
+    """The import path a reward goes by in messages: the function's, or the class's of an instance."""
+    target = reward if inspect.isfunction(reward) else type(reward)
+    return f"{target.__module__}.{target.__qualname__}"
+
+
+def score(
+    reward: Reward, prompts: list[str], responses: list[list[str]], records: list[dict],
+    traceback_dir: Path | None = None,
+) -> Tensor:  # fmt: skip
+    """``rewards [B, G]`` (float32), checked: one finite number per response (an int or a float, not a bool, a
+    string or None: nothing is passed through ``float()``), or one clear error naming the reward.
+
+    A reward that is not one of ``BUNDLED`` is the user's code: whatever it raises (or raises while its result is
+    iterated) is their mistake, a ``UserError`` naming the function and the exception, its traceback written to
+    ``traceback_dir/reward-error-HOST-PID.log`` (stderr where there is no such directory)."""
+    name = reward_name(reward)
+    if (reward if inspect.isfunction(reward) else type(reward)) in BUNDLED.values():  # ours: its errors are too
+        values = _rows(reward(prompts, responses, records))
+    else:
+        try:
+            values = _rows(reward(prompts, responses, records))
+        except (Exception, SystemExit) as err:  # whatever the user's code raises is theirs to see (sys.exit too)
+            where = _keep_traceback(err, traceback_dir)
+            summary = " ".join("".join(traceback.format_exception_only(type(err), err)).split())[:300]
+            raise UserError(f"your reward function {name} raised {summary} ({where})") from err
+    shape = [len(responses), len(responses[0])]
+    if not isinstance(values, list) or not all(isinstance(row, list) for row in values):
+        raise ConfigError(
+            f"reward {name} returned {_kind(values)}; it must return {shape[0]} lists of {shape[1]} numbers (one per "
+            "response of each prompt)"
+        )
+    if len(values) != shape[0] or any(len(row) != shape[1] for row in values):
+        lengths = sorted({len(row) for row in values})
+        got = f"shape {[len(values), *lengths]}" if len(lengths) == 1 else f"lists of {lengths} numbers"
+        raise ConfigError(f"reward {name} returned {got}, expected {shape} (prompts, group)")
+    for i, row in enumerate(values):
+        for j, value in enumerate(row):
+            if not _is_number(value):
+                raise ConfigError(
+                    f"reward {name} returned {_kind(value)} for response {j} of prompt {i}: a reward is a number "
+                    "(an int or a float; not a bool, a string or None)"
+                )
+            if not (abs(value) <= FLOAT32_MAX):  # NaN fails too; a Python int past float's range compares
+                raise ConfigError(
+                    f"reward {name} returned {_kind(value)} for response {j} of prompt {i}: rewards must be finite in "
+                    "float32 (|r| <= 3.4e38)"
+                )
+    return torch.tensor([[float(v) for v in row] for row in values], dtype=torch.float32)
+
+
+def _rows(values: Any) -> Any:
+    """A reward's result as a list of lists where it is a sequence of sequences (a 2-d tensor or array too),
+    else as it is, for the checks to name. Iterating it runs the user's code: this is called where that is theirs."""
+    if not _is_sequence(values):
+        return values
+    return [list(row) if _is_sequence(row) else row for row in values]
+
+
+def _is_sequence(value: Any) -> bool:
+    if isinstance(value, Tensor):
+        return value.dim() > 0
+    return isinstance(value, Iterable) and not isinstance(value, str | bytes | Mapping)
+
+
+def _is_number(value: Any) -> bool:
+    """A real number that is not a bool: Python's, numpy's or a 0-d tensor of a real dtype (types whose
+    ``float()`` and ``abs()`` run no code of the user's)."""
+    if isinstance(value, Tensor):
+        return value.dim() == 0 and value.dtype != torch.bool and not value.dtype.is_complex
+    return isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
+
+
+def _kind(value: Any) -> str:
+    """``str ('1.0')``: a value's type and a short look at it, for a message (``reprlib``'s: bounded however large
+    the value, and a ``__repr__`` of the user's that raises is no error)."""
+    return f"{type(value).__name__} ({reprlib.repr(value)})" if value is not None else "None"
+
+
+def _keep_traceback(err: BaseException, directory: Path | None) -> str:
+    """Write the traceback of the reward's exception (from the reward's own frame down) to
+    ``directory/reward-error-HOST-PID.log``, or to stderr where there is no such directory; say where."""
+    tb = err.__traceback__.tb_next if err.__traceback__ is not None else None  # leave out score's own frame
+    text = "".join(traceback.format_exception(type(err), err, tb))
+    if directory is not None and Path(directory).is_dir():
+        log = Path(directory) / f"reward-error-{socket.gethostname()}-{os.getpid()}.log"
+        try:
+            with log.open("a") as file:  # appended, never overwritten
+                file.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} your reward function's traceback\n{text}")
+            return f"its traceback: {log}"
+        except OSError:
+            pass
+    print(text, file=sys.stderr, end="")
+    return "its traceback above"

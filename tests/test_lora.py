@@ -8,6 +8,8 @@ process run (2 ranks within 1e-5), and AstrAI's LoRALinear in its own interprete
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import os
@@ -23,10 +25,12 @@ from spawn import run_ranks
 
 from astrai_fabric import assets, lora
 from astrai_fabric.checkpoint import load_checkpoint, load_model, read_adapter, read_model_config, save_checkpoint
+from astrai_fabric.checkpoint.adapter import MAX_BASE_CHAIN, lora_base_entry, weight_digests
 from astrai_fabric.cli import main
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.data.records import GroupDataset, PreferenceDataset, collate_groups, collate_preferences
 from astrai_fabric.data.storage import read_jsonl
+from astrai_fabric.errors import CheckpointError
 from astrai_fabric.losses import dpo_loss, group_advantages, grpo_loss, token_logprobs
 from astrai_fabric.model import AutoRegressiveLM
 from astrai_fabric.tokenizer import Tokenizer
@@ -144,10 +148,26 @@ def lora_args(root: Path, name: str, **overrides) -> TrainArgs:
     return TrainArgs(**values)
 
 
+def rank_one_fails(prompts, responses, records):
+    """An online grpo reward that raises on rank 1 only."""
+    if os.environ["RANK"] == "1":
+        raise ValueError("rank 1 cannot score")
+    return [[0.0] * len(group) for group in responses]
+
+
 def two_rank_worker(root: str) -> None:
     root = Path(root)
     for mode in ("ddp", "fsdp"):
         run(lora_args(root, mode, parallel_mode=mode, nprocs=2, batch_per_device=1))
+    # Last (the refusal leaves the process group), in this spawn (another costs ~15 s): a LoRA online grpo run whose
+    # reward fails on one fsdp rank, right before the sharded forward every rank takes part in.
+    argv = ["grpo", "--param_path", str(root / "base"), "--data_root_path", "bundled:data/grpo_online", "--lora_r",
+            "4", "--window_size", "64", "--batch_per_device", "1", "--group_size", "2", "--rollout_max_tokens", "2",
+            "--parallel_mode", "fsdp", "--nprocs", "2", "--num_workers", "0", "--loggers", "[]", "--ckpt_dir",
+            str(root / "reward_fails"), "--reward", "test_lora.rank_one_fails", "--trust_code"]  # fmt: skip
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+        code = main(argv)
+    (root / f"reward_fails_rank{os.environ['RANK']}.txt").write_text(f"{code}\n{err.getvalue()}")
 
 
 @pytest.fixture(scope="module")
@@ -198,6 +218,15 @@ def test_two_ranks_match_one_process(runs, mode):
         torch.testing.assert_close(ours[key], reference[key], atol=1e-5, rtol=0, msg=lambda m, key=key: f"{key}: {m}")
 
 
+def test_a_reward_failing_on_one_rank_stops_every_rank_with_one_line_each(runs):
+    outcomes = [(runs / f"reward_fails_rank{rank}.txt").read_text().split("\n", 1) for rank in (0, 1)]
+    assert [code for code, _ in outcomes] == ["2", "2"]  # neither hangs nor is left to find the other gone (exit 1)
+    lines = [[line for line in err.splitlines() if line.startswith("astrai-fabric: error:")] for _, err in outcomes]
+    assert lines[0] == ["astrai-fabric: error: the reward was refused on 1 other rank(s) (their messages say why)"]
+    raised = "your reward function test_lora.rank_one_fails raised ValueError: rank 1 cannot score (its traceback: "
+    assert len(lines[1]) == 1 and raised in lines[1][0]
+
+
 def test_two_rank_fsdp_checkpoint_resumes_on_one_rank(runs, tmp_path):
     run(lora_args(runs, "fsdp_on_one", resume=str(step_dir(runs / "fsdp", 2))))
     resumed, reference = adapter(runs / "fsdp_on_one", 4), adapter(runs / "fsdp", 4)
@@ -205,7 +234,7 @@ def test_two_rank_fsdp_checkpoint_resumes_on_one_rank(runs, tmp_path):
         torch.testing.assert_close(resumed[key], reference[key], atol=1e-5, rtol=0)
 
 
-def test_resume_is_bit_exact_with_dropout_and_gradient_checkpointing(runs):
+def test_resume_is_bit_exact_with_dropout_and_gradient_checkpointing(runs, capsys):
     options = dict(lora_dropout=0.3, gradient_checkpointing=True, lora_save_full=False)
     run(lora_args(runs, "dropout", **options))
     run(lora_args(runs, "dropout_resumed", resume=str(step_dir(runs / "dropout", 2)), **options))
@@ -220,6 +249,28 @@ def test_resume_is_bit_exact_with_dropout_and_gradient_checkpointing(runs):
     assert all(torch.equal(load_model(runs / "merged").state_dict()[k], v) for k, v in expected.items())
     assert main(["export", str(runs / "base"), "--merge_lora", "--out", str(runs / "unused")]) == 2
     assert not (runs / "unused").exists()  # not a LoRA checkpoint (nothing to merge)
+    # A tokenizer file linking out of the checkpoint is refused, never copied into the merged model.
+    linked = runs / "linked"
+    shutil.copytree(step_dir(runs / "dropout", 4), linked)
+    (runs / "secret.json").write_text("{}")
+    (linked / "tokenizer_config.json").unlink()
+    (linked / "tokenizer_config.json").symlink_to(runs / "secret.json")
+    assert main(["export", str(linked), "--merge_lora", "--out", str(runs / "leaked")]) == 2
+    assert f"links to {runs / 'secret.json'}, outside the model directory" in capsys.readouterr().err
+    assert not (runs / "leaked").exists()
+    # The base an adapter points to is hashed only once its weight files are known to be inside it: a base whose
+    # model.safetensors links to /dev/zero is refused at once (its sha256 never ended).
+    endless = runs / "endless_base"
+    shutil.copytree(runs / "base", endless)
+    (endless / "model.safetensors").unlink()
+    (endless / "model.safetensors").symlink_to("/dev/zero")
+    pointing = runs / "pointing"
+    shutil.copytree(step_dir(runs / "dropout", 4), pointing)
+    meta = json.loads((pointing / "meta.json").read_text())
+    meta["lora_base"].update(path=str(endless), absolute=str(endless))
+    (pointing / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="links to /dev/zero, outside the model directory"):
+        load_model(pointing)
 
 
 def step_2_batch(dataset, collate, pad_id: int, seed: int) -> dict[str, torch.Tensor]:
@@ -320,6 +371,62 @@ def test_resume_refuses_a_changed_or_missing_base(runs, tmp_path, capsys):
     assert main(argv) == 2
     assert "its LoRA base weights are missing" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("astrai-fabric: error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    return lines[0]
+
+
+def test_resume_refuses_a_param_path_that_is_not_the_adapters_base(runs, tmp_path, capsys):
+    checkpoint = step_dir(runs / "none", 2)
+    other = make_base(tmp_path / "other")  # the same architecture, other weights
+    weights = load_file(other / "model.safetensors")
+    save_file({k: v + 1 for k, v in weights.items()}, other / "model.safetensors")
+    argv = ["seq", "--param_path", str(other), "--data_root_path", "bundled:data/seq", "--ckpt_dir",
+            str(tmp_path / "out"), "--window_size", "32", "--lora_r", "4", "--lora_targets", "q_proj,v_proj,o_proj,up",
+            "--parallel_mode", "none", "--num_workers", "0", "--loggers", "[]",
+            "--resume", str(checkpoint)]  # fmt: skip
+    assert main(argv) == 2  # today's: trains on the checkpoint's base, param_path's weights silently unused
+    base = (runs / "base").resolve()
+    refusal = f"--resume: {checkpoint} is a LoRA adapter trained on the base {base}, but --param_path is {other}"
+    assert f"{refusal}, whose weights differ; resume with --param_path {base}" in one_error_line(capsys)
+    assert not (tmp_path / "out").exists()
+    shutil.copytree(runs / "base", tmp_path / "copy")  # the same weights elsewhere: the same base
+    argv[argv.index(str(other))] = str(tmp_path / "copy")
+    assert main([*argv, "--dry_run"]) == 0
+
+
+def test_an_adapter_whose_base_pointer_loops_is_refused_at_once(runs, tmp_path, capsys):
+    """Today's: each pointer followed and hashed again until the interpreter's recursion limit (about 30 s), then
+    blamed on JSON nesting."""
+    adapters = [tmp_path / f"a{i}" for i in range(MAX_BASE_CHAIN + 1)]
+    for path in adapters:  # adapter-only checkpoints: loading one follows its pointer
+        path.mkdir()
+        for name in ("adapter_model.safetensors", "adapter_config.json", "config.json", "meta.json"):
+            shutil.copy(step_dir(runs / "none", 2) / name, path / name)
+
+    def point(adapter: Path, base: Path) -> None:
+        meta = json.loads((adapter / "meta.json").read_text())
+        meta["lora_base"] = lora_base_entry(base, adapter, weight_digests(base))  # hashes that match: a real loop
+        (adapter / "meta.json").write_text(json.dumps(meta))
+
+    first, second = adapters[:2]
+    argv = ["generate", "--param_path", str(first), "--chat", "false", "--prompt", "a", "--max_new_tokens", "1"]
+    point(first, first)
+    assert main(argv) == 2
+    loop = f"{first}: its LoRA base pointer (meta.json 'lora_base') loops back: {first} -> {first}; an adapter's"
+    assert loop in one_error_line(capsys)
+    point(second, first)
+    point(first, second)
+    assert main(argv) == 2
+    assert f"loops back: {first} -> {second} -> {first}" in one_error_line(capsys)
+    for adapter, base in reversed(list(zip(adapters, [*adapters[1:], runs / "base"], strict=True))):
+        point(adapter, base)  # a chain, no loop, longer than any stack of adapters on adapters
+    assert main(argv) == 2
+    assert f"leads through more than {MAX_BASE_CHAIN} adapter checkpoints without weights" in one_error_line(capsys)
 
 
 @pytest.mark.parametrize(

@@ -59,6 +59,19 @@ def test_dry_run_says_profiling_is_on(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
+def test_profile_steps_past_the_last_step_are_warned_of_in_the_plan(tmp_path, capsys):
+    def plan(*flags: str, run: str = "run") -> list[str]:
+        assert main(tiny(tmp_path / run, "--max_steps", "1", *flags)) == 0
+        return capsys.readouterr().out.split("\n  outputs ")[0].splitlines()
+
+    warning = "warning: steps 900 to 905 are past this run's last step 1: nothing will be profiled"
+    assert plan("--profile_steps", "900:905", "--dry_run")[-1] == warning
+    assert plan("--profile_steps", "900:905")[-1] == warning  # the one renderer: the run says the same
+    assert not (tmp_path / "run" / "profile").exists()
+    partly = plan("--profile_steps", "1:3", "--dry_run", run="other")[-1]
+    assert partly == "warning: this run's last step is 1: steps 2 to 3 will not be profiled"
+
+
 def test_wandb_without_its_package_is_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "wandb", None)  # how an absent package imports: ModuleNotFoundError
     monkeypatch.delitem(sys.modules, "astrai_fabric.wandb_logger", raising=False)

@@ -2,12 +2,14 @@
 
 import json
 import math
+import sys
 
 import pytest
 import torch
 
 from astrai_fabric.assets import TINY_MODEL_DIR
 from astrai_fabric.checkpoint import load_model
+from astrai_fabric.cli import main
 from astrai_fabric.config import ModelConfig
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.data.records import GroupDataset, PreferenceDataset, collate_preferences
@@ -157,3 +159,97 @@ def test_token_zero_is_a_real_token_in_batches():
     batch = collate_preferences([sample], pad_id=2)
     chosen_mask, chosen_ids = batch["loss_mask"][0, 0], batch["input_ids"][0, 0]
     assert chosen_mask[len(sample.prompt_ids)] and chosen_ids[len(sample.prompt_ids)] == 0  # trained, not padding
+
+
+# --- the user's reward function: its mistakes are named as theirs ---------------------------------------------
+
+USER_REWARDS = """
+import math
+
+
+def raises(prompts, responses, records):
+    return lookup(records)
+
+
+def lookup(records):
+    return [record["no such field"] for record in records]
+
+
+def exits(prompts, responses, records):
+    raise SystemExit(0)
+
+
+def text(prompts, responses, records):
+    return [["1.0"] * len(group) for group in responses]
+
+
+def truth(prompts, responses, records):
+    return [[True] * len(group) for group in responses]
+
+
+def huge(prompts, responses, records):
+    return [[10**400] * len(group) for group in responses]
+
+
+def nan(prompts, responses, records):
+    return [[math.nan] * len(group) for group in responses]
+
+
+def one(prompts, responses, records):
+    return 1.0
+
+
+def nested(prompts, responses, records):
+    return [[[0.5]] * len(group) for group in responses]
+"""
+
+
+@pytest.fixture
+def user_rewards(tmp_path, monkeypatch):
+    """``user_rewards``, a module of the user's (importable, named with --trust_code): ``argv(function)``."""
+    (tmp_path / "user_rewards.py").write_text(USER_REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield lambda function: [
+        "grpo", "--param_path", "bundled:tiny", "--data_root_path", "bundled:data/grpo_online", "--window_size", "64",
+        "--batch_per_device", "2", "--group_size", "2", "--rollout_max_tokens", "2", "--max_steps", "1",
+        "--parallel_mode", "none", "--num_workers", "0", "--loggers", "[]", "--ckpt_dir", str(tmp_path / "out"),
+        "--reward", f"user_rewards.{function}", "--trust_code",
+    ]  # fmt: skip
+    sys.modules.pop("user_rewards", None)
+
+
+def error_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.startswith("astrai-fabric: error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "function, raised",
+    [("raises", "KeyError: 'no such field'"), ("exits", "SystemExit: 0")],
+)
+def test_a_reward_that_raises_is_the_users_error_with_its_traceback(user_rewards, tmp_path, capsys, function, raised):
+    assert main(user_rewards(function)) == 2  # theirs, not "internal error, a bug" (exit 1)
+    line = error_line(capsys.readouterr().err)
+    (log,) = (tmp_path / "out").glob("reward-error-*.log")
+    expected = f"your reward function user_rewards.{function} raised {raised} (its traceback: {log})"
+    assert line == f"astrai-fabric: error: {expected}"
+    traceback = log.read_text()
+    assert 'user_rewards.py", line' in traceback and f"in {function}" in traceback and raised in traceback
+    assert "astrai_fabric" not in traceback  # their frames only, from their function down
+
+
+@pytest.mark.parametrize(
+    "function, returned",
+    [("text", "returned str ('1.0') for response 0 of prompt 0: a reward is a number"),
+     ("truth", "returned bool (True) for response 0 of prompt 0"),
+     ("huge", "returned int (100000000000000000...0000000000000000000) for response 0 of prompt 0: rewards must be "
+              "finite"),
+     ("nan", "returned float (nan) for response 0 of prompt 0"),
+     ("nested", "returned list ([0.5]) for response 0 of prompt 0"),
+     ("one", "returned float (1.0); it must return 2 lists of 2 numbers")],
+)  # fmt: skip
+def test_a_reward_that_is_not_a_number_is_refused_not_converted(user_rewards, capsys, function, returned):
+    assert main(user_rewards(function)) == 2
+    line = error_line(capsys.readouterr().err)
+    assert f"astrai-fabric: error: reward user_rewards.{function} {returned}" in line, line

@@ -24,7 +24,9 @@ from astrai_fabric.checkpoint.files import (
     WEIGHTS_INDEX_FILE,
     StoredStateDict,
     abbreviate,
+    inside,
     read_json,
+    tensor_files,
 )
 from astrai_fabric.errors import CheckpointError
 
@@ -63,14 +65,15 @@ def read_adapter(directory: str | Path) -> LoRAAdapter:
 
 def weight_files(directory: Path) -> list[Path]:
     """The files a model directory's weights are read from (what a LoRA checkpoint's ``sha256`` covers)."""
-    if (directory / WEIGHTS_FILE).is_file():
-        return [directory / WEIGHTS_FILE]
-    if (directory / WEIGHTS_INDEX_FILE).is_file():
-        index = read_json(directory / WEIGHTS_INDEX_FILE, what="a sharded safetensors index")
-        shards = sorted(set((index.get("weight_map") or {}).values()))
-        return [directory / WEIGHTS_INDEX_FILE, *(directory / shard for shard in shards)]
-    if (directory / ADAPTER_FILE).is_file():  # a LoRA checkpoint as base: its own base is checked when it loads
-        return [directory / ADAPTER_FILE, directory / ADAPTER_CONFIG_FILE]
+    # Every file checked as the weights' reader checks them (files.inside, tensor_files): hashing reads them all, so
+    # a link out of the directory (or to /dev/zero) is refused before a byte is read.
+    if os.path.lexists(directory / WEIGHTS_FILE) or os.path.lexists(directory / WEIGHTS_INDEX_FILE):
+        shards = tensor_files(directory)
+        if os.path.lexists(directory / WEIGHTS_FILE):
+            return [inside(directory, WEIGHTS_FILE)]
+        return [inside(directory, WEIGHTS_INDEX_FILE), *shards]
+    if os.path.lexists(directory / ADAPTER_FILE):  # a LoRA checkpoint as base: its own base is checked when it loads
+        return [inside(directory, ADAPTER_FILE), inside(directory, ADAPTER_CONFIG_FILE)]
     raise CheckpointError(f"{directory}: no {WEIGHTS_FILE}, {WEIGHTS_INDEX_FILE} or {ADAPTER_FILE} (expected weights)")
 
 
@@ -96,8 +99,33 @@ def lora_base_entry(base: Path, checkpoint: Path, digests: dict[str, str]) -> di
     return {"path": relative, "absolute": str(base), "sha256": digests}
 
 
+MAX_BASE_CHAIN = 16
+"""Adapter checkpoints without weights (each the base of the one before) a chain of base pointers may hold."""
+
+
 def resolve_lora_base(path: Path, meta: Mapping[str, Any]) -> Path:
-    """The base directory a LoRA checkpoint points to, its weight files checked against the recorded sha256."""
+    """The base directory a LoRA checkpoint points to, its weight files checked against the recorded sha256. A
+    pointer that leads back to ``path`` (itself, or adapters pointing at each other) is refused before anything is
+    hashed."""
+    entry = _base_entry(path, meta)
+    candidates, found = _pointed_base(path, entry)
+    if found is None:
+        raise CheckpointError(
+            f"{path}: its LoRA base weights are missing (looked in {', '.join(map(str, candidates))}); "
+            "put the base model back there, or resume from a checkpoint written with --lora_save_full"
+        )
+    _refuse_a_loop(path, found)
+    digests = weight_digests(found)
+    if digests != entry["sha256"]:
+        differ = sorted(k for k in {*digests, *entry["sha256"]} if digests.get(k) != entry["sha256"].get(k))
+        raise CheckpointError(
+            f"{path}: the LoRA base at {found} is not the one this adapter was trained on (sha256 of "
+            f"{', '.join(differ)} differs); restore that base model, or start a new run from it"
+        )
+    return found
+
+
+def _base_entry(path: Path, meta: Mapping[str, Any]) -> dict[str, Any]:
     entry = meta.get(LORA_BASE_KEY)
     if not (
         isinstance(entry, dict)
@@ -108,18 +136,61 @@ def resolve_lora_base(path: Path, meta: Mapping[str, Any]) -> Path:
             f"{path / META_FILE}: a LoRA checkpoint without merged weights needs '{LORA_BASE_KEY}' "
             f"{{path, absolute, sha256}} naming its base weights, got {entry!r}"
         )
+    return entry
+
+
+def _pointed_base(path: Path, entry: Mapping[str, Any]) -> tuple[list[Path], Path | None]:
+    """Where a pointer says the base is (relative to ``path``, then absolute), and the first that is a directory."""
     candidates = [Path(entry[k]) if k == "absolute" else path / entry[k] for k in ("path", "absolute") if entry[k]]
-    found = next((c for c in candidates if c.is_dir()), None)
-    if found is None:
+    return candidates, next((c for c in candidates if c.is_dir()), None)
+
+
+def _refuse_a_loop(path: Path, base: Path) -> None:
+    """Follow the base pointers from ``path`` as loading would (through adapter-only checkpoints, to the first
+    directory with weights) and refuse a chain that comes back to a directory it passed, or runs past
+    ``MAX_BASE_CHAIN``: loading it would recurse, hashing every adapter on the way, until the interpreter gave up."""
+    chain, here = [path.resolve()], base
+    while True:
+        resolved = here.resolve()
+        if resolved in chain:
+            loop = " -> ".join(map(str, [*chain[chain.index(resolved) :], resolved]))
+            raise CheckpointError(
+                f"{path}: its LoRA base pointer ({META_FILE} '{LORA_BASE_KEY}') loops back: {loop}; an adapter's "
+                "base must be the model it was trained on, not itself or an adapter pointing back to it"
+            )
+        chain.append(resolved)
+        if (here / WEIGHTS_FILE).is_file() or not (here / ADAPTER_FILE).is_file() or not (here / META_FILE).is_file():
+            return  # weights (a model, or a LoRA checkpoint with its merged weights): loading stops here
+        if len(chain) > MAX_BASE_CHAIN:  # all adapters without weights so far, ``path`` included
+            raise CheckpointError(
+                f"{path}: its LoRA base pointer leads through more than {MAX_BASE_CHAIN} adapter checkpoints without "
+                f"weights ({chain[1]} ... {resolved}); point it at the model the adapter was trained on"
+            )
+        try:
+            entry = _base_entry(here, read_json(here / META_FILE, what="the run's meta data"))
+        except CheckpointError:
+            return  # loading that checkpoint says what is wrong with it
+        here = _pointed_base(here, entry)[1]
+        if here is None:
+            return
+
+
+def check_resumed_base(checkpoint: Path, base: Path, digests: Mapping[str, str], param_path: Path) -> None:
+    """A resumed LoRA checkpoint trains on the base its pointer names (``base``, checked against ``digests``): a
+    ``param_path`` that is neither that directory, nor the checkpoint itself (AstrAI's ``--resume true``), nor a
+    copy of the same weights is refused, rather than one of the two silently not used. Hashes ``param_path`` only
+    where its weight files have the base's names and sizes."""
+    if param_path.resolve() in (checkpoint.resolve(), base.resolve()):
+        return
+    try:
+        ours = [(f.name, f.stat().st_size) for f in weight_files(param_path)]
+    except (CheckpointError, OSError):  # no weights there (a config alone), or a shard its index names is missing
+        ours = None
+    theirs = [(f.name, f.stat().st_size) for f in weight_files(base)]  # there: just hashed
+    if ours != theirs or weight_digests(param_path) != dict(digests):
+        base = base.resolve()
         raise CheckpointError(
-            f"{path}: its LoRA base weights are missing (looked in {', '.join(map(str, candidates))}); "
-            "put the base model back there, or resume from a checkpoint written with --lora_save_full"
+            f"--resume: {checkpoint} is a LoRA adapter trained on the base {base}, but --param_path is {param_path}, "
+            f"whose weights differ; resume with --param_path {base}, or drop --resume to train a new adapter on "
+            f"{param_path}"
         )
-    digests = weight_digests(found)
-    if digests != entry["sha256"]:
-        differ = sorted(k for k in {*digests, *entry["sha256"]} if digests.get(k) != entry["sha256"].get(k))
-        raise CheckpointError(
-            f"{path}: the LoRA base at {found} is not the one this adapter was trained on (sha256 of "
-            f"{', '.join(differ)} differs); restore that base model, or start a new run from it"
-        )
-    return found

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from functools import partial
 from itertools import islice
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.data.dataset_config import render_group, unrendered_warning
 from astrai_fabric.data.records import GroupDataset, PromptDataset, collate_groups, collate_prompts, pack
 from astrai_fabric.data.storage import read_jsonl
-from astrai_fabric.errors import ConfigError
+from astrai_fabric.errors import ConfigError, UserError, raised_on_every_rank
 from astrai_fabric.generate import generate
 from astrai_fabric.loop.state import TrainState
 from astrai_fabric.lora import reference_context
@@ -104,7 +105,11 @@ class Rollouts:
         texts = [tokenizer.decode(r) for r in responses]
         prompt_texts = [tokenizer.decode(p) for p in batch["prompt_ids"]]
         grouped = [texts[i : i + group] for i in range(0, len(texts), group)]
-        rewards = score(self.reward, prompt_texts, grouped, batch["records"])
+        try:
+            rewards, refusal = score(self.reward, prompt_texts, grouped, batch["records"], Path(args.ckpt_dir)), None
+        except UserError as err:  # the user's reward raised, or returned what is not a reward
+            rewards, refusal = None, err
+        self._raise_on_every_rank(refusal)
         packed = pack(list(zip(prompts, responses, strict=True)), tokenizer.padding_id)
         packed = {k: v.to(self.fabric.device) for k, v in packed.items()}
         old_logprobs, _ = sequence_logprobs(self.model, packed["input_ids"])
@@ -113,6 +118,21 @@ class Rollouts:
         out["old_logprobs"] = old_logprobs.unflatten(0, (len(batch["prompt_ids"]), group))
         out["rewards"] = rewards.to(self.fabric.device)
         return out
+
+    def _raise_on_every_rank(self, refusal: UserError | None) -> None:
+        """A reward's refusal stops every rank here, together: a rank that stopped alone would leave the others
+        waiting for it in their next collective. Shown once where every rank's reward was refused (as
+        ``start.read_on_rank_zero`` does)."""
+        fabric = self.fabric
+        if fabric.world_size > 1:
+            flag = torch.tensor(float(refusal is not None), device=fabric.device)
+            failed = int(fabric.all_reduce(flag, reduce_op="sum").item())
+            if refusal is None and failed > 0:
+                raise UserError(f"the reward was refused on {failed} other rank(s) (their messages say why)")
+            if refusal is not None and failed == fabric.world_size:
+                raise raised_on_every_rank(refusal, fabric.local_rank)
+        if refusal is not None:
+            raise refusal
 
     def _all_done(self, local_done: bool) -> bool:
         pending = torch.tensor(0.0 if local_done else 1.0, device=self.fabric.device)
@@ -143,6 +163,7 @@ def build_dataset(args: TrainArgs, start: Start) -> tuple[GroupDataset | PromptD
             f"data_root_path {data_path}: records hold prompts without responses (online grpo), which needs --reward "
             "(e.g. --reward astrai_fabric.rewards.LengthReward)"
         )
+    load_reward(args.reward, args.trust_code)  # refused here, where the data says it is needed: the dry run too
     summary = f"prompts from {data_path} (online: {args.group_size} samples each, scored by {args.reward})"
     return PromptDataset(records, tokenizer, window_size), summary
 

@@ -151,7 +151,7 @@ def describe_plan(
         budget.append(f"max_tokens {args.max_tokens:,}")
     if budget:
         rows.append(("budget", f"stop at {' or '.join(budget)}"))
-    if profiling := describe_profiling(args):
+    if profiling := describe_profiling(args, steps):  # warns of steps past the run's last
         rows.append(("profiling", profiling))
     rows.append((
         "outputs",

@@ -30,6 +30,7 @@ from astrai_fabric.checkpoint import (
     read_model_config,
     weight_digests,
 )
+from astrai_fabric.checkpoint.adapter import check_resumed_base
 from astrai_fabric.checkpoint.ownership import check_writable
 from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.config.train import TrainArgs
@@ -144,6 +145,7 @@ def read_start(args: TrainArgs) -> Start:
         weights = resume
         if resume.lora is not None:
             lora_base, lora_digests = resume.lora.base, resume.meta[LORA_BASE_KEY]["sha256"]
+            check_resumed_base(resume.path, lora_base, lora_digests, param_path)  # never one of two bases unused
     elif any((param_path / name).exists() for name in (WEIGHTS_FILE, WEIGHTS_INDEX_FILE, ADAPTER_FILE)):
         weights = load_checkpoint(param_path, load_extra=False)  # a LoRA checkpoint: its adapter merged
         if args.lora_r:
