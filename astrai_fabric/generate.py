@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from astrai_fabric import assets
 from astrai_fabric.checkpoint import load_model
 from astrai_fabric.config.generate import GenerateArgs
-from astrai_fabric.errors import ConfigError
+from astrai_fabric.errors import ConfigError, UserError
 from astrai_fabric.model.kv_cache import KVCache
 from astrai_fabric.tokenizer import Tokenizer
 
@@ -145,6 +145,13 @@ def run_generate(args: GenerateArgs) -> list[list[str]]:
         tokenizer.apply_chat_template([*system, {"role": "user", "content": p}]) if args.chat else tokenizer.encode(p)
         for p in args.prompt
     ]
+    for prompt, ids in zip(args.prompt, encoded, strict=True):
+        if not ids:
+            how = "its chat_template renders it" if args.chat else "it encodes"
+            raise UserError(
+                f"--prompt {prompt[:40]!r}: with the tokenizer in {tokenizer.directory}, {how} as no token (and no "
+                "bos_token is added): there is nothing to continue"
+            )
     stop_ids = tokenizer.stop_ids if args.chat else [t for t in (tokenizer.eos_token_id,) if t is not None]
     generator = torch.Generator(device).manual_seed(args.seed)
     batch = [ids for ids in encoded for _ in range(args.num_samples)]

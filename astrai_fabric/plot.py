@@ -83,9 +83,26 @@ def plot_runs(runs: list[Path], output: Path) -> Path:
     return output
 
 
+PLOTTABLE = 1e300
+"""The largest magnitude drawn: an axis spanning more (a finite 1e308) overflows matplotlib's tick arithmetic."""
+
+
 def _series(axis: Any, entries: list[dict[str, Any]], key: str, label: str, **style: Any) -> Any:
-    points = [(e["step"], e[key]) for e in entries if isinstance(e.get(key), int | float)]
+    """``key`` against the step; values that are not finite numbers within ``PLOTTABLE`` are left out, and the
+    legend says how many."""
+    values = [(e["step"], e[key]) for e in entries if isinstance(e.get(key), int | float)]
+    points = [(step, value) for step, value in values if _plottable(value)]
+    if len(points) < len(values):
+        label += f" ({len(values) - len(points)} off the scale, left out)"
     if not points:
         return None
     (line,) = axis.plot(*zip(*points, strict=True), label=label, **{k: v for k, v in style.items() if v is not None})
     return line
+
+
+def _plottable(value: float) -> bool:
+    """Finite and within ``PLOTTABLE`` (NaN compares false; an integer past float's range raises)."""
+    try:
+        return abs(float(value)) <= PLOTTABLE
+    except OverflowError:
+        return False

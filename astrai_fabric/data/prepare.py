@@ -229,7 +229,10 @@ def _stream(
     state.finished, state.open = writer.finished, {}
     counts["dropped"] = dict(dropped)
     if not counts["kept"]:
-        raise UserError(f"no record was kept ({dict(dropped)}); nothing written")
+        raise UserError(
+            f"{', '.join(map(str, inputs))}: no record was kept ({dict(dropped)}) by the pipeline, with the "
+            f"tokenizer (and chat_template) in {tokenizer.directory}; nothing written"
+        )
 
 
 def _chunks(

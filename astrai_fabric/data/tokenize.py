@@ -22,8 +22,8 @@ from astrai_fabric.data.storage import Record
 from astrai_fabric.errors import UserError
 from astrai_fabric.tokenizer import HUGGING_FACE, Message, Tokenizer
 
-TRAINED_ROLES = {"assistant"}
-ROLES = {"system", "user", "assistant"}
+TRAINED_ROLES = ("assistant",)
+ROLES = ("system", "user", "assistant")  # tuples: a list or mapping read as a role is compared, never hashed
 
 
 def tokenize_text(records: list[Record], tokenizer: Tokenizer) -> dict[str, np.ndarray]:
