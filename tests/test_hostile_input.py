@@ -569,12 +569,15 @@ CASES = [
          {**model_dir(), "m/config.json": sparse((64 << 20) + 1)}),
     Case("config-int-digits", seq(model="{c}/m"), "config.json: not valid JSON (Exceeds the limit (4300 digits)",
          {**model_dir(), "m/config.json": '{"vocab_size": ' + "9" * 5000 + "}"}),
-    Case("config-int-past-int32", seq(model="{c}/m"), "'vocab_size' must be at most 2147483647, got about 10^400",
-         model_dir(vocab_size=10**400)),
-    # Sizes within bounds whose model no machine here holds: the allocator's refusal of the embedding (512 TiB;
-    # the dry run's count of the whole model: test_a_model_past_memory_is_in_the_dry_runs_list).
+    Case("config-int-past-int64", seq(model="{c}/m"), "'vocab_size' must fit in 64 bits (at most "
+         "9223372036854775807), got about 10^400", model_dir(vocab_size=10**400)),
+    Case("config-int-past-int32", seq(model="{c}/m"), "'vocab_size' must be at most 2147483647, got 2147483648",
+         model_dir(vocab_size=2**31)),
+    # Sizes within bounds whose model no machine here holds: counted from the config before anything is built
+    # (the embedding alone is 512 TiB), the run and its dry run alike.
     Case("config-past-memory", seq(model="{c}/m"), "param_path {c}/m: this model does not fit in memory here: "
-         "allocating one of its tensors (524,288.0 GiB) failed", model_dir(vocab_size=2**31 - 1, hidden_size=2**16)),
+         "140,789,305,311,232 parameters x 4 bytes x 1 process(es) per machine need 524,481.1 GiB",
+         model_dir(vocab_size=2**31 - 1, hidden_size=2**16)),
     Case("tokenizer-config-nested", seq("--tokenizer_path", "{c}/t"),
          "tokenizer_config.json: not valid JSON (nested too deeply)", tokenizer_dir(raw=NESTED)),
     Case("shard-meta-nested", seq(data="{c}/d"), "meta.json: not valid JSON (nested too deeply)",
@@ -593,6 +596,136 @@ CASES = [
          {"out/.astrai_fabric.json": NESTED}),
     Case("plot-nested-entry", ["plot", "{c}/metric.jsonl"], "metric.jsonl:1: not a metric entry",
          {"metric.jsonl": NESTED + "\n"}),
+    # --- round 3: templates, every render bounded --------------------------------------------------------------
+    Case("export-template-endless-loop", ["export", "{c}/ck", "--format", "hf", "--out", "{c}/hf"],
+         "ck/tokenizer_config.json: chat_template failed: rendering took longer than 0.5 s",
+         checkpoint(edit_json("tokenizer_config.json", chat_template="{% for i in range(100000) %}{% for j in "
+                                                                     "range(100000) %}{% endfor %}{% endfor %}"))),
+    Case("export-template-doubling", ["export", "{c}/ck", "--format", "hf", "--out", "{c}/hf"],
+         "ck/tokenizer_config.json: chat_template failed: a value of over 1,000,000 characters or items is above",
+         checkpoint(edit_json("tokenizer_config.json", chat_template="{% set ns = namespace(s='x') %}{% for i in "
+                                                                     "range(64) %}{% set ns.s = ns.s ~ ns.s %}"
+                                                                     "{% endfor %}"))),
+    Case("template-nested-literals-compared", sft("--tokenizer_path", "{c}/t"), "characters or items is above the",
+         template("{% set ns = namespace(a=[1], b=[1]) %}{% for i in range(64) %}{% set ns.a = [ns.a, ns.a] %}"
+                  "{% set ns.b = [ns.b, ns.b] %}{% endfor %}{{ ns.a == ns.b }}")),
+    Case("hf-template-list-join", sft("--tokenizer_path", "{c}/t"), "in one render is above the template limit",
+         hf_tokenizer(HF_EOS, "{{ range(100000) | map('string') | map('center', 100000) | join | length }}")),
+    Case("tokenizer-class-list", seq("--tokenizer_path", "{c}/t"), "'tokenizer_class' must be a class name",
+         hf_tokenizer({**HF_EOS, "tokenizer_class": ["PreTrainedTokenizerFast"]})),
+    Case("model-max-length-map", seq("--tokenizer_path", "{c}/t"), "'model_max_length' must be a number, got {",
+         hf_tokenizer({**HF_EOS, "model_max_length": {"tokens": 2048}})),
+    # --- round 3: export's destination; Hugging Face directories loaded exactly or refused -----------------------
+    # Every format (astrai, hf, peft, --merge_lora) checks --out, given or default, before reading anything.
+    *[case for flags in ([], ["--format", "hf"], ["--format", "peft"], ["--merge_lora"]) for case in [
+        Case(f"export{'-'.join(['', *flags]).replace('--', '')}-out-under-a-file",
+             ["export", "{w}/run/epoch_0_step_1", *flags, "--out", "{c}/file/x"],
+             "--out {c}/file/x: {c}/file is a file, not a directory", {"file": "x"}),
+        Case(f"export{'-'.join(['', *flags]).replace('--', '')}-out-inside-the-source",
+             ["export", "{w}/run/epoch_0_step_1", *flags, "--out", "{w}/run/epoch_0_step_1/x"],
+             "is inside {w}/run/epoch_0_step_1, the directory being exported"),
+        Case(f"export{'-'.join(['', *flags]).replace('--', '')}-out-is-the-source",
+             ["export", "{w}/run/epoch_0_step_1", *flags, "--out", "{w}/run/epoch_0_step_1"],
+             "--out {w}/run/epoch_0_step_1: is {w}/run/epoch_0_step_1, the directory being exported"),
+        Case(f"export{'-'.join(['', *flags]).replace('--', '')}-out-holds-the-source",
+             ["export", "{w}/run/epoch_0_step_1", *flags, "--out", "{w}/run"],
+             "--out {w}/run: holds {w}/run/epoch_0_step_1, the directory being exported"),
+        Case(f"export{'-'.join(['', *flags]).replace('--', '')}-out-not-empty",
+             ["export", "{w}/run/epoch_0_step_1", *flags, "--out", "{c}/o"],
+             "--out {c}/o: already exists and is not empty ([notes.txt])", {"o/notes.txt": "mine"}),
+        Case(f"export{'-'.join(['', *flags]).replace('--', '')}-out-a-link",
+             ["export", "{w}/run/epoch_0_step_1", *flags, "--out", "{c}/o"],
+             "--out {c}/o: is a symbolic link; export writes a new directory",
+             {"o": lambda path: path.symlink_to(path.parent / "elsewhere")}),
+        Case(f"export{'-'.join(['', *flags]).replace('--', '')}-out-unwritable",
+             ["export", "{w}/run/epoch_0_step_1", *flags, "--out", "/proc/self/x"],
+             "--out /proc/self/x: /proc/self is not writable here"),
+        Case(f"export{'-'.join(['', *flags]).replace('--', '')}-out-name-too-long",
+             ["export", "{w}/run/epoch_0_step_1", *flags, "--out", "{c}/" + "x" * 250],
+             "--out {c}/" + "x" * 250 + ": cannot be created or written (a name of more than 241 bytes)"),
+        Case(f"export{'-'.join(['', *flags]).replace('--', '')}-default-out-a-file", ["export", "{c}/ck", *flags],
+             "{c}/ck" + {"hf": "_hf", "peft": "_peft"}.get(flags[-1] if flags else "", "_full") + " is a file",
+             {"ck": lambda path: path.symlink_to(path.parents[1] / "w" / "run" / "epoch_0_step_1"),
+              "ck" + {"hf": "_hf", "peft": "_peft"}.get(flags[-1] if flags else "", "_full"): "x"}),
+    ]],
+    Case("export-default-out-of-the-root", ["export", "/"], "export /: no name to put _full after; give --out"),
+    Case("export-out-the-root", ["export", "{w}/run/epoch_0_step_1", "--format", "hf", "--out", "/"],
+         "--out /: names no directory to create"),
+    Case("export-copies-a-link-out", ["export", "{c}/ck", "--format", "hf", "--out", "{c}/o"],
+         "ck/tokenizer.model: links to {c}/secret.txt, outside the model directory",
+         {"secret.txt": "not for the Hub", **checkpoint(lambda ck: (ck / "tokenizer.model").symlink_to(
+             ck.parent / "secret.txt"))}),
+    Case("export-dtype-copies-a-link-out", ["export", "{c}/ck", "--dtype", "bfloat16", "--out", "{c}/o"],
+         "ck/notes.txt: links to {c}/secret.txt, outside the model directory",
+         {"secret.txt": "not for the Hub", **checkpoint(lambda ck: (ck / "notes.txt").symlink_to(
+             ck.parent / "secret.txt"))}),
+    Case("export-merge-lora-as-peft", ["export", "{w}/run/epoch_0_step_1", "--merge_lora", "--format", "peft",
+         "--out", "{c}/o"], "--merge_lora writes the merged model; --format peft writes the adapter alone"),
+    Case("export-merge-lora-dtype", ["export", "{w}/run/epoch_0_step_1", "--merge_lora", "--dtype", "bfloat16",
+         "--out", "{c}/o"], "--dtype does not apply to --merge_lora"),
+    # A Hugging Face directory binds transformers' tensor names exactly; its shard index is read exactly.
+    Case("hf-astrai-tensor-names", ["generate", "--param_path", "{c}/ck", "--prompt", "x", "--max_new_tokens", "1"],
+         "are not tensor names of a Hugging Face llama model (transformers would not load them)",
+         checkpoint(lambda ck: (ck / "config.json").write_text(json.dumps({
+             **{k: TINY_CONFIG[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                            "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
+                                            "rms_norm_eps", "rope_theta", "tie_word_embeddings")},
+             "model_type": "llama"})))),
+    *[Case(f"index-{name}", ["generate", "--param_path", "{c}/ck", "--prompt", "x", "--max_new_tokens", "1"], message,
+           checkpoint(lambda ck, move=move, weight_map=weight_map, link=link: (
+               move and (ck / "model.safetensors").rename(ck / move),
+               link and (ck / link).symlink_to(ck / move),
+               (ck / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+                   "embed_tokens.weight": weight_map.replace("{ck}", str(ck))}})))))
+      for name, move, link, weight_map, message in [
+          ("parent-path", "../outside.safetensors", None, "../outside.safetensors",
+           "maps 'embed_tokens.weight' to '../outside.safetensors', expected the file name of a shard beside"),
+          ("absolute-path", "../outside.safetensors", None, "{ck}/../outside.safetensors",
+           "(no path: nothing is read from outside the model directory)"),
+          ("link-out", "../outside.safetensors", "model-00001-of-00001.safetensors",
+           "model-00001-of-00001.safetensors", "ck/model-00001-of-00001.safetensors: links to "),
+          ("beside-a-single-file", None, None, "model-00001-of-00002.safetensors",
+           "lists shards beside a model.safetensors, so which file holds the model is ambiguous"),
+          ("tensor-not-listed", "model-00001-of-00001.safetensors", None, "model-00001-of-00001.safetensors",
+           "model-00001-of-00001.safetensors: holds 'layers.0.attention.k_proj.weight', but "
+           "model.safetensors.index.json does not list it"),
+      ]],
+    Case("index-value-not-a-string", ["generate", "--param_path", "{c}/ck", "--prompt", "x"],
+         "'weight_map' maps 'embed_tokens.weight' to a list, expected the file name of a shard",
+         checkpoint(lambda ck: ((ck / "model.safetensors").unlink(), (ck / "model.safetensors.index.json").write_text(
+             json.dumps({"weight_map": {"embed_tokens.weight": ["model.safetensors"]}}))))),
+    # --- round 3: sizes bounded before work; one type check per field; whose fault ------------------------------
+    # Counts that say how many modules a model has are bounded before any loop over them (these hung, building
+    # per-layer lists and the meta-device model one layer at a time).
+    Case("config-layers-int32", seq(model="{c}/m"), "'num_hidden_layers' must be at most 4,096, got 2,147,483,647",
+         model_dir(num_hidden_layers=2**31 - 1)),
+    Case("config-experts-int32", seq(model="{c}/m"), "4 MoE layers x 2,147,483,647 experts",
+         model_dir(ffn_type="moe", n_routed_experts=2**31 - 2, n_shared_experts=1, n_activated_experts=1)),
+    *[Case(f"hf-{kind}-layers-int32", seq(model="{c}/m"),
+           "'num_hidden_layers' must be at most 4,096, got 2,147,483,647",
+           {**model_dir(), "m/config.json": json.dumps({
+               **{k: TINY_CONFIG[k] for k in ("vocab_size", "hidden_size", "intermediate_size",
+                                              "num_attention_heads", "num_key_value_heads", "max_position_embeddings")},
+               "model_type": kind, "num_hidden_layers": 2**31 - 1, "sliding_window": 8, "use_sliding_window": True,
+               "max_window_layers": 0})})
+      for kind in ("mistral", "qwen2")],
+    # A value of the wrong kind is one line naming its field, wherever it is first used as a key or compared.
+    Case("recipe-train-type-list", ["seq", "--config", "{c}/r.yaml"], "r.yaml: train_type must be str, got [\"seq\"]",
+         {"r.yaml": RECIPE + "train_type: [seq]\n"}),
+    Case("recipe-null-size", ["seq", "--config", "{c}/r.yaml"], "batch_per_device must be int, got null",
+         {"r.yaml": RECIPE + "batch_per_device: null\n"}),
+    Case("recipe-null-list", ["seq", "--config", "{c}/r.yaml"], "lora_targets must be list of str, got null",
+         {"r.yaml": RECIPE + "lora_targets: null\n"}),
+    Case("recipe-lora-rank-past-int64", ["seq", "--config", "{c}/r.yaml"], "lora_r must fit in 64 bits",
+         {"r.yaml": RECIPE + "lora_r: " + "9" * 30 + "\n"}),
+    Case("config-model-type-list", seq(model="{c}/m"), "config.json: 'model_type' must be str or null, got [\"llama\"]",
+         model_dir(model_type=["llama"])),
+    Case("generate-prompt-rendered-empty", ["generate", "--param_path", "{w}/run/epoch_0_step_1",
+         "--tokenizer_path", "{c}/t", "--prompt", "hi", "--max_new_tokens", "1"],
+         "--prompt 'hi': with the tokenizer in {c}/t, its chat_template renders it as no token",
+         tokenizer_dir(chat_template="{{ '' }}")),
+    Case("checkpoint-model-type-dict", resume(), "config.json: 'model_type' must be str or null, got {\"a\": 1}",
+         checkpoint(edit_json("config.json", model_type={"a": 1}))),
 ]  # fmt: skip
 
 
@@ -660,6 +793,37 @@ def test_hostile_input_gets_one_line(case, workspace, tmp_path, capsys, monkeypa
     assert "Traceback" not in err
     assert (snapshot(here), snapshot(workspace)) == before  # nothing written, nothing overwritten
     assert not (here / "pwned").exists()
+
+
+TRAIN_COMMANDS = ("seq", "sft", "dpo", "grpo")
+DRY_RUN_CASES = [case for case in CASES if case.argv[0] in TRAIN_COMMANDS and "--print_config" not in case.argv]
+
+
+@pytest.mark.parametrize("case", DRY_RUN_CASES, ids=lambda case: case.id)
+def test_the_dry_run_refuses_what_the_run_refuses(case, workspace, tmp_path, capsys, monkeypatch):
+    """One set of start-up checks (``train.checks``): the dry run of each hostile training command exits as the
+    run does (2), naming the same problem, as a line of its list or, for mistakes found before any plan can be
+    made (a flag, a recipe), as the same one error line; and it writes nothing either."""
+    monkeypatch.setattr(tokenizer_module, "RENDER_SECONDS", 0.5)
+    here = tmp_path / "c"
+    here.mkdir()
+    (tmp_path / "w").symlink_to(workspace)
+    fill = {"{c}": str(here), "{w}": str(workspace)}
+    for name, content in case.files.items():
+        path = here / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if callable(content):
+            content(path)
+        else:
+            path.write_bytes(content if isinstance(content, bytes) else _fill(content, fill).encode())
+    argv = [_fill(arg, fill) for arg in case.argv]
+    before = snapshot(here), snapshot(workspace)
+    code = main([*argv, "--dry_run"])
+    out, err = capsys.readouterr()
+    assert code == case.code, out[-3000:] + err[-2000:]
+    assert _fill(case.message, fill) in out + err, out[-3000:] + err[-2000:]
+    assert "Traceback" not in err
+    assert (snapshot(here), snapshot(workspace)) == before
 
 
 def _fill(text: str, values: dict[str, str]) -> str:
