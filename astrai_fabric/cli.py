@@ -23,10 +23,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-import os
-import socket
 import sys
-import time
 import traceback
 import typing
 from pathlib import Path
@@ -40,7 +37,7 @@ from astrai_fabric.config.generate import GenerateArgs
 from astrai_fabric.config.kinds import kind_problem
 from astrai_fabric.config.train import COMMAND_LINE_ONLY, TrainArgs, resolved_recipe
 from astrai_fabric.data.prepare import PipelineConfig, prepare
-from astrai_fabric.errors import TrainingError, UserError
+from astrai_fabric.errors import TrainingError, UserError, keep_traceback
 from astrai_fabric.export import DEFAULT_MAX_SHARD_SIZE, DTYPES, FORMATS, export
 from astrai_fabric.generate import run_generate
 from astrai_fabric.tokenizer import Tokenizer
@@ -123,17 +120,10 @@ _crash_log_dir: Path | None = None
 
 
 def _keep_traceback(err: Exception) -> str:
-    """Write ``err``'s traceback to ``ckpt_dir/crash-HOST-PID.log`` (stderr when there is no ckpt_dir); say where."""
+    """Keep ``err``'s traceback in ``ckpt_dir/crash-HOST-PID.log`` (stderr when there is no ckpt_dir); say where."""
     text = "".join(traceback.format_exception(err))
-    if _crash_log_dir is not None and _crash_log_dir.is_dir():
-        log = _crash_log_dir / f"crash-{socket.gethostname()}-{os.getpid()}.log"
-        try:
-            log.write_text(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} astrai-fabric {__version__}\n{text}")
-            return f"traceback in {log}; please report it"
-        except OSError:
-            pass
-    print(text, file=sys.stderr, end="")
-    return "traceback above; please report it"
+    log = keep_traceback(text, _crash_log_dir, "crash", f"astrai-fabric {__version__}")
+    return f"traceback in {log}; please report it" if log is not None else "traceback above; please report it"
 
 
 def _dispatch(argv: list[str]) -> int:

@@ -5,6 +5,14 @@ message that names the field or file and what was expected. The CLI prints that 
 exits non-zero; library callers can catch it like any other exception. Internal invariants use ``assert``.
 """
 
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
 
 class UserError(Exception):
     """Bad user input: the message says what is wrong, where, and what was expected."""
@@ -29,3 +37,19 @@ def raised_on_every_rank(err: Exception, local_rank: int) -> Exception:
     rank still exits with its status. Returns ``err``."""
     err.quiet = local_rank != 0
     return err
+
+
+def keep_traceback(text: str, directory: Path | None, kind: str, header: str) -> str:
+    """Append a traceback ``text`` to ``directory/KIND-HOST-PID.log`` (under a timestamped ``header``), or print
+    it on stderr where there is no such directory or it cannot be written; returns where it went (the log's path,
+    or None for stderr), for the one error line to name."""
+    if directory is not None and Path(directory).is_dir():
+        log = Path(directory) / f"{kind}-{socket.gethostname()}-{os.getpid()}.log"
+        try:
+            with log.open("a") as file:  # appended, never overwritten
+                file.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {header}\n{text}")
+            return str(log)
+        except OSError:
+            pass
+    print(text, file=sys.stderr, end="")
+    return None

@@ -11,11 +11,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import os
 import reprlib
-import socket
-import sys
-import time
 import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -25,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from astrai_fabric.errors import ConfigError, UserError
+from astrai_fabric.errors import ConfigError, UserError, keep_traceback
 
 
 class Reward(Protocol):
@@ -220,17 +216,9 @@ def _kind(value: Any) -> str:
 
 
 def _keep_traceback(err: BaseException, directory: Path | None) -> str:
-    """Write the traceback of the reward's exception (from the reward's own frame down) to
-    ``directory/reward-error-HOST-PID.log``, or to stderr where there is no such directory; say where."""
+    """Keep the traceback of the reward's exception, from the reward's own frame down (``errors.keep_traceback``:
+    ``directory/reward-error-HOST-PID.log``, or stderr); say where."""
     tb = err.__traceback__.tb_next if err.__traceback__ is not None else None  # leave out score's own frame
     text = "".join(traceback.format_exception(type(err), err, tb))
-    if directory is not None and Path(directory).is_dir():
-        log = Path(directory) / f"reward-error-{socket.gethostname()}-{os.getpid()}.log"
-        try:
-            with log.open("a") as file:  # appended, never overwritten
-                file.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} your reward function's traceback\n{text}")
-            return f"its traceback: {log}"
-        except OSError:
-            pass
-    print(text, file=sys.stderr, end="")
-    return "its traceback above"
+    log = keep_traceback(text, directory, "reward-error", "your reward function's traceback")
+    return f"its traceback: {log}" if log is not None else "its traceback above"

@@ -79,8 +79,12 @@ RENDER_SECONDS = 5.0
 MAX_TEMPLATE_NUMBER = 100_000
 """Largest number a template may pass to a function or filter, or repeat a string by (Jinja's own ``range`` cap)."""
 MAX_RENDER_CHARS = 1_000_000
-"""Longest rendering of a conversation, or 16 characters per input character when that is more; also the largest
-value (characters and items) a template may build or print."""
+"""Longest rendering of a template outside a conversation (export's probe); also the largest value (characters and
+items) such a render may build or print."""
+CHAT_RENDER_CHARS = 65_536
+"""What a chat template may add to a conversation (role headers, a default system prompt): a conversation renders
+to at most this plus 16 characters per character of its messages, the bound on its values too. Relative to the
+input, so a template cannot make every record a megabyte and a dataset's work unbounded."""
 BUILT_CHARS_PER_OUTPUT_CHAR = 64
 """Characters one render may build in all (results of calls, filters, operators, joins), per character of output."""
 MAX_CALL_DEPTH = 100
@@ -239,7 +243,7 @@ class Tokenizer:
 
     def render_chat(self, messages: list[Message], add_generation_prompt: bool = False, where: str = "") -> str:
         """The chat template applied to ``messages`` (text, not ids); ``where`` names the record in errors."""
-        max_chars = max(MAX_RENDER_CHARS, 16 * sum(len(str(m.get("content", ""))) for m in messages))
+        max_chars = CHAT_RENDER_CHARS + 16 * sum(len(str(m.get("content", ""))) for m in messages)
         variables = self._variables(messages, add_generation_prompt)
         return render_template(self._template, variables, self._template_path, where, max_chars)
 

@@ -63,8 +63,7 @@ CASES = {
                 {"t/tokenizer_config.json": json.dumps({**HF_TOKENIZER, "chat_template": "{{ messages | "
                  "tojson(indent=100000) }}" + CHAT}).encode(), "data.jsonl": SFT_200},
                 culprits=("chat_template",), deadline_s=HANG_S),
-        found("hang, tokenizer_config.json chat_template rendering ~10^6 characters per message: each render within "
-              "the caps, prepare's time grows with the records (200 run past 10 s)"),
+        (),  # fixed: a conversation renders to at most 65,536 characters more than 16 per input character
     ),
     "generate-empty-prompt": (
         Example("tokenizer_config.json (astrai)", ["generate", "--param_path", "{w}/ck", "--tokenizer_path", "{x}/t",
