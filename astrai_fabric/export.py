@@ -21,7 +21,6 @@ import json
 import os
 import re
 import sys
-from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -38,7 +37,7 @@ from astrai_fabric.checkpoint import (
     save_checkpoint,
     save_model_directory,
 )
-from astrai_fabric.checkpoint.files import abbreviate, inside
+from astrai_fabric.checkpoint.files import abbreviate, files_inside
 from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.errors import CheckpointError, ConfigError, UserError
 from astrai_fabric.model import AutoRegressiveLM
@@ -170,7 +169,7 @@ def export_astrai(source: Path, target: Path, dtype: str | None = None) -> Path:
         )
     cast = _caster(dtype)
     if ckpt.source is not None:  # a Hugging Face directory: AstrAI's model directory (no run, no meta.json)
-        files: dict[str, str | Path] = dict(_copies(source, (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE)))
+        files: dict[str, str | Path] = dict(files_inside(source, (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE)))
         files[CONFIG_FILE] = json.dumps(config.to_dict(), indent=2)
         return save_model_directory(target, cast(ckpt.state_dict), files)
     if dtype is None:
@@ -182,7 +181,7 @@ def export_astrai(source: Path, target: Path, dtype: str | None = None) -> Path:
         return save_model_directory(target, cast(ckpt.state_dict), {CONFIG_FILE: json.dumps(ckpt.config, indent=2)})
     names = [p.name for p in source.iterdir() if (p.is_file() or p.is_symlink()) and p.suffix not in (".pt",
              ".safetensors") and p.name not in (META_FILE, CONFIG_FILE)]  # fmt: skip
-    copied = _copies(source, sorted(names))
+    copied = files_inside(source, sorted(names))
     meta = {k: v for k, v in ckpt.meta.items() if k not in RESERVED_META}
     return save_checkpoint(
         target, cast(ckpt.state_dict), ckpt.config, epoch=ckpt.epoch, consumed_samples=ckpt.consumed_samples,
@@ -262,7 +261,7 @@ def _tokenizer_files(source: Path, config: ModelConfig) -> tuple[dict[str, str |
     token ids; none where the directory holds no tokenizer."""
     if not (source / TOKENIZER_FILE).is_file():
         return {}, {}
-    files: dict[str, str | Path] = dict(_copies(source, HF_TOKENIZER_FILES))
+    files: dict[str, str | Path] = dict(files_inside(source, HF_TOKENIZER_FILES))
     tokenizer = Tokenizer.from_dir(source)  # checks both files: JSON objects, special tokens in the vocabulary
     config_path = source / TOKENIZER_CONFIG_FILE
     raw = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
@@ -272,13 +271,6 @@ def _tokenizer_files(source: Path, config: ModelConfig) -> tuple[dict[str, str |
         files[TOKENIZER_CONFIG_FILE] = json.dumps(written, indent=2)
         token_ids = {f"{name}_id": tokenizer.token_id(name) for name in ("bos_token", "eos_token", "pad_token")}
     return files, token_ids
-
-
-def _copies(source: Path, names: Iterable[str]) -> dict[str, Path]:
-    """Those of ``names`` present in ``source``, to copy into the export as they are: each a regular file inside
-    ``source`` (``checkpoint.files.inside``), so a link to a file elsewhere (or to a device, which would never end)
-    is refused, never copied into what may be published."""
-    return {name: inside(source, name) for name in names if os.path.lexists(source / name)}
 
 
 def _caster(dtype: str | None):  # noqa: ANN202 - a small closure

@@ -34,7 +34,7 @@ import shutil
 import time
 import uuid
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -381,6 +381,13 @@ def inside(path: Path, name: str) -> Path:
     if not real.is_file():
         raise CheckpointError(f"{file}: not a regular file" if real.exists() else f"{file}: file not found")
     return file
+
+
+def files_inside(path: Path, names: Iterable[str]) -> dict[str, Path]:
+    """Those of ``names`` present in ``path``, each checked as ``inside`` (a regular file within it once links are
+    followed): what an export or a merge copies, so a link to a file elsewhere (or to a device, which would never
+    end) is refused, never copied into what may be published."""
+    return {name: inside(path, name) for name in names if os.path.lexists(path / name)}
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ ignores that key and uses its own ``epoch``/``consumed_samples``, which we write
 
 from __future__ import annotations
 
-import os
 import tempfile
 import warnings
 from dataclasses import asdict
@@ -32,7 +31,7 @@ from astrai_fabric.checkpoint.files import (
     META_FILE,
     RESERVED_META,
     WEIGHTS_FILE,
-    inside,
+    files_inside,
     save_checkpoint,
     staging_dir,
 )
@@ -162,11 +161,9 @@ def export_checkpoint(source: str | Path, target: str | Path, cast: Any = None) 
         dcp_to_torch_save(source / STATE_DIR, Path(scratch) / "state.pt")
         optimizer_state = _integer_state_keys(torch.load(Path(scratch) / "state.pt", weights_only=True)["optimizer"])
     meta = {k: v for k, v in ckpt.meta.items() if k not in (*RESERVED_META, SHARDED_KEY)}
-    copied = {  # a link pointing out of the checkpoint is refused, never copied (files.inside)
-        p.name: inside(source, p.name)
-        for p in source.iterdir()
-        if (p.is_file() or p.is_symlink()) and p.name not in CHECKPOINT_FILES and p.suffix != ".pt"
-    }
+    names = [p.name for p in source.iterdir() if (p.is_file() or p.is_symlink()) and p.name not in CHECKPOINT_FILES
+             and p.suffix != ".pt"]  # fmt: skip
+    copied = files_inside(source, names)  # a link pointing out of the checkpoint is refused, never copied
     return save_checkpoint(
         target, cast(ckpt.state_dict) if cast else ckpt.state_dict, ckpt.config, epoch=ckpt.epoch,
         consumed_samples=ckpt.consumed_samples, meta=meta, extra={"optimizer": optimizer_state, **ckpt.extra},
@@ -181,8 +178,7 @@ def export_merged(source: str | Path, target: str | Path) -> Path:
     ckpt = load_checkpoint(source, load_extra=False)
     if ckpt.lora is None:
         raise CheckpointError(f"{source}: no adapter_model.safetensors: not a LoRA checkpoint (nothing to merge)")
-    names = [name for name in ("tokenizer.json", "tokenizer_config.json") if os.path.lexists(source / name)]
-    copied = {name: inside(source, name) for name in names}  # never a file outside the checkpoint
+    copied = files_inside(source, ("tokenizer.json", "tokenizer_config.json"))  # never a file outside it
     meta = {"merged_from": str(source.resolve()), "lora": ckpt.lora.spec.adapter_config()}
     return save_checkpoint(target, ckpt.state_dict, ckpt.config, meta=meta, files=copied)
 

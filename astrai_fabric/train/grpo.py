@@ -27,7 +27,7 @@ from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.data.dataset_config import render_group, unrendered_warning
 from astrai_fabric.data.records import GroupDataset, PromptDataset, collate_groups, collate_prompts, pack
 from astrai_fabric.data.storage import read_jsonl
-from astrai_fabric.errors import ConfigError, UserError, raised_on_every_rank
+from astrai_fabric.errors import ConfigError, UserError
 from astrai_fabric.generate import generate
 from astrai_fabric.loop.state import TrainState
 from astrai_fabric.lora import reference_context
@@ -37,7 +37,7 @@ from astrai_fabric.rewards import Reward, load_reward, score
 from astrai_fabric.strategy import data_parallel
 from astrai_fabric.tokenizer import Tokenizer
 from astrai_fabric.train.common import train_on
-from astrai_fabric.train.start import Start, reference_model, require_jsonl, resolve_start
+from astrai_fabric.train.start import Start, raise_together, reference_model, require_jsonl, resolve_start
 
 
 def sequence_logprobs(model: nn.Module, ids: Tensor) -> tuple[Tensor, dict]:
@@ -109,7 +109,10 @@ class Rollouts:
             rewards, refusal = score(self.reward, prompt_texts, grouped, batch["records"], Path(args.ckpt_dir)), None
         except UserError as err:  # the user's reward raised, or returned what is not a reward
             rewards, refusal = None, err
-        self._raise_on_every_rank(refusal)
+        if self.fabric.world_size > 1:  # every rank stops here, together
+            raise_together(self.fabric, refusal, lambda n: f"the reward was refused on {n} other rank(s)")
+        if refusal is not None:
+            raise refusal
         packed = pack(list(zip(prompts, responses, strict=True)), tokenizer.padding_id)
         packed = {k: v.to(self.fabric.device) for k, v in packed.items()}
         old_logprobs, _ = sequence_logprobs(self.model, packed["input_ids"])
@@ -118,21 +121,6 @@ class Rollouts:
         out["old_logprobs"] = old_logprobs.unflatten(0, (len(batch["prompt_ids"]), group))
         out["rewards"] = rewards.to(self.fabric.device)
         return out
-
-    def _raise_on_every_rank(self, refusal: UserError | None) -> None:
-        """A reward's refusal stops every rank here, together: a rank that stopped alone would leave the others
-        waiting for it in their next collective. Shown once where every rank's reward was refused (as
-        ``start.read_on_rank_zero`` does)."""
-        fabric = self.fabric
-        if fabric.world_size > 1:
-            flag = torch.tensor(float(refusal is not None), device=fabric.device)
-            failed = int(fabric.all_reduce(flag, reduce_op="sum").item())
-            if refusal is None and failed > 0:
-                raise UserError(f"the reward was refused on {failed} other rank(s) (their messages say why)")
-            if refusal is not None and failed == fabric.world_size:
-                raise raised_on_every_rank(refusal, fabric.local_rank)
-        if refusal is not None:
-            raise refusal
 
     def _all_done(self, local_done: bool) -> bool:
         pending = torch.tensor(0.0 if local_done else 1.0, device=self.fabric.device)

@@ -94,12 +94,7 @@ def read_on_rank_zero(fabric: Fabric, read: Callable[[], T], paths: Iterable[str
             value, error = read(), None
         except UserError as err:
             value, error = None, err
-        failed = fabric.all_reduce(torch.tensor(float(error is not None), device=fabric.device), reduce_op="sum")
-        if error is not None:  # shown once when every rank found it, by each rank that did otherwise
-            raise raised_on_every_rank(error, fabric.local_rank) if failed.item() == fabric.world_size else error
-        if failed.item() > 0:
-            raise UserError(f"{int(failed.item())} other rank(s) could not read {', '.join(map(str, paths))} (their "
-                            "messages say why)")  # fmt: skip
+        raise_together(fabric, error, lambda n: f"{n} other rank(s) could not read {', '.join(map(str, paths))}")
         return value
     outcome = None
     if fabric.global_rank == 0:
@@ -111,6 +106,18 @@ def read_on_rank_zero(fabric: Fabric, read: Callable[[], T], paths: Iterable[str
     if kind == "error":
         raise raised_on_every_rank(value, fabric.local_rank)
     return value
+
+
+def raise_together(fabric: Fabric, error: UserError | None, others: Callable[[int], str]) -> None:
+    """Collective: every rank stops when any found ``error`` (one alone would leave the others waiting in their next
+    collective). Shown once where every rank found it; otherwise each rank that did says why, and the others say
+    ``others(how many did)``, pointing to their messages."""
+    flag = torch.tensor(float(error is not None), device=fabric.device)
+    failed = int(fabric.all_reduce(flag, reduce_op="sum").item())
+    if error is not None:
+        raise raised_on_every_rank(error, fabric.local_rank) if failed == fabric.world_size else error
+    if failed > 0:
+        raise UserError(f"{others(failed)} (their messages say why)")
 
 
 def resolve_start(fabric: Fabric, args: TrainArgs) -> Start:
