@@ -716,6 +716,9 @@ CASES = [
          {"r.yaml": RECIPE + "batch_per_device: null\n"}),
     Case("recipe-null-list", ["seq", "--config", "{c}/r.yaml"], "lora_targets must be list of str, got null",
          {"r.yaml": RECIPE + "lora_targets: null\n"}),
+    Case("lora-rank-past-memory", sft("--lora_r", "100000000000", model="{w}/run/epoch_0_step_1"),
+         "this model does not fit in memory here: 1,000,576 parameters x 4 bytes and 358,400,000,000,000 adapter "
+         "parameters x 4 bytes"),
     Case("recipe-lora-rank-past-int64", ["seq", "--config", "{c}/r.yaml"], "lora_r must fit in 64 bits",
          {"r.yaml": RECIPE + "lora_r: " + "9" * 30 + "\n"}),
     Case("config-model-type-list", seq(model="{c}/m"), "config.json: 'model_type' must be str or null, got [\"llama\"]",

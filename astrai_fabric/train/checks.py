@@ -91,7 +91,10 @@ def _memory_problems(args: TrainArgs, start: Start, placement: Placement) -> lis
     half = start.weights is not None and placement.precision in ("bf16-true", "16-true")
     bytes_per_parameter = 2 if half else 4
     shards = placement.num_shards if start.weights is not None else 1
-    per_rank = num_parameters * bytes_per_parameter // shards + rope_table_bytes(config)
+    # LoRA's adapters (float32, sharded like the rest), counted on the meta device: their rank reaches no size check
+    # of the config's.
+    adapters = meta_model(config, args).num_parameters(trainable_only=True) if args.lora_r else 0
+    per_rank = (num_parameters * bytes_per_parameter + adapters * 4) // shards + rope_table_bytes(config)
     if shards > 1 and placement.accelerator == "cuda":
         if not torch.cuda.is_available():
             return []
@@ -102,6 +105,7 @@ def _memory_problems(args: TrainArgs, start: Start, placement: Placement) -> lis
     if needed <= memory:
         return []
     sharded = f" / {shards} shards" if shards > 1 else ""
+    sharded = f" and {adapters:,} adapter parameters x 4 bytes{sharded}" if adapters else sharded
     table = rope_table_bytes(config)
     table = f" and a {table / 2**30:,.1f} GiB RoPE table" if table >= 2**30 else ""
     return [
