@@ -25,7 +25,6 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from astrai_fabric.checkpoint.position import RunPosition
 from astrai_fabric.config.train import TrainArgs
-from astrai_fabric.schedule import StepPlan
 
 PROFILE_DIR = "profile"
 """Where traces go, under ``ckpt_dir``."""
@@ -33,15 +32,15 @@ MEMORY_HISTORY_ENTRIES = 100_000
 """Allocator events the CUDA memory snapshot keeps (the newest ones; torch's example uses the same)."""
 
 
-def describe_profiling(args: TrainArgs, steps: StepPlan | None = None) -> str | None:
-    """The plan's line on profiling; None when off. With the run's ``steps`` (the plan's), a range the run never
-    reaches says so, rather than profiling nothing in silence."""
+def describe_profiling(args: TrainArgs, last_step: int | None = None) -> str | None:
+    """The plan's line on profiling; None when off. With the run's ``last_step`` (``StepPlan.last_step``), a range
+    the run never reaches says so, rather than profiling nothing in silence."""
     if args.profile_step_range is None:
         return None
     first, last = args.profile_step_range
     what = "a torch.profiler trace per rank (and on CUDA a memory snapshot)"
     line = f"steps {first} to {last}: {what} in {profile_dir(args)}"
-    final = last_step(args, steps) if steps is not None else args.max_steps
+    final = last_step if last_step is not None else args.max_steps
     if final is None:  # the dry run could not count the steps
         return line
     if first > final:
@@ -50,13 +49,6 @@ def describe_profiling(args: TrainArgs, steps: StepPlan | None = None) -> str | 
         missed = f"step {last}" if last == final + 1 else f"steps {final + 1} to {last}"
         line += f"\nwarning: this run's last step is {final}: {missed} will not be profiled"
     return line
-
-
-def last_step(args: TrainArgs, steps: StepPlan) -> int:
-    """The optimizer step a run of ``steps`` ends at: the data's micro-batches over all epochs, in whole accumulation
-    windows (a window may span two epochs), or ``max_steps`` when sooner (``max_tokens`` may end it sooner still)."""
-    final = steps.micro_batches_per_rank * steps.n_epoch // steps.grad_accum_steps
-    return min(final, args.max_steps) if args.max_steps is not None else final
 
 
 def profile_dir(args: TrainArgs) -> Path:

@@ -1,8 +1,9 @@
 """What a run shows and records each optimizer step: the progress display, the Fabric's loggers, AstrAI's
 ``metric.jsonl`` and the records ``fit`` returns. ``fit`` calls it explicitly; it decides nothing about training.
 
-On a terminal rank 0 shows one progress bar per epoch (step, loss, lr, grad_norm, tokens/s, and the bar's ETA);
-otherwise (a log file, CI) it prints plain lines at about 20 steps per schedule, each with its ETA.
+On a terminal rank 0 shows one progress bar over the run's steps (epoch, step, loss, lr, grad_norm, tokens/s, and
+the bar's ETA); otherwise (a log file, CI) it prints plain lines at about 20 per run, each with its ETA. The total
+shown is the step the run ends at (``StepPlan.last_step``), so the last line reaches it.
 """
 
 from __future__ import annotations
@@ -28,12 +29,15 @@ class Reporter:
         plan: StepPlan,
         metric_log: MetricLog,
         first_step: int,
+        last_step: int | None = None,
         flops_per_token: float | None = None,
         peak_flops: float | None = None,
         compiled: bool = False,
     ) -> None:
         self.fabric, self.plan, self.metric_log = fabric, plan, metric_log
         self.first_step = first_step
+        self.last_step = plan.last_step() if last_step is None else last_step
+        """The step the run ends at (``StepPlan.last_step``): the progress total, which the last line reaches."""
         self.compiled = compiled
         """The first step then includes compilation: its time is shown as such, and no ETA is made from it."""
         self.first_step_end: float | None = None
@@ -41,7 +45,7 @@ class Reporter:
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         self.is_main = fabric.global_rank == 0
         self.interactive = self.is_main and sys.stdout.isatty()
-        self.log_every = max(1, plan.total_steps // 20)
+        self.log_every = max(1, (self.last_step - first_step + 1) // 20)
         self.history: list[dict[str, Any]] = []
         self.bar: tqdm | None = None
         self.bar_epoch = -1
@@ -94,15 +98,14 @@ class Reporter:
             logger.save()  # flush what buffering loggers (CSV) hold; closing them is their owner's call
 
     def _show(self, record: dict[str, Any], epoch: int, last: bool) -> None:
-        step, total = record["step"], self.plan.total_steps
+        step, total = record["step"], self.last_step
         compiling = self.window_seconds if self.compiled and step == self.first_step else None
         fields = _fields(record, compiling)
         if self.interactive:
+            if self.bar is None:  # one bar over this run's steps: its ETA is the run's
+                self.bar = tqdm(total=max(1, total - self.first_step + 1), dynamic_ncols=True)
             if epoch != self.bar_epoch:
-                if self.bar is not None:
-                    self.bar.close()
-                per_epoch = max(1, total // self.plan.n_epoch)
-                self.bar = tqdm(total=per_epoch, desc=f"Epoch {epoch + 1}/{self.plan.n_epoch}", dynamic_ncols=True)
+                self.bar.set_description(f"Epoch {epoch + 1}/{self.plan.n_epoch}", refresh=False)
                 self.bar_epoch = epoch
             self.bar.set_postfix_str(f"step {step}/{total} | {fields}", refresh=False)
             self.bar.update(1)  # redraws with the postfix of this step
@@ -121,7 +124,7 @@ class Reporter:
             return "?"
         else:
             per_step = now - self.started
-        remaining = max(self.plan.total_steps - step, 0) * per_step
+        remaining = max(self.last_step - step, 0) * per_step
         minutes, seconds = divmod(int(remaining), 60)
         return f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m{seconds:02d}s"
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
@@ -21,12 +21,16 @@ from torch.optim.lr_scheduler import LRScheduler
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import ConfigError
 
+if TYPE_CHECKING:
+    from astrai_fabric.checkpoint.position import RunPosition
+
 DEFAULT_MIN_RATE = 0.01
 
 
 @dataclass(frozen=True)
 class StepPlan:
-    """How many optimizer steps a run takes, derived as AstrAI derives it."""
+    """How many optimizer steps a run takes, derived as AstrAI derives it, and the schedule's length: AstrAI's count,
+    or ``--max_steps`` when that is shorter."""
 
     num_samples: int
     """Training samples (after the validation split)."""
@@ -36,13 +40,17 @@ class StepPlan:
     grad_accum_steps: int
     n_epoch: int
     warmup_ratio: float
+    max_steps: int | None = None
+    """``--max_steps``: the run's length in optimizer steps (it ends there, and the schedule is planned over it)."""
+    stop_after_steps: int | None = None
+    """``--stop_after_steps``: this run stops after this many steps of its own, the schedule untouched."""
 
     @classmethod
     def from_args(cls, args: TrainArgs, num_samples: int, num_dp_ranks: int) -> StepPlan:
         """The plan of a run of ``args`` over ``num_samples`` training samples on ``num_dp_ranks`` ranks (the run and
         its dry run both build it here)."""
         return cls(num_samples, num_dp_ranks, args.batch_per_device, args.grad_accum_steps, args.n_epoch,
-                   args.warmup_ratio)  # fmt: skip
+                   args.warmup_ratio, args.max_steps, args.stop_after_steps)  # fmt: skip
 
     @property
     def samples_per_rank(self) -> int:
@@ -60,36 +68,78 @@ class StepPlan:
         return self.num_dp_ranks * self.batch_per_device * self.grad_accum_steps
 
     @property
-    def total_steps(self) -> int:
-        """AstrAI's ``(ceil(ceil(N / ranks) / batch) // accum) * epochs``: the schedule's length.
+    def epoch_steps(self) -> int:
+        """AstrAI's ``(ceil(ceil(N / ranks) / batch) // accum) * epochs``: its schedule's length.
 
-        Accumulation windows run across epoch boundaries, so a run may take up to ``n_epoch - 1`` more steps than
-        this; the learning rate then stays at its floor (AstrAI's behaviour).
+        Accumulation windows run across epoch boundaries, so the epochs hold up to ``n_epoch - 1`` more steps than
+        this (``last_step``); they run at the schedule's floor (AstrAI's behaviour).
         """
         return (self.micro_batches_per_rank // self.grad_accum_steps) * self.n_epoch
+
+    @property
+    def total_steps(self) -> int:
+        """The schedule's length: ``epoch_steps``, or ``max_steps`` when sooner (a run that ends at ``max_steps``
+        warms up and decays within it; AstrAI has no ``max_steps``)."""
+        return self.epoch_steps if self.max_steps is None else min(self.max_steps, self.epoch_steps)
 
     @property
     def warmup_steps(self) -> int:
         return min(int(self.warmup_ratio * self.total_steps), self.total_steps)
 
+    def last_step(self, start: RunPosition | None = None) -> int:
+        """The optimizer step a run starting at ``start`` (default: the beginning) ends at: the whole accumulation
+        windows left in the epochs (a window may span two), ``max_steps`` or ``stop_after_steps`` when sooner
+        (``max_tokens``, a skipped step or a stop request may end it sooner still).
+
+        A resume continues at a window's start (a checkpoint follows an optimizer step), so the windows left are
+        the micro-batches left over ``grad_accum_steps``.
+        """
+        epoch, sample_index, step = (start.epoch, start.sample_index, start.optimizer_step) if start else (0, 0, 0)
+        consumed = epoch * self.micro_batches_per_rank + math.ceil(sample_index / self.batch_per_device)
+        remaining = max(self.n_epoch * self.micro_batches_per_rank - consumed, 0)
+        final = step + remaining // self.grad_accum_steps
+        if self.max_steps is not None:
+            final = min(final, max(self.max_steps, step))
+        if self.stop_after_steps is not None:
+            final = min(final, step + self.stop_after_steps)
+        return final
+
     def check(self) -> None:
         if self.num_samples < 1:
             raise ConfigError("the training set is empty: no sample fits (check data_root_path and window_size)")
-        if self.total_steps < 1:
+        if self.epoch_steps < 1:
             raise ConfigError(
                 f"no optimizer step fits in the data: {self.num_samples} samples over {self.num_dp_ranks} rank(s) make "
                 f"{self.micro_batches_per_rank} micro-batch(es) of {self.batch_per_device} per rank and epoch, fewer "
                 f"than grad_accum_steps={self.grad_accum_steps}; lower batch_per_device or grad_accum_steps"
             )
 
-    def describe(self) -> list[tuple[str, str]]:
-        """The plan's ``batch`` and ``steps`` lines, labelled (``train.plan.describe_plan``)."""
+    def describe(self, start: RunPosition | None = None, max_tokens: int | None = None) -> list[tuple[str, str]]:
+        """The plan's ``batch``, ``steps`` and ``this run`` lines, labelled (``train.plan.describe_plan``), for a run
+        starting at ``start`` (default: the beginning) that may also stop at ``max_tokens``."""
+        steps = (
+            f"{self.num_samples} samples -> {self.samples_per_rank} per rank -> {self.micro_batches_per_rank} "
+            f"micro-batches per rank per epoch -> {self.epoch_steps} optimizer steps over {self.n_epoch} epoch(s)"
+        )
+        if self.total_steps < self.epoch_steps:
+            steps += f"; max_steps {self.max_steps}: the schedule's {self.total_steps}"
+        steps += f", {self.warmup_steps} of them warmup"
+        first, last = (start.optimizer_step if start is not None else 0) + 1, self.last_step(start)
+        run = f"steps {first} to {last}" if last >= first else f"none: step {first - 1} is this run's last"
+        if self.stop_after_steps is not None and last == first - 1 + self.stop_after_steps:
+            run += f" (stop_after_steps {self.stop_after_steps}; the schedule runs on to step {self.total_steps})"
+        elif self.max_steps is None and last > self.total_steps:
+            run += (
+                f" ({last - self.total_steps} past the schedule's {self.total_steps}, at its floor: accumulation "
+                "windows run across epochs)"
+            )
+        if max_tokens is not None:
+            run += f", or fewer: the run stops at max_tokens {max_tokens:,}"
         return [
             ("batch", f"{self.num_dp_ranks} rank(s) x {self.batch_per_device} per device x {self.grad_accum_steps} "
                       f"accumulation = {self.global_batch_size} samples per optimizer step"),
-            ("steps", f"{self.num_samples} samples -> {self.samples_per_rank} per rank -> "
-                      f"{self.micro_batches_per_rank} micro-batches per rank per epoch -> {self.total_steps} optimizer "
-                      f"steps over {self.n_epoch} epoch(s), {self.warmup_steps} of them warmup"),
+            ("steps", steps),
+            ("this run", run),
         ]  # fmt: skip
 
 
@@ -112,9 +162,25 @@ class ScheduleArgs:
                    args.decay_steps, args.resume_schedule)  # fmt: skip
 
     def build(self, optimizer: Optimizer, plan: StepPlan) -> _AstraiSchedule:
-        """This schedule over ``plan``'s steps (``build_scheduler``)."""
+        """This schedule over ``plan``'s steps (``build_scheduler``), after ``check``."""
+        self.check(plan)
         return build_scheduler(optimizer, self.schedule_type, plan.total_steps, plan.warmup_steps, self.min_rate,
                                self.cycle_length, self.t_mult, self.stable_steps, self.decay_steps)  # fmt: skip
+
+    def check(self, plan: StepPlan) -> None:
+        """A run that ends at ``--max_steps`` must hold the phases its flags make explicit: a stable phase or first
+        cycle longer than the steps after warmup would never decay (or finish), silently."""
+        if plan.max_steps is None:
+            return
+        after_warmup = plan.total_steps - plan.warmup_steps
+        lengths = {"wsd": ("stable_steps", "decay_steps"), "sgdr": ("cycle_length",)}.get(self.schedule_type, ())
+        given = {name: getattr(self, name) for name in lengths if getattr(self, name) is not None}
+        if sum(given.values()) > after_warmup:
+            phases = " + ".join(f"{name} {value}" for name, value in given.items())
+            raise ConfigError(
+                f"{phases}: longer than the {after_warmup} steps after warmup of this run (max_steps "
+                f"{plan.max_steps}, {plan.warmup_steps} warmup); lower it, or leave it out to fit the run"
+            )
 
 
 def warmup_factor(t: int, warmup_steps: int, min_rate: float) -> float:

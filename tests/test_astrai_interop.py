@@ -12,6 +12,7 @@ docs/astrai-compat.md lists what is checked.
 import copy
 import dataclasses
 import json
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,11 +20,12 @@ from typing import Any
 
 import pytest
 import torch
-from astrai_oracle import needs_astrai, run_astrai, run_astrai_cli
+from astrai_oracle import ASTRAI_SRC, needs_astrai, run_astrai, run_astrai_cli
 from conftest import tiny_config
 from torch import Tensor, nn
 
 from astrai_fabric.checkpoint import load_checkpoint, load_model, save_checkpoint
+from astrai_fabric.cli import ALIASES, TRAIN_FLAGS
 from astrai_fabric.model import AutoRegressiveLM
 from astrai_fabric.optim import OptimArgs, build_optimizer
 
@@ -73,6 +75,18 @@ def model_files(tmp_path_factory) -> Path:
                    meta={{"strategy": "sft"}}, extra={{"optimizer": opt.state_dict()}}).save("{root / "astrai_ckpt"}")
     """)
     return root
+
+
+@pytest.mark.skipif(ASTRAI_SRC is None, reason="AstrAI's source not found (ASTRAI_SRC)")
+def test_astrai_command_lines_mean_what_they_meant():
+    """``--max_steps`` plans the schedule over the run and ``--stop_after_steps`` stops it: AstrAI's training CLI
+    (``scripts/tools/train.py``, read from the snapshot) has neither, so no AstrAI command line changes meaning, and
+    every flag it has is one of ours."""
+    source = (Path(ASTRAI_SRC) / "scripts" / "tools" / "train.py").read_text()
+    astrai_flags = set(re.findall(r"^@opt\(\n\s+\"--([a-z_-]+)\"", source, re.M))  # its click options
+    assert len(astrai_flags) > 40  # the parser was found
+    assert not astrai_flags & {"max_steps", "stop_after_steps", "max_tokens"}
+    assert {ALIASES.get(flag, flag) for flag in astrai_flags} <= TRAIN_FLAGS.names | {"config", "train_type"}
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -155,7 +169,7 @@ CROSSINGS = {
         train_type="sft",
         num_samples=6,
         flags=("--window_size", "16", "--n_epoch", "2", "--ckpt_interval", "2"),
-        ours_flags=("--max_steps", "2"),
+        ours_flags=("--stop_after_steps", "2"),
         ours_checkpoint="epoch_0_step_2",
         astrai_after=("epoch_1_step_4", "epoch_1_step_6"),
         astrai_source="astrai/sft/epoch_1_step_4",
@@ -167,7 +181,7 @@ CROSSINGS = {
         train_type="dpo",
         num_samples=5,
         flags=("--window_size", "64", "--n_epoch", "3", "--ckpt_interval", "3"),
-        ours_flags=("--max_steps", "3"),
+        ours_flags=("--stop_after_steps", "3"),
         ours_checkpoint="epoch_0_step_3",
         astrai_after=("epoch_2_step_6", "epoch_2_step_8"),
         astrai_source="astrai/dpo/epoch_2_step_6",
@@ -178,7 +192,7 @@ CROSSINGS = {
         train_type="grpo",
         num_samples=5,
         flags=("--window_size", "64", "--n_epoch", "2", "--ckpt_interval", "2"),
-        ours_flags=("--max_steps", "2"),
+        ours_flags=("--stop_after_steps", "2"),
         ours_checkpoint="epoch_0_step_2",
         astrai_after=("epoch_1_step_4", "epoch_1_step_6"),
         astrai_source="astrai/grpo/epoch_1_step_4",

@@ -62,7 +62,7 @@ def step_losses(checkpoint: Path) -> list[tuple[int, float]]:
 
 def test_sigterm_saves_a_checkpoint_and_resume_auto_continues_exactly(tmp_path):
     interrupted, uninterrupted = tmp_path / "interrupted", tmp_path / "uninterrupted"
-    proc, head = started(cli("--parallel_mode", "none", "--ckpt_dir", str(interrupted), "--max_steps", "500"))
+    proc, head = started(cli("--parallel_mode", "none", "--ckpt_dir", str(interrupted), "--stop_after_steps", "500"))
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = finish(proc, head)
     assert proc.returncode == 0, stderr[-2000:]
@@ -72,11 +72,12 @@ def test_sigterm_saves_a_checkpoint_and_resume_auto_continues_exactly(tmp_path):
     assert find_latest_checkpoint(interrupted).name == f"epoch_0_step_{stopped_at}"
 
     total = str(stopped_at + 3)
-    resumed = subprocess.run(cli("--parallel_mode", "none", "--ckpt_dir", str(interrupted), "--max_steps", total,
+    resumed = subprocess.run(cli("--parallel_mode", "none", "--ckpt_dir", str(interrupted), "--stop_after_steps", "3",
                                  "--resume", "auto"), capture_output=True, text=True, env=ENV)  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"  resume       from {interrupted / f'epoch_0_step_{stopped_at}'}" in resumed.stdout
-    reference = subprocess.run(cli("--parallel_mode", "none", "--ckpt_dir", str(uninterrupted), "--max_steps", total),
+    reference = subprocess.run(cli("--parallel_mode", "none", "--ckpt_dir", str(uninterrupted), "--stop_after_steps",
+                                   total),
                                capture_output=True, text=True, env=ENV)  # fmt: skip
     assert reference.returncode == 0, reference.stderr[-2000:]
     ours, theirs = find_latest_checkpoint(interrupted), find_latest_checkpoint(uninterrupted)
@@ -90,8 +91,8 @@ def test_sigterm_saves_a_checkpoint_and_resume_auto_continues_exactly(tmp_path):
 def two_ranks(ckpt_dir: Path, *flags: str) -> list[tuple[subprocess.Popen, list[str]]]:
     """Two single-rank 'nodes' joined by environment variables (no launcher process watching them)."""
     env = dict(ENV, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    command = cli("--parallel_mode", "ddp", "--num_nodes", "2", "--ckpt_dir", str(ckpt_dir), "--max_steps", "500",
-                  "--dist_timeout", "60", *flags)  # fmt: skip
+    command = cli("--parallel_mode", "ddp", "--num_nodes", "2", "--ckpt_dir", str(ckpt_dir), "--stop_after_steps",
+                  "500", "--dist_timeout", "60", *flags)  # fmt: skip
     rank1 = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(env, NODE_RANK="1")
     )

@@ -97,19 +97,19 @@ def cli(ckpt_dir: Path, *flags: str) -> None:
 
 def test_resume_with_neftune_and_loader_workers_is_bit_identical(tmp_path):
     interrupted, uninterrupted = tmp_path / "interrupted", tmp_path / "uninterrupted"
-    cli(interrupted, "--max_steps", "2", "--num_workers", "2")
-    cli(interrupted, "--max_steps", "4", "--num_workers", "2", "--resume", "auto")
-    cli(uninterrupted, "--max_steps", "4", "--num_workers", "2")
+    cli(interrupted, "--stop_after_steps", "2", "--num_workers", "2")
+    cli(interrupted, "--stop_after_steps", "2", "--num_workers", "2", "--resume", "auto")
+    cli(uninterrupted, "--stop_after_steps", "4", "--num_workers", "2")
     assert_bit_identical(interrupted, uninterrupted)
 
 
 def two_rank_worker(root: str) -> None:
-    """Each of 2 DDP ranks (1 sample per micro-batch): 2 steps, a resume to 4, and 4 steps uninterrupted."""
+    """Each of 2 DDP ranks (1 sample per micro-batch): 2 steps, a resume for 2 more, and 4 steps uninterrupted."""
     root = Path(root)
     ddp = dict(SEQ, batch_per_device=1, nprocs=2, parallel_mode="ddp", train_type="seq")
-    run(TrainArgs(**ddp, ckpt_dir=str(root / "interrupted"), max_steps=2))
-    run(TrainArgs(**ddp, ckpt_dir=str(root / "interrupted"), max_steps=4, resume="auto"))
-    run(TrainArgs(**ddp, ckpt_dir=str(root / "uninterrupted"), max_steps=4))
+    run(TrainArgs(**ddp, ckpt_dir=str(root / "interrupted"), stop_after_steps=2))
+    run(TrainArgs(**ddp, ckpt_dir=str(root / "interrupted"), stop_after_steps=2, resume="auto"))
+    run(TrainArgs(**ddp, ckpt_dir=str(root / "uninterrupted"), stop_after_steps=4))
 
 
 @pytest.mark.slow

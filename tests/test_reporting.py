@@ -23,7 +23,7 @@ HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None  # the [te
 ENV = {"OMP_NUM_THREADS": "1", "PATH": str(Path(sys.executable).parent)}
 PLAIN_LINE = re.compile(
     r"^plan for `astrai-fabric (seq|sft|dpo|grpo)`$"
-    r"|^  (processes|model|tokenizer|data|batch|steps|schedule|loader|cpu threads|budget|outputs) +\S.+"
+    r"|^  (processes|model|tokenizer|data|batch|steps|this run|schedule|loader|cpu threads|training|outputs) +\S.+"
     r"|^  parameters   [\d,]+ parameters(, [\d,]+ trainable \(\S+\))?; optimizer \w+: .+; state .+"
     r"|^step \d+/\d+ \| epoch \d+ \| loss [\d.]+ \| lr \S+ \| grad_norm [\d.]+ \| [\d,]+ tokens/s"
     r"( \| \w+ [-\d.]+)* \| eta \S+$"
@@ -33,7 +33,8 @@ PLAIN_LINE = re.compile(
 
 def short_run_argv(ckpt_dir: Path) -> list[str]:
     return ["sft", "--config", str(ROOT / "recipes" / "tiny-sft.yaml"), "--ckpt_dir", str(ckpt_dir), "--max_steps",
-            "6", "--ckpt_interval", "4", "--val_split", "0.05", "--val_step", "3", "--n_epoch", "1"]  # fmt: skip
+            "6", "--ckpt_interval", "4", "--val_split", "0.05", "--val_step", "3", "--n_epoch", "1",
+            "--neftune_alpha", "1", "--gradient_checkpointing"]  # fmt: skip
 
 
 def plan_lines(out: str) -> list[str]:
@@ -72,9 +73,10 @@ def test_the_run_prints_the_plan_its_dry_run_prints(short_run, monkeypatch, caps
     assert "would overwrite" in dry.partition("cannot start:")[2]
     run_plan = plan_lines(stdout)
     assert [line.split()[0] for line in run_plan] == [
-        "processes", "model", "parameters", "tokenizer", "data", "batch", "steps", "schedule", "loader", "cpu",
-        "budget", "outputs",
+        "processes", "model", "parameters", "tokenizer", "data", "batch", "steps", "this", "schedule", "loader",
+        "cpu", "training", "outputs",
     ]  # fmt: skip
+    assert "  training     NEFTune (alpha 1), gradient checkpointing" in run_plan
     assert plan_lines(dry) == run_plan
 
 
@@ -165,7 +167,7 @@ def test_default_workers_fit_the_cpus_and_a_budget_shows_its_last_step(tmp_path,
         capsys.readouterr().out
     )
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})  # 1 CPU: torch warns about more workers than that
-    assert main([*base, "--ckpt_dir", str(tmp_path / "run"), "--max_steps", "3"]) == 0
+    assert main([*base, "--ckpt_dir", str(tmp_path / "run"), "--max_tokens", "1500"]) == 0  # 512 a step: 3 steps
     out = capsys.readouterr().out
     assert "loader       1 worker process(es) per rank (num_workers default: at most 4, 1 CPU(s) for 1 local" in out
     assert [str(w.message) for w in recwarn if "worker processes" in str(w.message)] == []
@@ -259,3 +261,56 @@ def test_grad_snr_starts_again_when_the_parameters_with_gradients_change():
         if p.grad is not None:
             p.grad = p.grad + 0.1 * torch.randn_like(p)
     assert tracker.update(model) == pytest.approx(fresh.update(model), rel=1e-12)
+
+
+def few_records(tmp_path: Path, train_type: str, count: int) -> Path:
+    """The first ``count`` records of the bundled data of ``train_type``, in a file of their own."""
+    folder = {"seq": "seq", "sft": "sft", "dpo": "dpo", "grpo": "grpo"}[train_type]
+    (source,) = (ROOT / "astrai_fabric" / "assets" / "data" / folder).glob("*.jsonl")
+    path = tmp_path / f"{train_type}.jsonl"
+    path.write_text("".join(source.read_text().splitlines(keepends=True)[:count]))
+    return path
+
+
+def progress_totals(out: str) -> tuple[int, int, list[tuple[int, int]]]:
+    """The plan's ``this run`` first and last step, and every progress line's ``(step, total)``."""
+    first, last = map(int, re.search(r"^  this run +steps (\d+) to (\d+)", out, re.M).groups())
+    return first, last, [tuple(map(int, m)) for m in re.findall(r"^step (\d+)/(\d+) ", out, re.M)]
+
+
+@pytest.mark.parametrize("train_type", ["seq", "sft", "dpo", "grpo"])
+def test_the_progress_total_is_the_step_the_run_ends_at(train_type, tmp_path, capsys):
+    """Accumulation windows run across epochs, so 2 epochs of 8 micro-batches in windows of 3 take 5 steps, one
+    more than AstrAI's count (2 x 8 // 3 = 4, the schedule's length): the plan, every progress line's total and the
+    last line's step say 5. (Regression: the total was the schedule's length, and the last line read 5/4.)"""
+    argv = [train_type, "--config", str(ROOT / "recipes" / f"tiny-{train_type}.yaml"), "--ckpt_dir",
+            str(tmp_path / "run"), "--batch_per_device", "1", "--grad_accum_steps", "3", "--n_epoch", "2",
+            "--loggers", "[]", "--val_split", "null"]  # fmt: skip
+    records = {"seq": 1, "sft": 32}.get(train_type, 8)  # 8 samples: seq's windows, sft's packed rows, pairs, groups
+    argv += ["--data_root_path", str(few_records(tmp_path, train_type, records))]
+    if train_type == "seq":
+        argv += ["--max_tokens", str(10**9)]  # a token budget not reached: the total is the data's
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "-> 8 micro-batches per rank per epoch -> 4 optimizer steps over 2 epoch(s)" in out  # the case meant
+    first, last, lines = progress_totals(out)
+    assert (first, last) == (1, 5) and lines[-1] == (5, 5) and {total for _, total in lines} == {5}
+    assert "done after step 5;" in out
+
+
+def test_the_progress_total_holds_across_stops_and_resumes(tmp_path, capsys):
+    """A run split by ``--stop_after_steps 2`` shows steps 1-2 of 2, then (resumed) 3-4 of 4, then 5 of 5;
+    ``--max_steps 3`` ends at 3 of 3, the schedule planned over 3 steps."""
+    data = few_records(tmp_path, "sft", 32)
+    base = ["sft", "--config", str(ROOT / "recipes" / "tiny-sft.yaml"), "--data_root_path", str(data),
+            "--batch_per_device", "1", "--grad_accum_steps", "3", "--n_epoch", "2", "--loggers", "[]"]  # fmt: skip
+    pieces = [(["--stop_after_steps", "2"], 1, 2), (["--resume", "auto", "--stop_after_steps", "2"], 3, 4),
+              (["--resume", "auto"], 5, 5)]  # fmt: skip
+    for flags, first, last in pieces:
+        assert main([*base, "--ckpt_dir", str(tmp_path / "split"), *flags]) == 0
+        shown_first, shown_last, lines = progress_totals(capsys.readouterr().out)
+        assert (shown_first, shown_last) == (first, last) and lines[0][0] == first and lines[-1] == (last, last)
+    assert main([*base, "--ckpt_dir", str(tmp_path / "short"), "--max_steps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert progress_totals(out)[1:] == (3, [(1, 3), (2, 3), (3, 3)])
+    assert "max_steps 3: the schedule's 3, 0 of them warmup" in out and "decay over 3 to" in out

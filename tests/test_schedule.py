@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from astrai_fabric.checkpoint.position import RunPosition
 from astrai_fabric.errors import ConfigError
 from astrai_fabric.schedule import StepPlan, build_scheduler, cosine_factor, sgdr_factor, wsd_factor
 
@@ -21,6 +22,48 @@ from astrai_fabric.schedule import StepPlan, build_scheduler, cosine_factor, sgd
 def test_total_and_warmup_steps(num_samples, world, batch, accum, epochs, ratio, total, warmup):
     plan = StepPlan(num_samples, world, batch, accum, epochs, ratio)
     assert (plan.total_steps, plan.warmup_steps) == (total, warmup)
+
+
+def test_max_steps_plans_the_schedule_over_the_run():
+    plan = StepPlan(1000, 4, 8, 4, 3, 0.1, max_steps=20)  # 24 steps in the epochs; the run's 20
+    assert (plan.epoch_steps, plan.total_steps, plan.warmup_steps, plan.last_step()) == (24, 20, 2, 20)
+    longer = StepPlan(1000, 4, 8, 4, 3, 0.1, max_steps=100)  # longer than the data: the data's length
+    assert (longer.total_steps, longer.last_step()) == (24, 24)
+
+
+def counted_last_step(plan: StepPlan, epoch: int, sample_index: int, step: int) -> int:
+    """The step a run from ``(epoch, sample_index, step)`` ends at, counted as the loop counts: every micro-batch
+    of the epochs left, one window per ``grad_accum_steps`` of them (a window may span two epochs)."""
+    micro_batches = 0
+    for e in range(epoch, plan.n_epoch):
+        start = sample_index if e == epoch else 0
+        micro_batches += len(range(start, plan.samples_per_rank, plan.batch_per_device))
+        while micro_batches >= plan.grad_accum_steps:
+            micro_batches -= plan.grad_accum_steps
+            step += 1
+            if plan.max_steps is not None and step >= plan.max_steps:
+                return step
+    return step
+
+
+@pytest.mark.parametrize("num_samples, world, batch, accum, epochs", [(10, 1, 3, 1, 2), (16, 1, 1, 3, 2),
+                         (1139, 1, 8, 2, 3), (50, 3, 2, 4, 5), (7, 4, 1, 1, 1)])  # fmt: skip
+def test_last_step_is_what_the_loop_takes(num_samples, world, batch, accum, epochs):
+    """``last_step`` in closed form against the loop's own count, fresh and from every window boundary of a resume,
+    with ``max_steps`` and ``stop_after_steps`` (the progress total, ``Reporter``)."""
+    plan = StepPlan(num_samples, world, batch, accum, epochs, 0.0)
+    assert plan.last_step() == counted_last_step(plan, 0, 0, 0) == epochs * plan.micro_batches_per_rank // accum
+    for stop_after in (None, 1, 3):
+        plan = StepPlan(num_samples, world, batch, accum, epochs, 0.0, stop_after_steps=stop_after)
+        for step in range(counted_last_step(plan, 0, 0, 0)):  # a checkpoint after each step of a fresh run
+            epoch, micro_batch = divmod(step * accum, plan.micro_batches_per_rank)
+            index = micro_batch * batch
+            start = RunPosition(epoch=epoch, sample_index=index, optimizer_step=step)
+            counted = counted_last_step(plan, epoch, index, step)
+            expected = counted if stop_after is None else min(counted, step + stop_after)
+            assert plan.last_step(start) == expected
+    capped = StepPlan(num_samples, world, batch, accum, epochs, 0.0, max_steps=2)
+    assert capped.last_step() == counted_last_step(capped, 0, 0, 0) == min(2, plan.last_step())
 
 
 def test_plans_that_cannot_step_are_errors():

@@ -79,13 +79,18 @@ def test_a_longer_resume_says_its_schedule_ends_early_and_can_rebuild_it(tmp_pat
     data.write_text("".join((SEQ_DATA_DIR / "kjv.jsonl").read_text().splitlines(keepends=True)[:2]))
     base = ["seq", "--config", str(Path(__file__).parents[1] / "recipes" / "tiny-seq.yaml"), "--data_root_path",
             str(data), "--window_size", "32", "--ckpt_dir", str(tmp_path / "run"), "--loggers", "[]"]  # fmt: skip
-    assert main([*base, "--max_steps", "1"]) == 0  # the recipe's 3 epochs: a schedule of 12 steps
+    assert main([*base, "--stop_after_steps", "1"]) == 0  # the recipe's 3 epochs: a schedule of 12 steps
     assert main([*base, "--resume", "auto", "--n_epoch", "6", "--dry_run"]) == 0
     assert (
         "note: the checkpoint's schedule ends at step 12, before this run's 24 steps: steps 13-24 run at the floor "
         "(0.01 x max_lr); --resume_schedule false rebuilds the schedule for 24 steps"
     ) in capsys.readouterr().out
-    longer = [*base, "--resume", "auto", "--n_epoch", "6", "--resume_schedule", "false", "--max_steps", "2"]
+    assert main([*base, "--resume", "auto", "--max_steps", "5", "--dry_run"]) == 0  # shorter: the note says so too
+    assert (
+        "note: the checkpoint's schedule runs to step 12; max_steps 5 ends this run before it has decayed (the "
+        "checkpoint's schedule wins on a resume); --resume_schedule false rebuilds it to end at step 5"
+    ) in capsys.readouterr().out
+    longer = [*base, "--resume", "auto", "--n_epoch", "6", "--resume_schedule", "false", "--stop_after_steps", "1"]
     assert main(longer) == 0
     assert "schedule: rebuilt for this run's 24 steps (--resume_schedule false), continuing at step 1" in (
         capsys.readouterr().out

@@ -86,7 +86,13 @@ class TrainArgs:
     grad_accum_steps: int = 1
     """Micro-batches per optimizer step (gradient accumulation)."""
     max_steps: int | None = None
-    """Stop after this many optimizer steps (with a final checkpoint), even before ``n_epoch`` ends."""
+    """The run's length in optimizer steps, when shorter than ``n_epoch``'s: the run ends there (with a final
+    checkpoint), and the schedule (warmup, decay, cycles) is planned over it, as Hugging Face's ``max_steps`` is. A
+    resume keeps its checkpoint's schedule (``resume_schedule``). AstrAI has no such flag."""
+    stop_after_steps: int | None = None
+    """Stop after this many optimizer steps of this run (counted from where it starts: a resume takes this many
+    more), with a checkpoint, the schedule untouched: a long run split into job-sized pieces, each continued by
+    ``--resume auto``, trains as the run would uninterrupted."""
     max_tokens: int | None = None
     """Stop once this many input tokens (all ranks together) have been trained on."""
 
@@ -364,8 +370,8 @@ class TrainArgs:
             f"{name} must be positive, got {getattr(self, name)}" for name in positive if getattr(self, name) < 1
         ]
         optional_positive = [
-            "window_size", "stride", "max_steps", "max_tokens", "tp_size", "cycle_length", "keep_last_k",
-            "num_threads", "fsdp_shard_size",
+            "window_size", "stride", "max_steps", "stop_after_steps", "max_tokens", "tp_size", "cycle_length",
+            "keep_last_k", "num_threads", "fsdp_shard_size",
         ]  # fmt: skip
         if self.num_workers is not None and self.num_workers < 0:
             problems.append(f"num_workers must be >= 0, got {self.num_workers}")

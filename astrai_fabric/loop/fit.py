@@ -43,7 +43,8 @@ def fit(
     val_loader: DataLoader | None = None,
     stop: StopRequest | None = None,
 ) -> list[dict[str, float]]:
-    """Train from ``state.position`` (updated in place) until ``n_epoch``, ``max_steps`` or ``max_tokens``, or until
+    """Train from ``state.position`` (updated in place) until ``n_epoch``, ``max_steps``, ``stop_after_steps`` (this
+    call's steps) or ``max_tokens``, or until
     ``stop`` is requested on any rank; the state at the end is saved.
 
     ``batches`` is iterated once per epoch, after ``sampler`` (the one that orders it) is set to the position.
@@ -52,6 +53,7 @@ def fit(
     metrics (same means), throughput (see ``Reporter``) and ``val_loss`` when validated.
     """
     position = state.position
+    first_step = position.optimizer_step  # where this run began: --stop_after_steps counts from here
     tools = StepTools.for_run(fabric, state.model, args, sampler.num_dp_ranks)
     micro_batches = _epochs(batches, sampler, position, args, reporter)
     last_saved_step = position.optimizer_step
@@ -67,7 +69,7 @@ def fit(
         last_saved_step = position.optimizer_step
 
     state.model.train()
-    done = args.budget_reached(position)
+    done = args.budget_reached(position, first_step)
     while not done:
         result = train_step(fabric, state=state, micro_batches=micro_batches, compute_loss=compute_loss, args=args,
                             tools=tools, stop=stop)  # fmt: skip
@@ -80,7 +82,7 @@ def fit(
             _raise_nonfinite_update(fabric, args, reporter, result.nonfinite_update, culprit)
         if result.stepped:
             bad_in_a_row, last_update = 0, result
-            if _report(fabric, state, result, args, reporter, val_loader, compute_loss):
+            if _report(fabric, state, result, args, reporter, val_loader, compute_loss, first_step):
                 checked_save()
         else:
             bad_in_a_row += 1
@@ -91,7 +93,7 @@ def fit(
             )
         reporter.restart_clock()
         diverged = bad_in_a_row > args.max_bad_steps
-        done = result.stop_requested or diverged or args.budget_reached(position)
+        done = result.stop_requested or diverged or args.budget_reached(position, first_step)
 
     if position.optimizer_step != last_saved_step:
         checked_save()
@@ -135,7 +137,7 @@ def _epochs(
 
 def _report(
     fabric: Fabric, state: TrainState, result: StepResult, args: LoopArgs, reporter: Reporter,
-    val_loader: DataLoader | None, compute_loss: LossFn,
+    val_loader: DataLoader | None, compute_loss: LossFn, first_step: int,
 ) -> bool:  # fmt: skip
     """Record, show and log the step just taken (validating when due); returns whether a checkpoint is due."""
     position = state.position
@@ -147,7 +149,7 @@ def _report(
     reporter.throughput(record, result.num_tokens, result.num_samples)
     if val_loader is not None and (step == 1 or step % args.val_step == 0):
         record["val_loss"] = validate(fabric, state.model, val_loader, compute_loss)
-    last = result.stop_requested or args.budget_reached(position)
+    last = result.stop_requested or args.budget_reached(position, first_step)
     reporter.step(record, list(result.metrics), position.epoch, position.consumed_samples, last)
     return step % args.ckpt_interval == 0
 

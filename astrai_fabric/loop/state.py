@@ -37,6 +37,7 @@ class LoopArgs:
     batch_per_device: int
     grad_accum_steps: int
     max_steps: int | None
+    stop_after_steps: int | None
     max_tokens: int | None
     max_grad_norm: float
     max_bad_steps: int
@@ -63,15 +64,20 @@ class LoopArgs:
         batches are made by the live model (``check_weights_each_step``)."""
         return cls(
             n_epoch=args.n_epoch, batch_per_device=args.batch_per_device, grad_accum_steps=args.grad_accum_steps,
-            max_steps=args.max_steps, max_tokens=args.max_tokens, max_grad_norm=args.max_grad_norm,
-            max_bad_steps=args.max_bad_steps, val_step=args.val_step, ckpt_interval=args.ckpt_interval,
+            max_steps=args.max_steps, stop_after_steps=args.stop_after_steps, max_tokens=args.max_tokens,
+            max_grad_norm=args.max_grad_norm, max_bad_steps=args.max_bad_steps, val_step=args.val_step,
+            ckpt_interval=args.ckpt_interval,
             ckpt_dir=args.ckpt_dir, random_seed=args.random_seed, grad_snr="grad_snr" in args.metrics,
             skip_sync=not (args.fsdp_sync_each_micro_batch and fsdp), dp_rank=dp_rank,
             check_weights_each_step=live_batches,
         )  # fmt: skip
 
-    def budget_reached(self, position: RunPosition) -> bool:
-        """``max_steps`` or ``max_tokens`` reached."""
-        return (self.max_steps is not None and position.optimizer_step >= self.max_steps) or (
-            self.max_tokens is not None and position.num_tokens >= self.max_tokens
+    def budget_reached(self, position: RunPosition, first_step: int) -> bool:
+        """``max_steps``, ``max_tokens`` or, for a run that began after step ``first_step``, ``stop_after_steps``
+        reached."""
+        step = position.optimizer_step
+        return (
+            (self.max_steps is not None and step >= self.max_steps)
+            or (self.stop_after_steps is not None and step - first_step >= self.stop_after_steps)
+            or (self.max_tokens is not None and position.num_tokens >= self.max_tokens)
         )

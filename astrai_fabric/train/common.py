@@ -132,6 +132,12 @@ def build_schedule(optimizer: Any, args: ScheduleArgs, plan: StepPlan, resume: C
             f"{max(end, step) + 1}-{plan.total_steps} run at the floor ({scheduler.min_rate:g} x max_lr); "
             f"--resume_schedule false rebuilds the schedule for {plan.total_steps} steps"
         )
+    if end is not None and end > plan.total_steps and plan.max_steps is not None:
+        return scheduler, (
+            f"note: the checkpoint's schedule runs to step {end}; max_steps {plan.max_steps} ends this run before it "
+            f"has decayed (the checkpoint's schedule wins on a resume); --resume_schedule false rebuilds it to end at "
+            f"step {plan.total_steps}"
+        )
     return scheduler, None
 
 
@@ -154,16 +160,10 @@ def describe_run_plan(
     threads = None
     if fabric.device.type == "cpu":
         threads = describe_cpu_threads(torch.get_num_threads(), args.num_threads is not None)
-    resume = None
-    if start.resume is not None:
-        resume = (
-            f"from {start.resume.path} at step {position.optimizer_step}, epoch {position.epoch}, sample "
-            f"{position.sample_index} of {plan.samples_per_rank} per rank"
-        )
     return describe_plan(
         args, dry_run=False, processes=processes, start=start, parameters=parameters, data=data, steps=plan,
         schedule=describe_schedule(args, scheduler), schedule_note=schedule_note,
-        loader=resolve_num_workers(args.num_workers, devices)[1], cpu_threads=threads, resume=resume,
+        loader=resolve_num_workers(args.num_workers, devices)[1], cpu_threads=threads, position=position,
     )  # fmt: skip
 
 
@@ -221,7 +221,7 @@ def train_on(
                            **parameters.counts())  # fmt: skip
         save = make_saver(fabric, model, optimizer, scheduler, start, args, metric_log, extra_meta)
         reporter = Reporter(
-            fabric, plan, metric_log, first_step=position.optimizer_step + 1,
+            fabric, plan, metric_log, first_step=position.optimizer_step + 1, last_step=plan.last_step(position),
             flops_per_token=flops_per_token(start.model_config, start.window_size),
             peak_flops=peak_flops(fabric.device, precision_of(fabric), args.peak_flops), compiled=bool(args.compile),
         )  # fmt: skip

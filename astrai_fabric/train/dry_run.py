@@ -33,6 +33,7 @@ from astrai_fabric.train.plan import (
     describe_schedule,
     summarize_parameters,
 )
+from astrai_fabric.train.resume import planned_position
 from astrai_fabric.train.start import Start, read_start
 
 
@@ -52,7 +53,7 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
         topology.world_size, topology.devices, args.parallel_mode, layout, accelerator, precision
     )
     problems += _ckpt_dir_problems(args)
-    start = dataset = parameters = data = plan = schedule = note = None
+    start = dataset = parameters = data = plan = schedule = note = position = None
     try:
         start = read_start(args)
     except UserError as err:
@@ -82,6 +83,7 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
         else:
             try:
                 schedule, note = _schedule(args, start, plan)
+                position = planned_position(start.resume, args, plan)[0]
             except UserError as err:
                 problems.append(str(err))
     threads = None
@@ -102,6 +104,7 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
             schedule_note=note,
             loader=resolve_num_workers(args.num_workers, topology.devices)[1],
             cpu_threads=threads,
+            position=position,
         )  # fmt: skip
     )
     if problems:

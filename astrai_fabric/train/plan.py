@@ -12,6 +12,7 @@ from typing import Any
 from torch import nn
 
 from astrai_fabric import assets, lora
+from astrai_fabric.checkpoint.position import RunPosition
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.optim import OptimArgs, optimizer_groups, optimizer_state_bytes
 from astrai_fabric.profiling import describe_profiling
@@ -89,6 +90,26 @@ def describe_schedule(args: TrainArgs, scheduler: Any) -> str:
     return f"{scheduler.describe()}, peak learning rate {args.max_lr}"
 
 
+def describe_features(args: TrainArgs) -> str | None:
+    """The plan's ``training`` line: each option on that changes how a step trains, stores or checkpoints (LoRA,
+    HSDP's layout and profiling have lines of their own); None when all are at their defaults."""
+    on = [
+        f"NEFTune (alpha {args.neftune_alpha:g})" if args.neftune_alpha else None,
+        f"label smoothing {args.label_smoothing:g}" if args.label_smoothing else None,
+        "gradient checkpointing" if args.gradient_checkpointing else None,
+        f"torch.compile ({args.compile})" if args.compile else None,
+        "FSDP: gradients reduced each micro-batch" if args.fsdp_sync_each_micro_batch else None,
+        "FSDP: reshard after forward" if args.fsdp_reshard_after_forward else None,
+        f"FSDP: compute in {args.fsdp_param_dtype}" if args.fsdp_param_dtype else None,
+        f"FSDP: reduce in {args.fsdp_reduce_dtype}" if args.fsdp_reduce_dtype else None,
+        "FSDP: CPU offload" if args.fsdp_cpu_offload else None,
+        f"tensor parallel over {args.tp_size} ranks" if (args.tp_size or 1) > 1 else None,
+        "sharded checkpoints" if args.sharded_checkpoint else None,
+        f"keep the last {args.keep_last_k} checkpoints" if args.keep_last_k is not None else None,
+    ]
+    return ", ".join(item for item in on if item) or None
+
+
 def describe_processes(
     world_size: int, devices: int, parallel_mode: str, layout: str | None, accelerator: str, precision: str
 ) -> str:
@@ -114,11 +135,11 @@ def describe_plan(
     schedule_note: str | None,
     loader: str,
     cpu_threads: str | None,
-    resume: str | None = None,
+    position: RunPosition | None = None,
 ) -> str:
     """The plan as printed: one labelled line per part, in the order a run goes. A part given as None is left out
-    (the dry run could not work it out: it lists why beneath). ``resume`` says where a resumed run continues
-    (default: the checkpoint's path)."""
+    (the dry run could not work it out: it lists why beneath). ``position``: where the run starts (default: the
+    beginning)."""
     rows: list[tuple[str, str]] = [("processes", processes)]
     if start is not None:
         weights = start.weights.path if start.weights is not None else f"none: AstrAI's init, seed {args.random_seed}"
@@ -134,11 +155,17 @@ def describe_plan(
             tokenizer = f"none ({start.no_tokenizer}); checkpoints will carry none"
         rows.append(("tokenizer", tokenizer))
         if start.resume is not None:
-            rows.append(("resume", resume or f"from {start.resume.path}"))
+            where = f"from {start.resume.path}"
+            if position is not None and steps is not None:
+                where += (
+                    f" at step {position.optimizer_step}, epoch {position.epoch}, sample {position.sample_index} of "
+                    f"{steps.samples_per_rank} per rank"
+                )
+            rows.append(("resume", where))
     if data is not None:
         rows.append(("data", data))
     if steps is not None:
-        rows += steps.describe()
+        rows += steps.describe(position, args.max_tokens)
     if schedule is not None:
         rows.append(("schedule", schedule))
         if schedule_note:
@@ -146,12 +173,10 @@ def describe_plan(
     rows.append(("loader", loader))
     if cpu_threads is not None:
         rows.append(("cpu threads", cpu_threads))
-    budget = [f"max_steps {args.max_steps}"] if args.max_steps is not None else []
-    if args.max_tokens is not None:
-        budget.append(f"max_tokens {args.max_tokens:,}")
-    if budget:
-        rows.append(("budget", f"stop at {' or '.join(budget)}"))
-    if profiling := describe_profiling(args, steps):  # warns of steps past the run's last
+    if features := describe_features(args):
+        rows.append(("training", features))
+    last_step = steps.last_step(position) if steps is not None else None
+    if profiling := describe_profiling(args, last_step):  # warns of steps past the run's last
         rows.append(("profiling", profiling))
     rows.append((
         "outputs",

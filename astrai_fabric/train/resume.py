@@ -119,34 +119,46 @@ def check_position(ckpt: Checkpoint, plan: StepPlan) -> None:
 
 
 def start_position(fabric: Fabric, ckpt: Checkpoint | None, args: TrainArgs, plan: StepPlan) -> RunPosition:
-    """The loop position to start from: the resumed checkpoint's (``ckpt``), AstrAI's ``start_epoch`` and
-    ``start_samples`` for a fresh run, or zero. A resume also restores the RNG states (or reseeds where it holds
-    none)."""
+    """The loop position to start from (``planned_position``). A resume also restores the RNG states (or reseeds
+    where it holds none)."""
+    position, warning = planned_position(ckpt, args, plan)
+    if warning is not None:
+        fabric.print(f"warning: {warning}")
+    if ckpt is None:
+        return position
+    if not restore_rng(ckpt.extra.get("rng"), fabric.global_rank, fabric.world_size):
+        fabric.seed_everything(args.random_seed + position.optimizer_step, verbose=False)
+    return position
+
+
+def planned_position(ckpt: Checkpoint | None, args: TrainArgs, plan: StepPlan) -> tuple[RunPosition, str | None]:
+    """Where a run starts: the resumed checkpoint's position (``ckpt``), AstrAI's ``start_epoch`` and
+    ``start_samples`` for a fresh run, or zero; and a warning when the checkpoint's position falls between samples
+    for this run's ranks. Reads nothing but its arguments (the dry run plans with it too)."""
     num_dp_ranks = plan.num_dp_ranks  # the ones that consume different samples
     if ckpt is None:
         # AstrAI's manual offsets for a fresh run; start_samples counts samples per rank.
         epoch = args.start_epoch + args.start_samples // plan.samples_per_rank
         index = args.start_samples % plan.samples_per_rank
-        return RunPosition(epoch=epoch, sample_index=index, world_size=num_dp_ranks)
+        return RunPosition(epoch=epoch, sample_index=index, world_size=num_dp_ranks), None
     if RESUME_KEY in ckpt.meta:  # ours: exact (``check_position`` passed: the run's preflight)
         saved = RunPosition.from_meta(ckpt.meta[RESUME_KEY], ckpt.path / "meta.json")
         position, exact = saved.rescaled(num_dp_ranks, plan.samples_per_rank)
-        if not exact:
-            fabric.print(
-                f"warning: the checkpoint's position ({saved.sample_index} samples on each of {saved.world_size} "
-                f"ranks) falls between samples for {num_dp_ranks} ranks; up to {num_dp_ranks - 1} sample(s) repeat"
-            )
-    else:  # written by AstrAI: AstrAI's meta semantics (train_context.py), floor to a whole optimizer step
-        per_step = plan.global_batch_size
-        consumed = ckpt.consumed_samples // per_step * per_step
-        offset = consumed // num_dp_ranks
-        position = RunPosition(
-            epoch=offset // plan.samples_per_rank,
-            sample_index=offset % plan.samples_per_rank,
-            world_size=num_dp_ranks,
-            optimizer_step=consumed // per_step,
-            consumed_samples=consumed,
+        if exact:
+            return position, None
+        return position, (
+            f"the checkpoint's position ({saved.sample_index} samples on each of {saved.world_size} ranks) falls "
+            f"between samples for {num_dp_ranks} ranks; up to {num_dp_ranks - 1} sample(s) repeat"
         )
-    if not restore_rng(ckpt.extra.get("rng"), fabric.global_rank, fabric.world_size):
-        fabric.seed_everything(args.random_seed + position.optimizer_step, verbose=False)
-    return position
+    # Written by AstrAI: AstrAI's meta semantics (train_context.py), floor to a whole optimizer step.
+    per_step = plan.global_batch_size
+    consumed = ckpt.consumed_samples // per_step * per_step
+    offset = consumed // num_dp_ranks
+    position = RunPosition(
+        epoch=offset // plan.samples_per_rank,
+        sample_index=offset % plan.samples_per_rank,
+        world_size=num_dp_ranks,
+        optimizer_step=consumed // per_step,
+        consumed_samples=consumed,
+    )
+    return position, None
