@@ -2,20 +2,19 @@
 
 Prompts of different lengths are left-padded; position ids count real tokens only (a prompt starts at 0 whatever
 its padding) and attention never looks at padding, so a prompt's continuation does not depend on its neighbours
-in the batch. Used by online GRPO and by ``astrai-fabric generate``.
+in the batch. Used by online GRPO, ``astrai-fabric generate`` and (its loop, ``sample_tokens``) ``chat``.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from astrai_fabric import assets
 from astrai_fabric.checkpoint import load_model
-from astrai_fabric.config.generate import GenerateArgs
+from astrai_fabric.config.generate import GenerateArgs, SamplingArgs
 from astrai_fabric.errors import ConfigError, UserError
 from astrai_fabric.model.kv_cache import KVCache
 from astrai_fabric.tokenizer import Tokenizer
@@ -87,19 +86,12 @@ def generate(
     """
     device = next(model.parameters()).device
     ids, valid = left_pad(prompts, pad_id, device)
-    stop = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
     cache = KVCache(ids.size(1) + max_new_tokens) if use_cache else None
     positions, mask = padded_attention(valid)
     logits = model(ids, input_mask=mask, position_ids=positions, kv_cache=cache)["logits"][:, -1]
-    new_tokens, finished = [], torch.zeros(len(prompts), dtype=torch.bool, device=device)
-    for step in range(max_new_tokens):
-        token = sample_next(logits, temperature, top_k, top_p, generator)
-        token = token.masked_fill(finished, pad_id)
-        new_tokens.append(token)
-        finished |= torch.isin(token, stop)
-        done = bool(finished.all())
-        if (all_done(done) if all_done is not None else done) or step == max_new_tokens - 1:
-            break
+
+    def feed(token: Tensor) -> Tensor:
+        nonlocal ids, valid, positions
         valid = torch.cat([valid, torch.ones_like(valid[:, :1])], dim=1)
         if cache is not None:
             next_positions = positions[:, -1:] + 1
@@ -109,8 +101,42 @@ def generate(
             ids = torch.cat([ids, token[:, None]], dim=1)
             positions, mask = padded_attention(valid)
             out = model(ids, input_mask=mask, position_ids=positions)
-        logits = out["logits"][:, -1]
+        return out["logits"][:, -1]
+
+    sampled = sample_tokens(logits, feed, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                            stop_ids=stop_ids, pad_id=pad_id, generator=generator, all_done=all_done)  # fmt: skip
+    new_tokens = list(sampled)
     return [_until_stop(row.tolist(), set(stop_ids)) for row in torch.stack(new_tokens, dim=1)]
+
+
+@torch.no_grad()
+def sample_tokens(
+    logits: Tensor,
+    feed: Callable[[Tensor], Tensor],
+    max_new_tokens: int,
+    *,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    stop_ids: Sequence[int] = (),
+    pad_id: int = 0,
+    generator: torch.Generator | None = None,
+    all_done: Callable[[bool], bool] | None = None,
+) -> Iterator[Tensor]:
+    """The one sampling loop (``generate``'s, and ``chat``'s as it streams): a token per row of ``logits [B, V]``,
+    yielded as soon as it is sampled, then ``feed(token [B]) -> logits`` for the next, until every row has sampled a
+    stop token (rows that have are padded with ``pad_id``) or ``max_new_tokens``. The last token is never fed."""
+    stop = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=logits.device)
+    finished = torch.zeros(logits.size(0), dtype=torch.bool, device=logits.device)
+    for step in range(max_new_tokens):
+        token = sample_next(logits, temperature, top_k, top_p, generator)
+        token = token.masked_fill(finished, pad_id)
+        finished |= torch.isin(token, stop)
+        yield token
+        done = bool(finished.all())
+        if (all_done(done) if all_done is not None else done) or step == max_new_tokens - 1:
+            break
+        logits = feed(token)
 
 
 def _until_stop(tokens: list[int], stop_ids: set[int]) -> list[int]:
@@ -120,26 +146,21 @@ def _until_stop(tokens: list[int], stop_ids: set[int]) -> list[int]:
     return tokens
 
 
-def run_generate(args: GenerateArgs) -> list[list[str]]:
-    """Print and return ``num_samples`` continuations of every prompt."""
-    if args.param_path is None or not args.prompt:
-        raise ConfigError("generate needs --param_path and at least one --prompt")
-    if (
-        not (0 <= args.temperature < math.inf and 0 < args.top_p <= 1 and args.top_k >= 0)
-        or min(args.max_new_tokens, args.num_samples) < 1
-    ):
-        raise ConfigError(
-            "generate: need a finite temperature >= 0, 0 < top_p <= 1, top_k >= 0, max_new_tokens >= 1 and "
-            f"num_samples >= 1; got {args.temperature}, {args.top_p}, {args.top_k}, {args.max_new_tokens}, "
-            f"{args.num_samples}"
-        )
-    if args.device_type not in (None, "cpu", "cuda"):
-        raise ConfigError(f"generate: device_type must be cpu or cuda, got {args.device_type!r}")
+def load_sampler(args: SamplingArgs, command: str) -> tuple[nn.Module, Tokenizer, torch.Generator]:
+    """The model (on ``device_type``, in eval mode), its tokenizer and the seeded generator ``command`` (generate,
+    chat) samples with; ``args`` validated."""
     if args.device_type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("generate: --device_type cuda, but no CUDA device is available here")
+        raise ConfigError(f"{command}: --device_type cuda, but no CUDA device is available here")
     device = torch.device(args.device_type or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = load_model(assets.resolve(args.param_path)).to(device).eval()
     tokenizer = Tokenizer.from_dir(assets.resolve(args.tokenizer_path or args.param_path))
+    return model, tokenizer, torch.Generator(device).manual_seed(args.seed)
+
+
+def run_generate(args: GenerateArgs) -> list[list[str]]:
+    """Print and return ``num_samples`` continuations of every prompt."""
+    args.validate()
+    model, tokenizer, generator = load_sampler(args, "generate")
     system = [{"role": "system", "content": args.system}] if args.system else []
     encoded = [
         tokenizer.apply_chat_template([*system, {"role": "user", "content": p}]) if args.chat else tokenizer.encode(p)
@@ -153,7 +174,6 @@ def run_generate(args: GenerateArgs) -> list[list[str]]:
                 "bos_token is added): there is nothing to continue"
             )
     stop_ids = tokenizer.stop_ids if args.chat else [t for t in (tokenizer.eos_token_id,) if t is not None]
-    generator = torch.Generator(device).manual_seed(args.seed)
     batch = [ids for ids in encoded for _ in range(args.num_samples)]
     limit = model.config.max_position_embeddings - max(len(ids) for ids in batch)
     if limit < 1:

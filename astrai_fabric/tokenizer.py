@@ -225,8 +225,14 @@ class Tokenizer:
     def decode_whole_chars(self, ids: list[int]) -> str:
         """``decode`` without special tokens and without a trailing incomplete UTF-8 character: a sample cut off
         inside a multi-byte character would end in U+FFFD. Invalid bytes elsewhere still show as U+FFFD."""
+        step = self.decode_stream()
+        return "".join(step(i) for i in ids)
+
+    def decode_stream(self) -> Callable[[int], str]:
+        """A decoder of ids given one at a time: each call returns the text its id completes (``""`` while a UTF-8
+        character is unfinished, or for a special token), so the pieces join into ``decode_whole_chars``."""
         stream = DecodeStream(skip_special_tokens=True)
-        return "".join(piece for i in ids if (piece := stream.step(self._tokenizer, i)) is not None)
+        return lambda token_id: stream.step(self._tokenizer, token_id) or ""
 
     @cached_property
     def _template(self) -> Template:

@@ -1,37 +1,86 @@
-"""``GenerateArgs``: the flags of ``astrai-fabric generate`` (``generate.run_generate`` reads them). A config of its
-own, beside ``TrainArgs``, so that the options page (``config/reference.py``) and the CLI read it without importing
-the model."""
+"""``GenerateArgs`` and ``ChatArgs``: the flags of ``astrai-fabric generate`` and ``astrai-fabric chat``
+(``generate.run_generate`` and ``chat.run_chat`` read them), their sampling flags one definition (``SamplingArgs``)
+checked by one ``validate``. Configs of their own, beside ``TrainArgs``, so that the options page
+(``config/reference.py``) and the CLI read them without importing the model."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+from astrai_fabric.errors import ConfigError
+
+DEVICE_TYPES = ("cpu", "cuda")
 
 
 @dataclass
-class GenerateArgs:
-    """``astrai-fabric generate``: sample continuations of prompts from a model or checkpoint directory."""
+class SamplingArgs:
+    """The flags ``generate`` and ``chat`` share: the model, its tokenizer and how tokens are sampled."""
 
     param_path: str | None = None
-    """Model or checkpoint directory (config.json + model.safetensors); ``bundled:tiny`` needs weights first."""
-    prompt: list[str] = field(default_factory=list)
-    """Prompt text; repeat the flag for several prompts (sampled as one batch)."""
+    """Model or checkpoint directory (config.json + model.safetensors; a LoRA checkpoint's adapter is merged; a
+    Hugging Face directory loads as it is); ``bundled:tiny`` needs weights first."""
     tokenizer_path: str | None = None
-    """Tokenizer directory; default: ``param_path``."""
-    chat: bool = True
-    """Render each prompt as a user message with the chat template (false: continue the raw text)."""
+    """Tokenizer directory; default: the model's (``param_path``, chat's SRC)."""
     system: str | None = None
-    """A system message before each chat prompt."""
+    """A system message: before each prompt (generate), at the start of the conversation (chat)."""
     max_new_tokens: int = 128
-    """Most tokens to generate per prompt."""
+    """Most tokens to generate per prompt (generate) or reply (chat)."""
     temperature: float = 0.7
     """Sampling temperature; 0 is greedy."""
     top_k: int = 0
     """Keep only the k most likely tokens (0: off)."""
     top_p: float = 0.9
     """Keep the smallest set of tokens whose probability reaches p (1: off)."""
-    num_samples: int = 1
-    """Continuations per prompt."""
     seed: int = 3407
     """Sampling seed."""
     device_type: str | None = None
     """``cuda`` or ``cpu``; default: cuda when available."""
+
+    def validate(self, command: str) -> None:
+        """The sampling flags' ranges, for ``command``'s error line (whether CUDA is there is the sampler's check)."""
+        ranges = 0 <= self.temperature < math.inf and 0 < self.top_p <= 1 and self.top_k >= 0
+        if not ranges or self.max_new_tokens < 1:
+            raise ConfigError(
+                f"{command}: need a finite temperature >= 0, 0 < top_p <= 1, top_k >= 0 and max_new_tokens >= 1; got "
+                f"temperature={self.temperature}, top_p={self.top_p}, top_k={self.top_k}, "
+                f"max_new_tokens={self.max_new_tokens}"
+            )
+        if self.device_type not in (None, *DEVICE_TYPES):
+            raise ConfigError(f"{command}: device_type must be cpu or cuda, got {self.device_type!r}")
+
+
+@dataclass
+class GenerateArgs(SamplingArgs):
+    """``astrai-fabric generate``: sample continuations of prompts from a model or checkpoint directory."""
+
+    prompt: list[str] = field(default_factory=list)
+    """Prompt text; repeat the flag for several prompts (sampled as one batch)."""
+    chat: bool = True
+    """Render each prompt as a user message with the chat template (false: continue the raw text)."""
+    num_samples: int = 1
+    """Continuations per prompt."""
+
+    def validate(self, command: str = "generate") -> None:
+        if self.param_path is None or not self.prompt:
+            raise ConfigError("generate needs --param_path and at least one --prompt")
+        super().validate(command)
+        if self.num_samples < 1:
+            raise ConfigError(f"{command}: need num_samples >= 1, got {self.num_samples}")
+
+
+@dataclass
+class ChatArgs(SamplingArgs):
+    """``astrai-fabric chat SRC``: talk with a model, turn by turn with its chat template (or continuing the running
+    text), each reply streamed as it is sampled. ``/reset`` clears the conversation, ``/exit`` or the end of input
+    (Ctrl-D) leaves; Ctrl-C stops a reply, and at the prompt leaves (exit 130). The KV cache is kept across turns
+    while the conversation, rendered again, starts with the tokens it holds."""
+
+    template: bool = True
+    """Render the conversation with the tokenizer's chat template (false, or a tokenizer without one: plain
+    continuation, each input appended on a new line to the running text)."""
+
+    def validate(self, command: str = "chat") -> None:
+        if self.param_path is None:
+            raise ConfigError("chat needs a model: astrai-fabric chat SRC (a checkpoint or model directory)")
+        super().validate(command)

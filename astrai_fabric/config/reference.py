@@ -15,7 +15,7 @@ import sys
 import typing
 from pathlib import Path
 
-from astrai_fabric.config.generate import GenerateArgs
+from astrai_fabric.config.generate import ChatArgs, GenerateArgs, SamplingArgs
 from astrai_fabric.config.train import TrainArgs
 
 SECTION_COMMENT = re.compile(r"^\s*# --- (.+?) -+$")
@@ -111,7 +111,13 @@ def render() -> str:
         [
             HEADER,
             describe(TrainArgs, "Training options", "`astrai-fabric {seq,sft,dpo,grpo}`: recipe keys and flags."),
-            describe(GenerateArgs, "Generation options", "`astrai-fabric generate`: sampling from a checkpoint."),
+            describe(
+                SamplingArgs,
+                "Generation and chat options",
+                "`astrai-fabric generate` and `astrai-fabric chat SRC` (SRC is `param_path`): sampling from a model.",
+            ),
+            describe(GenerateArgs, "Generate options", "`astrai-fabric generate`: the options above, and"),
+            describe(ChatArgs, "Chat options", "`astrai-fabric chat SRC`: the options above, and"),
         ]
     )
 
