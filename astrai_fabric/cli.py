@@ -23,26 +23,29 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import os
 import sys
 import traceback
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import yaml
 from jsonargparse import ArgumentParser, set_parsing_settings
 
 from astrai_fabric import __version__, assets
-from astrai_fabric.config.generate import GenerateArgs
+from astrai_fabric.config.generate import ChatArgs, GenerateArgs
 from astrai_fabric.config.kinds import kind_problem
 from astrai_fabric.config.train import COMMAND_LINE_ONLY, TrainArgs, resolved_recipe
 from astrai_fabric.data.prepare import PipelineConfig, prepare
 from astrai_fabric.errors import TrainingError, UserError, keep_traceback
-from astrai_fabric.export import DEFAULT_MAX_SHARD_SIZE, DTYPES, FORMATS, export
+from astrai_fabric.export import DEFAULT_MAX_SHARD_SIZE, DTYPES, FORMATS, AlreadyComplete, export
 from astrai_fabric.generate import run_generate
 from astrai_fabric.tokenizer import Tokenizer
 
 TRAIN_COMMANDS = ("seq", "sft", "dpo", "grpo")
+OTHER_COMMANDS = ("generate", "chat", "export", "prepare", "plot")
+"""The commands that train nothing (each dispatched by ``_dispatch``); the usage line lists both tuples."""
 TRAIN_TYPE_ALIASES = {"online_grpo": "grpo"}
 """AstrAI's train types that are a mode of ours: grpo is online when its data holds prompts only."""
 ASTRAI_SECTIONS = ("model", "data", "parallel", "training", "ckpt", "log")
@@ -73,7 +76,15 @@ TRAIN_FLAGS = Flags.of(TrainArgs)
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
 
-def main(argv: list[str] | None = None) -> int:
+def run() -> NoReturn:
+    """The console script and ``python -m astrai_fabric``: the CLI as a process of its own, which ends with
+    ``main``'s status."""
+    sys.exit(main(own_process=True))
+
+
+def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
+    """The CLI on ``argv`` (default: the command line): its exit status. ``own_process``: the process is the CLI's
+    (``run``), to end as ``_leave_process_group`` says."""
     global _crash_log_dir
     argv = list(sys.argv[1:] if argv is None else argv)
     _crash_log_dir = None
@@ -81,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         return _dispatch(argv)
     except UserError as err:
         _print_error(err)
-        _leave_process_group()
+        _leave_process_group(own_process)
         return 2
     except TrainingError as err:
         _print_error(err)
@@ -107,12 +118,20 @@ def _print_error(err: Exception) -> None:
         print(f"astrai-fabric: error: {err}", file=sys.stderr)
 
 
-def _leave_process_group() -> None:
-    """Tear the process group down after a refusal every rank raised together: exiting with gloo's threads still
-    running can abort the process (``terminate called without an active exception``) instead of exiting 2."""
+def _leave_process_group(own_process: bool) -> None:
+    """Leave the process group after a refusal every rank raised together. Tearing gloo down can abort the process
+    (exiting with its threads running: ``terminate called without an active exception``) or deadlock it (the DDP
+    reducer, freed with the refusal's traceback, destroys the group holding the GIL that gloo's loop thread waits
+    for: seen with torch 2.13), so a process of its own ends here with status 2, its output flushed and nothing
+    left to write; a caller's process gets the group destroyed."""
     distributed = sys.modules.get("torch.distributed")
-    if distributed is not None and distributed.is_available() and distributed.is_initialized():
-        distributed.destroy_process_group()
+    if distributed is None or not (distributed.is_available() and distributed.is_initialized()):
+        return
+    if own_process:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2)
+    distributed.destroy_process_group()
 
 
 _crash_log_dir: Path | None = None
@@ -131,6 +150,8 @@ def _dispatch(argv: list[str]) -> int:
         return train_command(argv[0], argv[1:])
     if argv and argv[0] == "generate":
         return generate_command(argv[1:])
+    if argv and argv[0] == "chat":
+        return chat_command(argv[1:])
     if argv and argv[0] == "export":
         return export_command(argv[1:])
     if argv and argv[0] == "prepare":
@@ -147,13 +168,15 @@ def _dispatch(argv: list[str]) -> int:
         print(_top_level_help())
         return 0
     raise UserError(
-        f"unknown command {argv[0]!r}; choose one of {', '.join(TRAIN_COMMANDS)} (see astrai-fabric --help)"
+        f"unknown command {argv[0]!r}; choose one of {', '.join(TRAIN_COMMANDS + OTHER_COMMANDS)} "
+        "(see astrai-fabric --help)"
     )
 
 
 def _top_level_help() -> str:
     lines = [
         f"usage: astrai-fabric {{{','.join(TRAIN_COMMANDS)}}} --config RECIPE.yaml [--flag value ...]",
+        f"       astrai-fabric {{{','.join(OTHER_COMMANDS)}}} ARGS [--flag value ...]",
         "",
         "Train AstrAI decoder-only language models on Lightning Fabric.",
         "",
@@ -163,6 +186,7 @@ def _top_level_help() -> str:
         "  dpo       direct preference optimization on chosen/rejected pairs",
         "  grpo      group relative policy optimization: scored groups (offline) or sampled and rewarded (online)",
         "  generate  sample continuations of prompts from a model or checkpoint",
+        "  chat      talk with a model or checkpoint: multi-turn, replies streamed, /reset and /exit",
         "  export    a checkpoint in AstrAI's layout (completing a sharded one) or Hugging Face's (--format hf)",
         "  prepare   tokenise JSONL into AstrAI's bin shards (seq, sft)",
         "  plot      loss, learning rate and throughput of one or more runs, as a PNG",
@@ -256,6 +280,23 @@ def generate_command(argv: list[str]) -> int:
     return 0
 
 
+def chat_command(argv: list[str]) -> int:
+    from astrai_fabric.chat import run_chat
+
+    parser = ArgumentParser(prog="astrai-fabric chat", description=ChatArgs.__doc__, exit_on_error=False)
+    parser.add_argument(
+        "param_path",
+        nargs="?",
+        metavar="SRC",
+        help="A checkpoint or model directory: ours or AstrAI's, a LoRA checkpoint (its adapter merged) or a Hugging "
+        "Face directory.",
+    )
+    parser.add_class_arguments(ChatArgs, nested_key=None, as_group=False, skip={"param_path"})
+    flags = [token.removeprefix("--param_path=") for token in _normalize(argv, Flags.of(ChatArgs))]  # generate's way
+    namespace = _parse(parser, flags)
+    return run_chat(ChatArgs(**namespace.as_dict()))
+
+
 def export_command(argv: list[str]) -> int:
 
     parser = ArgumentParser(
@@ -289,9 +330,13 @@ def export_command(argv: list[str]) -> int:
         help="A LoRA checkpoint: write the model with its adapter merged into the base (--format hf always does).",
     )
     namespace = _parse(parser, argv)
-    source = Path(namespace.checkpoint)
-    target = export(source, namespace.out, namespace.format, namespace.dtype, namespace.max_shard_size,
-                    merge_lora=namespace.merge_lora)  # fmt: skip
+    source = namespace.checkpoint
+    try:
+        target = export(source, namespace.out, namespace.format, namespace.dtype, namespace.max_shard_size,
+                        merge_lora=namespace.merge_lora)  # fmt: skip
+    except AlreadyComplete as done:  # what was asked holds already: said, exit 0
+        print(f"nothing to export: {done}")
+        return 0
     print(f"exported {source} -> {target}")
     return 0
 
@@ -309,7 +354,25 @@ def _parse(
     except SystemExit as exit_:  # --help
         raise SystemExit(exit_.code) from None
     except Exception as err:
-        raise UserError(f"{source}: {_clean(err)}" if source is not None else _clean(err)) from None
+        message = _suggest_flags(parser, _clean(err))
+        raise UserError(f"{source}: {message}" if source is not None else message) from None
+
+
+UNRECOGNIZED = "unrecognized arguments: "
+
+
+def _suggest_flags(parser: ArgumentParser, message: str) -> str:
+    """jsonargparse's ``unrecognized arguments: --fromat hf`` with the closest flag to each one, spelled as flags
+    are (the commands whose flags ``_normalize`` does not check: export, prepare, plot; a bare unknown flag)."""
+    if not message.startswith(UNRECOGNIZED):
+        return message
+    known = [option for option in parser._option_string_actions if option.startswith("--")]  # argparse's table
+    words = []
+    for word in message.removeprefix(UNRECOGNIZED).split(" "):
+        flag = word.partition("=")[0]
+        close = difflib.get_close_matches(flag, known, n=1) if flag.startswith("--") else []
+        words.append(f"{word} (did you mean {close[0]}?)" if close else word)
+    return UNRECOGNIZED + " ".join(words)
 
 
 def prepare_command(argv: list[str]) -> int:
@@ -335,7 +398,7 @@ def prepare_command(argv: list[str]) -> int:
 
 
 def plot_command(argv: list[str]) -> int:
-    from astrai_fabric.plot import PLOT_FILE, check_output, plot_runs  # torch.distributed.tensor (~2.5 s): only here
+    from astrai_fabric.plot import PLOT_FILE, check_output, plot_runs  # matplotlib (~0.7 s) inside: only when plotting
 
     description = "Loss (train, validation), learning rate and tokens/s against step; runs overlaid; a PNG."
     parser = ArgumentParser(prog="astrai-fabric plot", description=description, exit_on_error=False)
@@ -435,6 +498,8 @@ def _normalize(argv: list[str], flags: Flags, check_choices: bool = True) -> lis
             if bare and name in flags.bools:
                 out.append(f"--{name}=true")
                 continue
+            if bare and check_choices and name not in flags.names:
+                raise UserError(f"unknown flag {_with_suggestion(name, flags, '--')}")
             if bare:
                 out.append(f"--{name}")  # let the parser say what is missing
                 continue
@@ -443,15 +508,20 @@ def _normalize(argv: list[str], flags: Flags, check_choices: bool = True) -> lis
             lists.setdefault(name, []).append(value)
             continue
         if check_choices and name not in flags.names:
-            raise UserError(f"unknown flag --{_with_suggestion(name, flags)}")
+            raise UserError(f"unknown flag {_with_suggestion(name, flags, '--')}")
         out.append(f"--{name}={value}")
     out += [f"--{name}={json.dumps(values)}" for name, values in lists.items()]
     return out
 
 
-def _with_suggestion(name: str, flags: Flags) -> str:
-    close = difflib.get_close_matches(name, flags.names, n=1)
-    return f"{name} (did you mean {close[0]}?)" if close else name
+def _with_suggestion(name: str, flags: Flags, prefix: str = "") -> str:
+    """``name`` and the closest of ``flags``, both spelled as the user wrote it: ``prefix`` ``--`` for a flag,
+    nothing for a recipe key."""
+    if prefix and name.startswith("no-"):  # AstrAI's negation of a boolean flag: suggest a negation
+        close = [f"no-{n}" for n in difflib.get_close_matches(name[3:], flags.bools, n=1)]
+    else:
+        close = difflib.get_close_matches(name, flags.names, n=1)
+    return f"{prefix}{name} (did you mean {prefix}{close[0]}?)" if close else f"{prefix}{name}"
 
 
 def _clean(err: Exception) -> str:
@@ -460,4 +530,4 @@ def _clean(err: Exception) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -26,21 +26,23 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from astrai_fabric import assets
 from astrai_fabric.checkpoint import (
+    ADAPTER_FILE,
     CONFIG_FILE,
     META_FILE,
     RESERVED_META,
     WEIGHTS_FILE,
+    empty_model,
     hf,
     load_checkpoint,
     load_model_weights,
     save_checkpoint,
     save_model_directory,
 )
-from astrai_fabric.checkpoint.files import abbreviate, files_inside
+from astrai_fabric.checkpoint.files import STATE_DIR, abbreviate, files_inside
 from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.errors import CheckpointError, ConfigError, UserError
-from astrai_fabric.model import AutoRegressiveLM
 from astrai_fabric.tokenizer import ASTRAI, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Tokenizer
 
 FORMATS = ("astrai", "hf", "peft")
@@ -62,10 +64,17 @@ def parse_size(text: str) -> int:
     return int(float(match[1]) * _UNITS[match[2].upper()])
 
 
+class AlreadyComplete(CheckpointError):
+    """``--format astrai`` (uncast, unmerged) of a directory in AstrAI's layout already: nothing to write. The CLI
+    prints it and exits 0 (what was asked holds already); to a caller of ``export`` it is the CheckpointError it
+    always was, since no new directory comes back."""
+
+
 def export(source: str | Path, target: str | Path | None = None, format: str = "astrai", dtype: str | None = None,
            max_shard_size: str | None = None, merge_lora: bool = False) -> Path:  # fmt: skip
-    """Write ``source`` to ``target`` (default: ``SOURCE_full`` for astrai, ``SOURCE_hf`` for hf, ``SOURCE_peft``
-    for peft) and return it. ``merge_lora`` (astrai): a LoRA checkpoint's adapter merged into its base."""
+    """Write ``source`` (``bundled:NAME`` too) to ``target`` (default: ``SOURCE_full`` for astrai, ``SOURCE_hf``
+    for hf, ``SOURCE_peft`` for peft) and return it. ``merge_lora`` (astrai): a LoRA checkpoint's adapter merged
+    into its base. ``AlreadyComplete`` where the default format has nothing to do (``check_work_to_do``)."""
     if format not in FORMATS:
         raise UserError(f"--format {format!r}: expected one of {list(FORMATS)}")
     if dtype is not None and dtype not in DTYPES:
@@ -78,8 +87,8 @@ def export(source: str | Path, target: str | Path | None = None, format: str = "
         raise UserError("--dtype does not apply to --merge_lora (the merged model keeps the checkpoint's dtype); "
                         "use --format hf --dtype, or export the merged model again with --dtype")  # fmt: skip
     max_shard_bytes = parse_size(max_shard_size or DEFAULT_MAX_SHARD_SIZE) if format == "hf" else None
-    source = Path(source)
-    target = destination(source, target, format)
+    source = assets.resolve(source)
+    target = destination(source, target, format)  # first, for every format: before anything is read
     if format == "hf":
         return export_hf(source, target, dtype, max_shard_bytes)
     if format == "peft":
@@ -146,12 +155,33 @@ def destination(source: Path, target: str | Path | None, format: str) -> Path:
     return target
 
 
+def check_work_to_do(source: Path) -> None:
+    """``--format astrai`` without ``--dtype`` or ``--merge_lora`` has work only for a sharded checkpoint (completed)
+    or a Hugging Face directory (converted); a directory in AstrAI's layout already (its weights present) is
+    ``AlreadyComplete``, saying which flag does what the user may have meant."""
+    if (source / STATE_DIR).is_dir():
+        return
+    ckpt = load_checkpoint(source, load_extra=False)  # refuses what is no model (no weights: one line saying so)
+    if ckpt.source is not None or ckpt.model_config().extensions:  # converted, or refused: AstrAI cannot load it
+        return
+    what = "checkpoint" if ckpt.meta else "model directory"
+    if ckpt.lora is not None or (source / ADAPTER_FILE).is_file():
+        formats = ("--format peft writes its adapter for PEFT, --merge_lora the merged model, --format hf the "
+                   "merged model for transformers")  # fmt: skip
+    else:
+        formats = "--format hf writes it for transformers, --dtype casts it"
+    raise AlreadyComplete(
+        f"{source}: already a complete {what} in AstrAI's layout, which AstrAI loads as it is; nothing written "
+        f"({formats})"
+    )
+
+
 def export_astrai(source: Path, target: Path, dtype: str | None = None) -> Path:
     """AstrAI's layout: a sharded checkpoint completed, a Hugging Face directory converted, or a complete
     checkpoint cast to ``dtype``; refused where AstrAI's schema cannot express the model."""
-    from astrai_fabric.checkpoint.state import STATE_DIR, export_checkpoint  # Lightning and DCP (~17 s here): only here
-
     if (source / STATE_DIR).is_dir():
+        from astrai_fabric.checkpoint.state import export_checkpoint  # Lightning and DCP (~17 s here): only here
+
         path = export_checkpoint(source, target, cast=_caster(dtype))
         config = load_checkpoint(path, load_extra=False).model_config()
         if config.extensions:  # resumable here; AstrAI refuses its model_type (never misreads it)
@@ -159,6 +189,8 @@ def export_astrai(source: Path, target: Path, dtype: str | None = None) -> Path:
                   f"{config.extensions}, which AstrAI's schema lacks; use --format hf for transformers",
                   file=sys.stderr)  # fmt: skip
         return path
+    if dtype is None:  # before optimizer.pt is read: AlreadyComplete unless a Hugging Face directory, converted here
+        check_work_to_do(source)
     ckpt = load_checkpoint(source)
     config = ckpt.model_config()
     if config.extensions:
@@ -172,11 +204,6 @@ def export_astrai(source: Path, target: Path, dtype: str | None = None) -> Path:
         files: dict[str, str | Path] = dict(files_inside(source, (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE)))
         files[CONFIG_FILE] = json.dumps(config.to_dict(), indent=2)
         return save_model_directory(target, cast(ckpt.state_dict), files)
-    if dtype is None:
-        raise CheckpointError(
-            f"{source}: no state/ folder: not a sharded checkpoint (it is complete already); AstrAI loads it as it "
-            "is, --dtype casts it, --format hf writes it for transformers"
-        )
     if not ckpt.meta:
         return save_model_directory(target, cast(ckpt.state_dict), {CONFIG_FILE: json.dumps(ckpt.config, indent=2)})
     names = [p.name for p in source.iterdir() if (p.is_file() or p.is_symlink()) and p.suffix not in (".pt",
@@ -196,8 +223,9 @@ def export_hf(source: Path, target: Path, dtype: str | None = None, max_shard_by
     config = ckpt.model_config()
     config.check_buildable(source=str(source / CONFIG_FILE))
     origin = hf.source_of(ckpt.source, ckpt.meta, config, str(source / META_FILE))
-    with torch.device("meta"):  # only to check the tensors fit the config, strictly
-        model = AutoRegressiveLM(config)
+    # Only to check the tensors fit the config, strictly: allocated, never written, so no memory (not the meta
+    # device, whose first use imports torch._dynamo and torch.distributed.fsdp, ~1.5 s measured).
+    model = empty_model(config, str(source / CONFIG_FILE))
     load_model_weights(model, ckpt.state_dict, source=source / WEIGHTS_FILE, assign=True)
     state = _caster(dtype)(model.state_dict())
     written_dtype = dtype or str(state["embed_tokens.weight"].dtype).removeprefix("torch.")

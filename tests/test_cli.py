@@ -94,7 +94,15 @@ def test_recipe_mistakes_name_the_file(tmp_path, capsys, content, message):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["seq", "--batch_per_devic", "2"], "unknown flag --batch_per_devic (did you mean batch_per_device?)"),
+        (["seq", "--batch_per_devic", "2"], "unknown flag --batch_per_devic (did you mean --batch_per_device?)"),
+        # a suggestion is spelled as the flag was typed: a bare flag, a negation, and the commands jsonargparse checks
+        (["seq", "--num_thread"], "unknown flag --num_thread (did you mean --num_threads?)"),
+        (["seq", "--no-gradient_checkpointin"], "(did you mean --no-gradient_checkpointing?)"),
+        (["generate", "--max_new_token", "3"], "unknown flag --max_new_token (did you mean --max_new_tokens?)"),
+        (["export", "x", "--fromat", "hf"], "unrecognized arguments: --fromat (did you mean --format?) hf"),
+        (["prepare", "x", "-o", "y", "-c", "z", "--tokenizer_pth=t"], "--tokenizer_pth=t (did you mean --tokenizer_"),
+        (["plot", "x", "--outptu", "y"], "--outptu (did you mean --output?) y"),
+        (["frobnicate"], "choose one of seq, sft, dpo, grpo, generate, chat, export, prepare, plot"),
         (["seq", "--n_epoch", "x"], "Parser key \"n_epoch\": Expected a <class 'int'>. Got value: x"),
         (["seq", "--config", "absent.yaml"], "--config absent.yaml: file not found"),
         (["sft", "--train_type", "seq"], "train_type=seq contradicts the command 'sft'"),
@@ -221,6 +229,54 @@ def test_generate_command(tmp_path, capsys):
     assert code == 2 and "no such checkpoint or model directory" in err
     code, err = run_cli(["generate", "--param_path", str(tmp_path)], capsys)
     assert code == 2 and "at least one --prompt" in err
+
+
+def test_the_usage_line_lists_every_command(capsys):
+    """The usage lines name the commands the help lists, and each of them is a command (its --help exits 0)."""
+    assert main(["--help"]) == 0
+    text = capsys.readouterr().out
+    usage = text.split("\n\n")[0]
+    named = [c for group in re.findall(r"\{([\w,]+)\}", usage) for c in group.split(",")]
+    listed = re.findall(r"^  (\w+) ", text.split("commands:")[1], flags=re.MULTILINE)
+    assert sorted(named) == sorted(listed) and len(listed) >= 9, usage
+    for command in listed:
+        with pytest.raises(SystemExit) as exit_:
+            main([command, "--help"])
+        assert exit_.value.code == 0, command
+    capsys.readouterr()
+
+
+def test_export_of_a_complete_checkpoint_in_its_own_layout_says_so_and_writes_nothing(tmp_path, capsys):
+    """The default --format astrai completes a sharded checkpoint or converts a Hugging Face directory; a directory
+    in AstrAI's layout already is said to be (with the --format that does what was likely meant), exit 0, nothing
+    written."""
+    import torch
+
+    from astrai_fabric import lora
+    from astrai_fabric.assets import TINY_MODEL_DIR
+    from astrai_fabric.checkpoint import save_checkpoint
+    from astrai_fabric.checkpoint.adapter import lora_base_entry, weight_digests
+    from astrai_fabric.config import ModelConfig
+    from astrai_fabric.model import AutoRegressiveLM
+
+    torch.manual_seed(0)
+    model = AutoRegressiveLM(ModelConfig.from_file(TINY_MODEL_DIR / "config.json"))
+    config = model.config.to_dict()
+    ckpt = save_checkpoint(tmp_path / "ckpt", model.state_dict(), config, meta={"train_type": "seq"})
+    spec = lora.LoRASpec(r=2, alpha=4)
+    lora.inject(model, spec, seed=0)
+    adapter = lora.adapter_state_dict(model.state_dict())
+    meta = {"lora_base": lora_base_entry(ckpt, tmp_path / "lora", weight_digests(ckpt))}
+    save_checkpoint(tmp_path / "lora", None, config, meta=meta, adapter=adapter, adapter_config=spec.adapter_config())
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    lora_formats = "--format peft writes its adapter for PEFT, --merge_lora"
+    for source, formats in ((ckpt, "--format hf writes it for transformers, --dtype casts it"),
+                            (tmp_path / "lora", lora_formats)):  # fmt: skip
+        assert main(["export", str(source)]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith(f"nothing to export: {source}: already a complete checkpoint in AstrAI's layout"), out
+        assert formats in out and "nothing written" in out
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
 
 
 def test_num_threads_is_set_by_the_command_line_only(tmp_path, monkeypatch, capsys):

@@ -88,6 +88,11 @@ CASES = [
     (["dpo", *tiny("{w}/new", "--data_root_path", "{w}/shards")[1:]], "dpo reads JSONL records, not bin shards"),
     (tiny("{w}/run", "--max_steps", "1"), "already holds epoch_0_step_1, past this run's start (step 0)"),
     (tiny("{w}/run", "--dry_run"), "holds 1 checkpoint(s) this fresh run would overwrite"),
+    # a run that ends at --max_steps must hold the schedule's explicit phases, in the run and its dry run alike
+    (tiny("{w}/new", "--schedule_type", "wsd", "--stable_steps", "8", "--decay_steps", "4", "--max_steps", "10"),
+     "stable_steps 8 + decay_steps 4: longer than the 10 steps after warmup of this run (max_steps 10, 0 warmup)"),
+    (tiny("{w}/new", "--schedule_type", "sgdr", "--cycle_length", "11", "--max_steps", "10", "--dry_run"),
+     "cycle_length 11: longer than the 10 steps after warmup"),
     (["sft", *tiny("{w}/new", "--resume", "{w}/run/epoch_0_step_1")[1:]], "was written by a seq run, this is sft"),
     (tiny("{w}/new", "--resume", "{w}/no_optimizer"), "has no optimizer.pt (add --resume_optimizer false"),
     (tiny("{w}/new", "--resume", "{w}/run/epoch_0_step_1", "--optimizer", "adamw"),
@@ -101,7 +106,10 @@ CASES = [
     (tiny("{w}/new", "--fsdp_shard_size", "0", "--parallel_mode", "fsdp"), "fsdp_shard_size must be positive, got 0"),
     (tiny("{w}/new", "--parallel_mode", "fsdp", "--nprocs", "4", "--fsdp_shard_size", "3"),
      "fsdp_shard_size 3 must divide the data-parallel size 4 (world size 4 / tp_size 1)"),
-    (["export", "{w}/run/epoch_0_step_1"], "not a sharded checkpoint (it is complete already)"),
+    # bundled: names are read wherever a model is; the tiny model has no weights, which is said in one line
+    (["export", "bundled:tiny"], "assets/tiny: has no weights (no model.safetensors or model.safetensors.index.json"),
+    (["export", "bundled:tiny", "--format", "hf", "--out", "{w}/new"], "assets/tiny: has no weights"),
+    (["generate", "--param_path", "bundled:tiny", "--prompt", "x"], "assets/tiny: has no weights"),
     (["plot", "{w}/empty"], "no metric.jsonl found"),
     (["prepare", "{w}/texts.jsonl", "-o", "{w}/new", "-c", "{w}/text.json"], "prepare needs --tokenizer_path"),
     (["prepare", "{w}/texts.jsonl", "-o", "{w}/new", "-c", "{w}/long.json", "--tokenizer_path", "bundled:tiny"],

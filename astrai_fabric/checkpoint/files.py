@@ -58,6 +58,8 @@ WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 """A LoRA checkpoint's adapter, in AstrAI's ``save_lora`` layout (keys ``<layer>.lora_A`` / ``<layer>.lora_B``)."""
+STATE_DIR = "state"
+"""A ``--sharded_checkpoint`` checkpoint's optimizer shards (``checkpoint.state``; ``export`` completes it)."""
 FORMAT_KEY = "astrai_fabric"
 """``meta.json`` key holding our format description; its absence marks a checkpoint written by AstrAI."""
 FORMAT_VERSION = 1
@@ -324,7 +326,10 @@ def read_weights(path: Path) -> StoredStateDict:
     elif os.path.lexists(path / WEIGHTS_FILE):
         state_dict = StoredStateDict.from_files(tensor_files(path))
     else:
-        raise CheckpointError(f"{path}: no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE} (expected the model's weights)")
+        raise CheckpointError(
+            f"{path}: has no weights (no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE}; a config alone, like bundled:tiny, "
+            "is where training starts): give a checkpoint a run wrote, or the directory holding the weights"
+        )
     return _strip_wrapper_prefixes(state_dict, path)
 
 

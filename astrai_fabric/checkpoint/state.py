@@ -30,6 +30,7 @@ from astrai_fabric.checkpoint.files import (
     CONFIG_FILE,
     META_FILE,
     RESERVED_META,
+    STATE_DIR,
     WEIGHTS_FILE,
     files_inside,
     save_checkpoint,
@@ -40,7 +41,6 @@ from astrai_fabric.checkpoint.weights import Checkpoint, load_checkpoint, load_m
 from astrai_fabric.errors import CheckpointError
 from astrai_fabric.lora import LoRASpec, adapter_state_dict, base_state_dict, merge_state_dict
 
-STATE_DIR = "state"
 SHARDED_KEY = "optimizer_state"
 SHARDED_NOTE = "sharded in state/ (torch distributed checkpoint); `astrai-fabric export` writes optimizer.pt"
 """``meta.json`` says where the optimizer state is when ``optimizer.pt`` is left out."""

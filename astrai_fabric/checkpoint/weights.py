@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -209,10 +210,6 @@ def load_model_weights(
         problems.append(f"wrong shapes {abbreviate(wrong)}")
     if problems:
         raise CheckpointError(f"{source}: does not match the model built from its config.json: " + "; ".join(problems))
-    # Here, not at the top: torch.distributed.tensor adds 2-4 s (measured) to `import astrai_fabric.checkpoint`, which
-    # the CLI's input checks and `generate` pay before any weights are read.
-    from torch.distributed.tensor import DTensor
-
     if assign or any(t.is_meta for t in targets.values()):
         loaded = {k: adapter[k] if k in adapter else _read_whole(state_dict, k, dtype) for k in shapes}
         model.load_state_dict(loaded, strict=True, assign=True)
@@ -220,13 +217,20 @@ def load_model_weights(
     with torch.no_grad():
         for key, target in targets.items():
             if dtype is not None and target.dtype != dtype and target.is_floating_point():
-                if isinstance(target, DTensor):
+                if _is_dtensor(target):
                     raise ValueError("dtype: a sharded model is cast by its strategy, not while loading")
                 target.data = torch.empty(target.shape, dtype=dtype)  # untouched until read into: no memory yet
             if key in adapter:
                 _read_into(adapter, key, target)
             else:
                 _read_into(state_dict, EMBED_KEY if key not in shapes else key, target)  # the clone AstrAI makes
+
+
+def _is_dtensor(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is a DTensor, without importing torch.distributed.tensor: it adds 0.7-4 s (measured) to
+    ``generate`` and ``export``, whose models hold none; a model that holds one has imported it."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
 
 
 def _stored_shape(state_dict: Mapping[str, Tensor], key: str) -> tuple[int, ...]:
@@ -244,16 +248,16 @@ def _read_whole(state_dict: Mapping[str, Tensor], key: str, dtype: torch.dtype |
 
 def _read_into(state_dict: Mapping[str, Tensor], key: str, target: Tensor) -> None:
     """Copy tensor ``key`` into ``target``: all of it, or a DTensor's local part."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor  # not at the top: as above
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     target = target.detach()
-    if not isinstance(target, DTensor):
+    if not _is_dtensor(target):
         if isinstance(state_dict, StoredStateDict):
             state_dict.read(key, out=target)
         else:
             target.copy_(state_dict[key])
         return
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor  # loaded already: see _is_dtensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
     local = target.to_local()
     if all(type(p) in (Shard, Replicate) for p in target.placements):
         # Each rank reads only its own box of the file (see ``load_sharded_weights`` in train/models.py for why
