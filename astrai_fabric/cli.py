@@ -33,7 +33,7 @@ from typing import Any, NoReturn
 import yaml
 from jsonargparse import ArgumentParser, set_parsing_settings
 
-from astrai_fabric import __version__, assets
+from astrai_fabric import __version__, hub
 from astrai_fabric.config.generate import ChatArgs, GenerateArgs
 from astrai_fabric.config.kinds import kind_problem
 from astrai_fabric.config.train import COMMAND_LINE_ONLY, TrainArgs, resolved_recipe
@@ -44,7 +44,7 @@ from astrai_fabric.generate import run_generate
 from astrai_fabric.tokenizer import Tokenizer
 
 TRAIN_COMMANDS = ("seq", "sft", "dpo", "grpo")
-OTHER_COMMANDS = ("generate", "chat", "export", "prepare", "plot")
+OTHER_COMMANDS = ("generate", "chat", "export", "prepare", "plot", "download")
 """The commands that train nothing (each dispatched by ``_dispatch``); the usage line lists both tuples."""
 TRAIN_TYPE_ALIASES = {"online_grpo": "grpo"}
 """AstrAI's train types that are a mode of ours: grpo is online when its data holds prompts only."""
@@ -158,6 +158,8 @@ def _dispatch(argv: list[str]) -> int:
         return prepare_command(argv[1:])
     if argv and argv[0] == "plot":
         return plot_command(argv[1:])
+    if argv and argv[0] == "download":
+        return download_command(argv[1:])
     if argv and argv[0] in ("--version", "-V"):
         print(f"astrai-fabric {__version__}")
         return 0
@@ -188,8 +190,9 @@ def _top_level_help() -> str:
         "  generate  sample continuations of prompts from a model or checkpoint",
         "  chat      talk with a model or checkpoint: multi-turn, replies streamed, /reset and /exit",
         "  export    a checkpoint in AstrAI's layout (completing a sharded one) or Hugging Face's (--format hf)",
-        "  prepare   tokenise JSONL into AstrAI's bin shards (seq, sft)",
+        "  prepare   tokenise records into AstrAI's bin shards (seq, sft)",
         "  plot      loss, learning rate and throughput of one or more runs, as a PNG",
+        "  download  a Hugging Face Hub model (org/name[@revision]) into the cache, for offline runs",
         "",
         "`astrai-fabric COMMAND --help` lists every flag; `--print_config` prints the resolved recipe.",
     ]
@@ -255,7 +258,22 @@ def parse_train_args(train_type: str, argv: list[str]) -> tuple[TrainArgs, bool]
         base = _parse(parser, recipe, source=recipe_path)
     namespace = _parse(parser, flags, namespace=base)
     values = {k: v for k, v in namespace.as_dict().items() if k in TRAIN_FLAGS.names}
+    if recipe_path is not None and not print_config:  # --print_config prints what was given, to fill in
+        _check_recipe_kinds(recipe_path, recipe, values)
     return TrainArgs(**values, train_type=train_type), print_config
+
+
+def _check_recipe_kinds(recipe_path: Path, recipe: dict[str, Any], values: dict[str, Any]) -> None:
+    """A recipe value the parser let through with the wrong kind (a ``null`` where a number goes, say) named with
+    its file: ``TrainArgs.validate`` would say the same without knowing where the value came from."""
+    hints = typing.get_type_hints(TrainArgs)
+    wrong = [
+        f"{key} {problem}"
+        for key, value in recipe.items()
+        if key in values and values[key] == value and (problem := kind_problem(value, hints[key]))
+    ]
+    if wrong:
+        raise UserError(f"{recipe_path}: {'; '.join(wrong)}")
 
 
 def train_command(train_type: str, argv: list[str]) -> int:
@@ -266,6 +284,8 @@ def train_command(train_type: str, argv: list[str]) -> int:
         return 0
     args.validate()  # at the boundary, once: execute takes validated arguments
     _crash_log_dir = Path(args.ckpt_dir)
+    if not args.dry_run and os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")) == "0":
+        hub.pin_hub_flags(args)  # Hub ids fetched before any rank starts (a download outlasts --dist_timeout)
     from astrai_fabric.train import execute  # imports Lightning (5-17 s measured): only when training
 
     return execute(args, set_threads=True)[0]
@@ -377,23 +397,45 @@ def _suggest_flags(parser: ArgumentParser, message: str) -> str:
 
 def prepare_command(argv: list[str]) -> int:
 
-    description = "Tokenise JSONL records into AstrAI's bin shards for seq or sft (AstrAI's pipeline config)."
+    description = "Tokenise records into AstrAI's bin shards for seq or sft (AstrAI's pipeline config)."
     parser = ArgumentParser(prog="astrai-fabric prepare", description=description, exit_on_error=False)
-    parser.add_argument("inputs", nargs="+", help="JSONL files.")
+    inputs_help = "JSONL, parquet, arrow, CSV or JSON files, directories of them, save_to_disk directories, Hub ids."
+    parser.add_argument("inputs", nargs="+", help=inputs_help)
     parser.add_argument("-o", "--output_dir", required=True, help="A new directory for the shards.")
     parser.add_argument("-c", "--config", required=True, help="Pipeline JSON (AstrAI's PipelineConfig).")
     parser.add_argument("--tokenizer_path", help="Tokenizer directory; default: the config's tokenizer_path.")
     parser.add_argument("--batch_size", type=int, help="Accepted for AstrAI command lines; unused.")
     parser.add_argument("--num_proc", type=int, default=1, help="Tokenising processes (the output is the same).")
     parser.add_argument("--resume", action="store_true", help="Continue the killed prepare of this -o.")
+    parser.add_argument("--data_subset", help="The subset (configuration) of a datasets source.")
+    parser.add_argument("--data_split", help="The split of a datasets source; default: train, or its only split.")
     namespace = _parse(parser, argv)
     config = PipelineConfig.from_file(Path(namespace.config))
     tokenizer_path = namespace.tokenizer_path or config.tokenizer_path
     if tokenizer_path is None:
         raise UserError("prepare needs --tokenizer_path (the tokenizer of the model to train), or tokenizer_path in -c")
-    tokenizer = Tokenizer.from_dir(assets.resolve(tokenizer_path))
+    tokenizer = Tokenizer.from_dir(hub.resolve_model(tokenizer_path, "--tokenizer_path"))
     inputs = [Path(p) for p in namespace.inputs]
-    print(prepare(inputs, Path(namespace.output_dir), config, tokenizer, namespace.num_proc, namespace.resume))
+    print(prepare(inputs, Path(namespace.output_dir), config, tokenizer, namespace.num_proc, namespace.resume,
+                  namespace.data_subset, namespace.data_split))  # fmt: skip
+    return 0
+
+
+def download_command(argv: list[str]) -> int:
+    parser = ArgumentParser(
+        prog="astrai-fabric download",
+        description="Fetch a Hugging Face Hub model into the cache (HF_HUB_CACHE, else HF_HOME/hub): only what a run "
+        "reads (config, safetensors weights, tokenizer, chat template), never pickled weights; then --param_path "
+        "org/name works offline (HF_HUB_OFFLINE=1). Gated and private repositories use HF_TOKEN.",
+        exit_on_error=False,
+    )
+    parser.add_argument("repo_id", help="org/name, or org/name@revision (a branch, tag or commit).")
+    parser.add_argument("--revision", help="A branch, tag or commit; default: main.")
+    parser.add_argument("--local_dir", help="Copy the files into this directory instead of the cache.")
+    namespace = _parse(parser, argv)
+    folder = hub.download(namespace.repo_id, namespace.revision, namespace.local_dir)
+    source = hub.portable(folder)
+    print(f"downloaded {source or namespace.repo_id} -> {folder}")
     return 0
 
 

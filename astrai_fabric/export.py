@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from astrai_fabric import assets
+from astrai_fabric import hub
 from astrai_fabric.checkpoint import (
     ADAPTER_FILE,
     CONFIG_FILE,
@@ -72,8 +72,9 @@ class AlreadyComplete(CheckpointError):
 
 def export(source: str | Path, target: str | Path | None = None, format: str = "astrai", dtype: str | None = None,
            max_shard_size: str | None = None, merge_lora: bool = False) -> Path:  # fmt: skip
-    """Write ``source`` (``bundled:NAME`` too) to ``target`` (default: ``SOURCE_full`` for astrai, ``SOURCE_hf``
-    for hf, ``SOURCE_peft`` for peft) and return it. ``merge_lora`` (astrai): a LoRA checkpoint's adapter merged
+    """Write ``source`` (``bundled:NAME`` too, or a Hub id: its snapshot) to ``target`` (default: ``SOURCE_full``
+    for astrai, ``SOURCE_hf`` for hf, ``SOURCE_peft`` for peft; for a Hub id, ``NAME_hf`` etc. in the current
+    directory) and return it. ``merge_lora`` (astrai): a LoRA checkpoint's adapter merged
     into its base. ``AlreadyComplete`` where the default format has nothing to do (``check_work_to_do``)."""
     if format not in FORMATS:
         raise UserError(f"--format {format!r}: expected one of {list(FORMATS)}")
@@ -87,7 +88,9 @@ def export(source: str | Path, target: str | Path | None = None, format: str = "
         raise UserError("--dtype does not apply to --merge_lora (the merged model keeps the checkpoint's dtype); "
                         "use --format hf --dtype, or export the merged model again with --dtype")  # fmt: skip
     max_shard_bytes = parse_size(max_shard_size or DEFAULT_MAX_SHARD_SIZE) if format == "hf" else None
-    source = assets.resolve(source)
+    if target is None and hub.is_hub_id(str(source)):  # beside a cache snapshot is no place: here, named after it
+        target = hub.HubId.parse(str(source)).repo.split("/")[1] + _DEFAULT_SUFFIX[format]
+    source = hub.resolve_model(source, "export")  # a path, or a Hub id's snapshot
     target = destination(source, target, format)  # first, for every format: before anything is read
     if format == "hf":
         return export_hf(source, target, dtype, max_shard_bytes)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-from astrai_fabric import assets
+from astrai_fabric import hub
 from astrai_fabric.checkpoint import load_model
 from astrai_fabric.config.generate import GenerateArgs, SamplingArgs
 from astrai_fabric.errors import ConfigError, UserError
@@ -152,8 +152,10 @@ def load_sampler(args: SamplingArgs, command: str) -> tuple[nn.Module, Tokenizer
     if args.device_type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"{command}: --device_type cuda, but no CUDA device is available here")
     device = torch.device(args.device_type or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = load_model(assets.resolve(args.param_path)).to(device).eval()
-    tokenizer = Tokenizer.from_dir(assets.resolve(args.tokenizer_path or args.param_path))
+    directory = hub.resolve_model(args.param_path, "param_path")  # a path, or a Hub id's snapshot
+    model = load_model(directory).to(device).eval()
+    tokenizer = Tokenizer.from_dir(hub.resolve_model(args.tokenizer_path, "tokenizer_path") if args.tokenizer_path
+                                   else directory)  # fmt: skip
     return model, tokenizer, torch.Generator(device).manual_seed(args.seed)
 
 

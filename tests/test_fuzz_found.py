@@ -85,6 +85,19 @@ CASES = {
                 culprits=("metric.jsonl", "loss")),
         (),  # fixed: points past matplotlib's range are left out, and counted
     ),
+    "recipe-null-alias-unnamed": (
+        Example("seq recipe", ["seq", "--config", "{x}/r.yaml", "--ckpt_dir", "{x}/out", "--dry_run"], {},
+                {"r.yaml": b"param_path: '{w}/tiny'\ndata_root_path: '{w}/seq.jsonl'\nwindow_size: 16\n"
+                 b"parallel_mode: none\nnum_workers: 0\nloggers: []\nmax_steps: 1\ndevices: null\n"},
+                culprits=("r.yaml", "devices")),
+        (),  # fixed: a recipe value of the wrong kind is named with its file (cli._check_recipe_kinds)
+    ),
+    "recipe-zero-alias-unnamed": (
+        Example("seq recipe", ["seq", "--config", "{x}/r.yaml", "--ckpt_dir", "{x}/out", "--dry_run"], {},
+                {"r.yaml": b"param_path: '{w}/tiny'\ndata_root_path: '{w}/seq.jsonl'\ndevices: 0\n"},
+                culprits=("r.yaml", "devices")),
+        (),  # fixed: a range error names the field as users also spell it (config.train.SPELLED)
+    ),
 }  # fmt: skip
 
 

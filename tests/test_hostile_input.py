@@ -223,6 +223,27 @@ def sparse(size: int) -> Callable[[Path], None]:
 
 OK_GROUP = {"prompt": "Say hi", "responses": ["hi", "hello"], "rewards": [1.0, 0.0]}
 RECIPE = "param_path: bundled:tiny\ndata_root_path: bundled:data/seq\nckpt_dir: {c}/out\n"
+
+
+def parquet_file(path: Path, columns: dict[str, list]) -> None:
+    pa = pytest.importorskip("pyarrow")  # the datasets extra brings it
+    pytest.importorskip("pyarrow.parquet").write_table(pa.table(columns), path)
+
+
+def saved_dict(path: Path, splits: list[str]) -> None:
+    datasets = pytest.importorskip("datasets")
+    one = datasets.Dataset.from_dict({"text": ["In the beginning"]})
+    datasets.DatasetDict(dict.fromkeys(splits, one)).save_to_disk(path)
+
+
+SUBSETS: Files = {
+    "m/README.md": "---\nconfigs:\n- config_name: en\n  data_files: en/*.parquet\n- config_name: fr\n  data_files: "
+    "fr/*.parquet\n---\n",
+    "m/en/train.parquet": lambda p: parquet_file(p, {"text": ["In the beginning"]}),
+    "m/fr/train.parquet": lambda p: parquet_file(p, {"text": ["Au commencement"]}),
+}
+"""A dataset repository laid out as on the Hub: two subsets named by its README's configs."""
+
 CASES = [
     # --- recipes and flags: the same checks for a value from YAML as from the command line ------------------------
     Case("yaml-duplicate-key", ["seq", "--config", "{c}/r.yaml"], "duplicate key 'max_lr'",
@@ -729,6 +750,99 @@ CASES = [
          tokenizer_dir(chat_template="{{ '' }}")),
     Case("checkpoint-model-type-dict", resume(), "config.json: 'model_type' must be str or null, got {\"a\": 1}",
          checkpoint(edit_json("config.json", model_type={"a": 1}))),
+    # --- round 3: record shapes (alpaca, ShareGPT, prompt/completion, TRL's forms); --data_format, --data_columns ----
+    # One line naming the record and the column, for every shape's columns of the wrong kind, a missing column (the
+    # closest one named), mixed shapes in one file, and the two flags, checked before anything is read.
+    Case("shape-sharegpt-not-a-list", sft(data="{c}/data.jsonl"),
+         "data.jsonl:1: column 'conversations' must be a list of {from, value} turns (sharegpt shape), got 'hi'",
+         jsonl({"conversations": "hi"})),
+    Case("shape-sharegpt-turn-without-from", sft(data="{c}/data.jsonl"),
+         "data.jsonl:1: 'conversations' turn 1 needs 'from' and 'value' (sharegpt shape), got {'value': 'y'}",
+         jsonl({"conversations": [{"from": "human", "value": "x"}, {"value": "y"}]})),
+    Case("shape-sharegpt-unknown-role", sft(data="{c}/data.jsonl"),
+         "data.jsonl:1: 'conversations' turn 0: unknown 'from' role 'bot'; sharegpt roles are human, gpt and system",
+         jsonl({"conversations": [{"from": "bot", "value": "x"}]})),
+    Case("shape-sharegpt-unhashable-role", sft(data="{c}/data.jsonl"), "turn 0: unknown 'from' role ['gpt']",
+         jsonl({"conversations": [{"from": ["gpt"], "value": "x"}]})),
+    Case("shape-sharegpt-value-list", sft(data="{c}/data.jsonl"), "turn 0: 'value' must be a string, got ['x']",
+         jsonl({"conversations": [{"from": "gpt", "value": ["x"]}]})),
+    Case("shape-sharegpt-empty", sft(data="{c}/data.jsonl"),
+         "data.jsonl:1: column 'conversations' is an empty conversation (sharegpt shape)",
+         jsonl({"conversations": []})),
+    Case("shape-alpaca-missing-output", sft(data="{c}/data.jsonl"),
+         "data.jsonl:1: an sft record needs ['output'] (alpaca shape), got keys ['instruction', 'outptu']; "
+         "the closest column to 'output' is 'outptu': --data_columns output=outptu reads it",
+         jsonl({"instruction": "x", "outptu": "y"})),
+    Case("shape-alpaca-number", sft(data="{c}/data.jsonl"),
+         "data.jsonl:2: column 'instruction' must be a string (alpaca shape), got 5",
+         jsonl({"instruction": "x", "output": "y"}, {"instruction": 5, "output": "y"})),
+    Case("shape-mixed-in-one-file", sft(data="{c}/data.jsonl"),
+         "data.jsonl:2: the record has the sharegpt shape (conversations), but {c}/data.jsonl:1, the source's first "
+         "record, has the alpaca shape", jsonl({"instruction": "x", "output": "y"}, {"conversations": []})),
+    Case("shape-prompt-completion-number", sft(data="{c}/data.jsonl"),
+         "data.jsonl:1: column 'prompt' "
+         "must be a string or a non-empty list of {role, content} messages (prompt_completion shape), got 5",
+         jsonl({"prompt": 5, "completion": "c"})),
+    Case("shape-implicit-no-shared-prompt", dpo(data="{c}/data.jsonl"),
+         "data.jsonl:1: 'chosen' and 'rejected' start with different messages, so there is no prompt",
+         jsonl({"chosen": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+                "rejected": [{"role": "user", "content": "c"}, {"role": "assistant", "content": "b"}]})),
+    Case("shape-implicit-two-turns-after", dpo(data="{c}/data.jsonl"),
+         "'chosen' must hold one assistant message, got roles ['assistant', 'user'] (implicit_preference shape)",
+         jsonl({"chosen": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                           {"role": "user", "content": "c"}],
+                "rejected": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "d"}]})),
+    Case("shape-null-text", seq(data="{c}/data.jsonl"),
+         "data.jsonl:1: a seq record needs a string field 'text', got keys ['text']; column 'text' is null",
+         jsonl({"text": None})),
+    Case("shape-grpo-prompt-with-responses", grpo("--data_format", "prompt"),
+         "groups.jsonl:1: the prompt shape reads records without a 'responses' column, and this one has it"),
+    Case("shape-format-forced", sft("--data_format", "alpaca"),
+         "tasks.jsonl:1: an sft record needs ['instruction', 'output'] (alpaca shape), got keys ['messages']"),
+    Case("shape-columns-missing", seq("--data_columns", "text=body", data="{c}/data.jsonl"),
+         "data.jsonl:1: a seq record needs a string field 'body', got keys ['text']", jsonl({"text": "x"})),
+    Case("shape-format-bin-shards", seq("--data_format", "text", data="{c}/s"),
+         "--data_format: data_root_path {c}/s holds bin shards (tokens); "
+         "record shapes apply to records read as they are",
+         {f"s/{name}": data for name, data in seq_shard(np.arange(64, dtype=np.int32)).items()}),
+    Case("shape-columns-dataset-config", sft("--data_columns", "messages=chat", data="{c}/d"),
+         "--data_columns: {c}/d/dataset_config.json renders these records",
+         data_config({"input": {"sections": [{"field": "messages", "action": "$role", "template": True}]},
+                      "mask": {"assistant": "train"}}, {"messages": [{"role": "assistant", "content": "x"}]})),
+    Case("shape-format-other-type", seq("--data_format", "alpaca"),
+         "invalid training arguments: data_format 'alpaca' is an sft shape; seq reads text (or auto)"),
+    Case("shape-columns-unknown-field", sft("--data_columns", "instruktion=q"),
+         "data_columns: 'instruktion' is not a field of the sft shapes (did you mean 'instruction'?); fields: "),
+    Case("shape-columns-no-equals", sft("--data_columns", "prompt"),
+         "data_columns entry 'prompt' must be field=column (e.g. prompt=question)"),
+    Case("shape-columns-twice", dpo("--data_columns", "prompt=a,prompt=b"),
+         "data_columns names the field 'prompt' twice"),
+    Case("shape-columns-one-column-two-fields", sft("--data_columns", "prompt=a,completion=a"),
+         "data_columns reads the column 'a' for two fields"),
+    Case("shape-columns-empty", sft("--data_columns", ""), "data_columns is empty: give field=column pairs"),
+    # --- round 3: sources read through datasets (data/sources.py): files, directories, subsets, splits ----------
+    Case("parquet-corrupt", seq(data="{c}/d.parquet"), "{c}/d.parquet: not a readable parquet file (",
+         {"d.parquet": b"PAR1 not a parquet file PAR1"}),
+    Case("parquet-empty-split", seq(data="{c}/d.parquet"), "d.parquet: split 'train' is empty (no records)",
+         {"d.parquet": lambda p: parquet_file(p, {"text": []})}),
+    Case("parquet-text-not-a-string", sft(data="{c}/d.parquet"), "{c}/d.parquet row 1: an sft record needs",
+         {"d.parquet": lambda p: parquet_file(p, {"messages": [[{"role": "user", "content": "hi"}], None]})}),
+    Case("data-dir-mixing-kinds", seq(data="{c}/d"), "d: holds data files of several kinds (parquet ({c}/d/a.parquet), "
+         "csv ({c}/d/b.csv)); keep one kind", {"d/a.parquet": lambda p: parquet_file(p, {"text": ["a"]}),
+                                                       "d/b.csv": "text\nhello\n"}),
+    Case("subset-not-chosen", seq(data="{c}/m"), "m: has subsets 'en', 'fr'; choose one with --data_subset",
+         SUBSETS),
+    Case("prepare-subset-unknown", ["prepare", "{c}/m", "-o", "{c}/o", "-c", "{c}/p.json", "--tokenizer_path",
+         "bundled:tiny", "--data_subset", "de"], "--data_subset 'de': input {c}/m has no such subset; it has 'en', "
+         "'fr'", {**SUBSETS, **TEXT_PIPELINE}),
+    Case("prepare-split-unknown", ["prepare", "{c}/s", "-o", "{c}/o", "-c", "{c}/p.json", "--tokenizer_path",
+         "bundled:tiny", "--data_split", "test"], "--data_split 'test': input {c}/s has no such split; it has "
+         "'train', 'validation'", {"s": lambda p: saved_dict(p, ["train", "validation"]), **TEXT_PIPELINE}),
+    Case("prepare-parquet-corrupt", ["prepare", "{c}/d.parquet", "-o", "{c}/o", "-c", "{c}/p.json",
+         "--tokenizer_path", "bundled:tiny"], "{c}/d.parquet: not a readable parquet file (",
+         {"d.parquet": b"PAR1" + b"\0" * 64 + b"PAR1", **TEXT_PIPELINE}),
+    Case("data-split-not-a-name", seq("--data_split", "train[:10%]"), "data_split must be a split name"),
+    Case("data-subset-blank", seq("--data_subset", " "), "data_subset must be a subset name, got ' '"),
 ]  # fmt: skip
 
 

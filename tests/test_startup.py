@@ -16,7 +16,18 @@ from astrai_fabric.checkpoint import save_checkpoint
 from astrai_fabric.config import ModelConfig
 from astrai_fabric.model import AutoRegressiveLM
 
-FORBIDDEN = ("lightning", "torch._dynamo", "torch._inductor", "transformers", "matplotlib", "sympy")
+FORBIDDEN = (
+    "lightning",
+    "torch._dynamo",
+    "torch._inductor",
+    "transformers",
+    "matplotlib",
+    "sympy",
+    "datasets",
+    "pyarrow",
+    "pandas",
+    "trl",
+)
 """Module name prefixes (``lightning`` covers lightning_fabric and lightning_utilities too)."""
 
 CHILD = """

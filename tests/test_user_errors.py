@@ -85,7 +85,8 @@ CASES = [
      "sft on JSONL data needs a tokenizer: {w}/no_tokenizer/tokenizer.json: file not found"),
     (["dpo", *tiny("{w}/new", "--param_path", "{w}/no_tokenizer", "--data_root_path", "bundled:data/dpo")[1:]],
      "dpo needs a tokenizer: {w}/no_tokenizer/tokenizer.json: file not found"),
-    (["dpo", *tiny("{w}/new", "--data_root_path", "{w}/shards")[1:]], "dpo reads JSONL records, not bin shards"),
+    (["dpo", *tiny("{w}/new", "--data_root_path", "{w}/shards")[1:]],
+     "dpo reads records (JSONL, parquet, ...), not bin shards"),
     (tiny("{w}/run", "--max_steps", "1"), "already holds epoch_0_step_1, past this run's start (step 0)"),
     (tiny("{w}/run", "--dry_run"), "holds 1 checkpoint(s) this fresh run would overwrite"),
     # a run that ends at --max_steps must hold the schedule's explicit phases, in the run and its dry run alike

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import Tensor
 
-from astrai_fabric import lora
+from astrai_fabric import hub, lora
 from astrai_fabric.checkpoint.files import (
     ADAPTER_CONFIG_FILE,
     ADAPTER_FILE,
@@ -32,7 +32,8 @@ from astrai_fabric.errors import CheckpointError
 
 LORA_BASE_KEY = "lora_base"
 """``meta.json`` key of a LoRA checkpoint: where its base weights are (``path`` relative to the checkpoint,
-``absolute``) and the ``sha256`` of each base weight file."""
+``absolute``; or, for a Hub snapshot, ``hub``: ``org/name@commit``, resolved again where it loads) and the
+``sha256`` of each base weight file."""
 
 
 @dataclass
@@ -90,7 +91,10 @@ def weight_digests(directory: Path) -> dict[str, str]:
 
 
 def lora_base_entry(base: Path, checkpoint: Path, digests: dict[str, str]) -> dict[str, Any]:
-    """The ``meta.json`` pointer from ``checkpoint`` to its base: relative where the two share a root, absolute too."""
+    """The ``meta.json`` pointer from ``checkpoint`` to its base: relative where the two share a root, absolute too;
+    a snapshot in the Hugging Face cache as ``org/name@commit`` alone (a cache path is this machine's only)."""
+    if (source := hub.portable(base)) is not None:
+        return {"path": None, "absolute": None, "hub": source, "sha256": digests}
     base = base.resolve()
     try:
         relative = os.path.relpath(base, checkpoint.resolve())
@@ -130,19 +134,25 @@ def _base_entry(path: Path, meta: Mapping[str, Any]) -> dict[str, Any]:
     if not (
         isinstance(entry, dict)
         and isinstance(entry.get("sha256"), dict)
-        and all(isinstance(entry.get(k), str | None) for k in ("path", "absolute"))
+        and all(isinstance(entry.get(k), str | None) for k in ("path", "absolute", "hub"))
+        and (entry.get("hub") is None or hub.looks_like_hub_id(entry["hub"]))
     ):
         raise CheckpointError(
             f"{path / META_FILE}: a LoRA checkpoint without merged weights needs '{LORA_BASE_KEY}' "
-            f"{{path, absolute, sha256}} naming its base weights, got {entry!r}"
+            f"{{path, absolute, sha256}} (or {{hub: org/name@commit, sha256}}) naming its base weights, got {entry!r}"
         )
     return entry
 
 
-def _pointed_base(path: Path, entry: Mapping[str, Any]) -> tuple[list[Path], Path | None]:
-    """Where a pointer says the base is (relative to ``path``, then absolute), and the first that is a directory."""
+def _pointed_base(path: Path, entry: Mapping[str, Any]) -> tuple[list[Path | str], Path | None]:
+    """Where a pointer says the base is (relative to ``path``, then absolute, or a Hub snapshot: from the cache,
+    else fetched), and the first that is a directory."""
     candidates = [Path(entry[k]) if k == "absolute" else path / entry[k] for k in ("path", "absolute") if entry[k]]
-    return candidates, next((c for c in candidates if c.is_dir()), None)
+    found = next((c for c in candidates if c.is_dir()), None)
+    if found is None and entry.get("hub"):
+        candidates.append(entry["hub"])
+        found = hub.resolve_model(entry["hub"], f"{path}: its LoRA base")
+    return candidates, found
 
 
 def _refuse_a_loop(path: Path, base: Path) -> None:

@@ -11,6 +11,7 @@ validation, and the resolved recipe a run writes.
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Literal
@@ -20,6 +21,7 @@ import yaml
 
 from astrai_fabric.config.kinds import kind_problem
 from astrai_fabric.config.lora import DEFAULT_TARGETS, TARGETS
+from astrai_fabric.data.shapes import DATA_FORMATS, settings_problems
 from astrai_fabric.errors import ConfigError
 from astrai_fabric.rewards import reward_spec_problem
 
@@ -40,6 +42,7 @@ running code."""
 TrainType = Literal["seq", "sft", "dpo", "grpo"]
 ParallelMode = Literal["none", "ddp", "fsdp"]
 Precision = Literal["auto", "bf16-true", "bf16-mixed", "32-true"]
+DataFormat = Literal[DATA_FORMATS]
 
 
 @dataclass
@@ -48,10 +51,25 @@ class TrainArgs:
 
     # --- what to train -------------------------------------------------------------------------------------------
     data_root_path: str | None = None
-    """Training data: a JSONL file, a directory of JSONL files, or AstrAI bin shards (required)."""
+    """Training data (required): a JSONL file, a directory of JSONL files, or AstrAI bin shards; with the
+    ``datasets`` extra also parquet, arrow, CSV and JSON files and directories of them, a ``save_to_disk``
+    directory, or a Hub dataset id ``org/name[@revision]`` (docs/data.md, "Sources")."""
+    data_subset: str | None = None
+    """The subset (``datasets``' configuration name) of a ``datasets`` source that has several; default: its only
+    one (or ``default``)."""
+    data_split: str | None = None
+    """The split of a ``datasets`` source (``train``, ``test``, ...); default: ``train``, or its only split."""
+    data_format: DataFormat = "auto"
+    """The shape of the records' columns (docs/data.md, "Record shapes"): ``auto`` detects each file's from its first
+    record; or ``text`` (seq), ``messages``, ``sharegpt``, ``alpaca``, ``prompt_completion`` (sft), ``preference``,
+    ``implicit_preference`` (dpo), ``prompt``, ``groups`` (grpo), every record read as that one."""
+    data_columns: str | None = None
+    """``field=column,...``: read a shape's field from another column (torchtune's ``column_map``), e.g.
+    ``instruction=question,output=answer`` or ``prompt=problem``."""
     param_path: str | None = None
     """Model directory (config.json, optional weights) or checkpoint directory (required). ``bundled:tiny`` is the
-    tiny model shipped with the package."""
+    tiny model shipped with the package; a Hub id ``org/name[@revision]`` is fetched into the Hugging Face cache and
+    recorded as ``org/name@commit`` (docs/huggingface.md, "Hub ids"; also ``tokenizer_path``, ``reference_path``)."""
     reference_path: str | None = None
     """dpo/grpo: weights of the frozen reference model; default: the run's starting weights (kept across resumes)."""
     tokenizer_path: str | None = None
@@ -360,6 +378,10 @@ class TrainArgs:
         ]
         if self.data_root_path is None:
             problems.append("data_root_path is required")
+        if self.data_split is not None and not re.fullmatch(r"\w+(\.\w+)*", self.data_split):
+            problems.append(f"data_split must be a split name (letters, digits, _ and .), got {self.data_split!r}")
+        if self.data_subset is not None and (not self.data_subset.strip() or not self.data_subset.isprintable()):
+            problems.append(f"data_subset must be a subset name, got {self.data_subset!r}")
         if self.param_path is None:
             problems.append("param_path is required")
         positive = [
@@ -367,7 +389,9 @@ class TrainArgs:
             "muon_ns_steps", "rollout_interval", "rollout_max_tokens", "group_size", "t_mult",
         ]  # fmt: skip
         problems += [
-            f"{name} must be positive, got {getattr(self, name)}" for name in positive if getattr(self, name) < 1
+            f"{SPELLED.get(name, name)} must be positive, got {getattr(self, name)}"
+            for name in positive
+            if getattr(self, name) < 1
         ]
         optional_positive = [
             "window_size", "stride", "max_steps", "stop_after_steps", "max_tokens", "tp_size", "cycle_length",
@@ -436,6 +460,7 @@ class TrainArgs:
             problems.append(
                 f"profile_steps must be A:B with optimizer steps 1 <= A <= B (e.g. 10:12), got {self.profile_steps!r}"
             )
+        problems += settings_problems(self.train_type, self.data_format, self.data_columns)
         if isinstance(self.resume, str) and not self.resume:
             problems.append("resume must be true, false, auto or a checkpoint path, got ''")
         if problems:
@@ -474,6 +499,9 @@ class TrainArgs:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+
+SPELLED = {"nprocs": "nprocs (devices)"}
+"""A field's name in messages where users also spell it another way (the CLI's aliases: ``--devices``)."""
 
 RECIPE_FILE = "recipe.yaml"
 """The resolved recipe every run writes in its ``ckpt_dir`` (and each checkpoint carries)."""

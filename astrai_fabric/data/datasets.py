@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from astrai_fabric.data.storage import detect_format, read_bin_shards, read_jsonl
+from astrai_fabric.data.storage import detect_format, read_bin_shards, read_records
 from astrai_fabric.data.tokenize import tokenize_chats, tokenize_text
 from astrai_fabric.errors import UserError
 from astrai_fabric.tokenizer import Tokenizer
@@ -109,15 +109,22 @@ def load_window_dataset(
     tokenizer: Tokenizer | None,
     vocab_size: int | None = None,
     max_positions: int | None = None,
+    subset: str | None = None,
+    split: str | None = None,
 ) -> WindowDataset:
-    """Windows over AstrAI bin shards or raw JSONL (tokenised here) at ``path`` (see ``window_dataset``)."""
+    """Windows over AstrAI bin shards, or records (JSONL, a ``datasets`` source: ``subset`` and ``split`` chosen in
+    it) tokenised here, at ``path`` (see ``window_dataset``)."""
     path = Path(path)
-    if detect_format(path) == "bin":
+    kind = detect_format(path)
+    if kind == "bin":
+        if subset is not None or split is not None:
+            read_records(path, subset=subset, split=split)  # the one line saying bin shards have neither
         stream = TokenStream(read_bin_shards(path))
     else:
         if tokenizer is None:
-            raise UserError(f"data_root_path {path}: JSONL data needs a tokenizer (--tokenizer_path)")
-        records = read_jsonl(path)
+            shown = "JSONL" if kind == "jsonl" else kind
+            raise UserError(f"data_root_path {path}: {shown} data needs a tokenizer (--tokenizer_path)")
+        records = read_records(path, subset=subset, split=split)
         tokenize = tokenize_chats if train_type == "sft" else tokenize_text
         stream = TokenStream({k: [v] for k, v in tokenize(records, tokenizer).items()})
     return window_dataset(stream, train_type, path, window_size, stride, vocab_size, max_positions)

@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
+from typing import Any
 
 import numpy as np
 
@@ -24,8 +25,8 @@ from astrai_fabric.tokenizer import Tokenizer
 
 Tokenised = tuple[str, np.ndarray, np.ndarray] | str
 """A record's ``(domain, ids int32, mask uint8)``, or the reason it is dropped."""
-Chunk = list[tuple[str, str]]
-"""Records as ``(where, JSONL line)``."""
+Chunk = list[tuple[str, str | dict[str, Any]]]
+"""Records as ``(where, JSONL line)``, parsed in the worker, or ``(where, record)`` from a ``datasets`` source."""
 
 
 class _Tokeniser:
@@ -36,8 +37,9 @@ class _Tokeniser:
 
     def __call__(self, chunk: Chunk) -> list[Tokenised]:
         results: list[Tokenised] = []
-        for where, text in chunk:
-            document = tokenize_record(parse_record(text, where), self.config, self.tokenizer, where)
+        for where, item in chunk:
+            record = parse_record(item, where) if isinstance(item, str) else item
+            document = tokenize_record(record, self.config, self.tokenizer, where)
             if isinstance(document, str):
                 results.append(document)
             else:  # compact for the trip back and the shard's buffer (ids fit int32: vocabularies are < 2**31)

@@ -29,6 +29,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Iterator
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,8 @@ from astrai_fabric.data.pipeline import (  # re-exported: data/dataset_config.py
     tokenize_record,
 )
 from astrai_fabric.data.shard_writer import Position, ShardWriter, StagingState
-from astrai_fabric.data.storage import jsonl_lines, parse_record
+from astrai_fabric.data.sources import Source, open_source
+from astrai_fabric.data.storage import detect_format, jsonl_lines, parse_record
 from astrai_fabric.errors import TrainingError, UserError
 from astrai_fabric.faults import crash_point
 from astrai_fabric.tokenizer import Tokenizer
@@ -65,6 +67,49 @@ def staging_path(output: Path) -> Path:
     return output.parent / f".{output.name}.prepare-partial"
 
 
+@dataclass
+class Input:
+    """One input of a prepare: a JSONL file (read line by line, as always) or a ``datasets`` source (``source``,
+    streamed in batches of rows; a record's position is its part and row, where a JSONL line's is its byte offset
+    and line)."""
+
+    path: Path
+    source: Source | None = None
+
+    def identity(self) -> dict[str, Any]:
+        """The input as it is on disk (``--resume`` continues only a prepare of the same)."""
+        files = [self.path] if self.source is None else self.source.files()
+        stats = [{"path": str(p.resolve()), "size": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns} for p in files]
+        if self.source is None:
+            return stats[0]
+        return {"path": str(self.path), "subset": self.source.subset, "split": self.source.split, "files": stats}
+
+    def size(self) -> int:
+        return sum(p.stat().st_size for p in ([self.path] if self.source is None else self.source.files()))
+
+
+def open_inputs(paths: list[Path], subset: str | None = None, split: str | None = None) -> list[Input]:
+    """Each path as inputs: a JSONL file; a directory of JSONL files (its sorted top-level ``*.jsonl``, as training
+    reads it); or a ``datasets`` source (a file, a directory, a ``save_to_disk`` directory, a Hub dataset id) with
+    ``subset`` and ``split`` (``--data_subset``, ``--data_split``) chosen in it."""
+    inputs: list[Input] = []
+    for path in paths:
+        kind = detect_format(path, "input")
+        if kind == "bin":
+            raise UserError(f"input {path}: holds bin shards, already prepared; inputs are records")
+        if kind != "jsonl":
+            inputs.append(Input(path, open_source(path, kind, "input", subset, split)))
+            continue
+        for flag, value in (("--data_subset", subset), ("--data_split", split)):
+            if value is not None:
+                raise UserError(f"{flag} {value!r}: input {path} is JSONL, which has no subsets or splits")
+        files = [path] if path.is_file() else sorted(path.glob("*.jsonl"))
+        if not files:
+            raise UserError(f"input {path}: no .jsonl files directly inside")
+        inputs += [Input(file) for file in files]
+    return inputs
+
+
 def prepare(
     inputs: list[Path],
     output: Path,
@@ -72,19 +117,22 @@ def prepare(
     tokenizer: Tokenizer,
     num_proc: int = 1,
     resume: bool = False,
+    subset: str | None = None,
+    split: str | None = None,
 ) -> str:
-    """Write the shards of ``inputs`` under ``output`` (nothing appears there until all are written) with
-    ``num_proc`` tokenising processes; ``resume`` continues the killed run of the same command. Returns a summary
-    of what was read, kept and dropped."""
+    """Write the shards of ``inputs`` (``open_inputs``) under ``output`` (nothing appears there until all are
+    written) with ``num_proc`` tokenising processes; ``resume`` continues the killed run of the same command.
+    Returns a summary of what was read, kept and dropped."""
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise UserError(f"-o {output}: exists and is not empty; choose a new directory")
     for path in inputs:
-        if not path.is_file():
+        if not path.exists() and path.suffix.lower() == ".jsonl":
             raise UserError(f"{path}: input file not found")
         if output.resolve() in (path.resolve(), *path.resolve().parents) and output.exists():
             raise UserError(f"-o {output}: holds the input {path}; choose a new directory")
     if not isinstance(num_proc, int) or num_proc < 1:
         raise UserError(f"--num_proc must be an integer >= 1, got {num_proc!r}")
+    inputs = open_inputs(inputs, subset, split)
     staging = staging_path(output)
     identity = _identity(inputs, config, tokenizer)
     state = None
@@ -124,9 +172,9 @@ def prepare(
     )
 
 
-def _identity(inputs: list[Path], config: PipelineConfig, tokenizer: Tokenizer) -> dict[str, Any]:
+def _identity(inputs: list[Input], config: PipelineConfig, tokenizer: Tokenizer) -> dict[str, Any]:
     """What makes two runs the same run: the inputs as they are on disk, the pipeline, the tokenizer's files."""
-    files = [{"path": str(p.resolve()), "size": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns} for p in inputs]
+    files = [entry.identity() for entry in inputs]
     digest = hashlib.sha256()
     for name, path in sorted(tokenizer.files.items()):
         digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
@@ -148,41 +196,59 @@ def _check_identity(recorded: dict[str, Any], current: dict[str, Any], staging: 
         )
 
 
-def _validate(inputs: list[Path], max_items: int | None) -> int:
+def _validate(inputs: list[Input], max_items: int | None) -> int:
     """Check every record of every input (the records past ``max_items`` too); return the count to prepare."""
     total = 0
-    with tqdm(total=sum(p.stat().st_size for p in inputs), desc="checking", unit="B", unit_scale=True,
+    with tqdm(total=sum(i.size() for i in inputs), desc="checking", unit="B", unit_scale=True,
               dynamic_ncols=True, disable=not sys.stderr.isatty()) as progress:  # fmt: skip
         done = 0
-        for path in inputs:
-            count = 0
-            for line_no, _, end, line in jsonl_lines(path):
-                parse_record(line, f"{path}:{line_no}")
-                count += 1
-                if count % 4096 == 0:
-                    progress.update(done + end - progress.n)
+        for entry in inputs:
+            count, path = 0, entry.path
+            if entry.source is None:
+                for line_no, _, end, line in jsonl_lines(path):
+                    parse_record(line, f"{path}:{line_no}")
+                    count += 1
+                    if count % 4096 == 0:
+                        progress.update(done + end - progress.n)
+            else:  # read whole (a file datasets cannot read fails here), one batch of rows at a time
+                count = sum(1 for _ in entry.source.records())
+            if not count and entry.source is not None:
+                raise UserError(f"input {path}: split {entry.source.split!r} is empty (no records)")
             if not count:
                 raise UserError(f"input {path}: the dataset is empty (no records)")
             total += count
-            done += path.stat().st_size
+            done += entry.size()
             progress.update(done - progress.n)
     return total if max_items is None else min(total, max_items)
 
 
-def _lines(inputs: list[Path], start: Position, limit: int) -> Iterator[tuple[Position, Position, str]]:
-    """``(position, position after it, text)`` of each record from ``start`` until ``limit`` records."""
+def _lines(
+    inputs: list[Input], start: Position, limit: int
+) -> Iterator[tuple[Position, Position, str, str | dict[str, Any]]]:
+    """``(position, position after it, where, JSONL line or record)`` of each record from ``start`` until ``limit``
+    records. A source's position is its part (``offset``) and row in it (``line``, counted from 1 as lines are)."""
     record = start.record
     for index in range(start.file, len(inputs)):
-        offset, line = (start.offset, start.line) if index == start.file else (0, 1)
-        for line_no, begin, end, text in jsonl_lines(inputs[index], offset, line):
+        source, path = inputs[index].source, inputs[index].path
+        if source is None:
+            offset, line = (start.offset, start.line) if index == start.file else (0, 1)
+            for line_no, begin, end, text in jsonl_lines(path, offset, line):
+                if record >= limit:
+                    return
+                yield (Position(record, index, begin, line_no), Position(record + 1, index, end, line_no + 1),
+                       f"{path}:{line_no}", text)  # fmt: skip
+                record += 1
+            continue
+        part, row = (start.offset, start.line - 1) if index == start.file else (0, 0)
+        for at, number, where, item in source.records(part, row):
             if record >= limit:
                 return
-            yield Position(record, index, begin, line_no), Position(record + 1, index, end, line_no + 1), text
+            yield Position(record, index, at, number + 1), Position(record + 1, index, at, number + 2), where, item
             record += 1
 
 
 def _stream(
-    inputs: list[Path], staging: Path, state: StagingState, config: PipelineConfig, tokenizer: Tokenizer, num_proc: int
+    inputs: list[Input], staging: Path, state: StagingState, config: PipelineConfig, tokenizer: Tokenizer, num_proc: int
 ) -> None:
     """Tokenise and write from where ``state`` says, updating it (and saving it after every finished shard)."""
     for shard in sorted((staging / SHARDS).glob("*/shard_*")):  # half-written by a killed run: written again
@@ -230,22 +296,23 @@ def _stream(
     counts["dropped"] = dict(dropped)
     if not counts["kept"]:
         raise UserError(
-            f"{', '.join(map(str, inputs))}: no record was kept ({dict(dropped)}) by the pipeline, with the "
+            f"{', '.join(str(i.path) for i in inputs)}: no record was kept ({dict(dropped)}) by the pipeline, with the "
             f"tokenizer (and chat_template) in {tokenizer.directory}; nothing written"
         )
 
 
 def _chunks(
-    inputs: list[Path], start: Position, limit: int, positions: deque[list[tuple[Position, Position]]]
-) -> Iterator[list[tuple[str, str]]]:
-    """``(where, text)`` lists of about ``CHUNK_BYTES``; each one's positions are appended to ``positions``."""
-    chunk: list[tuple[str, str]] = []
+    inputs: list[Input], start: Position, limit: int, positions: deque[list[tuple[Position, Position]]]
+) -> Iterator[list[tuple[str, str | dict[str, Any]]]]:
+    """``(where, JSONL line or record)`` lists of about ``CHUNK_BYTES`` of text (a record's size is guessed from its
+    text values); each one's positions are appended to ``positions``."""
+    chunk: list[tuple[str, str | dict[str, Any]]] = []
     where: list[tuple[Position, Position]] = []
     size = 0
-    for position, after, text in _lines(inputs, start, limit):
-        chunk.append((f"{inputs[position.file]}:{position.line}", text))
+    for position, after, name, item in _lines(inputs, start, limit):
+        chunk.append((name, item))
         where.append((position, after))
-        size += len(text)
+        size += len(item) if isinstance(item, str) else _text_size(item)
         if size >= CHUNK_BYTES:
             positions.append(where)
             yield chunk
@@ -253,3 +320,14 @@ def _chunks(
     if chunk:
         positions.append(where)
         yield chunk
+
+
+def _text_size(value: Any) -> int:
+    """Characters of text in a record's values (how much tokenising it is)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_text_size(v) for v in value.values()) + 1
+    if isinstance(value, list):
+        return sum(_text_size(v) for v in value) + 1
+    return 1

@@ -1,4 +1,5 @@
-"""Reading training data from disk: AstrAI's bin shards and JSONL files (AstrAI's ``astrai/dataset/storage.py``).
+"""Reading training data from disk: AstrAI's bin shards and JSONL files (AstrAI's ``astrai/dataset/storage.py``), and
+which kind of source a path is (the others, read through ``datasets``, are ``data/sources.py``'s).
 
 Bin layout: ``ROOT/**/meta.json`` next to ``<key>.bin`` files; ``meta.json`` maps each key to
 ``{"shape": [n], "dtype": "int32", ...}`` and each key is one flat array. Shards are read in sorted path order
@@ -13,26 +14,67 @@ from typing import Any
 
 import numpy as np
 
+from astrai_fabric.data.sources import open_source, source_kind
 from astrai_fabric.errors import UserError
+from astrai_fabric.hub import looks_like_hub_id
 from astrai_fabric.json_files import parse_json, read_json_file
 
 Record = tuple[str, dict[str, Any]]
-"""A JSONL record with where it came from (``"file.jsonl:line"``), for error messages."""
+"""A record with where it came from (``"file.jsonl:line"``, ``"file.parquet row N"``), for error messages."""
+
+FORMATS = ("bin", "jsonl", "parquet", "arrow", "csv", "json", "saved", "hub")
+"""What ``detect_format`` tells apart: bin shards, JSONL (both read here) and the sources ``data/sources.py`` reads
+through ``datasets`` (``saved``: a ``save_to_disk`` directory; ``hub``: a Hub dataset id)."""
 
 
-def detect_format(path: Path) -> str:
-    """``"bin"`` for a directory of bin shards, ``"jsonl"`` for a JSONL file or a directory holding some."""
+def detect_format(path: Path, what: str = "data_root_path") -> str:
+    """One of ``FORMATS`` for ``path``: ``"bin"`` for a directory of bin shards, ``"jsonl"`` for a JSONL file or a
+    directory holding some, ``"hub"`` for a Hub dataset id that is no local path, else the ``datasets`` kind of the
+    file or directory (one kind: a directory mixing them is an error); ``what`` names ``path`` in messages."""
     if not path.exists():
-        raise UserError(f"data_root_path {path}: not found")
+        if looks_like_hub_id(str(path)):
+            return "hub"
+        raise UserError(f"{what} {path}: not found")
     if path.is_file():
         if path.suffix.lower() == ".jsonl":
             return "jsonl"
-        raise UserError(f"data_root_path {path}: expected a .jsonl file or a directory, got a {path.suffix} file")
+        kind = source_kind(path, what)
+        if kind is None:
+            raise UserError(
+                f"{what} {path}: expected a .jsonl file or a directory (or a .parquet, .arrow, .csv or .json "
+                f"file), got a {path.suffix} file"
+            )
+        return kind
     if any(path.rglob("*.bin")) and any(path.rglob("meta.json")):
         return "bin"
-    if any(path.rglob("*.jsonl")):
-        return "jsonl"
-    raise UserError(f"data_root_path {path}: no bin shards (meta.json + *.bin) or .jsonl files found")
+    kind = source_kind(path, what)
+    if kind is None:
+        raise UserError(
+            f"{what} {path}: no bin shards (meta.json + *.bin) or .jsonl files found (nor parquet, arrow, "
+            "CSV or JSON files)"
+        )
+    return kind
+
+
+def read_records(
+    path: Path, what: str = "data_root_path", subset: str | None = None, split: str | None = None
+) -> list[Record]:
+    """Every record of the JSONL or ``datasets`` source at ``path`` (``read_jsonl``, ``data/sources.py``), with
+    ``subset`` and ``split`` (``--data_subset``, ``--data_split``) chosen in a ``datasets`` source."""
+    kind = detect_format(path, what)
+    if kind in ("bin", "jsonl"):
+        for flag, value in (("--data_subset", subset), ("--data_split", split)):
+            if value is not None:
+                shown = "bin shards" if kind == "bin" else "JSONL"
+                raise UserError(f"{flag} {value!r}: {what} {path} is {shown}, which has no subsets or splits")
+        if kind == "bin":
+            raise UserError(f"{what} {path}: holds bin shards, not records")
+        return read_jsonl(path, what)
+    source = open_source(path, kind, what, subset, split)
+    records = [(where, record) for _, _, where, record in source.records()]
+    if not records:
+        raise UserError(f"{what} {path}: split {source.split!r} is empty (no records)")
+    return records
 
 
 ID_KEYS = ("sequence", "position_ids")

@@ -16,11 +16,12 @@ from astrai_fabric import assets
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.data.dataset_config import render_pair, unrendered_warning
 from astrai_fabric.data.records import PreferenceDataset, collate_preferences
-from astrai_fabric.data.storage import read_jsonl
+from astrai_fabric.data.shapes import check_not_shaped, shape_records
+from astrai_fabric.data.storage import read_records
 from astrai_fabric.lora import reference_context
 from astrai_fabric.losses import dpo_loss, token_logprobs, with_moe_aux_loss
 from astrai_fabric.train.common import train_on
-from astrai_fabric.train.start import Start, reference_model, require_jsonl, resolve_start
+from astrai_fabric.train.start import Start, reference_model, require_records, resolve_start
 
 
 def response_logprobs(model: nn.Module, ids: Tensor, loss_mask: Tensor) -> tuple[Tensor, dict]:
@@ -52,13 +53,19 @@ def dpo_batch_loss(
 def build_dataset(args: TrainArgs, start: Start) -> tuple[PreferenceDataset, str]:
     """The tokenised pairs and a one-line description of them."""
     window_size = start.window_size
-    data_path = require_jsonl(assets.resolve(args.data_root_path), "dpo")
+    data_path = require_records(assets.resolve(args.data_root_path), "dpo")
     tokenizer = start.need_tokenizer("dpo")
     config = start.dataset_config
+    records, shapes = read_records(data_path, subset=args.data_subset, split=args.data_split), ""
+    if config is not None:
+        check_not_shaped(args.data_format, args.data_columns, f"{config.path} renders these records")
+    else:  # records of any dpo shape (data/shapes.py), read as prompt/chosen/rejected
+        records, shaper = shape_records(records, "dpo", args.data_format, args.data_columns)
+        shapes = shaper.describe() and f"{shaper.describe()}, "
     render = partial(render_pair, config, tokenizer) if config is not None else None
-    dataset = PreferenceDataset(read_jsonl(data_path), tokenizer, window_size, render)
+    dataset = PreferenceDataset(records, tokenizer, window_size, render)
     dropped = f"; {dataset.num_dropped} dropped: nothing to train in the window" if dataset.num_dropped else ""
-    summary = f"preference pairs from {data_path}, at most {window_size} tokens each{dropped}"
+    summary = f"{shapes}preference pairs from {data_path}, at most {window_size} tokens each{dropped}"
     if config is not None:
         # AstrAI's train.py always passes a tokenizer_path, so its built-in dpo rendering wins over the file there.
         summary += (

@@ -11,6 +11,7 @@ from astrai_fabric.checkpoint import checkpoints_after
 from astrai_fabric.checkpoint.ownership import in_use_message, lock_holder, not_ours_message, unowned
 from astrai_fabric.config.train import RECIPE_FILE, RECIPE_HEADER, TrainArgs
 from astrai_fabric.errors import UserError
+from astrai_fabric.hub import looks_like_hub_id
 from astrai_fabric.schedule import ScheduleArgs, StepPlan
 from astrai_fabric.strategy import (
     describe_cpu_threads,
@@ -58,7 +59,8 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
         start = read_start(args)
     except UserError as err:
         problems.append(str(err))
-        if not assets.resolve(args.data_root_path).exists():  # reported too: the data is not read without a model
+        missing = not assets.resolve(args.data_root_path).exists() and not looks_like_hub_id(args.data_root_path)
+        if missing:  # reported too: the data is not read without a model
             problems.append(f"data_root_path {args.data_root_path}: not found")
     if start is not None:
         parameters = summarize_parameters(meta_model(start.model_config, args), args)

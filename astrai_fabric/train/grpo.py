@@ -26,7 +26,8 @@ from astrai_fabric.checkpoint.position import RunPosition
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.data.dataset_config import render_group, unrendered_warning
 from astrai_fabric.data.records import GroupDataset, PromptDataset, collate_groups, collate_prompts, pack
-from astrai_fabric.data.storage import read_jsonl
+from astrai_fabric.data.shapes import check_not_shaped, shape_records
+from astrai_fabric.data.storage import read_records
 from astrai_fabric.errors import ConfigError, UserError
 from astrai_fabric.generate import generate
 from astrai_fabric.loop.state import TrainState
@@ -37,7 +38,7 @@ from astrai_fabric.rewards import Reward, load_reward, score
 from astrai_fabric.strategy import data_parallel
 from astrai_fabric.tokenizer import Tokenizer
 from astrai_fabric.train.common import train_on
-from astrai_fabric.train.start import Start, raise_together, reference_model, require_jsonl, resolve_start
+from astrai_fabric.train.start import Start, raise_together, reference_model, require_records, resolve_start
 
 
 def sequence_logprobs(model: nn.Module, ids: Tensor) -> tuple[Tensor, dict]:
@@ -130,14 +131,19 @@ class Rollouts:
 def build_dataset(args: TrainArgs, start: Start) -> tuple[GroupDataset | PromptDataset, str]:
     """Scored groups (offline) or prompts (online: the data holds no responses), and a description of them."""
     window_size = start.window_size
-    data_path = require_jsonl(assets.resolve(args.data_root_path), "grpo")
-    records = read_jsonl(data_path)
+    data_path = require_records(assets.resolve(args.data_root_path), "grpo")
+    records, shapes = read_records(data_path, subset=args.data_subset, split=args.data_split), ""
     tokenizer = start.need_tokenizer("grpo")
     config = start.dataset_config
+    if config is not None:
+        check_not_shaped(args.data_format, args.data_columns, f"{config.path} renders these records")
+    else:  # prompts (online) or scored groups (offline), their other columns kept for the reward (data/shapes.py)
+        records, shaper = shape_records(records, "grpo", args.data_format, args.data_columns)
+        shapes = shaper.describe() and f"{shaper.describe()}, "
     if config is not None or "responses" in records[0][1]:
         render = partial(render_group, config, tokenizer) if config is not None else None
         groups = GroupDataset(records, tokenizer, window_size, render)
-        summary = f"scored response groups from {data_path} (offline)"
+        summary = f"{shapes}scored response groups from {data_path} (offline)"
         if config is not None:
             summary += f"; records rendered by {config.path}" + unrendered_warning(groups.num_unrendered, len(groups))
         if groups.num_flat_groups:
@@ -152,7 +158,7 @@ def build_dataset(args: TrainArgs, start: Start) -> tuple[GroupDataset | PromptD
             "(e.g. --reward astrai_fabric.rewards.LengthReward)"
         )
     load_reward(args.reward, args.trust_code)  # refused here, where the data says it is needed: the dry run too
-    summary = f"prompts from {data_path} (online: {args.group_size} samples each, scored by {args.reward})"
+    summary = f"{shapes}prompts from {data_path} (online: {args.group_size} samples each, scored by {args.reward})"
     return PromptDataset(records, tokenizer, window_size), summary
 
 

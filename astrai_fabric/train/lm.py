@@ -18,7 +18,9 @@ from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.data import TokenStream, WindowDataset, load_window_dataset
 from astrai_fabric.data.dataset_config import render_stream
 from astrai_fabric.data.datasets import window_dataset
-from astrai_fabric.data.storage import detect_format, read_jsonl
+from astrai_fabric.data.shapes import check_not_shaped, shape_records
+from astrai_fabric.data.storage import detect_format, read_jsonl, read_records
+from astrai_fabric.data.tokenize import tokenize_chats, tokenize_text
 from astrai_fabric.losses import causal_lm_loss, with_moe_aux_loss
 from astrai_fabric.model import make_doc_boundary_mask
 from astrai_fabric.train.common import train_on
@@ -41,20 +43,32 @@ def build_dataset(args: TrainArgs, start: Start) -> tuple[WindowDataset, str]:
     window_size = start.window_size
     data_path = assets.resolve(args.data_root_path)
     config = start.model_config
-    jsonl = detect_format(data_path) == "jsonl"
-    tokenizer = start.need_tokenizer(f"{args.train_type} on JSONL data") if jsonl else start.tokenizer
-    note = ""
+    kind = detect_format(data_path)
+    shown = "JSONL" if kind == "jsonl" else kind
+    tokenizer = start.need_tokenizer(f"{args.train_type} on {shown} data") if kind != "bin" else start.tokenizer
+    note, shapes = "", ""
     if start.dataset_config is not None:  # AstrAI's dataset_config.json route
+        check_not_shaped(args.data_format, args.data_columns, f"{start.dataset_config.path} renders these records")
         stream, dropped = render_stream(start.dataset_config, tokenizer, read_jsonl(data_path))
         stream = TokenStream({k: [v] for k, v in stream.items()})
         dataset = window_dataset(stream, args.train_type, data_path, window_size, args.stride, config.vocab_size,
                                  config.max_position_embeddings)  # fmt: skip
         reasons = ", ".join(f"{n} {reason}" for reason, n in dropped.items())
         note = f"; records rendered by {start.dataset_config.path}" + (f", dropped: {reasons}" if reasons else "")
+    elif kind != "bin":  # records of any shape (data/shapes.py), tokenised as the canonical ones
+        records = read_records(data_path, subset=args.data_subset, split=args.data_split)
+        records, shaper = shape_records(records, args.train_type, args.data_format, args.data_columns)
+        tokenize = tokenize_chats if args.train_type == "sft" else tokenize_text
+        stream = TokenStream({k: [v] for k, v in tokenize(records, tokenizer).items()})
+        dataset = window_dataset(stream, args.train_type, data_path, window_size, args.stride, config.vocab_size,
+                                 config.max_position_embeddings)  # fmt: skip
+        shapes = shaper.describe() and f"{shaper.describe()}, "
     else:
+        check_not_shaped(args.data_format, args.data_columns, f"data_root_path {data_path} holds bin shards (tokens)")
         dataset = load_window_dataset(args.train_type, data_path, window_size, args.stride, tokenizer,
-                                      config.vocab_size, config.max_position_embeddings)  # fmt: skip
-    summary = f"windows of {window_size} tokens from {data_path} ({dataset.stream.num_tokens:,} tokens){note}"
+                                      config.vocab_size, config.max_position_embeddings, args.data_subset,
+                                      args.data_split)  # fmt: skip
+    summary = f"{shapes}windows of {window_size} tokens from {data_path} ({dataset.stream.num_tokens:,} tokens){note}"
     if tokenizer is None:
         summary += (
             f"\nwarning: no tokenizer ({start.no_tokenizer.split(':')[0]} is missing): bin shards need none, so this "

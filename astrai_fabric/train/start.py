@@ -16,7 +16,7 @@ import torch
 from lightning.fabric import Fabric
 from torch import nn
 
-from astrai_fabric import assets
+from astrai_fabric import assets, hub
 from astrai_fabric.checkpoint import (
     ADAPTER_FILE,
     CONFIG_FILE,
@@ -87,7 +87,7 @@ def read_on_rank_zero(fabric: Fabric, read: Callable[[], T], paths: Iterable[str
     (``raised_on_every_rank``)."""
     if fabric.world_size == 1:
         return read()
-    paths = [assets.resolve(p) for p in paths]
+    paths = [hub.local_path(p) for p in paths]  # a Hub id: its cached snapshot, if this machine has one
     visible = all(p.exists() for p in paths)
     if fabric.all_reduce(torch.tensor(float(visible), device=fabric.device), reduce_op="min").item() == 1:
         try:
@@ -121,17 +121,55 @@ def raise_together(fabric: Fabric, error: UserError | None, others: Callable[[in
 
 
 def resolve_start(fabric: Fabric, args: TrainArgs) -> Start:
-    """The start of the run, read where the files are (see ``read_on_rank_zero``)."""
+    """The start of the run, read where the files are (see ``read_on_rank_zero``), its Hub ids pinned first
+    (``pin_hub_ids``)."""
+    pin_hub_ids(fabric, args)
     paths = [args.param_path]
     if isinstance(args.resume, str) and args.resume not in ("auto", "true", "false"):
         paths.append(args.resume)
     return read_on_rank_zero(fabric, partial(read_start, args), paths)
 
 
+def pin_hub_ids(fabric: Fabric, args: TrainArgs) -> None:
+    """The flags that are Hub ids (``hub.HUB_FLAGS``: models, tokenizers, the dataset) pinned in ``args`` to
+    ``org/name@commit``, the same commit on every rank: global rank 0 resolves them (fetching what its node lacks)
+    and sends the pins; then local rank 0 of each other node fetches those commits while the other ranks wait (the
+    collective that says whether all went well), so one process per node downloads and the rest read the cache.
+    The CLI pins them once before it launches (``cli.train_command``), so that a download is not timed by
+    ``--dist_timeout``; here they are then found in the cache. Checkpoints record the pinned ids (meta.json, the
+    recipe)."""
+    if not any(hub.looks_like_hub_id(getattr(args, flag)) for flag in hub.HUB_FLAGS):
+        return  # the same answer on every rank: no collective
+    if fabric.world_size == 1:
+        hub.pin_hub_flags(args)
+        return
+    outcome = None
+    if fabric.global_rank == 0:
+        try:
+            outcome = ("value", {flag: hub.pinned(getattr(args, flag), flag, kind)
+                                 for flag, kind in hub.HUB_FLAGS.items()})  # fmt: skip
+        except UserError as err:
+            outcome = ("error", err)
+    kind, value = fabric.broadcast(outcome)
+    if kind == "error":
+        raise raised_on_every_rank(value, fabric.local_rank)
+    error = None
+    if fabric.local_rank == 0 and fabric.global_rank != 0:
+        try:
+            for flag, pin in value.items():
+                if pin != getattr(args, flag):  # a Hub id rank 0 pinned (a path it has is left as it is)
+                    hub.fetch(pin, flag)
+        except UserError as err:
+            error = err
+    raise_together(fabric, error, lambda n: f"{n} node(s) could not fetch the Hub snapshot rank 0 resolved")
+    for flag, pin in value.items():
+        setattr(args, flag, pin)
+
+
 def read_start(args: TrainArgs) -> Start:
     """Read ``param_path`` and find the checkpoint to resume from, checking they belong together."""
     check_writable(args.ckpt_dir)
-    param_path, data_path = assets.resolve(args.param_path), assets.resolve(args.data_root_path)
+    param_path, data_path = hub.resolve_model(args.param_path, "param_path"), assets.resolve(args.data_root_path)
     if not param_path.exists():
         raise UserError(f"param_path {param_path}: not found (expected a model or checkpoint directory)")
     if not (param_path / CONFIG_FILE).is_file():
@@ -168,7 +206,7 @@ def read_start(args: TrainArgs) -> Start:
     # The run's tokenizer: --tokenizer_path, which must hold one, else param_path's, where none is no error (the
     # reason is kept for need_tokenizer): AstrAI trains seq/sft on bin shards from such a directory.
     if args.tokenizer_path:
-        tokenizer, no_tokenizer = Tokenizer.from_dir(assets.resolve(args.tokenizer_path)), None
+        tokenizer, no_tokenizer = Tokenizer.from_dir(hub.resolve_model(args.tokenizer_path, "tokenizer_path")), None
     else:
         tokenizer, no_tokenizer = Tokenizer.from_dir_if_present(param_path)
     if dataset_config is not None and dataset_config.tokenizer_dir is not None:
@@ -217,10 +255,11 @@ def _data_tokenizer(config: DatasetConfig, run_tokenizer: Tokenizer | None) -> T
     return run_tokenizer
 
 
-def require_jsonl(path: Path, train_type: str) -> Path:
-    """Record-based train types read JSONL (AstrAI's bin output for them has no record offsets either)."""
-    if detect_format(path) != "jsonl":
-        raise UserError(f"data_root_path {path}: {train_type} reads JSONL records, not bin shards")
+def require_records(path: Path, train_type: str) -> Path:
+    """Record-based train types read records (JSONL or a ``datasets`` source), not bin shards: AstrAI's bin output
+    for them has no record offsets."""
+    if detect_format(path) == "bin":
+        raise UserError(f"data_root_path {path}: {train_type} reads records (JSONL, parquet, ...), not bin shards")
     return path
 
 
@@ -238,21 +277,21 @@ def reference_model(fabric: Fabric, start: Start, args: TrainArgs) -> tuple[nn.M
     """
     if args.lora_r:
         fabric.print("reference model: the base weights (the trained network with its LoRA adapters off)")
-        return None, {"param_path": str(start.lora_base.resolve()), "random_seed": args.random_seed,
+        return None, {"param_path": hub.recorded(start.lora_base), "random_seed": args.random_seed,
                       "adapters_off": True}  # fmt: skip
     if args.reference_path is not None:
-        path, seed = str(assets.resolve(args.reference_path).resolve()), args.random_seed
+        path, seed = hub.recorded(args.reference_path), args.random_seed  # a Hub id: org/name@commit
     elif start.resume is not None and "reference" in start.resume.meta:
         path, seed = start.resume.meta["reference"]["param_path"], start.resume.meta["reference"]["random_seed"]
     elif start.resume is not None:
         fabric.print(f"reference model: the resumed policy ({start.resume.path}), as AstrAI does")
         path, seed = str(start.resume.path.resolve()), args.random_seed
     else:
-        path = str(start.weights.path.resolve()) if start.weights is not None else None
+        path = hub.recorded(start.weights.path) if start.weights is not None else None
         seed = args.random_seed
     weights = None
     if path is not None:
-        weights = read_on_rank_zero(fabric, partial(_read_reference, Path(path)), [Path(path)])
+        weights = read_on_rank_zero(fabric, partial(_read_reference, path), [path])
     model = initial_model(fabric, start.model_config, weights, seed, f"reference model {path or args.param_path}")
     model = setup_frozen(fabric, model)
     if is_fsdp(fabric) and weights is not None:  # sharded on the meta device: materialise, then read the shards
@@ -262,7 +301,9 @@ def reference_model(fabric: Fabric, start: Start, args: TrainArgs) -> tuple[nn.M
     return model, {"param_path": path, "random_seed": seed}
 
 
-def _read_reference(path: Path) -> Checkpoint:
+def _read_reference(recorded: str) -> Checkpoint:
+    """The reference's weights from where it is recorded: a directory, or a Hub id (``org/name@commit``)."""
+    path = hub.resolve_model(recorded, "reference model")
     if not path.is_dir():
         raise UserError(f"reference model {path}: not found (pass the starting weights as --reference_path)")
     return load_checkpoint(path, load_extra=False)

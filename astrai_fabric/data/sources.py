@@ -1,0 +1,240 @@
+"""Records from the sources the ``datasets`` library reads: parquet, arrow, CSV and JSON files, directories of them,
+directories written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``, and Hub dataset ids (``org/name``,
+``org/name@revision``), with their subsets (``--data_subset``) and splits (``--data_split``).
+
+The only importer of ``datasets``, and only when such a source is opened: JSONL and bin shards (``data/storage.py``)
+never need it, and commands that read neither do not pay its second of start-up. Without the extra, a source of
+another kind is one line naming it (``EXTRA``).
+
+A source is read part by part (one data file, or one saved split), each as a stream of row batches, so memory stays
+flat however large it is; a record is a plain dict of its columns (nothing here interprets them) with where it came
+from, ``"FILE row N"`` (rows counted from 0 in each file, as ``datasets`` and pandas count them). A Hub dataset id is
+downloaded into the Hugging Face cache (``hub.snapshot``, as models are; ``HF_HUB_OFFLINE=1``: from the cache only)
+and then read from those local files, as a local directory is (its README's ``configs`` name the
+subsets; file names such as ``train-*``/``test-*`` the splits), never through ``datasets``' own Hub filesystem.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from astrai_fabric import hub
+from astrai_fabric.errors import UserError
+
+EXTRA = "pip install 'astrai-fabric[datasets]'"
+SUFFIXES = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".json": "json"}
+"""Data files by suffix (``.jsonl`` is ``data/storage.py``'s, read without ``datasets``)."""
+NOT_DATA = {
+    "config.json", "dataset_config.json", "dataset_dict.json", "dataset_info.json", "generation_config.json",
+    "meta.json", "special_tokens_map.json", "state.json", "tokenizer.json", "tokenizer_config.json",
+}  # fmt: skip
+"""JSON files that sit beside data (a model's, a tokenizer's, AstrAI's data config) and are never records."""
+BATCH_ROWS = 1024
+"""Rows read at a time from a part: a few MB of a typical text dataset."""
+
+
+def source_kind(path: Path, what: str = "data_root_path") -> str | None:
+    """The kind of the local source at ``path``: ``"parquet"``, ``"arrow"``, ``"csv"``, ``"json"`` (a file, or a
+    directory holding files of one kind), ``"saved"`` (a ``save_to_disk`` directory), or None (none of these); a
+    directory mixing kinds is an error naming one file of each. Needs no ``datasets``."""
+    if path.is_file():
+        return SUFFIXES.get(path.suffix.lower())
+    if (path / "dataset_dict.json").is_file() or ((path / "state.json").is_file() and
+                                                   (path / "dataset_info.json").is_file()):  # fmt: skip
+        return "saved"
+    found: dict[str, Path] = {}
+    for file in sorted(data_files(path, (*SUFFIXES, ".jsonl"))):
+        found.setdefault(SUFFIXES.get(file.suffix.lower(), "jsonl"), file)
+    if "jsonl" in found:  # JSONL directories are read as they always were: only their .jsonl files
+        found.pop("json", None)
+    if len(found) > 1:
+        kinds = ", ".join(f"{kind} ({file})" for kind, file in found.items())
+        raise UserError(f"{what} {path}: holds data files of several kinds ({kinds}); keep one kind")
+    return next(iter(found), None)
+
+
+def data_files(path: Path, suffixes: tuple[str, ...]) -> Iterator[Path]:
+    """The files under directory ``path`` with one of ``suffixes`` (hidden folders and ``NOT_DATA`` names skipped)."""
+    for root, folders, files in os.walk(path):
+        folders[:] = [f for f in folders if not f.startswith(".")]
+        for name in files:
+            if Path(name).suffix.lower() in suffixes and name not in NOT_DATA and not name.startswith("."):
+                yield Path(root) / name
+
+
+@dataclass
+class Part:
+    """One data file, or one saved split, read on its own so that every record names where it is."""
+
+    label: str
+    rows: Callable[[int], Iterator[dict[str, list]]]
+    """Batches of columns from row ``start`` on."""
+    files: list[Path] = field(default_factory=list)
+    """The local files it reads (for ``prepare --resume``'s identity)."""
+
+
+@dataclass
+class Source:
+    """A ``datasets`` source opened: its parts in order, and what was chosen of it."""
+
+    name: str
+    kind: str
+    subset: str | None
+    split: str
+    parts: list[Part]
+
+    def records(self, part: int = 0, row: int = 0) -> Iterator[tuple[int, int, str, dict[str, Any]]]:
+        """``(part, row, where, record)`` of every record from row ``row`` of part ``part`` on, streamed."""
+        for index in range(part, len(self.parts)):
+            current = self.parts[index]
+            number = row if index == part else 0
+            try:
+                for batch in current.rows(number):
+                    columns = list(batch)
+                    for values in zip(*batch.values(), strict=True):
+                        yield index, number, f"{current.label} row {number}", dict(zip(columns, values, strict=True))
+                        number += 1
+            except UserError:
+                raise
+            except Exception as err:  # noqa: BLE001 — whatever pyarrow/pandas/datasets raise on a file they cannot read
+                raise UserError(f"{current.label}: not a readable {self.kind} file ({_reason(err)})") from None
+
+    def files(self) -> list[Path]:
+        return [file for part in self.parts for file in part.files]
+
+
+def _reason(err: BaseException) -> str:
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def _datasets(kind: str, name: str, what: str):
+    """The ``datasets`` module, quiet (its progress bars and log lines would break the one-line promise)."""
+    try:
+        import datasets
+    except ImportError:
+        raise UserError(f"{what} {name}: reading {kind} data needs the datasets library: {EXTRA}") from None
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(logging.CRITICAL)
+    return datasets
+
+
+def open_source(path: Path, kind: str, what: str = "data_root_path", subset: str | None = None,
+                split: str | None = None) -> Source:  # fmt: skip
+    """The source at ``path`` of ``kind`` (``data/storage.py``'s ``detect_format``), its subset and split chosen and
+    checked (an unknown one lists those there); ``what`` names it in messages."""
+    name = str(path)
+    datasets = _datasets("Hugging Face Hub" if kind == "hub" else kind, name, what)
+    if kind == "saved":
+        return _saved(datasets, path, what, subset, split)
+    if kind == "hub":
+        directory = hub.snapshot(hub.HubId.parse(name), what, repo_type="dataset")
+    elif path.is_file():
+        if subset is not None:
+            raise UserError(f"--data_subset {subset!r}: {what} {name} is one {kind} file, without subsets")
+        if split not in (None, "train"):
+            raise UserError(f"--data_split {split!r}: {what} {name} is one {kind} file, whose only split is 'train'")
+        return Source(name, kind, None, "train", [_file_part(datasets, kind, path, path)])
+    else:
+        directory = path
+    return _directory(datasets, name, kind, directory, what, subset, split)
+
+
+def _file_part(datasets, kind: str, file: Path, label: str | Path) -> Part:
+    def rows(start: int) -> Iterator[dict[str, list]]:
+        if kind == "parquet" and _parquet_rows(file) == 0:  # datasets' parquet reader fails on one without rows
+            return iter(())
+        stream = datasets.load_dataset(kind, data_files=[str(file)], split="train", streaming=True)
+        return stream.skip(start).iter(batch_size=BATCH_ROWS) if start else stream.iter(batch_size=BATCH_ROWS)
+
+    return Part(str(label), rows, [file])
+
+
+def _parquet_rows(file: Path) -> int:
+    import pyarrow.parquet  # datasets brings it
+
+    return pyarrow.parquet.ParquetFile(file).metadata.num_rows
+
+
+def _directory(datasets, name: str, kind: str, directory: Path, what: str, subset: str | None,
+               split: str | None) -> Source:  # fmt: skip
+    """A directory of data files (a Hub snapshot too), read as ``datasets`` reads a dataset repository: its README's
+    ``configs`` name the subsets, file names (``train-*``, ``test-*``, ...) the splits, and every file is ``train``
+    when none says. Only data files count (``NOT_DATA`` is never read, whatever ``datasets`` would guess)."""
+    hub, directory = kind == "hub", directory.absolute()
+    subsets = _call(lambda: datasets.get_dataset_config_names(str(directory)), name)
+    if subset is not None and subset not in subsets:
+        raise UserError(f"--data_subset {subset!r}: {what} {name} has no such subset; it has {_listed(subsets)}")
+    if subset is None and len(subsets) > 1 and "default" not in subsets:
+        raise UserError(f"{what} {name}: has subsets {_listed(subsets)}; choose one with --data_subset")
+    wanted = set(data_files(directory, (*SUFFIXES, ".jsonl")))
+    if hub or subsets != ["default"]:  # the repository's own layout (README configs, or a Hub repository's guess)
+        builder = _call(lambda: datasets.load_dataset_builder(str(directory), name=subset), name)
+        found, reader = builder.config.data_files or {}, builder.name
+    else:  # a plain local directory: its files of the kind found (source_kind), split by their names
+        from datasets.data_files import DataFilesDict, get_data_patterns
+
+        found = _call(lambda: DataFilesDict.from_patterns(get_data_patterns(str(directory)), str(directory)), name)
+        reader = kind
+    splits = {str(key): sorted(f for f in map(Path, files) if f in wanted) for key, files in found.items()}
+    splits = {key: files for key, files in splits.items() if files}
+    if reader not in SUFFIXES.values() or not splits:
+        raise UserError(f"{what} {name}: no parquet, arrow, CSV or JSON data files found")
+    chosen = _choose_split(splits, split, name, what)
+    parts = [_file_part(datasets, reader, file, f"{name}: {file.relative_to(directory)}" if hub else file)
+             for file in splits[chosen]]  # fmt: skip
+    return Source(name, reader if hub else kind, subset, chosen, parts)
+
+
+def _saved(datasets, path: Path, what: str, subset: str | None, split: str | None) -> Source:
+    """A ``save_to_disk`` directory: one ``Dataset`` (its only split) or a ``DatasetDict`` (``--data_split``)."""
+    name = str(path)
+    if subset is not None:
+        raise UserError(f"--data_subset {subset!r}: {what} {name} is a save_to_disk directory, without subsets")
+    loaded = _call(lambda: datasets.load_from_disk(name), name)
+    if isinstance(loaded, datasets.DatasetDict):
+        chosen = _choose_split({key: [] for key in loaded}, split, name, what)
+        dataset = loaded[chosen]
+    else:
+        chosen = str(loaded.split or "train")
+        if split not in (None, chosen):
+            raise UserError(f"--data_split {split!r}: {what} {name} holds one dataset, whose split is {chosen!r}")
+        dataset = loaded
+
+    def rows(start: int) -> Iterator[dict[str, list]]:
+        for begin in range(start, len(dataset), BATCH_ROWS):
+            yield dataset[begin : begin + BATCH_ROWS]
+
+    files = [Path(f["filename"]) for f in dataset.cache_files]
+    return Source(name, "saved", None, chosen, [Part(f"{name} ({chosen})", rows, files)])
+
+
+def _choose_split(splits: dict[str, list[Path]], split: str | None, name: str, what: str) -> str:
+    if split is not None:
+        if split not in splits:
+            raise UserError(f"--data_split {split!r}: {what} {name} has no such split; it has {_listed(splits)}")
+        return split
+    if "train" in splits:
+        return "train"
+    if len(splits) == 1:
+        return next(iter(splits))
+    raise UserError(f"{what} {name}: has splits {_listed(splits)} and none is 'train'; choose one with --data_split")
+
+
+def _listed(names) -> str:
+    return ", ".join(repr(str(n)) for n in names) or "none"
+
+
+def _call(function: Callable[[], Any], name: str) -> Any:
+    """``function()``, with what ``datasets`` raises on files it cannot read as the one line naming the source."""
+    try:
+        return function()
+    except UserError:
+        raise
+    except Exception as err:  # noqa: BLE001 — datasets' own errors are ValueError, FileNotFoundError, its own kinds
+        raise UserError(f"{name}: not readable by datasets ({_reason(err)})") from None

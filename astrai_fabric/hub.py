@@ -1,0 +1,336 @@
+"""Models from the Hugging Face Hub: ``org/name`` and ``org/name@revision`` resolved to a local snapshot in the
+standard cache (``HF_HUB_CACHE``, else ``HF_HOME/hub``), downloaded when online, read from the cache offline
+(``HF_HUB_OFFLINE=1``). Only what a run reads is fetched (``ALLOW_PATTERNS``), never pickled weights; a repository
+with nothing else is refused by name. A snapshot is recorded as ``org/name@commit`` (``recorded``), which resolves
+again anywhere, offline from the cache.
+
+The only module importing ``huggingface_hub``, and only inside the functions that reach the Hub: a command that
+names no Hub id never loads it. Its settings are read from the environment at each call (``HF_ENDPOINT``,
+``HF_HUB_CACHE``/``HF_HOME``, ``HF_HUB_OFFLINE``, ``HF_TOKEN``), not from the values ``huggingface_hub`` took when
+it was imported. Every error it raises for something a user can change becomes one line (``UserError``); nothing
+retries: an unreachable Hub falls back to the cache or says so within ``ETAG_TIMEOUT_S``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from astrai_fabric import assets
+from astrai_fabric.errors import UserError
+
+ALLOW_PATTERNS = (
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+"""The files a run reads from a model repository (top level only: ``IGNORE_PATTERNS``)."""
+IGNORE_PATTERNS = ("*/*",)
+"""Nothing in subfolders (``original/consolidated.pth``, ``onnx/``): the model is the top level."""
+DATASET_ALLOW_PATTERNS = ("README.md", "*.parquet", "*.arrow", "*.csv", "*.json", "*.jsonl")
+"""What a dataset snapshot fetches: its card (which names the subsets and splits) and the files ``data.sources``
+reads, in any folder (fnmatch's ``*`` crosses ``/``); not scripts, images or archives."""
+PICKLED = (".bin", ".pth", ".pt", ".ckpt", ".pkl")
+"""Weights as pickles, which can run code when loaded: never downloaded, never read."""
+NOT_WEIGHTS = ("training_args.bin",)
+ETAG_TIMEOUT_S = 10.0
+"""Seconds one request to the Hub waits (huggingface_hub's default, for its metadata calls and ours)."""
+COMMIT = re.compile(r"[0-9a-f]{40}")
+_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?")
+"""One part of a repository id, as the Hub allows it (``--`` and ``..`` refused apart)."""
+_REVISION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,254}")
+"""A branch, tag (``v1.0``, ``refs/pr/1``) or commit; never ``..`` (the cache's ``refs/REVISION`` is a path)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HubId:
+    """``org/name`` and the revision asked for (``main`` when none is)."""
+
+    repo: str
+    revision: str = "main"
+
+    @classmethod
+    def parse(cls, text: str) -> HubId:
+        repo, _, revision = text.partition("@")
+        return cls(repo, revision or "main")
+
+    def __str__(self) -> str:
+        return self.repo if self.revision == "main" else f"{self.repo}@{self.revision}"
+
+
+def looks_like_hub_id(text: Any) -> bool:
+    """The id rule without the filesystem: ``org/name`` or ``org/name@revision``, exactly one ``/`` in the id, no
+    leading ``./``, ``../`` or ``/`` (the same answer on every rank, whatever each one's disk holds)."""
+    if not isinstance(text, str) or text.startswith((assets.BUNDLED_PREFIX, "./", "../", "/", "~")):
+        return False
+    repo, at, revision = text.partition("@")
+    if at and not (_REVISION.fullmatch(revision) and ".." not in revision):
+        return False
+    parts = repo.split("/")
+    return (
+        len(parts) == 2
+        and all(_NAME.fullmatch(part) for part in parts)
+        and not any("--" in part or ".." in part for part in parts)
+    )
+
+
+def is_hub_id(text: Any) -> bool:
+    """``text`` names a Hub repository: it looks like one (``looks_like_hub_id``) and is not an existing path."""
+    return looks_like_hub_id(text) and not os.path.lexists(text)
+
+
+def cache_dir() -> Path:
+    """Where huggingface_hub keeps snapshots, by its own rule: ``HF_HUB_CACHE``, else ``HF_HOME/hub``, else
+    ``XDG_CACHE_HOME/huggingface/hub``, else ``~/.cache/huggingface/hub``."""
+    env = os.environ
+    home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
+    chosen = env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE") or os.path.join(home, "hub")
+    return Path(os.path.expanduser(os.path.expandvars(chosen)))
+
+
+def is_offline() -> bool:
+    return any(os.environ.get(name, "").upper() in ("1", "ON", "YES", "TRUE") for name in
+               ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))  # fmt: skip
+
+
+def _endpoint() -> str:
+    return (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
+
+
+def _token() -> str | None:
+    return os.environ.get("HF_TOKEN") or None  # None: huggingface_hub's stored token (`hf auth login`), if any
+
+
+def resolve_model(path_or_id: str | Path, what: str = "param_path") -> Path:
+    """A model or tokenizer directory: a local path (``bundled:NAME`` too) as it is, a Hub id as its snapshot (see
+    the module docstring). ``what`` names the flag in messages."""
+    text = str(path_or_id)
+    if not is_hub_id(text):
+        return assets.resolve(text)
+    return snapshot(HubId.parse(text), what)
+
+
+def local_path(path_or_id: str | Path) -> Path:
+    """Where ``path_or_id`` is on this machine without asking the Hub: a Hub id's cached snapshot, else the path
+    (which may not exist)."""
+    text = str(path_or_id)
+    if not is_hub_id(text):
+        return assets.resolve(text)
+    try:
+        return _cached(HubId.parse(text))
+    except UserError:
+        return Path(text)
+
+
+def recorded(path_or_id: str | Path) -> str:
+    """How a checkpoint records a model directory: ``org/name@commit`` for a Hub snapshot (portable: it resolves
+    again on any machine), else the absolute path."""
+    text = str(path_or_id)
+    path = local_path(text)
+    if is_hub_id(text) and not path.exists():
+        return text  # not fetched here: as given
+    return portable(path) or str(path.resolve())
+
+
+def portable(path: Path) -> str | None:
+    """``org/name@commit`` where ``path`` is a snapshot in a huggingface_hub cache (``models--org--name/snapshots/
+    COMMIT``, or ``datasets--...``; a repository name never holds ``--``), else None."""
+    path = path.resolve()
+    repository = path.parent.parent
+    kind, _, name = repository.name.partition("--")
+    if path.parent.name != "snapshots" or not COMMIT.fullmatch(path.name) or kind not in ("models", "datasets"):
+        return None
+    parts = name.split("--")
+    return f"{parts[0]}/{parts[1]}@{path.name}" if len(parts) == 2 else None
+
+
+def pinned(path_or_id: str | None, what: str, repo_type: str = "model") -> str | None:
+    """``path_or_id`` with a Hub id replaced by ``org/name@commit`` of the snapshot it resolves to now (fetched if
+    need be); anything else unchanged."""
+    if path_or_id is None or not is_hub_id(path_or_id):
+        return path_or_id
+    return portable(snapshot(HubId.parse(path_or_id), what, repo_type=repo_type)) or path_or_id
+
+
+HUB_FLAGS = {"param_path": "model", "tokenizer_path": "model", "reference_path": "model", "data_root_path": "dataset"}
+"""The training flags that may name a Hub repository (a model or tokenizer directory, a dataset), and its type."""
+
+
+def pin_hub_flags(args: Any) -> None:
+    """Each of ``HUB_FLAGS`` that is a Hub id pinned in place (``pinned``): every later read of it finds the same
+    snapshot, and the checkpoints' meta.json and recipe record ``org/name@commit``."""
+    for flag, repo_type in HUB_FLAGS.items():
+        setattr(args, flag, pinned(getattr(args, flag), flag, repo_type))
+
+
+def fetch(pin: str, flag: str) -> Path:
+    """The snapshot ``pin`` (``org/name@commit``) of ``flag`` names, fetched if this machine's cache lacks it."""
+    return snapshot(HubId.parse(pin), flag, repo_type=HUB_FLAGS[flag])
+
+
+def download(text: str, revision: str | None = None, local_dir: str | None = None) -> Path:
+    """``astrai-fabric download``: the snapshot of ``text`` (``org/name``, ``@revision`` or ``revision``) in the
+    cache, or copied into ``local_dir``, with huggingface_hub's progress bars."""
+    if not looks_like_hub_id(text):
+        raise UserError(f"download {text!r}: expected a Hub model id, org/name or org/name@revision")
+    hub_id = HubId.parse(text)
+    if revision is not None:
+        if "@" in text and hub_id.revision != revision:
+            raise UserError(f"download {text}: --revision {revision} contradicts the @{hub_id.revision} it names")
+        hub_id = HubId(hub_id.repo, revision)
+    if local_dir is not None and os.path.lexists(local_dir) and not Path(local_dir).is_dir():
+        raise UserError(f"--local_dir {local_dir}: a file, not a directory")
+    return snapshot(hub_id, "download", local_dir=local_dir)
+
+
+def snapshot(hub_id: HubId, what: str, *, repo_type: str = "model", local_dir: str | None = None) -> Path:
+    """The local snapshot of ``hub_id``: from the cache when the revision is a commit it holds or when offline,
+    else fetched (a model: only ``ALLOW_PATTERNS``, after the repository's file list says its weights are not only
+    pickled; a dataset: ``DATASET_ALLOW_PATTERNS``). ``repo_type`` is ``model`` or ``dataset``."""
+    where = f"{what} {hub_id}"
+    if local_dir is None and (is_offline() or COMMIT.fullmatch(hub_id.revision)):
+        try:
+            return _cached(hub_id, repo_type)
+        except UserError:
+            if is_offline():
+                get = f"`astrai-fabric download {hub_id}`" if repo_type == "model" else "the same command"
+                raise UserError(
+                    f"{where}: not a directory here, and HF_HUB_OFFLINE=1 with no cached copy of the Hub {repo_type} "
+                    f"{hub_id} in {cache_dir()}; get one with {get} while online, or unset HF_HUB_OFFLINE"
+                ) from None
+    from huggingface_hub import HfApi, snapshot_download
+
+    try:
+        info = HfApi(endpoint=_endpoint(), token=_token()).repo_info(
+            hub_id.repo, revision=hub_id.revision, repo_type=repo_type, timeout=ETAG_TIMEOUT_S
+        )
+    except Exception as err:
+        if local_dir is None and _is_unreachable(err):
+            try:
+                folder = _cached(hub_id, repo_type)
+            except UserError:
+                raise UserError(
+                    f"{where}: not a directory here, and the Hub ({_endpoint()}) cannot be reached "
+                    f"({_reason(err)}) with no cached copy; check the network (or HF_ENDPOINT), or run "
+                    f"`astrai-fabric download {hub_id}` where the Hub is reachable"
+                ) from None
+            print(f"astrai-fabric: the Hub cannot be reached ({_reason(err)}); using the cached {folder}",
+                  file=sys.stderr)  # fmt: skip
+            return folder
+        raise _user_error(err, hub_id, where, repo_type) from None
+    if repo_type == "model":
+        _refuse_pickled_only(info, hub_id, where)
+    allow, ignore = _patterns(repo_type)
+    try:
+        folder = snapshot_download(
+            hub_id.repo, repo_type=repo_type, revision=hub_id.revision, cache_dir=cache_dir(), local_dir=local_dir,
+            allow_patterns=allow, ignore_patterns=ignore, endpoint=_endpoint(), token=_token(),
+            etag_timeout=ETAG_TIMEOUT_S,
+        )  # fmt: skip
+    except Exception as err:
+        raise _user_error(err, hub_id, where, repo_type) from None
+    return Path(folder)
+
+
+def _patterns(repo_type: str) -> tuple[list[str], list[str] | None]:
+    if repo_type == "model":
+        return list(ALLOW_PATTERNS), list(IGNORE_PATTERNS)
+    return list(DATASET_ALLOW_PATTERNS), None
+
+
+def _cached(hub_id: HubId, repo_type: str = "model") -> Path:
+    """The cached snapshot of ``hub_id``, complete for what ``snapshot`` fetches, without a request; UserError if
+    there is none."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    allow, ignore = _patterns(repo_type)
+    try:
+        return Path(snapshot_download(
+            hub_id.repo, repo_type=repo_type, revision=hub_id.revision, cache_dir=cache_dir(), local_files_only=True,
+            allow_patterns=allow, ignore_patterns=ignore,
+        ))  # fmt: skip
+    except (LocalEntryNotFoundError, OSError, ValueError) as err:  # ValueError: huggingface_hub's validation
+        raise UserError(f"{hub_id}: no cached snapshot ({_reason(err)})") from None
+
+
+def _refuse_pickled_only(info: Any, hub_id: HubId, where: str) -> None:
+    names = [s.rfilename for s in info.siblings or () if "/" not in s.rfilename]
+    pickled = [n for n in names if n.endswith(PICKLED) and n not in NOT_WEIGHTS]
+    if pickled and not any(n.endswith(".safetensors") for n in names):
+        shown = ", ".join(pickled[:3]) + (f" and {len(pickled) - 3} more" if len(pickled) > 3 else "")
+        raise UserError(
+            f"{where}: the Hub repository {hub_id.repo} holds its weights only as pickled files ({shown}), which can "
+            "run code when loaded and are never read here; use a repository with *.safetensors weights (or convert "
+            "them to safetensors where the pickle is trusted)"
+        )
+
+
+def _transport_errors() -> tuple[type, ...]:
+    """The HTTP client's network errors (huggingface_hub 1.x uses httpx, 2.x httpx2), wherever it is loaded."""
+    found = [getattr(sys.modules.get(name), "TransportError", None) for name in ("httpx2", "httpx", "requests")]
+    return tuple(t for t in found if isinstance(t, type))
+
+
+def _is_unreachable(err: Exception) -> bool:
+    from huggingface_hub.errors import HfHubHTTPError
+
+    if isinstance(err, HfHubHTTPError):
+        return err.response is not None and err.response.status_code in (502, 503, 504)
+    return isinstance(err, (ConnectionError, TimeoutError, *_transport_errors()))
+
+
+def _reason(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text[:200]}" if text else type(err).__name__
+
+
+def _user_error(err: Exception, hub_id: HubId, where: str, repo_type: str) -> Exception:
+    """huggingface_hub's error for ``hub_id`` as one line; an error that is not one of the user's is returned as
+    it is (a bug)."""
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    status = getattr(getattr(err, "response", None), "status_code", None)
+    if isinstance(err, GatedRepoError) or (isinstance(err, HfHubHTTPError) and status == 403):
+        return UserError(
+            f"{where}: the Hub repository {hub_id.repo} is gated or private and this request is not allowed (HTTP "
+            f"{status}); set HF_TOKEN to a token with access, and accept its terms on its Hub page if it asks"
+        )
+    if isinstance(err, RevisionNotFoundError):
+        return UserError(f"{where}: the Hub repository {hub_id.repo} has no revision {hub_id.revision!r} (a branch, "
+                         "tag or commit)")  # fmt: skip
+    if isinstance(err, RepositoryNotFoundError) or (isinstance(err, HfHubHTTPError) and status == 401):
+        return UserError(
+            f"{where}: no such directory here, and no {repo_type} repository {hub_id.repo} on the Hub ({_endpoint()}); "
+            "fix the path, or the id (a private repository needs HF_TOKEN)"
+        )
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return UserError(f"{where}: the disk is full while downloading into {cache_dir()} ({err.strerror}); free "
+                         "space, or point HF_HUB_CACHE (or --local_dir) at a disk with room")  # fmt: skip
+    if isinstance(err, PermissionError):
+        return UserError(f"{where}: cannot write the download into {cache_dir()} ({err.strerror}: "
+                         f"{err.filename}); point HF_HUB_CACHE at a directory you can write")  # fmt: skip
+    if isinstance(err, LocalEntryNotFoundError) or _is_unreachable(err):
+        return UserError(f"{where}: the Hub ({_endpoint()}) cannot be reached ({_reason(err)}) to download it; "
+                         f"check the network (or HF_ENDPOINT), or run `astrai-fabric download {hub_id}` where it "
+                         "is")  # fmt: skip
+    if isinstance(err, HfHubHTTPError):
+        return UserError(f"{where}: the Hub answered HTTP {status} ({_reason(err)}); try again later")
+    return err

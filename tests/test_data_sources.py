@@ -1,0 +1,227 @@
+"""Data where it lives, read through ``datasets`` (data/sources.py): parquet, arrow, CSV and JSON files, directories
+of them, ``save_to_disk`` directories and a Hub dataset id (through tests/hub_stand_in.py), each giving the records
+the JSONL source of the same rows gives; training and ``prepare`` on them (``--num_proc`` and ``--resume`` giving
+the bytes of a JSONL input); and without the extra, one line naming it. Every file is written here by ``datasets``
+or pyarrow; nothing is downloaded."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+datasets = pytest.importorskip("datasets")
+import pyarrow as pa  # noqa: E402 (datasets brings it)
+
+from astrai_fabric.cli import main  # noqa: E402
+from astrai_fabric.data.prepare import PipelineConfig, prepare  # noqa: E402
+from astrai_fabric.data.storage import detect_format, read_jsonl, read_records  # noqa: E402
+from astrai_fabric.errors import UserError  # noqa: E402
+from tests.test_prepare import BEFORE_STREAMING, STREAMED, TOKENIZER, digest, mixed_records  # noqa: E402
+
+ROOT = Path(__file__).parents[1]
+
+datasets.disable_progress_bars()
+TEXTS = [{"text": f"In the beginning {i} " + "and the earth " * (i % 5)} for i in range(40)]
+CHATS = [{"messages": [{"role": "user", "content": f"What is {i}?"}, {"role": "assistant", "content": f"It is {i}."}]}
+         for i in range(40)]  # fmt: skip
+
+
+def jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def arrow_file(path: Path, rows: list[dict]) -> Path:
+    table = pa.Table.from_pylist(rows)
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return path
+
+
+def plain(records):
+    return [record for _, record in records]
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> Path:
+    """Each kind of source, holding TEXTS (and, where the format nests, CHATS)."""
+    root = tmp_path_factory.mktemp("sources")
+    for name, rows in (("texts", TEXTS), ("chats", CHATS)):
+        jsonl(root / f"{name}.jsonl", rows)
+        dataset = datasets.Dataset.from_list(rows)
+        dataset.to_parquet(root / f"{name}.parquet")
+        dataset.to_json(root / f"{name}.json")
+        arrow_file(root / f"{name}.arrow", rows)
+        dataset.save_to_disk(root / f"{name}-saved")
+    datasets.Dataset.from_list(TEXTS).to_csv(root / "texts.csv", index=False)
+    pairs = (ROOT / "astrai_fabric" / "assets" / "data" / "dpo" / "pairs.jsonl").read_text().splitlines()[:6]
+    (root / "pairs.jsonl").write_text("".join(f"{line}\n" for line in pairs))
+    datasets.Dataset.from_list([json.loads(line) for line in pairs]).to_parquet(root / "pairs.parquet")
+    (root / "parquet-dir").mkdir()  # three files, read in name order
+    for i in range(3):
+        datasets.Dataset.from_list(TEXTS[i * 15 : (i + 1) * 15]).to_parquet(root / "parquet-dir" / f"part-{i}.parquet")
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(TEXTS[:5]),
+                          "validation": datasets.Dataset.from_list(TEXTS[5:])}).save_to_disk(root / "dict")  # fmt: skip
+    return root
+
+
+KINDS = [("texts.parquet", "parquet"), ("texts.arrow", "arrow"), ("texts.csv", "csv"), ("texts.json", "json"),
+         ("texts-saved", "saved"), ("chats.parquet", "parquet"), ("chats.arrow", "arrow"), ("chats.json", "json"),
+         ("chats-saved", "saved")]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, kind", KINDS)
+def test_each_kind_gives_the_records_of_the_jsonl_source(sources, name, kind):
+    assert detect_format(sources / name) == kind
+    records = read_records(sources / name)
+    expected = read_jsonl(sources / f"{name.split('.')[0].split('-')[0]}.jsonl")
+    assert plain(records) == plain(expected)
+    where = records[3][0]
+    assert where == (f"{sources / name} (train) row 3" if kind == "saved" else f"{sources / name} row 3")
+
+
+def test_a_directory_of_parquet_files_and_a_split_of_a_saved_dict(sources):
+    records = read_records(sources / "parquet-dir")
+    assert plain(records) == TEXTS[:45]
+    assert records[16][0] == f"{sources / 'parquet-dir' / 'part-1.parquet'} row 1"  # file and row within it
+    assert plain(read_records(sources / "dict")) == TEXTS[:5]  # train, the default
+    assert plain(read_records(sources / "dict", split="validation")) == TEXTS[5:]
+
+
+def run(kind: str, data: Path, out: Path, *extra: str) -> list[str]:
+    return [kind, "--param_path", "bundled:tiny", "--data_root_path", str(data), "--window_size", "16",
+            "--parallel_mode", "none", "--num_workers", "0", "--loggers", "[]", "--max_steps", "1",
+            "--ckpt_dir", str(out), *extra]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind, name", [("seq", "texts.parquet"), ("sft", "chats.parquet"), ("dpo", "pairs.parquet")])
+def test_one_step_trained_on_a_parquet_source(sources, tmp_path, capsys, kind, name):
+    window = ["--window_size", "64"] if kind == "dpo" else []  # pairs longer than 16 tokens
+    assert main(run(kind, sources / name, tmp_path / "parquet", *window)) == 0
+    from_parquet = capsys.readouterr().out
+    assert main(run(kind, sources / name.replace(".parquet", ".jsonl"), tmp_path / "jsonl", *window)) == 0
+    from_jsonl = capsys.readouterr().out
+    loss = [line.split("| loss ")[1].split(" ")[0] for line in (from_parquet, from_jsonl)]
+    assert loss[0] == loss[1]  # the same tokens trained on
+    assert f"from {sources / name}" in from_parquet and (tmp_path / "parquet" / "epoch_0_step_1").is_dir()
+
+
+def test_a_split_of_a_saved_dict_is_what_trains(sources, tmp_path, capsys):
+    assert main(run("seq", sources / "dict", tmp_path / "validation", "--data_split", "validation", "--dry_run")) == 0
+    assert main(run("seq", sources / "dict", tmp_path / "train", "--dry_run")) == 0
+    validation, train = (re.search(r"^  data +([\d,]+) samples", out, re.M).group(1) for out in
+                         capsys.readouterr().out.split("plan for ")[1:])  # fmt: skip
+    assert validation != train  # 5 texts in train, the rest in validation
+
+
+def mixed_rows(tmp_path: Path) -> list[dict]:
+    """test_prepare's records as table rows: every column in each (a record without ``lang`` has it null)."""
+    lines = mixed_records(tmp_path / "in.jsonl").read_text().splitlines()
+    return [{"lang": None, **json.loads(line)} for line in lines]
+
+
+def test_prepare_on_parquet_writes_the_bytes_of_jsonl_with_any_num_proc(tmp_path, monkeypatch):
+    monkeypatch.setattr("astrai_fabric.data.prepare.CHUNK_BYTES", 300)  # several chunks: both workers busy
+    rows = mixed_rows(tmp_path)
+    datasets.Dataset.from_list(rows).to_parquet(tmp_path / "in.parquet")
+    config = PipelineConfig.from_dict(STREAMED["bfd"], "cfg")
+    for n in (1, 2):
+        prepare([tmp_path / "in.parquet"], tmp_path / f"out{n}", config, TOKENIZER, num_proc=n)
+    assert digest(tmp_path / "out1") == digest(tmp_path / "out2") == BEFORE_STREAMING["bfd"]
+
+
+def test_a_killed_prepare_of_a_parquet_directory_resumes_to_the_same_bytes(tmp_path, capsys):
+    rows = mixed_rows(tmp_path)
+    (tmp_path / "in").mkdir()
+    for i in range(3):  # the kill falls inside the second file: the resume starts at its row
+        datasets.Dataset.from_list(rows[i * 20 : (i + 1) * 20]).to_parquet(tmp_path / "in" / f"{i}.parquet")
+    (tmp_path / "p.json").write_text(json.dumps(STREAMED["bfd"]))
+    argv = ["prepare", str(tmp_path / "in"), "-o", str(tmp_path / "out"), "-c", str(tmp_path / "p.json"),
+            "--tokenizer_path", "bundled:tiny"]  # fmt: skip
+    env = {**os.environ, "ASTRAI_FABRIC_CRASH_AT": "prepare-shard@3", "OMP_NUM_THREADS": "1"}
+    killed = subprocess.run([sys.executable, "-m", "astrai_fabric", *argv], env=env, capture_output=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]
+    assert main([*argv, "--resume"]) == 0
+    assert digest(tmp_path / "out") == BEFORE_STREAMING["bfd"]
+    assert capsys.readouterr().out.startswith("records: 60 read, ")  # each record counted once
+
+
+def test_a_hub_dataset_id_is_downloaded_then_read_offline(tmp_path, monkeypatch):
+    stand_in_module = pytest.importorskip("tests.hub_stand_in", reason="tests/hub_stand_in.py (HUB's) is missing")
+    files = {}
+    for split, rows in (("train", TEXTS[:30]), ("test", TEXTS[30:])):
+        datasets.Dataset.from_list(rows).to_parquet(tmp_path / f"{split}.parquet")
+        files[f"data/{split}-00000-of-00001.parquet"] = (tmp_path / f"{split}.parquet").read_bytes()
+    files["README.md"] = b"# a dataset\n"
+    files |= {"loader.py": b"print('a dataset script')\n", "images/cat.png": b"\x89PNG\r\n"}  # never fetched
+    with stand_in_module.serving(monkeypatch, tmp_path / "home") as stand_in:
+        stand_in.add("org/texts", files, repo_type="dataset")
+        records = read_records(Path("org/texts"), split="test")
+        assert plain(records) == TEXTS[30:] and records[0][0] == "org/texts: data/test-00000-of-00001.parquet row 0"
+        assert not stand_in.unexpected
+        fetched = {path.name for path in (tmp_path / "home").rglob("*") if path.is_file()}
+        assert {"README.md", "test-00000-of-00001.parquet"} <= fetched and not {"loader.py", "cat.png"} & fetched
+        stand_in_module.go_offline(monkeypatch, stand_in)
+        assert plain(read_records(Path("org/texts"))) == TEXTS[:30]  # from the cache, the server gone
+        # a run trains on it offline and records the commit it read, as it does a model's (hub.HUB_FLAGS)
+        assert main(run("seq", Path("org/texts"), tmp_path / "run")) == 0
+        recipe = (tmp_path / "run" / "recipe.yaml").read_text()
+        assert re.search(r"^data_root_path: org/texts@[0-9a-f]{40}$", recipe, re.M), recipe
+
+
+BLOCKED = """import json, sys
+sys.modules["datasets"] = None  # as if the extra were not installed: `import datasets` raises ImportError
+from astrai_fabric.cli import main
+print(json.dumps([main(argv) for argv in json.loads(sys.argv[1])]))
+"""
+
+
+def test_without_the_extra_jsonl_works_and_other_kinds_say_which_extra(sources, tmp_path):
+    (tmp_path / "p.json").write_text('{"input": {"sections": [{"field": "text", "action": "train"}]}}')
+    runs = [["prepare", str(sources / name), "-o", str(tmp_path / name), "-c", str(tmp_path / "p.json"),
+             "--tokenizer_path", "bundled:tiny"] for name in ("texts.jsonl", "texts.parquet")]  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", BLOCKED, json.dumps(runs)], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.stdout.startswith("records: 40 read, ") and done.stdout.splitlines()[-1] == "[0, 2]", done.stderr
+    assert done.stderr.splitlines() == [
+        f"astrai-fabric: error: input {sources / 'texts.parquet'}: reading parquet data "
+        "needs the datasets library: pip install 'astrai-fabric[datasets]'"
+    ]
+    assert (tmp_path / "texts.jsonl").is_dir() and not (tmp_path / "texts.parquet").exists()
+
+
+def test_what_a_source_does_not_have_is_one_line(sources, tmp_path):
+    """Each choice a source cannot honour, named with what it has (the CLI cases: tests/test_hostile_input.py)."""
+    datasets.DatasetDict({"a": datasets.Dataset.from_list(TEXTS[:1]),
+                          "b": datasets.Dataset.from_list(TEXTS[1:2])}).save_to_disk(tmp_path / "ab")  # fmt: skip
+    (tmp_path / "broken").mkdir()
+    for name in ("state.json", "dataset_info.json"):
+        (tmp_path / "broken" / name).write_text("{not json")
+    (tmp_path / "shards").mkdir()
+    for name in ("meta.json", "sequence.bin"):
+        (tmp_path / "shards" / name).write_text("")
+    cases = [
+        (lambda: read_records(tmp_path / "ab"), "splits 'a', 'b' and none is 'train'; choose one with --data_split"),
+        (lambda: read_records(tmp_path / "broken"), "broken: not readable by datasets ("),
+        (lambda: read_records(sources / "texts.parquet", subset="en"), "is one parquet file, without subsets"),
+        (lambda: read_records(sources / "texts.csv", split="test"), "is one csv file, whose only split is 'train'"),
+        (lambda: read_records(sources / "dict", subset="en"), "is a save_to_disk directory, without subsets"),
+        (lambda: read_records(sources / "texts-saved", split="test"), "holds one dataset, whose split is 'train'"),
+        (lambda: read_records(sources / "texts.jsonl", split="train"), "is JSONL, which has no subsets or splits"),
+        (lambda: read_records(tmp_path / "shards"), "shards: holds bin shards, not records"),
+        (
+            lambda: prepare(
+                [tmp_path / "shards"], tmp_path / "o", PipelineConfig.from_dict(STREAMED["text"], "c"), TOKENIZER
+            ),
+            "holds bin shards, already prepared; inputs are records",
+        ),  # fmt: skip
+    ]
+    for read, message in cases:
+        with pytest.raises(UserError, match=re.escape(message)):
+            read()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ab", "broken", "shards"]
