@@ -4,6 +4,7 @@ endpoints it serves and why it stands in): ``download`` then offline training, g
 messages (offline with no cached copy, gated, pickled weights only, a missing path that looks like an id, an
 unknown revision, an unreachable Hub), each one line."""
 
+import io
 import json
 import time
 from pathlib import Path
@@ -80,6 +81,10 @@ def test_download_then_offline_training_generate_and_export_from_an_id(stand_in,
     assert (
         main(["generate", "--param_path", REPO, "--chat", "false", "--prompt", "In the", "--max_new_tokens", "2"]) == 0
     )
+    capsys.readouterr()
+    monkeypatch.setattr("sys.stdin", io.StringIO("In the\n/exit\n"))  # chat reads its model the same way
+    assert main(["chat", REPO, "--template", "false", "--max_new_tokens", "2", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.count("\n") == 1  # one reply, streamed, then its newline
     monkeypatch.chdir(tmp_path)
     assert main(["export", REPO, "--format", "hf"]) == 0
     assert (tmp_path / "tiny_hf" / "model.safetensors").is_file()  # here, named after the repository

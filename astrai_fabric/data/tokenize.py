@@ -31,8 +31,9 @@ def tokenize_text(records: list[Record], tokenizer: Tokenizer) -> dict[str, np.n
     texts = []
     for where, record in records:
         text = record.get("text")
-        if not isinstance(text, str):
-            raise UserError(f"{where}: a seq record needs a string field 'text', got keys {sorted(record)}")
+        if not isinstance(text, str):  # a parquet or CSV column of numbers arrives here as numbers
+            got = f"keys {sorted(record)}" if text is None else f"{type(text).__name__} {text!r:.60}"
+            raise UserError(f"{where}: a seq record needs a string field 'text', got {got}")
         texts.append(text)
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     ids = [token for encoded in tokenizer.encode_batch(texts, add_special_tokens=False) for token in encoded + eos]
