@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from astrai_fabric import assets
+from astrai_fabric import assets, hub
 from astrai_fabric.checkpoint import (
     WEIGHTS_FILE,
     WEIGHTS_INDEX_FILE,
@@ -59,14 +59,14 @@ class AstraiLM(L.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        directory = assets.resolve(param_path)
+        directory = hub.resolve_model(param_path, "param_path")  # a Hub id too, fetched or from the cache
         config = read_model_config(directory)  # AstrAI's or Hugging Face's
         torch.manual_seed(random_seed)  # AstrAI's initialisation for this seed when the directory has no weights
         self.model = AutoRegressiveLM(config)
         if (directory / WEIGHTS_FILE).exists() or (directory / WEIGHTS_INDEX_FILE).exists():
             weights = load_checkpoint(directory, load_extra=False)
             load_model_weights(self.model, weights.state_dict, source=directory / WEIGHTS_FILE)
-        self.tokenizer = Tokenizer.from_dir(assets.resolve(tokenizer_path or param_path))
+        self.tokenizer = Tokenizer.from_dir(hub.resolve_model(tokenizer_path or param_path, "tokenizer_path"))
 
     def forward(self, input_ids: Tensor, **kwargs: Any) -> dict[str, Any]:
         return self.model(input_ids, **kwargs)

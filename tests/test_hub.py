@@ -85,6 +85,9 @@ def test_download_then_offline_training_generate_and_export_from_an_id(stand_in,
     monkeypatch.setattr("sys.stdin", io.StringIO("In the\n/exit\n"))  # chat reads its model the same way
     assert main(["chat", REPO, "--template", "false", "--max_new_tokens", "2", "--temperature", "0"]) == 0
     assert capsys.readouterr().out.count("\n") == 1  # one reply, streamed, then its newline
+    from astrai_fabric.lightning_module import AstraiLM  # the Lightning app reads ids as the CLI does
+
+    assert AstraiLM(param_path=REPO).tokenizer.directory == snapshot
     monkeypatch.chdir(tmp_path)
     assert main(["export", REPO, "--format", "hf"]) == 0
     assert (tmp_path / "tiny_hf" / "model.safetensors").is_file()  # here, named after the repository
