@@ -279,12 +279,22 @@ def export_peft(source: Path, target: Path, dtype: str | None = None) -> Path:
         tensors[f"{PEFT_PREFIX}{module}.{part}.weight"] = tensor.contiguous()
         modules.add(module.rpartition(".")[2])
     peft_config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base), "r": spec.r,
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", **_peft_base(base), "r": spec.r,
         "lora_alpha": spec.alpha, "lora_dropout": spec.dropout, "target_modules": sorted(modules), "bias": "none",
         "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True,
     }  # fmt: skip
     files = {PEFT_CONFIG_FILE: json.dumps(peft_config, indent=2).encode("utf-8")}  # bytes: written as they are
     return save_model_directory(target, tensors, files, metadata={"format": "pt"}, weights_name=PEFT_WEIGHTS_FILE)
+
+
+def _peft_base(base: Path) -> dict[str, str]:
+    """How ``adapter_config.json`` names the base: a snapshot in the Hugging Face cache as its Hub id and commit
+    (PEFT's ``base_model_name_or_path`` + ``revision``, which its ``AutoPeftModel`` fetches anywhere; the cache path is
+    this machine's only), else the directory's absolute path."""
+    if (pin := hub.portable(base)) is not None:
+        repo, _, commit = pin.partition("@")
+        return {"base_model_name_or_path": repo, "revision": commit}
+    return {"base_model_name_or_path": str(base)}
 
 
 def _tokenizer_files(source: Path, config: ModelConfig) -> tuple[dict[str, str | Path], dict[str, int | None]]:

@@ -2,7 +2,9 @@
 standard cache (``HF_HUB_CACHE``, else ``HF_HOME/hub``), downloaded when online, read from the cache offline
 (``HF_HUB_OFFLINE=1``). Only what a run reads is fetched (``ALLOW_PATTERNS``), never pickled weights; a repository
 with nothing else is refused by name. A snapshot is recorded as ``org/name@commit`` (``recorded``), which resolves
-again anywhere, offline from the cache.
+again anywhere, offline from the cache. A dataset repository (``--data_root_path``) is fetched card first, then
+only the data files of the subset and split chosen (``_dataset_allow``, from the card's ``configs``: a repository
+may hold terabytes across its subsets).
 
 The only module importing ``huggingface_hub``, and only inside the functions that reach the Hub: a command that
 names no Hub id never loads it. Its settings are read from the environment at each call (``HF_ENDPOINT``,
@@ -21,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from astrai_fabric import assets
+from astrai_fabric import assets, dataset_card
 from astrai_fabric.errors import UserError
 
 ALLOW_PATTERNS = (
@@ -39,8 +41,10 @@ ALLOW_PATTERNS = (
 IGNORE_PATTERNS = ("*/*",)
 """Nothing in subfolders (``original/consolidated.pth``, ``onnx/``): the model is the top level."""
 DATASET_ALLOW_PATTERNS = ("README.md", "*.parquet", "*.arrow", "*.csv", "*.json", "*.jsonl")
-"""What a dataset snapshot fetches: its card (which names the subsets and splits) and the files ``data.sources``
-reads, in any folder (fnmatch's ``*`` crosses ``/``); not scripts, images or archives."""
+"""What a dataset snapshot fetches where its card names no subsets (``configs``): the card and the files
+``data.sources`` reads, in any folder (fnmatch's ``*`` crosses ``/``); not scripts, images or archives. Where the
+card names subsets, only the card and the chosen subset's data files of these kinds (``_dataset_allow``)."""
+DATA_SUFFIXES = tuple(pattern.removeprefix("*") for pattern in DATASET_ALLOW_PATTERNS[1:])
 PICKLED = (".bin", ".pth", ".pt", ".ckpt", ".pkl")
 """Weights as pickles, which can run code when loaded: never downloaded, never read."""
 NOT_WEIGHTS = ("training_args.bin",)
@@ -121,14 +125,16 @@ def resolve_model(path_or_id: str | Path, what: str = "param_path") -> Path:
     return snapshot(HubId.parse(text), what)
 
 
-def local_path(path_or_id: str | Path) -> Path:
-    """Where ``path_or_id`` is on this machine without asking the Hub: a Hub id's cached snapshot, else the path
-    (which may not exist)."""
+def local_path(path_or_id: str | Path, repo_type: str = "model", subset: str | None = None,
+               split: str | None = None) -> Path:  # fmt: skip
+    """Where ``path_or_id`` is on this machine without asking the Hub: a Hub id's cached snapshot (of a ``model`` or
+    ``dataset`` repository; of a dataset, holding the files of ``subset`` and ``split``), else the path (which may
+    not exist)."""
     text = str(path_or_id)
     if not is_hub_id(text):
         return assets.resolve(text)
     try:
-        return _cached(HubId.parse(text))
+        return _cached(HubId.parse(text), repo_type, "data_root_path", subset, split)
     except UserError:
         return Path(text)
 
@@ -155,28 +161,63 @@ def portable(path: Path) -> str | None:
     return f"{parts[0]}/{parts[1]}@{path.name}" if len(parts) == 2 else None
 
 
-def pinned(path_or_id: str | None, what: str, repo_type: str = "model") -> str | None:
+def pinned(path_or_id: str | None, what: str, repo_type: str = "model", subset: str | None = None,
+           split: str | None = None) -> str | None:  # fmt: skip
     """``path_or_id`` with a Hub id replaced by ``org/name@commit`` of the snapshot it resolves to now (fetched if
-    need be); anything else unchanged."""
+    need be; a dataset's ``subset`` and ``split`` only, ``snapshot``); anything else unchanged."""
     if path_or_id is None or not is_hub_id(path_or_id):
         return path_or_id
-    return portable(snapshot(HubId.parse(path_or_id), what, repo_type=repo_type)) or path_or_id
+    fetched = snapshot(HubId.parse(path_or_id), what, repo_type=repo_type, subset=subset, split=split)
+    return portable(fetched) or path_or_id
 
 
 HUB_FLAGS = {"param_path": "model", "tokenizer_path": "model", "reference_path": "model", "data_root_path": "dataset"}
 """The training flags that may name a Hub repository (a model or tokenizer directory, a dataset), and its type."""
 
 
+def dataset_choice(args: Any, flag: str) -> dict[str, str | None]:
+    """``{subset, split}`` of ``args`` (``--data_subset``, ``--data_split``) where ``flag`` names a dataset, else
+    nothing: what of a dataset repository is fetched, known wherever a flag is pinned or fetched, so that every
+    rank's node fetches the same files."""
+    if HUB_FLAGS[flag] != "dataset":
+        return {}
+    return {"subset": getattr(args, "data_subset", None), "split": getattr(args, "data_split", None)}
+
+
 def pin_hub_flags(args: Any) -> None:
     """Each of ``HUB_FLAGS`` that is a Hub id pinned in place (``pinned``): every later read of it finds the same
     snapshot, and the checkpoints' meta.json and recipe record ``org/name@commit``."""
     for flag, repo_type in HUB_FLAGS.items():
-        setattr(args, flag, pinned(getattr(args, flag), flag, repo_type))
+        setattr(args, flag, pinned(getattr(args, flag), flag, repo_type, **dataset_choice(args, flag)))
 
 
-def fetch(pin: str, flag: str) -> Path:
-    """The snapshot ``pin`` (``org/name@commit``) of ``flag`` names, fetched if this machine's cache lacks it."""
-    return snapshot(HubId.parse(pin), flag, repo_type=HUB_FLAGS[flag])
+def pin_cached_flags(args: Any) -> dict[str, str]:
+    """``--dry_run``'s ``pin_hub_flags``, which downloads nothing: each of ``HUB_FLAGS`` that is a Hub id whose
+    snapshot this machine's cache holds is pinned to it (no request: the run itself asks the Hub for the branch's
+    newest commit); one it lacks is left as it is and returned, ``{flag: what the plan says}``. Offline, a missing
+    one is the run's own error (``snapshot``)."""
+    uncached = {}
+    for flag, repo_type in HUB_FLAGS.items():
+        value = getattr(args, flag)
+        if value is None or not is_hub_id(value):
+            continue
+        hub_id = HubId.parse(value)
+        try:  # a card naming no such subset is the run's error, said here too (it is cached: no request)
+            folder = _cached(hub_id, repo_type, flag, **dataset_choice(args, flag))
+        except _NotCached:
+            if is_offline():
+                snapshot(hub_id, flag, repo_type=repo_type, **dataset_choice(args, flag))  # raises its one line
+            uncached[flag] = (f"{flag} {value}: the Hub {repo_type} is not cached here ({cache_dir()}); the run "
+                              "fetches it first, so what it holds is not planned here")  # fmt: skip
+            continue
+        setattr(args, flag, portable(folder) or value)
+    return uncached
+
+
+def fetch(pin: str, flag: str, subset: str | None = None, split: str | None = None) -> Path:
+    """The snapshot ``pin`` (``org/name@commit``) of ``flag`` names, fetched if this machine's cache lacks it (of a
+    dataset, ``subset`` and ``split``: ``dataset_choice``)."""
+    return snapshot(HubId.parse(pin), flag, repo_type=HUB_FLAGS[flag], subset=subset, split=split)
 
 
 def download(text: str, revision: str | None = None, local_dir: str | None = None) -> Path:
@@ -194,22 +235,26 @@ def download(text: str, revision: str | None = None, local_dir: str | None = Non
     return snapshot(hub_id, "download", local_dir=local_dir)
 
 
-def snapshot(hub_id: HubId, what: str, *, repo_type: str = "model", local_dir: str | None = None) -> Path:
+def snapshot(hub_id: HubId, what: str, *, repo_type: str = "model", local_dir: str | None = None,
+             subset: str | None = None, split: str | None = None) -> Path:  # fmt: skip
     """The local snapshot of ``hub_id``: from the cache when the revision is a commit it holds or when offline,
     else fetched (a model: only ``ALLOW_PATTERNS``, after the repository's file list says its weights are not only
-    pickled; a dataset: ``DATASET_ALLOW_PATTERNS``). ``repo_type`` is ``model`` or ``dataset``."""
+    pickled; a dataset: its card first, then the data files of ``subset`` (``--data_subset``; and of ``split``
+    where the card names splits), ``_dataset_allow``). ``repo_type`` is ``model`` or ``dataset``."""
     where = f"{what} {hub_id}"
     if local_dir is None and (is_offline() or COMMIT.fullmatch(hub_id.revision)):
         try:
-            return _cached(hub_id, repo_type)
-        except UserError:
+            return _cached(hub_id, repo_type, what, subset, split)
+        except _NotCached:
             if is_offline():
                 get = f"`astrai-fabric download {hub_id}`" if repo_type == "model" else "the same command"
+                chosen = "".join(f" ({flag} {value!r})" for flag, value in (("--data_subset", subset),
+                                 ("--data_split", split)) if value is not None)  # fmt: skip
                 raise UserError(
                     f"{where}: not a directory here, and HF_HUB_OFFLINE=1 with no cached copy of the Hub {repo_type} "
-                    f"{hub_id} in {cache_dir()}; get one with {get} while online, or unset HF_HUB_OFFLINE"
+                    f"{hub_id}{chosen} in {cache_dir()}; get one with {get} while online, or unset HF_HUB_OFFLINE"
                 ) from None
-    from huggingface_hub import HfApi, snapshot_download
+    from huggingface_hub import HfApi, hf_hub_download, snapshot_download
 
     try:
         info = HfApi(endpoint=_endpoint(), token=_token()).repo_info(
@@ -218,8 +263,8 @@ def snapshot(hub_id: HubId, what: str, *, repo_type: str = "model", local_dir: s
     except Exception as err:
         if local_dir is None and _is_unreachable(err):
             try:
-                folder = _cached(hub_id, repo_type)
-            except UserError:
+                folder = _cached(hub_id, repo_type, what, subset, split)
+            except _NotCached:
                 raise UserError(
                     f"{where}: not a directory here, and the Hub ({_endpoint()}) cannot be reached "
                     f"({_reason(err)}) with no cached copy; check the network (or HF_ENDPOINT), or run "
@@ -232,6 +277,18 @@ def snapshot(hub_id: HubId, what: str, *, repo_type: str = "model", local_dir: s
     if repo_type == "model":
         _refuse_pickled_only(info, hub_id, where)
     allow, ignore = _patterns(repo_type)
+    if repo_type == "dataset":  # the card first, alone: it says which of the repository's files the subset needs
+        names = [sibling.rfilename for sibling in info.siblings or ()]
+        card = None
+        if dataset_card.CARD in names:
+            try:
+                card = dataset_card.read_card(Path(hf_hub_download(
+                    hub_id.repo, dataset_card.CARD, repo_type=repo_type, revision=info.sha, cache_dir=cache_dir(),
+                    local_dir=local_dir, endpoint=_endpoint(), token=_token(), etag_timeout=ETAG_TIMEOUT_S,
+                )).parent)  # fmt: skip
+            except Exception as err:
+                raise _user_error(err, hub_id, where, repo_type) from None
+        allow = _dataset_allow(card, names, where, subset, split)
     try:
         folder = snapshot_download(
             hub_id.repo, repo_type=repo_type, revision=hub_id.revision, cache_dir=cache_dir(), local_dir=local_dir,
@@ -240,7 +297,38 @@ def snapshot(hub_id: HubId, what: str, *, repo_type: str = "model", local_dir: s
         )  # fmt: skip
     except Exception as err:
         raise _user_error(err, hub_id, where, repo_type) from None
+    if repo_type == "dataset" and Path(folder).name != info.sha:  # the files chosen by another commit's card
+        raise UserError(f"{where}: the Hub repository moved to another commit while it was fetched; run again")
     return Path(folder)
+
+
+def _dataset_allow(card: str | None, names: list[str], where: str, subset: str | None,
+                   split: str | None) -> list[str]:  # fmt: skip
+    """What of a dataset repository holding ``names`` (its files) a snapshot fetches: where its ``card`` names no
+    subsets (``configs``), every data file (``DATASET_ALLOW_PATTERNS``, as ``datasets`` reads such a repository);
+    else the card and the data files of the subset chosen (``dataset_card.choose``), and only ``split``'s where the
+    card names the subset's files per split. A subset or split the card does not name is refused here, before any
+    data file is fetched."""
+    found = dataset_card.subsets(card, f"{where}: {dataset_card.CARD}")
+    if found is None:
+        if subset not in (None, "default"):
+            raise UserError(f"--data_subset {subset!r}: {where} has no such subset; it has 'default' (its "
+                            f"{dataset_card.CARD} names no configs)")  # fmt: skip
+        return list(DATASET_ALLOW_PATTERNS)
+    chosen = dataset_card.choose(found, subset, where)
+    if chosen.splits is None and not chosen.data_dir:  # an entry naming no files reads the whole layout
+        return list(DATASET_ALLOW_PATTERNS)
+    if chosen.splits is None:
+        patterns = [f"{chosen.data_dir}/**"]
+    else:
+        patterns = [p for each in dataset_card.split_patterns(chosen, split, where).values() for p in each]
+    files = [name for name in dataset_card.matching(patterns, names) if name.lower().endswith(DATA_SUFFIXES)]
+    if not files:
+        shown = ", ".join(patterns[:3]) + (f" and {len(patterns) - 3} more" if len(patterns) > 3 else "")
+        raise UserError(f"{where}: subset {chosen.name!r} of its {dataset_card.CARD} names data files ({shown}) that "
+                        "match no parquet, arrow, CSV or JSON file of the repository")  # fmt: skip
+    # Each file by its own name (snapshot_download's patterns are fnmatch's: its special characters made literal).
+    return [dataset_card.CARD, *(re.sub(r"[*?[]", lambda m: f"[{m.group()}]", name) for name in files)]
 
 
 def _patterns(repo_type: str) -> tuple[list[str], list[str] | None]:
@@ -249,20 +337,46 @@ def _patterns(repo_type: str) -> tuple[list[str], list[str] | None]:
     return list(DATASET_ALLOW_PATTERNS), None
 
 
-def _cached(hub_id: HubId, repo_type: str = "model") -> Path:
-    """The cached snapshot of ``hub_id``, complete for what ``snapshot`` fetches, without a request; UserError if
-    there is none."""
+class _NotCached(UserError):
+    """This machine's cache has no complete snapshot of what was asked (any other UserError of ``_cached`` is a
+    mistake in what was asked: a subset its cached card does not name, say)."""
+
+
+def _cached(hub_id: HubId, repo_type: str = "model", what: str = "param_path", subset: str | None = None,
+            split: str | None = None) -> Path:  # fmt: skip
+    """The cached snapshot of ``hub_id``, complete for what ``snapshot`` fetches (of a dataset: what its cached card
+    says ``subset`` and ``split`` need), without a request; ``_NotCached`` if there is none."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     allow, ignore = _patterns(repo_type)
+
+    def cached(patterns: list[str]) -> Path:
+        try:
+            return Path(snapshot_download(
+                hub_id.repo, repo_type=repo_type, revision=hub_id.revision, cache_dir=cache_dir(),
+                local_files_only=True, allow_patterns=patterns, ignore_patterns=ignore,
+            ))  # fmt: skip
+        except (LocalEntryNotFoundError, OSError, ValueError) as err:  # ValueError: huggingface_hub's validation
+            raise _NotCached(f"{hub_id}: no cached snapshot ({_reason(err)})") from None
+
+    if repo_type != "dataset":
+        return cached(allow)
+    folder = cached([dataset_card.CARD])  # the card first: it says which files the subset needs
+    names = _cached_names(hub_id, folder)
+    return cached(_dataset_allow(dataset_card.read_card(folder), names, f"{what} {hub_id}", subset, split))
+
+
+def _cached_names(hub_id: HubId, folder: Path) -> list[str]:
+    """The dataset repository's files as the tree listing ``snapshot_download`` cached says (huggingface_hub 2.x),
+    else as the snapshot folder holds them."""
     try:
-        return Path(snapshot_download(
-            hub_id.repo, repo_type=repo_type, revision=hub_id.revision, cache_dir=cache_dir(), local_files_only=True,
-            allow_patterns=allow, ignore_patterns=ignore,
-        ))  # fmt: skip
-    except (LocalEntryNotFoundError, OSError, ValueError) as err:  # ValueError: huggingface_hub's validation
-        raise UserError(f"{hub_id}: no cached snapshot ({_reason(err)})") from None
+        from huggingface_hub import get_cached_repo_tree
+
+        tree = get_cached_repo_tree(hub_id.repo, repo_type="dataset", revision=hub_id.revision, cache_dir=cache_dir())
+        return [entry.path for entry in tree]
+    except Exception:  # noqa: BLE001 — no listing cached (or an older huggingface_hub): the folder's files
+        return [path.relative_to(folder).as_posix() for path in folder.rglob("*") if path.is_file()]
 
 
 def _refuse_pickled_only(info: Any, hub_id: HubId, where: str) -> None:

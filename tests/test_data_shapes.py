@@ -286,3 +286,72 @@ def test_a_shaped_jsonl_trains(tmp_path, capsys, train_type, records, extra, pla
     assert (tmp_path / "out" / "epoch_0_step_1" / "model.safetensors").is_file()
     if train_type == "grpo":  # the reward saw each record's other columns
         assert SEEN_RECORDS and all(set(r) >= {"question", "answer", "prompt"} for r in SEEN_RECORDS)
+
+
+# --- prepare reads the shapes as training does ----------------------------------------------------------------------
+
+CHAT_PIPELINE = {"input": {"sections": [{"field": "messages", "action": "$role", "template": True}]},
+                 "mask": {"assistant": "train"}, "preprocessing": {"min_chars": 0},
+                 "output": {"max_tokens_per_shard": 200}}  # fmt: skip
+"""The quickstart's chat pipeline, in shards of a few records: a resume starts inside a file."""
+TINY = Tokenizer.from_dir(TINY_MODEL_DIR)
+
+
+def shard_bytes(out: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+def test_prepare_writes_for_each_sft_shape_the_bytes_of_its_messages_records(tmp_path, monkeypatch, capsys):
+    """A directory with one file per shape (sharegpt, alpaca, prompt_completion) against the same records as
+    ``messages``: the same shards, with one process, two, and two killed midway then resumed (the shape each file
+    was found to have is kept in the staging state: the resumed part is converted as the rest)."""
+    from astrai_fabric.data.prepare import PipelineConfig, prepare
+    from astrai_fabric.errors import TrainingError
+
+    monkeypatch.setattr("astrai_fabric.data.prepare.CHUNK_BYTES", 200)  # a few records a chunk: both workers busy
+    shaped, canonical = tmp_path / "shaped", tmp_path / "canonical"
+    shaped.mkdir(), canonical.mkdir()
+    for shape in ("sharegpt", "alpaca", "prompt_completion"):
+        entries = [(record, messages) for name, record, messages in SFT if name == shape] * 5
+        write_jsonl(shaped / f"{shape}.jsonl", [record for record, _ in entries])
+        write_jsonl(canonical / f"{shape}.jsonl", [{"messages": messages} for _, messages in entries])
+    (tmp_path / "chat.json").write_text(json.dumps(CHAT_PIPELINE))
+    argv = ["prepare", str(canonical), "-o", str(tmp_path / "canonical-out"), "-c", str(tmp_path / "chat.json"),
+            "--tokenizer_path", "bundled:tiny"]  # fmt: skip
+    assert main(argv) == 0
+    assert "records read as" not in capsys.readouterr().out  # messages records: read as they are
+    expected = shard_bytes(tmp_path / "canonical-out")
+    assert len([name for name in expected if name.endswith("meta.json")]) > 3
+    config = PipelineConfig.from_dict(CHAT_PIPELINE, "chat.json")
+    for n in (1, 2):
+        summary = prepare([shaped], tmp_path / f"out{n}", config, TINY, num_proc=n)
+        assert shard_bytes(tmp_path / f"out{n}") == expected, n
+    assert "records read as alpaca shape (15 records in 1 source(s)), prompt_completion shape (10 records in 1 " in (
+        summary
+    )
+    monkeypatch.setenv("ASTRAI_FABRIC_CRASH_AT", "prepare-worker@3")  # each worker SIGKILLs itself at its third chunk
+    with pytest.raises(TrainingError, match="a tokenising worker died"):
+        prepare([shaped], tmp_path / "resumed", config, TINY, num_proc=2)
+    monkeypatch.delenv("ASTRAI_FABRIC_CRASH_AT")
+    state = json.loads((tmp_path / ".resumed.prepare-partial" / "prepare_state.json").read_text())
+    assert state["next"]["record"] > 0 and state["shapes"] == {"0:0": "alpaca", "1:0": "prompt_completion",
+                                                              "2:0": "sharegpt"}  # fmt: skip
+    prepare([shaped], tmp_path / "resumed", config, TINY, num_proc=2, resume=True)
+    assert shard_bytes(tmp_path / "resumed") == expected
+
+
+def test_prepare_reads_a_field_from_another_column(tmp_path, capsys):
+    """``--data_columns`` (and ``--data_format``) on prepare, spelled as training's: seq ``text=body`` gives the
+    shards of the ``text`` records, and a record that has no column of any shape is left for the pipeline to drop,
+    as before shapes (AstrAI's reading)."""
+    bodies = ["In the beginning God created", "the heaven and the earth"]
+    write_jsonl(tmp_path / "texts.jsonl", [{"text": body} for body in bodies] + [{}])
+    write_jsonl(tmp_path / "bodies.jsonl", [{"body": body} for body in bodies] + [{}])
+    (tmp_path / "seq.json").write_text(json.dumps({"input": {"sections": [{"field": "text", "action": "train"}]},
+                                                   "preprocessing": {"min_chars": 0}}))  # fmt: skip
+    for name, extra in (("texts", []), ("bodies", ["--data_format", "text", "--data_columns", "text=body"])):
+        argv = ["prepare", str(tmp_path / f"{name}.jsonl"), "-o", str(tmp_path / f"{name}-out"), "-c",
+                str(tmp_path / "seq.json"), "--tokenizer_path", "bundled:tiny", *extra]  # fmt: skip
+        assert main(argv) == 0
+        assert "records: 3 read, 2 kept, dropped: 1 no tokens\n" in capsys.readouterr().out
+    assert shard_bytes(tmp_path / "bodies-out") == shard_bytes(tmp_path / "texts-out")

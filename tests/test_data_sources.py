@@ -19,6 +19,7 @@ import pyarrow as pa  # noqa: E402 (datasets brings it)
 
 from astrai_fabric.cli import main  # noqa: E402
 from astrai_fabric.data.prepare import PipelineConfig, prepare  # noqa: E402
+from astrai_fabric.data.sources import open_source  # noqa: E402
 from astrai_fabric.data.storage import detect_format, read_jsonl, read_records  # noqa: E402
 from astrai_fabric.errors import UserError  # noqa: E402
 from tests.test_prepare import BEFORE_STREAMING, STREAMED, TOKENIZER, digest, mixed_records  # noqa: E402
@@ -85,6 +86,16 @@ def test_each_kind_gives_the_records_of_the_jsonl_source(sources, name, kind):
     assert where == (f"{sources / name} (train) row 3" if kind == "saved" else f"{sources / name} row 3")
 
 
+def test_parquet_arrow_and_saved_sources_state_their_column_kinds(sources):
+    """What Shaper.check_schema is given, read from the footer, the stream's header or the saved table (no row);
+    CSV and JSON state none (their rows say; the record checks name a wrong kind there)."""
+    for name in ("texts.parquet", "texts.arrow", "texts-saved", "chats.arrow"):
+        kinds = [part.schema() for part in open_source(sources / name, detect_format(sources / name)).parts]
+        messages = ("list", "list<item: struct<role: string, content: string>>")
+        assert kinds == [{"text": ("string", "string")} if name.startswith("texts") else {"messages": messages}]
+    assert open_source(sources / "texts.csv", "csv").parts[0].schema() is None
+
+
 def test_a_directory_of_parquet_files_and_a_split_of_a_saved_dict(sources):
     records = read_records(sources / "parquet-dir")
     assert plain(records) == TEXTS[:45]
@@ -109,6 +120,29 @@ def test_one_step_trained_on_a_parquet_source(sources, tmp_path, capsys, kind, n
     loss = [line.split("| loss ")[1].split(" ")[0] for line in (from_parquet, from_jsonl)]
     assert loss[0] == loss[1]  # the same tokens trained on
     assert f"from {sources / name}" in from_parquet and (tmp_path / "parquet" / "epoch_0_step_1").is_dir()
+
+
+PROMPT_ANSWER = {"input": {"sections": [{"field": "prompt", "action": "mask"}, {"field": "answer", "action": "train"}]},
+                 "preprocessing": {"min_chars": 0}}  # fmt: skip
+"""A dataset_config.json whose fields no record shape has: ignored, the records would be refused (no messages)."""
+
+
+def test_a_dataset_config_beside_parquet_renders_its_records_as_beside_jsonl(tmp_path, capsys):
+    rows = [{"prompt": f"Question {i}: why?", "answer": "because " * (i % 4 + 1)} for i in range(24)]
+    losses = []
+    for kind in ("parquet", "jsonl"):
+        directory = tmp_path / kind
+        directory.mkdir()
+        (directory / "dataset_config.json").write_text(json.dumps(PROMPT_ANSWER))
+        if kind == "parquet":
+            datasets.Dataset.from_list(rows).to_parquet(directory / "train.parquet")
+        else:
+            jsonl(directory / "train.jsonl", rows)
+        assert main(run("sft", directory, tmp_path / f"{kind}-run")) == 0
+        out = capsys.readouterr().out
+        assert f"records rendered by {directory / 'dataset_config.json'}" in out
+        losses.append(out.split("| loss ")[1].split(" ")[0])
+    assert losses[0] == losses[1]  # the same tokens and masks
 
 
 def test_a_split_of_a_saved_dict_is_what_trains(sources, tmp_path, capsys):
@@ -151,13 +185,14 @@ def test_a_killed_prepare_of_a_parquet_directory_resumes_to_the_same_bytes(tmp_p
     assert capsys.readouterr().out.startswith("records: 60 read, ")  # each record counted once
 
 
-def test_a_hub_dataset_id_is_downloaded_then_read_offline(tmp_path, monkeypatch):
+def test_a_hub_dataset_id_is_downloaded_then_read_offline(tmp_path, monkeypatch, capsys):
     stand_in_module = pytest.importorskip("tests.hub_stand_in", reason="tests/hub_stand_in.py (HUB's) is missing")
     files = {}
     for split, rows in (("train", TEXTS[:30]), ("test", TEXTS[30:])):
         datasets.Dataset.from_list(rows).to_parquet(tmp_path / f"{split}.parquet")
         files[f"data/{split}-00000-of-00001.parquet"] = (tmp_path / f"{split}.parquet").read_bytes()
     files["README.md"] = b"# a dataset\n"
+    files["dataset_config.json"] = json.dumps({"input": {"sections": [{"field": "text", "action": "train"}]}}).encode()
     files |= {"loader.py": b"print('a dataset script')\n", "images/cat.png": b"\x89PNG\r\n"}  # never fetched
     with stand_in_module.serving(monkeypatch, tmp_path / "home") as stand_in:
         stand_in.add("org/texts", files, repo_type="dataset")
@@ -170,8 +205,117 @@ def test_a_hub_dataset_id_is_downloaded_then_read_offline(tmp_path, monkeypatch)
         assert plain(read_records(Path("org/texts"))) == TEXTS[:30]  # from the cache, the server gone
         # a run trains on it offline and records the commit it read, as it does a model's (hub.HUB_FLAGS)
         assert main(run("seq", Path("org/texts"), tmp_path / "run")) == 0
+        snapshot = next((tmp_path / "home").rglob("datasets--org--texts/snapshots/*"))
+        assert f"records rendered by {snapshot / 'dataset_config.json'}" in capsys.readouterr().out  # the repo's own
         recipe = (tmp_path / "run" / "recipe.yaml").read_text()
         assert re.search(r"^data_root_path: org/texts@[0-9a-f]{40}$", recipe, re.M), recipe
+
+
+SUBSETS_CARD = b"""---
+license: mit
+configs:
+- config_name: en
+  data_files:
+  - split: train
+    path: en/train-*.parquet
+  - split: test
+    path: en/test-*.parquet
+- config_name: fr
+  data_files: fr/*.parquet
+---
+# Two subsets, each in its own folder; en names its splits, fr is one list (its split: train)
+"""
+
+
+def fetched(stand_in) -> set[str]:
+    """The repository files the stand-in was asked for (HEAD or GET)."""
+    return {r.split("/resolve/", 1)[1].split("/", 1)[1] for r in stand_in.requests if "/resolve/" in r}
+
+
+def test_a_hub_dataset_with_subsets_fetches_only_the_chosen_ones_files(tmp_path, monkeypatch, capsys):
+    """The card first; then only the chosen subset's files (and split's, where the card names splits), as the
+    stand-in's request log shows; a subset or split the card lacks is refused before any data file is asked for;
+    prepare and a run read the same way, the run offline from the pinned commit."""
+    stand_in_module = pytest.importorskip("tests.hub_stand_in", reason="tests/hub_stand_in.py (HUB's) is missing")
+    rows = {"en/train-00000-of-00001.parquet": TEXTS[:10], "en/test-00000-of-00001.parquet": TEXTS[10:15],
+            "fr/part-0.parquet": TEXTS[20:30], "fr/part-1.parquet": TEXTS[30:40]}  # fmt: skip
+    files = {"README.md": SUBSETS_CARD}
+    for name, part in rows.items():
+        datasets.Dataset.from_list(part).to_parquet(tmp_path / "part.parquet")
+        files[name] = (tmp_path / "part.parquet").read_bytes()
+    (tmp_path / "p.json").write_text(json.dumps({"input": {"sections": [{"field": "text", "action": "train"}]}}))
+    prepare_argv = ["prepare", "org/multi", "-o", str(tmp_path / "out"), "-c", str(tmp_path / "p.json"),
+                    "--tokenizer_path", "bundled:tiny"]  # fmt: skip
+    with stand_in_module.serving(monkeypatch, tmp_path / "home") as stand_in:
+        commit = stand_in.add("org/multi", files, repo_type="dataset")
+        refused = [
+            ({"subset": "de"}, "--data_subset 'de': data_root_path org/multi has no such subset; it has 'en', 'fr'"),
+            ({}, "data_root_path org/multi: has subsets 'en', 'fr'; choose one with --data_subset"),
+            ({"subset": "en", "split": "validation"}, "--data_split 'validation': subset 'en' of data_root_path "
+             "org/multi has no such split; it has 'train', 'test'"),
+        ]  # fmt: skip
+        for choice, message in refused:
+            with pytest.raises(UserError, match=f"^{re.escape(message)}$"):
+                read_records(Path("org/multi"), **choice)
+        assert fetched(stand_in) == {"README.md"}  # the card alone: no data file asked for
+        assert main([*prepare_argv, "--data_subset", "fr"]) == 0  # prepare reads ids the same way
+        assert capsys.readouterr().out.startswith("records: 20 read, ")
+        assert fetched(stand_in) == {"README.md", "fr/part-0.parquet", "fr/part-1.parquet"}
+        stand_in.requests.clear()
+        records = read_records(Path("org/multi"), subset="en", split="test")
+        assert plain(records) == TEXTS[10:15] and records[0][0] == "org/multi: en/test-00000-of-00001.parquet row 0"
+        assert fetched(stand_in) - {"README.md"} == {"en/test-00000-of-00001.parquet"}  # not en's train split
+        assert not stand_in.unexpected
+        stand_in_module.go_offline(monkeypatch, stand_in)
+        asked = len(stand_in.requests)
+        assert plain(read_records(Path("org/multi"), subset="fr")) == TEXTS[20:40]  # from the cache
+        assert plain(read_records(Path(f"org/multi@{commit}"), subset="en", split="test")) == TEXTS[10:15]
+        with pytest.raises(UserError, match=re.escape("HF_HUB_OFFLINE=1 with no cached copy of the Hub dataset "
+                                                      "org/multi (--data_subset 'en') in ")):  # fmt: skip
+            read_records(Path("org/multi"), subset="en")  # its train split was never fetched
+        assert main(run("seq", Path("org/multi"), tmp_path / "run", "--data_subset", "fr")) == 0
+        assert len(stand_in.requests) == asked  # not one request offline
+    recipe = (tmp_path / "run" / "recipe.yaml").read_text()
+    assert f"data_root_path: org/multi@{commit}\n" in recipe and "data_subset: fr\n" in recipe
+    snapshot = tmp_path / "home" / "hub" / "datasets--org--multi" / "snapshots" / commit
+    held = sorted(p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file())
+    assert held == ["README.md", "en/test-00000-of-00001.parquet", "fr/part-0.parquet", "fr/part-1.parquet"]
+
+
+BAD_CARDS = [
+    ("configs: [{config_name: a, data_files: 3}]", "README.md: configs[0].data_files: is int 3, expected a string, "
+     "a list of strings or a list of {split, path} mappings"),
+    ("configs: [{config_name: a, data_files: ../../secrets/*.parquet}]",
+     "README.md: configs[0].data_files: '../../secrets/*.parquet' is not a path inside the repository (absolute, "
+     "or with ..)"),
+    ("configs: [{config_name: a, data_files: [{split: train, path: /etc/*.parquet}]}]",
+     "README.md: configs[0].data_files[0].path: '/etc/*.parquet' is not a path inside the repository (absolute, "
+     "or with ..)"),
+    ("configs: [{config_name: a, data_files: x.parquet}, {config_name: a, data_files: y.parquet}]",
+     "README.md: configs names 'a' more than once"),
+    ("configs: [unclosed", "README.md: its YAML header is not readable YAML ("),
+    ("configs: [{config_name: a, data_files: elsewhere/*.parquet}]", "subset 'a' of its README.md names data files "
+     "(elsewhere/*.parquet) that match no parquet, arrow, CSV or JSON file of the repository"),
+]  # fmt: skip
+
+
+def test_a_malformed_dataset_card_is_one_line_naming_it(tmp_path, monkeypatch, capsys):
+    stand_in_module = pytest.importorskip("tests.hub_stand_in", reason="tests/hub_stand_in.py (HUB's) is missing")
+    datasets.Dataset.from_list(TEXTS[:4]).to_parquet(tmp_path / "part.parquet")
+    (tmp_path / "p.json").write_text(json.dumps({"input": {"sections": [{"field": "text", "action": "train"}]}}))
+    with stand_in_module.serving(monkeypatch, tmp_path / "home") as stand_in:
+        for index, (header, message) in enumerate(BAD_CARDS):
+            card = f"---\n{header}\n---\n# a card\n".encode()
+            stand_in.add(f"org/bad{index}", {"README.md": card, "x.parquet": (tmp_path / "part.parquet").read_bytes()},
+                         repo_type="dataset")  # fmt: skip
+            argv = ["prepare", f"org/bad{index}", "-o", str(tmp_path / "out"), "-c", str(tmp_path / "p.json"),
+                    "--tokenizer_path", "bundled:tiny", "--data_subset", "a"]  # fmt: skip
+            assert main(argv) == 2
+            lines = capsys.readouterr().err.strip().splitlines()
+            expected = f"astrai-fabric: error: input org/bad{index}: {message}"
+            assert len(lines) == 1 and lines[0].startswith(expected), lines
+        assert fetched(stand_in) == {"README.md"} and not stand_in.unexpected  # no data file of any
+    assert not (tmp_path / "out").exists()
 
 
 BLOCKED = """import json, sys

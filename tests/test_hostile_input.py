@@ -121,6 +121,8 @@ def jsonl(*lines: object, name: str = "data.jsonl") -> Files:
 
 
 TEXT_PIPELINE = {"p.json": '{"input": {"sections": [{"field": "text", "action": "train"}]}}'}
+CHAT_SECTIONS = [{"field": "messages", "action": "$role", "template": True}]
+CHAT_PIPELINE = {"p.json": json.dumps({"input": {"sections": CHAT_SECTIONS}, "mask": {"assistant": "train"}})}
 
 
 def prepare_argv() -> list[str]:
@@ -571,6 +573,27 @@ CASES = [
          json.dumps({"identity": {"inputs": [], "pipeline": "x", "tokenizer": "y"}, "num_records": 1})}),
     Case("prepare-resume-state-not-json", [*prepare_argv(), "--resume"], "prepare_state.json: not a prepare state",
          {**jsonl({"text": "a"}), **TEXT_PIPELINE, ".o.prepare-partial/prepare_state.json": "[1]"}),
+    # --- prepare reads record shapes as training does (data/shapes.py, --data_format, --data_columns) ------------
+    Case("prepare-shape-format-other-type", [*prepare_argv(), "--data_format", "alpaca"],
+         "data_format 'alpaca' is an sft shape; seq reads text (or auto) (the pipeline (-c) writes seq data)",
+         {**jsonl({"text": "a"}), **TEXT_PIPELINE}),
+    Case("prepare-shape-format-unknown", [*prepare_argv(), "--data_format", "alpacca"],
+         "--data_format 'alpacca': expected one of auto, text, messages, sharegpt, alpaca,",
+         {**jsonl({"text": "a"}), **TEXT_PIPELINE}),
+    Case("prepare-shape-columns-own-fields", [*prepare_argv(), "--data_columns", "answer=output"],
+         "--data_columns: the pipeline (-c) reads the fields ['answer', 'prompt'] as they are; record shapes become",
+         {**jsonl({"prompt": "a", "answer": "b"}), "p.json": json.dumps({"input": {"sections": [
+             {"field": "prompt", "action": "mask"}, {"field": "answer", "action": "train"}]}})}),
+    Case("prepare-shape-mixed-in-one-file", prepare_argv(),
+         "data.jsonl:2: the record has the alpaca shape (instruction, output), but {c}/data.jsonl:1, the source's "
+         "first record, has the messages shape", {**jsonl({"messages": [{"role": "user", "content": "a"}]},
+                                                          {"instruction": "a", "output": "b"}), **CHAT_PIPELINE}),
+    Case("prepare-shape-alpaca-without-output", prepare_argv(),
+         "data.jsonl:2: an sft record needs ['output'] (alpaca shape), got keys ['input', 'instruction']",
+         {**jsonl({"instruction": "a", "output": "b"}, {"instruction": "a", "input": "c"}), **CHAT_PIPELINE}),
+    Case("prepare-shape-forced-not-there", [*prepare_argv(), "--data_format", "sharegpt"],
+         "data.jsonl:1: an sft record needs ['conversations'] (sharegpt shape), got keys ['instruction', 'output']",
+         {**jsonl({"instruction": "a", "output": "b"}), **CHAT_PIPELINE}),
     Case("generate-negative-top-k", ["generate", "--param_path", "{w}/run/epoch_0_step_1", "--prompt", "x",
          "--top_k", "-1"], "top_k >= 0"),
     Case("generate-device", ["generate", "--param_path", "{w}/run/epoch_0_step_1", "--prompt", "x",
@@ -841,6 +864,21 @@ CASES = [
     Case("prepare-parquet-corrupt", ["prepare", "{c}/d.parquet", "-o", "{c}/o", "-c", "{c}/p.json",
          "--tokenizer_path", "bundled:tiny"], "{c}/d.parquet: not a readable parquet file (",
          {"d.parquet": b"PAR1" + b"\0" * 64 + b"PAR1", **TEXT_PIPELINE}),
+    # a column of the wrong kind, from the file's schema before any row is read (Shaper.check_schema)
+    Case("parquet-text-column-of-numbers", seq(data="{c}/d.parquet"), "{c}/d.parquet: column 'text' is int64 in the "
+         "file's schema, but the text shape reads it as a string", {"d.parquet": lambda p: parquet_file(
+             p, {"text": [1, 2]})}),
+    Case("parquet-alpaca-output-of-numbers", sft(data="{c}/d"), "{c}/d/b.parquet: column 'output' is double in the "
+         "file's schema, but the alpaca shape reads it as a string",
+         {"d/a.parquet": lambda p: parquet_file(p, {"instruction": ["x"], "output": ["y"]}),
+          "d/b.parquet": lambda p: parquet_file(p, {"instruction": ["x"], "output": [1.5]})}),
+    Case("parquet-mapped-column-of-numbers", dpo("--data_columns", "prompt=question", data="{c}/d.parquet"),
+         "column 'question' is int64 in the file's schema, but the preference shape reads it as a string or a list "
+         "of messages", {"d.parquet": lambda p: parquet_file(p, {"question": [1], "chosen": ["c"],
+                                                                   "rejected": ["r"]})}),
+    Case("prepare-parquet-text-column-of-numbers", ["prepare", "{c}/d.parquet", "-o", "{c}/o", "-c", "{c}/p.json",
+         "--tokenizer_path", "bundled:tiny"], "{c}/d.parquet: column 'text' is int64 in the file's schema",
+         {"d.parquet": lambda p: parquet_file(p, {"text": [7]}), **TEXT_PIPELINE}),
     Case("data-split-not-a-name", seq("--data_split", "train[:10%]"), "data_split must be a split name"),
     Case("data-subset-blank", seq("--data_subset", " "), "data_subset must be a subset name, got ' '"),
 ]  # fmt: skip

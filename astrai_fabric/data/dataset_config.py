@@ -1,9 +1,12 @@
-"""AstrAI's ``dataset_config.json``: the file in a JSONL data directory saying how its records become tokens.
+"""AstrAI's ``dataset_config.json``: the file in a data directory saying how its records become tokens.
 
 AstrAI's ``DatasetFactory`` reads it (``TokenizeTransform``, its ``PipelineConfig`` schema, the same one
-``astrai-fabric prepare`` reads) for every JSONL directory that holds one: ``input.sections`` give seq/sft one token
-stream; ``input.sources`` give dpo the outputs ``chosen``/``rejected`` (with ``chosen_mask``/``rejected_mask``) and
-grpo ``prompts``, ``responses`` (a list field, mask key ``masks``) and ``rewards`` (a ``value`` section). Records
+``astrai-fabric prepare`` reads) for every JSONL directory that holds one; here a directory of any records (parquet,
+arrow, CSV, JSON, ``save_to_disk``, a Hub dataset's snapshot) is read by it too, since rendering takes records from
+any source (``storage.read_records``), where AstrAI's factory reads JSONL only. ``input.sections`` give seq/sft one
+token stream; ``input.sources`` give dpo the outputs ``chosen``/``rejected`` (with ``chosen_mask``/
+``rejected_mask``) and grpo ``prompts``, ``responses`` (a list field, mask key ``masks``) and ``rewards`` (a
+``value`` section). Records
 are rendered as AstrAI renders them: a BOS token (masked) before a source with a template section, each chat
 message rendered alone without the generation prompt, text sections encoded with special tokens only for the
 first one, each output cut to ``preprocessing.max_seq_len``; a record whose source renders nothing is dropped.
@@ -64,9 +67,10 @@ class DatasetConfig:
 
 
 def read_dataset_config(data_root: Path, train_type: str) -> DatasetConfig | None:
-    """``data_root/dataset_config.json``, checked for ``train_type``; None without one."""
+    """``data_root/dataset_config.json``, checked for ``train_type``; None without one. ``data_root`` is a directory
+    of records of any kind (``storage.detect_format``); a Hub dataset's, its snapshot."""
     path = data_root / DATASET_CONFIG_FILE
-    if not (data_root.is_dir() and path.is_file()) or detect_format(data_root) != "jsonl":
+    if not (data_root.is_dir() and path.is_file()) or (kind := detect_format(data_root)) == "bin":
         return None  # bin shards win, as in AstrAI
     raw = read_json_object(path, "the data directory's dataset config")
     source = str(path)
@@ -100,9 +104,9 @@ def read_dataset_config(data_root: Path, train_type: str) -> DatasetConfig | Non
         if value != default
     ]
     if ignored:
+        inputs = f"{data_root}/*.jsonl" if kind == "jsonl" else str(data_root)
         hint = (
-            f"remove it, or write shards with `astrai-fabric prepare {data_root}/*.jsonl -o DIR -c {path}` "
-            "and train on DIR"
+            f"remove it, or write shards with `astrai-fabric prepare {inputs} -o DIR -c {path}` and train on DIR"
             if not sources
             else "remove it"
         )

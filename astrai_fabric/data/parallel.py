@@ -19,26 +19,35 @@ from typing import Any
 import numpy as np
 
 from astrai_fabric.data.pipeline import PipelineConfig, tokenize_record
+from astrai_fabric.data.shapes import SHAPES, Shaper
 from astrai_fabric.data.storage import parse_record
 from astrai_fabric.faults import crash_point
 from astrai_fabric.tokenizer import Tokenizer
 
 Tokenised = tuple[str, np.ndarray, np.ndarray] | str
 """A record's ``(domain, ids int32, mask uint8)``, or the reason it is dropped."""
-Chunk = list[tuple[str, str | dict[str, Any]]]
-"""Records as ``(where, JSONL line)``, parsed in the worker, or ``(where, record)`` from a ``datasets`` source."""
+Chunk = list[tuple[str, str | dict[str, Any], str | None]]
+"""Records as ``(where, JSONL line, shape)``, parsed in the worker, or ``(where, record, shape)`` from a ``datasets``
+source; ``shape``: the record shape (``data/shapes.py``) the checking pass found for the record's source, converted
+here, or None (read as it is)."""
 
 
 class _Tokeniser:
     """A chunk of records to their ``Tokenised`` results, in order."""
 
-    def __init__(self, config: PipelineConfig, tokenizer: Tokenizer) -> None:
-        self.config, self.tokenizer = config, tokenizer
+    def __init__(self, config: PipelineConfig, tokenizer: Tokenizer, data_columns: str | None = None) -> None:
+        self.config, self.tokenizer, self.data_columns = config, tokenizer, data_columns
+        self.shapers: dict[str, Shaper] = {}
+        """One per shape, forced to it: a record is converted by its source's shape alone, wherever a chunk starts."""
 
     def __call__(self, chunk: Chunk) -> list[Tokenised]:
         results: list[Tokenised] = []
-        for where, item in chunk:
+        for where, item, shape in chunk:
             record = parse_record(item, where) if isinstance(item, str) else item
+            if shape is not None:
+                if shape not in self.shapers:
+                    self.shapers[shape] = Shaper(SHAPES[shape].train_type, shape, self.data_columns, keep_unshaped=True)
+                record = self.shapers[shape](where, record)
             document = tokenize_record(record, self.config, self.tokenizer, where)
             if isinstance(document, str):
                 results.append(document)
@@ -52,9 +61,9 @@ _worker: _Tokeniser | None = None
 """The tokenising worker process's tokeniser, made once when the process starts."""
 
 
-def _start_worker(config: PipelineConfig, tokenizer: Tokenizer) -> None:
+def _start_worker(config: PipelineConfig, tokenizer: Tokenizer, data_columns: str | None) -> None:
     global _worker
-    _worker = _Tokeniser(config, tokenizer)
+    _worker = _Tokeniser(config, tokenizer, data_columns)
     try:  # Linux: a worker dies with the main process, never left waiting for chunks that will not come
         import ctypes  # here: only worker processes need it
 
@@ -70,14 +79,16 @@ def _tokenise_in_worker(chunk: Chunk) -> list[Tokenised]:
 
 
 def tokenise_chunks(
-    chunks: Iterator[Chunk], config: PipelineConfig, tokenizer: Tokenizer, num_proc: int
-) -> Iterator[list[Tokenised]]:
+    chunks: Iterator[Chunk], config: PipelineConfig, tokenizer: Tokenizer, num_proc: int,
+    data_columns: str | None = None,
+) -> Iterator[list[Tokenised]]:  # fmt: skip
     """Each chunk's results in input order, from ``num_proc`` processes (this one when 1), at most two chunks per
-    process in flight (memory stays bounded however long ``chunks`` is)."""
+    process in flight (memory stays bounded however long ``chunks`` is); ``data_columns`` as ``--data_columns``."""
     if num_proc == 1:
-        yield from map(_Tokeniser(config, tokenizer), chunks)
+        yield from map(_Tokeniser(config, tokenizer, data_columns), chunks)
         return
-    pool = ProcessPoolExecutor(num_proc, get_context("fork"), initializer=_start_worker, initargs=(config, tokenizer))
+    pool = ProcessPoolExecutor(num_proc, get_context("fork"), initializer=_start_worker,
+                               initargs=(config, tokenizer, data_columns))  # fmt: skip
     try:
         pending: deque = deque()
         for chunk in chunks:

@@ -2,6 +2,7 @@
 ``astrai/preprocessing``), streamed: memory stays bounded whatever the size of the input.
 
     astrai-fabric prepare INPUT.jsonl... -o DIR -c pipeline.json [--tokenizer_path DIR] [--num_proc N] [--resume]
+                          [--data_format SHAPE] [--data_columns field=column,...]
 
 The pipeline file is AstrAI's ``PipelineConfig`` (``data/pipeline.py``). The output is
 ``DIR/<domain>/shard_NNNN/{meta.json, <key>.bin}``: flat arrays with AstrAI's ``meta.json`` (``{key: {"shape",
@@ -12,6 +13,13 @@ The second reads, tokenises (``--num_proc`` processes, results taken in input or
 bytes for any N), packs and writes shard by shard (``data/shard_writer.py``) into a hidden staging sibling of the
 output, which records after every finished shard what is done; the output appears, by one rename, only when all is.
 A run that is killed leaves the staging folder, and the same command with ``--resume`` continues it.
+
+The pipeline says what it writes: plain documents (``PipelineConfig.is_text``) are seq data, anything masked sft.
+Where its sections read that type's own field (``text``; ``messages`` through the template), records of every
+shape of the type (alpaca, ShareGPT, prompt/completion, ...) are read as training reads them (``data/shapes.py``,
+``--data_format``, ``--data_columns``): the checking pass finds each file's shape (and refuses a record of another),
+the workers convert each record by it. A record that fits no shape is left to the pipeline, which drops it as
+AstrAI's does.
 
 Departures from AstrAI's pipeline: every record keeps a loss mask of its own length, so masks stay aligned in any
 mix of masked and unmasked records (AstrAI pads or shortens them, B9); ``loss_mask`` defaults to bool (AstrAI:
@@ -46,6 +54,7 @@ from astrai_fabric.data.pipeline import (  # re-exported: data/dataset_config.py
     parse_sections,
     tokenize_record,
 )
+from astrai_fabric.data.shapes import CANONICAL_FIELDS, DATA_FORMATS, Shaper, settings_problems, source_of
 from astrai_fabric.data.shard_writer import Position, ShardWriter, StagingState
 from astrai_fabric.data.sources import Source, open_source
 from astrai_fabric.data.storage import detect_format, jsonl_lines, parse_record
@@ -110,6 +119,40 @@ def open_inputs(paths: list[Path], subset: str | None = None, split: str | None 
     return inputs
 
 
+def shaped_type(config: PipelineConfig) -> str | None:
+    """``seq`` or ``sft``, the kind of data ``config`` writes (plain documents are seq, AstrAI's "text config";
+    anything masked sft), where every section reads that type's own field (``CANONICAL_FIELDS``: ``text``, or
+    ``messages`` through the chat template), so that records of any of its shapes can be read as that field; else
+    None: the sections name fields of their own, read as they are."""
+    train_type = "seq" if config.is_text else "sft"
+    field = CANONICAL_FIELDS[train_type]
+    if all(s.field == field and s.template == (train_type == "sft") for s in config.sections):
+        return train_type
+    return None
+
+
+def check_shape_flags(config: PipelineConfig, data_format: str, data_columns: str | None) -> str | None:
+    """The train type whose record shapes ``prepare`` reads with ``config`` (``shaped_type``), ``--data_format`` and
+    ``--data_columns`` checked for it; refused where the pipeline reads fields of its own."""
+    if data_format not in DATA_FORMATS:
+        raise UserError(f"--data_format {data_format!r}: expected one of {', '.join(DATA_FORMATS)}")
+    train_type = shaped_type(config)
+    if train_type is None:
+        if data_format != "auto" or data_columns is not None:
+            fields = sorted({s.field for s in config.sections})
+            given = " and ".join(f"--{n}" for n, v in (("data_format", data_format != "auto"),
+                                                        ("data_columns", data_columns)) if v)  # fmt: skip
+            raise UserError(
+                f"{given}: the pipeline (-c) reads the fields {fields} as they are; record shapes become a 'text' "
+                "section (seq) or a 'messages' template section (sft), so name that field in -c to use them"
+            )
+        return None
+    problems = settings_problems(train_type, data_format, data_columns)
+    if problems:
+        raise UserError(f"{'; '.join(problems)} (the pipeline (-c) writes {train_type} data)")
+    return train_type
+
+
 def prepare(
     inputs: list[Path],
     output: Path,
@@ -119,10 +162,13 @@ def prepare(
     resume: bool = False,
     subset: str | None = None,
     split: str | None = None,
+    data_format: str = "auto",
+    data_columns: str | None = None,
 ) -> str:
     """Write the shards of ``inputs`` (``open_inputs``) under ``output`` (nothing appears there until all are
-    written) with ``num_proc`` tokenising processes; ``resume`` continues the killed run of the same command.
-    Returns a summary of what was read, kept and dropped."""
+    written) with ``num_proc`` tokenising processes; ``resume`` continues the killed run of the same command;
+    ``data_format`` and ``data_columns`` as training's (module docstring). Returns a summary of what was read, kept
+    and dropped."""
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise UserError(f"-o {output}: exists and is not empty; choose a new directory")
     for path in inputs:
@@ -132,9 +178,11 @@ def prepare(
             raise UserError(f"-o {output}: holds the input {path}; choose a new directory")
     if not isinstance(num_proc, int) or num_proc < 1:
         raise UserError(f"--num_proc must be an integer >= 1, got {num_proc!r}")
+    train_type = check_shape_flags(config, data_format, data_columns)
     inputs = open_inputs(inputs, subset, split)
     staging = staging_path(output)
-    identity = _identity(inputs, config, tokenizer)
+    identity = {**_identity(inputs, config, tokenizer), "shapes": {"data_format": data_format,
+                                                                   "data_columns": data_columns}}  # fmt: skip
     state = None
     if staging.exists():
         if not resume:
@@ -146,12 +194,14 @@ def prepare(
         if state is not None:
             _check_identity(state.identity, identity, staging)
     if state is None:  # a new run (or one killed before its first state): every line checked before writing
-        state = StagingState(identity, _validate(inputs, config.max_items))
+        shaper = None if train_type is None else Shaper(train_type, data_format, data_columns, keep_unshaped=True)
+        num_records, shapes, shapes_read = _validate(inputs, config.max_items, shaper)
+        state = StagingState(identity, num_records, shapes=shapes, shapes_read=shapes_read)
         shutil.rmtree(staging, ignore_errors=True)
         (staging / SHARDS).mkdir(parents=True)
         state.save(staging)
     try:
-        _stream(inputs, staging, state, config, tokenizer, num_proc)
+        _stream(inputs, staging, state, config, tokenizer, num_proc, data_columns)
     except UserError:  # a mistake found midway (a chat template failing on one record): nothing is kept
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -165,8 +215,9 @@ def prepare(
     counts = state.counts
     reasons = ", ".join(f"{n} {reason}" for reason, n in Counter(counts["dropped"]).most_common()) or "none"
     per_domain = ", ".join(f"{domain}: {n}" for domain, n in sorted(state.finished.items()))
+    shapes = f"records read as {state.shapes_read}\n" if state.shapes_read else ""
     return (
-        f"records: {counts['read']:,} read, {counts['kept']:,} kept, dropped: {reasons}\n"
+        f"records: {counts['read']:,} read, {counts['kept']:,} kept, dropped: {reasons}\n{shapes}"
         f"tokens: {counts['tokens']:,} ({counts['trained']:,} trained)\n"
         f"shards: {sum(state.finished.values())} ({per_domain}) in {output}"
     )
@@ -181,9 +232,15 @@ def _identity(inputs: list[Input], config: PipelineConfig, tokenizer: Tokenizer)
     return {"inputs": files, "pipeline": config.fingerprint(), "tokenizer": digest.hexdigest()}
 
 
+NO_SHAPE_FLAGS = {"data_format": "auto", "data_columns": None}
+"""What a staging folder written before the shape flags existed was prepared with."""
+
+
 def _check_identity(recorded: dict[str, Any], current: dict[str, Any], staging: Path) -> None:
     changed = [what for key, what in (("pipeline", "pipeline (-c)"), ("tokenizer", "tokenizer")) if
                recorded.get(key) != current[key]]  # fmt: skip
+    if recorded.get("shapes", NO_SHAPE_FLAGS) != current["shapes"]:
+        changed.append("--data_format or --data_columns")
     if [f.get("path") for f in recorded.get("inputs", [])] != [f["path"] for f in current["inputs"]]:
         changed.append("list of inputs")
     elif recorded["inputs"] != current["inputs"]:
@@ -196,22 +253,42 @@ def _check_identity(recorded: dict[str, Any], current: dict[str, Any], staging: 
         )
 
 
-def _validate(inputs: list[Input], max_items: int | None) -> int:
-    """Check every record of every input (the records past ``max_items`` too); return the count to prepare."""
-    total = 0
+def _validate(inputs: list[Input], max_items: int | None, shaper: Shaper | None) -> tuple[int, dict[str, str], str]:
+    """Check every record of every input (the records past ``max_items`` too), each read by ``shaper`` where records
+    have shapes; return the count to prepare, the shape found for each file whose records are converted
+    (``StagingState.shapes``) and the words for them (up to ``max_items``)."""
+    total, shapes, described = 0, {}, ""
+    for entry in inputs:  # a column of the wrong kind, from the files' schemas: before any row is read
+        if shaper is not None and entry.source is not None:
+            entry.source.check_schemas(shaper.check_schema)
+
+    def check(index: int, part: int, where: str, record: dict[str, Any]) -> None:
+        nonlocal described
+        if shaper is None:
+            return
+        shaper(where, record)
+        key = f"{index}:{part}"
+        if key not in shapes and (found := shaper.sources.get(source_of(where))) is not None:
+            shape = found[0]
+            shapes[key] = shape.name if not shape.canonical or shaper.columns else ""  # "": read as it is
+        if total + count == max_items:
+            described = shaper.describe()
+
     with tqdm(total=sum(i.size() for i in inputs), desc="checking", unit="B", unit_scale=True,
               dynamic_ncols=True, disable=not sys.stderr.isatty()) as progress:  # fmt: skip
         done = 0
-        for entry in inputs:
+        for index, entry in enumerate(inputs):
             count, path = 0, entry.path
             if entry.source is None:
                 for line_no, _, end, line in jsonl_lines(path):
-                    parse_record(line, f"{path}:{line_no}")
                     count += 1
+                    check(index, 0, f"{path}:{line_no}", parse_record(line, f"{path}:{line_no}"))
                     if count % 4096 == 0:
                         progress.update(done + end - progress.n)
             else:  # read whole (a file datasets cannot read fails here), one batch of rows at a time
-                count = sum(1 for _ in entry.source.records())
+                for part, _, where, record in entry.source.records():
+                    count += 1
+                    check(index, part, where, record)
             if not count and entry.source is not None:
                 raise UserError(f"input {path}: split {entry.source.split!r} is empty (no records)")
             if not count:
@@ -219,37 +296,43 @@ def _validate(inputs: list[Input], max_items: int | None) -> int:
             total += count
             done += entry.size()
             progress.update(done - progress.n)
-    return total if max_items is None else min(total, max_items)
+    if shaper is not None and (max_items is None or total < max_items):
+        described = shaper.describe()
+    return (total if max_items is None else min(total, max_items)), {k: v for k, v in shapes.items() if v}, described
 
 
 def _lines(
-    inputs: list[Input], start: Position, limit: int
-) -> Iterator[tuple[Position, Position, str, str | dict[str, Any]]]:
-    """``(position, position after it, where, JSONL line or record)`` of each record from ``start`` until ``limit``
-    records. A source's position is its part (``offset``) and row in it (``line``, counted from 1 as lines are)."""
+    inputs: list[Input], start: Position, limit: int, shapes: dict[str, str]
+) -> Iterator[tuple[Position, Position, str, str | dict[str, Any], str | None]]:
+    """``(position, position after it, where, JSONL line or record, shape)`` of each record from ``start`` until
+    ``limit`` records, ``shape`` its file's in ``shapes`` (``StagingState.shapes``), or None. A source's position is
+    its part (``offset``) and row in it (``line``, counted from 1 as lines are)."""
     record = start.record
     for index in range(start.file, len(inputs)):
         source, path = inputs[index].source, inputs[index].path
         if source is None:
             offset, line = (start.offset, start.line) if index == start.file else (0, 1)
+            shape = shapes.get(f"{index}:0")
             for line_no, begin, end, text in jsonl_lines(path, offset, line):
                 if record >= limit:
                     return
                 yield (Position(record, index, begin, line_no), Position(record + 1, index, end, line_no + 1),
-                       f"{path}:{line_no}", text)  # fmt: skip
+                       f"{path}:{line_no}", text, shape)  # fmt: skip
                 record += 1
             continue
         part, row = (start.offset, start.line - 1) if index == start.file else (0, 0)
         for at, number, where, item in source.records(part, row):
             if record >= limit:
                 return
-            yield Position(record, index, at, number + 1), Position(record + 1, index, at, number + 2), where, item
+            yield (Position(record, index, at, number + 1), Position(record + 1, index, at, number + 2), where, item,
+                   shapes.get(f"{index}:{at}"))  # fmt: skip
             record += 1
 
 
 def _stream(
-    inputs: list[Input], staging: Path, state: StagingState, config: PipelineConfig, tokenizer: Tokenizer, num_proc: int
-) -> None:
+    inputs: list[Input], staging: Path, state: StagingState, config: PipelineConfig, tokenizer: Tokenizer,
+    num_proc: int, data_columns: str | None = None,
+) -> None:  # fmt: skip
     """Tokenise and write from where ``state`` says, updating it (and saving it after every finished shard)."""
     for shard in sorted((staging / SHARDS).glob("*/shard_*")):  # half-written by a killed run: written again
         if int(shard.name.removeprefix("shard_")) >= state.finished.get(shard.parent.name, 0):
@@ -266,7 +349,8 @@ def _stream(
                     dynamic_ncols=True, disable=not sys.stderr.isatty())  # fmt: skip
     started, first_tokens = time.perf_counter(), counts["tokens"]
     with progress:
-        for results in tokenise_chunks(_chunks(inputs, start, state.num_records, chunks), config, tokenizer, num_proc):
+        records = _chunks(inputs, start, state.num_records, state.shapes, chunks)
+        for results in tokenise_chunks(records, config, tokenizer, num_proc, data_columns):
             for (position, after), result in zip(chunks.popleft(), results, strict=True):
                 if position.record < counted:  # replayed: only what the open shards held
                     if isinstance(result, str) or position.record < open_from.get(result[0], counted):
@@ -302,15 +386,16 @@ def _stream(
 
 
 def _chunks(
-    inputs: list[Input], start: Position, limit: int, positions: deque[list[tuple[Position, Position]]]
-) -> Iterator[list[tuple[str, str | dict[str, Any]]]]:
-    """``(where, JSONL line or record)`` lists of about ``CHUNK_BYTES`` of text (a record's size is guessed from its
-    text values); each one's positions are appended to ``positions``."""
-    chunk: list[tuple[str, str | dict[str, Any]]] = []
+    inputs: list[Input], start: Position, limit: int, shapes: dict[str, str],
+    positions: deque[list[tuple[Position, Position]]],
+) -> Iterator[list[tuple[str, str | dict[str, Any], str | None]]]:  # fmt: skip
+    """``(where, JSONL line or record, shape)`` lists of about ``CHUNK_BYTES`` of text (a record's size is guessed from
+    its text values); each one's positions are appended to ``positions``."""
+    chunk: list[tuple[str, str | dict[str, Any], str | None]] = []
     where: list[tuple[Position, Position]] = []
     size = 0
-    for position, after, name, item in _lines(inputs, start, limit):
-        chunk.append((name, item))
+    for position, after, name, item, shape in _lines(inputs, start, limit, shapes):
+        chunk.append((name, item, shape))
         where.append((position, after))
         size += len(item) if isinstance(item, str) else _text_size(item)
         if size >= CHUNK_BYTES:

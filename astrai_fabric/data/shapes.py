@@ -19,7 +19,9 @@ A source (a file: a record's ``where`` without its line or row, ``source_of``) h
 its first record's columns, trying the train type's shapes in ``SHAPES`` order; a later record that fits another
 shape is refused by name. A column holding null counts as absent (a ``datasets`` table fills the columns a row
 lacks with nulls). ``--data_columns field=column`` reads a field from another column (torchtune's ``column_map``).
-Nothing here opens a file: records come as ``(where, record)`` from a reader (``data/storage.py``).
+``prepare`` reads seq and sft records the same way (``keep_unshaped``: what fits no shape is left for its pipeline
+to drop, as AstrAI's does). Nothing here opens a file: records come as ``(where, record)`` from a reader
+(``data/storage.py``).
 """
 
 from __future__ import annotations
@@ -194,8 +196,28 @@ SHAPES = {shape.name: shape for shape in (
 )}  # fmt: skip
 """Every shape, each train type's in the order ``auto`` tries them."""
 
+STRING, LIST, TEXT_OR_MESSAGES = ("string",), ("list",), ("string", "list")
+COLUMN_KINDS = {
+    "text": {"text": STRING},
+    "messages": {"messages": LIST},
+    "sharegpt": {"conversations": LIST},
+    "alpaca": {"instruction": STRING, "input": STRING, "output": STRING, "system": STRING},
+    "prompt_completion": {"prompt": TEXT_OR_MESSAGES, "completion": TEXT_OR_MESSAGES},
+    "preference": {"prompt": TEXT_OR_MESSAGES, "chosen": TEXT_OR_MESSAGES, "rejected": TEXT_OR_MESSAGES},
+    "implicit_preference": {"chosen": LIST, "rejected": LIST},
+    "groups": {"prompt": TEXT_OR_MESSAGES, "responses": LIST, "rewards": ("list", "number")},
+    "prompt": {"prompt": TEXT_OR_MESSAGES},
+}
+"""Each shape's fields and the column kinds (``sources.column_kinds``) that can hold them: what a file's schema is
+checked against before its rows are read (``Shaper.check_schema``). A null column is absent, as a null value is."""
+_KIND_WORDS = {STRING: "a string", LIST: "a list", TEXT_OR_MESSAGES: "a string or a list of messages",
+               ("list", "number"): "a list of numbers or a number"}  # fmt: skip
+
 DATA_FORMATS = ("auto", *SHAPES)
 """``--data_format``'s values."""
+CANONICAL_FIELDS = {shape.train_type: shape.required[0] for shape in SHAPES.values() if shape.train_type in ("seq",
+                    "sft") and shape.canonical}  # fmt: skip
+"""The one field seq and sft records are read by (``text``, ``messages``): every shape of theirs becomes it."""
 
 
 def shapes_of(train_type: str | None, data_format: str = "auto") -> list[Shape]:
@@ -269,10 +291,17 @@ class Shaper:
     """Records of any shape of one train type → its canonical records, each source's shape detected from its first
     record (or forced by ``data_format``); call it once per record, in order (``prepare`` can too)."""
 
-    def __init__(self, train_type: str, data_format: str = "auto", data_columns: str | None = None) -> None:
+    def __init__(self, train_type: str, data_format: str = "auto", data_columns: str | None = None,
+                 keep_unshaped: bool = False) -> None:  # fmt: skip
         self.train_type, self.data_format = train_type, data_format
         self.candidates = shapes_of(train_type, data_format)
         self.columns = parse_columns(data_columns)
+        self.keep_unshaped = keep_unshaped
+        """``prepare``'s reading: a record that fits no shape where the train type's own shape is the one it comes
+        closest to (its source's shape, or when that is not known yet, the shape most of whose columns it has) is
+        returned as it is, for the pipeline to drop as AstrAI's does (a record without its field renders nothing);
+        training refuses it. Any other record that fits no shape, or one of another shape than its source's, is
+        refused either way."""
         self.sources: dict[str, tuple[Shape, str]] = {}
         """Each source's shape and the ``where`` of its first record."""
         self.counts: dict[str, int] = {}
@@ -284,11 +313,15 @@ class Shaper:
         if source not in self.sources:
             shape = next((s for s in self.candidates if self._fits(s, record)), None)
             if shape is None:
+                if self.keep_unshaped and self._closest(record).canonical:
+                    return record
                 raise self._missing(where, record, None)
             self.sources[source] = (shape, where)
         shape, first = self.sources[source]
         if not self._fits(shape, record):
             other = next((s for s in self.candidates if s is not shape and self._fits(s, record)), None)
+            if other is None and self.keep_unshaped and shape.canonical:
+                return record
             if other is None:
                 raise self._missing(where, record, shape)
             raise UserError(
@@ -312,11 +345,35 @@ class Shaper:
     def _fits(self, shape: Shape, record: dict[str, Any]) -> bool:
         return not self._resolve(shape, record)[1] and not any(self._column(shape, n, record) for n in shape.excludes)
 
+    def _closest(self, record: dict[str, Any]) -> Shape:
+        """The shape ``record`` comes closest to: the most required columns present, the first on ties."""
+        return max(self.candidates, key=lambda s: len(s.required) - len(self._resolve(s, record)[1]))
+
+    def check_schema(self, label: str, kinds: dict[str, tuple[str, str]]) -> None:
+        """Refuse, before a row is read, a file (``label``) whose schema gives a column the shape reads a kind that
+        cannot hold it (``COLUMN_KINDS``): a ``text`` column of int64, say. The shape is the one its columns give,
+        as the first record would (``auto`` tries them in order); a schema that fits none is left to the records."""
+        present = {column for column, (kind, _) in kinds.items() if kind != "null"}
+
+        def column(shape: Shape, name: str) -> str | None:
+            names = (self.columns[name],) if name in self.columns else shape.aliases.get(name, (name,))
+            return next((c for c in names if c in present), None)
+
+        shape = next((s for s in self.candidates if all(column(s, n) for n in s.required)
+                      and not any(column(s, n) for n in s.excludes)), None)  # fmt: skip
+        for name, allowed in COLUMN_KINDS[shape.name].items() if shape is not None else ():
+            found = column(shape, name)
+            if found is not None and kinds[found][0] not in allowed:
+                raise UserError(
+                    f"{label}: column {found!r} is {kinds[found][1]} in the file's schema, but the {shape.name} shape "
+                    f"reads it as {_KIND_WORDS[allowed]}; convert the column, or map another one with --data_columns"
+                )
+
     def _missing(self, where: str, record: dict[str, Any], shape: Shape | None) -> UserError:
         """The error for a record lacking a column of ``shape`` (None: of every shape; the closest one is named)."""
         guessed = shape is None
-        if shape is None:  # the shape it comes closest to: the most required columns present, the first on ties
-            shape = max(self.candidates, key=lambda s: len(s.required) - len(self._resolve(s, record)[1]))
+        if shape is None:
+            shape = self._closest(record)
         found, missing = self._resolve(shape, record)
         if not missing:  # every column it needs, and one that means another shape
             column = next(c for n in shape.excludes if (c := self._column(shape, n, record)) is not None)

@@ -158,6 +158,11 @@ class StagingState:
     """The first record not yet read when the state was written."""
     counts: dict[str, Any] = field(default_factory=lambda: {"read": 0, "kept": 0, "tokens": 0, "trained": 0,
                                                              "dropped": {}})  # fmt: skip
+    shapes: dict[str, str] = field(default_factory=dict)
+    """``"INPUT:PART"`` (indexes) -> the record shape the checking pass found for that file, where its records are
+    converted (``data/shapes.py``); kept here so that a resumed run converts them the same way, wherever it starts."""
+    shapes_read: str = ""
+    """The summary's words for the shapes read (``Shaper.describe``); empty when records were read as they are."""
 
     def save(self, staging: Path) -> None:
         write_synced(staging / STATE_FILE, json.dumps(asdict(self), indent=1))

@@ -12,6 +12,8 @@ from, ``"FILE row N"`` (rows counted from 0 in each file, as ``datasets`` and pa
 downloaded into the Hugging Face cache (``hub.snapshot``, as models are; ``HF_HUB_OFFLINE=1``: from the cache only)
 and then read from those local files, as a local directory is (its README's ``configs`` name the
 subsets; file names such as ``train-*``/``test-*`` the splits), never through ``datasets``' own Hub filesystem.
+Where its card names subsets, the snapshot holds only the chosen subset's files (and split's), found here by the
+card's patterns (``dataset_card``), since ``datasets`` fails on a repository whose other subsets were not fetched.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from astrai_fabric import hub
+from astrai_fabric import dataset_card, hub
 from astrai_fabric.errors import UserError
 
 EXTRA = "pip install 'astrai-fabric[datasets]'"
@@ -76,6 +78,9 @@ class Part:
     """Batches of columns from row ``start`` on."""
     files: list[Path] = field(default_factory=list)
     """The local files it reads (for ``prepare --resume``'s identity)."""
+    schema: Callable[[], dict[str, tuple[str, str]] | None] = lambda: None
+    """Its columns' kinds without reading a row (``column_kinds``), where the file states them (parquet's footer, an
+    arrow stream's header, a saved table); None where only the rows say (CSV, JSON)."""
 
 
 @dataclass
@@ -107,6 +112,38 @@ class Source:
     def files(self) -> list[Path]:
         return [file for part in self.parts for file in part.files]
 
+    def check_schemas(self, check: Callable[[str, dict[str, tuple[str, str]]], None]) -> None:
+        """``check(label, column kinds)`` of each part whose file states its columns' types, before any row is read
+        (``shapes.Shaper.check_schema``: a column of the wrong kind named at once, not at its first row)."""
+        for part in self.parts:
+            try:
+                kinds = part.schema()
+            except Exception:  # noqa: BLE001 — a file pyarrow cannot open: reading it says why, naming it
+                kinds = None
+            if kinds is not None:
+                check(part.label, kinds)
+
+
+def column_kinds(schema: Any) -> dict[str, tuple[str, str]]:
+    """A pyarrow schema's columns as ``{name: (kind, type)}``: ``kind`` one of string, list, number, bool, struct,
+    null or other (what ``data/shapes.py`` checks, with no pyarrow there), ``type`` pyarrow's own spelling."""
+    import pyarrow as pa
+
+    def kind(data_type: Any) -> str:
+        if pa.types.is_dictionary(data_type):  # pandas' categories: the values' kind
+            return kind(data_type.value_type)
+        for name, test in (("string", pa.types.is_string), ("string", pa.types.is_large_string),
+                           ("list", pa.types.is_list), ("list", pa.types.is_large_list),
+                           ("list", pa.types.is_fixed_size_list), ("number", pa.types.is_integer),
+                           ("number", pa.types.is_floating), ("number", pa.types.is_decimal),
+                           ("bool", pa.types.is_boolean), ("struct", pa.types.is_struct),
+                           ("null", pa.types.is_null)):  # fmt: skip
+            if test(data_type):
+                return name
+        return "other"
+
+    return {schema_field.name: (kind(schema_field.type), str(schema_field.type)) for schema_field in schema}
+
 
 def _reason(err: BaseException) -> str:
     text = " ".join(str(err).split()) or type(err).__name__
@@ -133,7 +170,7 @@ def open_source(path: Path, kind: str, what: str = "data_root_path", subset: str
     if kind == "saved":
         return _saved(datasets, path, what, subset, split)
     if kind == "hub":
-        directory = hub.snapshot(hub.HubId.parse(name), what, repo_type="dataset")
+        directory = hub.snapshot(hub.HubId.parse(name), what, repo_type="dataset", subset=subset, split=split)
     elif path.is_file():
         if subset is not None:
             raise UserError(f"--data_subset {subset!r}: {what} {name} is one {kind} file, without subsets")
@@ -152,7 +189,22 @@ def _file_part(datasets, kind: str, file: Path, label: str | Path) -> Part:
         stream = datasets.load_dataset(kind, data_files=[str(file)], split="train", streaming=True)
         return stream.skip(start).iter(batch_size=BATCH_ROWS) if start else stream.iter(batch_size=BATCH_ROWS)
 
-    return Part(str(label), rows, [file])
+    def schema() -> dict[str, tuple[str, str]] | None:
+        import pyarrow as pa
+        import pyarrow.parquet
+
+        if kind == "parquet":  # the footer alone
+            return column_kinds(pyarrow.parquet.read_schema(file))
+        if kind == "arrow":  # the stream's (or file's) header alone, as datasets writes and reads either
+            with pa.memory_map(str(file)) as mapped:
+                try:
+                    return column_kinds(pa.ipc.open_stream(mapped).schema)
+                except pa.ArrowInvalid:
+                    mapped.seek(0)
+                    return column_kinds(pa.ipc.open_file(mapped).schema)
+        return None  # CSV and JSON: only their rows say
+
+    return Part(str(label), rows, [file], schema)
 
 
 def _parquet_rows(file: Path) -> int:
@@ -167,6 +219,13 @@ def _directory(datasets, name: str, kind: str, directory: Path, what: str, subse
     ``configs`` name the subsets, file names (``train-*``, ``test-*``, ...) the splits, and every file is ``train``
     when none says. Only data files count (``NOT_DATA`` is never read, whatever ``datasets`` would guess)."""
     hub, directory = kind == "hub", directory.absolute()
+    if hub:  # a snapshot holds only the chosen subset's files where its card names subsets (hub._dataset_allow)
+        card = dataset_card.subsets(dataset_card.read_card(directory), f"{what} {name}: {dataset_card.CARD}")
+        if card is not None:
+            chosen = dataset_card.choose(card, subset, f"{what} {name}")
+            if chosen.splits is not None or chosen.data_dir:
+                return _card_subset(datasets, name, directory, what, subset, chosen, split)
+            subset = chosen.name  # an entry naming no files: datasets reads it, the whole layout fetched
     subsets = _call(lambda: datasets.get_dataset_config_names(str(directory)), name)
     if subset is not None and subset not in subsets:
         raise UserError(f"--data_subset {subset!r}: {what} {name} has no such subset; it has {_listed(subsets)}")
@@ -191,6 +250,35 @@ def _directory(datasets, name: str, kind: str, directory: Path, what: str, subse
     return Source(name, reader if hub else kind, subset, chosen, parts)
 
 
+def _card_subset(datasets, name: str, directory: Path, what: str, subset: str | None, chosen: dataset_card.Subset,
+                 split: str | None) -> Source:  # fmt: skip
+    """The subset ``chosen`` of a Hub snapshot, its files found by its card's patterns (``dataset_card.matching``)
+    or, where it names only a ``data_dir``, by the file names there; not by ``datasets``, which resolves every
+    subset's patterns and fails on those of the subsets not fetched."""
+    wanted = {file.relative_to(directory).as_posix(): file for file in data_files(directory, (*SUFFIXES, ".jsonl"))}
+    if chosen.splits is None:  # a data_dir's own layout: its files split by their names, as datasets splits them
+        from datasets.data_files import DataFilesDict, get_data_patterns
+
+        base = str(directory / chosen.data_dir)
+        found = _call(lambda: DataFilesDict.from_patterns(get_data_patterns(base), base), name)
+        located = set(wanted.values())
+        splits = {str(key): sorted(f for f in map(Path, files) if f in located) for key, files in found.items()}
+    else:
+        splits = {key: [wanted[n] for n in dataset_card.matching(patterns, wanted)]
+                  for key, patterns in chosen.splits.items()}  # fmt: skip
+    splits = {key: files for key, files in splits.items() if files}
+    readers = {SUFFIXES.get(file.suffix.lower(), "json") for files in splits.values() for file in files}
+    if not splits:
+        raise UserError(f"{what} {name}: subset {chosen.name!r} holds no parquet, arrow, CSV or JSON data files")
+    if len(readers) > 1:
+        raise UserError(f"{what} {name}: subset {chosen.name!r} holds data files of several kinds "
+                        f"({', '.join(sorted(readers))}); datasets reads one kind per subset")  # fmt: skip
+    reader = readers.pop()
+    picked = _choose_split(splits, split, name, what)
+    parts = [_file_part(datasets, reader, file, f"{name}: {file.relative_to(directory)}") for file in splits[picked]]
+    return Source(name, reader, subset, picked, parts)
+
+
 def _saved(datasets, path: Path, what: str, subset: str | None, split: str | None) -> Source:
     """A ``save_to_disk`` directory: one ``Dataset`` (its only split) or a ``DatasetDict`` (``--data_split``)."""
     name = str(path)
@@ -211,7 +299,8 @@ def _saved(datasets, path: Path, what: str, subset: str | None, split: str | Non
             yield dataset[begin : begin + BATCH_ROWS]
 
     files = [Path(f["filename"]) for f in dataset.cache_files]
-    return Source(name, "saved", None, chosen, [Part(f"{name} ({chosen})", rows, files)])
+    schema = lambda: column_kinds(dataset.data.schema)  # noqa: E731 — the memory-mapped table's: no row read
+    return Source(name, "saved", None, chosen, [Part(f"{name} ({chosen})", rows, files, schema)])
 
 
 def _choose_split(splits: dict[str, list[Path]], split: str | None, name: str, what: str) -> str:

@@ -8,7 +8,7 @@ Bin layout: ``ROOT/**/meta.json`` next to ``<key>.bin`` files; ``meta.json`` map
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,10 +57,12 @@ def detect_format(path: Path, what: str = "data_root_path") -> str:
 
 
 def read_records(
-    path: Path, what: str = "data_root_path", subset: str | None = None, split: str | None = None
-) -> list[Record]:
+    path: Path, what: str = "data_root_path", subset: str | None = None, split: str | None = None,
+    schema_check: Callable[[str, dict[str, tuple[str, str]]], None] | None = None,
+) -> list[Record]:  # fmt: skip
     """Every record of the JSONL or ``datasets`` source at ``path`` (``read_jsonl``, ``data/sources.py``), with
-    ``subset`` and ``split`` (``--data_subset``, ``--data_split``) chosen in a ``datasets`` source."""
+    ``subset`` and ``split`` (``--data_subset``, ``--data_split``) chosen in a ``datasets`` source, whose files'
+    schemas go to ``schema_check`` (``shapes.Shaper.check_schema``) before a row is read."""
     kind = detect_format(path, what)
     if kind in ("bin", "jsonl"):
         for flag, value in (("--data_subset", subset), ("--data_split", split)):
@@ -71,6 +73,8 @@ def read_records(
             raise UserError(f"{what} {path}: holds bin shards, not records")
         return read_jsonl(path, what)
     source = open_source(path, kind, what, subset, split)
+    if schema_check is not None:
+        source.check_schemas(schema_check)
     records = [(where, record) for _, _, where, record in source.records()]
     if not records:
         raise UserError(f"{what} {path}: split {source.split!r} is empty (no records)")

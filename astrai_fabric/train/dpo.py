@@ -16,7 +16,7 @@ from astrai_fabric import assets
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.data.dataset_config import render_pair, unrendered_warning
 from astrai_fabric.data.records import PreferenceDataset, collate_preferences
-from astrai_fabric.data.shapes import check_not_shaped, shape_records
+from astrai_fabric.data.shapes import Shaper, check_not_shaped, shape_records
 from astrai_fabric.data.storage import read_records
 from astrai_fabric.lora import reference_context
 from astrai_fabric.losses import dpo_loss, token_logprobs, with_moe_aux_loss
@@ -56,7 +56,9 @@ def build_dataset(args: TrainArgs, start: Start) -> tuple[PreferenceDataset, str
     data_path = require_records(assets.resolve(args.data_root_path), "dpo")
     tokenizer = start.need_tokenizer("dpo")
     config = start.dataset_config
-    records, shapes = read_records(data_path, subset=args.data_subset, split=args.data_split), ""
+    schema_check = None if config is not None else Shaper("dpo", args.data_format, args.data_columns).check_schema
+    records = read_records(data_path, subset=args.data_subset, split=args.data_split, schema_check=schema_check)
+    shapes = ""
     if config is not None:
         check_not_shaped(args.data_format, args.data_columns, f"{config.path} renders these records")
     else:  # records of any dpo shape (data/shapes.py), read as prompt/chosen/rejected

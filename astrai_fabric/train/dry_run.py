@@ -11,7 +11,7 @@ from astrai_fabric.checkpoint import checkpoints_after
 from astrai_fabric.checkpoint.ownership import in_use_message, lock_holder, not_ours_message, unowned
 from astrai_fabric.config.train import RECIPE_FILE, RECIPE_HEADER, TrainArgs
 from astrai_fabric.errors import UserError
-from astrai_fabric.hub import looks_like_hub_id
+from astrai_fabric.hub import HUB_FLAGS, looks_like_hub_id, pin_cached_flags
 from astrai_fabric.schedule import ScheduleArgs, StepPlan
 from astrai_fabric.strategy import (
     describe_cpu_threads,
@@ -55,8 +55,14 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
     )
     problems += _ckpt_dir_problems(args)
     start = dataset = parameters = data = plan = schedule = note = position = None
+    try:  # a dry run downloads nothing: ids in the cache are read from it, the others only named in the plan
+        uncached = pin_cached_flags(args)
+    except UserError as err:
+        problems.append(str(err))
+        uncached = dict.fromkeys(HUB_FLAGS, "")
     try:
-        start = read_start(args)
+        if not uncached.keys() & {"param_path", "tokenizer_path"}:  # what read_start reads (the reference: not)
+            start = read_start(args)
     except UserError as err:
         problems.append(str(err))
         missing = not assets.resolve(args.data_root_path).exists() and not looks_like_hub_id(args.data_root_path)
@@ -70,7 +76,8 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
                 "(--resume auto continues the newest)"
             )
         try:
-            dataset, summary = build_dataset(args, start)
+            if "data_root_path" not in uncached:
+                dataset, summary = build_dataset(args, start)
         except UserError as err:
             problems.append(str(err))
     if dataset is not None:
@@ -107,6 +114,7 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
             loader=resolve_num_workers(args.num_workers, topology.devices)[1],
             cpu_threads=threads,
             position=position,
+            fetched=[line for line in uncached.values() if line],
         )  # fmt: skip
     )
     if problems:

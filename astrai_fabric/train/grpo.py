@@ -26,7 +26,7 @@ from astrai_fabric.checkpoint.position import RunPosition
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.data.dataset_config import render_group, unrendered_warning
 from astrai_fabric.data.records import GroupDataset, PromptDataset, collate_groups, collate_prompts, pack
-from astrai_fabric.data.shapes import check_not_shaped, shape_records
+from astrai_fabric.data.shapes import Shaper, check_not_shaped, shape_records
 from astrai_fabric.data.storage import read_records
 from astrai_fabric.errors import ConfigError, UserError
 from astrai_fabric.generate import generate
@@ -132,9 +132,11 @@ def build_dataset(args: TrainArgs, start: Start) -> tuple[GroupDataset | PromptD
     """Scored groups (offline) or prompts (online: the data holds no responses), and a description of them."""
     window_size = start.window_size
     data_path = require_records(assets.resolve(args.data_root_path), "grpo")
-    records, shapes = read_records(data_path, subset=args.data_subset, split=args.data_split), ""
-    tokenizer = start.need_tokenizer("grpo")
     config = start.dataset_config
+    schema_check = None if config is not None else Shaper("grpo", args.data_format, args.data_columns).check_schema
+    records = read_records(data_path, subset=args.data_subset, split=args.data_split, schema_check=schema_check)
+    shapes = ""
+    tokenizer = start.need_tokenizer("grpo")
     if config is not None:
         check_not_shaped(args.data_format, args.data_columns, f"{config.path} renders these records")
     else:  # prompts (online) or scored groups (offline), their other columns kept for the reward (data/shapes.py)

@@ -136,11 +136,12 @@ def describe_plan(
     loader: str,
     cpu_threads: str | None,
     position: RunPosition | None = None,
+    fetched: list[str] = (),
 ) -> str:
     """The plan as printed: one labelled line per part, in the order a run goes. A part given as None is left out
     (the dry run could not work it out: it lists why beneath). ``position``: where the run starts (default: the
-    beginning)."""
-    rows: list[tuple[str, str]] = [("processes", processes)]
+    beginning); ``fetched``: the dry run's words for the Hub ids the run would download first."""
+    rows: list[tuple[str, str]] = [("processes", processes), *(("hub", line) for line in fetched)]
     if start is not None:
         weights = start.weights.path if start.weights is not None else f"none: AstrAI's init, seed {args.random_seed}"
         rows.append(("model", f"{assets.resolve(args.param_path)}: weights {weights}"))
