@@ -34,17 +34,18 @@ import yaml
 from jsonargparse import ArgumentParser, set_parsing_settings
 
 from astrai_fabric import __version__, hub
+from astrai_fabric.config.evaluate import EvaluateArgs
 from astrai_fabric.config.generate import ChatArgs, GenerateArgs
 from astrai_fabric.config.kinds import kind_problem
 from astrai_fabric.config.train import COMMAND_LINE_ONLY, TrainArgs, resolved_recipe
-from astrai_fabric.data.prepare import PipelineConfig, prepare
+from astrai_fabric.data.prepare import PipelineConfig, check_shape_flags, prepare
 from astrai_fabric.errors import TrainingError, UserError, keep_traceback
 from astrai_fabric.export import DEFAULT_MAX_SHARD_SIZE, DTYPES, FORMATS, AlreadyComplete, export
 from astrai_fabric.generate import run_generate
 from astrai_fabric.tokenizer import Tokenizer
 
 TRAIN_COMMANDS = ("seq", "sft", "dpo", "grpo")
-OTHER_COMMANDS = ("generate", "chat", "export", "prepare", "plot", "download")
+OTHER_COMMANDS = ("evaluate", "generate", "chat", "export", "prepare", "plot", "download")
 """The commands that train nothing (each dispatched by ``_dispatch``); the usage line lists both tuples."""
 TRAIN_TYPE_ALIASES = {"online_grpo": "grpo"}
 """AstrAI's train types that are a mode of ours: grpo is online when its data holds prompts only."""
@@ -148,6 +149,8 @@ def _keep_traceback(err: Exception) -> str:
 def _dispatch(argv: list[str]) -> int:
     if argv and argv[0] in TRAIN_COMMANDS:
         return train_command(argv[0], argv[1:])
+    if argv and argv[0] == "evaluate":
+        return evaluate_command(argv[1:])
     if argv and argv[0] == "generate":
         return generate_command(argv[1:])
     if argv and argv[0] == "chat":
@@ -187,6 +190,7 @@ def _top_level_help() -> str:
         "  sft       supervised fine-tuning on chat messages (assistant turns trained)",
         "  dpo       direct preference optimization on chosen/rejected pairs",
         "  grpo      group relative policy optimization: scored groups (offline) or sampled and rewarded (online)",
+        "  evaluate  perplexity on held-out data and lm-evaluation-harness tasks, of a model or every checkpoint",
         "  generate  sample continuations of prompts from a model or checkpoint",
         "  chat      talk with a model or checkpoint: multi-turn, replies streamed, /reset and /exit",
         "  export    a checkpoint in AstrAI's layout (completing a sharded one) or Hugging Face's (--format hf)",
@@ -291,6 +295,16 @@ def train_command(train_type: str, argv: list[str]) -> int:
     return execute(args, set_threads=True)[0]
 
 
+def evaluate_command(argv: list[str]) -> int:
+    from astrai_fabric.evaluate.run import run_evaluate  # torch and the model code: only when evaluating
+
+    values = _parse_with_src("evaluate", EvaluateArgs, argv, "A checkpoint or model directory (a LoRA checkpoint: its "
+                             "adapter applied), a Hub id, or a run's ckpt_dir (each of its checkpoints).")  # fmt: skip
+    values["tasks"] = [name.strip() for given in values["tasks"] for name in given.split(",") if name.strip()]
+    run_evaluate(EvaluateArgs(**values))
+    return 0
+
+
 def generate_command(argv: list[str]) -> int:
 
     parser = ArgumentParser(prog="astrai-fabric generate", description=GenerateArgs.__doc__, exit_on_error=False)
@@ -303,18 +317,19 @@ def generate_command(argv: list[str]) -> int:
 def chat_command(argv: list[str]) -> int:
     from astrai_fabric.chat import run_chat
 
-    parser = ArgumentParser(prog="astrai-fabric chat", description=ChatArgs.__doc__, exit_on_error=False)
-    parser.add_argument(
-        "param_path",
-        nargs="?",
-        metavar="SRC",
-        help="A checkpoint or model directory: ours or AstrAI's, a LoRA checkpoint (its adapter merged) or a Hugging "
-        "Face directory.",
-    )
-    parser.add_class_arguments(ChatArgs, nested_key=None, as_group=False, skip={"param_path"})
-    flags = [token.removeprefix("--param_path=") for token in _normalize(argv, Flags.of(ChatArgs))]  # generate's way
-    namespace = _parse(parser, flags)
-    return run_chat(ChatArgs(**namespace.as_dict()))
+    values = _parse_with_src("chat", ChatArgs, argv, "A checkpoint or model directory: ours or AstrAI's, a LoRA "
+                             "checkpoint (its adapter merged) or a Hugging Face directory.")  # fmt: skip
+    return run_chat(ChatArgs(**values))
+
+
+def _parse_with_src(command: str, args_type: type, argv: list[str], src_help: str) -> dict[str, Any]:
+    """The flags of a command whose first argument is the model, SRC (chat, evaluate): ``args_type``'s fields, with
+    ``param_path`` given as SRC or, as generate takes it, as ``--param_path``."""
+    parser = ArgumentParser(prog=f"astrai-fabric {command}", description=args_type.__doc__, exit_on_error=False)
+    parser.add_argument("param_path", nargs="?", metavar="SRC", help=src_help)
+    parser.add_class_arguments(args_type, nested_key=None, as_group=False, skip={"param_path"})
+    flags = [token.removeprefix("--param_path=") for token in _normalize(argv, Flags.of(args_type))]
+    return _parse(parser, flags).as_dict()
 
 
 def export_command(argv: list[str]) -> int:
@@ -409,15 +424,20 @@ def prepare_command(argv: list[str]) -> int:
     parser.add_argument("--resume", action="store_true", help="Continue the killed prepare of this -o.")
     parser.add_argument("--data_subset", help="The subset (configuration) of a datasets source.")
     parser.add_argument("--data_split", help="The split of a datasets source; default: train, or its only split.")
+    shapes_help = "The records' shape, as in training: auto, or a seq/sft shape (plain documents are seq)."
+    parser.add_argument("--data_format", default="auto", help=shapes_help)
+    parser.add_argument("--data_columns", help="field=column,...: a shape's field read from another column.")
     namespace = _parse(parser, argv)
     config = PipelineConfig.from_file(Path(namespace.config))
+    check_shape_flags(config, namespace.data_format, namespace.data_columns)  # before a tokenizer is fetched
     tokenizer_path = namespace.tokenizer_path or config.tokenizer_path
     if tokenizer_path is None:
         raise UserError("prepare needs --tokenizer_path (the tokenizer of the model to train), or tokenizer_path in -c")
     tokenizer = Tokenizer.from_dir(hub.resolve_model(tokenizer_path, "--tokenizer_path"))
     inputs = [Path(p) for p in namespace.inputs]
     print(prepare(inputs, Path(namespace.output_dir), config, tokenizer, namespace.num_proc, namespace.resume,
-                  namespace.data_subset, namespace.data_split))  # fmt: skip
+                  namespace.data_subset, namespace.data_split, namespace.data_format,
+                  namespace.data_columns))  # fmt: skip
     return 0
 
 

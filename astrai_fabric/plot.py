@@ -2,7 +2,9 @@
 or several overlaid. The only matplotlib importer.
 
 A run is a ``--ckpt_dir`` (every ``metric.jsonl`` under it is merged, so resumed runs plot whole), a checkpoint
-directory, or a ``metric.jsonl`` file.
+directory, or a ``metric.jsonl`` file. Where its checkpoints hold evaluations (``astrai-fabric evaluate``, their
+``eval/*.json``), each metric is drawn against the checkpoint's step too: the held-out loss on the loss panel, every
+other metric (perplexity, each task's) on a panel of its own below.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from astrai_fabric.errors import UserError
+from astrai_fabric.evaluate.results import CHECKPOINT_NAME, checkpoint_results
 
 PLOT_FILE = "plot.png"
 METRIC_FILE = "metric.jsonl"
@@ -19,10 +22,16 @@ METRIC_FILE = "metric.jsonl"
 imports torch.distributed.tensor (~0.7 s measured), which ``astrai-fabric plot`` has no use for."""
 
 
+EVAL_SKIPPED = ("tokens", "units")
+"""Evaluation numbers that are counts, not measures: not drawn."""
+
+
 def read_entries(run: Path) -> list[dict[str, Any]]:
     """The run's metric entries, merged over all its ``metric.jsonl`` files, one per (type, step), by step."""
     files = [run] if run.is_file() else sorted(run.rglob(METRIC_FILE))
     if not files:
+        if read_evaluations(run):
+            return []
         raise UserError(f"{run}: no {METRIC_FILE} found (give a run's ckpt_dir, a checkpoint, or a metric.jsonl)")
     merged: dict[tuple[str, int], dict[str, Any]] = {}
     for file in files:
@@ -37,6 +46,39 @@ def read_entries(run: Path) -> list[dict[str, Any]]:
             except (ValueError, RecursionError, KeyError, TypeError) as err:  # ValueError: JSON, digits
                 raise UserError(f"{file}:{number}: not a metric entry ({err})") from None
     return sorted(merged.values(), key=lambda e: e["step"])
+
+
+def read_evaluations(run: Path) -> dict[str, list[tuple[int, float]]]:
+    """Each evaluation metric of the run's checkpoints (``run`` itself, or the ``epoch_E_step_S`` in it) as
+    ``(step, value)`` points by step, named ``metric`` (perplexity) or ``task/metric``, with the data it was measured
+    on where a run was evaluated on several."""
+    if not run.is_dir():
+        return {}
+    checkpoints = [run] if CHECKPOINT_NAME.match(run.name) else sorted(run.glob("epoch_*_step_*"))
+    series: dict[str, list[tuple[int, float]]] = {}
+    data_paths = set()
+    results = []
+    for checkpoint in checkpoints:
+        match = CHECKPOINT_NAME.match(checkpoint.name)
+        if not match or not checkpoint.is_dir():
+            continue
+        for result in checkpoint_results(checkpoint):
+            results.append((int(match[2]), result))
+            if result.get("kind") == "perplexity":
+                data_paths.add(str(result.get("settings", {}).get("data_root_path")))
+    for step, result in results:
+        where = f" ({result['settings'].get('data_root_path')})" if len(data_paths) > 1 and result.get("kind") == (
+            "perplexity") else ""  # fmt: skip
+        for name, value in result["metrics"].items():
+            drawn = isinstance(value, int | float) and not isinstance(value, bool)
+            if (
+                drawn
+                and name not in EVAL_SKIPPED
+                and not name.endswith(("_stderr", "_ci95"))
+                and "_stderr[" not in name
+            ):
+                series.setdefault(f"{name}{where}", []).append((step, value))
+    return {name: sorted(points) for name, points in series.items()}
 
 
 def check_output(output: Path) -> None:
@@ -59,17 +101,38 @@ def plot_runs(runs: list[Path], output: Path) -> Path:
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    figure, (loss_ax, lr_ax, speed_ax) = plt.subplots(1, 3, figsize=(16, 4.5))
+    evaluations = {run: read_evaluations(run) for run in runs}
+    eval_names = sorted({name for series in evaluations.values() for name in series if not _is_eval_loss(name)})
+    rows = 1 + -(-len(eval_names) // 3)
+    figure, axes = plt.subplots(rows, 3, figsize=(16, 4.5 * rows), squeeze=False)
+    loss_ax, lr_ax, speed_ax = axes[0]
+    eval_axes = dict(zip(eval_names, axes.flat[3:], strict=False))
     for run in runs:
         entries = read_entries(run)
         name = run.name if run.name != METRIC_FILE else run.parent.name
         steps = [e for e in entries if e["type"] == "step"]
         line = _series(loss_ax, steps, "loss", f"{name} train")
+        color = line.get_color() if line else None
         _series(loss_ax, [e for e in entries if e["type"] == "validation"], "val_loss", f"{name} validation",
-                color=line.get_color() if line else None, linestyle="--", marker="o")  # fmt: skip
+                color=color, linestyle="--", marker="o")  # fmt: skip
         _series(lr_ax, steps, "lr", name)
         _series(speed_ax, steps, "tokens_per_sec", name)
-    for axis, title in ((loss_ax, "loss"), (lr_ax, "learning rate"), (speed_ax, "tokens/s")):
+        for metric, points in evaluations[run].items():
+            entries_of = [{"step": step, "value": value} for step, value in points]
+            if _is_eval_loss(metric):
+                _series(loss_ax, entries_of, "value", f"{name} evaluate {metric}", color=color, linestyle=":",
+                        marker="s")  # fmt: skip
+            else:
+                _series(eval_axes[metric], entries_of, "value", name, marker="o")
+    for axis in axes.flat[3 + len(eval_names) :]:
+        axis.set_visible(False)
+    titles = [
+        (loss_ax, "loss"),
+        (lr_ax, "learning rate"),
+        (speed_ax, "tokens/s"),
+        *((a, n) for n, a in eval_axes.items()),
+    ]
+    for axis, title in titles:
         axis.set_title(title)
         axis.set_xlabel("optimizer step")
         axis.grid(alpha=0.3)
@@ -100,6 +163,11 @@ def _series(axis: Any, entries: list[dict[str, Any]], key: str, label: str, **st
         return None
     (line,) = axis.plot(*zip(*points, strict=True), label=label, **{k: v for k, v in style.items() if v is not None})
     return line
+
+
+def _is_eval_loss(name: str) -> bool:
+    """Perplexity's mean loss, drawn with the training loss it is comparable to."""
+    return name == "loss" or name.startswith("loss (")
 
 
 def _plottable(value: float) -> bool:

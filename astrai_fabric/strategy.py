@@ -7,7 +7,8 @@
   leaving FSDP a data mesh of one rank and every rank all the data); ``--fsdp_shard_size`` below the data-parallel
   size makes it HSDP (``FSDPLayout``).
 
-Any mode with a world of one process trains on a single device. Launching: the CLI launches ``nprocs`` local
+Any mode with a world of one process trains on a single device; ``astrai-fabric evaluate`` gets DDP's process group
+and launcher only (``evaluation_fabric``). Launching: the CLI launches ``nprocs`` local
 ranks itself; under ``fabric run``, torchrun or SLURM the processes already exist, the environment fixes the
 world size, and ``fabric.launch()`` must not be called (it raises there).
 """
@@ -28,6 +29,7 @@ from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElastic
 from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
 from torch import nn
 
+from astrai_fabric.config.evaluate import EvaluateArgs
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import ConfigError
 from astrai_fabric.loggers import build_loggers
@@ -49,7 +51,7 @@ class Topology:
         return self.devices * self.num_nodes
 
 
-def resolve_topology(args: TrainArgs) -> Topology:
+def resolve_topology(args: TrainArgs | EvaluateArgs) -> Topology:
     """Ranks per node and nodes, from the launcher's environment when there is one, else from the flags."""
     env = os.environ
     if env.get("LT_CLI_USED") == "1":  # fabric run
@@ -64,7 +66,7 @@ def resolve_topology(args: TrainArgs) -> Topology:
         return Topology(args.nprocs, args.num_nodes, False)
     # Only a value given that says otherwise conflicts: the defaults (1) mean "what the launcher decides", and
     # --nprocs may be the ranks per node or (as AstrAI's docs have it) the world size.
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainArgs)}
+    defaults = {f.name: f.default for f in dataclasses.fields(type(args))}
     conflicts = []
     if args.nprocs != defaults["nprocs"] and args.nprocs not in (topology.devices, topology.world_size):
         conflicts.append(f"--nprocs {args.nprocs}")
@@ -109,7 +111,7 @@ def fsdp_layout(args: TrainArgs, world_size: int) -> FSDPLayout:
     return FSDPLayout(data_parallel_size // shards, shards, tp_size)
 
 
-def resolve_accelerator(args: TrainArgs) -> str:
+def resolve_accelerator(args: TrainArgs | EvaluateArgs) -> str:
     """``--device_type``, else what ``fabric run --accelerator`` chose, else cuda when available."""
     launcher_choice = {"gpu": "cuda", "cuda": "cuda", "cpu": "cpu"}.get(os.environ.get("LT_ACCELERATOR", ""))
     device_type = args.device_type or launcher_choice
@@ -223,6 +225,16 @@ def build_fabric(args: TrainArgs, topology: Topology) -> Fabric:
         precision=resolve_precision(args.precision, accelerator),
         loggers=build_loggers(args),
     )
+
+
+def evaluation_fabric(args: EvaluateArgs) -> Fabric:
+    """The ranks of ``astrai-fabric evaluate``: each holds the whole model and scores its share, so all they need is
+    a process group (gloo on CPU, nccl on CUDA) and DDP's launcher; the model is never wrapped (nothing is trained)."""
+    topology = resolve_topology(args)
+    accelerator = resolve_accelerator(args)
+    backend = "nccl" if accelerator == "cuda" else "gloo"
+    strategy = "auto" if topology.world_size == 1 else DDPStrategy(process_group_backend=backend)
+    return Fabric(accelerator=accelerator, strategy=strategy, devices=topology.devices, num_nodes=topology.num_nodes)
 
 
 def is_fsdp(fabric: Fabric) -> bool:

@@ -1,9 +1,10 @@
 """Hub model ids (``astrai_fabric/hub.py``) against the local stand-in for the Hub (``hub_stand_in.py``: which
-endpoints it serves and why it stands in): ``download`` then offline training, generate and export from an id,
-``org/name@commit`` recorded in meta.json and a LoRA checkpoint's base pointer (which loads again offline), the
-messages (offline with no cached copy, gated, pickled weights only, a missing path that looks like an id, an
-unknown revision, an unreachable Hub), each one line."""
+endpoints it serves and why it stands in): ``download`` then offline training, generate, chat, evaluate and export
+from an id, ``org/name@commit`` recorded in meta.json and a LoRA checkpoint's base pointer (which loads again
+offline), the messages (offline with no cached copy, gated, pickled weights only, a missing path that looks like an
+id, an unknown revision, an unreachable Hub), each one line."""
 
+import fnmatch
 import io
 import json
 import time
@@ -14,7 +15,7 @@ import torch
 from hub_stand_in import go_offline, serving
 from spawn import run_ranks
 
-from astrai_fabric import hub
+from astrai_fabric import dataset_card, hub
 from astrai_fabric.assets import TINY_MODEL_DIR
 from astrai_fabric.checkpoint import LORA_BASE_KEY, save_checkpoint
 from astrai_fabric.cli import main
@@ -88,6 +89,12 @@ def test_download_then_offline_training_generate_and_export_from_an_id(stand_in,
     from astrai_fabric.lightning_module import AstraiLM  # the Lightning app reads ids as the CLI does
 
     assert AstraiLM(param_path=REPO).tokenizer.directory == snapshot
+    (tmp_path / "held_out.jsonl").write_text('{"text": "In the beginning God created the heaven"}\n')
+    capsys.readouterr()
+    assert main(["evaluate", REPO, "--data_root_path", str(tmp_path / "held_out.jsonl"), "--perplexity_unit",
+                 "records", "--output", str(tmp_path / "eval.json")]) == 0  # fmt: skip
+    assert f"[1/1] {REPO}@{stand_in.commit}" in capsys.readouterr().out  # named portably; nothing stored in the cache
+    assert not (snapshot / "eval").exists() and json.loads((tmp_path / "eval.json").read_text())["results"]
     monkeypatch.chdir(tmp_path)
     assert main(["export", REPO, "--format", "hf"]) == 0
     assert (tmp_path / "tiny_hf" / "model.safetensors").is_file()  # here, named after the repository
@@ -105,6 +112,10 @@ def test_a_lora_checkpoint_of_an_id_points_to_org_name_at_commit_and_loads_offli
     go_offline(monkeypatch, stand_in)
     argv = ["generate", "--param_path", str(checkpoint), "--chat", "false", "--prompt", "In", "--max_new_tokens", "1"]
     assert main(argv) == 0  # the base resolved again, from the cache
+    assert main(["export", str(checkpoint), "--format", "peft", "--out", str(tmp_path / "peft")]) == 0
+    adapter_config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    pin = adapter_config["base_model_name_or_path"], adapter_config.get("revision")
+    assert pin == (REPO, stand_in.commit)  # PEFT's spelling of org/name@commit: not this machine's cache path
     base = hub.cache_dir() / "models--org--tiny" / "snapshots" / stand_in.commit / "model.safetensors"
     real = base.resolve()
     real.chmod(0o644)
@@ -178,6 +189,27 @@ def test_hub_mistakes_are_one_line_each(stand_in, monkeypatch, model_files, caps
     assert "`astrai-fabric download org/never-downloaded` while online, or unset HF_HUB_OFFLINE" in line
 
 
+def test_a_dry_run_downloads_nothing_and_says_what_the_run_would_fetch(stand_in, tmp_path, capsys):
+    texts = "".join(json.dumps({"text": f"In the beginning God created the heaven {i}"}) + "\n" for i in range(8))
+    stand_in.add("org/texts", {"data/train.jsonl": texts.encode()}, repo_type="dataset")
+    argv = [*train_argv("seq", tmp_path / "dry", "--dry_run"), "--data_root_path", "org/texts"]
+    assert main(argv) == 0  # nothing in the way: the run would fetch both, then train
+    out = capsys.readouterr().out
+    for flag, kind, repo in (("param_path", "model", REPO), ("data_root_path", "dataset", "org/texts")):
+        assert (
+            f"  hub          {flag} {repo}: the Hub {kind} is not cached here ({hub.cache_dir()}); the run fetches it"
+            in out
+        )
+    assert stand_in.requests == [] and not hub.cache_dir().exists()  # not one request, nothing in the cache
+    assert main(["download", REPO]) == 0
+    asked = len(stand_in.requests)
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"  model        {REPO}@{stand_in.commit}: weights " in out  # planned from the cache, pinned to it
+    assert "param_path org/tiny: the Hub model is not cached" not in out and "data_root_path org/texts: the Hub" in out
+    assert len(stand_in.requests) == asked and not (tmp_path / "dry").exists()
+
+
 def test_what_is_read_as_a_hub_id(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "models" / "here").mkdir(parents=True)
@@ -195,3 +227,22 @@ def test_a_dataset_repository_is_served_and_fetched_whole(stand_in):
     folder = hub.snapshot(hub.HubId.parse("org/texts"), "data_root_path", repo_type="dataset")
     assert folder.name == commit and (folder / "data" / "train.jsonl").read_bytes() == records
     assert hub.snapshot(hub.HubId("org/texts", commit), "data_root_path", repo_type="dataset") == folder
+
+
+def test_a_dataset_card_pattern_matches_what_datasets_makes_of_it():
+    """``*`` and ``?`` stay in one folder, ``**`` crosses folders, ``[...]`` is a class, hidden paths never match;
+    hub.py then fetches each matched file by its own name (fnmatch's special characters made literal)."""
+    names = ["a.parquet", "data/a.parquet", "data/x/b.parquet", "data/.hidden.parquet", "data/__x/c.parquet",
+             "data/[1].parquet", "data/b?.parquet"]  # fmt: skip
+    assert dataset_card.matching(["data/*.parquet"], names) == ["data/[1].parquet", "data/a.parquet", "data/b?.parquet"]
+    assert dataset_card.matching(["data/**"], names) == ["data/[1].parquet", "data/a.parquet", "data/b?.parquet",
+                                                         "data/x/b.parquet"]  # fmt: skip
+    assert dataset_card.matching(["**/b*.parquet"], names) == ["data/b?.parquet", "data/x/b.parquet"]
+    assert dataset_card.matching(["data/?.parquet", "data/[!a]?.parquet"], names) == ["data/a.parquet",
+                                                                                      "data/b?.parquet"]  # fmt: skip
+    card = "---\nconfigs:\n- config_name: a\n  data_files: data/*.parquet\n---\n"
+    allow = hub._dataset_allow(card, names, "data_root_path org/x", "a", None)
+    assert allow == ["README.md", "data/[[]1].parquet", "data/a.parquet", "data/b[?].parquet"]
+    assert [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in allow[1:])] == [
+        "data/a.parquet", "data/[1].parquet", "data/b?.parquet"
+    ]  # fmt: skip

@@ -1,6 +1,6 @@
-"""Commands that train nothing start without what only training uses: ``--help`` (top level and each command's),
-``generate``, ``chat``, ``export`` and ``prepare`` import no Lightning, none of torch.distributed beyond what
-``import torch`` loads itself (no FSDP, DTensor, distributed checkpoint), no torch._dynamo, transformers,
+"""Commands that train nothing start without what only training uses: ``--help`` (top level and each command's,
+``evaluate``'s too), ``generate``, ``chat``, ``export`` and ``prepare`` import no Lightning, none of torch.distributed
+beyond what ``import torch`` loads itself (no FSDP, DTensor, distributed checkpoint), no torch._dynamo, transformers,
 matplotlib or sympy. Each of those costs 0.5-5 s of CPU before any work (docs/performance.md, Start-up)."""
 
 import json
@@ -65,7 +65,9 @@ def test_commands_that_train_nothing_import_nothing_only_training_uses(tmp_path)
     (tmp_path / "chats.jsonl").write_text("\n".join(records) + "\n", encoding="utf-8")
     (tmp_path / "chat.json").write_text('{"input": {"sections": [{"field": "messages", "action": "$role", '
                                         '"template": true}]}, "mask": {"assistant": "train"}}')  # fmt: skip
-    helps = [["--help"]] + [[command, "--help"] for command in ("generate", "chat", "export", "prepare", "plot")]
+    helps = [["--help"]] + [
+        [command, "--help"] for command in ("evaluate", "generate", "chat", "export", "prepare", "plot")
+    ]
     work = [
         ["generate", "--param_path", str(ckpt), "--chat", "false", "--prompt", "In the", "--max_new_tokens", "2"],
         ["export", str(ckpt)],  # complete already: said, nothing written (it used to import Lightning to say so)
@@ -92,3 +94,11 @@ def test_plot_spells_the_metric_file_as_the_run_writes_it():
     from astrai_fabric import metrics, plot
 
     assert plot.METRIC_FILE == metrics.METRIC_FILE
+
+
+def test_evaluation_results_spell_checkpoint_names_as_runs_write_them():
+    """evaluate/results.py (read by plot) names checkpoints itself rather than import astrai_fabric.checkpoint."""
+    from astrai_fabric.checkpoint import directory
+    from astrai_fabric.evaluate import results
+
+    assert results.CHECKPOINT_NAME.pattern == directory.CHECKPOINT_NAME.pattern

@@ -4,8 +4,16 @@ from astrai_fabric.model.transformer import (
     AutoRegressiveLM,
     DecoderBlock,
     count_parameters,
+    forward_window,
     make_doc_boundary_mask,
     rope_table_bytes,
 )
 
-__all__ = ["AutoRegressiveLM", "DecoderBlock", "count_parameters", "make_doc_boundary_mask", "rope_table_bytes"]
+__all__ = [
+    "AutoRegressiveLM",
+    "DecoderBlock",
+    "count_parameters",
+    "forward_window",
+    "make_doc_boundary_mask",
+    "rope_table_bytes",
+]

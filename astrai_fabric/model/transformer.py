@@ -76,6 +76,15 @@ def make_doc_boundary_mask(position_ids: Tensor) -> Tensor:
     return (same_doc & causal).unsqueeze(1)
 
 
+def forward_window(model: nn.Module, input_ids: Tensor, position_ids: Tensor | None = None) -> dict[str, Tensor]:
+    """The model on a window of a token stream: causal throughout, or, given the stream's ``position_ids`` (sft's
+    packed documents), with positions restarting and attention stopping at each document boundary. Training's
+    forward and evaluation's, one definition."""
+    if position_ids is None:
+        return model(input_ids)
+    return model(input_ids, input_mask=make_doc_boundary_mask(position_ids), position_ids=position_ids)
+
+
 class AutoRegressiveLM(nn.Module):
     """AstrAI's language model: embeddings, decoder blocks, final RMSNorm, ``lm_head`` (tied when configured).
 

@@ -18,22 +18,18 @@ from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.data import TokenStream, WindowDataset, load_window_dataset
 from astrai_fabric.data.dataset_config import render_stream
 from astrai_fabric.data.datasets import window_dataset
-from astrai_fabric.data.shapes import check_not_shaped, shape_records
-from astrai_fabric.data.storage import detect_format, read_jsonl, read_records
+from astrai_fabric.data.shapes import Shaper, check_not_shaped, shape_records
+from astrai_fabric.data.storage import detect_format, read_records
 from astrai_fabric.data.tokenize import tokenize_chats, tokenize_text
 from astrai_fabric.losses import causal_lm_loss, with_moe_aux_loss
-from astrai_fabric.model import make_doc_boundary_mask
+from astrai_fabric.model import forward_window
 from astrai_fabric.train.common import train_on
 from astrai_fabric.train.start import Start, resolve_start
 
 
 def lm_loss(model: nn.Module, batch: dict[str, Tensor], label_smoothing: float, moe_aux_loss_coef: float):
     """Mean next-token cross-entropy of one micro-batch (+ the weighted MoE aux loss)."""
-    if "position_ids" in batch:  # sft: documents packed in one window must not see each other
-        position_ids = batch["position_ids"]
-        out = model(batch["input_ids"], input_mask=make_doc_boundary_mask(position_ids), position_ids=position_ids)
-    else:
-        out = model(batch["input_ids"])
+    out = forward_window(model, batch["input_ids"], batch.get("position_ids"))  # sft's documents apart
     loss = causal_lm_loss(out["logits"], batch["target_ids"], batch.get("loss_mask"), label_smoothing)
     return with_moe_aux_loss(loss, out, moe_aux_loss_coef)
 
@@ -49,14 +45,16 @@ def build_dataset(args: TrainArgs, start: Start) -> tuple[WindowDataset, str]:
     note, shapes = "", ""
     if start.dataset_config is not None:  # AstrAI's dataset_config.json route
         check_not_shaped(args.data_format, args.data_columns, f"{start.dataset_config.path} renders these records")
-        stream, dropped = render_stream(start.dataset_config, tokenizer, read_jsonl(data_path))
+        records = read_records(data_path, subset=args.data_subset, split=args.data_split)  # JSONL or any source
+        stream, dropped = render_stream(start.dataset_config, tokenizer, records)
         stream = TokenStream({k: [v] for k, v in stream.items()})
         dataset = window_dataset(stream, args.train_type, data_path, window_size, args.stride, config.vocab_size,
                                  config.max_position_embeddings)  # fmt: skip
         reasons = ", ".join(f"{n} {reason}" for reason, n in dropped.items())
         note = f"; records rendered by {start.dataset_config.path}" + (f", dropped: {reasons}" if reasons else "")
     elif kind != "bin":  # records of any shape (data/shapes.py), tokenised as the canonical ones
-        records = read_records(data_path, subset=args.data_subset, split=args.data_split)
+        schema_check = Shaper(args.train_type, args.data_format, args.data_columns).check_schema
+        records = read_records(data_path, subset=args.data_subset, split=args.data_split, schema_check=schema_check)
         records, shaper = shape_records(records, args.train_type, args.data_format, args.data_columns)
         tokenize = tokenize_chats if args.train_type == "sft" else tokenize_text
         stream = TokenStream({k: [v] for k, v in tokenize(records, tokenizer).items()})

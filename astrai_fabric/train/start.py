@@ -146,7 +146,7 @@ def pin_hub_ids(fabric: Fabric, args: TrainArgs) -> None:
     outcome = None
     if fabric.global_rank == 0:
         try:
-            outcome = ("value", {flag: hub.pinned(getattr(args, flag), flag, kind)
+            outcome = ("value", {flag: hub.pinned(getattr(args, flag), flag, kind, **hub.dataset_choice(args, flag))
                                  for flag, kind in hub.HUB_FLAGS.items()})  # fmt: skip
         except UserError as err:
             outcome = ("error", err)
@@ -158,7 +158,7 @@ def pin_hub_ids(fabric: Fabric, args: TrainArgs) -> None:
         try:
             for flag, pin in value.items():
                 if pin != getattr(args, flag):  # a Hub id rank 0 pinned (a path it has is left as it is)
-                    hub.fetch(pin, flag)
+                    hub.fetch(pin, flag, **hub.dataset_choice(args, flag))  # the same subset's files as rank 0
         except UserError as err:
             error = err
     raise_together(fabric, error, lambda n: f"{n} node(s) could not fetch the Hub snapshot rank 0 resolved")
@@ -169,7 +169,7 @@ def pin_hub_ids(fabric: Fabric, args: TrainArgs) -> None:
 def read_start(args: TrainArgs) -> Start:
     """Read ``param_path`` and find the checkpoint to resume from, checking they belong together."""
     check_writable(args.ckpt_dir)
-    param_path, data_path = hub.resolve_model(args.param_path, "param_path"), assets.resolve(args.data_root_path)
+    param_path = hub.resolve_model(args.param_path, "param_path")
     if not param_path.exists():
         raise UserError(f"param_path {param_path}: not found (expected a model or checkpoint directory)")
     if not (param_path / CONFIG_FILE).is_file():
@@ -202,6 +202,8 @@ def read_start(args: TrainArgs) -> Start:
             f"lora_r {args.lora_r}: param_path {param_path} has no weights to adapt (LoRA trains adapters on a "
             "trained model; pass a directory with model.safetensors)"
         )
+    # A Hub dataset's file is in its snapshot (pinned and fetched by now; a dry run reads only what is cached).
+    data_path = hub.local_path(args.data_root_path, "dataset", args.data_subset, args.data_split)
     dataset_config = read_dataset_config(data_path, args.train_type)
     # The run's tokenizer: --tokenizer_path, which must hold one, else param_path's, where none is no error (the
     # reason is kept for need_tokenizer): AstrAI trains seq/sft on bin shards from such a directory.
@@ -233,6 +235,28 @@ def read_start(args: TrainArgs) -> Start:
         source,
         window_size=args.window_size or model_config.max_position_embeddings,
     )
+
+
+def evaluation_start(
+    model_config: ModelConfig,
+    tokenizer: Tokenizer | None,
+    data_root_path: str,
+    train_type: str,
+    window_size: int | None,
+) -> Start:
+    """What ``build_dataset`` reads of a start, for scoring a loaded model on data as training reads it
+    (``astrai-fabric evaluate``): the data directory's ``dataset_config.json`` and its tokenizer rule, the window."""
+    window_size = window_size or model_config.max_position_embeddings
+    if window_size > model_config.max_position_embeddings:
+        raise ConfigError(
+            f"window_size {window_size} exceeds the model's max_position_embeddings "
+            f"{model_config.max_position_embeddings}: lower --window_size"
+        )
+    dataset_config = read_dataset_config(hub.local_path(data_root_path, "dataset"), train_type)
+    if dataset_config is not None and dataset_config.tokenizer_dir is not None:
+        tokenizer = _data_tokenizer(dataset_config, tokenizer)
+    no_tokenizer = None if tokenizer is not None else "the model directory holds no tokenizer (pass --tokenizer_path)"
+    return Start(model_config, None, None, tokenizer, no_tokenizer, dataset_config, window_size=window_size)
 
 
 def _data_tokenizer(config: DatasetConfig, run_tokenizer: Tokenizer | None) -> Tokenizer:

@@ -1,0 +1,245 @@
+"""``astrai-fabric evaluate SRC``: what SRC names (one model, or every checkpoint of a run), each loaded once and
+evaluated (perplexity on ``--data_root_path``, lm-eval ``--tasks``), the results printed as a table, stored in each
+checkpoint's ``eval/`` (``results.py``; a checkpoint already evaluated with the same settings is read, not
+evaluated again) and, with ``--output``, written as one JSON file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from astrai_fabric import __version__, hub
+from astrai_fabric.checkpoint import CONFIG_FILE, META_FILE, checkpoint_step, complete_checkpoints, load_model
+from astrai_fabric.checkpoint.directory import CHECKPOINT_NAME
+from astrai_fabric.config.evaluate import EvaluateArgs
+from astrai_fabric.errors import ConfigError, UserError
+from astrai_fabric.evaluate import perplexity
+from astrai_fabric.evaluate.perplexity import evaluation_world
+from astrai_fabric.evaluate.results import flat_metrics, read_result, result_path, write_result
+from astrai_fabric.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass
+class Target:
+    """One model to evaluate."""
+
+    directory: Path
+    shown: str
+    """How SRC named it (a Hub id as ``org/name@commit``)."""
+    step: int | None
+    """The optimizer step of a run's checkpoint (its name says), else None."""
+    stores_results: bool
+    """A checkpoint of ours or AstrAI's (meta.json) outside the Hub cache: results go into its ``eval/``."""
+
+
+LAUNCHER_VARIABLES = ("LT_CLI_USED", "LOCAL_WORLD_SIZE", "SLURM_NTASKS")
+"""Set by ``fabric run``, torchrun and SLURM: the processes may exist already, and Lightning's environments say how
+many (``strategy.resolve_topology``)."""
+
+
+def run_evaluate(args: EvaluateArgs) -> list[dict[str, Any]]:
+    """Evaluate every target of ``args.param_path``; return each one's results (``{"source", "step", "kind",
+    "metrics", ...}``; on rank 0 where several processes evaluate together)."""
+    args.validate()
+    if args.nprocs == 1 and args.num_nodes == 1 and not any(v in os.environ for v in LAUNCHER_VARIABLES):
+        return evaluate_models(args, _device(args))  # one process: Lightning is not even imported
+    from astrai_fabric.strategy import evaluation_fabric  # Lightning (5-17 s): only for several processes
+
+    fabric = evaluation_fabric(args)
+    if fabric.world_size == 1 or os.environ.get("LT_CLI_USED") == "1":  # under `fabric run` the group exists
+        return evaluate_models(args, fabric.device)
+    return fabric.launch(lambda fabric: evaluate_models(args, fabric.device))  # starts the local ranks, or joins
+
+
+def evaluate_models(args: EvaluateArgs, device: torch.device) -> list[dict[str, Any]]:
+    """The evaluation on this process (one of ``evaluation_world()``'s ranks, each scoring its share): rank 0 says
+    what happens, decides what is done already, and stores and prints the results."""
+    output = _checked_output(args.output)
+    targets = evaluation_targets(args.param_path)
+    harness = _harness() if args.tasks else None  # a missing extra is said before any model loads
+    dtype = _dtype(args, device)
+    rank, world_size = evaluation_world()
+    say = print if rank == 0 else _silent
+    jobs = ([("perplexity", args.perplexity_settings())] if args.data_root_path is not None else []) + (
+        [("tasks", args.task_settings())] if args.tasks else []
+    )
+    what = " and ".join(
+        f"perplexity ({args.train_type}, {args.perplexity_unit}) on {args.data_root_path}" if kind == "perplexity"
+        else f"lm-eval {harness.LM_EVAL_VERSION} tasks {', '.join(args.tasks)}"
+        for kind, _ in jobs
+    )  # fmt: skip
+    processes = f"{world_size} processes" if world_size > 1 else "1 process"
+    say(f"evaluate: {len(targets)} model(s) from {args.param_path}: {what}; {processes}, {device.type}, {dtype}",
+        flush=True)  # fmt: skip
+    collected = []
+    for number, target in enumerate(targets, start=1):
+        say(f"[{number}/{len(targets)}] {target.shown}" + (f" (step {target.step})" if target.step else ""), flush=True)
+        found = _from_rank_zero({kind: read_result(result_path(target.directory, kind, settings))
+                                 for kind, settings in jobs} if rank == 0 else None)  # fmt: skip
+        if target.stores_results and all(found.values()):
+            say("  evaluated already with these settings: read from eval/", flush=True)
+            results = list(found.values())
+        else:
+            results = _evaluate_target(target, jobs, found, args, device, dtype, harness, say)
+        for result in results:
+            say(_table(result["kind"], result["metrics"]), flush=True)
+        collected += results
+    if output is not None and rank == 0:
+        output.write_text(json.dumps({"results": collected}, indent=1, allow_nan=False) + "\n", encoding="utf-8")
+        say(f"results: {output}")
+    return collected
+
+
+def _silent(*_: Any, **__: Any) -> None:
+    """``print`` on ranks other than 0: one voice."""
+
+
+def _from_rank_zero(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (what is stored already: every rank must take the same branch)."""
+    if evaluation_world()[1] == 1:
+        return value
+    holder = [value]
+    torch.distributed.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def evaluation_targets(source: str) -> list[Target]:
+    """A model directory or Hub id is one target; a run's ckpt_dir each of its complete checkpoints, oldest first."""
+    directory = hub.resolve_model(source, "SRC")
+    if not directory.exists():
+        raise UserError(f"SRC {source}: not found (expected a checkpoint, a model directory or a run's ckpt_dir)")
+    pinned = hub.portable(directory)
+    if (directory / CONFIG_FILE).is_file():
+        step = checkpoint_step(directory) if CHECKPOINT_NAME.match(directory.name) else None
+        stores = (directory / META_FILE).is_file() and pinned is None
+        return [Target(directory, pinned or source, step, stores)]
+    checkpoints = complete_checkpoints(directory) if directory.is_dir() else []
+    if not checkpoints:
+        raise UserError(
+            f"SRC {source}: neither a model directory (no config.json) nor a run's ckpt_dir (no complete "
+            "epoch_E_step_S checkpoint in it)"
+        )
+    return [Target(path, str(path), checkpoint_step(path), True) for path in checkpoints]
+
+
+def _evaluate_target(
+    target: Target,
+    jobs: list,
+    found: dict,
+    args: EvaluateArgs,
+    device: torch.device,
+    dtype: torch.dtype,
+    harness: Any,
+    say: Callable[..., None],
+) -> list[dict[str, Any]]:
+    """Load ``target`` once and run the jobs not found done; store each result (rank 0) as soon as it is complete."""
+    model = load_model(target.directory, dtype=dtype).to(device).eval()
+    tokenizer_dir = (
+        hub.resolve_model(args.tokenizer_path, "tokenizer_path") if args.tokenizer_path else target.directory
+    )
+    tokenizer, _ = Tokenizer.from_dir_if_present(tokenizer_dir)
+    if args.tokenizer_path and tokenizer is None:
+        tokenizer = Tokenizer.from_dir(tokenizer_dir)  # its one-line reason
+    progress = sys.stderr.isatty() and evaluation_world()[0] == 0
+    results = []
+    for kind, settings in jobs:
+        path = result_path(target.directory, kind, settings)
+        if target.stores_results and found[kind] is not None:
+            results.append(found[kind])
+            continue
+        began = time.perf_counter()
+        if kind == "perplexity":
+            scores = perplexity.score_data(model, tokenizer, args, progress)
+            output = perplexity.summarize(scores, args.bootstrap_iters, args.seed)
+            extra = {"data": scores.description}
+        else:
+            if tokenizer is None:
+                raise UserError(f"tasks: {target.shown} holds no tokenizer (pass --tokenizer_path)")
+            lm = harness.AstraiFabricLM(model, tokenizer, batch_size=args.batch_size, max_gen_toks=args.max_gen_toks,
+                                        seed=args.seed, progress=progress)  # fmt: skip
+            output = harness.run_tasks(lm, args.tasks, args.task_settings())
+            extra = {"lm_eval": output}
+        result = {
+            "format": 1, "kind": kind, "source": target.shown, "step": target.step, "settings": settings,
+            "metrics": flat_metrics(kind, output), "seconds": round(time.perf_counter() - began, 3),
+            "versions": {"astrai_fabric": __version__, "torch": torch.__version__,
+                         **({"lm_eval": harness.LM_EVAL_VERSION} if kind == "tasks" else {})},
+            **extra,
+        }  # fmt: skip
+        if target.stores_results and evaluation_world()[0] == 0:
+            write_result(path, result)
+            say(f"  stored: {path}", flush=True)
+        results.append(result)
+    return results
+
+
+def _harness() -> Any:
+    """``evaluate.harness``, or the one line naming the extra that brings lm-eval."""
+    try:
+        from astrai_fabric.evaluate import harness
+    except ModuleNotFoundError as err:
+        if err.name is None or not err.name.startswith("lm_eval"):
+            raise
+        raise UserError("--tasks needs lm-evaluation-harness: pip install 'astrai-fabric[eval]'") from None
+    return harness
+
+
+def _device(args: EvaluateArgs) -> torch.device:
+    if args.device_type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("evaluate: --device_type cuda, but no CUDA device is available here")
+    return torch.device(args.device_type or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def _dtype(args: EvaluateArgs, device: torch.device) -> torch.dtype:
+    """``--precision``: ``auto`` is bf16 on CUDA (as training), float32 on CPU."""
+    precision = args.precision if args.precision != "auto" else ("bf16-true" if device.type == "cuda" else "32-true")
+    return torch.bfloat16 if precision == "bf16-true" else torch.float32
+
+
+def _checked_output(output: str | None) -> Path | None:
+    if output is None:
+        return None
+    path = Path(output)
+    if path.is_dir():
+        raise UserError(f"--output {path}: is a directory; name the JSON file to write")
+    if not path.parent.is_dir():
+        raise UserError(f"--output {path}: the directory {path.parent} does not exist")
+    return path
+
+
+def _table(kind: str, metrics: dict[str, Any]) -> str:
+    """``task  metric  value  stderr`` rows: perplexity's loss and perplexity with their 95% interval, then each
+    lm-eval metric with its standard error."""
+    rows = []
+    if kind == "perplexity":
+        for name in ("loss", "perplexity"):
+            interval = metrics.get(f"{name}_ci95")
+            spread = f"95% [{interval[0]:.4f}, {interval[1]:.4f}]" if interval else ""
+            rows.append(("perplexity", name, f"{metrics[name]:.4f}", spread))
+        rows.append(("perplexity", "tokens", f"{metrics['tokens']:,}", ""))
+    else:
+        for name, value in metrics.items():
+            if name.endswith("_stderr") or "_stderr[" in name:
+                continue
+            task, _, metric = name.partition("/")
+            stderr = metrics.get(name.replace(metric, _stderr_name(metric)))
+            rows.append((task, metric, f"{value:.4f}", f"± {stderr:.4f}" if isinstance(stderr, float) else ""))
+    widths = [max(len(row[i]) for row in [("task", "metric", "value", "stderr"), *rows]) for i in range(4)]
+    lines = [("task", "metric", "value", "stderr"), *rows]
+    return "\n".join("  " + "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+                     for line in lines)  # fmt: skip
+
+
+def _stderr_name(metric: str) -> str:
+    """lm-eval's name for ``metric``'s standard error: ``acc_stderr``, ``acc_stderr[filter]``."""
+    name, bracket, rest = metric.partition("[")
+    return f"{name}_stderr{bracket}{rest}"
