@@ -120,7 +120,7 @@ def plot_runs(runs: list[Path], output: Path) -> Path:
         for metric, points in evaluations[run].items():
             entries_of = [{"step": step, "value": value} for step, value in points]
             if _is_eval_loss(metric):
-                _series(loss_ax, entries_of, "value", f"{name} evaluate {metric}", color=color, linestyle=":",
+                _series(loss_ax, entries_of, "value", f"{name} held-out {metric}", color=color, linestyle=":",
                         marker="s")  # fmt: skip
             else:
                 _series(eval_axes[metric], entries_of, "value", name, marker="o")

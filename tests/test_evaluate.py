@@ -299,29 +299,33 @@ def test_a_lora_checkpoint_is_evaluated_with_its_adapter_applied(work, tmp_path,
 TASKS = ["tiny_mc", "tiny_rolling", "tiny_gen"]
 
 
-def lm_eval_samples(lm, tasks: Path) -> dict:
+def lm_eval_samples(lm, tasks: Path, chat: bool) -> dict:
     from astrai_fabric.evaluate.harness import tasks_index
 
-    output = lm_eval.simple_evaluate(model=lm, tasks=TASKS, log_samples=True,
-                                     task_manager=tasks_index(TASKS, str(tasks)), bootstrap_iters=0)  # fmt: skip
-    return output
+    return lm_eval.simple_evaluate(model=lm, tasks=TASKS, log_samples=True, apply_chat_template=chat,
+                                   task_manager=tasks_index(TASKS, str(tasks)), bootstrap_iters=0)  # fmt: skip
 
 
-@pytest.mark.parametrize(("ours_dir", "hf_dir"), [("model", "hf"), ("model_bos", "hf_bos")], ids=["plain", "bos"])
-def test_lm_eval_requests_and_metrics_equal_its_hf_backend_on_our_export(work, monkeypatch, ours_dir, hf_dir):
+@pytest.mark.parametrize(
+    ("ours_dir", "hf_dir", "chat"),
+    [("model", "hf", False), ("model_bos", "hf_bos", False), ("model", "hf", True)],
+    ids=["plain", "bos", "chat-template"],
+)
+def test_lm_eval_requests_and_metrics_equal_its_hf_backend_on_our_export(work, monkeypatch, ours_dir, hf_dir, chat):
     """Per request: log-likelihoods within 1e-4 (float32; the two compute in other orders) and the same greedy
     flags; generated text identical; task metrics identical. Ours batches 4 requests of different lengths, lm-eval's
     ``hf`` one at a time. With the bundled tokenizer (no special token added when encoding) and a Llama-3-like one
-    (BOS added: the prefix and truncation rules then matter)."""
+    (BOS added: the prefix and truncation rules then matter), and with each request rendered by the chat template
+    (``--apply_chat_template``: ours renders the bundled template, transformers its export)."""
     from lm_eval.models.huggingface import HFLM
 
     from astrai_fabric.evaluate.harness import AstraiFabricLM
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    ours = lm_eval_samples(AstraiFabricLM(str(work / ours_dir), batch_size=4, progress=False), work / "tasks")
+    ours = lm_eval_samples(AstraiFabricLM(str(work / ours_dir), batch_size=4, progress=False), work / "tasks", chat)
     theirs = lm_eval_samples(HFLM(pretrained=str(work / hf_dir), dtype="float32", device="cpu", batch_size=1),
-                             work / "tasks")  # fmt: skip
+                             work / "tasks", chat)  # fmt: skip
     compared, largest = 0, 0.0
     for task in ("tiny_mc", "tiny_rolling", "tiny_gen"):
         for mine, reference in zip(ours["samples"][task], theirs["samples"][task], strict=True):
@@ -340,6 +344,8 @@ def test_lm_eval_requests_and_metrics_equal_its_hf_backend_on_our_export(work, m
         numbers = {k: v for k, v in theirs["results"][task].items() if isinstance(v, float)}
         assert {k: ours["results"][task][k] for k in numbers} == pytest.approx(numbers, rel=1e-5) and numbers
     assert compared == 6 * 3 + 3 + 5
+    if chat:
+        assert all("<|im_start|>" in s["arguments"][0][0] for s in ours["samples"]["tiny_mc"])
     assert any(s["resps"][0][0] for s in ours["samples"]["tiny_gen"])  # something was generated
     print(f"{compared} requests; largest log-likelihood difference from lm-eval's hf backend: {largest:.2e}")
 
@@ -373,7 +379,8 @@ def test_a_run_is_evaluated_checkpoint_by_checkpoint_once_and_plotted(work, tmp_
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     (tmp_path / "model").symlink_to(work / "model")
     run = run_dir(tmp_path)
-    argv = ["evaluate", str(run), "--data_root_path", str(work / "text.jsonl"), "--window_size", "16",
+    shutil.copy(work / "text.jsonl", tmp_path / "held_out.jsonl")
+    argv = ["evaluate", str(run), "--data_root_path", str(tmp_path / "held_out.jsonl"), "--window_size", "16",
             "--tasks", "tiny_mc", "--include_path", str(work / "tasks"), "--trust_code", "--limit", "3",
             "--output", str(tmp_path / "results.json")]  # fmt: skip
     assert main(argv) == 0
@@ -394,6 +401,11 @@ def test_a_run_is_evaluated_checkpoint_by_checkpoint_once_and_plotted(work, tmp_
     assert json.loads((tmp_path / "results.json").read_text())["results"] == written
     assert main([*argv[:4], "--window_size", "8"]) == 0  # other settings: evaluated, stored beside
     assert len(list(run.glob("epoch_*/eval/perplexity-*.json"))) == 4
+    with (tmp_path / "held_out.jsonl").open("a") as file:  # the data changed at the same path: evaluated again
+        file.write(json.dumps({"text": "In the beginning"}) + "\n")
+    assert main([*argv[:4], "--window_size", "8"]) == 0
+    assert len(list(run.glob("epoch_*/eval/perplexity-*.json"))) == 6
+    capsys.readouterr()
     assert main(["plot", str(run), "-o", str(tmp_path / "plot.png")]) == 0
     assert (tmp_path / "plot.png").stat().st_size > 10_000
 

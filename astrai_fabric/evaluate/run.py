@@ -7,6 +7,7 @@ evaluated again) and, with ``--output``, written as one JSON file.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import sys
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-from astrai_fabric import __version__, hub
+from astrai_fabric import __version__, assets, hub
 from astrai_fabric.checkpoint import CONFIG_FILE, META_FILE, checkpoint_step, complete_checkpoints, load_model
 from astrai_fabric.checkpoint.directory import CHECKPOINT_NAME
 from astrai_fabric.config.evaluate import EvaluateArgs
@@ -69,9 +70,7 @@ def evaluate_models(args: EvaluateArgs, device: torch.device) -> list[dict[str, 
     dtype = _dtype(args, device)
     rank, world_size = evaluation_world()
     say = print if rank == 0 else _silent
-    jobs = ([("perplexity", args.perplexity_settings())] if args.data_root_path is not None else []) + (
-        [("tasks", args.task_settings())] if args.tasks else []
-    )
+    jobs = job_settings(args, harness)
     what = " and ".join(
         f"perplexity ({args.train_type}, {args.perplexity_unit}) on {args.data_root_path}" if kind == "perplexity"
         else f"lm-eval {harness.LM_EVAL_VERSION} tasks {', '.join(args.tasks)}"
@@ -97,6 +96,42 @@ def evaluate_models(args: EvaluateArgs, device: torch.device) -> list[dict[str, 
         output.write_text(json.dumps({"results": collected}, indent=1, allow_nan=False) + "\n", encoding="utf-8")
         say(f"results: {output}")
     return collected
+
+
+def job_settings(args: EvaluateArgs, harness: Any) -> list[tuple[str, dict[str, Any]]]:
+    """Each evaluation asked for, ``(kind, the settings its result depends on)``: the flags that change it, with the
+    local files it reads named absolutely and fingerprinted (a file changed or another one at the same relative
+    path is evaluated again), and lm-eval's version (its tasks change with it)."""
+    jobs, tokenizer = [], {"tokenizer_path": source_identity(args.tokenizer_path)}
+    if args.data_root_path is not None:
+        data = {"data_root_path": source_identity(args.data_root_path)}
+        jobs.append(("perplexity", {**args.perplexity_settings(), **tokenizer, **data}))
+    if args.tasks:
+        tasks = {"include_path": source_identity(args.include_path), "lm_eval": harness.LM_EVAL_VERSION}
+        jobs.append(("tasks", {**args.task_settings(), **tokenizer, **tasks}))
+    return jobs
+
+
+MAX_FINGERPRINTED_FILES = 100_000
+
+
+def source_identity(path_or_id: str | None) -> str | None:
+    """A local path as its absolute form and a fingerprint of its files (names, sizes, modification times; at most
+    ``MAX_FINGERPRINTED_FILES``), ``path#sha256:DIGEST``; a Hub id or nothing as given (pin ``@revision`` to have a
+    newer commit evaluated again)."""
+    if path_or_id is None or hub.is_hub_id(path_or_id):
+        return path_or_id
+    path = assets.resolve(path_or_id).resolve()
+    if not path.exists():
+        return str(path)  # the reader says what is missing
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    digest = hashlib.sha256()
+    for file in files[:MAX_FINGERPRINTED_FILES]:
+        stat = file.stat()
+        digest.update(
+            f"{file.relative_to(path) if file != path else file.name}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode()
+        )
+    return f"{path}#sha256:{digest.hexdigest()[:16]}"
 
 
 def _silent(*_: Any, **__: Any) -> None:
@@ -216,6 +251,9 @@ def _checked_output(output: str | None) -> Path | None:
     return path
 
 
+HEADER = ("task", "metric", "value", "stderr or 95% interval")
+
+
 def _table(kind: str, metrics: dict[str, Any]) -> str:
     """``task  metric  value  stderr`` rows: perplexity's loss and perplexity with their 95% interval, then each
     lm-eval metric with its standard error."""
@@ -233,8 +271,8 @@ def _table(kind: str, metrics: dict[str, Any]) -> str:
             task, _, metric = name.partition("/")
             stderr = metrics.get(name.replace(metric, _stderr_name(metric)))
             rows.append((task, metric, f"{value:.4f}", f"± {stderr:.4f}" if isinstance(stderr, float) else ""))
-    widths = [max(len(row[i]) for row in [("task", "metric", "value", "stderr"), *rows]) for i in range(4)]
-    lines = [("task", "metric", "value", "stderr"), *rows]
+    widths = [max(len(row[i]) for row in [HEADER, *rows]) for i in range(4)]
+    lines = [HEADER, *rows]
     return "\n".join("  " + "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
                      for line in lines)  # fmt: skip
 
