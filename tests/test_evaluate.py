@@ -161,6 +161,25 @@ def test_sft_windows_are_scored_with_training_masks_and_document_boundaries(work
     assert mixed > 0  # windows holding more than one document were among those checked
 
 
+def test_bin_shards_are_scored_as_the_records_they_were_prepared_from(work, tmp_path):
+    """``prepare``'s shards of the records hold the stream training reads from them: the same windows, the same
+    loss."""
+    config = tmp_path / "text.json"
+    config.write_text(
+        json.dumps({"input": {"sections": [{"field": "text", "action": "train"}]}, "preprocessing": {"min_chars": 0}})
+    )  # AstrAI's default drops short records
+    argv = ["prepare", str(work / "text.jsonl"), "-o", str(tmp_path / "shards"), "-c", str(config),
+            "--tokenizer_path", str(work / "model")]  # fmt: skip
+    assert main(argv) == 0
+    model, tokenizer = load_model(work / "model").eval(), Tokenizer.from_dir(work / "model")
+    records, shards = (
+        summarize(score_data(model, tokenizer, evaluate_args(data_root_path=str(path), window_size=16),
+                             progress=False), 0, 0)
+        for path in (work / "text.jsonl", tmp_path / "shards")
+    )  # fmt: skip
+    assert shards == pytest.approx(records, rel=1e-6) and shards["units"] > 5
+
+
 def test_rolling_windows_score_each_token_once_with_the_most_context():
     for num_tokens in range(0, 40):
         for window in (1, 2, 5, 16):
@@ -268,7 +287,7 @@ def test_records_perplexity_equals_astrai_evaluate_ppl_made_causal(work, tmp_pat
 
 def test_a_lora_checkpoint_is_evaluated_with_its_adapter_applied(work, tmp_path, capsys):
     """The adapter-only checkpoint (a pointer to its base) scores as the model merged on disk does, not as its
-    base."""
+    base; the base's Hugging Face export scores as the base."""
     from astrai_fabric import lora
     from astrai_fabric.checkpoint.adapter import lora_base_entry, weight_digests
 
@@ -283,13 +302,16 @@ def test_a_lora_checkpoint_is_evaluated_with_its_adapter_applied(work, tmp_path,
                     adapter_config=spec.adapter_config())  # fmt: skip
     assert main(["export", str(tmp_path / "lora"), "--merge_lora", "--out", str(tmp_path / "merged")]) == 0
     losses = {}
-    for name, path in (("lora", tmp_path / "lora"), ("merged", tmp_path / "merged"), ("base", work / "model")):
+    sources = [("lora", tmp_path / "lora"), ("merged", tmp_path / "merged"), ("base", work / "model"),
+               ("hf", work / "hf")]  # fmt: skip
+    for name, path in sources:
         argv = ["evaluate", str(path), "--data_root_path", str(work / "text.jsonl"), "--perplexity_unit", "records",
                 "--output", str(tmp_path / f"{name}.json")]  # fmt: skip
         assert main(argv) == 0
         losses[name] = json.loads((tmp_path / f"{name}.json").read_text())["results"][0]["metrics"]["loss"]
     assert losses["lora"] == pytest.approx(losses["merged"], rel=1e-6)
     assert abs(losses["lora"] - losses["base"]) > 1e-3
+    assert losses["hf"] == pytest.approx(losses["base"], rel=1e-6)  # a Hugging Face directory reads as its source
     assert not (tmp_path / "lora" / "model.safetensors").exists()  # nothing merged on disk
 
 
@@ -382,7 +404,7 @@ def test_a_run_is_evaluated_checkpoint_by_checkpoint_once_and_plotted(work, tmp_
     shutil.copy(work / "text.jsonl", tmp_path / "held_out.jsonl")
     argv = ["evaluate", str(run), "--data_root_path", str(tmp_path / "held_out.jsonl"), "--window_size", "16",
             "--tasks", "tiny_mc", "--include_path", str(work / "tasks"), "--trust_code", "--limit", "3",
-            "--output", str(tmp_path / "results.json")]  # fmt: skip
+            "--log_samples", "--output", str(tmp_path / "results.json")]  # fmt: skip
     assert main(argv) == 0
     first = capsys.readouterr().out
     stored = sorted(run.glob("epoch_*/eval/*.json"))
@@ -393,6 +415,7 @@ def test_a_run_is_evaluated_checkpoint_by_checkpoint_once_and_plotted(work, tmp_
                                                          (4, "tasks")]  # fmt: skip
     assert written[0]["metrics"]["loss"] != written[2]["metrics"]["loss"]
     assert written[1]["versions"]["lm_eval"] == lm_eval.__version__
+    assert len(written[1]["lm_eval"]["samples"]["tiny_mc"]) == 3  # --log_samples: each document's requests
     times = [p.stat().st_mtime_ns for p in stored]
     assert main(argv) == 0  # again: read, not evaluated
     again = capsys.readouterr().out
