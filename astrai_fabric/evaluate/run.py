@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -22,7 +22,7 @@ from astrai_fabric import __version__, assets, hub
 from astrai_fabric.checkpoint import CONFIG_FILE, META_FILE, checkpoint_step, complete_checkpoints, load_model
 from astrai_fabric.checkpoint.directory import CHECKPOINT_NAME
 from astrai_fabric.config.evaluate import EvaluateArgs
-from astrai_fabric.errors import ConfigError, UserError
+from astrai_fabric.errors import ConfigError, UserError, raised_on_every_rank
 from astrai_fabric.evaluate import perplexity
 from astrai_fabric.evaluate.perplexity import evaluation_world
 from astrai_fabric.evaluate.results import flat_metrics, read_result, result_path, write_result
@@ -53,6 +53,10 @@ def run_evaluate(args: EvaluateArgs) -> list[dict[str, Any]]:
     args.validate()
     if args.nprocs == 1 and args.num_nodes == 1 and not any(v in os.environ for v in LAUNCHER_VARIABLES):
         return evaluate_models(args, _device(args))  # one process: Lightning is not even imported
+    _checked_output(args.output)  # the mistakes found before any rank starts (each rank checks again: _agreed)
+    evaluation_targets(args.param_path)  # a Hub id fetched here, once, before the ranks read the cache
+    if args.tasks:
+        _harness()
     from astrai_fabric.strategy import evaluation_fabric  # Lightning (5-17 s): only for several processes
 
     fabric = evaluation_fabric(args)
@@ -64,9 +68,11 @@ def run_evaluate(args: EvaluateArgs) -> list[dict[str, Any]]:
 def evaluate_models(args: EvaluateArgs, device: torch.device) -> list[dict[str, Any]]:
     """The evaluation on this process (one of ``evaluation_world()``'s ranks, each scoring its share): rank 0 says
     what happens, decides what is done already, and stores and prints the results."""
-    output = _checked_output(args.output)
-    targets = evaluation_targets(args.param_path)
-    harness = _harness() if args.tasks else None  # a missing extra is said before any model loads
+    output, targets, harness = _agreed(lambda: (
+        _checked_output(args.output),
+        evaluation_targets(args.param_path),
+        _harness() if args.tasks else None,  # a missing extra is said before any model loads
+    ), device)  # fmt: skip
     dtype = _dtype(args, device)
     rank, world_size = evaluation_world()
     say = print if rank == 0 else _silent
@@ -132,6 +138,28 @@ def source_identity(path_or_id: str | None) -> str | None:
             f"{file.relative_to(path) if file != path else file.name}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode()
         )
     return f"{path}#sha256:{digest.hexdigest()[:16]}"
+
+
+T = TypeVar("T")
+
+
+def _agreed(read: Callable[[], T], device: torch.device) -> T:
+    """``read()`` on every rank, one rank's refusal every rank's: the others would wait for it in the next collective
+    (a checkpoint one machine cannot see, say). Shown once per machine where every rank refused alike."""
+    rank, world_size = evaluation_world()
+    if world_size == 1:
+        return read()
+    try:
+        value, error = read(), None
+    except UserError as err:
+        value, error = None, err
+    failed = torch.tensor(float(error is not None), device=device)
+    torch.distributed.all_reduce(failed)
+    if error is not None:
+        raise raised_on_every_rank(error, int(os.environ.get("LOCAL_RANK", rank))) if failed == world_size else error
+    if failed:
+        raise UserError(f"{int(failed)} other rank(s) could not start the evaluation (their messages say why)")
+    return value
 
 
 def _silent(*_: Any, **__: Any) -> None:
