@@ -491,6 +491,20 @@ def test_mistakes_are_one_line_and_nothing_is_written(work, tmp_path, capsys, ar
     assert sorted(p.name for p in (work / "model").rglob("*")) == before
 
 
+def test_a_model_whose_loss_is_not_finite_is_one_line(work, tmp_path, capsys):
+    model = load_model(work / "model")
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] = float("nan")
+    files = {name: TINY_MODEL_DIR / name for name in ("tokenizer.json", "tokenizer_config.json")}
+    save_checkpoint(tmp_path / "nan", model.state_dict(), model.config.to_dict(), files=files)
+    argv = ["evaluate", str(tmp_path / "nan"), "--data_root_path", str(work / "text.jsonl"), "--perplexity_unit",
+            "records"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "nats per token; the model's weights or outputs are not finite" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "nan" / "eval").exists()
+
+
 def test_tasks_without_the_eval_extra_name_it(work, tmp_path):
     """lm_eval made unimportable in a child: one line naming the extra, exit 2."""
     code = textwrap.dedent(f"""

@@ -31,6 +31,9 @@ from astrai_fabric.losses import token_logprobs
 from astrai_fabric.model import forward_window
 from astrai_fabric.tokenizer import Tokenizer
 
+LARGEST_LOSS = 700.0
+"""Nats per token past which ``exp`` leaves float64 (a uniform guess over a 151,936-token vocabulary is 11.9)."""
+
 
 @dataclass
 class Scores:
@@ -56,6 +59,9 @@ def summarize(scores: Scores, bootstrap_iters: int, seed: int) -> dict[str, Any]
     if total_tokens == 0:
         raise UserError(f"perplexity: {scores.description} holds no scored token")
     loss = float(scores.nll_sums.sum() / total_tokens)
+    if not math.isfinite(loss) or loss > LARGEST_LOSS:
+        raise UserError(f"perplexity: the mean loss on {scores.description} is {loss:g} nats per token; the model's "
+                        "weights or outputs are not finite (or of no use): nothing to report")  # fmt: skip
     metrics: dict[str, Any] = {"loss": loss, "perplexity": math.exp(loss), "tokens": total_tokens,
                                "units": len(scores.token_counts)}  # fmt: skip
     if bootstrap_iters > 0:
