@@ -34,6 +34,34 @@ def causal_lm_loss(
     return torch.where(mask.any(), loss, logits.sum() * 0.0)
 
 
+CHUNKED_LOSS_ELEMENTS = 1 << 26
+"""Float32 logits of a micro-batch (positions x vocabulary) from which the loss is fused and chunked by default
+(256 MB; Qwen's 151,936-token vocabulary reaches it at 442 positions)."""
+CHUNK_ELEMENTS = 1 << 24
+"""Float32 logits in one chunk of the fused loss (64 MB): ``CHUNK_ELEMENTS // vocab`` positions at a time."""
+
+
+def loss_chunk_positions(requested: int | None, vocab_size: int, positions_per_micro_batch: int) -> int:
+    """Positions per chunk of the fused head and loss (``head_token_nll``), 0 for the model's whole logits:
+    ``requested`` (``--loss_chunk_size``) where given, else chunked from ``CHUNKED_LOSS_ELEMENTS`` logits on, in
+    chunks of ``CHUNK_ELEMENTS``."""
+    if requested is not None:
+        return requested
+    if vocab_size * positions_per_micro_batch < CHUNKED_LOSS_ELEMENTS:
+        return 0
+    return max(1, CHUNK_ELEMENTS // vocab_size)
+
+
+def token_nll_loss(token_nll: Tensor, loss_mask: Tensor | None = None) -> Tensor:
+    """``causal_lm_loss`` from per-token losses (the fused head's ``token_nll``): the mean over every token (seq) or
+    over those ``loss_mask`` selects (sft), exactly 0 with zero gradients where it selects none (B8)."""
+    if loss_mask is None:
+        return token_nll.mean()
+    mask = loss_mask.float()
+    loss = (token_nll * mask).sum() / mask.sum().clamp(min=1.0)
+    return torch.where(mask.any(), loss, token_nll.sum() * 0.0)  # chosen on the device, as causal_lm_loss does
+
+
 def with_moe_aux_loss(task_loss: Tensor, output: dict, coef: float) -> tuple[Tensor, dict[str, Tensor]]:
     """``task + coef * aux`` for MoE models (``output`` is the model's), with AstrAI's metric names and routing
     diagnostics; the task loss alone otherwise."""
@@ -140,8 +168,7 @@ def head_token_nll(
     ``F.cross_entropy`` hold ``[positions, V]`` (at Qwen's 151,936-token vocabulary, 0.6 GB per 1,024 positions) and
     keep them for the backward. With ``label_smoothing`` ε: ``(1 - ε) * nll + ε * (lse - mean(logits))``, as
     ``F.cross_entropy`` smooths. Returns ``[...]`` float32; its gradients equal the unfused computation's up to the
-    order of float32 sums (tests/test_chunked_loss.py). The building block of issue 27's memory-lean loss: not yet
-    used by the train types."""
+    order of float32 sums (tests/test_chunked_loss.py). The model calls it inside its forward (``nll_targets``)."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     shape = targets.shape

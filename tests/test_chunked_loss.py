@@ -96,3 +96,104 @@ def test_a_chunk_size_below_one_is_refused():
     hidden, weight, targets, _ = inputs()
     with pytest.raises(ValueError, match="chunk_size must be >= 1"):
         head_token_nll(hidden, weight, targets, 0)
+
+
+# --- the model and the train types -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_models_fused_head_gives_its_logits_loss_and_gradients(tied):
+    """``model(ids, nll_targets=..., nll_chunk_size=N)`` against cross-entropy on ``model(ids)["logits"]``: the
+    values, and the gradient of every parameter (a tied head's reaches the embedding through both uses)."""
+    from conftest import tiny_config
+
+    from astrai_fabric.model import AutoRegressiveLM
+
+    torch.manual_seed(0)
+    model = AutoRegressiveLM(tiny_config(tie_word_embeddings=tied))
+    ids = torch.randint(32, (3, 12))
+    targets = torch.randint(32, (3, 12))
+    expected = unfused_logits_loss = F.cross_entropy(model(ids)["logits"].flatten(0, 1).float(), targets.flatten(),
+                                                     label_smoothing=0.1)  # fmt: skip
+    unfused_logits_loss.backward()
+    expected_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    out = model(ids, nll_targets=targets, nll_chunk_size=5, label_smoothing=0.1)
+    assert "logits" not in out
+    got = out["token_nll"].mean()
+    got.backward()
+    assert got.item() == pytest.approx(expected.item(), rel=1e-6)
+    for name, param in model.named_parameters():
+        assert_close(param.grad, expected_grads[name])
+
+
+def run_args(tmp_path, train_type: str, **overrides):
+    from astrai_fabric.config.train import TrainArgs
+
+    values = dict(param_path="bundled:tiny", data_root_path=f"bundled:data/{train_type}", train_type=train_type,
+                  ckpt_dir=str(tmp_path), window_size=32, batch_per_device=2, max_steps=2, max_lr=1e-3, num_workers=0,
+                  parallel_mode="none", random_seed=1, ckpt_interval=1000, label_smoothing=0.1 if train_type in
+                  ("seq", "sft") else 0.0, group_size=2)  # fmt: skip
+    values.update(overrides)
+    return TrainArgs(**values)
+
+
+@pytest.mark.parametrize("train_type", ["seq", "sft", "dpo", "grpo"])
+def test_each_train_type_trains_the_same_with_the_loss_fused(tmp_path, train_type, capsys):
+    """Two optimizer steps with ``--loss_chunk_size 7`` against ``0`` (the whole logits): the same losses, gradient
+    norms and metrics (float32 sums in another order: 1e-5); the plan says the loss is fused."""
+    from astrai_fabric.train import run
+
+    whole = run(run_args(tmp_path / "whole", train_type, loss_chunk_size=0))
+    assert "loss fused with the head" not in capsys.readouterr().out
+    fused = run(run_args(tmp_path / "fused", train_type, loss_chunk_size=7))
+    assert "loss fused with the head, 7 positions at a time" in capsys.readouterr().out
+    assert len(fused) == len(whole) == 2
+    for mine, reference in zip(fused, whole, strict=True):
+        for name, value in reference.items():
+            if isinstance(value, float) and name not in ("tokens_per_sec", "samples_per_sec", "step_time", "mfu"):
+                # abs: dpo's rewards are beta times a difference of two summed log-probabilities of about -100
+                assert mine[name] == pytest.approx(value, rel=1e-5, abs=1e-5), name
+
+
+@pytest.mark.parametrize("train_type", ["seq", "dpo", "grpo"])
+def test_no_train_types_step_holds_the_whole_logits_when_fused(train_type):
+    """Each train type's loss and backward (the policy's and, for dpo/grpo, the reference's forward) under the
+    dispatch mode: fused, no tensor as large as the micro-batch's logits; whole, at least one."""
+    from conftest import tiny_config
+
+    from astrai_fabric.model import AutoRegressiveLM
+    from astrai_fabric.train.dpo import dpo_batch_loss
+    from astrai_fabric.train.grpo import grpo_batch_loss
+    from astrai_fabric.train.lm import lm_loss
+
+    torch.manual_seed(0)
+    model = AutoRegressiveLM(tiny_config(vocab_size=512))
+    ids = torch.randint(512, (2, 2, 12))
+    batches = {
+        "seq": (lm_loss, {"input_ids": ids[0], "target_ids": ids[1]}, {"label_smoothing": 0.0}),
+        "dpo": (dpo_batch_loss, {"input_ids": ids, "loss_mask": torch.ones_like(ids, dtype=torch.bool)},
+                {"reference": None, "beta": 0.1}),
+        "grpo": (grpo_batch_loss, {"input_ids": ids, "loss_mask": torch.ones_like(ids, dtype=torch.bool),
+                                   "rewards": torch.rand(2, 2)}, {"reference": None, "clip_eps": 0.2, "kl_coef": 0.1}),
+    }  # fmt: skip
+    loss_fn, batch, options = batches[train_type]
+    positions = batch["input_ids"].numel()
+    largest = {}
+    for chunk in (0, 5):
+        with LargestTensor() as seen:
+            loss, _ = loss_fn(model, batch, moe_aux_loss_coef=0.0, loss_chunk_size=chunk, **options)
+            loss.backward()
+        largest[chunk] = seen.largest
+    assert largest[0] >= positions * 512 > largest[5]
+
+
+def test_a_negative_loss_chunk_size_is_one_line_and_nothing_is_written(tmp_path, capsys):
+    from astrai_fabric.cli import main
+
+    argv = ["seq", "--param_path", "bundled:tiny", "--data_root_path", "bundled:data/seq", "--ckpt_dir",
+            str(tmp_path / "run"), "--loss_chunk_size", "-1"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].endswith("loss_chunk_size must be >= 0 (0: off), got -1")
+    assert not (tmp_path / "run").exists()

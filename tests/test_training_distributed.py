@@ -49,6 +49,8 @@ PARITY_RUNS["fsdp_sync_each_micro_batch"] = dict(
 PARITY_RUNS["fsdp_reshard_after_forward"] = dict(
     parallel_mode="fsdp", optimizer="adamw", fsdp_reshard_after_forward=True
 )
+# The head fused with the loss (--loss_chunk_size): inside the root's forward, so FSDP gathers the head once.
+PARITY_RUNS["fsdp_loss_fused"] = dict(parallel_mode="fsdp", optimizer="adamw", loss_chunk_size=7)
 BF16_COMPUTE = dict(parallel_mode="fsdp", optimizer="adamw", fsdp_param_dtype="bfloat16", fsdp_reduce_dtype="float32")
 # dpo and grpo average per-micro-batch losses (grpo a token mean), so the single process takes the same 1-sample
 # micro-batches in sequence: 2 ranks x 1 sample = 1 rank x 1 sample x 2 accumulation.
@@ -57,6 +59,7 @@ RL_RUNS = {
     for mode in ("ddp", "fsdp")
     for train_type in ("dpo", "grpo")
 }
+RL_RUNS["fsdp_dpo_loss_fused"] = dict(RL_RUNS["fsdp_dpo"], loss_chunk_size=7)
 ONLINE = dict(train_type="grpo", data_root_path="bundled:data/grpo_online", reward="astrai_fabric.rewards.LengthReward",
               group_size=2, rollout_interval=1, rollout_max_tokens=6, max_steps=2)  # fmt: skip
 TP2 = dict(parallel_mode="fsdp", tp_size=2, optimizer="muon_adamw")
@@ -162,7 +165,10 @@ def test_two_ranks_match_one_process(two_rank_runs, tmp_path, name):
         # torch's float32 norm on CPU carries ~1e-5 relative error, differently per layout (float64 agrees to 1e-9)
         assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=5e-5)
         assert ours["grad_snr"] == pytest.approx(ref["grad_snr"], rel=1e-4)  # sharded moments, one global value
-    assert_weights_close(weights(two_rank_runs / name, 3), weights(tmp_path / "ref", 3), atol=1e-5)
+    # The fused loss sums its chunks' gradients in another order on each layout; Adam turns the last bits of a
+    # near-zero gradient into ~1e-5 of an update (measured: 1 of 45,056 weights 1.05e-5 apart after 3 steps).
+    atol = 2e-5 if PARITY_RUNS[name].get("loss_chunk_size") else 1e-5
+    assert_weights_close(weights(two_rank_runs / name, 3), weights(tmp_path / "ref", 3), atol=atol)
 
 
 @pytest.mark.parametrize("name", list(RL_RUNS))

@@ -171,6 +171,10 @@ class TrainArgs:
     # --- losses --------------------------------------------------------------------------------------------------
     label_smoothing: float = 0.0
     """Cross-entropy label smoothing (seq, sft)."""
+    loss_chunk_size: int | None = None
+    """Fuse the head with the loss and compute both this many positions at a time (every train type), so a
+    micro-batch's whole ``[positions, vocab]`` float32 logits never exist; the same gradients (float32 sums in
+    another order). 0: off. Default: on where a micro-batch's logits would reach 256 MB, in chunks of 64 MB."""
     moe_aux_loss_coef: float = 0.01
     """Weight of the MoE load-balancing loss."""
     neftune_alpha: float = 0.0
@@ -413,6 +417,8 @@ class TrainArgs:
             "neftune_alpha", "moe_aux_loss_coef", "weight_decay", "warmup_ratio", "label_smoothing",
             "rollout_top_k", "start_epoch", "start_samples", "max_lr", "max_bad_steps", "nora_lr",
         ]  # fmt: skip
+        if self.loss_chunk_size is not None and self.loss_chunk_size < 0:
+            problems.append(f"loss_chunk_size must be >= 0 (0: off), got {self.loss_chunk_size}")
         problems += [
             f"{name} must be >= 0, got {getattr(self, name)}" for name in non_negative if getattr(self, name) < 0
         ]

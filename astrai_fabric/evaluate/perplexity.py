@@ -27,7 +27,7 @@ from astrai_fabric.config.evaluate import EvaluateArgs
 from astrai_fabric.data.shapes import shape_records
 from astrai_fabric.data.storage import read_records
 from astrai_fabric.errors import UserError
-from astrai_fabric.losses import token_logprobs
+from astrai_fabric.losses import loss_chunk_positions, token_logprobs
 from astrai_fabric.model import forward_window
 from astrai_fabric.tokenizer import Tokenizer
 
@@ -92,6 +92,7 @@ def _score_windows(model: nn.Module, tokenizer: Tokenizer | None, args: Evaluate
     device = next(model.parameters()).device
     rank, world_size = evaluation_world()
     mine = range(rank, len(dataset), world_size)  # the others' windows are scored by the other ranks
+    chunk_size = loss_chunk_positions(None, model.config.vocab_size, args.batch_size * start.window_size)
     nll_sums, token_counts = np.zeros(len(dataset)), np.zeros(len(dataset), dtype=np.int64)
     bar = tqdm(total=len(mine), unit="window", desc="perplexity", disable=not progress, dynamic_ncols=True)
     for begin in range(0, len(mine), args.batch_size):
@@ -99,8 +100,13 @@ def _score_windows(model: nn.Module, tokenizer: Tokenizer | None, args: Evaluate
         samples = [dataset[i] for i in indices]
         batch = {key: torch.stack([s[key] for s in samples]).to(device) for key in samples[0]}
         with torch.no_grad():
-            logits = forward_window(model, batch["input_ids"], batch.get("position_ids"))["logits"]
-        nll = -token_logprobs(logits, batch["target_ids"])
+            if chunk_size:  # the head fused with the loss, as training computes it: never the whole logits
+                out = forward_window(model, batch["input_ids"], batch.get("position_ids"),
+                                     nll_targets=batch["target_ids"], nll_chunk_size=chunk_size)  # fmt: skip
+                nll = out["token_nll"]
+            else:
+                logits = forward_window(model, batch["input_ids"], batch.get("position_ids"))["logits"]
+                nll = -token_logprobs(logits, batch["target_ids"])
         mask = batch.get("loss_mask", torch.ones_like(nll, dtype=torch.bool))
         nll_sums[indices] = (nll * mask).sum(dim=1).double().cpu().numpy()
         token_counts[indices] = mask.sum(dim=1).cpu().numpy()

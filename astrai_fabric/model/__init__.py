@@ -6,6 +6,7 @@ from astrai_fabric.model.transformer import (
     count_parameters,
     forward_window,
     make_doc_boundary_mask,
+    next_token_logprobs,
     rope_table_bytes,
 )
 
@@ -15,5 +16,6 @@ __all__ = [
     "count_parameters",
     "forward_window",
     "make_doc_boundary_mask",
+    "next_token_logprobs",
     "rope_table_bytes",
 ]

@@ -16,6 +16,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from astrai_fabric.config.model import ModelConfig
+from astrai_fabric.losses import head_token_nll, token_logprobs
 from astrai_fabric.model.attention import GQA, MLA
 from astrai_fabric.model.ffn import MLP, DeepSeekMoE
 from astrai_fabric.model.kv_cache import KVCache
@@ -76,13 +77,27 @@ def make_doc_boundary_mask(position_ids: Tensor) -> Tensor:
     return (same_doc & causal).unsqueeze(1)
 
 
-def forward_window(model: nn.Module, input_ids: Tensor, position_ids: Tensor | None = None) -> dict[str, Tensor]:
+def forward_window(
+    model: nn.Module, input_ids: Tensor, position_ids: Tensor | None = None, **head: Any
+) -> dict[str, Tensor]:
     """The model on a window of a token stream: causal throughout, or, given the stream's ``position_ids`` (sft's
     packed documents), with positions restarting and attention stopping at each document boundary. Training's
-    forward and evaluation's, one definition."""
+    forward and evaluation's, one definition. ``head``: the fused loss's arguments (``nll_targets``, ...)."""
     if position_ids is None:
-        return model(input_ids)
-    return model(input_ids, input_mask=make_doc_boundary_mask(position_ids), position_ids=position_ids)
+        return model(input_ids, **head)
+    return model(input_ids, input_mask=make_doc_boundary_mask(position_ids), position_ids=position_ids, **head)
+
+
+def next_token_logprobs(model: nn.Module, ids: Tensor, loss_chunk_size: int = 0) -> tuple[Tensor, dict[str, Any]]:
+    """``log p`` of every next token of right-padded sequences ``ids [N, L]`` → ``[N, L - 1]``, and the model's
+    output (dpo's and grpo's log-probabilities); with ``loss_chunk_size``, through the fused head (no whole
+    logits)."""
+    if not loss_chunk_size:
+        out = model(ids)
+        return token_logprobs(out["logits"][:, :-1], ids[:, 1:]), out
+    targets = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)  # the last position predicts nothing read: any id will do
+    out = model(ids, nll_targets=targets, nll_chunk_size=loss_chunk_size)
+    return -out["token_nll"][:, :-1], out
 
 
 class AutoRegressiveLM(nn.Module):
@@ -119,6 +134,10 @@ class AutoRegressiveLM(nn.Module):
         input_mask: Tensor | None = None,
         position_ids: Tensor | None = None,
         kv_cache: KVCache | None = None,
+        *,
+        nll_targets: Tensor | None = None,
+        nll_chunk_size: int = 0,
+        label_smoothing: float = 0.0,
     ) -> dict[str, Any]:
         """``input_ids [B,S]`` → ``{"logits", "hidden_states"}`` (+ ``"aux_loss"``, ``"router_stats"`` for MoE).
 
@@ -126,6 +145,10 @@ class AutoRegressiveLM(nn.Module):
         ``input_mask`` is 2-D, 3-D or 4-D (see ``process_attention_mask``), over all keys (cached and new) when a
         cache is used; without one, a cache gets the causal mask. Logits are in the model's dtype; take ``.float()``
         before a loss.
+
+        With ``nll_targets [B,S]`` and ``nll_chunk_size`` N > 0, the head is fused with the cross-entropy
+        (``losses.head_token_nll``, N positions at a time): ``"token_nll" [B,S]`` float32 instead of ``"logits"``,
+        never the whole ``[B,S,V]``. Inside forward, so that a sharded head is gathered once, as for the logits.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
@@ -152,7 +175,11 @@ class AutoRegressiveLM(nn.Module):
         if kv_cache is not None:
             kv_cache.length += seq_len
         hidden_states = self.norm(x)
-        output = {"logits": self.lm_head(hidden_states), "hidden_states": hidden_states}
+        if nll_targets is not None and nll_chunk_size > 0:
+            nll = head_token_nll(hidden_states, self.lm_head.weight, nll_targets, nll_chunk_size, label_smoothing)
+            output = {"token_nll": nll, "hidden_states": hidden_states}
+        else:
+            output = {"logits": self.lm_head(hidden_states), "hidden_states": hidden_states}
         if aux_losses:
             output["aux_loss"] = torch.stack(aux_losses).mean()
             output["router_stats"] = router_stats

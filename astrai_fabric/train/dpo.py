@@ -19,31 +19,38 @@ from astrai_fabric.data.records import PreferenceDataset, collate_preferences
 from astrai_fabric.data.shapes import Shaper, check_not_shaped, shape_records
 from astrai_fabric.data.storage import read_records
 from astrai_fabric.lora import reference_context
-from astrai_fabric.losses import dpo_loss, token_logprobs, with_moe_aux_loss
+from astrai_fabric.losses import dpo_loss, with_moe_aux_loss
+from astrai_fabric.model import next_token_logprobs
 from astrai_fabric.train.common import train_on
 from astrai_fabric.train.start import Start, reference_model, require_records, resolve_start
 
 
-def response_logprobs(model: nn.Module, ids: Tensor, loss_mask: Tensor) -> tuple[Tensor, dict]:
+def response_logprobs(
+    model: nn.Module, ids: Tensor, loss_mask: Tensor, loss_chunk_size: int = 0
+) -> tuple[Tensor, dict]:
     """Summed log-probabilities of the response tokens of each right-padded sequence ``ids [N, L]``.
 
     Right padding needs no attention mask: under causal attention a real token never sees the padding after it.
     """
-    out = model(ids)
-    logprobs = token_logprobs(out["logits"][:, :-1], ids[:, 1:]) * loss_mask[:, 1:]
-    return logprobs.sum(dim=-1), out
+    logprobs, out = next_token_logprobs(model, ids, loss_chunk_size)
+    return (logprobs * loss_mask[:, 1:]).sum(dim=-1), out
 
 
 def dpo_batch_loss(
-    model: nn.Module, batch: dict[str, Tensor], reference: nn.Module | None, beta: float, moe_aux_loss_coef: float
+    model: nn.Module,
+    batch: dict[str, Tensor],
+    reference: nn.Module | None,
+    beta: float,
+    moe_aux_loss_coef: float,
+    loss_chunk_size: int = 0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """``reference`` None: the policy with its LoRA adapters off (``lora.adapters_off``) is the reference."""
     ids, loss_mask = batch["input_ids"].flatten(0, 1), batch["loss_mask"].flatten(0, 1)  # pairs: chosen, rejected
     # The reference first: with LoRA it is the same (possibly sharded) network, run without gradients before the
     # policy's forward, so the policy's graph is the last forward before backward.
     with torch.no_grad(), reference_context(model, reference):
-        ref, _ = response_logprobs(reference if reference is not None else model, ids, loss_mask)
-    policy, out = response_logprobs(model, ids, loss_mask)
+        ref, _ = response_logprobs(reference if reference is not None else model, ids, loss_mask, loss_chunk_size)
+    policy, out = response_logprobs(model, ids, loss_mask, loss_chunk_size)
     policy, ref = policy.view(-1, 2), ref.view(-1, 2)
     loss, metrics = dpo_loss(policy[:, 0], policy[:, 1], ref[:, 0], ref[:, 1], beta)
     loss, moe_metrics = with_moe_aux_loss(loss, out, moe_aux_loss_coef)
@@ -88,7 +95,8 @@ def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
     dataset, summary = build_dataset(args, start)
     reference, reference_meta = reference_model(fabric, start, args)
     compute_loss = partial(dpo_batch_loss, reference=reference, beta=args.dpo_beta,
-                           moe_aux_loss_coef=args.moe_aux_loss_coef)  # fmt: skip
+                           moe_aux_loss_coef=args.moe_aux_loss_coef,
+                           loss_chunk_size=start.loss_chunk_size(args))  # fmt: skip
     collate = partial(collate_preferences, pad_id=start.need_tokenizer("dpo").padding_id)
     return train_on(fabric, args, start, dataset, summary, compute_loss, collate,
                     extra_meta={"reference": reference_meta})  # fmt: skip

@@ -32,19 +32,14 @@ from astrai_fabric.errors import ConfigError, UserError
 from astrai_fabric.generate import generate
 from astrai_fabric.loop.state import TrainState
 from astrai_fabric.lora import reference_context
-from astrai_fabric.losses import group_advantages, grpo_loss, token_logprobs, with_moe_aux_loss
+from astrai_fabric.losses import group_advantages, grpo_loss, with_moe_aux_loss
+from astrai_fabric.model import next_token_logprobs
 from astrai_fabric.randomness import seeded_generator
 from astrai_fabric.rewards import Reward, load_reward, score
 from astrai_fabric.strategy import data_parallel
 from astrai_fabric.tokenizer import Tokenizer
 from astrai_fabric.train.common import train_on
 from astrai_fabric.train.start import Start, raise_together, reference_model, require_records, resolve_start
-
-
-def sequence_logprobs(model: nn.Module, ids: Tensor) -> tuple[Tensor, dict]:
-    """``log p`` of every next token of right-padded sequences ``ids [N, L]`` → ``[N, L - 1]``."""
-    out = model(ids)
-    return token_logprobs(out["logits"][:, :-1], ids[:, 1:]), out
 
 
 def grpo_batch_loss(
@@ -54,12 +49,13 @@ def grpo_batch_loss(
     clip_eps: float,
     kl_coef: float,
     moe_aux_loss_coef: float,
+    loss_chunk_size: int = 0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     ids = batch["input_ids"].flatten(0, 1)  # [B * G, L]: prompt then one response, right-padded
     mask = batch["loss_mask"].flatten(0, 1)[:, 1:]  # predicted tokens that belong to the response
     with torch.no_grad(), reference_context(model, reference):  # None: the policy with its LoRA adapters off
-        ref_logprobs, _ = sequence_logprobs(reference if reference is not None else model, ids)
-    logprobs, out = sequence_logprobs(model, ids)
+        ref_logprobs, _ = next_token_logprobs(reference if reference is not None else model, ids, loss_chunk_size)
+    logprobs, out = next_token_logprobs(model, ids, loss_chunk_size)
     old = batch["old_logprobs"].flatten(0, 1) if "old_logprobs" in batch else logprobs.detach()
     advantages = group_advantages(batch["rewards"]).flatten()
     loss, metrics = grpo_loss(logprobs, old, ref_logprobs, mask, advantages, clip_eps, kl_coef)
@@ -76,10 +72,11 @@ class Rollouts:
 
     def __init__(
         self, fabric: Fabric, model: nn.Module, prompts: Any, tokenizer: Tokenizer, reward: Reward,
-        args: TrainArgs, window_size: int, position: RunPosition,
+        args: TrainArgs, window_size: int, position: RunPosition, loss_chunk_size: int = 0,
     ) -> None:  # fmt: skip
         self.fabric, self.model, self.prompts, self.tokenizer, self.reward = fabric, model, prompts, tokenizer, reward
         self.args, self.window_size, self.position = args, window_size, position
+        self.loss_chunk_size = loss_chunk_size  # the policy's log-probabilities as the loss computes them
         self.micro_batches = args.rollout_interval * args.grad_accum_steps
 
     def __iter__(self):
@@ -116,7 +113,7 @@ class Rollouts:
             raise refusal
         packed = pack(list(zip(prompts, responses, strict=True)), tokenizer.padding_id)
         packed = {k: v.to(self.fabric.device) for k, v in packed.items()}
-        old_logprobs, _ = sequence_logprobs(self.model, packed["input_ids"])
+        old_logprobs, _ = next_token_logprobs(self.model, packed["input_ids"], self.loss_chunk_size)
         self.model.train()
         out = {k: v.unflatten(0, (len(batch["prompt_ids"]), group)) for k, v in packed.items()}
         out["old_logprobs"] = old_logprobs.unflatten(0, (len(batch["prompt_ids"]), group))
@@ -170,7 +167,8 @@ def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
     dataset, summary = build_dataset(args, start)
     reference, reference_meta = reference_model(fabric, start, args)
     compute_loss = partial(grpo_batch_loss, reference=reference, clip_eps=args.grpo_clip_eps,
-                           kl_coef=args.grpo_kl_coef, moe_aux_loss_coef=args.moe_aux_loss_coef)  # fmt: skip
+                           kl_coef=args.grpo_kl_coef, moe_aux_loss_coef=args.moe_aux_loss_coef,
+                           loss_chunk_size=start.loss_chunk_size(args))  # fmt: skip
     meta = {"reference": reference_meta}
     if isinstance(dataset, GroupDataset):
         collate = partial(collate_groups, pad_id=start.need_tokenizer("grpo").padding_id)
@@ -179,6 +177,7 @@ def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
 
     def rollouts(state: TrainState, loader: Any) -> Rollouts:  # the loop's seam (loop/__init__.py)
         tokenizer = start.need_tokenizer("grpo")
-        return Rollouts(fabric, state.model, loader, tokenizer, reward, args, start.window_size, state.position)
+        return Rollouts(fabric, state.model, loader, tokenizer, reward, args, start.window_size, state.position,
+                        start.loss_chunk_size(args))  # fmt: skip
 
     return train_on(fabric, args, start, dataset, summary, compute_loss, collate_prompts, meta, rollouts)

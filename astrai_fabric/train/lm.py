@@ -21,16 +21,28 @@ from astrai_fabric.data.datasets import window_dataset
 from astrai_fabric.data.shapes import Shaper, check_not_shaped, shape_records
 from astrai_fabric.data.storage import detect_format, read_records
 from astrai_fabric.data.tokenize import tokenize_chats, tokenize_text
-from astrai_fabric.losses import causal_lm_loss, with_moe_aux_loss
+from astrai_fabric.losses import causal_lm_loss, token_nll_loss, with_moe_aux_loss
 from astrai_fabric.model import forward_window
 from astrai_fabric.train.common import train_on
 from astrai_fabric.train.start import Start, resolve_start
 
 
-def lm_loss(model: nn.Module, batch: dict[str, Tensor], label_smoothing: float, moe_aux_loss_coef: float):
-    """Mean next-token cross-entropy of one micro-batch (+ the weighted MoE aux loss)."""
-    out = forward_window(model, batch["input_ids"], batch.get("position_ids"))  # sft's documents apart
-    loss = causal_lm_loss(out["logits"], batch["target_ids"], batch.get("loss_mask"), label_smoothing)
+def lm_loss(
+    model: nn.Module,
+    batch: dict[str, Tensor],
+    label_smoothing: float,
+    moe_aux_loss_coef: float,
+    loss_chunk_size: int = 0,
+):
+    """Mean next-token cross-entropy of one micro-batch (+ the weighted MoE aux loss); with ``loss_chunk_size``, the
+    head fused with the loss inside the model's forward (``token_nll``: no whole logits)."""
+    if loss_chunk_size:
+        out = forward_window(model, batch["input_ids"], batch.get("position_ids"), nll_targets=batch["target_ids"],
+                             nll_chunk_size=loss_chunk_size, label_smoothing=label_smoothing)  # fmt: skip
+        loss = token_nll_loss(out["token_nll"], batch.get("loss_mask"))
+    else:
+        out = forward_window(model, batch["input_ids"], batch.get("position_ids"))  # sft's documents apart
+        loss = causal_lm_loss(out["logits"], batch["target_ids"], batch.get("loss_mask"), label_smoothing)
     return with_moe_aux_loss(loss, out, moe_aux_loss_coef)
 
 
@@ -84,5 +96,6 @@ def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
     """Train seq or sft on a launched Fabric; returns the per-step records (see ``loop.fit``)."""
     start = resolve_start(fabric, args)
     dataset, summary = build_dataset(args, start)
-    compute_loss = partial(lm_loss, label_smoothing=args.label_smoothing, moe_aux_loss_coef=args.moe_aux_loss_coef)
+    compute_loss = partial(lm_loss, label_smoothing=args.label_smoothing, moe_aux_loss_coef=args.moe_aux_loss_coef,
+                           loss_chunk_size=start.loss_chunk_size(args))  # fmt: skip
     return train_on(fabric, args, start, dataset, summary, compute_loss)

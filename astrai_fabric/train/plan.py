@@ -90,12 +90,14 @@ def describe_schedule(args: TrainArgs, scheduler: Any) -> str:
     return f"{scheduler.describe()}, peak learning rate {args.max_lr}"
 
 
-def describe_features(args: TrainArgs) -> str | None:
+def describe_features(args: TrainArgs, loss_chunk_size: int = 0) -> str | None:
     """The plan's ``training`` line: each option on that changes how a step trains, stores or checkpoints (LoRA,
-    HSDP's layout and profiling have lines of their own); None when all are at their defaults."""
+    HSDP's layout and profiling have lines of their own); None when all are at their defaults.
+    ``loss_chunk_size``: the run's (``Start.loss_chunk_size``)."""
     on = [
         f"NEFTune (alpha {args.neftune_alpha:g})" if args.neftune_alpha else None,
         f"label smoothing {args.label_smoothing:g}" if args.label_smoothing else None,
+        f"loss fused with the head, {loss_chunk_size} positions at a time" if loss_chunk_size else None,
         "gradient checkpointing" if args.gradient_checkpointing else None,
         f"torch.compile ({args.compile})" if args.compile else None,
         "FSDP: gradients reduced each micro-batch" if args.fsdp_sync_each_micro_batch else None,
@@ -174,7 +176,7 @@ def describe_plan(
     rows.append(("loader", loader))
     if cpu_threads is not None:
         rows.append(("cpu threads", cpu_threads))
-    if features := describe_features(args):
+    if features := describe_features(args, start.loss_chunk_size(args) if start is not None else 0):
         rows.append(("training", features))
     last_step = steps.last_step(position) if steps is not None else None
     if profiling := describe_profiling(args, last_step):  # warns of steps past the run's last

@@ -37,6 +37,7 @@ from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.data.dataset_config import DatasetConfig, read_dataset_config
 from astrai_fabric.data.storage import detect_format
 from astrai_fabric.errors import ConfigError, UserError, raised_on_every_rank
+from astrai_fabric.losses import loss_chunk_positions
 from astrai_fabric.strategy import is_fsdp, setup_frozen
 from astrai_fabric.tokenizer import Tokenizer
 from astrai_fabric.train.models import initial_model, load_sharded_weights, meta_model
@@ -69,6 +70,12 @@ class Start:
     window_size: int | None = None
     """Tokens per training sample: ``--window_size``, else the model's ``max_position_embeddings`` (resolved here
     once; every train type's data and the throughput's FLOPs count use it)."""
+
+    def loss_chunk_size(self, args: TrainArgs) -> int:
+        """Positions per chunk of the fused head and loss for this run, 0 for the whole logits
+        (``losses.loss_chunk_positions`` of the vocabulary and a micro-batch's windows)."""
+        return loss_chunk_positions(args.loss_chunk_size, self.model_config.vocab_size,
+                                    args.batch_per_device * self.window_size)  # fmt: skip
 
     def need_tokenizer(self, what: str) -> Tokenizer:
         """The tokenizer, or the one-line error saying ``what`` needs one and why there is none."""
