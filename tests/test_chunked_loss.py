@@ -101,16 +101,22 @@ def test_a_chunk_size_below_one_is_refused():
 # --- the model and the train types -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_the_models_fused_head_gives_its_logits_loss_and_gradients(tied):
+@pytest.mark.parametrize(
+    "overrides",
+    [{"tie_word_embeddings": True}, {"tie_word_embeddings": False},
+     {"ffn_type": "moe", "n_routed_experts": 4, "n_shared_experts": 1, "n_activated_experts": 2}],
+    ids=["tied", "untied", "moe"],
+)  # fmt: skip
+def test_the_models_fused_head_gives_its_logits_loss_and_gradients(overrides):
     """``model(ids, nll_targets=..., nll_chunk_size=N)`` against cross-entropy on ``model(ids)["logits"]``: the
-    values, and the gradient of every parameter (a tied head's reaches the embedding through both uses)."""
+    values, and the gradient of every parameter (a tied head's reaches the embedding through both uses; an MoE
+    model's aux loss is still returned)."""
     from conftest import tiny_config
 
     from astrai_fabric.model import AutoRegressiveLM
 
     torch.manual_seed(0)
-    model = AutoRegressiveLM(tiny_config(tie_word_embeddings=tied))
+    model = AutoRegressiveLM(tiny_config(**overrides))
     ids = torch.randint(32, (3, 12))
     targets = torch.randint(32, (3, 12))
     expected = unfused_logits_loss = F.cross_entropy(model(ids)["logits"].flatten(0, 1).float(), targets.flatten(),
@@ -119,7 +125,7 @@ def test_the_models_fused_head_gives_its_logits_loss_and_gradients(tied):
     expected_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
     model.zero_grad()
     out = model(ids, nll_targets=targets, nll_chunk_size=5, label_smoothing=0.1)
-    assert "logits" not in out
+    assert "logits" not in out and ("aux_loss" in out) == ("ffn_type" in overrides)
     got = out["token_nll"].mean()
     got.backward()
     assert got.item() == pytest.approx(expected.item(), rel=1e-6)

@@ -63,6 +63,7 @@ RL_RUNS["fsdp_dpo_loss_fused"] = dict(RL_RUNS["fsdp_dpo"], loss_chunk_size=7)
 ONLINE = dict(train_type="grpo", data_root_path="bundled:data/grpo_online", reward="astrai_fabric.rewards.LengthReward",
               group_size=2, rollout_interval=1, rollout_max_tokens=6, max_steps=2)  # fmt: skip
 TP2 = dict(parallel_mode="fsdp", tp_size=2, optimizer="muon_adamw")
+TP_RUNS = {"tp2": TP2, "tp2_loss_fused": dict(TP2, loss_chunk_size=7)}  # the head stays whole on the tensor axis
 RESUME = dict(max_steps=6, ckpt_interval=3, optimizer="muon_adamw")
 SFT = dict(train_type="sft", data_root_path="bundled:data/sft")
 # Hugging Face directories (built with transformers in the fixture): Qwen3 (q/k norm before RoPE, heads x head_dim
@@ -107,9 +108,10 @@ def two_rank_worker(root: str) -> None:
     if os.environ["RANK"] == "0":
         (root / "bf16_compute.json").write_text(json.dumps(history))
     # Tensor parallelism over both ranks: one data-parallel rank, so each rank takes the single process's batch.
-    history = run(base_args(root / "tp2", nprocs=2, **TP2))
-    if os.environ["RANK"] == "0":
-        (root / "tp2.json").write_text(json.dumps(history))
+    for name, overrides in TP_RUNS.items():
+        history = run(base_args(root / name, nprocs=2, **overrides))
+        if os.environ["RANK"] == "0":
+            (root / f"{name}.json").write_text(json.dumps(history))
     # Hugging Face directories, after the runs above have warmed up FSDP's and DTensor's caches.
     for name, overrides in HF_RUNS.items():
         if (root / name.split("_")[1]).is_dir():
@@ -203,12 +205,13 @@ def test_fsdp_mixed_precision_computes_in_bf16_over_float32_weights(two_rank_run
     assert {t.dtype for t in weights(two_rank_runs / "bf16_compute", 3).values()} == {torch.float32}
 
 
-def test_tensor_parallel_matches_one_process(two_rank_runs, tmp_path):
-    reference = run(base_args(tmp_path, optimizer="muon_adamw"))
-    history = json.loads((two_rank_runs / "tp2.json").read_text())
+@pytest.mark.parametrize("name", list(TP_RUNS))
+def test_tensor_parallel_matches_one_process(two_rank_runs, tmp_path, name):
+    reference = run(base_args(tmp_path, optimizer="muon_adamw", loss_chunk_size=TP_RUNS[name].get("loss_chunk_size")))
+    history = json.loads((two_rank_runs / f"{name}.json").read_text())
     assert [r["loss"] for r in history] == pytest.approx([r["loss"] for r in reference], abs=1e-5)
     assert [r["grad_snr"] for r in history] == pytest.approx([r["grad_snr"] for r in reference], rel=1e-4)
-    assert_weights_close(weights(two_rank_runs / "tp2", 3), weights(tmp_path, 3), atol=1e-5)
+    assert_weights_close(weights(two_rank_runs / name, 3), weights(tmp_path, 3), atol=1e-5)
 
 
 def tp_and_fsdp_worker(root: str) -> None:
