@@ -8,8 +8,6 @@ a checkpoint evaluated with the same ones is not evaluated again (``evaluate/res
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -141,7 +139,7 @@ class EvaluateArgs:
             )
         if self.device_type not in (None, *DEVICE_TYPES):
             problems.append(f"device_type must be cpu or cuda, got {self.device_type!r}")
-        if not math.isfinite(self.seed) or not 0 <= self.seed < 2**32:
+        if not 0 <= self.seed < 2**32:
             problems.append(f"seed must be between 0 and 2**32 - 1, got {self.seed}")
         problems += settings_problems(self.train_type, self.data_format, self.data_columns)
         if problems:
@@ -159,6 +157,3 @@ class EvaluateArgs:
         names = ("tasks", "num_fewshot", "limit", "apply_chat_template", "max_gen_toks", "log_samples",
                  "include_path", "seed", "precision", "tokenizer_path")  # fmt: skip
         return {name: getattr(self, name) for name in names}
-
-
-FIELDS = frozenset(f.name for f in dataclasses.fields(EvaluateArgs))
