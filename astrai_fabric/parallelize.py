@@ -5,11 +5,11 @@ data-parallel size D, the model gets a mesh of three instead, ``replicate`` (D/S
 ``tensor_parallel``, and FSDP2 shards over ``shard`` and replicates over ``replicate`` (HSDP, torch's
 ``fully_shard`` on a 2-D mesh). On the tensor axis (``--tp_size``) each decoder block's attention splits its heads
 (q/k/v, the gate, MLA's ``kv_b_proj`` column-wise; ``o_proj`` row-wise) and the dense MLP splits its width
-(``up``/``gate`` column-wise, ``down`` row-wise); embeddings, norms, the head and MoE experts stay whole. On the
-data axis every decoder block is an FSDP unit, and so is the root: it holds the embedding, final norm and
-``lm_head``, so a tied embedding stays one parameter (AstrAI shards ``embed_tokens`` and ``lm_head`` apart and
-unties them, B4), and every parameter is a DTensor: torch's gradient clipping refuses plain tensors and DTensors
-mixed.
+(``up``/``gate`` column-wise, ``down`` row-wise); embeddings, norms, the head and MoE experts stay whole (the
+per-head q/k norms too, their gradients summed over the ranks' heads). On the data axis every decoder block is an
+FSDP unit, and so is the root: it holds the embedding, final norm and ``lm_head``, so a tied embedding stays one
+parameter (AstrAI shards ``embed_tokens`` and ``lm_head`` apart and unties them, B4), and every parameter is a
+DTensor: torch's gradient clipping refuses plain tensors and DTensors mixed.
 
 The HSDP mesh is a new ``init_device_mesh`` over the same ranks in the same row-major order as Fabric's (which
 builds its own the same way), so a rank's data-parallel index ``replica * S + shard`` is the one Fabric's sampler
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
 from astrai_fabric.errors import ConfigError
 from astrai_fabric.model.attention import MLA
@@ -103,6 +103,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         plan = {name: ColwiseParallel() for name in names} | {"o_proj": RowwiseParallel()}
         if attention.gate is not None:  # multiplies the attention output column for column: split it the same way
             plan["gate"] = ColwiseParallel()
+        if attention.q_norm is not None:
+            # One weight for every head, each rank normalising its own heads ([B, S, heads, D], split on dim 2):
+            # replicated, its gradient summed over the ranks' heads (left alone, each rank's copy would learn from
+            # its heads only and the copies would drift apart).
+            plan |= {name: SequenceParallel(sequence_dim=2, use_local_output=True) for name in ("q_norm", "k_norm")}
         parallelize_module(attention, tp_mesh, plan)
         if isinstance(block.mlp, MLP):
             plan = {"up": ColwiseParallel(), "gate": ColwiseParallel(), "down": RowwiseParallel()}

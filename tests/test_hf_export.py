@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 transformers = pytest.importorskip("transformers")
 
 from astrai_oracle import needs_astrai, run_astrai  # noqa: E402
-from test_huggingface import LLAMA3, build_hf, max_diff, save_hf  # noqa: E402
+from test_huggingface import CASES, LLAMA3, build_hf, max_diff, save_hf  # noqa: E402
 
 from astrai_fabric.assets import TINY_MODEL_DIR  # noqa: E402
 from astrai_fabric.checkpoint import hf, load_checkpoint, load_model, read_model_config, save_checkpoint  # noqa: E402
@@ -60,6 +60,7 @@ FROM_HF = {
     "qwen2": ("Qwen2Config", {}),
     "qwen3_tied": ("Qwen3Config", {"head_dim": 16, "tie_word_embeddings": True}),
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    **{case: CASES[case][:2] for case in ("qwen2_moe", "qwen3_moe")},
 }  # fmt: skip
 
 
@@ -115,6 +116,10 @@ def native(directory: Path, pair_equal_norms: bool = False, **fields) -> Path:
     return save_checkpoint(directory, model.state_dict(), config.to_dict(), meta={"train_type": "seq"})
 
 
+MOE = dict(ffn_type="moe", n_routed_experts=4, n_activated_experts=2, n_shared_experts=0, moe_intermediate_size=24,
+           norm_topk_prob=False, num_hidden_layers=3)  # fmt: skip
+"""Three layers and an unnormalised top-k (each case adds its dense layers): what only the Qwen MoE classes
+compute."""
 NATIVE = {
     # id: (expected class, config fields, pair-equal q/k norm weights)
     "dense_gqa": ("LlamaForCausalLM", {}, False),
@@ -128,6 +133,10 @@ NATIVE = {
     "astrai_qk_norm_pair_equal": ("Qwen3ForCausalLM", {"use_qk_norm": True}, True),
     "moe": ("MixtralForCausalLM", {"ffn_type": "moe", "n_routed_experts": 4, "n_activated_experts": 2,
                                    "n_shared_experts": 0, "moe_intermediate_size": 24}, False),
+    "moe_gated_shared_expert": ("Qwen2MoeForCausalLM", {**MOE, "n_shared_experts": 1, "shared_expert_gate": True,
+                                "shared_expert_intermediate_size": 20, "mlp_only_layers": [0]}, False),
+    "moe_qk_norm_before_rope": ("Qwen3MoeForCausalLM", {**MOE, "use_qk_norm": True, "qk_norm_before_rope": True,
+                                "decoder_sparse_step": 2}, False),
 }  # fmt: skip
 
 
@@ -150,7 +159,9 @@ REFUSED = [
      "attn_type 'mla' cannot be exported to Hugging Face"),
     ("gated", dict(use_gated_attention=True), False, "use_gated_attention True cannot be exported"),
     ("shared_experts", dict(ffn_type="moe", n_routed_experts=4, n_activated_experts=2, n_shared_experts=1), False,
-     "n_shared_experts 1 cannot be exported to Hugging Face: Mixtral has no shared experts"),
+     "n_shared_experts 1 cannot be exported to Hugging Face: shared experts added ungated (AstrAI's) have no"),
+    ("two_gated_shared_experts", dict(MOE, n_shared_experts=2, shared_expert_gate=True), False,
+     "n_shared_experts 2 cannot be exported to Hugging Face: Qwen2-MoE gates exactly one shared expert"),
     ("unnormalised_topk", dict(ffn_type="moe", n_routed_experts=4, n_activated_experts=2, n_shared_experts=0,
                                norm_topk_prob=False), False, "norm_topk_prob False cannot be exported"),
     ("dense_layers_in_moe", dict(ffn_type="moe", n_routed_experts=4, n_activated_experts=2, n_shared_experts=0,
@@ -180,6 +191,7 @@ def test_what_has_no_equivalent_is_refused_in_one_line(tmp_path, capsys, fields,
 def test_export_options_are_checked_before_anything_is_written(tmp_path, capsys):
     source = native(tmp_path / "ckpt")
     qwen2 = save_hf(build_hf("Qwen2Config"), tmp_path / "qwen2")
+    qwen2_moe = save_hf(build_hf("Qwen2MoeConfig", **CASES["qwen2_moe"][1]), tmp_path / "qwen2_moe")
     broken = native(tmp_path / "broken_tokenizer")
     (broken / "tokenizer.json").write_bytes((TINY_MODEL_DIR / "tokenizer.json").read_bytes())
     (broken / "tokenizer_config.json").write_text("{")
@@ -190,6 +202,8 @@ def test_export_options_are_checked_before_anything_is_written(tmp_path, capsys)
         ([source, "--format", "hf", "--out", qwen2], "already exists and is not empty ([config.json, "),
         ([qwen2, "--out", tmp_path / "as_astrai"], "a qwen2 model needs ['attention_qkv_bias'], "
          "which AstrAI's schema lacks (AstrAI would compute another function); export it with --format hf"),
+        ([qwen2_moe, "--out", tmp_path / "as_astrai"], "a qwen2_moe model needs ['attention_qkv_bias', "
+         "'shared_expert_gate'], which AstrAI's schema lacks"),
         ([source, "--format", "onnx"], "--format"),
         ([source, "--dtype", "int8"], "--dtype"),
     ]  # fmt: skip

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")
 
+from astrai_fabric import lora  # noqa: E402
 from astrai_fabric.assets import TINY_MODEL_DIR  # noqa: E402
 from astrai_fabric.checkpoint import (  # noqa: E402
     hf,
@@ -31,7 +32,8 @@ from astrai_fabric.cli import main  # noqa: E402
 from astrai_fabric.config import ModelConfig  # noqa: E402
 from astrai_fabric.config.model import EXTENSION_FIELDS  # noqa: E402
 from astrai_fabric.generate import generate  # noqa: E402
-from astrai_fabric.model import make_doc_boundary_mask  # noqa: E402
+from astrai_fabric.losses import with_moe_aux_loss  # noqa: E402
+from astrai_fabric.model import AutoRegressiveLM, make_doc_boundary_mask  # noqa: E402
 
 TOLERANCE = 1e-5
 """Max abs logit difference allowed in float32 (the issue's bar); observed differences are ~1e-6."""
@@ -43,6 +45,10 @@ SIZES = dict(vocab_size=96, hidden_size=32, intermediate_size=40, num_hidden_lay
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 16}  # fmt: skip
 """With head_dim 8 and theta 10000 the wavelengths are 6.3, 63, 628, 6283: one blended, three divided."""
+QWEN_MOE = dict(num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24)
+"""Three layers: Qwen2-MoE's case has a dense layer between MoE layers (``mlp_only_layers``), Qwen3-MoE's an MoE
+layer between dense ones (``decoder_sparse_step``); Qwen2-MoE's top-k stays unnormalised (its default), Qwen3-MoE's
+is renormalised."""
 
 CASES = {
     # id: (config class, extra config fields, save_pretrained options, dtype on disk)
@@ -58,12 +64,20 @@ CASES = {
     "qwen2": ("Qwen2Config", {}, {}, torch.float32),
     "qwen3_tied": ("Qwen3Config", {"head_dim": 16, "tie_word_embeddings": True}, {}, torch.float32),
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}, {}, torch.float32),
+    "qwen2_moe": ("Qwen2MoeConfig", {**QWEN_MOE, "shared_expert_intermediate_size": 20, "mlp_only_layers": [1]}, {},
+                  torch.float32),
+    "qwen3_moe": ("Qwen3MoeConfig", {**QWEN_MOE, "head_dim": 16, "norm_topk_prob": True, "decoder_sparse_step": 2},
+                  {}, torch.float32),
 }  # fmt: skip
+ROUTER_GAP = 1e-4
+"""Least gap between the k-th and (k+1)-th router logit on the test inputs, so that float32 differences (~1e-7)
+cannot send a token to another expert on one side only."""
 
 
 def build_hf(config_class: str, **fields) -> torch.nn.Module:
-    """A random transformers model; every parameter redrawn (norm weights around 1, biases non-zero), since the
-    default init (unit norms, zero biases) would hide a wrong norm order, norm permutation or bias mapping."""
+    """A random transformers model; every parameter redrawn (norm weights around 1, biases non-zero, MoE routers
+    and Qwen2-MoE's shared-expert gate non-zero), since the default init (unit norms, zero biases and routers)
+    would hide a wrong norm order, norm permutation, bias mapping or gate."""
     torch.manual_seed(0)
     config = getattr(transformers, config_class)(**{**SIZES, **fields})
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
@@ -95,7 +109,28 @@ def pair(request, tmp_path_factory):
         model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     ours = load_model(directory)
     assert ours.embed_tokens.weight.dtype == dtype  # taken as it is on disk
-    return request.param, model, ours.float().eval(), directory
+    ours = ours.float().eval()
+    if ours.config.ffn_type == "moe":
+        assert min_router_gap(ours, tokens(2, SEQ_LEN), tokens(1, SEQ_LEN, seed=2)) > ROUTER_GAP
+    return request.param, model, ours, directory
+
+
+@torch.no_grad()
+def min_router_gap(model: torch.nn.Module, *batches: torch.Tensor) -> float:
+    """The least gap between the k-th and (k+1)-th largest router logit of any token of ``batches``, any layer."""
+    gaps = []
+
+    def record(moe, logits):
+        top = logits.float().topk(moe.top_k + 1, dim=-1).values
+        gaps.append((top[:, -2] - top[:, -1]).min().item())
+
+    hooks = [layer.mlp.router.register_forward_hook(lambda _, __, out, moe=layer.mlp: record(moe, out))
+             for layer in model.layers if hasattr(layer.mlp, "router")]  # fmt: skip
+    for ids in batches:
+        model(ids)
+    for hook in hooks:
+        hook.remove()
+    return min(gaps)
 
 
 def tokens(batch: int, length: int, seed: int = 1) -> torch.Tensor:
@@ -169,6 +204,35 @@ def test_configs_map_onto_astrai_fields_and_stay_astrai_shaped():
     assert {"head_dim", "qk_norm_before_rope"} <= set(qwen3.to_dict())
 
 
+@pytest.mark.parametrize("case", ["qwen2_moe", "qwen3_moe"])
+def test_qwen_moe_routers_train_with_the_aux_loss_and_lora_leaves_them_alone(case):
+    """The config is ours (AstrAI's schema lacks its options). In training, every MoE layer gives the
+    load-balancing loss and the routing diagnostics, and its router (and Qwen2-MoE's shared-expert gate) a
+    gradient; LoRA's default targets adapt the attention projections only, and no target reaches a router or the
+    shared-expert gate."""
+    config_class, fields, _, _ = CASES[case]
+    config = hf.model_config_from_hf(getattr(transformers, config_class)(**{**SIZES, **fields}).to_dict())
+    assert config.to_dict()["model_type"] == "astrai_fabric_lm"  # AstrAI refuses it rather than misread it
+    assert config.extensions == (["attention_qkv_bias", "shared_expert_gate"] if case == "qwen2_moe"
+                                 else ["head_dim", "qk_norm_before_rope"])  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoRegressiveLM(config).train()
+    out = model(tokens(2, 8))
+    assert len(out["router_stats"]) == config.num_moe_layers
+    loss, metrics = with_moe_aux_loss(out["logits"].float().mean(), out, coef=0.01)
+    assert metrics["moe_aux_loss"] > 0
+    assert {"router_entropy", "dead_expert_fraction", "load_imbalance_mean", "load_imbalance_max"} <= set(metrics)
+    loss.backward()
+    gated = [m for name, m in model.named_modules() if name.endswith(("router", "shared_expert_gate"))]
+    assert len(gated) == config.num_moe_layers * (1 + config.shared_expert_gate)
+    assert all(m.weight.grad.abs().sum() > 0 for m in gated)
+    adapted = lora.inject(model, lora.LoRASpec(r=2), seed=0)
+    assert sorted({name.rpartition(".")[2] for name in adapted}) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    assert len(adapted) == 4 * config.num_hidden_layers
+    everything = lora.inject(AutoRegressiveLM(config), lora.LoRASpec(r=2, targets=lora.TARGETS), seed=0)
+    assert not [name for name in everything if name.endswith(("router", "shared_expert_gate"))]
+
+
 def test_the_permutation_pairs_rotate_half_dims():
     """Row i of a head goes to 2i and row i + d/2 to 2i + 1; the inverse restores the order."""
     rows = torch.arange(2 * 8).float()
@@ -230,7 +294,6 @@ REFUSED = [
     ("gemma", {"model_type": "gemma"}, "model_type 'gemma' is not supported"),
     ("gemma2", {"model_type": "gemma2"}, "model_type 'gemma2' is not supported"),
     ("phi3", {"model_type": "phi3"}, "model_type 'phi3' is not supported"),
-    ("qwen2_moe", {"model_type": "qwen2_moe"}, "model_type 'qwen2_moe' is not supported"),
     ("deepseek", {"model_type": "deepseek_v3"}, "model_type 'deepseek_v3' is not supported"),
     ("unknown_type", {"model_type": "falcon"}, "model_type 'falcon' is not supported (unknown architecture)"),
     ("gelu", {"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
@@ -246,6 +309,10 @@ REFUSED = [
      "layer_types '(mixed)' is not supported"),
     ("qwen_window_some_layers", {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16,
                                  "max_window_layers": 1}, "layer_types '(mixed)' is not supported"),
+    ("qwen2_moe_window_some_layers", {"model_type": "qwen2_moe", "use_sliding_window": True, "sliding_window": 16,
+                                      "max_window_layers": 1}, "layer_types '(mixed)' is not supported"),
+    ("qwen3_moe_expert_counts", {"model_type": "qwen3_moe", "num_experts": 4, "num_local_experts": 8},
+     "'num_experts' and 'num_local_experts' disagree"),
     ("quantized", {"quantization_config": {"quant_method": "gptq"}}, "quantization_config '(set)' is not supported"),
     ("bad_type", {"hidden_size": "32"}, "'hidden_size' must be a positive integer, got '32'"),
 ]  # fmt: skip
@@ -268,17 +335,31 @@ def test_refused_architectures_and_fields_get_one_line(llama_dir, tmp_path, caps
     assert sorted(p.name for p in tmp_path.rglob("*")) == before
 
 
-def test_training_starts_from_a_huggingface_directory(tmp_path, capsys):
+STARTS = {
+    # id: (config class, fields, the plan's routing line)
+    "qwen3": ("Qwen3Config", {"head_dim": 16}, None),
+    "qwen2_moe": (*CASES["qwen2_moe"][:2],
+                  "softmax top-2 of 4, not renormalised, + 1 shared expert (sigmoid gate); MoE in 2 of 3 layers"),
+    "qwen3_moe": (*CASES["qwen3_moe"][:2], "softmax top-2 of 4, renormalised; MoE in 1 of 3 layers"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(STARTS))
+def test_training_starts_from_a_huggingface_directory(tmp_path, capsys, case):
     """``--param_path`` of a train type reads the Hugging Face directory through the same function as load_model
-    (the dry run performs every check a run does)."""
+    (the dry run performs every check a run does); the plan says how an MoE routes."""
     vocab = json.loads((TINY_MODEL_DIR / "config.json").read_text())["vocab_size"]
-    model = build_hf("Qwen3Config", head_dim=16, vocab_size=vocab, max_position_embeddings=256)  # the data's positions
+    config_class, fields, routing = STARTS[case]
+    model = build_hf(config_class, **fields, vocab_size=vocab, max_position_embeddings=256)  # the data's positions
     directory = save_hf(model, tmp_path / "m")
     argv = ["sft", "--param_path", str(directory), "--data_root_path", "bundled:data/sft", "--tokenizer_path",
             "bundled:tiny", "--window_size", "32", "--parallel_mode", "none", "--ckpt_dir", str(tmp_path / "out"),
             "--dry_run"]  # fmt: skip
-    assert main(argv) == 0, capsys.readouterr().out[-2000:]
+    code, out = main(argv), capsys.readouterr().out
+    assert code == 0, out[-2000:]
     assert not (tmp_path / "out").exists()
+    routing_lines = [line.split(maxsplit=1)[1] for line in out.splitlines() if line.strip().startswith("routing ")]
+    assert routing_lines == ([routing] if routing else [])
 
 
 def test_astrai_config_files_keep_astrai_keys():

@@ -208,8 +208,15 @@ def test_gradient_checkpointing_gives_the_same_gradients():
             "n_activated_experts": 1,
             "mlp_only_layers": [0],
         },
+        {
+            "ffn_type": "moe",
+            "n_routed_experts": 4,
+            "n_shared_experts": 1,
+            "n_activated_experts": 2,
+            "shared_expert_gate": True,
+        },
     ],
-    ids=["gqa", "tied-qknorm-gated", "bias-head-dim", "mla", "moe-sparse", "moe-no-shared"],
+    ids=["gqa", "tied-qknorm-gated", "bias-head-dim", "mla", "moe-sparse", "moe-no-shared", "moe-gated-shared"],
 )
 def test_the_closed_form_parameter_count_is_the_models(changes):
     """``count_parameters`` (no layer built) against the meta-device model's own count."""

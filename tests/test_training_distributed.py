@@ -67,30 +67,44 @@ TP_RUNS = {"tp2": TP2, "tp2_loss_fused": dict(TP2, loss_chunk_size=7)}  # the he
 RESUME = dict(max_steps=6, ckpt_interval=3, optimizer="muon_adamw")
 SFT = dict(train_type="sft", data_root_path="bundled:data/sft")
 # Hugging Face directories (built with transformers in the fixture): Qwen3 (q/k norm before RoPE, heads x head_dim
-# != hidden) under FSDP, Qwen2 (q/k/v biases) under tensor parallelism. sft averages per-micro-batch token means,
-# so the single process takes the same 1-sample micro-batches in sequence (as RL_RUNS do).
-HF_RUNS = {
-    "hf_qwen3_fsdp": dict(parallel_mode="fsdp", batch_per_device=1, grad_accum_steps=1),
-    "hf_qwen2_tp2": dict(parallel_mode="fsdp", tp_size=2, batch_per_device=1, grad_accum_steps=1),
-}
-HF_REFERENCES = {"hf_qwen3_fsdp": dict(batch_per_device=1, grad_accum_steps=2),
-                 "hf_qwen2_tp2": dict(batch_per_device=1, grad_accum_steps=1)}  # fmt: skip
+# != hidden) under FSDP, Qwen2 (q/k/v biases) under tensor parallelism, and the MoE families with their routers'
+# aux loss under FSDP: Qwen2-MoE (gated shared expert, a dense layer between MoE layers) and Qwen3-MoE, which also
+# runs tensor parallel (experts whole, dense layers split, q/k norms whole with their gradients summed over the
+# ranks' heads). sft averages per-micro-batch token means, so the single process takes the same 1-sample
+# micro-batches in sequence (as RL_RUNS do).
+FSDP_HF = dict(parallel_mode="fsdp", batch_per_device=1, grad_accum_steps=1)
+TP2_HF = dict(parallel_mode="fsdp", tp_size=2, batch_per_device=1, grad_accum_steps=1)
+HF_RUNS = {"hf_qwen3_fsdp": FSDP_HF, "hf_qwen2_tp2": TP2_HF, "hf_qwen2_moe_fsdp": FSDP_HF,
+           "hf_qwen3_moe_fsdp": FSDP_HF, "hf_qwen3_moe_tp2": TP2_HF}  # fmt: skip
+HF_REFERENCES = {"fsdp": dict(batch_per_device=1, grad_accum_steps=2),
+                 "tp2": dict(batch_per_device=1, grad_accum_steps=1)}  # fmt: skip
+"""The single process's batches for a 2-rank run, by its layout (the run's name ends with it)."""
+
+
+def hf_model_type(name: str) -> str:
+    """The model_type (and directory) of an ``HF_RUNS`` entry: ``hf_<model_type>_<layout>``."""
+    return name.removeprefix("hf_").rpartition("_")[0]
 
 
 def hf_args(root: Path, name: str, ckpt_dir: Path, **overrides) -> TrainArgs:
-    model = root / name.split("_")[1]
+    model = root / hf_model_type(name)
     return base_args(ckpt_dir, **SFT, param_path=str(model), tokenizer_path="bundled:tiny", max_steps=2, **overrides)
 
 
 def write_hf_models(root: Path) -> None:
-    """Tiny random Qwen3 and Qwen2 directories, as transformers saves them (skipped without transformers)."""
+    """Tiny random Qwen3, Qwen2, Qwen3-MoE and Qwen2-MoE directories, as transformers saves them (skipped without
+    transformers)."""
     try:
-        from test_huggingface import build_hf, save_hf
+        from test_huggingface import CASES, build_hf, save_hf
     except pytest.skip.Exception:
         return
-    vocab = json.loads((TINY_MODEL_DIR / "config.json").read_text())["vocab_size"]
-    save_hf(build_hf("Qwen3Config", head_dim=16, vocab_size=vocab, max_position_embeddings=256), root / "qwen3")
-    save_hf(build_hf("Qwen2Config", vocab_size=vocab, max_position_embeddings=256), root / "qwen2")
+    sizes = dict(vocab_size=json.loads((TINY_MODEL_DIR / "config.json").read_text())["vocab_size"],
+                 max_position_embeddings=256)  # fmt: skip
+    save_hf(build_hf("Qwen3Config", head_dim=16, **sizes), root / "qwen3")
+    save_hf(build_hf("Qwen2Config", **sizes), root / "qwen2")
+    for model_type in ("qwen3_moe", "qwen2_moe"):
+        config_class, fields, _, _ = CASES[model_type]
+        save_hf(build_hf(config_class, **fields, **sizes), root / model_type)
 
 
 def two_rank_worker(root: str) -> None:
@@ -114,7 +128,7 @@ def two_rank_worker(root: str) -> None:
             (root / f"{name}.json").write_text(json.dumps(history))
     # Hugging Face directories, after the runs above have warmed up FSDP's and DTensor's caches.
     for name, overrides in HF_RUNS.items():
-        if (root / name.split("_")[1]).is_dir():
+        if (root / hf_model_type(name)).is_dir():
             history = run(hf_args(root, name, root / name, nprocs=2, **overrides))
             if os.environ["RANK"] == "0":
                 (root / f"{name}.json").write_text(json.dumps(history))
@@ -188,12 +202,14 @@ def test_two_rank_dpo_and_grpo_match_one_process(two_rank_runs, tmp_path, name):
 def test_two_ranks_train_a_huggingface_model_as_one_process(two_rank_runs, tmp_path, name):
     if not (two_rank_runs / f"{name}.json").exists():
         pytest.skip("transformers is not installed (the test extra)")
-    reference = run(hf_args(two_rank_runs, name, tmp_path, nprocs=1, **HF_REFERENCES[name]))
+    reference = run(hf_args(two_rank_runs, name, tmp_path, nprocs=1, **HF_REFERENCES[name.rpartition("_")[2]]))
     history = json.loads((two_rank_runs / f"{name}.json").read_text())
     assert [r["loss"] for r in history] == pytest.approx([r["loss"] for r in reference], abs=1e-5)
+    if "moe" in name:  # the routers' load-balancing loss is part of the loss, and logged
+        assert [r["moe_aux_loss"] for r in history] == pytest.approx([r["moe_aux_loss"] for r in reference], abs=1e-5)
     assert_weights_close(weights(two_rank_runs / name, 2), weights(tmp_path, 2), atol=1e-5)
     (saved,) = (two_rank_runs / name).glob("epoch_*_step_2")
-    assert json.loads((saved / "meta.json").read_text())["source"]["model_type"] == name.split("_")[1]
+    assert json.loads((saved / "meta.json").read_text())["source"]["model_type"] == hf_model_type(name)
 
 
 def test_fsdp_mixed_precision_computes_in_bf16_over_float32_weights(two_rank_runs, tmp_path):

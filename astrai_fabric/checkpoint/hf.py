@@ -16,6 +16,12 @@ bug B21). The facts, with the transformers source files that state them (``src/t
   kept in ``rope_frequency_scaling``; AstrAI's ``rope_scaling`` (NTK) is a different function.
 - **Mixtral**: router softmax in float32 over all experts, top-k, renormalised, no shared experts; on disk
   ``block_sparse_moe.gate`` and ``block_sparse_moe.experts.J.w1/w3/w2`` (gate/up/down projections).
+- **Qwen2-MoE, Qwen3-MoE**: the same softmax and top-k, renormalised only with ``norm_topk_prob`` (default false);
+  layer ``i`` is MoE unless listed in ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step != 0`` (AstrAI's rule
+  too). Qwen2-MoE adds one shared expert scaled by ``sigmoid(shared_expert_gate(x))`` (``shared_expert_gate``) and
+  has q/k/v biases (``qkv_bias``); Qwen3-MoE has Qwen3's attention and no shared expert. On disk ``mlp.gate``
+  (the router), ``mlp.experts.J.gate_proj/up_proj/down_proj``, ``mlp.shared_expert.*`` and
+  ``mlp.shared_expert_gate``.
 - **Tied embeddings**: a tied checkpoint has no ``lm_head.weight``.
 - Both config forms: transformers 4 (``rope_theta`` + ``rope_scaling``, ``torch_dtype``) and transformers 5
   (``rope_parameters``, ``dtype``).
@@ -24,10 +30,9 @@ Reading the files stays in ``checkpoint/files.py`` (the only safetensors importe
 tensors, both ways: ``state_dict_to_hf`` is the inverse of ``state_dict_from_hf``, and ``hf_config`` writes the
 config of the architecture a model came from (``HFSource``, kept in ``meta.json``) or of the transformers class
 computing the same function (``export_model_type``), refusing by field what has no equivalent
-(``astrai_fabric.export`` writes the directory). Over 300 lines for one responsibility: every transformers
-convention stays in this one file, so that no other module knows any.
+(``astrai_fabric.export`` writes the directory).
 
-Over 300 lines for one responsibility: every Hugging Face convention (five architectures, both directions,
+Over 300 lines for one responsibility: every Hugging Face convention (seven architectures, both directions,
 their refusals) in one module, so no other module needs to know any of them.
 """
 
@@ -47,7 +52,8 @@ from astrai_fabric.config.kinds import kind_problem
 from astrai_fabric.config.model import ASTRAI_MODEL_TYPE, EXTENDED_MODEL_TYPE, ModelConfig
 from astrai_fabric.errors import CheckpointError, ConfigError, UserError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+QWEN_MOE_TYPES = ("qwen2_moe", "qwen3_moe")
 
 REFUSED_MODEL_TYPES = {
     "gemma": "its RMSNorm scales by (1 + weight), its embeddings by sqrt(hidden_size) and its MLP uses GELU",
@@ -55,8 +61,6 @@ REFUSED_MODEL_TYPES = {
     "sliding-window layers",
     "gemma3": "Gemma's norm and embedding scaling, extra norms per block and alternating sliding-window layers",
     "phi3": "fused qkv/gate_up projections with LongRoPE scaling and a sliding window are not mapped",
-    "qwen2_moe": "its shared expert is scaled by a sigmoid gate of its own; ours averages shared experts ungated",
-    "qwen3_moe": "its MoE layout and routing options are not mapped yet",
     "deepseek_v2": "multi-head latent attention with a decoupled shared RoPE key, YaRN and group-limited routing "
     "differ from ours",
     "deepseek_v3": "multi-head latent attention with a decoupled shared RoPE key, YaRN and sigmoid group routing "
@@ -81,6 +85,15 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "mixtral": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                     num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096 * 32,
                     rms_norm_eps=1e-5, rope_theta=1e6, num_local_experts=8, num_experts_per_tok=2),
+    "qwen2_moe": dict(vocab_size=151936, hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
+                      num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=32768,
+                      rms_norm_eps=1e-6, rope_theta=10000.0, sliding_window=4096, max_window_layers=28,
+                      decoder_sparse_step=1, moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
+                      num_experts_per_tok=4, num_experts=60, norm_topk_prob=False, qkv_bias=True),
+    "qwen3_moe": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
+                      num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=32768,
+                      rms_norm_eps=1e-6, rope_theta=10000.0, sliding_window=4096, decoder_sparse_step=1,
+                      moe_intermediate_size=768, num_experts_per_tok=8, num_experts=128, norm_topk_prob=False),
 }  # fmt: skip
 
 _READ_KEYS = {
@@ -89,7 +102,8 @@ _READ_KEYS = {
     "rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor", "hidden_act", "attention_bias",
     "mlp_bias", "attention_dropout", "sliding_window", "use_sliding_window", "max_window_layers", "layer_types",
     "num_local_experts", "num_experts_per_tok", "router_jitter_noise", "quantization_config",
-    "final_logit_softcapping", "attn_logit_softcapping",
+    "final_logit_softcapping", "attn_logit_softcapping", "num_experts", "moe_intermediate_size",
+    "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "qkv_bias",
 }  # fmt: skip
 _HARMLESS_KEYS = {
     # Metadata, generation defaults and training-loss settings that do not change the function of the weights.
@@ -107,7 +121,8 @@ _ROPE_TYPES = ("default", "linear", "llama3")
 SOURCE_KEY = "source"
 """``meta.json`` key of a checkpoint trained from a Hugging Face directory: its ``HFSource`` (AstrAI ignores it)."""
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # fmt: skip
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}  # fmt: skip
 """The transformers class of each supported model_type (``modeling_<type>.py``)."""
 
 
@@ -208,9 +223,9 @@ def model_config_from_hf(raw: Mapping[str, Any], source: str = "config.json") ->
         num_attention_heads=heads,
         num_key_value_heads=read.int("num_key_value_heads", optional=True) or heads,
         head_dim=head_dim,
-        attention_qkv_bias=model_type == "qwen2",
-        use_qk_norm=model_type == "qwen3" or None,
-        qk_norm_before_rope=model_type == "qwen3",
+        attention_qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and read.bool("qkv_bias", True)),
+        use_qk_norm=model_type in ("qwen3", "qwen3_moe") or None,
+        qk_norm_before_rope=model_type in ("qwen3", "qwen3_moe"),
         rope_frequency_scaling=frequency_scaling,
     )
     if model_type == "mixtral":
@@ -222,12 +237,41 @@ def model_config_from_hf(raw: Mapping[str, Any], source: str = "config.json") ->
             moe_intermediate_size=values["intermediate_size"],
             norm_topk_prob=True,
         )
+    if model_type in QWEN_MOE_TYPES:
+        values.update(_qwen_moe(read, model_type))
     unknown = sorted(k for k in raw if k not in _READ_KEYS | _HARMLESS_KEYS)
     if unknown:
         warnings.warn(f"{source}: ignoring keys the {model_type} mapping does not know: {unknown}", stacklevel=2)
     config = ModelConfig.from_dict(values, source=source)
     config.check_buildable(source=source)
     return config
+
+
+def _qwen_moe(read: _Reader, model_type: str) -> dict[str, Any]:
+    """The MoE fields of a Qwen2-MoE or Qwen3-MoE config (``Qwen2MoeSparseMoeBlock``, ``Qwen3MoeSparseMoeBlock``)."""
+    shared = model_type == "qwen2_moe"  # one shared expert, gated; Qwen3-MoE has none
+    if shared:
+        experts = read.int("num_experts")
+    else:
+        # Qwen3MoeConfig's attribute_map stores num_experts as num_local_experts: transformers 5 writes that key,
+        # the Hub's files (transformers 4) the other.
+        named = {key: read.int(key) for key in ("num_experts", "num_local_experts") if key in read.raw}
+        if len(set(named.values())) > 1:
+            raise ConfigError(f"{read.source}: 'num_experts' and 'num_local_experts' disagree: {named}")
+        experts = next(iter(named.values()), None) or read.int("num_experts")
+    mlp_only_layers = read.get("mlp_only_layers")
+    return dict(
+        ffn_type="moe",
+        n_routed_experts=experts,
+        n_activated_experts=read.int("num_experts_per_tok"),
+        moe_intermediate_size=read.int("moe_intermediate_size"),
+        n_shared_experts=int(shared),
+        shared_expert_intermediate_size=read.int("shared_expert_intermediate_size") if shared else None,
+        shared_expert_gate=shared,
+        norm_topk_prob=read.bool("norm_topk_prob", default=False),
+        decoder_sparse_step=read.int("decoder_sparse_step"),
+        mlp_only_layers=mlp_only_layers or None,  # its kind and range are ModelConfig's checks
+    )
 
 
 class _Reader:
@@ -270,7 +314,8 @@ def _refuse_unmapped(read: _Reader, model_type: str) -> None:
         read.refuse("hidden_act", act, "the MLP here is SwiGLU with silu")
     if read.get("mlp_bias", False) not in (False, None):
         read.refuse("mlp_bias", read.get("mlp_bias"), "the MLP here has no biases")
-    if model_type != "qwen2" and read.get("attention_bias", False) not in (False, None):  # qwen2's are built in
+    # Qwen2's and Qwen2-MoE's q/k/v biases are built in (qkv_bias); their classes never read attention_bias
+    if model_type not in ("qwen2", "qwen2_moe") and read.get("attention_bias", False) not in (False, None):
         read.refuse("attention_bias", read.get("attention_bias"), "its o_proj bias has no equivalent here")
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
         if read.get(key) is not None:
@@ -321,6 +366,24 @@ def _rope(read: _Reader, model_type: str) -> tuple[float, dict[str, Any] | None]
     return float(theta), scaling
 
 
+def _attention_kinds(read: _Reader, model_type: str, window: int | None) -> set[str]:
+    """The kinds of attention a config's layers have when it lists no ``layer_types``: a set, not one per layer,
+    since the layer count is not bounded yet. With a window, Qwen2 and Qwen3 window the layers
+    ``>= max_window_layers``, Qwen2-MoE the even layers ``< max_window_layers``, the others every layer."""
+    if window is None:
+        return {"full_attention"}
+    if model_type not in ("qwen2", "qwen3", "qwen2_moe"):
+        return {"sliding_attention"}
+    n_layers, first_full = read.int("num_hidden_layers"), read.get("max_window_layers")
+    if not isinstance(first_full, int) or isinstance(first_full, bool):
+        raise ConfigError(f"{read.source}: 'max_window_layers' must be an integer, got {first_full!r}")
+    if model_type == "qwen2_moe":
+        windowed, full = first_full > 0, n_layers > 1 or first_full <= 0
+    else:
+        windowed, full = first_full < n_layers, first_full > 0
+    return {kind for kind, present in (("sliding_attention", windowed), ("full_attention", full)) if present}
+
+
 def _position_limit(read: _Reader, model_type: str) -> int:
     """``max_position_embeddings``, lowered to a sliding window shorter than it.
 
@@ -331,20 +394,9 @@ def _position_limit(read: _Reader, model_type: str) -> int:
     """
     limit = read.int("max_position_embeddings")
     window = read.get("sliding_window")
-    n_layers = read.int("num_hidden_layers")
-    # The kinds of attention the layers have, not a list of one per layer: the layer count is not bounded yet.
-    default_types = {"sliding_attention" if window is not None else "full_attention"}
-    if model_type in ("qwen2", "qwen3"):
-        # Qwen's window applies only with use_sliding_window, and then to layers >= max_window_layers.
-        if not read.get("use_sliding_window", False):
-            window = None
-        first_windowed = read.get("max_window_layers")
-        if window is not None and (not isinstance(first_windowed, int) or isinstance(first_windowed, bool)):
-            raise ConfigError(f"{read.source}: 'max_window_layers' must be an integer, got {first_windowed!r}")
-        default_types = {"full_attention"} if window is None or first_windowed >= n_layers else set()
-        if window is not None and first_windowed < n_layers:
-            default_types |= {"sliding_attention"} | ({"full_attention"} if first_windowed > 0 else set())
-    layer_types = read.get("layer_types") or default_types
+    if model_type in ("qwen2", "qwen3", *QWEN_MOE_TYPES) and not read.get("use_sliding_window", False):
+        window = None  # Qwen's window applies only with use_sliding_window
+    layer_types = read.get("layer_types") or _attention_kinds(read, model_type, window)
     if not isinstance(layer_types, list | set) or not all(isinstance(kind, str) for kind in layer_types):
         read.refuse("layer_types", layer_types, "it must be a list of attention kinds")
     if set(layer_types) - {"full_attention", "sliding_attention"}:
@@ -377,11 +429,25 @@ _KEY_PAIRS = [
     ("model.layers.{i}.input_layernorm.weight", "layers.{i}.input_norm.weight"),
     ("model.layers.{i}.post_attention_layernorm.weight", "layers.{i}.post_attention_norm.weight"),
     *[(f"model.layers.{{i}}.mlp.{p}_proj.weight", f"layers.{{i}}.mlp.{p}.weight") for p in ("gate", "up", "down")],
-    ("model.layers.{i}.block_sparse_moe.gate.weight", "layers.{i}.mlp.router.weight"),
-    # Mixtral's w1/w3/w2 are the gate/up/down projections (MixtralBlockSparseTop2MLP in transformers 4).
-    *[(f"model.layers.{{i}}.block_sparse_moe.experts.{{j}}.{w}.weight",
-       f"layers.{{i}}.mlp.routed_experts.{{j}}.{p}.weight") for w, p in (("w1", "gate"), ("w3", "up"), ("w2", "down"))],
 ]  # fmt: skip
+_MOE_KEY_PAIRS = {
+    # The MoE layers' names differ by family (``moe_names``); within one family each name has one meaning.
+    "mixtral": [
+        ("model.layers.{i}.block_sparse_moe.gate.weight", "layers.{i}.mlp.router.weight"),
+        # Mixtral's w1/w3/w2 are the gate/up/down projections (MixtralBlockSparseTop2MLP in transformers 4).
+        *[(f"model.layers.{{i}}.block_sparse_moe.experts.{{j}}.{w}.weight",
+           f"layers.{{i}}.mlp.routed_experts.{{j}}.{p}.weight")
+          for w, p in (("w1", "gate"), ("w3", "up"), ("w2", "down"))],
+    ],
+    "qwen_moe": [  # Qwen2-MoE's and Qwen3-MoE's (which lacks the shared expert)
+        ("model.layers.{i}.mlp.gate.weight", "layers.{i}.mlp.router.weight"),
+        *[(f"model.layers.{{i}}.mlp.experts.{{j}}.{p}_proj.weight", f"layers.{{i}}.mlp.routed_experts.{{j}}.{p}.weight")
+          for p in ("gate", "up", "down")],
+        *[(f"model.layers.{{i}}.mlp.shared_expert.{p}_proj.weight", f"layers.{{i}}.mlp.shared_experts.0.{p}.weight")
+          for p in ("gate", "up", "down")],
+        ("model.layers.{i}.mlp.shared_expert_gate.weight", "layers.{i}.mlp.shared_expert_gate.weight"),
+    ],
+}  # fmt: skip
 _DERIVED_HF_KEYS = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
 """Buffers some older checkpoints saved; recomputed from the config, never loaded."""
 _ROTATED = re.compile(r"^layers\.\d+\.attention\.(q_proj|k_proj|q_norm|k_norm)\.(weight|bias)$")
@@ -391,8 +457,17 @@ def _pattern(template: str) -> re.Pattern[str]:
     return re.compile("^" + re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{j\}", r"(?P<j>\d+)") + "$")
 
 
-_TO_OURS = [(_pattern(hf), ours) for hf, ours in _KEY_PAIRS]
-_TO_HF = [(_pattern(ours), hf) for hf, ours in _KEY_PAIRS]
+_TO_OURS = {
+    family: [(_pattern(hf), ours) for hf, ours in _KEY_PAIRS + pairs] for family, pairs in _MOE_KEY_PAIRS.items()
+}
+_TO_HF = {family: [(_pattern(ours), hf) for hf, ours in _KEY_PAIRS + pairs] for family, pairs in _MOE_KEY_PAIRS.items()}
+_SHARED_TO_HF = [(_pattern(ours), hf) for hf, ours in _KEY_PAIRS]
+
+
+def moe_names(config: ModelConfig) -> str:
+    """Whose MoE tensor names a model's Hugging Face files carry: Qwen-MoE's for a model only a Qwen-MoE class
+    computes (a gated shared expert, or q/k norms), else Mixtral's; the choice ``export_model_type`` makes."""
+    return "qwen_moe" if config.shared_expert_gate or config.use_qk_norm else "mixtral"
 
 
 def _rename(key: str, table: list[tuple[re.Pattern[str], str]]) -> str | None:
@@ -403,14 +478,18 @@ def _rename(key: str, table: list[tuple[re.Pattern[str], str]]) -> str | None:
     return None
 
 
-def hf_key_to_ours(key: str) -> str | None:
-    """Our name for a Hugging Face tensor name, or None when it has none."""
-    return _rename(key, _TO_OURS)
+def hf_key_to_ours(key: str, config: ModelConfig | None = None) -> str | None:
+    """Our name for a Hugging Face tensor name of ``config``'s family (``moe_names``), or, without a config, of any
+    family (no name means two things in two families); None when it has none."""
+    if config is not None:
+        return _rename(key, _TO_OURS[moe_names(config)])
+    return next(filter(None, (_rename(key, table) for table in _TO_OURS.values())), None)
 
 
-def our_key_to_hf(key: str) -> str | None:
-    """The Hugging Face name of one of our tensor names, or None when it has none."""
-    return _rename(key, _TO_HF)
+def our_key_to_hf(key: str, config: ModelConfig | None = None) -> str | None:
+    """The Hugging Face name of one of our tensor names in ``config``'s family (``moe_names``), or, without a
+    config, a name every family shares (an MoE router's or expert's has none); None when it has none."""
+    return _rename(key, _TO_HF[moe_names(config)] if config is not None else _SHARED_TO_HF)
 
 
 def is_rotated(key: str) -> bool:
@@ -441,7 +520,7 @@ def import_name(key: str, config: ModelConfig) -> tuple[str, int | None] | None:
     tensor straight into its place without building a renamed state dict first."""
     if _DERIVED_HF_KEYS.match(key):
         return None
-    name = hf_key_to_ours(key) or key
+    name = hf_key_to_ours(key, config) or key
     return name, config.attention_head_dim if _ROTATED.match(name) else None
 
 
@@ -464,7 +543,7 @@ def state_dict_to_hf(state: Mapping[str, Tensor], config: ModelConfig) -> dict[s
     for key, tensor in state.items():
         if config.tied and key == "lm_head.weight":
             continue
-        name = our_key_to_hf(key)
+        name = our_key_to_hf(key, config)
         if name is None:
             raise ValueError(f"{key}: no Hugging Face equivalent")
         if _ROTATED.match(key):
@@ -538,13 +617,41 @@ def hf_config(config: ModelConfig, state: Mapping[str, Tensor], dtype: str, sour
             output_router_logits=False,
             router_aux_loss_coef=config.moe_aux_loss_coef,
         )
+    if model_type in QWEN_MOE_TYPES:
+        written.update(_qwen_moe_fields(config, model_type))
     return written
+
+
+def _qwen_moe_fields(config: ModelConfig, model_type: str) -> dict[str, Any]:
+    """A Qwen2-MoE or Qwen3-MoE config's own fields for ``config`` (the inverse of ``_qwen_moe``)."""
+    routed = config.moe_intermediate_size or config.intermediate_size
+    fields = dict(
+        # the dense layers' width; with none, an unused value the config class still requires
+        intermediate_size=config.intermediate_size or routed,
+        num_experts=config.n_routed_experts,
+        num_experts_per_tok=config.n_activated_experts,
+        moe_intermediate_size=routed,
+        norm_topk_prob=config.norm_topk_prob,
+        decoder_sparse_step=config.decoder_sparse_step,
+        mlp_only_layers=list(config.mlp_only_layers or []),
+        use_sliding_window=False,
+        sliding_window=None,
+        output_router_logits=False,
+        router_aux_loss_coef=config.moe_aux_loss_coef,
+    )
+    if model_type == "qwen2_moe":
+        shared = config.shared_expert_intermediate_size or config.intermediate_size
+        fields.update(shared_expert_intermediate_size=shared, qkv_bias=config.attention_qkv_bias,
+                      max_window_layers=config.num_hidden_layers)  # fmt: skip
+    else:
+        fields.update(attention_bias=False)
+    return fields
 
 
 def export_model_type(config: ModelConfig, state: Mapping[str, Tensor], where: str = "config.json") -> str:
     """The transformers model_type computing what ``config`` (with these weights) computes: dense GQA is ``llama``,
-    with q/k/v biases ``qwen2``, with q/k norms ``qwen3``, an MoE without shared experts ``mixtral``; else a
-    ``ConfigError`` naming the field that has no equivalent."""
+    with q/k/v biases ``qwen2``, with q/k norms ``qwen3``; an MoE with a gated shared expert ``qwen2_moe``, with q/k
+    norms ``qwen3_moe``, else ``mixtral``; else a ``ConfigError`` naming the field that has no equivalent."""
 
     def refuse(field: str, value: Any, why: str) -> None:
         raise ConfigError(f"{where}: {field} {value!r} cannot be exported to Hugging Face: {why}")
@@ -565,17 +672,24 @@ def export_model_type(config: ModelConfig, state: Mapping[str, Tensor], where: s
             refuse("use_qk_norm", True, f"AstrAI normalises q/k after RoPE, transformers' Qwen3 before, and "
                    f"{unequal[0]} scales the two dims of a rotated pair differently")  # fmt: skip
     if config.ffn_type == "moe":
+        if config.shared_expert_gate:
+            if config.n_shared_experts != 1:
+                refuse("n_shared_experts", config.n_shared_experts, "Qwen2-MoE gates exactly one shared expert")
+            if config.use_qk_norm:
+                refuse("use_qk_norm", True, "Qwen2-MoE's attention has no q/k norms")
+            return "qwen2_moe"
+        if config.n_shared_experts:
+            refuse("n_shared_experts", config.n_shared_experts, "shared experts added ungated (AstrAI's) have no "
+                   "equivalent: Qwen2-MoE gates its one by a sigmoid, Mixtral and Qwen3-MoE have none")  # fmt: skip
+        if config.use_qk_norm:
+            return "qwen3_moe"
         dense = [i for i in range(config.num_hidden_layers) if config.ffn_type_of_layer(i) == "mlp"]
         if dense:
             refuse("mlp_only_layers/decoder_sparse_step", dense, "Mixtral has an MoE in every layer")
-        if config.n_shared_experts:
-            refuse("n_shared_experts", config.n_shared_experts, "Mixtral has no shared experts (Qwen2-MoE's one is "
-                   "gated by a sigmoid of its own, ours are averaged)")  # fmt: skip
         if not config.norm_topk_prob:
             refuse("norm_topk_prob", False, "Mixtral renormalises the top-k routing weights")
-        if config.use_qk_norm or config.attention_qkv_bias:
-            refuse("use_qk_norm" if config.use_qk_norm else "attention_qkv_bias", True,
-                   "Mixtral's attention has neither q/k norms nor biases")  # fmt: skip
+        if config.attention_qkv_bias:
+            refuse("attention_qkv_bias", True, "Mixtral's attention has no biases")
         return "mixtral"
     if config.attention_qkv_bias:
         return "qwen2"

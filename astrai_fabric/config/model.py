@@ -44,7 +44,13 @@ EXTENDED_MODEL_TYPE = "astrai_fabric_lm"
 """The ``model_type`` written when an extension field is set (a model AstrAI's schema cannot express). AstrAI's
 ``ConfigFactory`` and ``AutoModel`` refuse a type they do not know (``Unknown component``): under
 ``autoregressive_lm`` AstrAI would ignore the extension fields and silently compute another function."""
-EXTENSION_FIELDS = ("head_dim", "attention_qkv_bias", "qk_norm_before_rope", "rope_frequency_scaling")
+EXTENSION_FIELDS = (
+    "head_dim",
+    "attention_qkv_bias",
+    "qk_norm_before_rope",
+    "rope_frequency_scaling",
+    "shared_expert_gate",
+)
 """Our fields beyond AstrAI's schema: written to config.json only when they differ from their default."""
 ROPE_FREQUENCY_TYPES = {
     "linear": ("factor",),
@@ -134,6 +140,9 @@ class ModelConfig:
     """Hugging Face's RoPE frequency scaling (``modeling_rope_utils.py``): ``{"rope_type": "linear", "factor": f}``
     divides every frequency by f; ``{"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
     "original_max_position_embeddings"}`` divides the low frequencies by f, keeps the high ones and blends between."""
+    shared_expert_gate: bool = False
+    """MoE: scale the shared experts' output by ``sigmoid(shared_expert_gate(x))``, a learned ``Linear(hidden, 1)``
+    per token (Qwen2-MoE); AstrAI adds it unscaled."""
 
     extra: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     """Keys of the source file this schema does not know; kept only to report them, never written."""
@@ -298,6 +307,10 @@ class ModelConfig:
                 problems.append(
                     f"n_activated_experts ({self.n_activated_experts}) exceeds n_routed_experts "
                     f"({self.n_routed_experts})"
+                )
+            if self.shared_expert_gate and not (self.ffn_type == "moe" and self.n_shared_experts):
+                problems.append(
+                    "'shared_expert_gate' needs shared experts to gate (ffn_type moe, n_shared_experts >= 1)"
                 )
             problems += self._value_problems()  # after the checks above: it divides by head counts
         if problems:

@@ -31,7 +31,9 @@ class MLP(nn.Module):
 
 
 class DeepSeekMoE(nn.Module):
-    """Shared experts (averaged, as AstrAI does: sum / n_shared) plus top-k routed experts.
+    """Shared experts (averaged, as AstrAI does: sum / n_shared) plus top-k routed experts. With
+    ``shared_expert_gate`` (Qwen2-MoE) the shared experts' output is scaled per token by
+    ``sigmoid(shared_expert_gate(x))``, a ``Linear(hidden, 1)``.
 
     Routing: ``softmax`` in float32 over the router logits, top-k, optionally renormalised. The load-balancing
     aux loss, ``E * sum_e(fraction of (token, slot) pairs sent to e * mean router prob of e)``, exists only in
@@ -54,13 +56,18 @@ class DeepSeekMoE(nn.Module):
         self.router = Linear(dim, self.n_routed)
         self.shared_experts = nn.ModuleList(MLP(dim, shared_dim, down_init_std) for _ in range(self.n_shared))
         self.routed_experts = nn.ModuleList(MLP(dim, routed_dim, down_init_std) for _ in range(self.n_routed))
+        # Only when on: AstrAI's models have no such parameter and draw their initial weights exactly as before.
+        self.shared_expert_gate = Linear(dim, 1) if config.shared_expert_gate else None
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor | None, RouterStats | None]:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         routed, aux_loss, stats = self._routed(tokens, with_aux=self.training and torch.is_grad_enabled())
         if self.n_shared:
-            routed = routed + sum(expert(tokens)[0] for expert in self.shared_experts) / self.n_shared
+            shared = sum(expert(tokens)[0] for expert in self.shared_experts) / self.n_shared
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(tokens)) * shared
+            routed = routed + shared
         return routed.view(shape), aux_loss, stats
 
     def _routed(self, tokens: Tensor, with_aux: bool) -> tuple[Tensor, Tensor | None, RouterStats | None]:
@@ -87,3 +94,18 @@ class DeepSeekMoE(nn.Module):
             out.index_add_(0, order[start:end] // self.top_k, expert_out)
             start = end
         return out, aux_loss, stats
+
+
+def describe_routing(config: ModelConfig) -> str | None:
+    """How an MoE model routes, in the training plan's words (``softmax top-2 of 8, renormalised, + 1 shared
+    expert (sigmoid gate); MoE in 3 of 4 layers``); None for a dense model."""
+    moe_layers = config.num_moe_layers
+    if not moe_layers:
+        return None
+    words = f"softmax top-{config.n_activated_experts} of {config.n_routed_experts}"
+    words += ", renormalised" if config.norm_topk_prob else ", not renormalised"
+    shared = config.n_shared_experts
+    if shared:
+        how = [word for word, on in (("averaged", shared > 1), ("sigmoid gate", config.shared_expert_gate)) if on]
+        words += f", + {shared} shared expert{'s' * (shared > 1)} ({', '.join(how) or 'ungated'})"
+    return words + f"; MoE in {moe_layers} of {config.num_hidden_layers} layers"

@@ -238,6 +238,7 @@ def count_parameters(config: ModelConfig) -> int:
         moe = dim * config.n_routed_experts + 3 * dim * (
             config.n_routed_experts * routed + config.n_shared_experts * shared
         )
+        moe += dim if config.shared_expert_gate else 0
     blocks = layers * (attention + 2 * dim) + (layers - config.num_moe_layers) * mlp + config.num_moe_layers * moe
     embeddings = config.vocab_size * dim * (1 if config.tied else 2)
     return embeddings + blocks + dim

@@ -14,6 +14,7 @@ from torch import nn
 from astrai_fabric import assets, lora
 from astrai_fabric.checkpoint.position import RunPosition
 from astrai_fabric.config.train import TrainArgs
+from astrai_fabric.model.ffn import describe_routing
 from astrai_fabric.optim import OptimArgs, optimizer_groups, optimizer_state_bytes
 from astrai_fabric.profiling import describe_profiling
 from astrai_fabric.schedule import StepPlan
@@ -147,6 +148,8 @@ def describe_plan(
     if start is not None:
         weights = start.weights.path if start.weights is not None else f"none: AstrAI's init, seed {args.random_seed}"
         rows.append(("model", f"{assets.resolve(args.param_path)}: weights {weights}"))
+        if routing := describe_routing(start.model_config):
+            rows.append(("routing", routing))
     if parameters is not None:
         rows.append(("parameters", parameters.describe()))
         if parameters.lora is not None:
