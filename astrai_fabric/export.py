@@ -40,9 +40,10 @@ from astrai_fabric.checkpoint import (
     save_checkpoint,
     save_model_directory,
 )
-from astrai_fabric.checkpoint.files import STATE_DIR, abbreviate, files_inside
+from astrai_fabric.checkpoint.files import STATE_DIR, abbreviate, files_inside, read_json
 from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.errors import CheckpointError, ConfigError, UserError
+from astrai_fabric.quantize import QUANTIZATION_KEY
 from astrai_fabric.tokenizer import ASTRAI, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Tokenizer
 
 FORMATS = ("astrai", "hf", "peft")
@@ -93,14 +94,31 @@ def export(source: str | Path, target: str | Path | None = None, format: str = "
     source = hub.resolve_model(source, "export")  # a path, or a Hub id's snapshot
     target = destination(source, target, format)  # first, for every format: before anything is read
     if format == "hf":
-        return export_hf(source, target, dtype, max_shard_bytes)
-    if format == "peft":
-        return export_peft(source, target, dtype)
-    if merge_lora:
+        path = export_hf(source, target, dtype, max_shard_bytes)
+    elif format == "peft":
+        path = export_peft(source, target, dtype)
+    elif merge_lora:
         from astrai_fabric.checkpoint.state import export_merged  # Lightning (~17 s here): only here
 
-        return export_merged(source, target)
-    return export_astrai(source, target, dtype)
+        path = export_merged(source, target)
+    else:
+        return export_astrai(source, target, dtype)
+    _say_if_quantized(source, format)
+    return path
+
+
+def _say_if_quantized(source: Path, format: str) -> None:
+    """A QLoRA checkpoint's adapter was trained over the NF4 base: what an export of it computes, said once."""
+    meta = read_json(source / META_FILE, what="the run's meta data") if (source / META_FILE).is_file() else {}
+    if QUANTIZATION_KEY not in meta or not (source / ADAPTER_FILE).is_file():
+        return
+    if format == "peft":
+        note = ("its adapter was trained over the base quantised to NF4 (--quantize nf4); PEFT applies it to the "
+                "full-precision base, a slightly different model (docs/lora.md, QLoRA)")  # fmt: skip
+    else:
+        note = ("its adapter was trained over the base quantised to NF4 (--quantize nf4): merged into the "
+                "dequantised base, the model the run trained")  # fmt: skip
+    print(f"note: {source}: {note}", file=sys.stderr)
 
 
 _DEFAULT_SUFFIX = {"astrai": "_full", "hf": "_hf", "peft": "_peft"}

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from astrai_fabric.config.lora import DEFAULT_TARGETS, TARGETS
 from astrai_fabric.errors import CheckpointError, ConfigError
 from astrai_fabric.model.layers import Linear
+from astrai_fabric.quantize import dequantized
 from astrai_fabric.randomness import derive_seed
 
 INITS = ("astrai", "kaiming")
@@ -92,7 +93,7 @@ class LoRALinear(Linear):
     """A frozen ``Linear`` (the same weight and bias Parameters, not copies) plus its trainable adapter.
 
     ``adapter_enabled`` False computes the base layer alone (``adapters_off``). ``generator`` is the dropout's
-    noise source (see ``randomness``).
+    noise source (see ``randomness``). The base weight may be NF4 (QLoRA, ``quantize.py``).
     """
 
     generator: torch.Generator | None = None
@@ -169,8 +170,8 @@ class LoRALinear(Linear):
 
 
 def merge_weight(weight: Tensor, lora_a: Tensor, lora_b: Tensor, scaling: float) -> Tensor:
-    """``W + (B A) * scaling`` in float32, cast back to ``W``'s dtype."""
-    return (weight.float() + (lora_b.float() @ lora_a.float()) * scaling).to(weight.dtype)
+    """``W + (B A) * scaling`` in float32, cast back to ``W``'s dtype (an NF4 ``W``: dequantised first)."""
+    return (dequantized(weight).float() + (lora_b.float() @ lora_a.float()) * scaling).to(weight.dtype)
 
 
 def inject(model: nn.Module, spec: LoRASpec, seed: int) -> list[str]:

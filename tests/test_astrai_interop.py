@@ -126,7 +126,9 @@ COMMON_FLAGS = [
     "--nprocs", "1", "--device_type", "cpu", "--backend", "gloo", "--num_workers", "0", "--no-pin_memory",
     "--no-persistent_workers",
 ]  # fmt: skip
-OURS_ONLY = ["--precision", "32-true", "--muon_ns_dtype", "float32"]  # AstrAI's CLI, patched by the driver
+# AstrAI's CLI is patched by the driver. Ours fuses the head with the loss, 5 positions at a time (a ragged last
+# chunk in every window): the routes then check the chunked loss against AstrAI's whole-logits one.
+OURS_ONLY = ["--precision", "32-true", "--muon_ns_dtype", "float32", "--loss_chunk_size", "5"]
 
 
 @dataclass(frozen=True)

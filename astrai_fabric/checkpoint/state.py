@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import tempfile
 import warnings
+from collections.abc import Collection
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -208,12 +209,18 @@ def _gather_rng_states(world_size: int) -> Tensor:
 
 
 def load_weights(
-    model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype | None = None, adapter: dict[str, Tensor] | None = None
+    model: nn.Module,
+    ckpt: Checkpoint,
+    dtype: torch.dtype | None = None,
+    adapter: dict[str, Tensor] | None = None,
+    quantized: Collection[str] = (),
 ) -> None:
     """Weights into a model: one on the meta device takes new tensors of ``dtype``; a materialised one (sharded
     or not) gets them copied into its parameters, each rank its own part (``weights.load_model_weights``);
-    ``adapter``: a LoRA run's adapters, which the base's file lacks."""
-    load_model_weights(model, ckpt.state_dict, source=weights_source(ckpt), dtype=dtype, adapter=adapter)
+    ``adapter``: a LoRA run's adapters, which the base's file lacks; ``quantized``: the weights stored as NF4."""
+    load_model_weights(
+        model, ckpt.state_dict, source=weights_source(ckpt), dtype=dtype, adapter=adapter, quantized=quantized
+    )
 
 
 def load_optimizer_state(optimizer: Optimizer, state: dict[str, Any], source: Path) -> None:

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from astrai_fabric import lora
+from astrai_fabric import lora, quantize
 from astrai_fabric.checkpoint import hf
 from astrai_fabric.checkpoint.adapter import LoRAAdapter, read_adapter, resolve_lora_base
 from astrai_fabric.checkpoint.files import (
@@ -39,6 +39,7 @@ from astrai_fabric.config.model import ModelConfig, read_config_json
 from astrai_fabric.errors import CheckpointError, ConfigError
 from astrai_fabric.model import AutoRegressiveLM
 from astrai_fabric.model.transformer import EMBED_KEY, LM_HEAD_KEY
+from astrai_fabric.quantize import QUANTIZATION_KEY
 
 
 @dataclass
@@ -110,6 +111,8 @@ def load_checkpoint(
     if adapter is not None and (not merge_lora or not (path / WEIGHTS_FILE).is_file()):
         state_dict = load_checkpoint(adapter.base, load_extra=False).state_dict
         if merge_lora:
+            if QUANTIZATION_KEY in meta:  # QLoRA: the adapter was trained over the base's NF4 form, so merge into that
+                state_dict = quantize.round_trip(state_dict, meta[QUANTIZATION_KEY], str(path / META_FILE))
             state_dict = lora.merge_state_dict(state_dict, adapter.state_dict, adapter.spec.scaling)
     else:
         state_dict = read_weights(path)  # headers only: tensors are read where they go (``load_model_weights``)
@@ -164,6 +167,7 @@ def load_model_weights(
     assign: bool = False,
     dtype: torch.dtype | None = None,
     adapter: Mapping[str, Tensor] | None = None,
+    quantized: Collection[str] = (),
 ) -> None:
     """Put ``state_dict`` into ``model`` after checking it fits exactly: one error lists every mismatch.
 
@@ -178,6 +182,9 @@ def load_model_weights(
     sharded parameter (a DTensor, after FSDP or tensor parallelism) receives only its own part, read from the
     file where ``state_dict`` is a ``StoredStateDict``. Either way one tensor is read at a time, straight into
     its place, so memory holds the model and at most one tensor (or one chunk of one) besides.
+
+    ``quantized`` names linear weights stored as NF4 (QLoRA, ``quantize.py``): each is replaced by its quantised form
+    as soon as it is read, so the float copy of one weight at a time is all the float memory they take.
     """
     shapes = {k: _stored_shape(state_dict, k) for k in state_dict}
     adapter = dict(adapter or {})
@@ -224,6 +231,8 @@ def load_model_weights(
                 _read_into(adapter, key, target)
             else:
                 _read_into(state_dict, EMBED_KEY if key not in shapes else key, target)  # the clone AstrAI makes
+            if key in quantized:
+                quantize.quantize_weight(model, key)
 
 
 def _is_dtensor(tensor: Tensor) -> bool:

@@ -223,6 +223,11 @@ class TrainArgs:
     lora_save_full: bool = False
     """Also write the merged ``model.safetensors`` into each checkpoint (a directory AstrAI's ``Checkpoint.load``
     reads); by default a LoRA checkpoint holds the adapter and a hash-checked pointer to the base weights."""
+    quantize: Literal["nf4"] | None = None
+    """``nf4``: QLoRA. The frozen base's block linear weights are stored in 4 bits (torchao's NF4, quantised while
+    they load; embeddings, norms and the head stay in the training dtype) under float32 adapters. Needs ``lora_r``
+    and the ``.[qlora]`` extra; one device or ddp. Checkpoints record it: what they load is the adapter merged into
+    the dequantised base, the model that was trained."""
 
     # --- parallelism and precision -------------------------------------------------------------------------------
     parallel_mode: ParallelMode = "fsdp"
@@ -487,6 +492,11 @@ class TrainArgs:
             problems.append("lora_targets is empty; name at least one of " + ", ".join(TARGETS))
         elif len(set(self.lora_targets)) != len(self.lora_targets):
             problems.append(f"lora_targets {self.lora_targets} names a layer twice")
+        if self.quantize is not None and self.lora_r == 0:
+            problems.append(
+                f"quantize {self.quantize} needs lora_r > 0: a 4-bit base is frozen (QLoRA trains adapters over it); "
+                "add --lora_r 16, or drop --quantize to train the whole model"
+            )
         if self.lora_r > 0:
             if self.reference_path is not None:
                 problems.append(

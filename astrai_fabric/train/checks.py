@@ -18,6 +18,7 @@ from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import CheckpointError, UserError
 from astrai_fabric.model import count_parameters, rope_table_bytes
 from astrai_fabric.optim import OptimArgs, build_optimizer
+from astrai_fabric.quantize import BYTES_PER_WEIGHT, plan_quantization
 from astrai_fabric.schedule import StepPlan
 from astrai_fabric.strategy import Topology, fsdp_layout, is_fsdp, local_ranks, precision_of
 from astrai_fabric.train.models import meta_model
@@ -69,6 +70,12 @@ def preflight(args: TrainArgs, start: Start, plan: StepPlan, placement: Placemen
     except UserError as err:
         problems.append(str(err))
     problems += _memory_problems(args, start, placement)
+    if args.quantize is not None and placement.num_shards > 1:
+        problems.append(
+            f"quantize {args.quantize} with fsdp over {placement.num_shards} shards: the 4-bit base is not sharded "
+            "(it loads whole on each rank); use --parallel_mode ddp, where each rank holds the base at about a "
+            "quarter of its bfloat16 size"
+        )
     if start.resume is not None:
         try:
             check_position(start.resume, plan)
@@ -94,7 +101,11 @@ def _memory_problems(args: TrainArgs, start: Start, placement: Placement) -> lis
     # LoRA's adapters (float32, sharded like the rest), counted on the meta device: their rank reaches no size check
     # of the config's.
     adapters = meta_model(config, args).num_parameters(trainable_only=True) if args.lora_r else 0
-    per_rank = (num_parameters * bytes_per_parameter + adapters * 4) // shards + rope_table_bytes(config)
+    weight_bytes = num_parameters * bytes_per_parameter
+    if args.quantize is not None:  # QLoRA: the block linear weights at NF4's size
+        quantized = plan_quantization(meta_model(config, args)).num_quantized
+        weight_bytes -= int(quantized * (bytes_per_parameter - BYTES_PER_WEIGHT))
+    per_rank = (weight_bytes + adapters * 4) // shards + rope_table_bytes(config)
     if shards > 1 and placement.accelerator == "cuda":
         if not torch.cuda.is_available():
             return []

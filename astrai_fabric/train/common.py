@@ -19,7 +19,7 @@ from lightning.fabric import Fabric
 from torch import nn
 from torch.utils.data import Dataset
 
-from astrai_fabric import lora
+from astrai_fabric import lora, quantize
 from astrai_fabric.checkpoint import (
     ADAPTER_FILE,
     Checkpoint,
@@ -67,7 +67,8 @@ from astrai_fabric.train.start import Start
 def build_model(fabric: Fabric, start: Start, args: TrainArgs) -> nn.Module:
     """The trained model, handed to Fabric (which shards it under FSDP and casts it to the run's precision)."""
     config = dataclasses.replace(start.model_config, neftune_alpha=args.neftune_alpha)
-    model = initial_model(fabric, config, start.weights, args.random_seed, f"param_path {args.param_path}")
+    model = initial_model(fabric, config, start.weights, args.random_seed, f"param_path {args.param_path}",
+                          quantize=args.quantize is not None)  # fmt: skip
     adapter = None
     if (spec := lora_spec(args)) is not None:
         lora.inject(model, spec, args.random_seed)  # base frozen, adapters float32 (lora.py)
@@ -76,6 +77,8 @@ def build_model(fabric: Fabric, start: Start, args: TrainArgs) -> nn.Module:
             lora.load_adapter(model, adapter, str(start.resume.path / ADAPTER_FILE))  # no-op on the meta device
         else:
             adapter = lora.initial_adapter_state(model, spec, args.random_seed)
+    if args.quantize is not None:  # every rank read the same codes: DDP's broadcast from rank 0 must not touch them
+        quantize.hide_from_ddp(model)
     model.gradient_checkpointing = args.gradient_checkpointing
     if args.compile:
         model = torch.compile(model, mode=args.compile)
@@ -205,7 +208,7 @@ def train_on(
         profiler = StepProfiler.for_run(fabric, args, position)  # None unless --profile_steps
         batches = profiler.steps_of(batches) if profiler is not None else batches
 
-        parameters = summarize_parameters(model, args)
+        parameters = summarize_parameters(model, args, precision_of(fabric))
         data = describe_data(args, len(train_set), data_summary, val_set)
         fabric.print(describe_run_plan(fabric, args, start, parameters, plan, scheduler, schedule_note, position, data))
         if fabric.global_rank == 0:

@@ -14,7 +14,9 @@ from astrai_fabric.checkpoint.state import load_weights
 from astrai_fabric.checkpoint.weights import allocating
 from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.config.train import TrainArgs
+from astrai_fabric.errors import ConfigError
 from astrai_fabric.model import AutoRegressiveLM
+from astrai_fabric.quantize import plan_quantization
 from astrai_fabric.strategy import is_fsdp
 
 
@@ -34,9 +36,12 @@ def meta_model(config: ModelConfig, args: TrainArgs) -> nn.Module:
     return model
 
 
-def initial_model(fabric: Fabric, config: ModelConfig, weights: Checkpoint | None, seed: int, source: str) -> nn.Module:
+def initial_model(
+    fabric: Fabric, config: ModelConfig, weights: Checkpoint | None, seed: int, source: str, quantize: bool = False
+) -> nn.Module:
     """A model initialised from ``seed`` (identically on every rank, AstrAI's init) or from ``weights``; a model
     too large for this machine's memory is a ``ConfigError`` naming ``source``, where its config came from.
+    ``quantize``: the block linear weights stored as NF4 as they are read (QLoRA, ``quantize.py``).
 
     From weights nothing is initialised: the tensors are allocated empty in the run's parameter dtype (what Fabric's
     precision would cast them to) and each is read from the memory-mapped files straight into its place
@@ -50,10 +55,14 @@ def initial_model(fabric: Fabric, config: ModelConfig, weights: Checkpoint | Non
         with allocating(source):
             return AutoRegressiveLM(config)
     if is_fsdp(fabric):
+        if quantize:  # the CLI's preflight refuses this first; a caller's own one-rank FSDP Fabric reaches here
+            raise ConfigError("quantize nf4 under FSDP: the 4-bit base is not sharded; use one device or ddp")
         with torch.device("meta"):
             return fabric.strategy.precision.convert_module(AutoRegressiveLM(config))
     model = empty_model(config, source)
-    load_weights(model, weights, dtype=fabric.strategy.precision.convert_module(nn.Linear(1, 1)).weight.dtype)
+    dtype = fabric.strategy.precision.convert_module(nn.Linear(1, 1)).weight.dtype
+    keys = plan_quantization(model).quantized if quantize else ()
+    load_weights(model, weights, dtype=dtype, quantized=keys)
     return model
 
 

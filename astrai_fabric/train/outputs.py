@@ -30,6 +30,7 @@ from astrai_fabric.loggers import LOG_DIR
 from astrai_fabric.metrics import METRIC_FILE, MetricLog
 from astrai_fabric.plot import PLOT_FILE
 from astrai_fabric.profiling import PROFILE_DIR
+from astrai_fabric.quantize import QUANTIZATION_KEY, quantization_entry
 from astrai_fabric.train.models import lora_spec
 from astrai_fabric.train.start import Start
 
@@ -101,6 +102,8 @@ def make_saver(fabric: Fabric, model: nn.Module, optimizer: Any, scheduler: Any,
         files[METRIC_FILE] = metric_log.text()
         if spec is not None:  # a pointer to the base weights, relative to this checkpoint, instead of a copy
             meta[LORA_BASE_KEY] = lora_base_entry(start.lora_base, path, start.lora_digests)
+        if args.quantize is not None:  # which base weights the adapter was trained over in NF4, and from what dtype
+            meta[QUANTIZATION_KEY] = quantization_entry(raw_model)
         save_training_checkpoint(
             fabric, path, raw_model, optimizer.optimizer, scheduler, position, config, meta, files,
             args.sharded_checkpoint, spec, args.lora_save_full,

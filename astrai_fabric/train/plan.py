@@ -17,6 +17,7 @@ from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.model.ffn import describe_routing
 from astrai_fabric.optim import OptimArgs, optimizer_groups, optimizer_state_bytes
 from astrai_fabric.profiling import describe_profiling
+from astrai_fabric.quantize import plan_quantization
 from astrai_fabric.schedule import StepPlan
 from astrai_fabric.train.models import lora_spec
 from astrai_fabric.train.start import Start
@@ -35,6 +36,8 @@ class ParameterSummary:
     """The optimizer state's bytes, all ranks together."""
     lora: str | None
     """The adapters (rank, scale, targets), or None without LoRA."""
+    quantize: str | None = None
+    """The 4-bit base (QLoRA: what is quantised, its bytes, what is kept), or None."""
 
     def describe(self) -> str:
         line = f"{self.total:,} parameters"
@@ -53,8 +56,9 @@ class ParameterSummary:
         }  # fmt: skip
 
 
-def summarize_parameters(model: nn.Module, args: TrainArgs) -> ParameterSummary:
-    """``model``'s (Fabric-wrapped or not, on the meta device or not) parameters under ``args``' optimizer."""
+def summarize_parameters(model: nn.Module, args: TrainArgs, precision: str) -> ParameterSummary:
+    """``model``'s (Fabric-wrapped or not, on the meta device or not) parameters under ``args``' optimizer;
+    ``precision``: the run's (the bytes a quantised weight would otherwise take)."""
     raw_model = getattr(model, "module", model)  # the module Fabric wraps
     optim_args = OptimArgs(
         args.resolved_optimizer, args.max_lr, args.weight_decay, nora_lr=args.nora_lr,
@@ -73,10 +77,14 @@ def summarize_parameters(model: nn.Module, args: TrainArgs) -> ParameterSummary:
         )
         if args.resolved_optimizer == "muon_adamw":
             adapters += "; note: Muon on LoRA's r x d factors is untested (adamw is the LoRA default)"
+    quantized = None
+    if args.quantize is not None:
+        float_bytes = 2 if precision in ("bf16-true", "16-true") else 4
+        quantized = plan_quantization(raw_model).describe(float_bytes)
     return ParameterSummary(
         total=raw_model.num_parameters(), trainable=raw_model.num_parameters(trainable_only=True),
         optimizer=args.resolved_optimizer, groups=groups,
-        state_bytes=optimizer_state_bytes(model, args.resolved_optimizer), lora=adapters,
+        state_bytes=optimizer_state_bytes(model, args.resolved_optimizer), lora=adapters, quantize=quantized,
     )  # fmt: skip
 
 
@@ -154,6 +162,8 @@ def describe_plan(
         rows.append(("parameters", parameters.describe()))
         if parameters.lora is not None:
             rows.append(("lora", parameters.lora))
+        if parameters.quantize is not None:
+            rows.append(("quantize", parameters.quantize))
     if start is not None:
         if start.tokenizer is not None:
             tokenizer = f"{start.tokenizer.directory} ({start.tokenizer.vocab_size:,} ids)"

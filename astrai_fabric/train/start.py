@@ -16,7 +16,7 @@ import torch
 from lightning.fabric import Fabric
 from torch import nn
 
-from astrai_fabric import assets, hub
+from astrai_fabric import assets, hub, quantize
 from astrai_fabric.checkpoint import (
     ADAPTER_FILE,
     CONFIG_FILE,
@@ -190,6 +190,8 @@ def read_start(args: TrainArgs) -> Start:
         )
     if args.lora_r:
         meta_model(model_config, args)  # every target names a layer of this model, checked before anything is read
+    if args.quantize is not None:
+        quantize.require_torchao()
     resume = resume_checkpoint(args, param_path)
     lora_base = lora_digests = None
     if resume is not None:
