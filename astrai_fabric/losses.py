@@ -5,6 +5,9 @@ Each returns the loss of one micro-batch; the loop divides by ``grad_accum_steps
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -103,20 +106,116 @@ def dpo_loss(
 
     Inputs are summed response log-probabilities per sequence ``[B]`` (AstrAI's ``reduction="sum"``). Metrics:
     the implicit rewards ``beta * (pi - ref)`` of chosen and rejected, their margin, and the fraction of pairs
-    where the chosen reward is higher (reward accuracy).
+    where the chosen reward is higher (reward accuracy). ``preference_loss`` with ``kind="sigmoid"``.
     """
-    chosen_reward = beta * (policy_chosen - ref_chosen)
-    rejected_reward = beta * (policy_rejected - ref_rejected)
-    margin = chosen_reward - rejected_reward
-    loss = -F.logsigmoid(margin).mean()
+    unused = torch.ones_like(policy_chosen)  # token counts and NLL: the sigmoid loss reads neither
+    pairs = PairLogps(policy_chosen, policy_rejected, unused, unused, unused.sum(), ref_chosen, ref_rejected)
+    return preference_loss("sigmoid", pairs, beta)
+
+
+PREFERENCE_LOSSES = ("sigmoid", "ipo", "hinge", "robust", "simpo", "cpo", "orpo")
+"""``--dpo_loss``: DPO's sigmoid (AstrAI's, the default), its IPO / hinge / robust variants, and the reference-free
+SimPO, CPO and ORPO, each as TRL 1.16 computes it (``preference_loss``)."""
+REFERENCE_FREE = ("simpo", "cpo", "orpo")
+"""Preference losses that compare the policy's chosen and rejected responses alone: no reference model is built."""
+SMOOTHED = ("robust", "simpo", "cpo")
+"""Preference losses with a label smoothing term (``--dpo_label_smoothing``)."""
+
+
+@dataclass(frozen=True)
+class PairLogps:
+    """One micro-batch of preference pairs as a loss sees it: the summed response log-probabilities ``[B]`` of the
+    policy and (None for reference-free losses) the reference, the responses' trained token counts ``[B]``, and the
+    policy's mean negative log-likelihood of the chosen responses' tokens (CPO's and ORPO's sft term)."""
+
+    chosen: Tensor
+    rejected: Tensor
+    chosen_tokens: Tensor
+    rejected_tokens: Tensor
+    chosen_nll: Tensor
+    ref_chosen: Tensor | None = None
+    ref_rejected: Tensor | None = None
+
+
+def preference_loss(
+    kind: str,
+    pairs: PairLogps,
+    beta: float,
+    label_smoothing: float = 0.0,
+    simpo_gamma: float = 0.5,
+    cpo_alpha: float = 1.0,
+    orpo_beta: float = 0.1,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The preference loss ``kind`` (``PREFERENCE_LOSSES``), mean over pairs, and its metrics.
+
+    With ``d = (pi_c - ref_c) - (pi_r - ref_r)`` (summed log-probabilities) and ``e = label_smoothing``:
+
+    - sigmoid (DPO, Rafailov et al. 2023): ``-logsigmoid(beta d)``, exactly ``dpo_loss``;
+    - hinge (SLiC): ``relu(1 - beta d)``;
+    - ipo (Azar et al. 2023, eq. 17): ``(d' - 1 / (2 beta))^2`` with ``d'`` the log-ratios averaged per response
+      token, as TRL computes it (its comment: the form the IPO authors confirmed);
+    - robust (Chowdhury et al. 2024): ``(-(1 - e) logsigmoid(beta d) + e logsigmoid(-beta d)) / (1 - 2e)``;
+    - simpo (Meng et al. 2024): ``z = mean_c - mean_r - gamma / beta`` on the policy's log-probabilities averaged
+      per token, ``-(1 - e) logsigmoid(beta z) - e logsigmoid(-beta z)`` (TRL's CPOTrainer with ``loss_type
+      simpo``, ``cpo_alpha 0``: the paper's loss, no sft term);
+    - cpo (Xu et al. 2024): the same on ``z = pi_c - pi_r`` (summed), plus ``cpo_alpha`` x the chosen tokens' NLL;
+    - orpo (Hong et al. 2024): the chosen tokens' NLL minus ``orpo_beta`` x ``logsigmoid(log odds ratio)``, the
+      odds ``p / (1 - p)`` of the per-token mean log-probabilities.
+
+    Metrics: the preference term (``dpo_loss``), the implicit rewards (``beta (pi - ref)``, or ``beta pi`` on the
+    log-probabilities the loss uses where there is no reference), their margin and accuracy, and ``nll_loss`` for
+    cpo and orpo.
+    """
+    chosen, rejected = pairs.chosen, pairs.rejected
+    mean_chosen, mean_rejected = chosen / pairs.chosen_tokens, rejected / pairs.rejected_tokens
+    nll = None
+    if kind in REFERENCE_FREE:
+        used_chosen, used_rejected = (chosen, rejected) if kind == "cpo" else (mean_chosen, mean_rejected)
+        scale = orpo_beta if kind == "orpo" else beta  # TRL's logged rewards: its trainer's ``beta`` x log-probs
+        chosen_reward, rejected_reward = scale * used_chosen, scale * used_rejected
+        if kind == "orpo":
+            log_odds = (used_chosen - used_rejected) - (_log1mexp(used_chosen) - _log1mexp(used_rejected))
+            per_pair = -orpo_beta * F.logsigmoid(log_odds)
+            nll = pairs.chosen_nll
+        else:
+            z = used_chosen - used_rejected - (simpo_gamma / beta if kind == "simpo" else 0.0)
+            per_pair = -(1 - label_smoothing) * F.logsigmoid(beta * z) - label_smoothing * F.logsigmoid(-beta * z)
+            nll = pairs.chosen_nll * cpo_alpha if kind == "cpo" else None
+    else:
+        chosen_ratio, rejected_ratio = chosen - pairs.ref_chosen, rejected - pairs.ref_rejected
+        chosen_reward, rejected_reward = beta * chosen_ratio, beta * rejected_ratio
+        d = chosen_ratio - rejected_ratio
+        if kind == "sigmoid":
+            per_pair = -F.logsigmoid(beta * d)
+        elif kind == "hinge":
+            per_pair = torch.relu(1 - beta * d)
+        elif kind == "ipo":
+            per_token = chosen_ratio / pairs.chosen_tokens - rejected_ratio / pairs.rejected_tokens
+            per_pair = (per_token - 1 / (2 * beta)) ** 2
+        elif kind == "robust":
+            e = label_smoothing
+            per_pair = (-(1 - e) * F.logsigmoid(beta * d) + e * F.logsigmoid(-beta * d)) / (1 - 2 * e)
+        else:
+            raise ValueError(f"unknown preference loss {kind!r}; expected one of {PREFERENCE_LOSSES}")
+    preference = per_pair.mean()
+    loss = preference + nll if nll is not None else preference
+    margin = (chosen_reward - rejected_reward).detach()
     metrics = {
-        "dpo_loss": loss.detach(),
+        "dpo_loss": preference.detach(),
         "chosen_reward": chosen_reward.detach().mean(),
         "rejected_reward": rejected_reward.detach().mean(),
-        "reward_margin": margin.detach().mean(),
-        "reward_accuracy": (margin.detach() > 0).float().mean(),
+        "reward_margin": margin.mean(),
+        "reward_accuracy": (margin > 0).float().mean(),
     }
+    if kind in ("cpo", "orpo"):
+        metrics["nll_loss"] = pairs.chosen_nll.detach()
     return loss, metrics
+
+
+def _log1mexp(x: Tensor) -> Tensor:
+    """``log(1 - exp(x))`` for ``x < 0``, without cancellation: ``log(-expm1(x))`` near 0, ``log1p(-exp(x))``
+    below ``-log 2`` (Maechler 2012)."""
+    return torch.where(x < -math.log(2), torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
 
 
 def group_advantages(rewards: Tensor) -> Tensor:

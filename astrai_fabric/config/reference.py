@@ -35,6 +35,8 @@ defaults, then the recipe (`--config`), then flags after it. Each bundled recipe
 | `recipes/tiny-seq.yaml` | pretrain the bundled 1M-parameter model on the bundled corpus (CPU, about a minute) |
 | `recipes/tiny-sft.yaml` | fine-tune it on chat tasks, assistant turns trained |
 | `recipes/tiny-dpo.yaml` | DPO on preference pairs against the frozen starting model |
+| `recipes/tiny-dpo-ipo.yaml`, `tiny-dpo-hinge.yaml`, `tiny-dpo-robust.yaml` | DPO's IPO, hinge and robust losses |
+| `recipes/tiny-simpo.yaml`, `tiny-cpo.yaml`, `tiny-orpo.yaml` | SimPO, CPO and ORPO: no reference model |
 | `recipes/tiny-grpo.yaml` | offline GRPO on scored response groups |
 | `recipes/tiny-grpo-online.yaml` | online GRPO: responses sampled and rewarded during training |
 | `recipes/pretrain-8gpu.yaml` | pretraining on one node of 8 GPUs, FSDP2, bf16 (paths are placeholders) |

@@ -11,6 +11,7 @@ validation, and the resolved recipe a run writes.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import typing
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from astrai_fabric.config.kinds import kind_problem
 from astrai_fabric.config.lora import DEFAULT_TARGETS, TARGETS
 from astrai_fabric.data.shapes import DATA_FORMATS, settings_problems
 from astrai_fabric.errors import ConfigError
+from astrai_fabric.losses import SMOOTHED
 from astrai_fabric.rewards import reward_spec_problem
 
 KNOWN_METRICS = (
@@ -181,7 +183,21 @@ class TrainArgs:
     """NEFTune noise on the embeddings during training (AstrAI's Gaussian form); 0 disables it. The noise is
     seeded by ``random_seed``, data-parallel rank, step and micro-batch, so a resume draws the same."""
     dpo_beta: float = 0.1
-    """DPO temperature."""
+    """DPO temperature; SimPO's and CPO's beta too."""
+    dpo_loss: Literal["sigmoid", "ipo", "hinge", "robust", "simpo", "cpo", "orpo"] = "sigmoid"
+    """The preference loss of dpo, each as TRL 1.16 computes it: ``sigmoid`` (DPO, AstrAI's), ``ipo``, ``hinge``,
+    ``robust`` (with ``dpo_label_smoothing``), and the reference-free ``simpo`` (length-normalised, margin
+    ``simpo_gamma``), ``cpo`` (plus ``cpo_alpha`` x the chosen responses' NLL) and ``orpo`` (the chosen responses'
+    NLL plus ``orpo_beta`` x the odds-ratio term), which build no reference model."""
+    dpo_label_smoothing: float = 0.0
+    """Probability that a pair's preference is flipped, in [0, 0.5): robust, simpo and cpo (TRL's
+    ``label_smoothing``); ``--label_smoothing`` stays cross-entropy smoothing for seq/sft."""
+    simpo_gamma: float = 0.5
+    """SimPO's target reward margin gamma (TRL's default); the loss compares ``beta x margin - gamma``."""
+    cpo_alpha: float = 1.0
+    """CPO's weight of the chosen responses' NLL (TRL's default)."""
+    orpo_beta: float = 0.1
+    """ORPO's weight lambda of the odds-ratio term (TRL's ``beta``, default 0.1)."""
     group_size: int = 4
     """GRPO responses per prompt."""
     grpo_clip_eps: float = 0.2
@@ -467,6 +483,7 @@ class TrainArgs:
         if self.reward is not None and (problem := reward_spec_problem(self.reward, self.trust_code)):
             problems.append(problem)
         problems += self._lora_problems()
+        problems += self._preference_problems()
         if self.profile_steps is not None and self.profile_step_range is None:
             problems.append(
                 f"profile_steps must be A:B with optimizer steps 1 <= A <= B (e.g. 10:12), got {self.profile_steps!r}"
@@ -476,6 +493,25 @@ class TrainArgs:
             problems.append("resume must be true, false, auto or a checkpoint path, got ''")
         if problems:
             raise ConfigError("invalid training arguments: " + "; ".join(problems))
+
+    def _preference_problems(self) -> list[str]:
+        problems = []
+        if not self.dpo_beta > 0:
+            problems.append(f"dpo_beta must be > 0, got {self.dpo_beta}")
+        if not 0 <= self.dpo_label_smoothing < 0.5:
+            problems.append(f"dpo_label_smoothing must be in [0, 0.5), got {self.dpo_label_smoothing}")
+        elif self.dpo_label_smoothing and self.dpo_loss not in SMOOTHED:
+            problems.append(
+                f"dpo_label_smoothing applies to --dpo_loss {', '.join(SMOOTHED)}, not {self.dpo_loss} (which has no "
+                "smoothing term); drop it or choose one of those"
+            )
+        if not self.cpo_alpha >= 0:
+            problems.append(f"cpo_alpha must be >= 0, got {self.cpo_alpha}")
+        if not self.orpo_beta > 0:
+            problems.append(f"orpo_beta must be > 0, got {self.orpo_beta}")
+        if not math.isfinite(self.simpo_gamma):
+            problems.append(f"simpo_gamma must be a finite number, got {self.simpo_gamma}")
+        return problems
 
     def _lora_problems(self) -> list[str]:
         problems = []

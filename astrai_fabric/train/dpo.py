@@ -6,6 +6,7 @@ chat template; each pair is one sample, truncated to ``--window_size``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -19,7 +20,7 @@ from astrai_fabric.data.records import PreferenceDataset, collate_preferences
 from astrai_fabric.data.shapes import Shaper, check_not_shaped, shape_records
 from astrai_fabric.data.storage import read_records
 from astrai_fabric.lora import reference_context
-from astrai_fabric.losses import dpo_loss, with_moe_aux_loss
+from astrai_fabric.losses import REFERENCE_FREE, PairLogps, preference_loss, with_moe_aux_loss
 from astrai_fabric.model import next_token_logprobs
 from astrai_fabric.train.common import train_on
 from astrai_fabric.train.start import Start, reference_model, require_records, resolve_start
@@ -36,6 +37,23 @@ def response_logprobs(
     return (logprobs * loss_mask[:, 1:]).sum(dim=-1), out
 
 
+@dataclass(frozen=True)
+class PreferenceArgs:
+    """The slice of the flags a preference loss reads (``losses.preference_loss``)."""
+
+    kind: str = "sigmoid"
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    simpo_gamma: float = 0.5
+    cpo_alpha: float = 1.0
+    orpo_beta: float = 0.1
+
+    @classmethod
+    def from_args(cls, args: TrainArgs) -> PreferenceArgs:
+        return cls(args.dpo_loss, args.dpo_beta, args.dpo_label_smoothing, args.simpo_gamma, args.cpo_alpha,
+                   args.orpo_beta)  # fmt: skip
+
+
 def dpo_batch_loss(
     model: nn.Module,
     batch: dict[str, Tensor],
@@ -43,16 +61,29 @@ def dpo_batch_loss(
     beta: float,
     moe_aux_loss_coef: float,
     loss_chunk_size: int = 0,
+    preference: PreferenceArgs | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """``reference`` None: the policy with its LoRA adapters off (``lora.adapters_off``) is the reference."""
+    """``reference`` None: the policy with its LoRA adapters off (``lora.adapters_off``) is the reference; a
+    reference-free ``preference.kind`` (simpo, cpo, orpo) runs none. ``preference`` None: DPO's sigmoid at ``beta``."""
+    preference = preference or PreferenceArgs(beta=beta)
     ids, loss_mask = batch["input_ids"].flatten(0, 1), batch["loss_mask"].flatten(0, 1)  # pairs: chosen, rejected
-    # The reference first: with LoRA it is the same (possibly sharded) network, run without gradients before the
-    # policy's forward, so the policy's graph is the last forward before backward.
-    with torch.no_grad(), reference_context(model, reference):
-        ref, _ = response_logprobs(reference if reference is not None else model, ids, loss_mask, loss_chunk_size)
-    policy, out = response_logprobs(model, ids, loss_mask, loss_chunk_size)
-    policy, ref = policy.view(-1, 2), ref.view(-1, 2)
-    loss, metrics = dpo_loss(policy[:, 0], policy[:, 1], ref[:, 0], ref[:, 1], beta)
+    trained = loss_mask[:, 1:]
+    ref = None
+    if preference.kind not in REFERENCE_FREE:
+        # The reference first: with LoRA it is the same (possibly sharded) network, run without gradients before
+        # the policy's forward, so the policy's graph is the last forward before backward.
+        with torch.no_grad(), reference_context(model, reference):
+            ref, _ = response_logprobs(reference if reference is not None else model, ids, loss_mask, loss_chunk_size)
+            ref = ref.view(-1, 2)
+    logprobs, out = next_token_logprobs(model, ids, loss_chunk_size)
+    policy = (logprobs * trained).sum(dim=-1).view(-1, 2)
+    tokens = trained.sum(dim=-1).view(-1, 2)
+    chosen_rows = slice(0, None, 2)  # each pair's chosen sequence, then its rejected one
+    chosen_nll = -(logprobs[chosen_rows] * trained[chosen_rows]).sum() / trained[chosen_rows].sum()
+    pairs = PairLogps(policy[:, 0], policy[:, 1], tokens[:, 0], tokens[:, 1], chosen_nll,
+                      *((ref[:, 0], ref[:, 1]) if ref is not None else ()))  # fmt: skip
+    loss, metrics = preference_loss(preference.kind, pairs, preference.beta, preference.label_smoothing,
+                                    preference.simpo_gamma, preference.cpo_alpha, preference.orpo_beta)  # fmt: skip
     loss, moe_metrics = with_moe_aux_loss(loss, out, moe_aux_loss_coef)
     return loss, {**metrics, **moe_metrics}
 
@@ -93,10 +124,14 @@ def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
     """Train dpo on a launched Fabric; returns the per-step records (see ``loop.fit``)."""
     start = resolve_start(fabric, args)
     dataset, summary = build_dataset(args, start)
-    reference, reference_meta = reference_model(fabric, start, args)
+    if args.dpo_loss in REFERENCE_FREE:  # nothing to build or record: a resume needs no reference either
+        fabric.print(f"reference model: none (--dpo_loss {args.dpo_loss} compares chosen and rejected alone)")
+        reference, extra_meta = None, {}
+    else:
+        reference, reference_meta = reference_model(fabric, start, args)
+        extra_meta = {"reference": reference_meta}
     compute_loss = partial(dpo_batch_loss, reference=reference, beta=args.dpo_beta,
-                           moe_aux_loss_coef=args.moe_aux_loss_coef,
-                           loss_chunk_size=start.loss_chunk_size(args))  # fmt: skip
+                           moe_aux_loss_coef=args.moe_aux_loss_coef, loss_chunk_size=start.loss_chunk_size(args),
+                           preference=PreferenceArgs.from_args(args))  # fmt: skip
     collate = partial(collate_preferences, pad_id=start.need_tokenizer("dpo").padding_id)
-    return train_on(fabric, args, start, dataset, summary, compute_loss, collate,
-                    extra_meta={"reference": reference_meta})  # fmt: skip
+    return train_on(fabric, args, start, dataset, summary, compute_loss, collate, extra_meta=extra_meta)

@@ -14,6 +14,7 @@ from torch import nn
 from astrai_fabric import assets, lora
 from astrai_fabric.checkpoint.position import RunPosition
 from astrai_fabric.config.train import TrainArgs
+from astrai_fabric.losses import REFERENCE_FREE
 from astrai_fabric.model.ffn import describe_routing
 from astrai_fabric.optim import OptimArgs, optimizer_groups, optimizer_state_bytes
 from astrai_fabric.profiling import describe_profiling
@@ -104,6 +105,7 @@ def describe_features(args: TrainArgs, loss_chunk_size: int = 0) -> str | None:
     HSDP's layout and profiling have lines of their own); None when all are at their defaults.
     ``loss_chunk_size``: the run's (``Start.loss_chunk_size``)."""
     on = [
+        _preference_loss(args) if args.train_type == "dpo" and args.dpo_loss != "sigmoid" else None,
         f"NEFTune (alpha {args.neftune_alpha:g})" if args.neftune_alpha else None,
         f"label smoothing {args.label_smoothing:g}" if args.label_smoothing else None,
         f"loss fused with the head, {loss_chunk_size} positions at a time" if loss_chunk_size else None,
@@ -119,6 +121,18 @@ def describe_features(args: TrainArgs, loss_chunk_size: int = 0) -> str | None:
         f"keep the last {args.keep_last_k} checkpoints" if args.keep_last_k is not None else None,
     ]
     return ", ".join(item for item in on if item) or None
+
+
+def _preference_loss(args: TrainArgs) -> str:
+    """dpo's loss when it is not DPO's sigmoid: its name, its own settings, and whether a reference model runs."""
+    settings = {
+        "robust": f"label smoothing {args.dpo_label_smoothing:g}",
+        "simpo": f"gamma {args.simpo_gamma:g}, label smoothing {args.dpo_label_smoothing:g}",
+        "cpo": f"alpha {args.cpo_alpha:g}, label smoothing {args.dpo_label_smoothing:g}",
+        "orpo": f"lambda {args.orpo_beta:g}",
+    }.get(args.dpo_loss)
+    words = f"dpo loss {args.dpo_loss}" + (f" ({settings})" if settings else "")
+    return words + ("; no reference model" if args.dpo_loss in REFERENCE_FREE else "")
 
 
 def describe_processes(

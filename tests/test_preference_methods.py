@@ -1,0 +1,201 @@
+"""dpo's loss variants (--dpo_loss) checked against TRL 1.16's own trainers, and each method's recipe run.
+
+References: TRL's ``DPOTrainer._compute_loss`` (sigmoid, ipo, hinge, robust), ``trl.experimental``'s
+``CPOTrainer.get_batch_loss_metrics`` (simpo with ``cpo_alpha 0``, cpo) and ``ORPOTrainer.get_batch_loss_metrics``
+(orpo), each built over our ``export --format hf`` of the same policy (and reference) and fed the very token ids,
+masks and pairs our collate makes: the loss within 1e-5 and the gradient of one MLP weight within 1e-6 (float32).
+At step 1 a policy is its own reference, so the reference losses start at their formula's value there.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from astrai_fabric import assets
+from astrai_fabric.checkpoint import load_model, read_model_config, save_checkpoint
+from astrai_fabric.cli import main
+from astrai_fabric.config import ModelConfig
+from astrai_fabric.data.records import PreferenceDataset, collate_preferences
+from astrai_fabric.data.storage import read_records
+from astrai_fabric.losses import PREFERENCE_LOSSES, REFERENCE_FREE
+from astrai_fabric.model import AutoRegressiveLM
+from astrai_fabric.tokenizer import Tokenizer
+from astrai_fabric.train.dpo import PreferenceArgs, dpo_batch_loss
+
+transformers = pytest.importorskip("transformers")
+datasets = pytest.importorskip("datasets")
+trl = pytest.importorskip("trl")
+
+ROOT = Path(__file__).parents[1]
+SETTINGS = {  # each loss with its own knobs away from their defaults, so a dropped one shows
+    "sigmoid": {}, "ipo": {}, "hinge": {}, "robust": {"label_smoothing": 0.1},
+    "simpo": {"label_smoothing": 0.1, "simpo_gamma": 0.3}, "cpo": {"label_smoothing": 0.1, "cpo_alpha": 0.7},
+    "orpo": {"orpo_beta": 0.2},
+}  # fmt: skip
+
+
+def test_every_loss_is_a_flag_value_and_has_settings_here():
+    from typing import get_args, get_type_hints
+
+    from astrai_fabric.config.train import TrainArgs
+
+    assert get_args(get_type_hints(TrainArgs)["dpo_loss"]) == PREFERENCE_LOSSES == tuple(SETTINGS)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> Path:
+    """Two different random tiny models (policy and reference) in our layout and as Hugging Face directories."""
+    root = tmp_path_factory.mktemp("preference")
+    source = assets.resolve("bundled:tiny")
+    config = ModelConfig.from_dict({**read_model_config(source).to_dict(), "num_hidden_layers": 2})
+    files = {name: source / name for name in ("tokenizer.json", "tokenizer_config.json")}
+    for name, seed in (("policy", 0), ("reference", 1)):
+        torch.manual_seed(seed)
+        save_checkpoint(root / name, AutoRegressiveLM(config).state_dict(), config.to_dict(), files=files)
+        assert main(["export", str(root / name), "--format", "hf", "--out", str(root / f"{name}_hf")]) == 0
+    return root
+
+
+def pairs_batch(root: Path) -> dict[str, torch.Tensor]:
+    """Three bundled pairs as our dpo collate makes them: ``[3, 2, L]``, chosen then rejected, right-padded."""
+    tokenizer = Tokenizer.from_dir(root / "policy")
+    dataset = PreferenceDataset(read_records(assets.resolve("bundled:data/dpo"))[:3], tokenizer, 64)
+    return collate_preferences([dataset[i] for i in range(3)], tokenizer.padding_id)
+
+
+def trl_loss(kind: str, root: Path, batch: dict, args: PreferenceArgs) -> tuple[torch.Tensor, dict, torch.nn.Module]:
+    """TRL's loss of ``batch`` (and its metrics, and its policy for the gradient)."""
+    policy = transformers.AutoModelForCausalLM.from_pretrained(root / "policy_hf", dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(root / "policy_hf")
+    dataset = datasets.Dataset.from_list([{"prompt": "a", "chosen": "b", "rejected": "c"}])  # __init__ needs one
+    common = dict(output_dir=str(root / "trl"), report_to=[], use_cpu=True, bf16=False, beta=args.beta)  # float32
+    ids, attention, mask = batch["input_ids"], batch["attention_mask"].long(), batch["loss_mask"]
+    with warnings.catch_warnings():  # its dataset preparation warns about our one-row placeholder
+        warnings.simplefilter("ignore")
+        if kind in ("simpo", "cpo", "orpo"):
+            from trl.experimental.cpo import CPOConfig, CPOTrainer
+            from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+            if kind == "orpo":
+                trainer = ORPOTrainer(model=policy, args=ORPOConfig(**{**common, "beta": args.orpo_beta}),
+                                      train_dataset=dataset, processing_class=tokenizer)  # fmt: skip
+            else:  # SimPO is TRL's CPOTrainer with loss_type simpo and no NLL term (cpo_alpha 0)
+                config = CPOConfig(**common, loss_type="simpo" if kind == "simpo" else "sigmoid",
+                                   label_smoothing=args.label_smoothing, simpo_gamma=args.simpo_gamma,
+                                   cpo_alpha=0.0 if kind == "simpo" else args.cpo_alpha)  # fmt: skip
+                trainer = CPOTrainer(model=policy, args=config, train_dataset=dataset, processing_class=tokenizer)
+            inputs = {f"{side}_{key}": value for i, side in enumerate(("chosen", "rejected"))
+                      for key, value in (("input_ids", ids[:, i]), ("attention_mask", attention[:, i]),
+                                         ("labels", ids[:, i].masked_fill(~mask[:, i], -100)))}  # fmt: skip
+            trainer.model.train()
+            loss, metrics = trainer.get_batch_loss_metrics(trainer.model, inputs, "train")
+        else:
+            reference = transformers.AutoModelForCausalLM.from_pretrained(root / "reference_hf", dtype=torch.float32)
+            config = trl.DPOConfig(**common, loss_type=kind, label_smoothing=args.label_smoothing)
+            trainer = trl.DPOTrainer(model=policy, ref_model=reference, args=config, train_dataset=dataset,
+                                     processing_class=tokenizer)  # fmt: skip
+            inputs = {"input_ids": ids.transpose(0, 1).flatten(0, 1),  # TRL's layout: every chosen, then every rejected
+                      "attention_mask": attention.transpose(0, 1).flatten(0, 1),
+                      "completion_mask": mask.long().transpose(0, 1).flatten(0, 1)}  # fmt: skip
+            trainer.model.train()
+            loss, metrics = trainer._compute_loss(trainer.model, inputs, return_outputs=False), {}
+    return loss, metrics, policy
+
+
+@pytest.mark.parametrize("kind", PREFERENCE_LOSSES)
+def test_each_loss_matches_trl(models, kind):
+    batch = pairs_batch(models)
+    args = PreferenceArgs(kind=kind, beta=0.1, **SETTINGS[kind])
+    ours = load_model(models / "policy_hf")
+    reference = None if kind in REFERENCE_FREE else load_model(models / "reference_hf")
+    loss, metrics = dpo_batch_loss(ours, batch, reference, args.beta, 0.0, preference=args)
+    loss.backward()
+    theirs, their_metrics, their_policy = trl_loss(kind, models, batch, args)
+    if kind == "orpo":
+        # TRL's ORPOTrainer takes the NLL over the whole chosen sequence, prompt included (its concatenated_forward:
+        # labels are input_ids wherever attention_mask is 1); ours over the chosen response's tokens, as CPO's NLL
+        # in TRL and our sft: the odds-ratio terms must agree, and our NLL is the response tokens' mean.
+        theirs = theirs - their_metrics["nll_loss"]
+        assert metrics["dpo_loss"].item() == pytest.approx(theirs.item(), abs=1e-5)
+        ids, mask = batch["input_ids"][:, 0], batch["loss_mask"][:, 0, 1:]
+        with torch.no_grad():
+            logprobs = torch.log_softmax(load_model(models / "policy_hf")(ids)["logits"][:, :-1], -1)
+        nll = -logprobs.gather(-1, ids[:, 1:, None])[..., 0][mask].mean()
+        assert metrics["nll_loss"].item() == pytest.approx(nll.item(), abs=1e-5)
+        return
+    print(f"{kind}: ours {loss.item():.6f}, TRL {theirs.item():.6f}, |diff| {abs(loss.item() - theirs.item()):.1e}",
+          file=sys.stderr)  # fmt: skip
+    assert loss.item() == pytest.approx(theirs.item(), abs=1e-5)
+    theirs.backward()
+    their_grad = their_policy.model.layers[0].mlp.down_proj.weight.grad
+    torch.testing.assert_close(ours.layers[0].mlp.down.weight.grad, their_grad, atol=1e-6, rtol=1e-5)
+    if kind in ("simpo", "cpo"):  # the rewards TRL logs: beta x the log-probabilities the loss compares
+        assert metrics["chosen_reward"].item() == pytest.approx(their_metrics["rewards/chosen"], abs=1e-5)
+
+
+STEP_1 = {"sigmoid": math.log(2), "ipo": (1 / (2 * 0.1)) ** 2, "hinge": 1.0, "robust": math.log(2)}
+"""Each reference loss at step 1, where the policy is its reference (d = 0), with the recipes' beta 0.1."""
+RECIPES = {"tiny-dpo.yaml": "sigmoid", "tiny-dpo-ipo.yaml": "ipo", "tiny-dpo-hinge.yaml": "hinge",
+           "tiny-dpo-robust.yaml": "robust", "tiny-simpo.yaml": "simpo", "tiny-cpo.yaml": "cpo",
+           "tiny-orpo.yaml": "orpo"}  # fmt: skip
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_each_recipe_runs(recipe, tmp_path, capsys):
+    kind = RECIPES[recipe]
+    out = tmp_path / "run"
+    argv = ["dpo", "--config", str(ROOT / "recipes" / recipe), "--ckpt_dir", str(out), "--max_steps", "2",
+            "--batch_per_device", "2", "--grad_accum_steps", "1", "--window_size", "48"]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    (checkpoint,) = out.glob("epoch_*_step_2")
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    entries = [json.loads(line) for line in (checkpoint / "metric.jsonl").read_text().splitlines()]
+    steps = [e for e in entries if e.get("type") == "step" or "dpo_loss" in e]
+    assert meta["dpo_loss"] == kind and all(math.isfinite(e["loss"]) for e in steps)
+    if kind in REFERENCE_FREE:
+        assert "reference" not in meta and "reference model: none (--dpo_loss" in printed
+        assert f"dpo loss {kind}" in printed and "no reference model" in printed
+    else:
+        assert meta["reference"]["param_path"] is None  # the seeded initialisation, as the policy's
+        assert steps[0]["dpo_loss"] == pytest.approx(STEP_1[kind], abs=1e-5)
+
+
+def test_lora_cpo_resumes_bit_exactly(models, tmp_path):
+    common = ["dpo", "--param_path", str(models / "policy_hf"), "--data_root_path", "bundled:data/dpo",
+              "--dpo_loss", "cpo", "--lora_r", "4", "--window_size", "48", "--batch_per_device", "2",
+              "--max_steps", "4", "--ckpt_interval", "2", "--parallel_mode", "none", "--num_workers", "0",
+              "--loggers", "[]"]  # fmt: skip
+    assert main([*common, "--ckpt_dir", str(tmp_path / "full")]) == 0
+    resume = str(tmp_path / "full" / "epoch_0_step_2")
+    assert main([*common, "--ckpt_dir", str(tmp_path / "resumed"), "--resume", resume]) == 0
+    full, resumed = (load_file(tmp_path / run / "epoch_0_step_4" / "adapter_model.safetensors")
+                     for run in ("full", "resumed"))  # fmt: skip
+    assert all(torch.equal(full[k], resumed[k]) for k in full)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--dpo_label_smoothing", "0.1"], "dpo_label_smoothing applies to --dpo_loss robust, simpo, cpo, not sigmoid"),
+        (["--dpo_loss", "robust", "--dpo_label_smoothing", "0.5"], "dpo_label_smoothing must be in [0, 0.5), got 0.5"),
+        (["--dpo_loss", "orpo", "--orpo_beta", "0"], "orpo_beta must be > 0, got 0.0"),
+        (["--dpo_loss", "cpo", "--cpo_alpha", "-1"], "cpo_alpha must be >= 0, got -1.0"),
+        (["--dpo_beta", "0"], "dpo_beta must be > 0, got 0.0"),
+        (["--dpo_loss", "kto"], "dpo_loss"),
+    ],
+)
+def test_bad_preference_flags_are_one_line_exit_2(tmp_path, capsys, flags, message):
+    argv = ["dpo", "--config", str(ROOT / "recipes" / "tiny-dpo.yaml"), "--ckpt_dir", str(tmp_path / "out"), *flags]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
