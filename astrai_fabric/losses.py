@@ -218,6 +218,40 @@ def _log1mexp(x: Tensor) -> Tensor:
     return torch.where(x < -math.log(2), torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
 
 
+def kto_loss(
+    policy: Tensor,
+    reference: Tensor,
+    desirable: Tensor,
+    kl: Tensor,
+    beta: float,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """KTO (Ethayarajh et al. 2024) as TRL 1.16's ``KTOTrainer`` computes it, mean over the samples:
+    ``w_d (1 - sigmoid(beta (r - kl)))`` for a desirable sample, ``w_u (1 - sigmoid(beta (kl - r)))`` for an
+    undesirable one, with ``r = pi - ref`` (summed response log-probabilities ``[B]``) and ``kl`` the detached
+    baseline (``kto.kl_baseline``). Metrics: the loss, the baseline, and the implicit rewards ``beta r`` of the
+    micro-batch's desirable and undesirable samples (0 where it has none)."""
+    ratio = policy - reference
+    loss = torch.where(
+        desirable,
+        desirable_weight * (1 - torch.sigmoid(beta * (ratio - kl))),
+        undesirable_weight * (1 - torch.sigmoid(beta * (kl - ratio))),
+    ).mean()
+    rewards = beta * ratio.detach()
+
+    def mean_where(mask: Tensor) -> Tensor:
+        return (rewards * mask).sum() / mask.sum().clamp(min=1)
+
+    metrics = {
+        "kto_loss": loss.detach(),
+        "kl": kl.detach(),
+        "desirable_reward": mean_where(desirable),
+        "undesirable_reward": mean_where(~desirable),
+    }
+    return loss, metrics
+
+
 def group_advantages(rewards: Tensor) -> Tensor:
     """GRPO's group-normalised advantage ``(r - mean_G r) / (std_G r + 1e-8)`` over the last axis (population std)."""
     return (rewards - rewards.mean(dim=-1, keepdim=True)) / (rewards.std(dim=-1, unbiased=False, keepdim=True) + 1e-8)

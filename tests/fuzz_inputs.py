@@ -52,7 +52,7 @@ ERROR = "astrai-fabric: error:"
 # --- the workspace: valid bases every example mutates a copy of ------------------------------------------------------
 
 COMMON = ["--window_size", "16", "--parallel_mode", "none", "--num_workers", "0", "--loggers", "[]"]
-DATA = {kind: f"{{w}}/{kind}.jsonl" for kind in ("seq", "sft", "dpo", "grpo")}
+DATA = {kind: f"{{w}}/{kind}.jsonl" for kind in ("seq", "sft", "dpo", "kto", "grpo")}
 SFT_PIPELINE = {"input": {"sections": [{"field": "messages", "action": "$role", "template": True}]},
                 "mask": {"assistant": "train"}}  # fmt: skip
 SEQ_PIPELINE = {"input": {"sections": [{"field": "text", "action": "train"}]}}
@@ -64,7 +64,7 @@ def train(command: str, *extra: str, model: str = "{w}/tiny", data: str | None =
             "--ckpt_dir", "{x}/out", *extra]  # fmt: skip
 
 
-RECORDS = {"seq": 6, "sft": 24, "dpo": 16, "grpo": 12, "grpo_online": 8}
+RECORDS = {"seq": 6, "sft": 24, "dpo": 16, "kto": 16, "grpo": 12, "grpo_online": 8}
 """The workspace's JSONL files: the first records of each bundled corpus, few enough that a dry run is quick."""
 
 
@@ -521,7 +521,7 @@ RAW_YAML = (
 def recipes(draw) -> Example:
     """A YAML recipe of TrainArgs keys (flat, or in AstrAI's sections) with values of every wrong kind, read by
     the dry run of each train type."""
-    command = draw(st.sampled_from(("seq", "sft", "dpo", "grpo")))
+    command = draw(st.sampled_from(("seq", "sft", "dpo", "kto", "grpo")))
     base = {"param_path": "{w}/tiny", "data_root_path": DATA[command], "window_size": 64 if command == "grpo" else 16,
             "parallel_mode": "none", "num_workers": 0, "loggers": [], "max_steps": 1}  # fmt: skip
     doc, edits = draw(edited(base, TRAIN_KEYS + SECTIONS + ("devices", "dry-run", "train_type", "config"),
@@ -544,12 +544,13 @@ RAW_LINES = ("{", "[]", "null", '"text"', '{"text": NaN}', "\ufeff{}", "{}", '{"
 
 @st.composite
 def jsonl_records(draw, workspace: Path) -> Example:
-    """A JSONL file of one train type's records (seq text, sft messages, dpo pairs, grpo groups, online prompts)
-    with one record edited or one line broken; trained on for a step, dry-run, or prepared."""
-    kind = draw(st.sampled_from(("seq", "sft", "dpo", "grpo", "grpo_online")))
+    """A JSONL file of one train type's records (seq text, sft messages, dpo pairs, kto unpaired preferences, grpo
+    groups, online prompts) with one record edited or one line broken; trained on for a step, dry-run, or prepared."""
+    kind = draw(st.sampled_from(("seq", "sft", "dpo", "kto", "grpo", "grpo_online")))
     records = read_records(workspace / f"{kind}.jsonl")
     index = draw(st.integers(0, len(records) - 1))
     extra = {"seq": ("text",), "sft": ("messages", "text"), "dpo": ("prompt", "chosen", "rejected"),
+             "kto": ("prompt", "completion", "label"),
              "grpo": ("prompt", "responses", "rewards"), "grpo_online": ("prompt", "answer")}[kind]  # fmt: skip
     record, edits = draw(edited(records[index], extra, max_edits=2))
     lines = [json.dumps(r) for r in records]
@@ -661,6 +662,7 @@ def serve() -> None:
     import astrai_fabric.plot  # noqa: F401
     import astrai_fabric.train.dpo  # noqa: F401
     import astrai_fabric.train.grpo  # noqa: F401
+    import astrai_fabric.train.kto  # noqa: F401
     import astrai_fabric.train.lm  # noqa: F401
     from astrai_fabric import cli
 

@@ -23,12 +23,13 @@ from astrai_fabric import assets
 from astrai_fabric.checkpoint import load_model, read_model_config, save_checkpoint
 from astrai_fabric.cli import main
 from astrai_fabric.config import ModelConfig
-from astrai_fabric.data.records import PreferenceDataset, collate_preferences
+from astrai_fabric.data.records import PreferenceDataset, UnpairedDataset, collate_preferences, collate_unpaired
 from astrai_fabric.data.storage import read_records
 from astrai_fabric.losses import PREFERENCE_LOSSES, REFERENCE_FREE
 from astrai_fabric.model import AutoRegressiveLM
 from astrai_fabric.tokenizer import Tokenizer
 from astrai_fabric.train.dpo import PreferenceArgs, dpo_batch_loss
+from astrai_fabric.train.kto import kto_batch_loss
 
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
@@ -182,6 +183,89 @@ def test_lora_cpo_resumes_bit_exactly(models, tmp_path):
     assert all(torch.equal(full[k], resumed[k]) for k in full)
 
 
+# --- kto -------------------------------------------------------------------------------------------------------
+
+
+def unpaired_batch(root: Path) -> dict[str, torch.Tensor]:
+    """Six bundled kto records (both labels among them) as our collate makes them, with their mismatched pairs."""
+    tokenizer = Tokenizer.from_dir(root / "policy")
+    dataset = UnpairedDataset(read_records(assets.resolve("bundled:data/kto"))[:6], tokenizer, 64)
+    batch = collate_unpaired([dataset[i] for i in range(6)], tokenizer.padding_id)
+    assert 0 < int(batch["desirable"].sum()) < 6
+    return batch
+
+
+def test_kto_matches_trl(models):
+    """TRL's ``KTOTrainer._compute_loss`` fed the same samples and mismatched pairs: loss, KL baseline and the
+    gradient of an MLP weight."""
+    batch = unpaired_batch(models)
+    ours = load_model(models / "policy_hf")
+    one_rank = lambda log_ratios: log_ratios.mean().clamp(min=0)  # noqa: E731 - kto.kl_baseline's, 1 process
+    loss, metrics = kto_batch_loss(ours, batch, load_model(models / "reference_hf"), one_rank, beta=0.1,
+                                   desirable_weight=1.3, undesirable_weight=0.8, moe_aux_loss_coef=0.0)  # fmt: skip
+    loss.backward()
+    policy = transformers.AutoModelForCausalLM.from_pretrained(models / "policy_hf", dtype=torch.float32)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(models / "reference_hf", dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(models / "policy_hf")
+    dataset = datasets.Dataset.from_list([{"prompt": "a", "completion": "b", "label": True},
+                                          {"prompt": "c", "completion": "d", "label": False}])  # fmt: skip
+    config = trl.KTOConfig(output_dir=str(models / "trl"), report_to=[], use_cpu=True, bf16=False, beta=0.1,
+                           desirable_weight=1.3, undesirable_weight=0.8, per_device_train_batch_size=2)  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = trl.KTOTrainer(model=policy, ref_model=reference, args=config, train_dataset=dataset,
+                                 processing_class=tokenizer)  # fmt: skip
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"].long(),
+              "completion_mask": batch["loss_mask"].long(), "KL_input_ids": batch["kl_input_ids"],
+              "KL_attention_mask": batch["kl_attention_mask"].long(),
+              "KL_completion_mask": batch["kl_loss_mask"].long(), "label": batch["desirable"]}  # fmt: skip
+    trainer.model.train()
+    theirs = trainer._compute_loss(trainer.model, inputs, return_outputs=False)
+    print(f"kto: ours {loss.item():.6f}, TRL {theirs.item():.6f}, |diff| {abs(loss.item() - theirs.item()):.1e}",
+          file=sys.stderr)  # fmt: skip
+    assert loss.item() == pytest.approx(theirs.item(), abs=1e-5)
+    assert metrics["kl"].item() == pytest.approx(trainer._metrics["train"]["kl"][-1], abs=1e-5)
+    theirs.backward()
+    their_grad = policy.model.layers[0].mlp.down_proj.weight.grad
+    torch.testing.assert_close(ours.layers[0].mlp.down.weight.grad, their_grad, atol=1e-6, rtol=1e-5)
+
+
+def test_kto_recipe_runs_from_one_half(tmp_path, capsys):
+    """At step 1 the policy is its reference: every sample's log-ratio and the baseline are 0, so each loss is
+    1 - sigmoid(0) = 1/2."""
+    argv = ["kto", "--config", str(ROOT / "recipes" / "tiny-kto.yaml"), "--ckpt_dir", str(tmp_path / "run"),
+            "--max_steps", "2", "--batch_per_device", "4", "--grad_accum_steps", "1",
+            "--window_size", "48"]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "unpaired preferences from" in printed and "desirable" in printed
+    (checkpoint,) = (tmp_path / "run").glob("epoch_*_step_2")
+    entries = [json.loads(line) for line in (checkpoint / "metric.jsonl").read_text().splitlines()]
+    steps = [e for e in entries if "kto_loss" in e]
+    assert steps[0]["kto_loss"] == pytest.approx(0.5, abs=1e-6) and steps[0]["kl"] == 0.0
+    assert math.isfinite(steps[1]["loss"]) and steps[1]["kto_loss"] != pytest.approx(0.5, abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("record", "message"),
+    [
+        ({"prompt": "2 + 2?", "completion": "4", "label": 1}, "'label' must be true (desirable) or false"),
+        ({"prompt": "2 + 2?", "completion": "4"}, "a kto record needs ['label']"),
+        ({"prompt": "2 + 2?", "completion": 4, "label": True}, "'completion' must be a string or a list of messages"),
+    ],
+)
+def test_bad_kto_records_are_one_line_naming_the_line(tmp_path, capsys, record, message):
+    records = [json.loads(line) for line in (assets.resolve("bundled:data/kto") / "unpaired.jsonl").open()][:3]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in [*records[:2], record, records[2]]))
+    argv = ["kto", "--config", str(ROOT / "recipes" / "tiny-kto.yaml"), "--data_root_path", str(data),
+            "--ckpt_dir", str(tmp_path / "out")]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{data}:3" in err and message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
@@ -191,6 +275,7 @@ def test_lora_cpo_resumes_bit_exactly(models, tmp_path):
         (["--dpo_loss", "cpo", "--cpo_alpha", "-1"], "cpo_alpha must be >= 0, got -1.0"),
         (["--dpo_beta", "0"], "dpo_beta must be > 0, got 0.0"),
         (["--dpo_loss", "kto"], "dpo_loss"),
+        (["--kto_desirable_weight", "0"], "kto_desirable_weight must be > 0, got 0.0"),
     ],
 )
 def test_bad_preference_flags_are_one_line_exit_2(tmp_path, capsys, flags, message):

@@ -22,6 +22,7 @@ ASSETS = Path(__file__).parent
 SEQ_CORPUS = ASSETS / "data" / "seq" / "kjv.jsonl"
 SFT_CORPUS = ASSETS / "data" / "sft" / "tasks.jsonl"
 DPO_PAIRS = ASSETS / "data" / "dpo" / "pairs.jsonl"
+KTO_RECORDS = ASSETS / "data" / "kto" / "unpaired.jsonl"
 GRPO_GROUPS = ASSETS / "data" / "grpo" / "groups.jsonl"
 GRPO_PROMPTS = ASSETS / "data" / "grpo_online" / "prompts.jsonl"
 TINY = ASSETS / "tiny"
@@ -162,6 +163,15 @@ def build_dpo(seq_records: list[dict[str, str]], num_records: int = 600, seed: i
     return records
 
 
+def build_kto(dpo_records: list[dict], seed: int = 19) -> list[dict]:
+    """Unpaired preferences for kto (TRL's ``prompt``/``completion``/``label`` form): each dpo pair split into its
+    chosen answer (desirable) and its rejected one (undesirable), shuffled so a pair's halves are rarely neighbours."""
+    records = [{"prompt": r["prompt"], "completion": r[side], "label": side == "chosen"}
+               for r in dpo_records for side in ("chosen", "rejected")]  # fmt: skip
+    random.Random(seed).shuffle(records)
+    return records
+
+
 def build_grpo(seq_records: list[dict[str, str]], num_records: int = 300, seed: int = 13) -> list[dict]:
     """Groups of 4 scored responses: the right answer and 3 wrong ones, rewarded by their similarity to it."""
     rng = random.Random(seed)
@@ -203,10 +213,12 @@ def render_chat(messages: list[dict[str, str]]) -> str:
 
 
 def build(out_dir: Path, seq_records: list[dict[str, str]]) -> None:
-    """Write the SFT, DPO and GRPO data, the tokenizer files and the tiny ``config.json`` under ``out_dir``."""
+    """Write the SFT, DPO, KTO and GRPO data, the tokenizer files and the tiny ``config.json`` under ``out_dir``."""
     sft_records = build_sft(seq_records)
     write_jsonl(out_dir / SFT_CORPUS.relative_to(ASSETS), sft_records)
-    write_jsonl(out_dir / DPO_PAIRS.relative_to(ASSETS), build_dpo(seq_records))
+    dpo_records = build_dpo(seq_records)
+    write_jsonl(out_dir / DPO_PAIRS.relative_to(ASSETS), dpo_records)
+    write_jsonl(out_dir / KTO_RECORDS.relative_to(ASSETS), build_kto(dpo_records))
     write_jsonl(out_dir / GRPO_GROUPS.relative_to(ASSETS), build_grpo(seq_records))
     write_jsonl(out_dir / GRPO_PROMPTS.relative_to(ASSETS), build_prompts(seq_records))
     texts = [r["text"] for r in seq_records] + [render_chat(r["messages"]) for r in sft_records]

@@ -41,7 +41,7 @@ COMMAND_LINE_ONLY = ("trust_code",)
 """Flags a recipe may not set, and which resolved recipes leave out: a recipe file is data, never a way to opt into
 running code."""
 
-TrainType = Literal["seq", "sft", "dpo", "grpo"]
+TrainType = Literal["seq", "sft", "dpo", "kto", "grpo"]
 ParallelMode = Literal["none", "ddp", "fsdp"]
 Precision = Literal["auto", "bf16-true", "bf16-mixed", "32-true"]
 DataFormat = Literal[DATA_FORMATS]
@@ -183,7 +183,7 @@ class TrainArgs:
     """NEFTune noise on the embeddings during training (AstrAI's Gaussian form); 0 disables it. The noise is
     seeded by ``random_seed``, data-parallel rank, step and micro-batch, so a resume draws the same."""
     dpo_beta: float = 0.1
-    """DPO temperature; SimPO's and CPO's beta too."""
+    """DPO temperature; SimPO's, CPO's and KTO's beta too."""
     dpo_loss: Literal["sigmoid", "ipo", "hinge", "robust", "simpo", "cpo", "orpo"] = "sigmoid"
     """The preference loss of dpo, each as TRL 1.16 computes it: ``sigmoid`` (DPO, AstrAI's), ``ipo``, ``hinge``,
     ``robust`` (with ``dpo_label_smoothing``), and the reference-free ``simpo`` (length-normalised, margin
@@ -198,6 +198,11 @@ class TrainArgs:
     """CPO's weight of the chosen responses' NLL (TRL's default)."""
     orpo_beta: float = 0.1
     """ORPO's weight lambda of the odds-ratio term (TRL's ``beta``, default 0.1)."""
+    kto_desirable_weight: float = 1.0
+    """KTO's weight of the desirable samples' loss (TRL's ``desirable_weight``); with unbalanced data, KTO's paper
+    suggests weights making ``desirable_weight x desirable / (undesirable_weight x undesirable)`` 1 to 4/3."""
+    kto_undesirable_weight: float = 1.0
+    """KTO's weight of the undesirable samples' loss (TRL's ``undesirable_weight``)."""
     group_size: int = 4
     """GRPO responses per prompt."""
     grpo_clip_eps: float = 0.2
@@ -509,6 +514,9 @@ class TrainArgs:
             problems.append(f"cpo_alpha must be >= 0, got {self.cpo_alpha}")
         if not self.orpo_beta > 0:
             problems.append(f"orpo_beta must be > 0, got {self.orpo_beta}")
+        for name in ("kto_desirable_weight", "kto_undesirable_weight"):
+            if not getattr(self, name) > 0:
+                problems.append(f"{name} must be > 0, got {getattr(self, name)}")
         if not math.isfinite(self.simpo_gamma):
             problems.append(f"simpo_gamma must be a finite number, got {self.simpo_gamma}")
         return problems

@@ -72,6 +72,9 @@ def read_dataset_config(data_root: Path, train_type: str) -> DatasetConfig | Non
     path = data_root / DATASET_CONFIG_FILE
     if not (data_root.is_dir() and path.is_file()) or (kind := detect_format(data_root)) == "bin":
         return None  # bin shards win, as in AstrAI
+    if train_type == "kto":  # AstrAI has no kto: its records are read as they are
+        raise UserError(f"{path}: kto reads its records as they are (prompt, completion, label), with no "
+                        "dataset_config.json route (AstrAI has no kto); move the file away")  # fmt: skip
     raw = read_json_object(path, "the data directory's dataset config")
     source = str(path)
     check_keys(raw, GROUPS, source, "")

@@ -140,6 +140,57 @@ class PreferenceDataset(Dataset):
         return self.samples[index]
 
 
+@dataclass
+class Unpaired:
+    """A kto sample: the prompt and its completion (``encoded``), whether it is desirable, and the completion of
+    another record after the same prompt (``kl_response_ids``), for the KL baseline."""
+
+    encoded: Encoded
+    desirable: bool
+    kl_response_ids: list[int]
+
+
+class UnpairedDataset(Dataset):
+    """KTO's unpaired preferences ``{"prompt"|"input", "completion", "label": true|false}`` (TRL's form; prompt and
+    completion as strings or messages).
+
+    Each sample also carries a mismatched completion for the KL baseline: the previous record's (the last record's
+    for the first), TRL's rotation by one (which it applies within each per-device batch of records in order). Fixed
+    per sample, the mismatched pairs do not depend on how samples are batched, so the baseline reduced over a step's
+    samples is the same on any number of ranks.
+    """
+
+    def __init__(self, records: list[Record], tokenizer: Tokenizer, max_len: int) -> None:
+        self.num_dropped = 0
+        """Records whose prompt fills the window: nothing left to train."""
+        kept = []
+        for where, record in records:
+            missing = [k for k in ("completion", "label") if k not in record]
+            if missing:
+                raise UserError(f"{where}: a kto record needs {missing}, got keys {sorted(record)}")
+            if not isinstance(record["label"], bool):
+                raise UserError(f"{where}: 'label' must be true (desirable) or false (undesirable), got "
+                                f"{record['label']!r}")  # fmt: skip
+            completion = as_text(record["completion"], where, "completion")
+            encoded = encode(tokenizer, prompt_of(record, where), [completion], max_len, where)
+            if not encoded.trains_every_response():
+                self.num_dropped += 1
+                continue
+            kept.append((encoded, record["label"]))
+        room = [max_len - len(encoded.prompt_ids) for encoded, _ in kept]
+        self.samples = [
+            Unpaired(encoded, label, kept[i - 1][0].response_ids[0][: room[i]])
+            for i, (encoded, label) in enumerate(kept)
+        ]
+        self.num_desirable = sum(sample.desirable for sample in self.samples)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> Unpaired:
+        return self.samples[index]
+
+
 class GroupDataset(Dataset):
     """Offline GRPO groups ``{"prompt", "responses": [G texts], "rewards": [G floats]}``."""
 
@@ -226,6 +277,14 @@ def collate_preferences(batch: list[Encoded], pad_id: int) -> dict[str, Tensor]:
     """``[B, 2, L]`` tensors: index 0 the chosen, 1 the rejected continuation of each prompt."""
     pairs = [(e.prompt_ids, response) for e in batch for response in e.response_ids]
     return _grouped(pack(pairs, pad_id, [m for e in batch for m in e.masks()]), len(batch))
+
+
+def collate_unpaired(batch: list[Unpaired], pad_id: int) -> dict[str, Tensor]:
+    """``[B, L]`` tensors of the samples, ``kl_*`` tensors of their mismatched pairs (each prompt with another
+    record's completion), and ``desirable [B]`` (bool)."""
+    out = pack([(s.encoded.prompt_ids, s.encoded.response_ids[0]) for s in batch], pad_id)
+    kl = pack([(s.encoded.prompt_ids, s.kl_response_ids) for s in batch], pad_id)
+    return {**out, **{f"kl_{k}": v for k, v in kl.items()}, "desirable": torch.tensor([s.desirable for s in batch])}
 
 
 def collate_groups(batch: list[tuple[Encoded, list[float]]], pad_id: int) -> dict[str, Tensor]:

@@ -191,6 +191,7 @@ SHAPES = {shape.name: shape for shape in (
     Shape("preference", "dpo", ("prompt", "chosen", "rejected"), _renamed, aliases=PROMPT_OR_INPUT, canonical=True),
     Shape("implicit_preference", "dpo", ("chosen", "rejected"), _implicit_preference, excludes=("prompt",),
           aliases=PROMPT_OR_INPUT),
+    Shape("unpaired", "kto", ("prompt", "completion", "label"), _renamed, aliases=PROMPT_OR_INPUT, canonical=True),
     Shape("groups", "grpo", ("prompt", "responses", "rewards"), _renamed, aliases=PROMPT_OR_INPUT, canonical=True),
     Shape("prompt", "grpo", ("prompt",), _renamed, excludes=("responses",), aliases=PROMPT_OR_INPUT, canonical=True),
 )}  # fmt: skip
@@ -205,13 +206,14 @@ COLUMN_KINDS = {
     "prompt_completion": {"prompt": TEXT_OR_MESSAGES, "completion": TEXT_OR_MESSAGES},
     "preference": {"prompt": TEXT_OR_MESSAGES, "chosen": TEXT_OR_MESSAGES, "rejected": TEXT_OR_MESSAGES},
     "implicit_preference": {"chosen": LIST, "rejected": LIST},
+    "unpaired": {"prompt": TEXT_OR_MESSAGES, "completion": TEXT_OR_MESSAGES, "label": ("bool",)},
     "groups": {"prompt": TEXT_OR_MESSAGES, "responses": LIST, "rewards": ("list", "number")},
     "prompt": {"prompt": TEXT_OR_MESSAGES},
 }
 """Each shape's fields and the column kinds (``sources.column_kinds``) that can hold them: what a file's schema is
 checked against before its rows are read (``Shaper.check_schema``). A null column is absent, as a null value is."""
 _KIND_WORDS = {STRING: "a string", LIST: "a list", TEXT_OR_MESSAGES: "a string or a list of messages",
-               ("list", "number"): "a list of numbers or a number"}  # fmt: skip
+               ("list", "number"): "a list of numbers or a number", ("bool",): "a boolean"}  # fmt: skip
 
 DATA_FORMATS = ("auto", *SHAPES)
 """``--data_format``'s values."""

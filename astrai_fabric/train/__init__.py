@@ -1,6 +1,6 @@
 """Training entry point: arguments → Fabric → the train type's ``main``.
 
-``execute(args)`` is the one dispatch, what ``astrai-fabric seq|sft|dpo|grpo`` and ``run(args)`` both call once
+``execute(args)`` is the one dispatch, what ``astrai-fabric seq|sft|dpo|kto|grpo`` and ``run(args)`` both call once
 ``args`` is validated: a dry run prints the plan (``dry_run.py``); otherwise it builds the Fabric (the only launch
 decision is here: the CLI launches its own ranks, but under ``fabric run``, torchrun or SLURM the processes exist
 already) and runs the train type's ``main(fabric, args)`` on every rank. Programs that own a launched Fabric call
@@ -27,15 +27,15 @@ from astrai_fabric.strategy import (
     resolve_topology,
     set_cpu_threads,
 )
-from astrai_fabric.train import dpo, grpo, lm
+from astrai_fabric.train import dpo, grpo, kto, lm
 from astrai_fabric.train.dry_run import dry_run
 
-TRAIN_TYPES = {"seq": lm, "sft": lm, "dpo": dpo, "grpo": grpo}
+TRAIN_TYPES = {"seq": lm, "sft": lm, "dpo": dpo, "kto": kto, "grpo": grpo}
 """Each train type's module: ``build_dataset(args, start)`` and ``main(fabric, args)``."""
 
 
 def run(args: TrainArgs) -> list[dict] | None:
-    """Validate ``args``, build the Fabric, launch its ranks and train (what ``astrai-fabric seq|sft|dpo|grpo``
+    """Validate ``args``, build the Fabric, launch its ranks and train (what ``astrai-fabric seq|sft|dpo|kto|grpo``
     does); a dry run prints the plan and returns ``[]``.
 
     Returns the per-step records of ``loop.fit`` (rank 0's when this process launched the ranks).
