@@ -257,6 +257,26 @@ def group_advantages(rewards: Tensor) -> Tensor:
     return (rewards - rewards.mean(dim=-1, keepdim=True)) / (rewards.std(dim=-1, unbiased=False, keepdim=True) + 1e-8)
 
 
+GRPO_LOSSES = ("astrai", "grpo", "bnpo", "dr_grpo")
+"""``--grpo_loss``: AstrAI's GRPO loss (the default) and TRL 1.16's ``loss_type`` values of the same name."""
+
+
+def grpo_advantages(rewards: Tensor, kind: str = "astrai", scale: str = "group") -> Tensor:
+    """Each response's advantage from the rewards of its group ``[..., G]``.
+
+    ``astrai``: ``group_advantages`` (population std + 1e-8). The TRL losses use TRL's: ``r - mean_G r``, divided by
+    the group's Bessel-corrected std + 1e-4 (``scale`` group) or not at all (``none``, Dr. GRPO's choice); a group of
+    one has no std, and its advantage is 0 (TRL's ``nan_to_num``).
+    """
+    if kind == "astrai":
+        return group_advantages(rewards)
+    centred = rewards - rewards.mean(dim=-1, keepdim=True)
+    if scale == "none":
+        return centred
+    std = rewards.std(dim=-1, keepdim=True) if rewards.shape[-1] > 1 else torch.full_like(centred, float("nan"))
+    return torch.nan_to_num(centred / (std + 1e-4), nan=0.0)
+
+
 def grpo_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -265,29 +285,53 @@ def grpo_loss(
     advantages: Tensor,
     clip_eps: float,
     kl_coef: float,
+    kind: str = "astrai",
+    clip_eps_high: float | None = None,
+    max_response_tokens: int = 1024,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """GRPO (Shao et al. 2024) as AstrAI computes it: PPO's clipped objective and a KL penalty, token means.
+    """GRPO (Shao et al. 2024): PPO's clipped objective and a KL penalty to the reference, per response token.
 
     ``logprobs``, ``old_logprobs``, ``ref_logprobs`` and ``mask`` are ``[N, T]`` (response tokens of N sequences),
-    ``advantages`` is ``[N]``. With ``ratio = exp(logp - logp_old)`` the policy loss is
-    ``sum(mask * -min(ratio A, clip(ratio, 1 - eps, 1 + eps) A)) / max(sum(mask), 1)`` over the whole micro-batch;
-    the KL uses AstrAI's estimator ``r - log(r + 1e-8) - 1`` with ``r = exp(logp_ref - logp)`` (Schulman's k3),
-    weighted by ``kl_coef``. A micro-batch without response tokens gives 0.
+    ``advantages`` is ``[N]``. With ``ratio = exp(logp - logp_old)`` each token's objective is
+    ``-min(ratio A, clip(ratio, 1 - clip_eps, 1 + clip_eps_high) A)`` (``clip_eps_high`` None: ``clip_eps``; DAPO's
+    asymmetric bound otherwise) plus ``kl_coef`` x an estimate of the KL, Schulman's k3 with ``r = exp(logp_ref -
+    logp)``: ``r - log(r + 1e-8) - 1`` for ``astrai`` (AstrAI's), ``(r - log r - 1) x ratio`` for the others (TRL's
+    default ``use_bias_correction_kl``: the ratio makes its gradient the unbiased reverse-KL one, even where it is 1).
+    The tokens are then averaged as ``kind`` says:
+
+    - ``astrai`` and ``bnpo``: over every response token of the micro-batch;
+    - ``grpo``: over each response's tokens, then over the responses (TRL's ``grpo``, the paper's);
+    - ``dr_grpo``: summed and divided by ``N x max_response_tokens`` (Dr. GRPO's constant, TRL's
+      ``max_completion_length``), so no response's length weights its tokens.
+
+    A micro-batch without response tokens gives 0.
     """
     mask = mask.float()
-    count = mask.sum().clamp(min=1.0)
+    high = clip_eps if clip_eps_high is None else clip_eps_high
     ratio = torch.exp(logprobs - old_logprobs)
     adv = advantages.unsqueeze(-1)
-    surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
-    policy_loss = -(mask * surrogate).sum() / count
-    ref_ratio = torch.exp(ref_logprobs - logprobs)
-    kl = ref_ratio - torch.log(ref_ratio + 1e-8) - 1
-    kl_loss = kl_coef * (mask * kl).sum() / count
-    clipped = ((ratio - 1).abs() > clip_eps).float()
+    surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + high) * adv)
+    log_ref_ratio = ref_logprobs - logprobs
+    ref_ratio = torch.exp(log_ref_ratio)
+    if kind == "astrai":
+        kl = ref_ratio - torch.log(ref_ratio + 1e-8) - 1
+    else:  # TRL 1.16's default use_bias_correction_kl: weighted by the ratio (the unbiased reverse-KL gradient)
+        kl = (ref_ratio - log_ref_ratio - 1) * ratio
+
+    def aggregate(per_token: Tensor) -> Tensor:
+        if kind == "grpo":
+            return ((mask * per_token).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+        if kind == "dr_grpo":
+            return (mask * per_token).sum() / (per_token.shape[0] * max_response_tokens)
+        return (mask * per_token).sum() / mask.sum().clamp(min=1.0)
+
+    policy_loss = aggregate(-surrogate)
+    kl_loss = kl_coef * aggregate(kl)
+    clipped = ((ratio < 1 - clip_eps) | (ratio > 1 + high)).float()
     metrics = {
         "policy_loss": policy_loss.detach(),
         "kl_loss": kl_loss.detach(),
-        "clip_fraction": (mask * clipped).sum() / count,
+        "clip_fraction": (mask * clipped).sum() / mask.sum().clamp(min=1.0),
     }
     return policy_loss + kl_loss, metrics
 

@@ -1,4 +1,5 @@
-"""dpo's loss variants (--dpo_loss) checked against TRL 1.16's own trainers, and each method's recipe run.
+"""dpo's loss variants (--dpo_loss), kto and grpo's loss variants (--grpo_loss) checked against TRL 1.16's own
+trainers, and each method's recipe run.
 
 References: TRL's ``DPOTrainer._compute_loss`` (sigmoid, ipo, hinge, robust), ``trl.experimental``'s
 ``CPOTrainer.get_batch_loss_metrics`` (simpo with ``cpo_alpha 0``, cpo) and ``ORPOTrainer.get_batch_loss_metrics``
@@ -23,12 +24,20 @@ from astrai_fabric import assets
 from astrai_fabric.checkpoint import load_model, read_model_config, save_checkpoint
 from astrai_fabric.cli import main
 from astrai_fabric.config import ModelConfig
-from astrai_fabric.data.records import PreferenceDataset, UnpairedDataset, collate_preferences, collate_unpaired
+from astrai_fabric.data.records import (
+    GroupDataset,
+    PreferenceDataset,
+    UnpairedDataset,
+    collate_groups,
+    collate_preferences,
+    collate_unpaired,
+)
 from astrai_fabric.data.storage import read_records
-from astrai_fabric.losses import PREFERENCE_LOSSES, REFERENCE_FREE
-from astrai_fabric.model import AutoRegressiveLM
+from astrai_fabric.losses import PREFERENCE_LOSSES, REFERENCE_FREE, grpo_advantages
+from astrai_fabric.model import AutoRegressiveLM, next_token_logprobs
 from astrai_fabric.tokenizer import Tokenizer
 from astrai_fabric.train.dpo import PreferenceArgs, dpo_batch_loss
+from astrai_fabric.train.grpo import GRPOLossArgs, grpo_batch_loss
 from astrai_fabric.train.kto import kto_batch_loss
 
 transformers = pytest.importorskip("transformers")
@@ -266,6 +275,92 @@ def test_bad_kto_records_are_one_line_naming_the_line(tmp_path, capsys, record, 
     assert not (tmp_path / "out").exists()
 
 
+# --- grpo's loss variants ----------------------------------------------------------------------------------------
+
+
+def groups_batch(root: Path) -> tuple[dict[str, torch.Tensor], int]:
+    """Two bundled grpo groups of 4 whose prompts have the same length (TRL left-pads prompts, and a left-padded
+    prompt shifts the positions of transformers' forward), as our collate makes them, with "old" log-probabilities
+    from the reference model so that the ratio moves and clipping acts; and the prompts' length."""
+    tokenizer = Tokenizer.from_dir(root / "policy")
+    dataset = GroupDataset(read_records(assets.resolve("bundled:data/grpo")), tokenizer, 64)
+    by_length: dict[int, list[int]] = {}
+    for index in range(len(dataset)):
+        by_length.setdefault(len(dataset[index][0].prompt_ids), []).append(index)
+    pair = next(indices for indices in by_length.values() if len(indices) >= 2)[:2]
+    batch = collate_groups([dataset[i] for i in pair], tokenizer.padding_id)
+    with torch.no_grad():
+        old = next_token_logprobs(load_model(root / "reference_hf"), batch["input_ids"].flatten(0, 1))[0]
+    batch["old_logprobs"] = old.unflatten(0, (2, -1))
+    return batch, len(dataset[pair[0]][0].prompt_ids)
+
+
+@pytest.mark.parametrize("kind", ["grpo", "bnpo", "dr_grpo"])
+def test_grpo_losses_match_trl(models, kind):
+    """TRL's ``GRPOTrainer._compute_loss`` on the same completions, advantages and old/reference log-probabilities,
+    with DAPO's asymmetric clip bound and a KL weight: loss within 1e-5, an MLP weight's gradient within 1e-6."""
+    batch, prompt_length = groups_batch(models)
+    args = GRPOLossArgs(kind=kind, clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.05, max_response_tokens=40)
+    reference = load_model(models / "reference_hf")
+    ours = load_model(models / "policy_hf")
+    loss, metrics = grpo_batch_loss(ours, batch, reference, 0.2, 0.05, 0.0, loss=args)
+    loss.backward()
+    assert metrics["clip_fraction"] > 0.1  # the old policy differs: the bounds act
+    policy = transformers.AutoModelForCausalLM.from_pretrained(models / "policy_hf", dtype=torch.float32)
+    config = trl.GRPOConfig(output_dir=str(models / "trl"), report_to=[], use_cpu=True, bf16=False, loss_type=kind,
+                            beta=0.05, epsilon=0.2, epsilon_high=0.28, max_completion_length=40, num_generations=4,
+                            per_device_train_batch_size=4, temperature=1.0)  # fmt: skip
+    tokenizer = transformers.AutoTokenizer.from_pretrained(models / "policy_hf")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = trl.GRPOTrainer(model=policy, reward_funcs=[lambda completions, **_: [0.0] * len(completions)],
+                                  args=config, train_dataset=datasets.Dataset.from_list([{"prompt": "a"}] * 4),
+                                  processing_class=tokenizer)  # fmt: skip
+    ids, attention = batch["input_ids"].flatten(0, 1), batch["attention_mask"].flatten(0, 1).long()
+    completions = batch["loss_mask"].flatten(0, 1)[:, prompt_length:].long()
+    with torch.no_grad():
+        ref_logprobs = next_token_logprobs(reference, ids)[0]
+    start = prompt_length - 1  # the first completion token's prediction
+    inputs = {"prompt_ids": ids[:, :prompt_length], "prompt_mask": attention[:, :prompt_length],
+              "completion_ids": ids[:, prompt_length:], "completion_mask": completions,
+              "advantages": grpo_advantages(batch["rewards"], kind).flatten(),
+              "old_per_token_logps": batch["old_logprobs"].flatten(0, 1)[:, start:],
+              "ref_per_token_logps": ref_logprobs[:, start:]}  # fmt: skip
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by its training loop; ours divides by grad_accum_steps
+    theirs = trainer._compute_loss(trainer.model, inputs)
+    print(f"grpo {kind}: ours {loss.item():.6f}, TRL {theirs.item():.6f}", file=sys.stderr)
+    assert loss.item() == pytest.approx(theirs.item(), abs=1e-5)
+    theirs.backward()
+    their_grad = policy.model.layers[0].mlp.down_proj.weight.grad
+    torch.testing.assert_close(ours.layers[0].mlp.down.weight.grad, their_grad, atol=1e-6, rtol=1e-5)
+
+
+def test_grpo_advantages_are_trls_and_astrais():
+    """TRL's (``_generate_and_score_completions``, ``scale_rewards``): ``r - mean_G r``, divided by its ``nanstd``
+    (Bessel-corrected) + 1e-4 for group, not for none; AstrAI's: population std + 1e-8."""
+    from trl.trainer.utils import nanstd
+
+    rewards = torch.tensor([[1.0, 0.0, 0.5, 0.25], [2.0, 2.0, 2.0, 2.0]])
+    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    expected = torch.nan_to_num(centred / (nanstd(rewards, dim=1, keepdim=True) + 1e-4), nan=0.0)
+    torch.testing.assert_close(grpo_advantages(rewards, "grpo", "group"), expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(grpo_advantages(rewards, "bnpo", "none"), centred, atol=0, rtol=0)
+    astrai = centred / (rewards.std(dim=1, unbiased=False, keepdim=True) + 1e-8)
+    torch.testing.assert_close(grpo_advantages(rewards, "astrai"), astrai, atol=0, rtol=0)
+    assert torch.equal(grpo_advantages(rewards[:, :1], "grpo"), torch.zeros(2, 1))  # one response: no std, no signal
+
+
+def test_grpo_recipe_with_a_trl_loss_runs(tmp_path):
+    argv = ["grpo", "--config", str(ROOT / "recipes" / "tiny-grpo.yaml"), "--ckpt_dir", str(tmp_path / "run"),
+            "--max_steps", "2", "--batch_per_device", "2", "--grad_accum_steps", "1", "--grpo_loss", "dr_grpo",
+            "--grpo_clip_eps_high", "0.28", "--grpo_scale_rewards", "none"]  # fmt: skip
+    assert main(argv) == 0
+    (checkpoint,) = (tmp_path / "run").glob("epoch_*_step_2")
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    assert (meta["grpo_loss"], meta["grpo_clip_eps_high"], meta["grpo_scale_rewards"]) == ("dr_grpo", 0.28, "none")
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
@@ -276,6 +371,8 @@ def test_bad_kto_records_are_one_line_naming_the_line(tmp_path, capsys, record, 
         (["--dpo_beta", "0"], "dpo_beta must be > 0, got 0.0"),
         (["--dpo_loss", "kto"], "dpo_loss"),
         (["--kto_desirable_weight", "0"], "kto_desirable_weight must be > 0, got 0.0"),
+        (["--grpo_clip_eps_high", "0"], "grpo_clip_eps_high must be > 0"),
+        (["--grpo_scale_rewards", "none"], "grpo_scale_rewards none applies to --grpo_loss grpo, bnpo and dr_grpo"),
     ],
 )
 def test_bad_preference_flags_are_one_line_exit_2(tmp_path, capsys, flags, message):

@@ -209,6 +209,18 @@ class TrainArgs:
     """GRPO PPO clip range."""
     grpo_kl_coef: float = 0.01
     """GRPO weight of the KL penalty to the reference model."""
+    grpo_loss: Literal["astrai", "grpo", "bnpo", "dr_grpo"] = "astrai"
+    """How GRPO averages its per-token loss, and which advantages and KL estimate it uses: ``astrai`` (AstrAI's,
+    the default: a token mean over the micro-batch, population std + 1e-8, ``r - log(r + 1e-8) - 1``), or TRL 1.16's
+    ``grpo`` (per-response token means, then their mean), ``bnpo`` (a token mean over the micro-batch) and
+    ``dr_grpo`` (the token sum over responses x ``rollout_max_tokens``), each with TRL's advantages (Bessel std +
+    1e-4, or none: ``grpo_scale_rewards``) and KL ``r - log r - 1``."""
+    grpo_clip_eps_high: float | None = None
+    """GRPO's upper clip bound ``1 + grpo_clip_eps_high`` on the ratio (DAPO's "clip higher", e.g. 0.28); None:
+    ``grpo_clip_eps``, symmetric."""
+    grpo_scale_rewards: Literal["group", "none"] = "group"
+    """The TRL losses' advantages: divided by the group's reward std (``group``), or only centred (``none``, as Dr.
+    GRPO has it). ``astrai`` keeps AstrAI's."""
     reward: str | dict | None = None
     """Online GRPO: the reward function, an import path or ``{class_path, init_args}`` (e.g.
     ``astrai_fabric.rewards.LengthReward``); required when the grpo data holds prompts without responses. Only the
@@ -514,6 +526,13 @@ class TrainArgs:
             problems.append(f"cpo_alpha must be >= 0, got {self.cpo_alpha}")
         if not self.orpo_beta > 0:
             problems.append(f"orpo_beta must be > 0, got {self.orpo_beta}")
+        if self.grpo_clip_eps_high is not None and not self.grpo_clip_eps_high > 0:
+            problems.append(f"grpo_clip_eps_high must be > 0 (or unset: grpo_clip_eps), got {self.grpo_clip_eps_high}")
+        if self.grpo_scale_rewards != "group" and self.grpo_loss == "astrai":
+            problems.append(
+                f"grpo_scale_rewards {self.grpo_scale_rewards} applies to --grpo_loss grpo, bnpo and dr_grpo (TRL's "
+                "advantages); astrai keeps AstrAI's group normalisation"
+            )
         for name in ("kto_desirable_weight", "kto_undesirable_weight"):
             if not getattr(self, name) > 0:
                 problems.append(f"{name} must be > 0, got {getattr(self, name)}")

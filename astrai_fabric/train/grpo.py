@@ -12,6 +12,7 @@ recorded at rollout, online. AstrAI keeps a frozen copy of the *initial* policy 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 from itertools import islice
 from pathlib import Path
@@ -32,7 +33,7 @@ from astrai_fabric.errors import ConfigError, UserError
 from astrai_fabric.generate import generate
 from astrai_fabric.loop.state import TrainState
 from astrai_fabric.lora import reference_context
-from astrai_fabric.losses import group_advantages, grpo_loss, with_moe_aux_loss
+from astrai_fabric.losses import grpo_advantages, grpo_loss, with_moe_aux_loss
 from astrai_fabric.model import next_token_logprobs
 from astrai_fabric.randomness import seeded_generator
 from astrai_fabric.rewards import Reward, load_reward, score
@@ -40,6 +41,23 @@ from astrai_fabric.strategy import data_parallel
 from astrai_fabric.tokenizer import Tokenizer
 from astrai_fabric.train.common import train_on
 from astrai_fabric.train.start import Start, raise_together, reference_model, require_records, resolve_start
+
+
+@dataclass(frozen=True)
+class GRPOLossArgs:
+    """The slice of the flags GRPO's loss reads (``losses.grpo_loss``, ``losses.grpo_advantages``)."""
+
+    kind: str = "astrai"
+    clip_eps: float = 0.2
+    clip_eps_high: float | None = None
+    kl_coef: float = 0.01
+    scale_rewards: str = "group"
+    max_response_tokens: int = 1024
+
+    @classmethod
+    def from_args(cls, args: TrainArgs) -> GRPOLossArgs:
+        return cls(args.grpo_loss, args.grpo_clip_eps, args.grpo_clip_eps_high, args.grpo_kl_coef,
+                   args.grpo_scale_rewards, args.rollout_max_tokens)  # fmt: skip
 
 
 def grpo_batch_loss(
@@ -50,18 +68,22 @@ def grpo_batch_loss(
     kl_coef: float,
     moe_aux_loss_coef: float,
     loss_chunk_size: int = 0,
+    loss: GRPOLossArgs | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
+    """``loss`` None: AstrAI's loss at ``clip_eps`` and ``kl_coef``."""
+    loss = loss or GRPOLossArgs(clip_eps=clip_eps, kl_coef=kl_coef)
     ids = batch["input_ids"].flatten(0, 1)  # [B * G, L]: prompt then one response, right-padded
     mask = batch["loss_mask"].flatten(0, 1)[:, 1:]  # predicted tokens that belong to the response
     with torch.no_grad(), reference_context(model, reference):  # None: the policy with its LoRA adapters off
         ref_logprobs, _ = next_token_logprobs(reference if reference is not None else model, ids, loss_chunk_size)
     logprobs, out = next_token_logprobs(model, ids, loss_chunk_size)
     old = batch["old_logprobs"].flatten(0, 1) if "old_logprobs" in batch else logprobs.detach()
-    advantages = group_advantages(batch["rewards"]).flatten()
-    loss, metrics = grpo_loss(logprobs, old, ref_logprobs, mask, advantages, clip_eps, kl_coef)
+    advantages = grpo_advantages(batch["rewards"], loss.kind, loss.scale_rewards).flatten()
+    value, metrics = grpo_loss(logprobs, old, ref_logprobs, mask, advantages, loss.clip_eps, loss.kl_coef,
+                               loss.kind, loss.clip_eps_high, loss.max_response_tokens)  # fmt: skip
     metrics["reward"] = batch["rewards"].mean()
-    loss, moe_metrics = with_moe_aux_loss(loss, out, moe_aux_loss_coef)
-    return loss, {**metrics, **moe_metrics}
+    value, moe_metrics = with_moe_aux_loss(value, out, moe_aux_loss_coef)
+    return value, {**metrics, **moe_metrics}
 
 
 class Rollouts:
@@ -168,6 +190,7 @@ def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
     reference, reference_meta = reference_model(fabric, start, args)
     compute_loss = partial(grpo_batch_loss, reference=reference, clip_eps=args.grpo_clip_eps,
                            kl_coef=args.grpo_kl_coef, moe_aux_loss_coef=args.moe_aux_loss_coef,
+                           loss=GRPOLossArgs.from_args(args),
                            loss_chunk_size=start.loss_chunk_size(args))  # fmt: skip
     meta = {"reference": reference_meta}
     if isinstance(dataset, GroupDataset):
