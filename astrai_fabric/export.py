@@ -259,7 +259,7 @@ def export_hf(source: Path, target: Path, dtype: str | None = None, max_shard_by
         GENERATION_CONFIG_FILE: json.dumps(hf.generation_config(token_ids), indent=2),
         **tokenizer_files,
     }
-    tensors = hf.state_dict_to_hf(state, config)
+    tensors = hf.state_dict_to_hf(state, config, hf_config["model_type"])
     return save_model_directory(target, tensors, files, max_shard_bytes=max_shard_bytes, metadata={"format": "pt"})
 
 
@@ -281,19 +281,24 @@ def export_peft(source: Path, target: Path, dtype: str | None = None) -> Path:
             "'lora_base'); --format peft writes an adapter, --format hf a model"
         )
     base = ckpt.lora.base.resolve()
-    if load_checkpoint(base, load_extra=False).source is None:
+    base_source = load_checkpoint(base, load_extra=False).source
+    if base_source is None:
         raise ConfigError(f"{source}: its LoRA base {base} is not a Hugging Face directory, so PEFT has no base "
                           "model to apply the adapter to; export the merged model with --format hf")  # fmt: skip
     config, spec = ckpt.model_config(), ckpt.lora.spec
     tensors, modules = {}, set()
     for key, tensor in sorted(_caster(dtype)(ckpt.lora.state_dict).items()):
         layer, _, part = key.rpartition(".")
-        name = hf.our_key_to_hf(f"{layer}.weight")
-        if name is None or ".experts." in name:  # PEFT's LoRA on transformers' MoE experts is not a Linear's
+        name = hf.our_key_to_hf(f"{layer}.weight", config)  # the family's names: DeepSeek's q_proj is q_b_proj
+        # an MoE layer's experts: the routed ones are no nn.Linear in transformers; the shared ones are not mapped
+        if name is None or ".experts." in name or ".shared_expert" in name:
             raise ConfigError(f"{source}: adapter on {layer} has no PEFT equivalent (only dense layers are mapped)")
+        if fused := hf.fused_into(f"{layer}.weight", base_source.model_type):
+            raise ConfigError(f"{source}: adapter on {layer} has no PEFT equivalent: its base's files fuse that layer "
+                              f"with others ({fused}); export the merged model with --format hf")  # fmt: skip
         module = name.removesuffix(".weight")
-        if part == "lora_B" and hf.is_rotated(f"{layer}.weight"):
-            tensor = hf.interleaved_to_rotate_half(tensor, config.attention_head_dim)
+        if part == "lora_B" and hf.is_rotated(f"{layer}.weight", config):
+            tensor = hf.interleaved_to_rotate_half(tensor, config.attention_head_dim, config.rope_dim)
         tensors[f"{PEFT_PREFIX}{module}.{part}.weight"] = tensor.contiguous()
         modules.add(module.rpartition(".")[2])
     peft_config = {

@@ -6,7 +6,8 @@ data-parallel size D, the model gets a mesh of three instead, ``replicate`` (D/S
 ``fully_shard`` on a 2-D mesh). On the tensor axis (``--tp_size``) each decoder block's attention splits its heads
 (q/k/v, the gate, MLA's ``kv_b_proj`` column-wise; ``o_proj`` row-wise) and the dense MLP splits its width
 (``up``/``gate`` column-wise, ``down`` row-wise); embeddings, norms, the head and MoE experts stay whole (the
-per-head q/k norms too, their gradients summed over the ranks' heads). On the data axis every decoder block is an
+per-head q/k norms too, their gradients summed over the ranks' heads, and MLA's shared RoPE key head, each rank
+taking its heads' share and the backward pass summing all of theirs). On the data axis every decoder block is an
 FSDP unit, and so is the root: it holds the embedding, final norm and ``lm_head``, so a tied embedding stays one
 parameter (AstrAI shards ``embed_tokens`` and ``lm_head`` apart and unties them, B4), and every parameter is a
 DTensor: torch's gradient clipping refuses plain tensors and DTensors mixed.
@@ -23,7 +24,14 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from astrai_fabric.errors import ConfigError
 from astrai_fabric.model.attention import MLA
@@ -97,12 +105,22 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     uneven = [f"{name} ({value})" for name, value in widths.items() if value % size]
     if uneven:
         raise ConfigError(f"tp_size {size} must divide {', '.join(uneven)}")
+    if config.qk_norm_over_projection:
+        raise ConfigError(f"tp_size {size} cannot split qk_norm_over_projection: its RMS spans every head of a "
+                          "token (OLMo 2), and tensor parallelism gives each rank some heads only")  # fmt: skip
     for block in model.decoder_blocks:
         attention = block.attention
         names = ["q_proj", "kv_b_proj"] if isinstance(attention, MLA) else ["q_proj", "k_proj", "v_proj"]
         plan = {name: ColwiseParallel() for name in names} | {"o_proj": RowwiseParallel()}
         if attention.gate is not None:  # multiplies the attention output column for column: split it the same way
             plan["gate"] = ColwiseParallel()
+        if getattr(attention, "rope_key_heads", None) is not None:
+            # MLA's one shared RoPE key head, broadcast to every head: each rank keeps its heads' share, and the
+            # backward pass gathers every head's gradient so the one head (and kv_a_proj) sums them all.
+            plan["rope_key_heads"] = PrepareModuleInputOutput(
+                input_layouts=Replicate(), desired_input_layouts=Replicate(), output_layouts=Replicate(),
+                desired_output_layouts=Shard(2),
+            )  # fmt: skip
         if attention.q_norm is not None:
             # One weight for every head, each rank normalising its own heads ([B, S, heads, D], split on dim 2):
             # replicated, its gradient summed over the ranks' heads (left alone, each rank's copy would learn from

@@ -60,7 +60,8 @@ FROM_HF = {
     "qwen2": ("Qwen2Config", {}),
     "qwen3_tied": ("Qwen3Config", {"head_dim": 16, "tie_word_embeddings": True}),
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
-    **{case: CASES[case][:2] for case in ("qwen2_moe", "qwen3_moe")},
+    **{case: CASES[case][:2] for case in ("qwen2_moe", "qwen3_moe", "olmo2", "phi3", "gemma2", "gemma3_text",
+                                          "deepseek_v3")},
 }  # fmt: skip
 
 
@@ -113,9 +114,26 @@ def native(directory: Path, pair_equal_norms: bool = False, **fields) -> Path:
                     param[1::2] = param[0::2]
             else:
                 param.normal_(0.0, 0.15)
+        for name, buffer in model.named_buffers():
+            if name.endswith("score_correction_bias"):  # zero at initialisation
+                buffer.normal_(0.0, 0.1)
     return save_checkpoint(directory, model.state_dict(), config.to_dict(), meta={"train_type": "seq"})
 
 
+GEMMA = dict(norm_placement="sandwich", norm_unit_offset=True, scale_embeddings=True, query_pre_attn_scalar=10,
+             mlp_activation="gelu_pytorch_tanh", sliding_window=6,
+             layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+DEEPSEEK_V3_LAYOUT = dict(
+    attn_type="mla", kv_lora_rank=12, q_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+    mla_shared_rope_key=True, yarn_softmax_scale=True, num_key_value_heads=4, num_hidden_layers=3, ffn_type="moe",
+    n_routed_experts=8, n_activated_experts=2, n_shared_experts=1, moe_intermediate_size=12,
+    shared_expert_intermediate_size=24, mlp_only_layers=[0], scoring_func="sigmoid", score_correction_bias=True,
+    n_group=4, topk_group=2, routed_scaling_factor=2.5,
+    rope_frequency_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.5},
+)  # fmt: skip
+"""DeepSeek-V3's layout, written natively (no Hugging Face source to copy the config from)."""
+OLMO2 = dict(norm_placement="post", use_qk_norm=True, qk_norm_over_projection=True, qk_norm_before_rope=True)
 MOE = dict(ffn_type="moe", n_routed_experts=4, n_activated_experts=2, n_shared_experts=0, moe_intermediate_size=24,
            norm_topk_prob=False, num_hidden_layers=3)  # fmt: skip
 """Three layers and an unnormalised top-k (each case adds its dense layers): what only the Qwen MoE classes
@@ -137,6 +155,13 @@ NATIVE = {
                                 "shared_expert_intermediate_size": 20, "mlp_only_layers": [0]}, False),
     "moe_qk_norm_before_rope": ("Qwen3MoeForCausalLM", {**MOE, "use_qk_norm": True, "qk_norm_before_rope": True,
                                 "decoder_sparse_step": 2}, False),
+    "output_norms_qk_norm_over_projection": ("Olmo2ForCausalLM", OLMO2, False),
+    "latent_attention_shared_rope_key": ("DeepseekV3ForCausalLM", DEEPSEEK_V3_LAYOUT, False),
+    "partial_rotary": ("Phi3ForCausalLM", {"rotary_dim": 6}, False),
+    "sandwich_norms_windows_softcaps": ("Gemma2ForCausalLM", {**GEMMA, "attn_logit_softcapping": 2.0,
+                                       "final_logit_softcapping": 3.0}, False),
+    "sandwich_norms_qk_norm_local_rope": ("Gemma3ForCausalLM", {**GEMMA, "use_qk_norm": True,
+                                         "qk_norm_before_rope": True, "rope_local_theta": 1e3}, False),
 }  # fmt: skip
 
 
@@ -158,6 +183,10 @@ REFUSED = [
     ("mla", dict(attn_type="mla", kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4), False,
      "attn_type 'mla' cannot be exported to Hugging Face"),
     ("gated", dict(use_gated_attention=True), False, "use_gated_attention True cannot be exported"),
+    ("deepseek_v3_grouped_kv", dict(DEEPSEEK_V3_LAYOUT, num_key_value_heads=2), False,
+     "num_key_value_heads 2 cannot be exported to Hugging Face: DeepSeek-V3 has a key and value per head"),
+    ("deepseek_v3_softmax", dict(DEEPSEEK_V3_LAYOUT, scoring_func="softmax"), False,
+     "scoring_func 'softmax' cannot be exported to Hugging Face: DeepseekV3ForCausalLM"),
     ("shared_experts", dict(ffn_type="moe", n_routed_experts=4, n_activated_experts=2, n_shared_experts=1), False,
      "n_shared_experts 1 cannot be exported to Hugging Face: shared experts added ungated (AstrAI's) have no"),
     ("two_gated_shared_experts", dict(MOE, n_shared_experts=2, shared_expert_gate=True), False,
@@ -168,6 +197,14 @@ REFUSED = [
                                  mlp_only_layers=[0]), False, "mlp_only_layers/decoder_sparse_step [0] cannot be"),
     ("astrai_qk_norm_order", dict(use_qk_norm=True), False,
      "use_qk_norm True cannot be exported to Hugging Face: AstrAI normalises q/k after RoPE"),
+    ("output_norms_without_a_qk_norm", dict(norm_placement="post"), False,
+     "use_qk_norm None cannot be exported to Hugging Face: Olmo2ForCausalLM, the class with output norms only or"),
+    ("qk_norm_over_projection_with_input_norms", dict(OLMO2, norm_placement="pre"), False,
+     "norm_placement 'pre' cannot be exported to Hugging Face: Olmo2ForCausalLM"),
+    ("softcap_without_gemma_norms", dict(final_logit_softcapping=3.0), False,
+     "norm_placement 'pre' cannot be exported to Hugging Face: Gemma2ForCausalLM, the class with norms around"),
+    ("partial_rotary_with_qk_norm", dict(rotary_dim=4, use_qk_norm=True, qk_norm_before_rope=True), False,
+     "use_qk_norm True cannot be exported to Hugging Face: Phi3ForCausalLM, the class with RoPE on part of each head"),
 ]  # fmt: skip
 
 
@@ -478,3 +515,9 @@ def test_peft_export_is_refused_without_a_huggingface_base(trained, tmp_path, ca
     line = run_refused([tmp_path / "moe" / "epoch_0_step_1", "--format", "peft", "--out", tmp_path / "c"], tmp_path,
                        capsys)  # fmt: skip
     assert "has no PEFT equivalent (only dense layers are mapped)" in line
+    phi3 = save_hf(build_hf("Phi3Config", **CASES["phi3"][1], vocab_size=VOCAB, max_position_embeddings=256),
+                   tmp_path / "phi3_hf")  # fmt: skip
+    assert main(sft(phi3, tmp_path / "phi3", "--lora_r", "4", "--max_steps", "1", "--ckpt_interval", "1")) == 0
+    line = run_refused([tmp_path / "phi3" / "epoch_0_step_1", "--format", "peft", "--out", tmp_path / "d"], tmp_path,
+                       capsys)  # fmt: skip
+    assert "adapter on layers.0.attention.k_proj has no PEFT equivalent: its base's files fuse that layer" in line

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import re
 import sys
+import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -31,9 +35,13 @@ from astrai_fabric.checkpoint import (  # noqa: E402
 from astrai_fabric.cli import main  # noqa: E402
 from astrai_fabric.config import ModelConfig  # noqa: E402
 from astrai_fabric.config.model import EXTENSION_FIELDS  # noqa: E402
+from astrai_fabric.errors import ConfigError  # noqa: E402
 from astrai_fabric.generate import generate  # noqa: E402
 from astrai_fabric.losses import with_moe_aux_loss  # noqa: E402
-from astrai_fabric.model import AutoRegressiveLM, make_doc_boundary_mask  # noqa: E402
+from astrai_fabric.model import AutoRegressiveLM, count_parameters, make_doc_boundary_mask  # noqa: E402
+from astrai_fabric.model.ffn import describe_routing  # noqa: E402
+from astrai_fabric.model.layers import rope_attention_factor, yarn_frequencies  # noqa: E402
+from astrai_fabric.parallelize import apply_tensor_parallel  # noqa: E402
 
 TOLERANCE = 1e-5
 """Max abs logit difference allowed in float32 (the issue's bar); observed differences are ~1e-6."""
@@ -49,6 +57,22 @@ QWEN_MOE = dict(num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_i
 """Three layers: Qwen2-MoE's case has a dense layer between MoE layers (``mlp_only_layers``), Qwen3-MoE's an MoE
 layer between dense ones (``decoder_sparse_step``); Qwen2-MoE's top-k stays unnormalised (its default), Qwen3-MoE's
 is renormalised."""
+DEEPSEEK_V3 = dict(
+    num_hidden_layers=3, num_key_value_heads=4, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=12,
+    qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+    topk_group=2, moe_intermediate_size=12, n_shared_experts=2, routed_scaling_factor=2.5,
+    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+                     "beta_fast": 32, "beta_slow": 0.01, "mscale": 1.0, "mscale_all_dim": 0.5},
+)  # fmt: skip
+"""A dense layer then two MoE layers of 8 experts in 4 groups (a token's 2 experts come from its best 2 groups), a
+compressed query, values narrower than queries (heads x (8 + 8) != hidden), two shared experts' width in one MLP;
+YaRN over 4 rotated pairs with beta_slow 0.01 so that two of them blend (pairs 0 and 3 are kept and interpolated),
+mscale != mscale_all_dim so that both the cos/sin factor and the softmax scale differ from 1."""
+
+GEMMA = dict(head_dim=12, query_pre_attn_scalar=10, sliding_window=6, num_hidden_layers=4)
+"""A window shorter than every test document, a head width of its own and a softmax scale that is not
+``head_dim ** -0.5``; Gemma 2 alternates sliding and full layers, Gemma 3 is given ``layer_types`` and a RoPE of
+their own to its sliding layers (the full ones' scaled, as Gemma 3 4B's)."""
 
 CASES = {
     # id: (config class, extra config fields, save_pretrained options, dtype on disk)
@@ -68,10 +92,25 @@ CASES = {
                   torch.float32),
     "qwen3_moe": ("Qwen3MoeConfig", {**QWEN_MOE, "head_dim": 16, "norm_topk_prob": True, "decoder_sparse_step": 2},
                   {}, torch.float32),
+    "olmo2": ("Olmo2Config", {"eos_token_id": 2}, {}, torch.float32),  # its default eos id is past this vocabulary
+    "deepseek_v3": ("DeepseekV3Config", DEEPSEEK_V3, {}, torch.float32),
+    "phi3": ("Phi3Config", {"partial_rotary_factor": 0.75, "pad_token_id": 0, "eos_token_id": 2}, {}, torch.float32),
+    "gemma2": ("Gemma2Config", {**GEMMA, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0}, {},
+               torch.float32),
+    "gemma3_text": ("Gemma3TextConfig", {**GEMMA, "layer_types": ["sliding_attention", "full_attention"] * 2,
+                    "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e4},
+                                        "sliding_attention": {"rope_type": "default", "rope_theta": 1e3}}},
+                    {}, torch.float32),
 }  # fmt: skip
 ROUTER_GAP = 1e-4
 """Least gap between the k-th and (k+1)-th router logit on the test inputs, so that float32 differences (~1e-7)
 cannot send a token to another expert on one side only."""
+
+
+UNIT_OFFSET_NORMS = ("gemma2", "gemma3_text")
+"""Families whose norms scale by ``1 + weight``: their weights are drawn around 0, so each norm scales by about 1
+(not 2, which over a Gemma block's six norms grows the residual stream, and float32's rounding with it) and a
+missing ``1 +`` still shows."""
 
 
 def build_hf(config_class: str, **fields) -> torch.nn.Module:
@@ -81,12 +120,16 @@ def build_hf(config_class: str, **fields) -> torch.nn.Module:
     torch.manual_seed(0)
     config = getattr(transformers, config_class)(**{**SIZES, **fields})
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    norm_mean = 0.0 if config.model_type in UNIT_OFFSET_NORMS else 1.0
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
-                param.normal_(1.0, 0.3)
+                param.normal_(norm_mean, 0.3)
             else:
                 param.normal_(0.0, 0.15)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's, zero by default
+                buffer.normal_(0.0, 0.1)
     if config.tie_word_embeddings:
         model.tie_weights()
     return model
@@ -117,12 +160,20 @@ def pair(request, tmp_path_factory):
 
 @torch.no_grad()
 def min_router_gap(model: torch.nn.Module, *batches: torch.Tensor) -> float:
-    """The least gap between the k-th and (k+1)-th largest router logit of any token of ``batches``, any layer."""
+    """The least gap between the k-th and (k+1)-th largest score a router chooses by (``DeepSeekMoE.route``) of any
+    token of ``batches``, any layer; with expert groups, also between the ``topk_group``-th and the next group's
+    score (the sum of its two best bias-corrected scores, DeepSeek-V3's)."""
     gaps = []
 
     def record(moe, logits):
-        top = logits.float().topk(moe.top_k + 1, dim=-1).values
+        scores, choice = moe.route(logits, logits.dtype)
+        top = choice.float().topk(moe.top_k + 1, dim=-1).values
         gaps.append((top[:, -2] - top[:, -1]).min().item())
+        if moe.n_group > 1:
+            corrected = scores + (0 if moe.score_correction_bias is None else moe.score_correction_bias)
+            groups = corrected.unflatten(-1, (moe.n_group, -1)).topk(2, dim=-1).values.sum(dim=-1)
+            top = groups.topk(moe.topk_group + 1, dim=-1).values
+            gaps.append((top[:, -2] - top[:, -1]).min().item())
 
     hooks = [layer.mlp.router.register_forward_hook(lambda _, __, out, moe=layer.mlp: record(moe, out))
              for layer in model.layers if hasattr(layer.mlp, "router")]  # fmt: skip
@@ -185,7 +236,7 @@ def test_the_mapping_inverts_exactly(pair):
     ckpt = load_checkpoint(directory, load_extra=False)
     model = load_model(directory)
     on_disk = {k: v for file in sorted(directory.glob("*.safetensors")) for k, v in load_file(file).items()}
-    back = hf.state_dict_to_hf(model.state_dict(), model.config)
+    back = hf.state_dict_to_hf(model.state_dict(), model.config, ckpt.source.model_type)
     assert model.config.tied == theirs.config.tie_word_embeddings
     assert (model.lm_head.weight is model.embed_tokens.weight) == model.config.tied  # one matrix, trained as one
     assert back.keys() == on_disk.keys()
@@ -233,6 +284,163 @@ def test_qwen_moe_routers_train_with_the_aux_loss_and_lora_leaves_them_alone(cas
     assert not [name for name in everything if name.endswith(("router", "shared_expert_gate"))]
 
 
+DENSE = {
+    # id: (the extension fields its config needs, what tensor parallelism says: None when it splits the heads)
+    "olmo2": (["qk_norm_before_rope", "norm_placement", "qk_norm_over_projection"],
+              "tp_size 2 cannot split qk_norm_over_projection: its RMS spans every head of a token (OLMo 2)"),
+    "phi3": (["rotary_dim"], None),
+    "gemma2": (["head_dim", "norm_placement", "norm_unit_offset", "scale_embeddings", "mlp_activation",
+                "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "sliding_window",
+                "layer_types"], None),
+    "gemma3_text": (["head_dim", "qk_norm_before_rope", "rope_frequency_scaling", "norm_placement", "norm_unit_offset",
+                     "scale_embeddings", "mlp_activation", "query_pre_attn_scalar", "sliding_window", "layer_types",
+                     "rope_local_theta"], None),
+}  # fmt: skip
+"""The dense families whose block or attention AstrAI's schema lacks."""
+
+
+@pytest.mark.parametrize("case", list(DENSE))
+def test_dense_families_are_ours_lora_adapts_their_projections_and_tp_splits_or_refuses(case):
+    """Written as ``astrai_fabric_lm`` (AstrAI would misread the file), LoRA's default targets are the attention
+    projections, the fused loss head gives the token losses of the logits (Gemma 2's capped ones too), and tensor
+    parallelism either splits the heads or refuses in one line before touching a layer."""
+    config_class, fields, _, _ = CASES[case]
+    config = hf.model_config_from_hf(getattr(transformers, config_class)(**{**SIZES, **fields}).to_dict())
+    extensions, tp_refusal = DENSE[case]
+    assert config.to_dict()["model_type"] == "astrai_fabric_lm" and config.extensions == extensions
+    torch.manual_seed(0)
+    model = AutoRegressiveLM(config)
+    ids = tokens(2, 12)
+    with torch.no_grad():
+        fused = model(ids, nll_targets=ids.roll(-1, 1), nll_chunk_size=5, label_smoothing=0.1)["token_nll"]
+        logits = model(ids)["logits"].float()
+    unfused = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.roll(-1, 1).flatten(), reduction="none",
+                                                label_smoothing=0.1)  # fmt: skip
+    torch.testing.assert_close(fused, unfused.view_as(fused), atol=1e-5, rtol=0)
+    adapted = lora.inject(model, lora.LoRASpec(r=2), seed=0)
+    assert sorted({name.rpartition(".")[2] for name in adapted}) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    if tp_refusal is not None:
+        with pytest.raises(ConfigError, match=re.escape(tp_refusal)):
+            apply_tensor_parallel(AutoRegressiveLM(config), SimpleNamespace(size=lambda: 2))
+
+
+def test_deepseek_v3_is_ours_its_sigmoid_router_trains_and_lora_names_its_targets():
+    """Written as ``astrai_fabric_lm`` (AstrAI's schema lacks every DeepSeek option). In training each MoE layer gives
+    the aux loss over its sigmoid scores normalised per token and the routing diagnostics, its router a gradient,
+    and its score-correction bias none (a buffer, set by DeepSeek's balancing rule and never by gradients). MLA has
+    no k_proj/v_proj: LoRA's default targets are refused in one line naming the layers it has; named, they adapt
+    the query's up-projection and o_proj, and no target reaches a router. Tensor parallelism refuses head counts
+    it cannot split in one line."""
+    config = hf.model_config_from_hf(transformers.DeepseekV3Config(**{**SIZES, **DEEPSEEK_V3}).to_dict())
+    assert config.to_dict()["model_type"] == "astrai_fabric_lm"  # AstrAI refuses it rather than misread it
+    assert config.extensions == ["rope_frequency_scaling", "q_lora_rank", "v_head_dim", "mla_shared_rope_key",
+                                 "yarn_softmax_scale", "scoring_func", "score_correction_bias", "n_group",
+                                 "topk_group", "routed_scaling_factor"]  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoRegressiveLM(config).train()
+    out = model(tokens(2, 8))
+    assert len(out["router_stats"]) == config.num_moe_layers == 2
+    assert all(torch.allclose(stats["probs"].sum(dim=-1), torch.ones(16)) for stats in out["router_stats"])
+    loss, metrics = with_moe_aux_loss(out["logits"].float().mean(), out, coef=0.01)
+    assert 0 < metrics["moe_aux_loss"] < math.inf
+    assert {"router_entropy", "dead_expert_fraction", "load_imbalance_mean", "load_imbalance_max"} <= set(metrics)
+    loss.backward()
+    moes = [layer.mlp for layer in model.layers if hasattr(layer.mlp, "router")]
+    assert all(moe.router.weight.grad.abs().sum() > 0 for moe in moes)
+    assert all(isinstance(moe.score_correction_bias, torch.Tensor) for moe in moes)
+    assert not [name for name, _ in model.named_parameters() if "score_correction_bias" in name]
+    absent = "lora_targets ['k_proj', 'v_proj']: this model has no such linear layer (it has ['down', 'gate', 'o_proj'"
+    with pytest.raises(ConfigError, match=re.escape(absent)):
+        lora.inject(AutoRegressiveLM(config), lora.LoRASpec(r=2), seed=0)
+    adapted = lora.inject(AutoRegressiveLM(config), lora.LoRASpec(r=2, targets=("q_proj", "o_proj")), seed=0)
+    assert len(adapted) == 2 * config.num_hidden_layers
+    present = tuple(target for target in lora.TARGETS if target not in ("k_proj", "v_proj"))
+    assert not [name for name in lora.inject(AutoRegressiveLM(config), lora.LoRASpec(r=2, targets=present), seed=0)
+                if name.endswith("router")]  # fmt: skip
+    unbuildable = [(dict(n_group=3), "n_group (3) must divide n_routed_experts (8)"),
+                   (dict(n_group=8, topk_group=1), "n_group (8) leaves fewer than 2 experts per group"),
+                   (dict(topk_group=1, n_activated_experts=3), "n_activated_experts (3) exceeds the experts"),
+                   (dict(ffn_type="mlp"), "'score_correction_bias' applies to ffn_type moe only")]  # fmt: skip
+    for changes, problem in unbuildable:
+        with pytest.raises(ConfigError, match=re.escape(problem)):
+            dataclasses.replace(config, **changes).check_buildable()
+    three_heads = dataclasses.replace(config, num_attention_heads=3, num_key_value_heads=3)
+    with pytest.raises(ConfigError, match=re.escape("tp_size 2 must divide num_attention_heads (3)")):
+        apply_tensor_parallel(AutoRegressiveLM(three_heads), SimpleNamespace(size=lambda: 2))
+
+
+def test_deepseek_v3_multi_token_prediction_layers_are_skipped_with_one_warning(tmp_path):
+    """A checkpoint's layers past num_hidden_layers (DeepSeek-V3's MTP modules) are left out, with one warning;
+    the logits are transformers'."""
+    theirs = build_hf("DeepseekV3Config", **DEEPSEEK_V3)
+    directory = save_hf(theirs, tmp_path / "m")
+    tensors = load_file(directory / "model.safetensors")
+    last = DEEPSEEK_V3["num_hidden_layers"]
+    mtp = {key.replace(f"layers.{last - 1}.", f"layers.{last}."): value.clone() for key, value in tensors.items()
+           if key.startswith(f"model.layers.{last - 1}.")}  # fmt: skip
+    mtp |= {f"model.layers.{last}.{name}.weight": torch.ones(2) for name in ("enorm", "hnorm", "eh_proj")}
+    save_file({**tensors, **mtp}, directory / "model.safetensors", metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match=re.escape(f"skipping layers [{last}], deepseek_v3's multi-token-prediction")):
+        ours = load_model(directory).float().eval()
+    ids = tokens(1, SEQ_LEN)
+    with torch.no_grad():
+        assert max_diff(ours(ids)["logits"], theirs(ids).logits) <= TOLERANCE
+
+
+DEEPSEEK_V3_HUB_CONFIG = {
+    # deepseek-ai/DeepSeek-V3's config.json (its FP8 quantization_config left out), keys its own code reads included
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "auto_map": {"AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}, "aux_loss_alpha": 0.001,
+    "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3, "hidden_act": "silu",
+    "hidden_size": 7168, "initializer_range": 0.02, "intermediate_size": 18432, "kv_lora_rank": 512,
+    "max_position_embeddings": 163840, "model_type": "deepseek_v3", "moe_intermediate_size": 2048, "moe_layer_freq": 1,
+    "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128,
+    "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1,
+    "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True,
+    "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
+    "transformers_version": "4.33.1", "use_cache": True, "v_head_dim": 128, "vocab_size": 129280,
+}  # fmt: skip
+
+
+def test_deepseek_v3_hub_config_maps_without_a_warning():
+    """The released model's config: every key read or known harmless, 671B parameters without the MTP layer, and
+    the plan's routing line."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config = hf.model_config_from_hf(DEEPSEEK_V3_HUB_CONFIG)
+    assert count_parameters(config) == 671_026_404_352
+    assert describe_routing(config) == ("sigmoid top-8 of 256 in the best 4 of 8 groups, chosen with a score-"
+                                        "correction bias, renormalised, scaled by 2.5, + 1 shared expert (ungated); "
+                                        "MoE in 58 of 61 layers")  # fmt: skip
+
+
+YARN_VARIANTS = {
+    "defaults": {"factor": 4.0, "original_max_position_embeddings": 16},
+    "untruncated_mscales": {"factor": 8.0, "original_max_position_embeddings": 32, "beta_fast": 16, "beta_slow": 2,
+                            "truncate": False, "mscale": 0.9, "mscale_all_dim": 0.6},
+    "attention_factor_given": {"factor": 2.0, "original_max_position_embeddings": 64, "attention_factor": 1.3},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("params", YARN_VARIANTS.values(), ids=list(YARN_VARIANTS))
+def test_yarn_frequencies_and_attention_factor_are_transformers(params):
+    """Our yarn (read by ``hf._yarn``, computed by ``layers.yarn_frequencies`` and ``rope_attention_factor``)
+    against transformers' ``_compute_yarn_parameters``, defaults included."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    head_dim, theta = 16, 10000.0
+    sizes = SIZES | dict(head_dim=head_dim, max_position_embeddings=128)
+    config = transformers.LlamaConfig(**sizes, rope_parameters={"rope_type": "yarn", "rope_theta": theta, **params})
+    expected, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](config)
+    scaling = hf.model_config_from_hf(config.to_dict()).rope_frequency_scaling
+    unscaled = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    assert torch.allclose(yarn_frequencies(unscaled, scaling, theta).float(), expected, rtol=1e-6, atol=0)
+    assert rope_attention_factor(scaling) == pytest.approx(attention_factor, rel=1e-12)
+
+
 def test_the_permutation_pairs_rotate_half_dims():
     """Row i of a head goes to 2i and row i + d/2 to 2i + 1; the inverse restores the order."""
     rows = torch.arange(2 * 8).float()
@@ -272,6 +480,34 @@ def test_the_transformers4_config_form_reads_the_same(tmp_path, rope):
     assert max_diff(load_model(directory)(ids)["logits"], model(ids).logits) <= TOLERANCE
 
 
+@torch.no_grad()
+def test_a_multimodal_gemma3_loads_its_language_model_and_exports_it_alone(tmp_path):
+    """The language model of a Gemma3ForConditionalGeneration (a tiny vision tower beside it) computes its text-only
+    logits; the vision tower and projector are left out, said so, and export writes a Gemma3ForCausalLM with the
+    same logits."""
+    _, text, _, _ = CASES["gemma3_text"]
+    vision = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)  # fmt: skip
+    torch.manual_seed(0)
+    config = transformers.Gemma3Config(text_config={**SIZES, **text}, vision_config=vision, mm_tokens_per_image=4)
+    theirs = transformers.Gemma3ForConditionalGeneration(config).float().eval()
+    for name, param in theirs.named_parameters():
+        param.normal_(0.0, 0.3 if "norm" in name else 0.15)  # Gemma's norms scale by 1 + weight
+    directory = save_hf(theirs, tmp_path / "multimodal")
+    assert any("vision_tower" in key for key in load_file(directory / "model.safetensors"))
+    with pytest.warns(UserWarning, match="its vision tower and projector are left out"):
+        ours = load_model(directory).float().eval()
+    ids = tokens(2, SEQ_LEN)
+    diff = max_diff(ours(ids)["logits"], theirs(input_ids=ids).logits)
+    print(f"gemma3 (multimodal, language model): causal max |logit diff| {diff:.2e}", file=sys.stderr)
+    assert diff <= TOLERANCE
+    with pytest.warns(UserWarning, match="export writes the language model alone, a Gemma3ForCausalLM"):
+        assert main(["export", str(directory), "--format", "hf", "--out", str(tmp_path / "text")]) == 0
+    text_only = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "text", dtype=torch.float32).eval()
+    assert type(text_only).__name__ == "Gemma3ForCausalLM"
+    assert max_diff(text_only(ids).logits, theirs(input_ids=ids).logits) <= TOLERANCE
+
+
 def test_a_sliding_window_limits_positions_where_it_equals_full_attention(tmp_path):
     model = build_hf("MistralConfig", sliding_window=24)
     with pytest.warns(UserWarning, match="positions are limited to 24"):
@@ -292,17 +528,30 @@ def llama_dir(tmp_path_factory) -> Path:
 
 REFUSED = [
     ("gemma", {"model_type": "gemma"}, "model_type 'gemma' is not supported"),
-    ("gemma2", {"model_type": "gemma2"}, "model_type 'gemma2' is not supported"),
-    ("phi3", {"model_type": "phi3"}, "model_type 'phi3' is not supported"),
-    ("deepseek", {"model_type": "deepseek_v3"}, "model_type 'deepseek_v3' is not supported"),
+    ("gemma2_exact_gelu", {"model_type": "gemma2", "hidden_activation": "gelu"},
+     "hidden_activation 'gelu' is not supported: the gemma2 MLP here is gated by gelu_pytorch_tanh"),
+    ("gemma3_bidirectional", {"model_type": "gemma3_text", "use_bidirectional_attention": True},
+     "use_bidirectional_attention True is not supported"),
+    ("deepseek_v2", {"model_type": "deepseek_v2"}, "model_type 'deepseek_v2' is not supported"),
+    ("deepseek_v3_fp8", {"model_type": "deepseek_v3", "quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}},
+     "quantization_config 'fp8' is not supported: FP8 block-quantised weights (DeepSeek-V3's release)"),
+    ("deepseek_v3_grouped_kv", {"model_type": "deepseek_v3"}, "num_key_value_heads 2 is not supported"),
+    ("deepseek_v3_rotate_half", {"model_type": "deepseek_v3", "num_key_value_heads": 4, "rope_interleave": False},
+     "rope_interleave False is not supported: transformers' DeepseekV3 computes rope_interleave True only"),
+    ("deepseek_v3_mscale_linear", {"model_type": "deepseek_v3", "rope_parameters": {
+        "rope_type": "linear", "rope_theta": 1e4, "factor": 4.0, "mscale_all_dim": 1.0}},
+     "rope_parameters mscale_all_dim 1.0 is not supported: it is mapped with yarn only, not linear"),
     ("unknown_type", {"model_type": "falcon"}, "model_type 'falcon' is not supported (unknown architecture)"),
     ("gelu", {"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
     ("mlp_bias", {"mlp_bias": True}, "mlp_bias True is not supported"),
     ("attention_bias", {"attention_bias": True}, "attention_bias True is not supported"),
+    ("olmo2_attention_bias", {"model_type": "olmo2", "attention_bias": True}, "attention_bias True is not supported"),
+    ("phi3_longrope", {"model_type": "phi3", "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4,
+                                                                 "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}},
+     "rope_parameters rope_type 'longrope' is not supported"),
+    ("phi3_dropout", {"model_type": "phi3", "resid_pdrop": 0.1}, "resid_pdrop 0.1 is not supported"),
     ("partial_rotary", {"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported"),
     ("softcap", {"final_logit_softcapping": 30.0}, "final_logit_softcapping 30.0 is not supported"),
-    ("yarn", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
-     "rope_parameters rope_type 'yarn' is not supported"),
     ("dynamic_v4", {"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
      "rope_scaling rope_type 'dynamic' is not supported"),
     ("layer_types", {"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 8},
@@ -313,7 +562,7 @@ REFUSED = [
                                       "max_window_layers": 1}, "layer_types '(mixed)' is not supported"),
     ("qwen3_moe_expert_counts", {"model_type": "qwen3_moe", "num_experts": 4, "num_local_experts": 8},
      "'num_experts' and 'num_local_experts' disagree"),
-    ("quantized", {"quantization_config": {"quant_method": "gptq"}}, "quantization_config '(set)' is not supported"),
+    ("quantized", {"quantization_config": {"quant_method": "gptq"}}, "quantization_config 'gptq' is not supported"),
     ("bad_type", {"hidden_size": "32"}, "'hidden_size' must be a positive integer, got '32'"),
 ]  # fmt: skip
 
@@ -341,6 +590,9 @@ STARTS = {
     "qwen2_moe": (*CASES["qwen2_moe"][:2],
                   "softmax top-2 of 4, not renormalised, + 1 shared expert (sigmoid gate); MoE in 2 of 3 layers"),
     "qwen3_moe": (*CASES["qwen3_moe"][:2], "softmax top-2 of 4, renormalised; MoE in 1 of 3 layers"),
+    "deepseek_v3": (*CASES["deepseek_v3"][:2], "sigmoid top-2 of 8 in the best 2 of 4 groups, chosen with a "
+                    "score-correction bias, renormalised, scaled by 2.5, + 1 shared expert (ungated); MoE in 2 of 3 "
+                    "layers"),
 }  # fmt: skip
 
 

@@ -60,6 +60,11 @@ RL_RUNS = {
     for train_type in ("dpo", "grpo")
 }
 RL_RUNS["fsdp_dpo_loss_fused"] = dict(RL_RUNS["fsdp_dpo"], loss_chunk_size=7)
+# A reference-free preference loss with an NLL term (a token mean per micro-batch, as the 1-sample ones agree).
+RL_RUNS["fsdp_dpo_orpo"] = dict(RL_RUNS["fsdp_dpo"], dpo_loss="orpo")
+# kto's KL baseline is the mean over every rank's samples (one all-reduce): 2 ranks x 1 sample then equal one
+# process's micro-batch of 2 (a per-rank baseline would not).
+KTO_RUN = dict(parallel_mode="fsdp", train_type="kto", data_root_path="bundled:data/kto")
 ONLINE = dict(train_type="grpo", data_root_path="bundled:data/grpo_online", reward="astrai_fabric.rewards.LengthReward",
               group_size=2, rollout_interval=1, rollout_max_tokens=6, max_steps=2)  # fmt: skip
 TP2 = dict(parallel_mode="fsdp", tp_size=2, optimizer="muon_adamw")
@@ -70,15 +75,28 @@ SFT = dict(train_type="sft", data_root_path="bundled:data/sft")
 # != hidden) under FSDP, Qwen2 (q/k/v biases) under tensor parallelism, and the MoE families with their routers'
 # aux loss under FSDP: Qwen2-MoE (gated shared expert, a dense layer between MoE layers) and Qwen3-MoE, which also
 # runs tensor parallel (experts whole, dense layers split, q/k norms whole with their gradients summed over the
-# ranks' heads). sft averages per-micro-batch token means, so the single process takes the same 1-sample
-# micro-batches in sequence (as RL_RUNS do).
+# ranks' heads); OLMo 2 (output norms, a q/k norm over the whole projection) under FSDP, Phi-3 (fused projections
+# split on load, partial rotary) under FSDP and tensor parallel, Gemma 2 (soft-capping, sliding-window layers, norms
+# around each sublayer) tensor parallel and Gemma 3 (per-head q/k norms, the sliding layers' own RoPE) under FSDP;
+# DeepSeek-V3 (latent attention with a
+# shared RoPE key, sigmoid group-limited routing whose score-correction bias is a buffer, a dense first layer) under
+# FSDP and tensor parallel (heads split in q_proj, kv_b_proj and o_proj; the shared key and the compressed query
+# whole). sft averages per-micro-batch token means, so the single process takes the same 1-sample micro-batches in
+# sequence (as RL_RUNS do).
 FSDP_HF = dict(parallel_mode="fsdp", batch_per_device=1, grad_accum_steps=1)
 TP2_HF = dict(parallel_mode="fsdp", tp_size=2, batch_per_device=1, grad_accum_steps=1)
 HF_RUNS = {"hf_qwen3_fsdp": FSDP_HF, "hf_qwen2_tp2": TP2_HF, "hf_qwen2_moe_fsdp": FSDP_HF,
-           "hf_qwen3_moe_fsdp": FSDP_HF, "hf_qwen3_moe_tp2": TP2_HF}  # fmt: skip
+           "hf_qwen3_moe_fsdp": FSDP_HF, "hf_qwen3_moe_tp2": TP2_HF, "hf_olmo2_fsdp": FSDP_HF,
+           "hf_phi3_fsdp": FSDP_HF, "hf_phi3_tp2": TP2_HF, "hf_gemma2_tp2": TP2_HF,
+           "hf_gemma3_text_fsdp": FSDP_HF, "hf_deepseek_v3_fsdp": FSDP_HF,
+           "hf_deepseek_v3_tp2": TP2_HF}  # fmt: skip
 HF_REFERENCES = {"fsdp": dict(batch_per_device=1, grad_accum_steps=2),
                  "tp2": dict(batch_per_device=1, grad_accum_steps=1)}  # fmt: skip
 """The single process's batches for a 2-rank run, by its layout (the run's name ends with it)."""
+HF_WEIGHT_ATOL = {"hf_deepseek_v3_tp2": 5e-5}
+"""Runs whose weights after 2 AdamW steps may differ by more than 1e-5 (the losses agree to 1e-7): measured 1.9e-5
+on one DeepSeek-V3 expert weight whose two gradients nearly cancel in Adam's first moment (an update of 2.5e-4
+where its tensor's are 2.7e-3), so the all-reduced attention output's last bits move it by 8%."""
 
 
 def hf_model_type(name: str) -> str:
@@ -92,8 +110,8 @@ def hf_args(root: Path, name: str, ckpt_dir: Path, **overrides) -> TrainArgs:
 
 
 def write_hf_models(root: Path) -> None:
-    """Tiny random Qwen3, Qwen2, Qwen3-MoE and Qwen2-MoE directories, as transformers saves them (skipped without
-    transformers)."""
+    """Tiny random Qwen3, Qwen2, Qwen3-MoE, Qwen2-MoE, OLMo 2, Phi-3, Gemma 2, Gemma 3 and DeepSeek-V3 directories,
+    as transformers saves them (skipped without transformers)."""
     try:
         from test_huggingface import CASES, build_hf, save_hf
     except pytest.skip.Exception:
@@ -102,7 +120,7 @@ def write_hf_models(root: Path) -> None:
                  max_position_embeddings=256)  # fmt: skip
     save_hf(build_hf("Qwen3Config", head_dim=16, **sizes), root / "qwen3")
     save_hf(build_hf("Qwen2Config", **sizes), root / "qwen2")
-    for model_type in ("qwen3_moe", "qwen2_moe"):
+    for model_type in ("qwen3_moe", "qwen2_moe", "olmo2", "phi3", "gemma2", "gemma3_text", "deepseek_v3"):
         config_class, fields, _, _ = CASES[model_type]
         save_hf(build_hf(config_class, **fields, **sizes), root / model_type)
 
@@ -118,6 +136,9 @@ def two_rank_worker(root: str) -> None:
         history = run(base_args(root / name, nprocs=2, batch_per_device=1, grad_accum_steps=1, **overrides))
         if os.environ["RANK"] == "0":
             (root / f"{name}.json").write_text(json.dumps(history))
+    history = run(base_args(root / "fsdp_kto", nprocs=2, batch_per_device=1, grad_accum_steps=1, **KTO_RUN))
+    if os.environ["RANK"] == "0":
+        (root / "fsdp_kto.json").write_text(json.dumps(history))
     history = run(base_args(root / "bf16_compute", nprocs=2, batch_per_device=1, **BF16_COMPUTE))
     if os.environ["RANK"] == "0":
         (root / "bf16_compute.json").write_text(json.dumps(history))
@@ -198,6 +219,16 @@ def test_two_rank_dpo_and_grpo_match_one_process(two_rank_runs, tmp_path, name):
     assert_weights_close(weights(two_rank_runs / name, 3), weights(tmp_path, 3), atol=1e-5)
 
 
+def test_two_rank_kto_matches_one_process(two_rank_runs, tmp_path):
+    reference = run(base_args(tmp_path, **KTO_RUN, nprocs=1, batch_per_device=2, grad_accum_steps=1))
+    history = json.loads((two_rank_runs / "fsdp_kto.json").read_text())
+    assert reference[1]["kl"] > 0  # the baseline is live from step 2 on
+    for ours, ref in zip(history, reference, strict=True):
+        for key in ("loss", "kl"):
+            assert ours[key] == pytest.approx(ref[key], abs=1e-6), key
+    assert_weights_close(weights(two_rank_runs / "fsdp_kto", 3), weights(tmp_path, 3), atol=1e-5)
+
+
 @pytest.mark.parametrize("name", list(HF_RUNS))
 def test_two_ranks_train_a_huggingface_model_as_one_process(two_rank_runs, tmp_path, name):
     if not (two_rank_runs / f"{name}.json").exists():
@@ -205,9 +236,10 @@ def test_two_ranks_train_a_huggingface_model_as_one_process(two_rank_runs, tmp_p
     reference = run(hf_args(two_rank_runs, name, tmp_path, nprocs=1, **HF_REFERENCES[name.rpartition("_")[2]]))
     history = json.loads((two_rank_runs / f"{name}.json").read_text())
     assert [r["loss"] for r in history] == pytest.approx([r["loss"] for r in reference], abs=1e-5)
-    if "moe" in name:  # the routers' load-balancing loss is part of the loss, and logged
+    if hf_model_type(name) in ("qwen2_moe", "qwen3_moe", "deepseek_v3"):  # the routers' aux loss: in the loss, logged
         assert [r["moe_aux_loss"] for r in history] == pytest.approx([r["moe_aux_loss"] for r in reference], abs=1e-5)
-    assert_weights_close(weights(two_rank_runs / name, 2), weights(tmp_path, 2), atol=1e-5)
+    atol = HF_WEIGHT_ATOL.get(name, 1e-5)
+    assert_weights_close(weights(two_rank_runs / name, 2), weights(tmp_path, 2), atol=atol)
     (saved,) = (two_rank_runs / name).glob("epoch_*_step_2")
     assert json.loads((saved / "meta.json").read_text())["source"]["model_type"] == hf_model_type(name)
 

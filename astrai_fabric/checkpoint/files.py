@@ -397,8 +397,9 @@ def files_inside(path: Path, names: Iterable[str]) -> dict[str, Path]:
 
 @dataclass(frozen=True)
 class _Stored:
-    """One tensor on disk: its file, its name there, its shape, and the head width when its rows are stored in
-    transformers' rotate-half pairing (permuted to ours as they are read)."""
+    """One tensor on disk: its file, its name there, its shape, the head width (and rotated rows per head) when its
+    rows are stored in transformers' rotate-half pairing (permuted to ours as they are read), and its rows in the
+    stored tensor when it is one part of a fused one (``hf.Target``)."""
 
     file: Path
     key: str
@@ -406,6 +407,9 @@ class _Stored:
     dtype: str
     """safetensors' name for it (``BF16``, ``F32``, ...)."""
     head_dim: int | None = None
+    rotary_dim: int | None = None
+    first_row: int = 0
+    """Where its rows start in the stored tensor."""
 
 
 _CHUNK_ELEMENTS = 1 << 24
@@ -449,14 +453,18 @@ class StoredStateDict(Mapping[str, Tensor]):
                 raise CheckpointError(f"{file}: not a readable safetensors file, perhaps truncated ({err})") from None
         return cls(entries)
 
-    def renamed(self, names: Mapping[str, tuple[str, int | None] | None]) -> StoredStateDict:
-        """The same tensors under new names (``names[key]`` is ``(new name, head_dim or None)`` as
-        ``hf.import_name`` gives, or None to leave a tensor out); keys not in ``names`` keep theirs."""
+    def renamed(self, names: Mapping[str, list[hf.Target]]) -> StoredStateDict:
+        """The same tensors under new names, as ``hf.import_targets`` gives them (an empty list leaves a tensor out,
+        several split it by rows); keys not in ``names`` stay as they are."""
         entries = {}
         for key, entry in self._entries.items():
-            target = names.get(key, (key, entry.head_dim))
-            if target is not None:
-                entries[target[0]] = _Stored(entry.file, entry.key, entry.shape, entry.dtype, target[1])
+            if key not in names:
+                entries[key] = entry
+            for name, head_dim, rotary_dim, rows in names.get(key, []):
+                shape, first_row = entry.shape, entry.first_row
+                if rows is not None:
+                    shape, first_row = (rows[1] - rows[0], *entry.shape[1:]), first_row + rows[0]
+                entries[name] = _Stored(entry.file, entry.key, shape, entry.dtype, head_dim, rotary_dim, first_row)
         return StoredStateDict(entries)
 
     def __getitem__(self, key: str) -> Tensor:
@@ -515,11 +523,12 @@ class StoredStateDict(Mapping[str, Tensor]):
             for low in range(first, stop, step):
                 high = min(low + step, -(-stop // unit) * unit)
                 with safe_open(str(entry.file), framework="pt") as handle:
-                    chunk = handle.get_slice(entry.key)[(slice(low, high), *columns)]
+                    rows = slice(entry.first_row + low, entry.first_row + high)
+                    chunk = handle.get_slice(entry.key)[(rows, *columns)]
                     if out is None:
                         out = torch.empty((stop - start, *chunk.shape[1:]), dtype=dtype or chunk.dtype)
                     if entry.head_dim is not None:
-                        chunk = hf.rotate_half_to_interleaved(chunk, entry.head_dim)
+                        chunk = hf.rotate_half_to_interleaved(chunk, entry.head_dim, entry.rotary_dim)
                     keep = slice(max(start, low) - low, min(stop, high) - low)
                     out[max(start, low) - start : min(stop, high) - start].copy_(chunk[keep])
                     del chunk  # before the handle closes and unmaps the file
@@ -537,7 +546,7 @@ def _strip_wrapper_prefixes(state_dict: StoredStateDict, path: Path) -> StoredSt
     for prefix in _WRAPPER_PREFIXES:
         if state_dict and all(k.startswith(prefix) for k in state_dict):
             warnings.warn(f"{path}: weight names carry the wrapper prefix {prefix!r}; it is removed", stacklevel=3)
-            state_dict = state_dict.renamed({k: (k[len(prefix) :], None) for k in state_dict})
+            state_dict = state_dict.renamed({k: [hf.Target(k[len(prefix) :])] for k in state_dict})
     return state_dict
 
 

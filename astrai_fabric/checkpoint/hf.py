@@ -22,6 +22,28 @@ bug B21). The facts, with the transformers source files that state them (``src/t
   has q/k/v biases (``qkv_bias``); Qwen3-MoE has Qwen3's attention and no shared expert. On disk ``mlp.gate``
   (the router), ``mlp.experts.J.gate_proj/up_proj/down_proj``, ``mlp.shared_expert.*`` and
   ``mlp.shared_expert_gate``.
+- **OLMo 2** (``modeling_olmo2.py``) normalises each sublayer's output before the residual add and not its input
+  (``norm_placement: post``; its ``post_attention_layernorm`` is the attention output's norm, Llama's the MLP
+  input's), and its q/k RMSNorm spans the whole projection, before RoPE (``qk_norm_over_projection``): the weight is
+  permuted head by head like the rows, and the RMS over all of them is unchanged by the order.
+- **Phi-3** (``modeling_phi3.py``) is Llama's function with q, k and v stacked in one ``qkv_proj`` and gate and up in
+  one ``gate_up_proj`` (``FUSED``: split as they are read, fused again on export), and RoPE on each head's first
+  ``int(head_dim * partial_rotary_factor)`` dims only (``rotary_dim``; only those rows are permuted).
+- **DeepSeek-V3** (``modeling_deepseek_v3.py``): MLA whose query may go through ``q_a_proj``, ``q_a_layernorm`` and
+  ``q_b_proj`` (our ``q_proj``), whose ``kv_a_proj_with_mqa`` ends with one RoPE key head shared by every head, and
+  whose softmax scale carries YaRN's ``mscale_all_dim``; its RoPE pairs are interleaved already
+  (``rope_interleave``), so no row is permuted. The MoE after ``first_k_dense_replace`` dense layers routes by
+  sigmoid scores, chooses with ``mlp.gate.e_score_correction_bias`` among its ``topk_group`` best of ``n_group``
+  groups, scales by ``routed_scaling_factor``, and adds ``mlp.shared_experts``, one MLP ``n_shared_experts`` times
+  as wide. Layers past ``num_hidden_layers`` are its multi-token-prediction modules, skipped with a warning.
+- **RoPE yarn** (``_compute_yarn_parameters``): frequencies blended by rotations over the original length, cos and
+  sin times its attention factor; kept in ``rope_frequency_scaling`` for every family.
+- **Gemma 2, Gemma 3** (``modeling_gemma2.py``, ``modeling_gemma3.py``): RMSNorms scaling by ``1 + weight`` before
+  and after each sublayer (``pre_feedforward_layernorm`` is the MLP's input norm, ``post_attention_layernorm`` the
+  attention output's), embeddings times ``sqrt(hidden_size)`` in the weight's dtype, GeGLU (``gelu_pytorch_tanh``),
+  the softmax scale ``query_pre_attn_scalar ** -0.5``, soft-capping ``c * tanh(x / c)`` of the scores and the
+  logits (Gemma 2), a sliding window on the ``layer_types`` layers (``q - k < sliding_window``); Gemma 3 adds per-head
+  q/k norms before RoPE and a RoPE base of its own for the sliding layers (``_gemma``).
 - **Tied embeddings**: a tied checkpoint has no ``lm_head.weight``.
 - Both config forms: transformers 4 (``rope_theta`` + ``rope_scaling``, ``torch_dtype``) and transformers 5
   (``rope_parameters``, ``dtype``).
@@ -32,41 +54,41 @@ config of the architecture a model came from (``HFSource``, kept in ``meta.json`
 computing the same function (``export_model_type``), refusing by field what has no equivalent
 (``astrai_fabric.export`` writes the directory).
 
-Over 300 lines for one responsibility: every Hugging Face convention (seven architectures, both directions,
+Over 300 lines for one responsibility: every Hugging Face convention (twelve architectures, both directions,
 their refusals) in one module, so no other module needs to know any of them.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from astrai_fabric.config.kinds import kind_problem
-from astrai_fabric.config.model import ASTRAI_MODEL_TYPE, EXTENDED_MODEL_TYPE, ModelConfig
+from astrai_fabric.config.model import ASTRAI_MODEL_TYPE, EXTENDED_MODEL_TYPE, MAX_LAYERS, YARN_OPTIONAL, ModelConfig
 from astrai_fabric.errors import CheckpointError, ConfigError, UserError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "olmo2",
+                         "deepseek_v3", "phi3", "gemma2", "gemma3_text")  # fmt: skip
+GEMMA_TYPES = ("gemma2", "gemma3_text")
 QWEN_MOE_TYPES = ("qwen2_moe", "qwen3_moe")
 
 REFUSED_MODEL_TYPES = {
     "gemma": "its RMSNorm scales by (1 + weight), its embeddings by sqrt(hidden_size) and its MLP uses GELU",
-    "gemma2": "Gemma's norm and embedding scaling, extra norms per block, logit soft-capping and alternating "
-    "sliding-window layers",
-    "gemma3": "Gemma's norm and embedding scaling, extra norms per block and alternating sliding-window layers",
-    "phi3": "fused qkv/gate_up projections with LongRoPE scaling and a sliding window are not mapped",
     "deepseek_v2": "multi-head latent attention with a decoupled shared RoPE key, YaRN and group-limited routing "
-    "differ from ours",
-    "deepseek_v3": "multi-head latent attention with a decoupled shared RoPE key, YaRN and sigmoid group routing "
     "differ from ours",
 }
 """Architectures refused with the reason; any other model_type is refused as unknown."""
+MULTIMODAL_TEXT_TOWERS = {"gemma3": ("gemma3_text", "Gemma3ForCausalLM")}
+"""Multimodal checkpoints whose language model is loaded (``language_model_config``), by the model_type and
+transformers class of that language model alone (what export writes)."""
 
 _DEFAULTS: dict[str, dict[str, Any]] = {
     # Each config class's defaults (``configuration_<type>.py``), used where a config.json omits a key, as
@@ -94,8 +116,35 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                       num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=32768,
                       rms_norm_eps=1e-6, rope_theta=10000.0, sliding_window=4096, decoder_sparse_step=1,
                       moe_intermediate_size=768, num_experts_per_tok=8, num_experts=128, norm_topk_prob=False),
+    "olmo2": dict(vocab_size=50304, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                  num_attention_heads=32, max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0),
+    "gemma2": dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                   num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=8192,
+                   rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True, query_pre_attn_scalar=256,
+                   sliding_window=4096, final_logit_softcapping=30.0, attn_logit_softcapping=50.0,
+                   hidden_activation="gelu_pytorch_tanh"),
+    "gemma3_text": dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                        num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,
+                        rms_norm_eps=1e-6, rope_theta=1e6, rope_local_base_freq=10000.0, tie_word_embeddings=True,
+                        query_pre_attn_scalar=256, sliding_window=4096, sliding_window_pattern=6,
+                        hidden_activation="gelu_pytorch_tanh"),
+    "phi3": dict(vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                 num_attention_heads=32, max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0),
+    "deepseek_v3": dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+                        num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1,
+                        n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
+                        qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4,
+                        num_experts_per_tok=8, first_k_dense_replace=3, norm_topk_prob=True,
+                        max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=10000.0),
 }  # fmt: skip
 
+_DEEPSEEK_V3_KEYS = (
+    "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "qk_head_dim", "v_head_dim",
+    "n_routed_experts", "n_shared_experts", "routed_scaling_factor", "n_group", "topk_group", "first_k_dense_replace",
+    "rope_interleave", "num_nextn_predict_layers", "num_mtp_layers", "scoring_func", "topk_method", "moe_layer_freq",
+)  # fmt: skip
+"""Keys of DeepSeek-V3's config (``configuration_deepseek_v3.py``, and those of the Hub's files that DeepSeek's own
+code reads: ``scoring_func``, ``topk_method``, ``moe_layer_freq``), each read or checked by ``_deepseek_v3``."""
 _READ_KEYS = {
     "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
@@ -104,6 +153,9 @@ _READ_KEYS = {
     "num_local_experts", "num_experts_per_tok", "router_jitter_noise", "quantization_config",
     "final_logit_softcapping", "attn_logit_softcapping", "num_experts", "moe_intermediate_size",
     "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "qkv_bias",
+    "resid_pdrop", "embd_pdrop", "original_max_position_embeddings", "hidden_activation", "query_pre_attn_scalar",
+    "rope_local_base_freq", "sliding_window_pattern", "use_bidirectional_attention",
+    *_DEEPSEEK_V3_KEYS,
 }  # fmt: skip
 _HARMLESS_KEYS = {
     # Metadata, generation defaults and training-loss settings that do not change the function of the weights.
@@ -112,17 +164,24 @@ _HARMLESS_KEYS = {
     "router_aux_loss_coef", "_name_or_path", "return_dict", "output_attentions", "output_hidden_states",
     # PreTrainedConfig's generic fields (in ``to_dict()``, rarely in a saved file), none used by a causal LM's forward
     "id2label", "label2id", "problem_type", "is_encoder_decoder", "chunk_size_feed_forward",
+    # DeepSeek-V3's Hub files: its remote code, its training-time balance loss, its expert-parallel degree
+    "auto_map", "aux_loss_alpha", "seq_aux", "ep_size",
+    # Gemma 3's private copy of sliding_window_pattern, written beside the layer_types it made (which are read)
+    "_sliding_window_pattern",
 }  # fmt: skip
 _ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
-              "original_max_position_embeddings", "partial_rotary_factor"}  # fmt: skip
-_ROPE_TYPES = ("default", "linear", "llama3")
+              "original_max_position_embeddings", "partial_rotary_factor", "beta_fast", "beta_slow", "mscale",
+              "mscale_all_dim", "attention_factor", "truncate"}  # fmt: skip
+_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 SOURCE_KEY = "source"
 """``meta.json`` key of a checkpoint trained from a Hugging Face directory: its ``HFSource`` (AstrAI ignores it)."""
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM"}  # fmt: skip
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "olmo2": "Olmo2ForCausalLM",
+                 "deepseek_v3": "DeepseekV3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                 "gemma3_text": "Gemma3ForCausalLM"}  # fmt: skip
 """The transformers class of each supported model_type (``modeling_<type>.py``)."""
 
 
@@ -197,6 +256,8 @@ def model_config_from_hf(raw: Mapping[str, Any], source: str = "config.json") ->
     """The ``ModelConfig`` that computes what the Hugging Face config ``raw`` describes, or a ``ConfigError`` (one
     line naming the model_type or the field) when it cannot be computed exactly."""
     model_type = raw.get("model_type")
+    if model_type in MULTIMODAL_TEXT_TOWERS:
+        return model_config_from_hf(language_model_config(raw, source), source)
     if model_type not in SUPPORTED_MODEL_TYPES:
         why = REFUSED_MODEL_TYPES.get(model_type, "unknown architecture")
         raise ConfigError(
@@ -224,8 +285,11 @@ def model_config_from_hf(raw: Mapping[str, Any], source: str = "config.json") ->
         num_key_value_heads=read.int("num_key_value_heads", optional=True) or heads,
         head_dim=head_dim,
         attention_qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and read.bool("qkv_bias", True)),
-        use_qk_norm=model_type in ("qwen3", "qwen3_moe") or None,
-        qk_norm_before_rope=model_type in ("qwen3", "qwen3_moe"),
+        use_qk_norm=model_type in ("qwen3", "qwen3_moe", "olmo2") or None,
+        qk_norm_before_rope=model_type in ("qwen3", "qwen3_moe", "olmo2"),
+        qk_norm_over_projection=model_type == "olmo2",
+        norm_placement="post" if model_type == "olmo2" else "pre",
+        rotary_dim=_rotary_dim(read, model_type, head_dim or hidden // heads),
         rope_frequency_scaling=frequency_scaling,
     )
     if model_type == "mixtral":
@@ -239,12 +303,72 @@ def model_config_from_hf(raw: Mapping[str, Any], source: str = "config.json") ->
         )
     if model_type in QWEN_MOE_TYPES:
         values.update(_qwen_moe(read, model_type))
+    if model_type == "deepseek_v3":
+        values.update(_deepseek_v3(read))
+    if model_type in GEMMA_TYPES:
+        values.update(_gemma(read, model_type))
     unknown = sorted(k for k in raw if k not in _READ_KEYS | _HARMLESS_KEYS)
     if unknown:
         warnings.warn(f"{source}: ignoring keys the {model_type} mapping does not know: {unknown}", stacklevel=2)
     config = ModelConfig.from_dict(values, source=source)
     config.check_buildable(source=source)
     return config
+
+
+def _gemma(read: _Reader, model_type: str) -> dict[str, Any]:
+    """The fields of a Gemma 2 or Gemma 3 text config (``modeling_gemma2.py``, ``modeling_gemma3.py``): norms before
+    and after each sublayer scaling by ``1 + weight``, embeddings scaled by ``sqrt(hidden_size)``, GeGLU, the softmax
+    scale ``query_pre_attn_scalar ** -0.5``, soft-capping (Gemma 2), sliding-window layers by ``layer_types`` (else
+    every other layer, Gemma 2, or five in six, Gemma 3's ``sliding_window_pattern``), and Gemma 3's per-head q/k
+    norms before RoPE and the sliding layers' own RoPE base."""
+    n_layers = read.int("num_hidden_layers")
+    if n_layers > MAX_LAYERS:  # before a list of that length is made
+        raise ConfigError(f"{read.source}: 'num_hidden_layers' must be at most {MAX_LAYERS:,}, got {n_layers:,}")
+    layer_types = read.get("layer_types")
+    if not layer_types:
+        pattern = 2 if model_type == "gemma2" else read.int("sliding_window_pattern")
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
+    sliding = isinstance(layer_types, list) and "sliding_attention" in layer_types
+    values = dict(
+        norm_placement="sandwich", norm_unit_offset=True, scale_embeddings=True, mlp_activation="gelu_pytorch_tanh",
+        query_pre_attn_scalar=read.int("query_pre_attn_scalar"),
+        attn_logit_softcapping=read.get("attn_logit_softcapping"),
+        final_logit_softcapping=read.get("final_logit_softcapping"),
+        sliding_window=read.int("sliding_window") if sliding else None,
+        layer_types=layer_types if sliding else None,
+    )  # fmt: skip
+    if model_type == "gemma3_text":
+        values.update(use_qk_norm=True, qk_norm_before_rope=True, rope_local_theta=_local_rope_theta(read))
+    return values
+
+
+def _local_rope_theta(read: _Reader) -> float:
+    """Gemma 3's sliding layers' RoPE base: transformers 5's ``rope_parameters["sliding_attention"]`` (default RoPE
+    only), else transformers 4's ``rope_local_base_freq``."""
+    params = read.get("rope_parameters")
+    local = params.get("sliding_attention") if isinstance(params, dict) else None
+    if not isinstance(local, dict):
+        return read.number("rope_local_base_freq")
+    if local.get("rope_type", "default") != "default":
+        read.refuse("rope_parameters sliding_attention rope_type", local.get("rope_type"),
+                    "the sliding layers' RoPE here is the default one")  # fmt: skip
+    if not isinstance(local.get("rope_theta"), int | float) or not 0 < local["rope_theta"] < math.inf:
+        raise ConfigError(f"{read.source}: rope_parameters sliding_attention rope_theta must be a finite number > 0")
+    return float(local["rope_theta"])
+
+
+def language_model_config(raw: Mapping[str, Any], source: str = "config.json") -> dict[str, Any]:
+    """The config of a multimodal checkpoint's language model (``MULTIMODAL_TEXT_TOWERS``), what loading and export
+    read in its place, with a warning that its other towers are left out."""
+    text_type, architecture = MULTIMODAL_TEXT_TOWERS[raw["model_type"]]
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(f"{source}: a multimodal {raw['model_type']} config needs a 'text_config' object")
+    warnings.warn(f"{source}: a multimodal {raw['model_type']} checkpoint: its language model is loaded, its vision "
+                  f"tower and projector are left out (images are not read); export writes the language model alone, "
+                  f"a {architecture}", stacklevel=3)  # fmt: skip
+    shared = {key: raw[key] for key in ("tie_word_embeddings", "dtype", "torch_dtype") if key in raw}
+    return {**text, **shared, "model_type": text_type, "architectures": [architecture]}
 
 
 def _qwen_moe(read: _Reader, model_type: str) -> dict[str, Any]:
@@ -271,6 +395,50 @@ def _qwen_moe(read: _Reader, model_type: str) -> dict[str, Any]:
         norm_topk_prob=read.bool("norm_topk_prob", default=False),
         decoder_sparse_step=read.int("decoder_sparse_step"),
         mlp_only_layers=mlp_only_layers or None,  # its kind and range are ModelConfig's checks
+    )
+
+
+def _deepseek_v3(read: _Reader) -> dict[str, Any]:
+    """The fields of a DeepSeek-V3 config (``DeepseekV3Attention``, ``DeepseekV3MoE``, ``DeepseekV3TopkRouter``):
+    DeepSeek's latent attention, and an MoE after ``first_k_dense_replace`` dense layers. What its Hub files say that
+    transformers' class does not compute (another routing, interleaving or MoE layer frequency) is refused, since
+    DeepSeek's own code and transformers' would then compute two functions."""
+    heads, layers = read.int("num_attention_heads"), read.int("num_hidden_layers")
+    if (read.int("num_key_value_heads", optional=True) or heads) != heads:  # None means one per head
+        read.refuse("num_key_value_heads", read.get("num_key_value_heads"),
+                    f"DeepSeek's kv_b_proj gives each of the {heads} heads its own key and value")  # fmt: skip
+    for key, computed in (("rope_interleave", True), ("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"),
+                          ("moe_layer_freq", 1)):  # fmt: skip
+        if read.get(key, computed) != computed:
+            read.refuse(key, read.get(key), f"transformers' DeepseekV3 computes {key} {computed!r} only")
+    dense = read.get("first_k_dense_replace")
+    if not isinstance(dense, int) or isinstance(dense, bool) or dense < 0:
+        raise ConfigError(f"{read.source}: 'first_k_dense_replace' must be an integer >= 0, got {dense!r}")
+    routed_width = read.int("moe_intermediate_size")
+    return dict(
+        head_dim=None,  # transformers writes qk_rope_head_dim there; MLA's widths are fields of their own
+        attn_type="mla",
+        q_lora_rank=read.int("q_lora_rank", optional=True),
+        kv_lora_rank=read.int("kv_lora_rank"),
+        qk_nope_head_dim=read.int("qk_nope_head_dim"),
+        qk_rope_head_dim=read.int("qk_rope_head_dim"),
+        v_head_dim=read.int("v_head_dim"),
+        mla_shared_rope_key=True,
+        yarn_softmax_scale=True,
+        ffn_type="moe",
+        n_routed_experts=read.int("n_routed_experts"),
+        n_activated_experts=read.int("num_experts_per_tok"),
+        moe_intermediate_size=routed_width,
+        # DeepseekV3MoE's shared experts are one MLP n_shared_experts times as wide as a routed one, added unscaled
+        n_shared_experts=1,
+        shared_expert_intermediate_size=routed_width * read.int("n_shared_experts"),
+        mlp_only_layers=list(range(min(dense, layers))) or None,
+        norm_topk_prob=read.bool("norm_topk_prob", default=True),
+        scoring_func="sigmoid",
+        score_correction_bias=True,
+        n_group=read.int("n_group"),
+        topk_group=read.int("topk_group"),
+        routed_scaling_factor=read.number("routed_scaling_factor"),
     )
 
 
@@ -309,25 +477,31 @@ class _Reader:
 
 def _refuse_unmapped(read: _Reader, model_type: str) -> None:
     """Fields that change the function and that the model here does not compute."""
-    act = read.get("hidden_act", "silu")
-    if act != "silu":
-        read.refuse("hidden_act", act, "the MLP here is SwiGLU with silu")
+    act_key, act_wanted = "hidden_act", "silu"
+    if model_type in GEMMA_TYPES:
+        act_key, act_wanted = "hidden_activation", "gelu_pytorch_tanh"
+    if read.get(act_key, act_wanted) != act_wanted:
+        read.refuse(act_key, read.get(act_key), f"the {model_type} MLP here is gated by {act_wanted}")
     if read.get("mlp_bias", False) not in (False, None):
         read.refuse("mlp_bias", read.get("mlp_bias"), "the MLP here has no biases")
     # Qwen2's and Qwen2-MoE's q/k/v biases are built in (qkv_bias); their classes never read attention_bias
     if model_type not in ("qwen2", "qwen2_moe") and read.get("attention_bias", False) not in (False, None):
         read.refuse("attention_bias", read.get("attention_bias"), "its o_proj bias has no equivalent here")
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if read.get(key) is not None:
-            read.refuse(key, read.get(key), "logit soft-capping is not computed here")
-    if read.get("partial_rotary_factor", 1.0) != 1.0:
-        read.refuse("partial_rotary_factor", read.get("partial_rotary_factor"), "RoPE here rotates whole heads")
-    for key in ("attention_dropout", "router_jitter_noise"):
+        if read.get(key) is not None and model_type not in GEMMA_TYPES:
+            read.refuse(key, read.get(key), f"{model_type} has no logit soft-capping")
+    if read.get("use_bidirectional_attention"):
+        read.refuse("use_bidirectional_attention", True, "the model here is a causal language model")
+    for key in ("attention_dropout", "router_jitter_noise", "resid_pdrop", "embd_pdrop"):
         value = read.get(key, 0.0)
         if value not in (0, 0.0, None):
             read.refuse(key, value, "training-time noise that the model here does not add")
-    if read.get("quantization_config") is not None:
-        read.refuse("quantization_config", "(set)", "quantized weights are not loaded; use a floating-point copy")
+    quantization = read.get("quantization_config")
+    if quantization is not None:
+        method = quantization.get("quant_method", "(set)") if isinstance(quantization, dict) else "(set)"
+        read.refuse("quantization_config", method, "FP8 block-quantised weights (DeepSeek-V3's release) are not "
+                    "dequantised here; use a bf16 copy" if method == "fp8" else "quantized weights are not loaded; "
+                    "use a floating-point copy")  # fmt: skip
 
 
 def _rope(read: _Reader, model_type: str) -> tuple[float, dict[str, Any] | None]:
@@ -338,6 +512,8 @@ def _rope(read: _Reader, model_type: str) -> tuple[float, dict[str, Any] | None]
     key = "rope_scaling" if read.get("rope_scaling") else "rope_parameters"
     if not isinstance(params, dict):
         raise ConfigError(f"{read.source}: {key!r} must be an object, got {params!r}")
+    if model_type == "gemma3_text" and isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]  # the sliding layers' own: ``_local_rope_theta``
     if any(isinstance(v, dict) for v in params.values()):
         read.refuse(key, "(per layer type)", "RoPE parameters per attention type are not mapped")
     theta = params.get("rope_theta", read.get("rope_theta"))
@@ -346,8 +522,6 @@ def _rope(read: _Reader, model_type: str) -> tuple[float, dict[str, Any] | None]
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in _ROPE_TYPES:
         read.refuse(f"{key} rope_type", kind, f"the RoPE types mapped are {list(_ROPE_TYPES)}")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        read.refuse("partial_rotary_factor", params["partial_rotary_factor"], "RoPE here rotates whole heads")
     unknown = sorted(set(params) - _ROPE_KEYS)
     if unknown:
         warnings.warn(f"{read.source}: ignoring {key} keys the {kind} RoPE does not use: {unknown}", stacklevel=3)
@@ -363,7 +537,40 @@ def _rope(read: _Reader, model_type: str) -> tuple[float, dict[str, Any] | None]
                 "original_max_position_embeddings", read.get("max_position_embeddings")
             ),
         )
+    if kind == "yarn":
+        scaling.update(_yarn(read, params))
+    elif model_type == "deepseek_v3" and params.get("mscale_all_dim"):
+        # DeepseekV3Attention's yarn_apply_mscale scales the softmax under any non-default kind; ours under yarn only
+        read.refuse(f"{key} mscale_all_dim", params["mscale_all_dim"], f"it is mapped with yarn only, not {kind}")
     return float(theta), scaling
+
+
+def _yarn(read: _Reader, params: Mapping[str, Any]) -> dict[str, Any]:
+    """A yarn ``rope_frequency_scaling``'s numbers, with transformers' defaults (``_compute_yarn_parameters``,
+    ``standardize_rope_params``): the original length is the model's own, the factor their ratio, ``beta_fast``
+    32 and ``beta_slow`` 1 (also for 0); the optional ones only when set."""
+    original = params.get("original_max_position_embeddings", read.get("max_position_embeddings"))
+    factor = params.get("factor")
+    if factor is None and isinstance(original, int | float) and original > 0:
+        factor = read.int("max_position_embeddings") / original
+    optional = {name: params[name] for name in (*YARN_OPTIONAL, "truncate") if params.get(name) is not None}
+    return dict(factor=factor, original_max_position_embeddings=original, beta_fast=params.get("beta_fast") or 32,
+                beta_slow=params.get("beta_slow") or 1, **optional)  # fmt: skip
+
+
+def _rotary_dim(read: _Reader, model_type: str, head_dim: int) -> int | None:
+    """How many of each head's first dims RoPE rotates, None for all: ``int(head_dim * partial_rotary_factor)``
+    (``modeling_phi3.py``), the factor read from the RoPE parameters first, as transformers 5 does. Only Phi-3's
+    attention splits its heads so (Llama's would rotate a whole head with a shorter table)."""
+    params = read.get("rope_scaling") or read.get("rope_parameters") or {}
+    factor = params.get("partial_rotary_factor", read.get("partial_rotary_factor", 1.0))
+    if factor == 1.0:
+        return None
+    if model_type != "phi3":
+        read.refuse("partial_rotary_factor", factor, f"{model_type}'s attention here rotates whole heads")
+    if not isinstance(factor, int | float) or isinstance(factor, bool) or not 0 < factor < 1:
+        raise ConfigError(f"{read.source}: 'partial_rotary_factor' must be a number in (0, 1], got {factor!r}")
+    return int(head_dim * factor)
 
 
 def _attention_kinds(read: _Reader, model_type: str, window: int | None) -> set[str]:
@@ -393,6 +600,8 @@ def _position_limit(read: _Reader, model_type: str) -> int:
     max_position_embeddings errors) only what would differ. Windows on some layers only are refused.
     """
     limit = read.int("max_position_embeddings")
+    if model_type in GEMMA_TYPES:
+        return limit  # its windows are computed, layer by layer (``_gemma``)
     window = read.get("sliding_window")
     if model_type in ("qwen2", "qwen3", *QWEN_MOE_TYPES) and not read.get("use_sliding_window", False):
         window = None  # Qwen's window applies only with use_sliding_window
@@ -427,8 +636,18 @@ _KEY_PAIRS = [
       for p in "qkvo" for t in ("weight", "bias")],
     *[(f"model.layers.{{i}}.self_attn.{p}_norm.weight", f"layers.{{i}}.attention.{p}_norm.weight") for p in "qk"],
     ("model.layers.{i}.input_layernorm.weight", "layers.{i}.input_norm.weight"),
-    ("model.layers.{i}.post_attention_layernorm.weight", "layers.{i}.post_attention_norm.weight"),
     *[(f"model.layers.{{i}}.mlp.{p}_proj.weight", f"layers.{{i}}.mlp.{p}.weight") for p in ("gate", "up", "down")],
+]  # fmt: skip
+_DEEPSEEK_V3_PAIRS = [
+    ("model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight", "layers.{i}.attention.kv_a_proj.weight"),
+    ("model.layers.{i}.self_attn.kv_a_layernorm.weight", "layers.{i}.attention.kv_norm.weight"),
+    ("model.layers.{i}.self_attn.kv_b_proj.weight", "layers.{i}.attention.kv_b_proj.weight"),
+    ("model.layers.{i}.mlp.gate.weight", "layers.{i}.mlp.router.weight"),
+    ("model.layers.{i}.mlp.gate.e_score_correction_bias", "layers.{i}.mlp.score_correction_bias"),
+    *[(f"model.layers.{{i}}.mlp.experts.{{j}}.{p}_proj.weight", f"layers.{{i}}.mlp.routed_experts.{{j}}.{p}.weight")
+      for p in ("gate", "up", "down")],
+    *[(f"model.layers.{{i}}.mlp.shared_experts.{p}_proj.weight", f"layers.{{i}}.mlp.shared_experts.0.{p}.weight")
+      for p in ("gate", "up", "down")],
 ]  # fmt: skip
 _MOE_KEY_PAIRS = {
     # The MoE layers' names differ by family (``moe_names``); within one family each name has one meaning.
@@ -447,6 +666,24 @@ _MOE_KEY_PAIRS = {
           for p in ("gate", "up", "down")],
         ("model.layers.{i}.mlp.shared_expert_gate.weight", "layers.{i}.mlp.shared_expert_gate.weight"),
     ],
+    # DeepSeek-V3's MoE and latent attention; with a compressed query, its q_b_proj is our q_proj (whose input is
+    # then the normalised rank-q_lora_rank latent), found before the plain q_proj of _KEY_PAIRS.
+    **{family: [*query, *_DEEPSEEK_V3_PAIRS] for family, query in (("deepseek_v3", []), ("deepseek_v3_q_lora", [
+        ("model.layers.{i}.self_attn.q_a_proj.weight", "layers.{i}.attention.q_a_proj.weight"),
+        ("model.layers.{i}.self_attn.q_a_layernorm.weight", "layers.{i}.attention.q_a_norm.weight"),
+        ("model.layers.{i}.self_attn.q_b_proj.weight", "layers.{i}.attention.q_proj.weight"),
+    ]))},
+}  # fmt: skip
+_OUTPUT_NORM_KEY_PAIRS = {
+    # Whether the block normalises its sublayers' outputs (``norm_placement`` post or sandwich): transformers'
+    # ``post_attention_layernorm`` is then the attention output's norm (OLMo 2's and Gemma 2's decoder layers),
+    # otherwise the MLP's input norm (Llama's), AstrAI's ``post_attention_norm``.
+    False: [("model.layers.{i}.post_attention_layernorm.weight", "layers.{i}.post_attention_norm.weight")],
+    True: [
+        ("model.layers.{i}.post_attention_layernorm.weight", "layers.{i}.attention_output_norm.weight"),
+        ("model.layers.{i}.pre_feedforward_layernorm.weight", "layers.{i}.post_attention_norm.weight"),
+        ("model.layers.{i}.post_feedforward_layernorm.weight", "layers.{i}.mlp_output_norm.weight"),
+    ],
 }  # fmt: skip
 _DERIVED_HF_KEYS = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
 """Buffers some older checkpoints saved; recomputed from the config, never loaded."""
@@ -457,16 +694,23 @@ def _pattern(template: str) -> re.Pattern[str]:
     return re.compile("^" + re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{j\}", r"(?P<j>\d+)") + "$")
 
 
-_TO_OURS = {
-    family: [(_pattern(hf), ours) for hf, ours in _KEY_PAIRS + pairs] for family, pairs in _MOE_KEY_PAIRS.items()
+_FAMILY_PAIRS = {
+    (family, output_norms): pairs + _KEY_PAIRS + norms  # a family's own names first (DeepSeek's q_b_proj)
+    for family, pairs in _MOE_KEY_PAIRS.items()
+    for output_norms, norms in _OUTPUT_NORM_KEY_PAIRS.items()
 }
-_TO_HF = {family: [(_pattern(ours), hf) for hf, ours in _KEY_PAIRS + pairs] for family, pairs in _MOE_KEY_PAIRS.items()}
+"""Every name pair of a model, by its MoE family (``moe_names``) and whether its blocks have output norms."""
+_TO_OURS = {family: [(_pattern(hf), ours) for hf, ours in pairs] for family, pairs in _FAMILY_PAIRS.items()}
+_TO_HF = {family: [(_pattern(ours), hf) for hf, ours in pairs] for family, pairs in _FAMILY_PAIRS.items()}
 _SHARED_TO_HF = [(_pattern(ours), hf) for hf, ours in _KEY_PAIRS]
 
 
 def moe_names(config: ModelConfig) -> str:
-    """Whose MoE tensor names a model's Hugging Face files carry: Qwen-MoE's for a model only a Qwen-MoE class
-    computes (a gated shared expert, or q/k norms), else Mixtral's; the choice ``export_model_type`` makes."""
+    """Whose MoE tensor names a model's Hugging Face files carry: DeepSeek-V3's for latent attention (with or
+    without its compressed query), Qwen-MoE's for a model only a Qwen-MoE class computes (a gated shared expert, or
+    q/k norms), else Mixtral's; the choice ``export_model_type`` makes."""
+    if config.attn_type == "mla":
+        return "deepseek_v3_q_lora" if config.q_lora_rank else "deepseek_v3"
     return "qwen_moe" if config.shared_expert_gate or config.use_qk_norm else "mixtral"
 
 
@@ -482,63 +726,168 @@ def hf_key_to_ours(key: str, config: ModelConfig | None = None) -> str | None:
     """Our name for a Hugging Face tensor name of ``config``'s family (``moe_names``), or, without a config, of any
     family (no name means two things in two families); None when it has none."""
     if config is not None:
-        return _rename(key, _TO_OURS[moe_names(config)])
+        return _rename(key, _TO_OURS[_names(config)])
     return next(filter(None, (_rename(key, table) for table in _TO_OURS.values())), None)
+
+
+def is_hf_name(key: str) -> bool:
+    """Whether ``key`` names a tensor of some supported family (a fused one, or one in a multimodal checkpoint's
+    language model, included)."""
+    key = language_model_key(key)
+    return hf_key_to_ours(key) is not None or bool(_FUSED_KEY.match(key))
+
+
+_LANGUAGE_MODEL_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
+                            "language_model.lm_head.": "lm_head."}  # fmt: skip
+"""A multimodal checkpoint's language model, as transformers 5 and 4 name it (``modeling_gemma3.py``), and the
+names of the same tensors in a text-only model."""
+_OTHER_TOWERS = re.compile(r"^(model\.)?(vision_tower|multi_modal_projector)\.")
+"""A multimodal checkpoint's other towers: left out (``MULTIMODAL_TEXT_TOWERS``)."""
+
+
+def language_model_key(key: str) -> str:
+    """``key`` as a text-only model names it (a multimodal checkpoint's language model prefix replaced)."""
+    prefix = next((p for p in _LANGUAGE_MODEL_PREFIXES if key.startswith(p)), None)
+    return key if prefix is None else _LANGUAGE_MODEL_PREFIXES[prefix] + key.removeprefix(prefix)
 
 
 def our_key_to_hf(key: str, config: ModelConfig | None = None) -> str | None:
     """The Hugging Face name of one of our tensor names in ``config``'s family (``moe_names``), or, without a
     config, a name every family shares (an MoE router's or expert's has none); None when it has none."""
-    return _rename(key, _TO_HF[moe_names(config)] if config is not None else _SHARED_TO_HF)
+    return _rename(key, _TO_HF[_names(config)] if config is not None else _SHARED_TO_HF)
 
 
-def is_rotated(key: str) -> bool:
-    """Whether one of our tensors has q/k rows in our RoPE pairing (permuted on import and export)."""
-    return bool(_ROTATED.match(key))
+def _names(config: ModelConfig) -> tuple[str, bool]:
+    """The key of a model's name table (``_FAMILY_PAIRS``)."""
+    return moe_names(config), config.norm_placement != "pre"
 
 
-def rotate_half_to_interleaved(rows: Tensor, head_dim: int) -> Tensor:
+def is_rotated(key: str, config: ModelConfig | None = None) -> bool:
+    """Whether one of our tensors has q/k rows in our RoPE pairing where transformers' have rotate-half pairing
+    (permuted on import and export). Never under MLA: DeepSeek-V3's checkpoints rotate interleaved pairs, as we do
+    (its ``rope_interleave``, the only layout mapped), and the scores do not depend on the order of the dims."""
+    return bool(_ROTATED.match(key)) and (config is None or config.attn_type != "mla")
+
+
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def multi_token_prediction_layers(keys: Iterable[str], config: ModelConfig) -> list[int]:
+    """The layers of a DeepSeek-V3 checkpoint past ``num_hidden_layers``: its multi-token-prediction modules
+    (``num_nextn_predict_layers``, arXiv:2412.19437 section 2.2), which the causal LM never runs (transformers skips
+    them too); their tensors are left out (``import_targets``)."""
+    if not moe_names(config).startswith("deepseek_v3"):
+        return []
+    indices = {int(match[1]) for key in keys if (match := _LAYER_INDEX.match(key))}
+    return sorted(i for i in indices if i >= config.num_hidden_layers)
+
+
+def rotate_half_to_interleaved(rows: Tensor, head_dim: int, rotary_dim: int | None = None) -> Tensor:
     """Reorder the rows of each head from transformers' RoPE layout to ours: row ``i`` goes to ``2i`` and row
-    ``i + d/2`` to ``2i + 1``, so the pair rotated together by frequency ``i`` sits side by side.
+    ``i + r/2`` to ``2i + 1``, so the pair rotated together by frequency ``i`` sits side by side. ``r`` is
+    ``rotary_dim`` (the head's first rows that rotate, Phi-3's partial rotary; the rest keep their place), by default
+    the whole ``head_dim``.
 
-    ``rows`` is a q/k projection weight ``[heads * head_dim, in]``, its bias, or a per-head norm weight
-    ``[head_dim]``.
+    ``rows`` is a q/k projection weight ``[heads * head_dim, in]``, its bias, or a q/k norm weight (per head, or
+    over the whole projection).
     """
-    return rows.unflatten(0, (-1, 2, head_dim // 2)).transpose(1, 2).flatten(0, 2).contiguous()
+    return _permute_rotated(rows, head_dim, rotary_dim or head_dim, (2, -1))
 
 
-def interleaved_to_rotate_half(rows: Tensor, head_dim: int) -> Tensor:
+def interleaved_to_rotate_half(rows: Tensor, head_dim: int, rotary_dim: int | None = None) -> Tensor:
     """The inverse of ``rotate_half_to_interleaved``."""
-    return rows.unflatten(0, (-1, head_dim // 2, 2)).transpose(1, 2).flatten(0, 2).contiguous()
+    return _permute_rotated(rows, head_dim, rotary_dim or head_dim, (-1, 2))
 
 
-def import_name(key: str, config: ModelConfig) -> tuple[str, int | None] | None:
-    """Where a Hugging Face tensor goes: ``(our name, head_dim)`` when its rows must be permuted from rotate-half
-    pairing to ours (``rotate_half_to_interleaved`` with that ``head_dim``), ``(our name, None)`` when it is taken
-    as it is, None when it is derived and never loaded. A name with no equivalent keeps its Hugging Face spelling,
-    so the strict match against the model (``checkpoint.load_model_weights``) names it. Lets the loader read each
-    tensor straight into its place without building a renamed state dict first."""
-    if _DERIVED_HF_KEYS.match(key):
+def _permute_rotated(rows: Tensor, head_dim: int, rotary_dim: int, split: tuple[int, int]) -> Tensor:
+    """Swap the two row axes ``split`` of each head's first ``rotary_dim`` rows (a ``2 x r/2`` / ``r/2 x 2``
+    transpose), keeping the other rows of the head in place."""
+    heads = rows.unflatten(0, (-1, head_dim))
+    rotated, passed = heads.split([rotary_dim, head_dim - rotary_dim], dim=1)
+    rotated = rotated.unflatten(1, split).transpose(1, 2).flatten(1, 2)
+    return torch.cat([rotated, passed], dim=1).flatten(0, 1).contiguous()
+
+
+class Target(NamedTuple):
+    """Where a Hugging Face tensor, or one part of it, goes (``import_targets``)."""
+
+    name: str
+    """Our tensor's name."""
+    head_dim: int | None = None
+    """Set when its rows are q/k rows in rotate-half pairing, permuted head by head to ours on the way in
+    (``rotate_half_to_interleaved``)."""
+    rotary_dim: int | None = None
+    """With ``head_dim``: the rows of each head that rotate (Phi-3's partial rotary); None means all of them."""
+    rows: tuple[int, int] | None = None
+    """The rows ``[start, stop)`` of a fused tensor that are this one (Phi-3's ``qkv_proj`` and ``gate_up_proj``);
+    None means the whole tensor."""
+
+
+def import_targets(key: str, config: ModelConfig) -> list[Target]:
+    """Where a Hugging Face tensor goes: one ``Target``, one per part of a fused tensor (``FUSED``), or none when it
+    is derived and never loaded. A name with no equivalent keeps its Hugging Face spelling, so the strict match
+    against the model (``checkpoint.load_model_weights``) names it. Lets the loader read each tensor straight into
+    its place without building a renamed state dict first."""
+    if _DERIVED_HF_KEYS.match(key) or _OTHER_TOWERS.match(key) or multi_token_prediction_layers([key], config):
+        return []
+    key = language_model_key(key)
+    fused = _FUSED_KEY.match(key)
+    if fused is None:
+        return [_target(hf_key_to_ours(key, config) or key, config)]
+    layer, parts = fused["i"], fused_parts(fused["name"], config)
+    return [_target(f"layers.{layer}.{name}.weight", config, rows) for name, rows in parts.items()]
+
+
+def _target(name: str, config: ModelConfig, rows: tuple[int, int] | None = None) -> Target:
+    if not is_rotated(name, config):
+        return Target(name, rows=rows)
+    return Target(name, config.attention_head_dim, config.rope_dim, rows)
+
+
+FUSED = {"self_attn.qkv_proj": ("attention.q_proj", "attention.k_proj", "attention.v_proj"),
+         "mlp.gate_up_proj": ("mlp.gate", "mlp.up")}  # fmt: skip
+"""Phi-3's fused projections (``modeling_phi3.py``: q, k and v rows stacked, then gate and up) and ours, in order."""
+FUSED_MODEL_TYPES = ("phi3",)
+"""The families whose files hold ``FUSED`` tensors: split on import, fused again on export."""
+_FUSED_KEY = re.compile(r"^model\.layers\.(?P<i>\d+)\.(?P<name>self_attn\.qkv_proj|mlp\.gate_up_proj)\.weight$")
+
+
+def fused_into(key: str, model_type: str) -> str | None:
+    """The ``FUSED`` tensor of ``model_type``'s files that holds our tensor ``key``; None when none does."""
+    match = re.match(r"^layers\.(\d+)\.(.+)\.weight$", key)
+    if model_type not in FUSED_MODEL_TYPES or match is None:
         return None
-    name = hf_key_to_ours(key, config) or key
-    return name, config.attention_head_dim if _ROTATED.match(name) else None
+    fused = next((name for name, parts in FUSED.items() if match[2] in parts), None)
+    return fused and f"model.layers.{match[1]}.{fused}.weight"
+
+
+def fused_parts(fused: str, config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Our layers within a ``FUSED`` tensor of ``config``'s sizes, each with its rows ``[start, stop)``."""
+    kv_heads = config.num_key_value_heads or config.num_attention_heads
+    if fused == "self_attn.qkv_proj":
+        widths = [config.num_attention_heads, kv_heads, kv_heads]
+        widths = [heads * config.attention_head_dim for heads in widths]
+    else:
+        widths = [config.intermediate_size] * 2
+    ends = list(itertools.accumulate(widths))
+    return {name: (end - width, end) for name, width, end in zip(FUSED[fused], widths, ends, strict=True)}
 
 
 def state_dict_from_hf(hf_state: Mapping[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
-    """Hugging Face tensors under our names, q/k rows in our RoPE pairing; tensors are taken as they are (dtype
-    included). See ``import_name``."""
+    """Hugging Face tensors under our names, q/k rows in our RoPE pairing, fused tensors split; tensors are taken as
+    they are (dtype included). See ``import_targets``."""
     ours = {}
     for key, tensor in hf_state.items():
-        target = import_name(key, config)
-        if target is not None:
-            name, head_dim = target
-            ours[name] = tensor if head_dim is None else rotate_half_to_interleaved(tensor, head_dim)
+        for name, head_dim, rotary_dim, rows in import_targets(key, config):
+            part = tensor if rows is None else tensor[rows[0] : rows[1]]
+            ours[name] = part if head_dim is None else rotate_half_to_interleaved(part, head_dim, rotary_dim)
     return ours
 
 
-def state_dict_to_hf(state: Mapping[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
-    """Our tensors under Hugging Face names, q/k rows in transformers' pairing (the inverse of
-    ``state_dict_from_hf``); a tied model's ``lm_head.weight`` is left out, as transformers saves it."""
+def state_dict_to_hf(state: Mapping[str, Tensor], config: ModelConfig, model_type: str = "") -> dict[str, Tensor]:
+    """Our tensors under Hugging Face names, q/k rows in transformers' pairing, fused again where ``model_type``
+    fuses them (``FUSED_MODEL_TYPES``): the inverse of ``state_dict_from_hf``. A tied model's ``lm_head.weight`` is
+    left out, as transformers saves it."""
     hf = {}
     for key, tensor in state.items():
         if config.tied and key == "lm_head.weight":
@@ -546,10 +895,19 @@ def state_dict_to_hf(state: Mapping[str, Tensor], config: ModelConfig) -> dict[s
         name = our_key_to_hf(key, config)
         if name is None:
             raise ValueError(f"{key}: no Hugging Face equivalent")
-        if _ROTATED.match(key):
-            tensor = interleaved_to_rotate_half(tensor, config.attention_head_dim)
+        if is_rotated(key, config):
+            tensor = interleaved_to_rotate_half(tensor, config.attention_head_dim, config.rope_dim)
         hf[name] = tensor
+    if model_type in FUSED_MODEL_TYPES:
+        for layer, fused in itertools.product(range(config.num_hidden_layers), FUSED):
+            parts = [hf.pop(f"model.layers.{layer}.{_hf_layer_name(ours)}.weight") for ours in FUSED[fused]]
+            hf[f"model.layers.{layer}.{fused}.weight"] = torch.cat(parts)
     return hf
+
+
+def _hf_layer_name(ours: str) -> str:
+    """transformers' name of one of our layers within a block (``attention.q_proj`` -> ``self_attn.q_proj``)."""
+    return our_key_to_hf(f"layers.0.{ours}.weight").removeprefix("model.layers.0.").removesuffix(".weight")
 
 
 # --- export ------------------------------------------------------------------------------------------------------
@@ -563,6 +921,8 @@ def hf_config(config: ModelConfig, state: Mapping[str, Tensor], dtype: str, sour
     transformers 5 reads too. A ``ConfigError`` names what has no equivalent."""
     if source is not None:
         written = dict(source.config)
+        if source.model_type in MULTIMODAL_TEXT_TOWERS:  # the language model alone: what these weights are
+            written = language_model_config(written, where)
         for key in ("dtype", "torch_dtype"):
             if key in written:
                 written[key] = dtype
@@ -605,8 +965,15 @@ def hf_config(config: ModelConfig, state: Mapping[str, Tensor], dtype: str, sour
         written.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
     if model_type in ("qwen2", "qwen3"):
         written.update(use_sliding_window=False, sliding_window=None, max_window_layers=config.num_hidden_layers)
-    if model_type == "qwen3":
+    if model_type in ("qwen3", "olmo2"):
         written.update(attention_bias=False)
+    if model_type in GEMMA_TYPES:
+        written.update(_gemma_fields(config, model_type, rope_theta, where))
+        del written["hidden_act"]  # Gemma's configs name it hidden_activation
+    if model_type == "phi3":
+        written.update(partial_rotary_factor=config.rope_dim / config.attention_head_dim, resid_pdrop=0.0,
+                       embd_pdrop=0.0, sliding_window=None,
+                       original_max_position_embeddings=config.max_position_embeddings)  # fmt: skip
     if model_type == "mixtral":
         written.update(
             intermediate_size=config.moe_intermediate_size or config.intermediate_size,
@@ -619,7 +986,31 @@ def hf_config(config: ModelConfig, state: Mapping[str, Tensor], dtype: str, sour
         )
     if model_type in QWEN_MOE_TYPES:
         written.update(_qwen_moe_fields(config, model_type))
+    if model_type == "deepseek_v3":
+        written.update(_deepseek_v3_fields(config))
     return written
+
+
+def _gemma_fields(config: ModelConfig, model_type: str, rope_theta: float, where: str) -> dict[str, Any]:
+    """A Gemma 2 or Gemma 3 text config's own fields for ``config`` (the inverse of ``_gemma``)."""
+    layer_types = config.layer_types or ["full_attention"] * config.num_hidden_layers
+    fields = dict(
+        hidden_activation="gelu_pytorch_tanh",
+        query_pre_attn_scalar=config.query_pre_attn_scalar or config.attention_head_dim,  # head_dim ** -0.5: ours
+        attn_logit_softcapping=config.attn_logit_softcapping,
+        final_logit_softcapping=config.final_logit_softcapping,
+        layer_types=layer_types,
+        sliding_window=config.sliding_window or config.max_position_embeddings,  # used by no layer when unset
+        attention_bias=False,
+    )
+    if model_type == "gemma3_text":
+        sliding = "sliding_attention" in layer_types
+        if sliding and config.rope_local_theta is None and config.rope_frequency_scaling is not None:
+            raise ConfigError(f"{where}: rope_frequency_scaling {config.rope_frequency_scaling!r} cannot be exported "
+                              "to Hugging Face: Gemma 3's sliding layers take the default RoPE, and these share the "
+                              "scaled one (rope_local_theta is not set)")  # fmt: skip
+        fields.update(rope_local_base_freq=config.rope_local_theta or rope_theta)
+    return fields
 
 
 def _qwen_moe_fields(config: ModelConfig, model_type: str) -> dict[str, Any]:
@@ -651,16 +1042,32 @@ def _qwen_moe_fields(config: ModelConfig, model_type: str) -> dict[str, Any]:
 def export_model_type(config: ModelConfig, state: Mapping[str, Tensor], where: str = "config.json") -> str:
     """The transformers model_type computing what ``config`` (with these weights) computes: dense GQA is ``llama``,
     with q/k/v biases ``qwen2``, with q/k norms ``qwen3``; an MoE with a gated shared expert ``qwen2_moe``, with q/k
-    norms ``qwen3_moe``, else ``mixtral``; else a ``ConfigError`` naming the field that has no equivalent."""
+    norms ``qwen3_moe``, else ``mixtral``; output norms with a q/k norm over the whole projection ``olmo2``; partial
+    rotary ``phi3``; else a ``ConfigError`` naming the field that has no equivalent."""
 
     def refuse(field: str, value: Any, why: str) -> None:
         raise ConfigError(f"{where}: {field} {value!r} cannot be exported to Hugging Face: {why}")
 
     if config.attn_type == "mla":
-        refuse("attn_type", "mla", "AstrAI's latent attention differs from DeepSeek's (whose RoPE key is shared "
-               "across heads); no transformers class computes it")  # fmt: skip
+        if not config.mla_shared_rope_key:
+            refuse("attn_type", "mla", "AstrAI's latent attention differs from DeepSeek's (whose RoPE key is shared "
+                   "across heads); no transformers class computes it")  # fmt: skip
+        return _deepseek_v3_export(config, refuse)
     if config.use_gated_attention:
         refuse("use_gated_attention", True, "no transformers class exported here gates the attention output")
+    gemma = [field for field, off in _GEMMA_OFF.items() if (getattr(config, field) or None) != (off or None)]
+    if config.norm_placement == "sandwich" or gemma:
+        return _the_only_class("gemma3_text" if config.use_qk_norm else "gemma2", config, refuse)
+    if config.norm_placement == "post" or config.qk_norm_over_projection:
+        return _the_only_class("olmo2", config, refuse)
+    if config.rotary_dim is not None:
+        head_dim, rotary_dim = config.attention_head_dim, config.rotary_dim
+        if int(head_dim * (rotary_dim / head_dim)) != rotary_dim:
+            refuse("rotary_dim", rotary_dim, f"Phi-3 rotates int(head_dim * partial_rotary_factor) dims, and no "
+                   f"float factor gives {rotary_dim} of {head_dim}")  # fmt: skip
+        return _the_only_class("phi3", config, refuse)
+    if config.norm_placement != "pre":
+        refuse("norm_placement", config.norm_placement, "no transformers class exported here has these norms")
     if config.use_qk_norm and config.attention_qkv_bias:
         refuse("attention_qkv_bias", True, "no transformers class has both q/k/v biases and q/k norms")
     if config.use_qk_norm and not config.qk_norm_before_rope:
@@ -694,6 +1101,89 @@ def export_model_type(config: ModelConfig, state: Mapping[str, Tensor], where: s
     if config.attention_qkv_bias:
         return "qwen2"
     return "qwen3" if config.use_qk_norm else "llama"
+
+
+_ONLY_CLASS = {
+    # model_type: (what only its class computes among those exported here, the fields it needs: modeling_<type>.py)
+    "olmo2": ("output norms only or a q/k norm over the whole projection",
+              dict(norm_placement="post", use_qk_norm=True, qk_norm_over_projection=True, qk_norm_before_rope=True,
+                   attention_qkv_bias=False, ffn_type="mlp", rotary_dim=None)),
+    "phi3": ("RoPE on part of each head", dict(norm_placement="pre", use_qk_norm=None, attention_qkv_bias=False,
+                                               ffn_type="mlp", rope_frequency_scaling=None)),
+    "gemma2": ("norms around each sublayer scaling by 1 + weight, scaled embeddings and GeGLU",
+               dict(norm_placement="sandwich", norm_unit_offset=True, scale_embeddings=True,
+                    mlp_activation="gelu_pytorch_tanh", use_qk_norm=None, attention_qkv_bias=False, ffn_type="mlp",
+                    rotary_dim=None, rope_local_theta=None)),
+    "gemma3_text": ("Gemma 2's block with per-head q/k norms",
+                    dict(norm_placement="sandwich", norm_unit_offset=True, scale_embeddings=True,
+                         mlp_activation="gelu_pytorch_tanh", use_qk_norm=True, qk_norm_before_rope=True,
+                         qk_norm_over_projection=False, attention_qkv_bias=False, ffn_type="mlp", rotary_dim=None)),
+}  # fmt: skip
+_GEMMA_OFF = dict(norm_unit_offset=False, scale_embeddings=False, mlp_activation="silu", query_pre_attn_scalar=None,
+                  attn_logit_softcapping=None, final_logit_softcapping=None, sliding_window=None, layer_types=None,
+                  rope_local_theta=None)  # fmt: skip
+"""The options only the Gemma classes compute, at their default (off); any one set leads export to Gemma's."""
+
+
+_ONLY_CLASS["deepseek_v3"] = (  # here, after _GEMMA_OFF: it needs every Gemma option off
+    "latent attention with a shared RoPE key",
+    dict(_GEMMA_OFF, yarn_softmax_scale=True, use_qk_norm=None, use_gated_attention=None, norm_placement="pre",
+         rotary_dim=None, ffn_type="moe", scoring_func="sigmoid", score_correction_bias=True, decoder_sparse_step=1,
+         n_shared_experts=1, shared_expert_gate=False),
+)  # fmt: skip
+
+
+def _deepseek_v3_export(config: ModelConfig, refuse: Callable[[str, Any, str], None]) -> str:
+    """``deepseek_v3`` for a model ``DeepseekV3ForCausalLM`` computes (``_ONLY_CLASS``, and its dense layers first,
+    a shared MLP as wide as some routed ones, a key and value for every head), else the refusal."""
+    _the_only_class("deepseek_v3", config, refuse)
+    heads, dense = config.num_attention_heads, config.mlp_only_layers or []
+    if (config.num_key_value_heads or heads) != heads:
+        refuse("num_key_value_heads", config.num_key_value_heads, f"DeepSeek-V3 has a key and value per head ({heads})")
+    if dense != list(range(len(dense))):
+        refuse("mlp_only_layers", dense, "DeepSeek-V3's dense layers are its first first_k_dense_replace ones")
+    routed = config.moe_intermediate_size or config.intermediate_size
+    if (config.shared_expert_intermediate_size or config.intermediate_size) % routed:
+        refuse("shared_expert_intermediate_size", config.shared_expert_intermediate_size,
+               f"DeepSeek-V3's shared MLP is n_shared_experts routed experts wide ({routed} each)")  # fmt: skip
+    return "deepseek_v3"
+
+
+def _deepseek_v3_fields(config: ModelConfig) -> dict[str, Any]:
+    """A DeepSeek-V3 config's own fields for ``config`` (the inverse of ``_deepseek_v3``)."""
+    routed = config.moe_intermediate_size or config.intermediate_size
+    return dict(
+        head_dim=config.qk_rope_head_dim,  # what DeepseekV3Config writes there
+        intermediate_size=config.intermediate_size or routed,  # unused without dense layers, yet required
+        q_lora_rank=config.q_lora_rank,
+        kv_lora_rank=config.kv_lora_rank,
+        qk_nope_head_dim=config.qk_nope_head_dim,
+        qk_rope_head_dim=config.qk_rope_head_dim,
+        v_head_dim=config.v_head_dim or config.attention_head_dim,
+        n_routed_experts=config.n_routed_experts,
+        num_experts_per_tok=config.n_activated_experts,
+        moe_intermediate_size=routed,
+        n_shared_experts=(config.shared_expert_intermediate_size or config.intermediate_size) // routed,
+        first_k_dense_replace=len(config.mlp_only_layers or []),
+        n_group=config.n_group,
+        topk_group=config.topk_group,
+        routed_scaling_factor=config.routed_scaling_factor,
+        norm_topk_prob=config.norm_topk_prob,
+        rope_interleave=True,
+        num_nextn_predict_layers=0,
+        attention_bias=False,
+        output_router_logits=False,
+    )
+
+
+def _the_only_class(model_type: str, config: ModelConfig, refuse: Callable[[str, Any, str], None]) -> str:
+    """``model_type``, when ``config`` has every field its class needs (``_ONLY_CLASS``), else the refusal."""
+    what, fields = _ONLY_CLASS[model_type]
+    for field, wanted in fields.items():
+        if (getattr(config, field) or None) != (wanted or None):  # False and None both mean off
+            refuse(field, getattr(config, field), f"{ARCHITECTURES[model_type]}, the class with {what}, has "
+                   f"{field} {wanted!r}")  # fmt: skip
+    return model_type
 
 
 def generation_config(token_ids: Mapping[str, int | None]) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import warnings
 from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -118,7 +119,7 @@ def load_checkpoint(
         state_dict = read_weights(path)  # headers only: tensors are read where they go (``load_model_weights``)
         if source is not None:  # transformers' names (a base read above has ours already)
             check_hf_names(state_dict, model_config, source.model_type, path)
-            state_dict = state_dict.renamed({key: hf.import_name(key, model_config) for key in state_dict})
+            state_dict = state_dict.renamed({key: hf.import_targets(key, model_config) for key in state_dict})
     return Checkpoint(
         path=path,
         config=config,
@@ -138,10 +139,13 @@ def check_hf_names(state_dict: Mapping[str, Tensor], config: ModelConfig, model_
     where the config unties it (transformers would compute with a head of its own, not a clone of the embedding,
     which is AstrAI's rule for its own directories)."""
     weights = path / (WEIGHTS_INDEX_FILE if (path / WEIGHTS_INDEX_FILE).exists() else WEIGHTS_FILE)
-    foreign = [k for k in state_dict if hf.import_name(k, config) is not None and hf.hf_key_to_ours(k) is None]
+    foreign = [k for k in state_dict if hf.import_targets(k, config) and not hf.is_hf_name(k)]
     if foreign:
         raise CheckpointError(f"{weights}: {abbreviate(foreign)} are not tensor names of a Hugging Face "
                               f"{model_type} model (transformers would not load them)")  # fmt: skip
+    if skipped := hf.multi_token_prediction_layers(state_dict, config):
+        warnings.warn(f"{weights}: skipping layers {skipped}, {model_type}'s multi-token-prediction modules, which "
+                      "the causal LM never runs", stacklevel=3)  # fmt: skip
     if not config.tied and hf.our_key_to_hf(LM_HEAD_KEY) not in state_dict:
         raise CheckpointError(
             f"{weights}: no lm_head.weight, but {CONFIG_FILE} says tie_word_embeddings: false, so transformers "

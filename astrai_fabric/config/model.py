@@ -37,6 +37,9 @@ MAX_EXPERT_MLPS = 2**16
 at a time (DeepSeek-V3 has 58 x 257 = 14,906)."""
 ATTN_TYPES = ("gqa", "mla")
 FFN_TYPES = ("mlp", "moe")
+NORM_PLACEMENTS = ("pre", "post", "sandwich")
+MLP_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 ASTRAI_MODEL_TYPE = "autoregressive_lm"
 """The ``model_type`` AstrAI writes; a ``config.json`` with another one is a Hugging Face architecture (or ours,
 ``EXTENDED_MODEL_TYPE``)."""
@@ -50,13 +53,38 @@ EXTENSION_FIELDS = (
     "qk_norm_before_rope",
     "rope_frequency_scaling",
     "shared_expert_gate",
+    "q_lora_rank",
+    "v_head_dim",
+    "mla_shared_rope_key",
+    "yarn_softmax_scale",
+    "scoring_func",
+    "score_correction_bias",
+    "n_group",
+    "topk_group",
+    "routed_scaling_factor",
+    "norm_placement",
+    "qk_norm_over_projection",
+    "rotary_dim",
+    "norm_unit_offset",
+    "scale_embeddings",
+    "mlp_activation",
+    "query_pre_attn_scalar",
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "sliding_window",
+    "layer_types",
+    "rope_local_theta",
 )
 """Our fields beyond AstrAI's schema: written to config.json only when they differ from their default."""
 ROPE_FREQUENCY_TYPES = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow"),
 }
 """``rope_frequency_scaling`` kinds and the numbers each needs (Hugging Face's names)."""
+YARN_OPTIONAL = ("mscale", "mscale_all_dim", "attention_factor")
+"""The numbers a ``yarn`` scaling may add (each >= 0; absent or 0 means unset, as in transformers)."""
+SCORING_FUNCS = ("softmax", "sigmoid")
 
 
 @dataclass
@@ -139,10 +167,75 @@ class ModelConfig:
     rope_frequency_scaling: dict | None = None
     """Hugging Face's RoPE frequency scaling (``modeling_rope_utils.py``): ``{"rope_type": "linear", "factor": f}``
     divides every frequency by f; ``{"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
-    "original_max_position_embeddings"}`` divides the low frequencies by f, keeps the high ones and blends between."""
+    "original_max_position_embeddings"}`` divides the low frequencies by f, keeps the high ones and blends between;
+    ``{"rope_type": "yarn", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow"}`` (with optional
+    ``YARN_OPTIONAL`` numbers and ``truncate``) blends the same way by rotations over the original length and scales
+    cos and sin by its attention factor (Peng et al. 2023, arXiv:2309.00071)."""
     shared_expert_gate: bool = False
     """MoE: scale the shared experts' output by ``sigmoid(shared_expert_gate(x))``, a learned ``Linear(hidden, 1)``
     per token (Qwen2-MoE); AstrAI adds it unscaled."""
+    q_lora_rank: int | None = None
+    """MLA: rank of the query's low-rank compression, ``q_proj(q_a_norm(q_a_proj(x)))`` (DeepSeek-V2/V3's
+    ``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``); None means one ``q_proj(x)`` (AstrAI's)."""
+    v_head_dim: int | None = None
+    """MLA: per-head value width; None means ``qk_nope_head_dim + qk_rope_head_dim`` (AstrAI's, which then needs
+    ``heads * that == hidden_size``). Set, the output projection reads ``heads * v_head_dim`` (DeepSeek-V2/V3)."""
+    mla_shared_rope_key: bool = False
+    """MLA: the key's rotated part is one head, the last ``qk_rope_head_dim`` outputs of ``kv_a_proj`` (not
+    normalised), shared by every head: DeepSeek-V2's decoupled RoPE key (arXiv:2405.04434, section 2.1.3). AstrAI's
+    comes per head out of ``kv_b_proj``."""
+    yarn_softmax_scale: bool = False
+    """MLA under a ``yarn`` ``rope_frequency_scaling`` with ``mscale_all_dim``: the softmax scale
+    ``1 / sqrt(qk_nope_head_dim + qk_rope_head_dim)`` is multiplied by ``(0.1 * mscale_all_dim * ln(factor) + 1)^2``
+    (DeepSeek-V2/V3's attention; transformers' ``yarn_apply_mscale`` in ``modeling_deepseek_v3.py``)."""
+    scoring_func: str = "softmax"
+    """MoE: the router's scores (``SCORING_FUNCS``): ``softmax`` over the experts (AstrAI's) or a ``sigmoid`` per
+    expert (DeepSeek-V3); a chosen expert's weight is its score."""
+    score_correction_bias: bool = False
+    """MoE: a per-expert bias added to the scores for *choosing* the top-k experts, never to their weights: the
+    buffer ``score_correction_bias`` of each MoE layer, set by DeepSeek-V3's auxiliary-loss-free balancing
+    (arXiv:2412.19437, section 2.1.2), never by gradients."""
+    n_group: int = 1
+    """MoE: the routed experts form ``n_group`` equal groups, and a token chooses among the experts of its
+    ``topk_group`` best groups only, a group scoring the sum of its two best (bias-corrected) scores
+    (DeepSeek-V3's group-limited routing); 1 means no groups."""
+    topk_group: int = 1
+    """MoE: how many of the ``n_group`` groups a token's experts may come from."""
+    routed_scaling_factor: float = 1.0
+    """MoE: the routed experts' weights are multiplied by this after ``norm_topk_prob`` (DeepSeek-V3: 2.5)."""
+    norm_placement: str = "pre"
+    """Where each block's RMSNorms sit (``NORM_PLACEMENTS``): ``pre`` normalises each sublayer's input (AstrAI's,
+    Llama's); ``post`` each sublayer's output before the residual add, inputs unnormalised (OLMo 2); ``sandwich``
+    both (Gemma 2 and 3)."""
+    qk_norm_over_projection: bool = False
+    """With ``use_qk_norm``: one RMSNorm over each token's whole query (key) projection, every head together, with a
+    weight of ``heads * head_dim`` (OLMo 2), instead of one per head of ``head_dim``."""
+    rotary_dim: int | None = None
+    """GQA: RoPE rotates each query/key head's first ``rotary_dim`` dims only, the others pass unrotated (Phi-3's
+    ``partial_rotary_factor * head_dim``); None means the whole head."""
+    norm_unit_offset: bool = False
+    """Every RMSNorm scales by ``1 + weight``, its weight starting at zeros (Gemma), instead of by ``weight``."""
+    scale_embeddings: bool = False
+    """Multiply the token embeddings by ``sqrt(hidden_size)``, rounded to the embedding's dtype (Gemma)."""
+    mlp_activation: str = "silu"
+    """The dense MLP's gate activation (``MLP_ACTIVATIONS``): ``silu`` (SwiGLU, AstrAI's) or ``gelu_pytorch_tanh``
+    (GeGLU with GELU's tanh approximation, Gemma)."""
+    query_pre_attn_scalar: int | None = None
+    """GQA: the attention scores are scaled by ``query_pre_attn_scalar ** -0.5`` (Gemma 2 and 3; an integer in
+    transformers' configs) instead of ``head_dim ** -0.5``."""
+    attn_logit_softcapping: float | None = None
+    """GQA: attention scores become ``c * tanh(scores / c)`` before the mask and softmax (Gemma 2); None: uncapped."""
+    final_logit_softcapping: float | None = None
+    """The logits become ``c * tanh(logits / c)`` (Gemma 2); None: uncapped."""
+    sliding_window: int | None = None
+    """The layers ``layer_types`` marks ``sliding_attention`` let a query see only the keys less than this many
+    positions before it (Mistral's and Gemma's window, ``q - k < sliding_window``), within the mask they are given."""
+    layer_types: list[str] | None = None
+    """Each layer's attention (``LAYER_TYPES``): ``full_attention`` or ``sliding_attention`` (with
+    ``sliding_window``); None means full attention in every layer."""
+    rope_local_theta: float | None = None
+    """The RoPE base of the sliding-window layers, without frequency scaling (Gemma 3's ``rope_local_base_freq``);
+    None means they share the model's RoPE."""
 
     extra: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     """Keys of the source file this schema does not know; kept only to report them, never written."""
@@ -153,6 +246,12 @@ class ModelConfig:
             problems.append(f"attn_type must be one of {list(ATTN_TYPES)}, got {self.attn_type!r}")
         if self.ffn_type not in FFN_TYPES:
             problems.append(f"ffn_type must be one of {list(FFN_TYPES)}, got {self.ffn_type!r}")
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            problems.append(f"mlp_activation must be one of {list(MLP_ACTIVATIONS)}, got {self.mlp_activation!r}")
+        if self.norm_placement not in NORM_PLACEMENTS:
+            problems.append(f"norm_placement must be one of {list(NORM_PLACEMENTS)}, got {self.norm_placement!r}")
+        if self.scoring_func not in SCORING_FUNCS:
+            problems.append(f"scoring_func must be one of {list(SCORING_FUNCS)}, got {self.scoring_func!r}")
         if self.decoder_sparse_step < 1:
             problems.append(f"decoder_sparse_step must be at least 1, got {self.decoder_sparse_step}")
         if self.neftune_alpha < 0:
@@ -240,7 +339,9 @@ class ModelConfig:
     @property
     def rope_dim(self) -> int:
         """Width rotated by RoPE in each head."""
-        return self.qk_rope_head_dim if self.attn_type == "mla" else self.attention_head_dim
+        if self.attn_type == "mla":
+            return self.qk_rope_head_dim
+        return self.rotary_dim or self.attention_head_dim
 
     def ffn_type_of_layer(self, layer_id: int) -> str:
         """``mlp`` or ``moe`` for one layer, by AstrAI's rule (``mlp_only_layers``, ``decoder_sparse_step``)."""
@@ -278,7 +379,7 @@ class ModelConfig:
         if self.ffn_type == "moe":
             required += ["n_routed_experts", "n_shared_experts", "n_activated_experts"]
         problems = [f"{name!r} is required" for name in required if getattr(self, name) is None]
-        for name in required + ["num_key_value_heads", "head_dim"]:
+        for name in required + ["num_key_value_heads", "head_dim", "rotary_dim"]:
             value = getattr(self, name)
             if value is not None and value < (0 if name == "n_shared_experts" else 1):
                 problems.append(f"{name!r} must be positive, got {value}")
@@ -294,11 +395,13 @@ class ModelConfig:
                     f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "
                     f"({self.num_attention_heads})"
                 )
-            if self.attn_type == "mla" and self.num_attention_heads * self.attention_head_dim != self.hidden_size:
+            mla_width = self.num_attention_heads * self.attention_head_dim
+            if self.attn_type == "mla" and self.v_head_dim is None and mla_width != self.hidden_size:
                 problems.append(
                     "MLA needs num_attention_heads * (qk_nope_head_dim + qk_rope_head_dim) == hidden_size, got "
                     f"{self.num_attention_heads} * {self.attention_head_dim} != {self.hidden_size}"
                 )
+            problems += self._latent_attention_and_routing_problems()
             if self.attn_type == "mla" and (self.head_dim is not None or self.attention_qkv_bias):
                 problems.append("'head_dim' and 'attention_qkv_bias' apply to gqa attention only, not mla")
             if self.rope_dim % 2:
@@ -308,6 +411,12 @@ class ModelConfig:
                     f"n_activated_experts ({self.n_activated_experts}) exceeds n_routed_experts "
                     f"({self.n_routed_experts})"
                 )
+            if self.qk_norm_over_projection and not (self.use_qk_norm and self.attn_type == "gqa"):
+                problems.append("'qk_norm_over_projection' needs gqa attention with use_qk_norm")
+            problems += self._window_problems()
+            if self.rotary_dim is not None and (self.attn_type != "gqa" or self.rotary_dim > self.attention_head_dim):
+                problems.append(f"'rotary_dim' ({self.rotary_dim}) needs gqa attention and at most head_dim "
+                                f"({self.attention_head_dim}) per head")  # fmt: skip
             if self.shared_expert_gate and not (self.ffn_type == "moe" and self.n_shared_experts):
                 problems.append(
                     "'shared_expert_gate' needs shared experts to gate (ffn_type moe, n_shared_experts >= 1)"
@@ -315,6 +424,56 @@ class ModelConfig:
             problems += self._value_problems()  # after the checks above: it divides by head counts
         if problems:
             raise ConfigError(f"{source}: cannot build a model: " + "; ".join(problems))
+
+    def _latent_attention_and_routing_problems(self) -> list[str]:
+        """DeepSeek-V3's options: MLA's need MLA, the routing ones an MoE whose experts split into groups that
+        leave a token enough experts to choose from."""
+        mla_options = ("q_lora_rank", "v_head_dim", "mla_shared_rope_key", "yarn_softmax_scale")
+        moe_options = ("score_correction_bias", "n_group", "topk_group", "routed_scaling_factor", "scoring_func")
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        set_away = [name for name in mla_options + moe_options if getattr(self, name) != defaults[name]]
+        problems = [f"{name!r} applies to mla attention only" for name in set_away
+                    if name in mla_options and self.attn_type != "mla"]  # fmt: skip
+        problems += [f"{name!r} applies to ffn_type moe only" for name in set_away
+                     if name in moe_options and self.ffn_type != "moe"]  # fmt: skip
+        if not 0 < self.routed_scaling_factor < math.inf:
+            problems.append(f"'routed_scaling_factor' must be a finite number > 0, got {self.routed_scaling_factor}")
+        if self.ffn_type != "moe" or self.n_group < 1 or self.topk_group < 1:
+            return problems  # group counts below 1 are reported as sizes
+        experts, groups = self.n_routed_experts, self.n_group
+        if experts % groups or self.topk_group > groups:
+            problems.append(f"n_group ({groups}) must divide n_routed_experts ({experts}) and be at least "
+                            f"topk_group ({self.topk_group})")  # fmt: skip
+        elif groups > 1 and experts // groups < 2:
+            problems.append(f"n_group ({groups}) leaves fewer than 2 experts per group; a group scores its best two")
+        elif self.n_activated_experts > self.topk_group * (experts // groups):
+            problems.append(f"n_activated_experts ({self.n_activated_experts}) exceeds the experts of topk_group "
+                            f"({self.topk_group}) groups of {experts // groups}")  # fmt: skip
+        return problems
+
+    def _window_problems(self) -> list[str]:
+        """Sliding windows, per-layer RoPE and soft-capping: in range, and only where they mean something."""
+        problems = []
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - set(LAYER_TYPES):
+                problems.append(f"'layer_types' must give one of {list(LAYER_TYPES)} for each of the "
+                                f"{self.num_hidden_layers} layers, got {self.layer_types}")  # fmt: skip
+            elif "sliding_attention" in self.layer_types and self.sliding_window is None:
+                problems.append("'layer_types' has sliding_attention layers but 'sliding_window' is not set")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            problems.append(f"'sliding_window' must be positive, got {self.sliding_window}")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "rope_local_theta"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                problems.append(f"{name!r} must be > 0, got {value}")
+        gqa_only = ("query_pre_attn_scalar", "attn_logit_softcapping", "sliding_window", "rope_local_theta")
+        if self.attn_type != "gqa":
+            problems += [f"{name!r} applies to gqa attention only" for name in gqa_only if getattr(self, name)]
+        return problems
+
+    def sliding_layer(self, layer_id: int) -> bool:
+        """Whether layer ``layer_id`` attends through the sliding window."""
+        return self.layer_types is not None and self.layer_types[layer_id] == "sliding_attention"
 
     def _check_counts(self, source: str) -> None:
         """The sizes that say how many modules a model has, bounded first: everything after may count or build
@@ -347,9 +506,9 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 problems.append(f"{name!r} must be > 0, got {value}")
-        sizes = ("moe_intermediate_size", "shared_expert_intermediate_size")
+        sizes = ("moe_intermediate_size", "shared_expert_intermediate_size", "q_lora_rank", "v_head_dim")
         if self.ffn_type == "moe":
-            sizes += ("n_routed_experts", "n_activated_experts")
+            sizes += ("n_routed_experts", "n_activated_experts", "n_group", "topk_group")
         problems += [
             f"{name!r} must be positive, got {getattr(self, name)}"
             for name in sizes
@@ -391,6 +550,13 @@ class ModelConfig:
             return [f"'rope_frequency_scaling' {kind} needs finite numbers > 0 for {list(names)}, got {values}"]
         if kind == "llama3" and not values[1] < values[2]:
             return [f"'rope_frequency_scaling' llama3 needs low_freq_factor < high_freq_factor, got {values[1:3]}"]
+        if kind == "yarn":
+            optional = {name: scaling[name] for name in YARN_OPTIONAL if scaling.get(name) is not None}
+            if not all(isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < math.inf
+                       for v in optional.values()):  # fmt: skip
+                return [f"'rope_frequency_scaling' yarn needs finite numbers >= 0 for {list(optional)}, got {optional}"]
+            if not isinstance(scaling.get("truncate", True), bool):
+                return [f"'rope_frequency_scaling' yarn truncate must be true or false, got {scaling['truncate']!r}"]
         return []
 
 

@@ -5,6 +5,8 @@ Both return ``(hidden_states, aux_loss, router_stats)``; the dense MLP's last tw
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -18,16 +20,20 @@ RouterStats = dict[str, Tensor]
 
 
 class MLP(nn.Module):
-    """SwiGLU: ``down(up(x) * silu(gate(x)))``."""
+    """SwiGLU: ``down(up(x) * silu(gate(x)))``; with ``activation="gelu_pytorch_tanh"`` GeGLU, GELU's tanh
+    approximation in place of silu (Gemma; transformers' ``gelu_pytorch_tanh``)."""
 
-    def __init__(self, dim: int, ffn_dim: int, down_init_std: float = 0.02) -> None:
+    def __init__(self, dim: int, ffn_dim: int, down_init_std: float = 0.02, activation: str = "silu") -> None:
         super().__init__()
         self.up = Linear(dim, ffn_dim)
         self.gate = Linear(dim, ffn_dim)
         self.down = Linear(ffn_dim, dim, init_std=down_init_std)
+        self.gelu = activation == "gelu_pytorch_tanh"
 
     def forward(self, x: Tensor) -> tuple[Tensor, None, None]:
-        return self.down(self.up(x) * F.silu(self.gate(x))), None, None
+        gate = self.gate(x)
+        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down(self.up(x) * gate), None, None
 
 
 class DeepSeekMoE(nn.Module):
@@ -38,6 +44,13 @@ class DeepSeekMoE(nn.Module):
     Routing: ``softmax`` in float32 over the router logits, top-k, optionally renormalised. The load-balancing
     aux loss, ``E * sum_e(fraction of (token, slot) pairs sent to e * mean router prob of e)``, exists only in
     training mode with grad enabled (AstrAI's rule).
+
+    DeepSeek-V3's routing (arXiv:2412.19437, section 2.1.2; ``DeepseekV3TopkRouter``), option by option, each off by
+    default: a ``sigmoid`` score per expert (``scoring_func``), a per-expert bias added for choosing only
+    (``score_correction_bias``, a buffer), the choice limited to the ``topk_group`` best of ``n_group`` expert
+    groups, and the weights scaled by ``routed_scaling_factor``. For a sigmoid router the aux loss's "router prob"
+    is the scores normalised over the experts per token, DeepSeek-V3's complementary balance loss (its eq. 17-20)
+    taken over the batch rather than per sequence; DeepSeek-V3 itself trains with a tiny coefficient on it.
 
     Departure from AstrAI: every routed expert runs, on an empty slice when it receives no token, so all
     parameters stay in the autograd graph (DDP without ``find_unused_parameters`` then never fails; AstrAI
@@ -58,6 +71,15 @@ class DeepSeekMoE(nn.Module):
         self.routed_experts = nn.ModuleList(MLP(dim, routed_dim, down_init_std) for _ in range(self.n_routed))
         # Only when on: AstrAI's models have no such parameter and draw their initial weights exactly as before.
         self.shared_expert_gate = Linear(dim, 1) if config.shared_expert_gate else None
+        self.scoring_func, self.routed_scaling_factor = config.scoring_func, config.routed_scaling_factor
+        self.n_group, self.topk_group = config.n_group, config.topk_group
+        # A buffer: it is never trained by gradients (topk's choice has none), yet it is part of the weights.
+        bias = torch.zeros(self.n_routed) if config.score_correction_bias else None
+        self.register_buffer("score_correction_bias", bias)
+
+    def reset_parameters(self) -> None:
+        if self.score_correction_bias is not None:
+            nn.init.zeros_(self.score_correction_bias)
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor | None, RouterStats | None]:
         shape = x.shape
@@ -70,17 +92,40 @@ class DeepSeekMoE(nn.Module):
             routed = routed + shared
         return routed.view(shape), aux_loss, stats
 
+    def route(self, router_logits: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """``(scores, choice)``, each ``[tokens, experts]``: the float32 scores, whose chosen entries are the
+        weights, and what the top-k is taken over: the scores in ``dtype``, the tokens' (AstrAI's), or, with a
+        score-correction bias or groups, the float32 scores plus the bias, every expert outside the token's
+        ``topk_group`` best groups at -inf (a group scoring the sum of its two best)."""
+        logits = router_logits.float()
+        scores = torch.sigmoid(logits) if self.scoring_func == "sigmoid" else torch.softmax(logits, dim=-1)
+        if self.score_correction_bias is None and self.n_group == 1:
+            return scores, scores.to(dtype)
+        choice = scores if self.score_correction_bias is None else scores + self.score_correction_bias.float()
+        if self.n_group > 1:
+            grouped = choice.unflatten(-1, (self.n_group, -1))
+            best = grouped.topk(2, dim=-1).values.sum(dim=-1).topk(self.topk_group, dim=-1, sorted=False).indices
+            outside = torch.ones(grouped.shape[:-1], dtype=torch.bool, device=choice.device).scatter_(-1, best, False)
+            choice = grouped.masked_fill(outside.unsqueeze(-1), -math.inf).flatten(-2)
+        return scores, choice
+
     def _routed(self, tokens: Tensor, with_aux: bool) -> tuple[Tensor, Tensor | None, RouterStats | None]:
-        probs = torch.softmax(self.router(tokens).float(), dim=-1).to(tokens.dtype)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1, sorted=False)
+        scores, choice = self.route(self.router(tokens), tokens.dtype)
+        probs = scores.to(tokens.dtype)
+        experts = torch.topk(choice, self.top_k, dim=-1, sorted=False).indices
+        weights = probs.gather(-1, experts)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.routed_scaling_factor != 1.0:
+            weights = weights * self.routed_scaling_factor
 
         aux_loss = stats = None
         if with_aux:
+            # A distribution over the experts per token: softmax's own, or the sigmoid scores normalised.
+            balance = probs if self.scoring_func == "softmax" else (scores / scores.sum(-1, keepdim=True)).to(probs)
             load = F.one_hot(experts, num_classes=self.n_routed).float().mean(dim=(0, 1))
-            aux_loss = self.n_routed * (load * probs.float().mean(dim=0)).sum()
-            stats = {"probs": probs.detach(), "topk_indices": experts}
+            aux_loss = self.n_routed * (load * balance.float().mean(dim=0)).sum()
+            stats = {"probs": balance.detach(), "topk_indices": experts}
 
         # Grouped dispatch: sort (token, slot) pairs by expert so each expert reads one contiguous slice.
         sorted_experts, order = torch.sort(experts.reshape(-1))
@@ -102,8 +147,14 @@ def describe_routing(config: ModelConfig) -> str | None:
     moe_layers = config.num_moe_layers
     if not moe_layers:
         return None
-    words = f"softmax top-{config.n_activated_experts} of {config.n_routed_experts}"
+    words = f"{config.scoring_func} top-{config.n_activated_experts} of {config.n_routed_experts}"
+    if config.n_group > 1:
+        words += f" in the best {config.topk_group} of {config.n_group} groups"
+    if config.score_correction_bias:
+        words += ", chosen with a score-correction bias"
     words += ", renormalised" if config.norm_topk_prob else ", not renormalised"
+    if config.routed_scaling_factor != 1.0:
+        words += f", scaled by {config.routed_scaling_factor:g}"
     shared = config.n_shared_experts
     if shared:
         how = [word for word, on in (("averaged", shared > 1), ("sigmoid gate", config.shared_expert_gate)) if on]

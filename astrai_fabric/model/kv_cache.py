@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 
@@ -26,9 +25,9 @@ class KVCache:
         if end > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} positions, {end} requested")
         if layer_id not in self._keys:
-            shape = (keys.size(0), self.max_len, *keys.shape[2:])
-            self._keys[layer_id] = torch.zeros(shape, dtype=keys.dtype, device=keys.device)
-            self._values[layer_id] = torch.zeros(shape, dtype=values.dtype, device=values.device)
+            # values may be narrower than keys (MLA's v_head_dim)
+            for store, new in ((self._keys, keys), (self._values, values)):
+                store[layer_id] = new.new_zeros((new.size(0), self.max_len, *new.shape[2:]))
         self._keys[layer_id][:, self.length : end] = keys
         self._values[layer_id][:, self.length : end] = values
         return self._keys[layer_id][:, :end], self._values[layer_id][:, :end]

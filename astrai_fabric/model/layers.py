@@ -42,20 +42,26 @@ class Embedding(nn.Module):
     AstrAI departs from the NEFTune paper (uniform noise scaled by ``alpha / sqrt(seq_len * hidden)``); we keep
     AstrAI's form so a recipe means the same thing in both trainers. The noise comes from ``generator``, which the
     trainer sets and reseeds from the run's position (``astrai_fabric.randomness``); None draws from the global RNG.
+    ``scaled`` multiplies the embeddings by ``sqrt(hidden_size)`` first (Gemma).
     """
 
     generator: torch.Generator | None = None
 
-    def __init__(self, vocab_size: int, hidden_size: int, neftune_alpha: float = 0.0) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, neftune_alpha: float = 0.0, scaled: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
         self.neftune_alpha = neftune_alpha
+        # Gemma multiplies by sqrt(hidden_size) made a float32 tensor, then cast to the weight's dtype
+        # (transformers' Gemma2TextScaledWordEmbedding); 1 leaves the embeddings exactly as they are.
+        self.scale = hidden_size**0.5 if scaled else 1.0
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, mean=0.0, std=0.02)
 
     def forward(self, input_ids: Tensor) -> Tensor:
         out = F.embedding(input_ids, self.weight)
+        if self.scale != 1.0:
+            out = out * torch.tensor(self.scale, dtype=torch.float32).to(out.dtype)
         if self.training and self.neftune_alpha > 0:
             noise = torch.randn(out.shape, generator=self.generator, device=out.device, dtype=out.dtype)
             out = out + (self.neftune_alpha / math.sqrt(out.size(1))) * noise
@@ -63,30 +69,85 @@ class Embedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """``x / rms(x) * w`` with ``w`` starting at ones (no ``1 + w`` offset)."""
+    """``x / rms(x) * w`` with ``w`` starting at ones (AstrAI's); with ``unit_offset``, ``x / rms(x) * (1 + w)`` with
+    ``w`` starting at zeros (Gemma's ``Gemma2RMSNorm``)."""
 
-    def __init__(self, dim: int, eps: float | None) -> None:
+    def __init__(self, dim: int, eps: float | None, unit_offset: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.unit_offset = unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
         self.eps = eps
 
     def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
+        if self.unit_offset:
+            nn.init.zeros_(self.weight)
+        else:
+            nn.init.ones_(self.weight)
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        scale = 1 + self.weight if self.unit_offset else self.weight
+        return F.rms_norm(x, self.weight.shape, scale, self.eps)
 
 
 def rope_table(dim: int, max_len: int, base: float, frequency_scaling: dict | None = None) -> Tensor:
     """``[max_len, dim/2, 2]`` float32 table of (cos, sin); angles computed in float64 as AstrAI does.
 
-    ``frequency_scaling`` is a config's ``rope_frequency_scaling`` (Hugging Face's ``linear`` or ``llama3``).
+    ``frequency_scaling`` is a config's ``rope_frequency_scaling`` (Hugging Face's ``linear``, ``llama3`` or
+    ``yarn``); yarn also scales cos and sin by its ``rope_attention_factor``, as transformers does.
     """
     inv_freq = base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-    if frequency_scaling is not None:
+    if frequency_scaling is not None and frequency_scaling["rope_type"] == "yarn":
+        inv_freq = yarn_frequencies(inv_freq, frequency_scaling, base)
+    elif frequency_scaling is not None:
         inv_freq = scale_frequencies(inv_freq, frequency_scaling)
     angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq).float()
-    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+    table = torch.stack([angles.cos(), angles.sin()], dim=-1)
+    attention_factor = rope_attention_factor(frequency_scaling)
+    return table if attention_factor == 1.0 else table * attention_factor
+
+
+def yarn_frequencies(inv_freq: Tensor, scaling: dict, base: float) -> Tensor:
+    """YaRN's "NTK-by-parts" frequencies (Peng et al. 2023, arXiv:2309.00071, section 3.2), with the facts of
+    transformers' ``_compute_yarn_parameters``: pair ``i`` keeps its frequency where it turns more than ``beta_fast``
+    times over ``original_max_position_embeddings``, is divided by ``factor`` where it turns fewer than
+    ``beta_slow`` times, and blends linearly in ``i`` between. With ``truncate`` (the default) the blend's ends are
+    rounded outwards to whole pairs; both are clipped to ``[0, dim - 1]``."""
+    dim = 2 * inv_freq.numel()
+    original_len = scaling["original_max_position_embeddings"]
+
+    def pair_turning(rotations: float) -> float:
+        """The (fractional) pair index whose frequency turns ``rotations`` times over the original length."""
+        return dim * math.log(original_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = pair_turning(scaling["beta_fast"]), pair_turning(scaling["beta_slow"])
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a ramp of zero width
+    interpolated = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / scaling["factor"] * interpolated + inv_freq * (1 - interpolated)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature ``sqrt(1/t) = 0.1 ln(factor) + 1`` (arXiv:2309.00071, eq. 22), the log scaled by
+    ``mscale`` (DeepSeek's generalisation); 1 for ``factor <= 1``."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """What a ``yarn`` scaling multiplies cos and sin by (so every rotated q.k product by its square), as
+    transformers computes it: ``attention_factor`` when given, else ``yarn_mscale(factor, mscale) /
+    yarn_mscale(factor, mscale_all_dim)`` when both are set (and not 0), else ``yarn_mscale(factor)``; 1 for the
+    other kinds."""
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, mscale, mscale_all_dim = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    return yarn_mscale(factor)
 
 
 def scale_frequencies(inv_freq: Tensor, scaling: dict) -> Tensor:

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
@@ -27,25 +28,39 @@ EMBED_KEY = "embed_tokens.weight"
 
 
 class DecoderBlock(nn.Module):
-    """Pre-norm block: ``x + attention(input_norm(x))``, then ``x + mlp(post_attention_norm(x))``."""
+    """``x + attention_output_norm(attention(input_norm(x)))``, then the same around the MLP, with
+    ``post_attention_norm`` and ``mlp_output_norm``.
+
+    ``config.norm_placement`` says which norms exist, the others being identities: ``pre`` (AstrAI's) has the input
+    norms only (``post_attention_norm`` is AstrAI's name for the MLP's input norm), ``post`` (OLMo 2) the output norms
+    only, ``sandwich`` (Gemma 2 and 3) all four.
+    """
 
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.attention = MLA(config, layer_id) if config.attn_type == "mla" else GQA(config, layer_id)
-        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        inputs, outputs = config.norm_placement != "post", config.norm_placement != "pre"
+        self.input_norm = _norm_or_identity(config, inputs)
+        self.post_attention_norm = _norm_or_identity(config, inputs)
         if config.ffn_type_of_layer(layer_id) == "moe":
             self.mlp = DeepSeekMoE(config)
         else:
             down_init_std = 0.02 / (2 * config.num_hidden_layers) ** 0.5
-            self.mlp = MLP(config.hidden_size, config.intermediate_size, down_init_std)
+            self.mlp = MLP(config.hidden_size, config.intermediate_size, down_init_std, config.mlp_activation)
+        # After the MLP: AstrAI's modules keep their registration (hence state_dict) order.
+        self.attention_output_norm = _norm_or_identity(config, outputs)
+        self.mlp_output_norm = _norm_or_identity(config, outputs)
 
     def forward(
         self, x: Tensor, rotary: Tensor, attn_mask: Tensor | None, kv_cache: KVCache | None = None
     ) -> tuple[Tensor, Tensor | None, Any]:
-        x = x + self.attention(self.input_norm(x), rotary, attn_mask, kv_cache)
+        x = x + self.attention_output_norm(self.attention(self.input_norm(x), rotary, attn_mask, kv_cache))
         mlp_out, aux_loss, router_stats = self.mlp(self.post_attention_norm(x))
-        return x + mlp_out, aux_loss, router_stats
+        return x + self.mlp_output_norm(mlp_out), aux_loss, router_stats
+
+
+def _norm_or_identity(config: ModelConfig, present: bool) -> nn.Module:
+    return RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_unit_offset) if present else nn.Identity()
 
 
 def process_attention_mask(input_mask: Tensor | None) -> Tensor | None:
@@ -61,6 +76,22 @@ def process_attention_mask(input_mask: Tensor | None) -> Tensor | None:
     if input_mask.dim() == 3:
         return input_mask[:, None, :, :]
     raise ValueError(f"attention mask must be 2-D, 3-D or 4-D, got shape {tuple(input_mask.shape)}")
+
+
+def sliding_window_mask(
+    attn_mask: Tensor | None, window: int, seq_len: int, past: int = 0, device: torch.device | None = None
+) -> Tensor:
+    """``attn_mask`` (None: causal) restricted to the keys fewer than ``window`` positions before each query, as
+    transformers' ``sliding_window_overlay`` (``q - k < window``); queries are ``past .. past + seq_len - 1`` of the
+    keys ``0 .. past + seq_len - 1`` (those of a ``KVCache`` first). Composes with document-boundary masks."""
+    queries = torch.arange(past, past + seq_len, device=device)[:, None]
+    keys = torch.arange(past + seq_len, device=device)
+    band = queries - keys < window
+    if attn_mask is None:
+        return band & (keys <= queries)
+    if attn_mask.dtype == torch.bool:
+        return attn_mask & band
+    return attn_mask.masked_fill(~band, float("-inf"))
 
 
 def make_doc_boundary_mask(position_ids: Tensor) -> Tensor:
@@ -118,12 +149,18 @@ class AutoRegressiveLM(nn.Module):
             config.rope_scaling,
             frequency_scaling=config.rope_frequency_scaling,
         )
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, config.neftune_alpha)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, config.neftune_alpha,
+                                      config.scale_embeddings)  # fmt: skip
         self.layers = nn.ModuleList(DecoderBlock(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_unit_offset)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         if config.tied:
             self.lm_head.weight = self.embed_tokens.weight
+        self.local_rotary_embedding = None  # the sliding-window layers' own RoPE (Gemma 3), after AstrAI's modules
+        if config.rope_local_theta is not None:
+            self.local_rotary_embedding = RotaryEmbedding(
+                config.rope_dim, config.max_position_embeddings, config.rope_local_theta
+            )
         self.gradient_checkpointing = False  # recompute each block in the backward pass (less memory)
         # Same traversal as AstrAI's `self.apply(_init_weights)`, hence the same random stream per seed.
         self.apply(_reset)
@@ -162,24 +199,45 @@ class AutoRegressiveLM(nn.Module):
         x = self.embed_tokens(input_ids)
         rotary = self.rotary_embedding(batch, seq_len, position_ids)
         attn_mask = process_attention_mask(input_mask)
+        # Sliding-window layers (Gemma, ``layer_types``): the same mask cut to the window, their own RoPE if any.
+        local_rotary, window_mask = rotary, None
+        if self.local_rotary_embedding is not None:
+            local_rotary = self.local_rotary_embedding(batch, seq_len, position_ids)
+        if self.config.sliding_window is not None:
+            past = kv_cache.length if kv_cache is not None else 0
+            window_mask = sliding_window_mask(attn_mask, self.config.sliding_window, seq_len, past, input_ids.device)
         aux_losses, router_stats = [], []
         recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            sliding = self.config.sliding_layer(i)
+            layer_rotary, layer_mask = (local_rotary, window_mask) if sliding else (rotary, attn_mask)
             if recompute:  # keep only the block's input; recompute its activations in the backward pass
-                x, aux_loss, stats = checkpoint(layer, x, rotary, attn_mask, use_reentrant=False)
+                x, aux_loss, stats = checkpoint(layer, x, layer_rotary, layer_mask, use_reentrant=False)
             else:
-                x, aux_loss, stats = layer(x, rotary, attn_mask, kv_cache)
+                x, aux_loss, stats = layer(x, layer_rotary, layer_mask, kv_cache)
             if stats is not None:
                 aux_losses.append(aux_loss)
                 router_stats.append(stats)
         if kv_cache is not None:
             kv_cache.length += seq_len
         hidden_states = self.norm(x)
-        if nll_targets is not None and nll_chunk_size > 0:
+        fused, cap = nll_targets is not None and nll_chunk_size > 0, self.config.final_logit_softcapping
+        output: dict[str, Any] = {"hidden_states": hidden_states}
+        if fused and cap is None:
             nll = head_token_nll(hidden_states, self.lm_head.weight, nll_targets, nll_chunk_size, label_smoothing)
-            output = {"token_nll": nll, "hidden_states": hidden_states}
+            output["token_nll"] = nll
         else:
-            output = {"logits": self.lm_head(hidden_states), "hidden_states": hidden_states}
+            logits = self.lm_head(hidden_states)
+            if cap is not None:  # Gemma 2's final soft-capping
+                logits = cap * torch.tanh(logits / cap)
+            if fused:
+                # The fused head's chunks are linear logits: capped ones are made whole and the same token losses
+                # taken from them (exact, without the fused head's memory saving).
+                nll = F.cross_entropy(logits.float().flatten(0, 1), nll_targets.flatten(), reduction="none",
+                                      label_smoothing=label_smoothing)  # fmt: skip
+                output["token_nll"] = nll.view_as(nll_targets)
+            else:
+                output["logits"] = logits
         if aux_losses:
             output["aux_loss"] = torch.stack(aux_losses).mean()
             output["router_stats"] = router_stats
@@ -222,14 +280,18 @@ def count_parameters(config: ModelConfig) -> int:
     kv_heads, head_dim = config.num_key_value_heads or heads, config.attention_head_dim
     width = heads * head_dim
     if config.attn_type == "mla":
-        rank = config.kv_lora_rank
-        attention = dim * width + dim * rank + rank + rank * kv_heads * 2 * head_dim + dim * dim
-        attention += dim * dim if config.use_gated_attention else 0
+        rank, q_rank, v_dim = config.kv_lora_rank, config.q_lora_rank, config.v_head_dim or head_dim
+        shared_rope = config.qk_rope_head_dim if config.mla_shared_rope_key else 0
+        query = dim * q_rank + q_rank + q_rank * width if q_rank else dim * width
+        kv_head_width = head_dim - shared_rope + v_dim
+        attention = query + dim * (rank + shared_rope) + rank + rank * kv_heads * kv_head_width + heads * v_dim * dim
+        attention += dim * heads * v_dim if config.use_gated_attention else 0
     else:
         attention = dim * width + 2 * dim * kv_heads * head_dim + width * dim
         attention += (width + 2 * kv_heads * head_dim) if config.attention_qkv_bias else 0
         attention += dim * width if config.use_gated_attention else 0
-    attention += 2 * head_dim if config.use_qk_norm else 0
+    if config.use_qk_norm:
+        attention += width + kv_heads * head_dim if config.qk_norm_over_projection else 2 * head_dim
     mlp = 3 * dim * config.intermediate_size if config.intermediate_size else 0
     moe = 0
     if config.num_moe_layers:
@@ -239,7 +301,8 @@ def count_parameters(config: ModelConfig) -> int:
             config.n_routed_experts * routed + config.n_shared_experts * shared
         )
         moe += dim if config.shared_expert_gate else 0
-    blocks = layers * (attention + 2 * dim) + (layers - config.num_moe_layers) * mlp + config.num_moe_layers * moe
+    norms = dim * (4 if config.norm_placement == "sandwich" else 2)
+    blocks = layers * (attention + norms) + (layers - config.num_moe_layers) * mlp + config.num_moe_layers * moe
     embeddings = config.vocab_size * dim * (1 if config.tied else 2)
     return embeddings + blocks + dim
 
