@@ -47,8 +47,8 @@ from astrai_fabric.tokenizer import Tokenizer
 TRAIN_COMMANDS = ("seq", "sft", "dpo", "kto", "grpo")
 OTHER_COMMANDS = ("evaluate", "generate", "chat", "export", "prepare", "plot", "download")
 """The commands that train nothing (each dispatched by ``_dispatch``); the usage line lists both tuples."""
-TRAIN_TYPE_ALIASES = {"online_grpo": "grpo"}
-"""AstrAI's train types that are a mode of ours: grpo is online when its data holds prompts only."""
+TRAIN_TYPE_ALIASES = {"online_grpo": "grpo", "online_dpo": "dpo"}
+"""AstrAI's train types that are a mode of ours: grpo and dpo are online when their data holds prompts only."""
 ASTRAI_SECTIONS = ("model", "data", "parallel", "training", "ckpt", "log")
 IGNORED_SECTIONS = ("runtime",)
 ALIASES = {"devices": "nprocs", "dry-run": "dry_run"}

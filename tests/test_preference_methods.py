@@ -31,12 +31,13 @@ from astrai_fabric.data.records import (
     collate_groups,
     collate_preferences,
     collate_unpaired,
+    pack,
 )
 from astrai_fabric.data.storage import read_records
 from astrai_fabric.losses import PREFERENCE_LOSSES, REFERENCE_FREE, grpo_advantages
 from astrai_fabric.model import AutoRegressiveLM, next_token_logprobs
 from astrai_fabric.tokenizer import Tokenizer
-from astrai_fabric.train.dpo import PreferenceArgs, dpo_batch_loss
+from astrai_fabric.train.dpo import PreferenceArgs, dpo_batch_loss, online_dpo_batch_loss
 from astrai_fabric.train.grpo import GRPOLossArgs, grpo_batch_loss
 from astrai_fabric.train.kto import kto_batch_loss
 
@@ -275,6 +276,66 @@ def test_bad_kto_records_are_one_line_naming_the_line(tmp_path, capsys, record, 
     assert not (tmp_path / "out").exists()
 
 
+# --- online dpo ----------------------------------------------------------------------------------------------
+
+
+def test_online_dpo_ranks_and_scores_as_trl(models):
+    """TRL's ``OnlineDPOTrainer.training_step`` with its sampling replaced by our two responses per prompt (the
+    issue's "samples fixed where sampling differs") and a reward returning ours: the same ranking (ties: the first
+    response), the same loss, the same gradient."""
+    from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+
+    tokenizer = Tokenizer.from_dir(models / "policy")
+    prompts = [[{"role": "user", "content": f"What is {a} + {b}?"}] for a, b in ((12, 34), (23, 45), (90, 13))]
+    prompt_ids = [tokenizer.apply_chat_template(p, add_generation_prompt=True) for p in prompts]
+    assert len({len(p) for p in prompt_ids}) == 1  # TRL left-pads prompts: equal lengths keep positions equal
+    responses = [tokenizer.encode(text) for text in ("46.", "It is 46, I think.", "68", "68.", "103", "99")]
+    packed = pack([(prompt_ids[i // 2], responses[i]) for i in range(6)], tokenizer.padding_id)
+    batch = {k: v.unflatten(0, (3, 2)) for k, v in packed.items()}
+    batch["rewards"] = torch.tensor([[0.5, 1.0], [1.0, 1.0], [2.0, -1.0]])  # second wins, a tie, first wins
+    ours = load_model(models / "policy_hf")
+    dpo = dict(reference=load_model(models / "reference_hf"), beta=0.1, moe_aux_loss_coef=0.0)
+    loss, metrics = online_dpo_batch_loss(ours, batch, **dpo)
+    loss.backward()
+    assert metrics["reward_gap"].item() == pytest.approx((0.5 + 0.0 + 3.0) / 3)
+    policy = transformers.AutoModelForCausalLM.from_pretrained(models / "policy_hf", dtype=torch.float32)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(models / "reference_hf", dtype=torch.float32)
+    order = [0, 2, 4, 1, 3, 5]  # TRL's layout: every prompt's first sample, then every second one
+    rewards = batch["rewards"].transpose(0, 1).flatten().tolist()
+    config = OnlineDPOConfig(output_dir=str(models / "trl"), report_to=[], use_cpu=True, bf16=False, beta=0.1,
+                             per_device_train_batch_size=3)  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = OnlineDPOTrainer(
+            model=policy,
+            ref_model=reference,
+            args=config,
+            reward_funcs=[lambda completions, **_: rewards[: len(completions)]],
+            train_dataset=datasets.Dataset.from_list([{"prompt": p} for p in prompts]),
+            processing_class=transformers.AutoTokenizer.from_pretrained(models / "policy_hf"),
+        )
+    width = len(prompt_ids[0])
+    ids, attention = packed["input_ids"][order], packed["attention_mask"][order].long()
+    trainer._generate = lambda model, prompts, images=None: (ids[:, :width], attention[:, :width], ids[:, width:],
+                                                             attention[:, width:], None)  # fmt: skip
+    theirs = trainer.training_step(trainer.model, {"prompt": prompts})
+    print(f"online dpo: ours {loss.item():.6f}, TRL {theirs.item():.6f}", file=sys.stderr)
+    assert loss.item() == pytest.approx(theirs.item(), abs=1e-5)
+    their_grad = policy.model.layers[0].mlp.down_proj.weight.grad
+    torch.testing.assert_close(ours.layers[0].mlp.down.weight.grad, their_grad, atol=1e-6, rtol=1e-5)
+
+
+def test_online_dpo_recipe_starts_at_log_2(tmp_path, capsys):
+    argv = ["--train_type", "online_dpo", "--config", str(ROOT / "recipes" / "tiny-online-dpo.yaml"), "--ckpt_dir",
+            str(tmp_path / "run"), "--max_steps", "2", "--batch_per_device", "2"]  # fmt: skip
+    assert main(argv) == 0
+    assert "online: 2 samples each, ranked by" in capsys.readouterr().out
+    (checkpoint,) = (tmp_path / "run").glob("epoch_*_step_2")
+    entries = [json.loads(line) for line in (checkpoint / "metric.jsonl").read_text().splitlines()]
+    steps = [e for e in entries if "dpo_loss" in e]
+    assert steps[0]["dpo_loss"] == pytest.approx(math.log(2), abs=1e-6) and "reward_gap" in steps[0]
+
+
 # --- grpo's loss variants ----------------------------------------------------------------------------------------
 
 
@@ -371,6 +432,7 @@ def test_grpo_recipe_with_a_trl_loss_runs(tmp_path):
         (["--dpo_beta", "0"], "dpo_beta must be > 0, got 0.0"),
         (["--dpo_loss", "kto"], "dpo_loss"),
         (["--kto_desirable_weight", "0"], "kto_desirable_weight must be > 0, got 0.0"),
+        (["--data_root_path", "bundled:data/grpo_online"], "records hold prompts without responses (online dpo)"),
         (["--grpo_clip_eps_high", "0"], "grpo_clip_eps_high must be > 0"),
         (["--grpo_scale_rewards", "none"], "grpo_scale_rewards none applies to --grpo_loss grpo, bnpo and dr_grpo"),
     ],

@@ -38,6 +38,7 @@ defaults, then the recipe (`--config`), then flags after it. Each bundled recipe
 | `recipes/tiny-dpo-ipo.yaml`, `tiny-dpo-hinge.yaml`, `tiny-dpo-robust.yaml` | DPO's IPO, hinge and robust losses |
 | `recipes/tiny-simpo.yaml`, `tiny-cpo.yaml`, `tiny-orpo.yaml` | SimPO, CPO and ORPO: no reference model |
 | `recipes/tiny-kto.yaml` | KTO on unpaired preferences (each answer labelled desirable or not) |
+| `recipes/tiny-online-dpo.yaml` | online DPO: two responses sampled per prompt, ranked by a reward into a pair |
 | `recipes/tiny-grpo.yaml` | offline GRPO on scored response groups |
 | `recipes/tiny-grpo-online.yaml` | online GRPO: responses sampled and rewarded during training |
 | `recipes/pretrain-8gpu.yaml` | pretraining on one node of 8 GPUs, FSDP2, bf16 (paths are placeholders) |

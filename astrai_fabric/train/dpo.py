@@ -1,13 +1,16 @@
 """``dpo``: Direct Preference Optimization against a frozen reference model (AstrAI's ``astrai/trainer/strategy.py``).
 
 Data: JSONL records ``{"prompt"|"input", "chosen", "rejected"}`` (strings or chat messages), tokenised with the
-chat template; each pair is one sample, truncated to ``--window_size``.
+chat template; each pair is one sample, truncated to ``--window_size``. Online (``online_dpo``, AstrAI's name for
+it): records holding prompts alone, two responses sampled from the live policy for each (``grpo.Rollouts``), ranked
+by ``--reward`` into a pair (``ranked_pairs``), then the same loss.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 from lightning.fabric import Fabric
@@ -16,13 +19,17 @@ from torch import Tensor, nn
 from astrai_fabric import assets
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.data.dataset_config import render_pair, unrendered_warning
-from astrai_fabric.data.records import PreferenceDataset, collate_preferences
+from astrai_fabric.data.records import PreferenceDataset, PromptDataset, collate_preferences, collate_prompts
 from astrai_fabric.data.shapes import Shaper, check_not_shaped, shape_records
 from astrai_fabric.data.storage import read_records
+from astrai_fabric.errors import ConfigError
+from astrai_fabric.loop.state import TrainState
 from astrai_fabric.lora import reference_context
 from astrai_fabric.losses import REFERENCE_FREE, PairLogps, preference_loss, with_moe_aux_loss
 from astrai_fabric.model import next_token_logprobs
+from astrai_fabric.rewards import load_reward
 from astrai_fabric.train.common import train_on
+from astrai_fabric.train.grpo import Rollouts
 from astrai_fabric.train.start import Start, reference_model, require_records, resolve_start
 
 
@@ -88,8 +95,32 @@ def dpo_batch_loss(
     return loss, {**metrics, **moe_metrics}
 
 
-def build_dataset(args: TrainArgs, start: Start) -> tuple[PreferenceDataset, str]:
-    """The tokenised pairs and a one-line description of them."""
+def ranked_pairs(batch: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Online dpo's rollouts (two sampled responses per prompt, ``[B, 2, ...]``, scored ``rewards [B, 2]``) as
+    preference pairs: the higher-scored response first, the first one on a tie (TRL's ``OnlineDPOTrainer``:
+    ``first_half >= second_half``)."""
+    second_wins = (batch["rewards"][:, 1] > batch["rewards"][:, 0]).long()
+    order = torch.stack([second_wins, 1 - second_wins], dim=1)  # [B, 2]: chosen's index, then rejected's
+
+    def reorder(tensor: Tensor) -> Tensor:
+        index = order.view(*order.shape, *([1] * (tensor.dim() - 2))).expand_as(tensor)
+        return tensor.gather(1, index)
+
+    return {key: reorder(value) for key, value in batch.items()}
+
+
+def online_dpo_batch_loss(model: nn.Module, batch: dict[str, Tensor], **dpo: Any) -> tuple[Tensor, dict[str, Tensor]]:
+    """``dpo_batch_loss`` on the rollouts ranked into pairs, plus the reward metrics (the mean, and the chosen minus
+    the rejected response's)."""
+    pairs = ranked_pairs(batch)
+    loss, metrics = dpo_batch_loss(model, pairs, **dpo)
+    metrics["reward"] = batch["rewards"].mean()
+    metrics["reward_gap"] = (pairs["rewards"][:, 0] - pairs["rewards"][:, 1]).mean()
+    return loss, metrics
+
+
+def build_dataset(args: TrainArgs, start: Start) -> tuple[PreferenceDataset | PromptDataset, str]:
+    """The tokenised pairs (or, online, the prompts) and a one-line description of them."""
     window_size = start.window_size
     data_path = require_records(assets.resolve(args.data_root_path), "dpo")
     tokenizer = start.need_tokenizer("dpo")
@@ -99,9 +130,18 @@ def build_dataset(args: TrainArgs, start: Start) -> tuple[PreferenceDataset, str
     shapes = ""
     if config is not None:
         check_not_shaped(args.data_format, args.data_columns, f"{config.path} renders these records")
-    else:  # records of any dpo shape (data/shapes.py), read as prompt/chosen/rejected
+    else:  # records of any dpo shape (data/shapes.py), read as prompt/chosen/rejected, or prompts alone (online)
         records, shaper = shape_records(records, "dpo", args.data_format, args.data_columns)
         shapes = shaper.describe() and f"{shaper.describe()}, "
+        if records and "chosen" not in records[0][1]:
+            if args.reward is None:
+                raise ConfigError(
+                    f"data_root_path {data_path}: records hold prompts without responses (online dpo), which needs "
+                    "--reward (e.g. --reward astrai_fabric.rewards.LengthReward)"
+                )
+            load_reward(args.reward, args.trust_code)  # refused here, where the data says it is needed: dry run too
+            summary = f"{shapes}prompts from {data_path} (online: 2 samples each, ranked by {args.reward})"
+            return PromptDataset(records, tokenizer, window_size), summary
     render = partial(render_pair, config, tokenizer) if config is not None else None
     dataset = PreferenceDataset(records, tokenizer, window_size, render)
     dropped = f"; {dataset.num_dropped} dropped: nothing to train in the window" if dataset.num_dropped else ""
@@ -130,8 +170,16 @@ def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
     else:
         reference, reference_meta = reference_model(fabric, start, args)
         extra_meta = {"reference": reference_meta}
-    compute_loss = partial(dpo_batch_loss, reference=reference, beta=args.dpo_beta,
-                           moe_aux_loss_coef=args.moe_aux_loss_coef, loss_chunk_size=start.loss_chunk_size(args),
-                           preference=PreferenceArgs.from_args(args))  # fmt: skip
-    collate = partial(collate_preferences, pad_id=start.need_tokenizer("dpo").padding_id)
-    return train_on(fabric, args, start, dataset, summary, compute_loss, collate, extra_meta=extra_meta)
+    dpo = dict(reference=reference, beta=args.dpo_beta, moe_aux_loss_coef=args.moe_aux_loss_coef,
+               loss_chunk_size=start.loss_chunk_size(args), preference=PreferenceArgs.from_args(args))  # fmt: skip
+    if isinstance(dataset, PreferenceDataset):
+        collate = partial(collate_preferences, pad_id=start.need_tokenizer("dpo").padding_id)
+        return train_on(fabric, args, start, dataset, summary, partial(dpo_batch_loss, **dpo), collate, extra_meta)
+    reward = load_reward(args.reward, args.trust_code)
+
+    def rollouts(state: TrainState, loader: Any) -> Rollouts:  # the loop's seam, as online grpo's
+        return Rollouts(fabric, state.model, loader, start.need_tokenizer("dpo"), reward, args, start.window_size,
+                        state.position, start.loss_chunk_size(args), group_size=2)  # fmt: skip
+
+    return train_on(fabric, args, start, dataset, summary, partial(online_dpo_batch_loss, **dpo), collate_prompts,
+                    extra_meta, rollouts)  # fmt: skip

@@ -88,18 +88,21 @@ def grpo_batch_loss(
 
 class Rollouts:
     """Training batches sampled from the live policy: for each ``micro_batches`` prompt batches at a time, the
-    policy samples ``group_size`` responses per prompt, the reward scores them, and the sampling policy's
-    log-probabilities are kept as the "old" ones. All ranks sample in lockstep (a sharded forward is collective).
+    policy samples ``group_size`` responses per prompt (``--group_size``; online dpo: 2), the reward scores them,
+    and the sampling policy's log-probabilities are kept as the "old" ones. All ranks sample in lockstep (a sharded
+    forward is collective).
     """
 
     def __init__(
         self, fabric: Fabric, model: nn.Module, prompts: Any, tokenizer: Tokenizer, reward: Reward,
         args: TrainArgs, window_size: int, position: RunPosition, loss_chunk_size: int = 0,
+        group_size: int | None = None,
     ) -> None:  # fmt: skip
         self.fabric, self.model, self.prompts, self.tokenizer, self.reward = fabric, model, prompts, tokenizer, reward
         self.args, self.window_size, self.position = args, window_size, position
         self.loss_chunk_size = loss_chunk_size  # the policy's log-probabilities as the loss computes them
         self.micro_batches = args.rollout_interval * args.grad_accum_steps
+        self.group_size = group_size or args.group_size
 
     def __iter__(self):
         prompt_batches = iter(self.prompts)
@@ -109,7 +112,7 @@ class Rollouts:
 
     @torch.no_grad()
     def rollout(self, batch: dict[str, list], index: int) -> dict[str, Tensor]:
-        args, tokenizer, group = self.args, self.tokenizer, self.args.group_size
+        args, tokenizer, group = self.args, self.tokenizer, self.group_size
         prompts = [p for p in batch["prompt_ids"] for _ in range(group)]
         max_new = min(args.rollout_max_tokens, self.window_size - max(len(p) for p in prompts))
         # Seeded by position (data-parallel rank, step, micro-batch of the chunk): a resume at a rollout boundary
