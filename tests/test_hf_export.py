@@ -61,7 +61,7 @@ FROM_HF = {
     "qwen3_tied": ("Qwen3Config", {"head_dim": 16, "tie_word_embeddings": True}),
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     **{case: CASES[case][:2] for case in ("qwen2_moe", "qwen3_moe", "olmo2", "phi3", "gemma2", "gemma3_text",
-                                          "deepseek_v3")},
+                                          "deepseek_v3", "phi3_longrope", "llama_dynamic")},
 }  # fmt: skip
 
 
@@ -158,6 +158,12 @@ NATIVE = {
     "output_norms_qk_norm_over_projection": ("Olmo2ForCausalLM", OLMO2, False),
     "latent_attention_shared_rope_key": ("DeepseekV3ForCausalLM", DEEPSEEK_V3_LAYOUT, False),
     "partial_rotary": ("Phi3ForCausalLM", {"rotary_dim": 6}, False),
+    # logits_diff's 24 tokens are past both original lengths (16): the long factors, the raised base
+    "partial_rotary_longrope": ("Phi3ForCausalLM", {"rotary_dim": 6, "rope_frequency_scaling": {
+        "rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 16,
+        "short_factor": [1.0, 1.2, 1.9], "long_factor": [1.4, 3.1, 7.5]}}, False),
+    "dynamic_ntk_rope": ("LlamaForCausalLM", {"rope_frequency_scaling": {
+        "rope_type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 16}}, False),
     "sandwich_norms_windows_softcaps": ("Gemma2ForCausalLM", {**GEMMA, "attn_logit_softcapping": 2.0,
                                        "final_logit_softcapping": 3.0}, False),
     "sandwich_norms_qk_norm_local_rope": ("Gemma3ForCausalLM", {**GEMMA, "use_qk_norm": True,
@@ -177,6 +183,10 @@ def test_an_astrai_model_exports_to_the_class_computing_its_function(tmp_path, c
     assert diff <= TOLERANCE
     written = json.loads((tmp_path / "out" / "config.json").read_text())
     assert {"rope_theta", "rope_scaling", "torch_dtype"} <= set(written) and "rope_parameters" not in written
+    if case in ("partial_rotary_longrope", "dynamic_ntk_rope"):  # the same scaling read back, limit included
+        before, after = read_model_config(source), read_model_config(tmp_path / "out")
+        assert after.rope_frequency_scaling == before.rope_frequency_scaling
+        assert after.max_position_embeddings == before.max_position_embeddings
 
 
 REFUSED = [

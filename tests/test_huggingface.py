@@ -40,7 +40,7 @@ from astrai_fabric.generate import generate  # noqa: E402
 from astrai_fabric.losses import with_moe_aux_loss  # noqa: E402
 from astrai_fabric.model import AutoRegressiveLM, count_parameters, make_doc_boundary_mask  # noqa: E402
 from astrai_fabric.model.ffn import describe_routing  # noqa: E402
-from astrai_fabric.model.layers import rope_attention_factor, yarn_frequencies  # noqa: E402
+from astrai_fabric.model.layers import rope_attention_factor, rope_table, yarn_frequencies  # noqa: E402
 from astrai_fabric.parallelize import apply_tensor_parallel  # noqa: E402
 
 TOLERANCE = 1e-5
@@ -69,6 +69,15 @@ compressed query, values narrower than queries (heads x (8 + 8) != hidden), two 
 YaRN over 4 rotated pairs with beta_slow 0.01 so that two of them blend (pairs 0 and 3 are kept and interpolated),
 mscale != mscale_all_dim so that both the cos/sin factor and the softmax scale differ from 1."""
 
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.3, 2.1],
+            "long_factor": [1.5, 3.7, 9.0]}  # fmt: skip
+"""Phi-3's LongRoPE over the 3 pairs partial rotary leaves (head_dim 8 x 0.75), factors of their own per pair; no
+``factor``, so transformers takes max_position_embeddings / original (64 / 24) for the attention factor."""
+SWITCH = {"phi3_longrope": 24, "llama_dynamic": 32}
+"""The length past which each length-dependent RoPE case changes its frequencies: longrope's
+``original_max_position_embeddings``, dynamic NTK's ``max_position_embeddings``. ``SEQ_LEN`` (40) is past both,
+the documents and the greedy test's 8 + 16 tokens are not."""
+
 GEMMA = dict(head_dim=12, query_pre_attn_scalar=10, sliding_window=6, num_hidden_layers=4)
 """A window shorter than every test document, a head width of its own and a softmax scale that is not
 ``head_dim ** -0.5``; Gemma 2 alternates sliding and full layers, Gemma 3 is given ``layer_types`` and a RoPE of
@@ -95,6 +104,11 @@ CASES = {
     "olmo2": ("Olmo2Config", {"eos_token_id": 2}, {}, torch.float32),  # its default eos id is past this vocabulary
     "deepseek_v3": ("DeepseekV3Config", DEEPSEEK_V3, {}, torch.float32),
     "phi3": ("Phi3Config", {"partial_rotary_factor": 0.75, "pad_token_id": 0, "eos_token_id": 2}, {}, torch.float32),
+    "phi3_longrope": ("Phi3Config", {"partial_rotary_factor": 0.75, "pad_token_id": 0, "eos_token_id": 2,
+                                     "original_max_position_embeddings": 24, "rope_parameters": LONGROPE}, {},
+                      torch.float32),
+    "llama_dynamic": ("LlamaConfig", {"max_position_embeddings": 32, "rope_parameters": {
+        "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 3.0}}, {}, torch.float32),
     "gemma2": ("Gemma2Config", {**GEMMA, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0}, {},
                torch.float32),
     "gemma3_text": ("Gemma3TextConfig", {**GEMMA, "layer_types": ["sliding_attention", "full_attention"] * 2,
@@ -441,6 +455,62 @@ def test_yarn_frequencies_and_attention_factor_are_transformers(params):
     assert rope_attention_factor(scaling) == pytest.approx(attention_factor, rel=1e-12)
 
 
+@pytest.mark.parametrize("case", list(SWITCH))
+@torch.no_grad()
+def test_length_dependent_rope_is_transformers_on_both_sides_of_the_switch(tmp_path, case):
+    """longrope and dynamic NTK: the logits of a forward up to the switch length, just past it and well past it
+    equal transformers' (lengths increasing, so its dynamic NTK's kept state is that of a fresh model); greedy
+    generation crossing the switch too: dynamic NTK with the KV cache (each step's new keys take the frequencies of
+    its length, as transformers' do), longrope without it (transformers' Phi-3 recomputes its cache there; ours
+    refuses to mix short- and long-factor keys in one cache), and with the cache from a prompt already past it."""
+    config_class, fields, _, _ = CASES[case]
+    theirs = build_hf(config_class, **fields)
+    ours = load_model(save_hf(theirs, tmp_path / "m")).float().eval()
+    assert ours.config.to_dict()["model_type"] == "astrai_fabric_lm"
+    switch = SWITCH[case]
+    for length in (switch, switch + 1, 2 * switch):
+        ids = tokens(2, length)
+        diff = max_diff(ours(ids)["logits"], theirs(ids).logits)
+        print(f"{case}: length {length} max |logit diff| {diff:.2e}", file=sys.stderr)
+        assert diff <= TOLERANCE
+    prompt = tokens(1, switch - 4, seed=3)
+    theirs.generation_config.eos_token_id = None
+    expected = theirs.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False,
+                               pad_token_id=0)[0, switch - 4 :].tolist()  # fmt: skip
+    longrope = case == "phi3_longrope"
+    if longrope:
+        with pytest.raises(ValueError, match=f"longrope: this generation crosses original_max_position_embeddings "
+                           f"{switch}"):  # fmt: skip
+            generate(ours, prompt.tolist(), 8, temperature=0.0)
+    assert generate(ours, prompt.tolist(), 8, temperature=0.0, use_cache=not longrope)[0] == expected
+    prompt = tokens(1, switch + 2, seed=4)  # already past the switch: every cached key is a long-factor one
+    expected = theirs.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False,
+                               pad_token_id=0)[0, switch + 2 :].tolist()  # fmt: skip
+    assert generate(ours, prompt.tolist(), 4, temperature=0.0)[0] == expected
+
+
+@pytest.mark.parametrize("kind", ["longrope", "yarn"])
+def test_a_hub_shaped_phi3_longrope_config_reads_as_transformers_reads_it(kind):
+    """Phi-3.5's files in transformers 4's form: ``rope_scaling`` without an original length or a factor (the
+    top-level ``original_max_position_embeddings`` is the one read, the factor is the lengths' ratio); ``yarn`` is
+    longrope to Phi3Config (an early name). Our frequencies on both sides of the switch and the attention factor
+    are ``_compute_longrope_parameters``'."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    raw = {**SIZES, "model_type": "phi3", "partial_rotary_factor": 0.75, "original_max_position_embeddings": 24,
+           "rope_theta": 10000.0, "rope_scaling": {"type": kind, **{k: LONGROPE[k] for k in LONGROPE
+                                                                   if k.endswith("_factor")}}}  # fmt: skip
+    config = hf.model_config_from_hf(raw)
+    scaling = config.rope_frequency_scaling
+    assert (scaling["original_max_position_embeddings"], scaling["factor"]) == (24, 64 / 24)
+    theirs = transformers.Phi3Config(**{k: v for k, v in raw.items() if k != "model_type"})
+    for length in (24, 25):
+        expected, attention_factor = ROPE_INIT_FUNCTIONS["longrope"](theirs, None, seq_len=length)
+        table = rope_table(config.rope_dim, 2, 10000.0, scaling, length)[1] / attention_factor
+        assert torch.allclose(torch.atan2(table[:, 1], table[:, 0]), expected, rtol=1e-6, atol=0)
+        assert rope_attention_factor(scaling) == pytest.approx(attention_factor, rel=1e-12)
+
+
 def test_the_permutation_pairs_rotate_half_dims():
     """Row i of a head goes to 2i and row i + d/2 to 2i + 1; the inverse restores the order."""
     rows = torch.arange(2 * 8).float()
@@ -546,14 +616,17 @@ REFUSED = [
     ("mlp_bias", {"mlp_bias": True}, "mlp_bias True is not supported"),
     ("attention_bias", {"attention_bias": True}, "attention_bias True is not supported"),
     ("olmo2_attention_bias", {"model_type": "olmo2", "attention_bias": True}, "attention_bias True is not supported"),
-    ("phi3_longrope", {"model_type": "phi3", "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4,
-                                                                 "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}},
-     "rope_parameters rope_type 'longrope' is not supported"),
+    ("phi3_dynamic", {"model_type": "phi3", "rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4,
+                                                                "factor": 2.0}},
+     "rope_parameters rope_type 'dynamic' is not supported: Phi3Config accepts default and longrope only"),
+    ("longrope_factors", {"model_type": "phi3", "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4,
+                                                                    "short_factor": [1.0] * 3, "long_factor": [2.0]}},
+     "longrope needs short_factor: 4 finite numbers > 0 (one per rotated pair), got [1.0, 1.0, 1.0]"),
     ("phi3_dropout", {"model_type": "phi3", "resid_pdrop": 0.1}, "resid_pdrop 0.1 is not supported"),
     ("partial_rotary", {"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported"),
     ("softcap", {"final_logit_softcapping": 30.0}, "final_logit_softcapping 30.0 is not supported"),
-    ("dynamic_v4", {"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
-     "rope_scaling rope_type 'dynamic' is not supported"),
+    ("proportional_v4", {"rope_parameters": None, "rope_scaling": {"type": "proportional", "factor": 2.0}},
+     "rope_scaling rope_type 'proportional' is not supported"),
     ("layer_types", {"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 8},
      "layer_types '(mixed)' is not supported"),
     ("qwen_window_some_layers", {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16,

@@ -38,6 +38,9 @@ bug B21). The facts, with the transformers source files that state them (``src/t
   as wide. Layers past ``num_hidden_layers`` are its multi-token-prediction modules, skipped with a warning.
 - **RoPE yarn** (``_compute_yarn_parameters``): frequencies blended by rotations over the original length, cos and
   sin times its attention factor; kept in ``rope_frequency_scaling`` for every family.
+- **RoPE longrope and dynamic** (``_compute_longrope_parameters``, ``_compute_dynamic_ntk_parameters``): frequencies
+  chosen per forward by its length (largest position + 1) past the original length, as ``dynamic_rope_update``
+  does: LongRoPE's short or long per-pair factors (Phi-3), dynamic NTK's base raised with the length.
 - **Gemma 2, Gemma 3** (``modeling_gemma2.py``, ``modeling_gemma3.py``): RMSNorms scaling by ``1 + weight`` before
   and after each sublayer (``pre_feedforward_layernorm`` is the MLP's input norm, ``post_attention_layernorm`` the
   attention output's), embeddings times ``sqrt(hidden_size)`` in the weight's dtype, GeGLU (``gelu_pytorch_tanh``),
@@ -171,8 +174,8 @@ _HARMLESS_KEYS = {
 }  # fmt: skip
 _ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
               "original_max_position_embeddings", "partial_rotary_factor", "beta_fast", "beta_slow", "mscale",
-              "mscale_all_dim", "attention_factor", "truncate"}  # fmt: skip
-_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+              "mscale_all_dim", "attention_factor", "truncate", "short_factor", "long_factor"}  # fmt: skip
+_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 
 
 SOURCE_KEY = "source"
@@ -279,7 +282,7 @@ def model_config_from_hf(raw: Mapping[str, Any], source: str = "config.json") ->
         rms_norm_eps=read.number("rms_norm_eps"),
         intermediate_size=read.int("intermediate_size"),
         tie_word_embeddings=read.bool("tie_word_embeddings", default=False),
-        max_position_embeddings=_position_limit(read, model_type),
+        max_position_embeddings=_dynamic_limit(_position_limit(read, model_type), frequency_scaling),
         rope_theta=theta,
         num_attention_heads=heads,
         num_key_value_heads=read.int("num_key_value_heads", optional=True) or heads,
@@ -520,6 +523,10 @@ def _rope(read: _Reader, model_type: str) -> tuple[float, dict[str, Any] | None]
     if not isinstance(theta, int | float) or isinstance(theta, bool) or not (0 < theta < math.inf):
         raise ConfigError(f"{read.source}: rope_theta must be a finite number > 0, got {theta!r}")
     kind = params.get("rope_type", params.get("type", "default"))
+    if model_type == "phi3" and kind in ("su", "yarn"):
+        kind = "longrope"  # Phi3Config's reading of its early files' names (convert_rope_params_to_dict)
+    if model_type == "phi3" and kind not in ("default", "longrope"):
+        read.refuse(f"{key} rope_type", kind, "Phi3Config accepts default and longrope only")
     if kind not in _ROPE_TYPES:
         read.refuse(f"{key} rope_type", kind, f"the RoPE types mapped are {list(_ROPE_TYPES)}")
     unknown = sorted(set(params) - _ROPE_KEYS)
@@ -539,7 +546,12 @@ def _rope(read: _Reader, model_type: str) -> tuple[float, dict[str, Any] | None]
         )
     if kind == "yarn":
         scaling.update(_yarn(read, params))
-    elif model_type == "deepseek_v3" and params.get("mscale_all_dim"):
+    elif kind == "longrope":
+        scaling.update(_longrope(read, params, model_type))
+    elif kind == "dynamic":
+        # transformers rescales past the model's own max_position_embeddings (``_compute_dynamic_ntk_parameters``)
+        scaling.update(original_max_position_embeddings=read.get("max_position_embeddings"))
+    if kind != "yarn" and model_type == "deepseek_v3" and params.get("mscale_all_dim"):
         # DeepseekV3Attention's yarn_apply_mscale scales the softmax under any non-default kind; ours under yarn only
         read.refuse(f"{key} mscale_all_dim", params["mscale_all_dim"], f"it is mapped with yarn only, not {kind}")
     return float(theta), scaling
@@ -556,6 +568,33 @@ def _yarn(read: _Reader, params: Mapping[str, Any]) -> dict[str, Any]:
     optional = {name: params[name] for name in (*YARN_OPTIONAL, "truncate") if params.get(name) is not None}
     return dict(factor=factor, original_max_position_embeddings=original, beta_fast=params.get("beta_fast") or 32,
                 beta_slow=params.get("beta_slow") or 1, **optional)  # fmt: skip
+
+
+def _dynamic_limit(limit: int, scaling: dict[str, Any] | None) -> int:
+    """The positions a dynamic NTK model runs to here: transformers' class has no limit (the base keeps growing with
+    the length) but ours needs one for its tables and its length checks, so ``factor`` times the original length,
+    the extension the factor names; a sliding window shorter than the original length (``_position_limit``) stays."""
+    if scaling is None or scaling["rope_type"] != "dynamic" or limit != scaling["original_max_position_embeddings"]:
+        return limit
+    factor = scaling["factor"]
+    return int(factor * limit) if isinstance(factor, int | float) and factor >= 1 and math.isfinite(factor) else limit
+
+
+def _longrope(read: _Reader, params: Mapping[str, Any], model_type: str) -> dict[str, Any]:
+    """A longrope ``rope_frequency_scaling``'s numbers, read as transformers does (``standardize_rope_params``,
+    ``_compute_longrope_parameters``): Phi-3's top-level ``original_max_position_embeddings`` (its class default
+    4096) wins over the dict's, other families take the dict's, else the model's own length; the factor, when
+    absent, is ``max_position_embeddings / original``; ``attention_factor`` only when set."""
+    if model_type == "phi3":
+        original = read.get("original_max_position_embeddings", 4096)
+    else:
+        original = params.get("original_max_position_embeddings", read.get("max_position_embeddings"))
+    factor = params.get("factor")
+    if factor is None and isinstance(original, int | float) and original > 0:
+        factor = read.int("max_position_embeddings") / original
+    optional = {"attention_factor": params["attention_factor"]} if params.get("attention_factor") is not None else {}
+    return dict(factor=factor, original_max_position_embeddings=original, short_factor=params.get("short_factor"),
+                long_factor=params.get("long_factor"), **optional)  # fmt: skip
 
 
 def _rotary_dim(read: _Reader, model_type: str, head_dim: int) -> int | None:
@@ -932,9 +971,12 @@ def hf_config(config: ModelConfig, state: Mapping[str, Tensor], dtype: str, sour
     model_type = export_model_type(config, state, where)
     kv_heads = config.num_key_value_heads or config.num_attention_heads
     rope_theta = 10000.0 if config.rope_theta is None else config.rope_theta
-    rope_scaling = None
+    rope_scaling, max_positions = None, config.max_position_embeddings
     if config.rope_frequency_scaling is not None:
         rope_scaling = dict(config.rope_frequency_scaling)
+    if rope_scaling is not None and rope_scaling["rope_type"] == "dynamic":
+        # transformers' dynamic NTK switches at max_position_embeddings itself, and has no key for the original
+        max_positions = rope_scaling.pop("original_max_position_embeddings")
     elif config.rope_scaling is not None and config.rope_scaling.get("type", "ntk") == "ntk":
         # AstrAI's NTK scaling only raises the base (model/layers.py, as AstrAI does): the default RoPE with
         # that base is the same function. Any other AstrAI rope_scaling type changes nothing there, nor here.
@@ -950,7 +992,7 @@ def hf_config(config: ModelConfig, state: Mapping[str, Tensor], dtype: str, sour
         "num_key_value_heads": kv_heads,
         "head_dim": config.attention_head_dim,
         "hidden_act": "silu",
-        "max_position_embeddings": config.max_position_embeddings,
+        "max_position_embeddings": max_positions,
         # None is torch's default for the input's dtype; transformers computes its RMSNorm in float32
         "rms_norm_eps": config.rms_norm_eps if config.rms_norm_eps is not None else torch.finfo(torch.float32).eps,
         "rope_theta": rope_theta,
@@ -973,7 +1015,8 @@ def hf_config(config: ModelConfig, state: Mapping[str, Tensor], dtype: str, sour
     if model_type == "phi3":
         written.update(partial_rotary_factor=config.rope_dim / config.attention_head_dim, resid_pdrop=0.0,
                        embd_pdrop=0.0, sliding_window=None,
-                       original_max_position_embeddings=config.max_position_embeddings)  # fmt: skip
+                       original_max_position_embeddings=(rope_scaling or {}).get(
+                           "original_max_position_embeddings", config.max_position_embeddings))  # fmt: skip
     if model_type == "mixtral":
         written.update(
             intermediate_size=config.moe_intermediate_size or config.intermediate_size,
@@ -1065,6 +1108,9 @@ def export_model_type(config: ModelConfig, state: Mapping[str, Tensor], where: s
         if int(head_dim * (rotary_dim / head_dim)) != rotary_dim:
             refuse("rotary_dim", rotary_dim, f"Phi-3 rotates int(head_dim * partial_rotary_factor) dims, and no "
                    f"float factor gives {rotary_dim} of {head_dim}")  # fmt: skip
+        scaling = config.rope_frequency_scaling
+        if scaling is not None and scaling["rope_type"] != "longrope":
+            refuse("rope_frequency_scaling", scaling, "Phi3Config accepts the default RoPE and longrope only")
         return _the_only_class("phi3", config, refuse)
     if config.norm_placement != "pre":
         refuse("norm_placement", config.norm_placement, "no transformers class exported here has these norms")
@@ -1109,7 +1155,7 @@ _ONLY_CLASS = {
               dict(norm_placement="post", use_qk_norm=True, qk_norm_over_projection=True, qk_norm_before_rope=True,
                    attention_qkv_bias=False, ffn_type="mlp", rotary_dim=None)),
     "phi3": ("RoPE on part of each head", dict(norm_placement="pre", use_qk_norm=None, attention_qkv_bias=False,
-                                               ffn_type="mlp", rope_frequency_scaling=None)),
+                                               ffn_type="mlp")),
     "gemma2": ("norms around each sublayer scaling by 1 + weight, scaled embeddings and GeGLU",
                dict(norm_placement="sandwich", norm_unit_offset=True, scale_embeddings=True,
                     mlp_activation="gelu_pytorch_tanh", use_qk_norm=None, attention_qkv_bias=False, ffn_type="mlp",

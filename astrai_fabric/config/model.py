@@ -80,6 +80,8 @@ ROPE_FREQUENCY_TYPES = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow"),
+    "longrope": ("factor", "original_max_position_embeddings"),
+    "dynamic": ("factor", "original_max_position_embeddings"),
 }
 """``rope_frequency_scaling`` kinds and the numbers each needs (Hugging Face's names)."""
 YARN_OPTIONAL = ("mscale", "mscale_all_dim", "attention_factor")
@@ -170,7 +172,13 @@ class ModelConfig:
     "original_max_position_embeddings"}`` divides the low frequencies by f, keeps the high ones and blends between;
     ``{"rope_type": "yarn", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow"}`` (with optional
     ``YARN_OPTIONAL`` numbers and ``truncate``) blends the same way by rotations over the original length and scales
-    cos and sin by its attention factor (Peng et al. 2023, arXiv:2309.00071)."""
+    cos and sin by its attention factor (Peng et al. 2023, arXiv:2309.00071). Two depend on each forward's length
+    (its largest position + 1): ``{"rope_type": "longrope", "factor", "original_max_position_embeddings",
+    "short_factor", "long_factor"}`` (optional ``attention_factor``) divides pair i's frequency by
+    ``short_factor[i]`` in forwards up to the original length and by ``long_factor[i]`` in longer ones, cos and sin
+    times ``sqrt(1 + ln(factor) / ln(original))`` (Phi-3); ``{"rope_type": "dynamic", "factor",
+    "original_max_position_embeddings"}`` is the default RoPE up to the original length and raises the base with the
+    length past it (dynamic NTK)."""
     shared_expert_gate: bool = False
     """MoE: scale the shared experts' output by ``sigmoid(shared_expert_gate(x))``, a learned ``Linear(hidden, 1)``
     per token (Qwen2-MoE); AstrAI adds it unscaled."""
@@ -546,7 +554,7 @@ class ModelConfig:
             return ["'rope_scaling' and 'rope_frequency_scaling' cannot both be set"]
         names = ROPE_FREQUENCY_TYPES[kind]
         values = [scaling.get(name) for name in names]
-        if not all(isinstance(v, int | float) and not isinstance(v, bool) and 0 < v < math.inf for v in values):
+        if not all(_positive(v) for v in values):
             return [f"'rope_frequency_scaling' {kind} needs finite numbers > 0 for {list(names)}, got {values}"]
         if kind == "llama3" and not values[1] < values[2]:
             return [f"'rope_frequency_scaling' llama3 needs low_freq_factor < high_freq_factor, got {values[1:3]}"]
@@ -557,12 +565,29 @@ class ModelConfig:
                 return [f"'rope_frequency_scaling' yarn needs finite numbers >= 0 for {list(optional)}, got {optional}"]
             if not isinstance(scaling.get("truncate", True), bool):
                 return [f"'rope_frequency_scaling' yarn truncate must be true or false, got {scaling['truncate']!r}"]
+        if kind == "dynamic" and self.rope_dim <= 2:
+            return [f"'rope_frequency_scaling' dynamic needs a RoPE width per head above 2, got {self.rope_dim}"]
+        if kind == "longrope":
+            pairs = self.rope_dim // 2
+            for name in ("short_factor", "long_factor"):
+                value = scaling.get(name)
+                if not (isinstance(value, list) and len(value) == pairs and all(_positive(v) for v in value)):
+                    return [f"'rope_frequency_scaling' longrope needs {name}: {pairs} finite numbers > 0 (one per "
+                            f"rotated pair), got {value!r}"]  # fmt: skip
+            if scaling.get("attention_factor") is not None and not _positive(scaling["attention_factor"]):
+                return [f"'rope_frequency_scaling' longrope attention_factor must be a finite number > 0, got "
+                        f"{scaling['attention_factor']!r}"]  # fmt: skip
         return []
 
 
 def read_config_json(path: str | Path) -> dict[str, Any]:
     """The parsed ``config.json`` at ``path``; a missing or malformed file is a ``ConfigError`` naming it."""
     return read_json_object(Path(path), "a model config.json", ConfigError)
+
+
+def _positive(value: Any) -> bool:
+    """A finite number > 0 (not a bool)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < math.inf
 
 
 def _short(number: int) -> str:

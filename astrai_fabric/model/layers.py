@@ -89,21 +89,48 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.weight.shape, scale, self.eps)
 
 
-def rope_table(dim: int, max_len: int, base: float, frequency_scaling: dict | None = None) -> Tensor:
+def rope_table(
+    dim: int, max_len: int, base: float, frequency_scaling: dict | None = None, length: int | None = None
+) -> Tensor:
     """``[max_len, dim/2, 2]`` float32 table of (cos, sin); angles computed in float64 as AstrAI does.
 
-    ``frequency_scaling`` is a config's ``rope_frequency_scaling`` (Hugging Face's ``linear``, ``llama3`` or
-    ``yarn``); yarn also scales cos and sin by its ``rope_attention_factor``, as transformers does.
+    ``frequency_scaling`` is a config's ``rope_frequency_scaling`` (Hugging Face's ``linear``, ``llama3``, ``yarn``,
+    ``longrope`` or ``dynamic``); yarn and longrope also scale cos and sin by their ``rope_attention_factor``, as
+    transformers does. ``length`` is the longest position + 1 of the forward pass the table serves, which the
+    length-dependent kinds read (``length_dependent``); None means a forward no longer than the original length.
     """
+    kind = frequency_scaling["rope_type"] if frequency_scaling is not None else None
+    past_original = length_dependent(frequency_scaling) and length is not None
+    past_original = past_original and length > frequency_scaling["original_max_position_embeddings"]
+    if kind == "dynamic" and past_original:
+        base = dynamic_ntk_base(base, dim, frequency_scaling, length)
     inv_freq = base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-    if frequency_scaling is not None and frequency_scaling["rope_type"] == "yarn":
+    if kind == "yarn":
         inv_freq = yarn_frequencies(inv_freq, frequency_scaling, base)
-    elif frequency_scaling is not None:
+    elif kind == "longrope":
+        factors = frequency_scaling["long_factor" if past_original else "short_factor"]
+        inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float64)
+    elif kind in ("linear", "llama3"):
         inv_freq = scale_frequencies(inv_freq, frequency_scaling)
     angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq).float()
     table = torch.stack([angles.cos(), angles.sin()], dim=-1)
     attention_factor = rope_attention_factor(frequency_scaling)
     return table if attention_factor == 1.0 else table * attention_factor
+
+
+def length_dependent(scaling: dict | None) -> bool:
+    """Whether a scaling's frequencies depend on the forward pass's length (transformers' ``dynamic_rope_update``):
+    ``longrope`` switches from its short to its long factors, ``dynamic`` raises its base, once the longest position
+    + 1 exceeds ``original_max_position_embeddings``."""
+    return scaling is not None and scaling["rope_type"] in ("longrope", "dynamic")
+
+
+def dynamic_ntk_base(base: float, dim: int, scaling: dict, length: int) -> float:
+    """Dynamic NTK's base for a forward of ``length`` > the original length ``L`` (the facts of transformers'
+    ``_compute_dynamic_ntk_parameters``): ``base * (factor * length / L - (factor - 1)) ** (dim / (dim - 2))``,
+    which is ``base`` at ``length = L`` and grows with the length (bloc97 and emozilla's "dynamically scaled NTK")."""
+    factor, original_len = scaling["factor"], scaling["original_max_position_embeddings"]
+    return base * (factor * length / original_len - (factor - 1)) ** (dim / (dim - 2))
 
 
 def yarn_frequencies(inv_freq: Tensor, scaling: dict, base: float) -> Tensor:
@@ -136,15 +163,20 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 
 def rope_attention_factor(scaling: dict | None) -> float:
-    """What a ``yarn`` scaling multiplies cos and sin by (so every rotated q.k product by its square), as
-    transformers computes it: ``attention_factor`` when given, else ``yarn_mscale(factor, mscale) /
-    yarn_mscale(factor, mscale_all_dim)`` when both are set (and not 0), else ``yarn_mscale(factor)``; 1 for the
-    other kinds."""
-    if scaling is None or scaling["rope_type"] != "yarn":
+    """What a ``yarn`` or ``longrope`` scaling multiplies cos and sin by (so every rotated q.k product by its
+    square), as transformers computes it: ``attention_factor`` when given; else, for yarn, ``yarn_mscale(factor,
+    mscale) / yarn_mscale(factor, mscale_all_dim)`` when both are set (and not 0), else ``yarn_mscale(factor)``; for
+    longrope, ``sqrt(1 + ln(factor) / ln(original_max_position_embeddings))`` (1 for ``factor <= 1``; LongRoPE,
+    Ding et al. 2024, arXiv:2402.13753, as Phi-3 uses it); 1 for the other kinds."""
+    if scaling is None or scaling["rope_type"] not in ("yarn", "longrope"):
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
-    factor, mscale, mscale_all_dim = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    factor = scaling["factor"]
+    if scaling["rope_type"] == "longrope":
+        original_len = scaling["original_max_position_embeddings"]
+        return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original_len))
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
     if mscale and mscale_all_dim:
         return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
     return yarn_mscale(factor)
@@ -173,7 +205,7 @@ def scale_frequencies(inv_freq: Tensor, scaling: dict) -> Tensor:
 
 class RotaryEmbedding(nn.Module):
     """Looks up (cos, sin) for position ids; NTK ``rope_scaling`` raises the base as AstrAI does, and Hugging Face's
-    ``frequency_scaling`` (``scale_frequencies``) rescales the frequencies.
+    ``frequency_scaling`` (``rope_table``) rescales the frequencies, per forward length for longrope and dynamic.
 
     The table is a non-persistent buffer (never in a ``state_dict``). Departure from AstrAI: it stays float32 when
     the model is cast to bf16 (AstrAI's ``.to(bfloat16)`` quantises cos/sin too, an error of up to ~4e-3).
@@ -193,26 +225,51 @@ class RotaryEmbedding(nn.Module):
         if rope_scaling is not None and rope_scaling.get("type", "ntk") == "ntk":
             # AstrAI treats any dict without "type" (e.g. HF's {"rope_type": ...}) as NTK and ignores other types.
             self.base = base * rope_scaling.get("factor", 1.0) ** (dim / (dim - 2))
+        # A length-dependent scaling (``length_dependent``) switches at the original length: forwards up to it
+        # read the table built here; longer ones longrope's second table, or dynamic NTK's built for their length.
+        self.switch_length = None
+        if length_dependent(frequency_scaling):
+            self.switch_length = frequency_scaling["original_max_position_embeddings"]
         self.register_buffer("freqs_cis", self._table(), persistent=False)
+        self.register_buffer("freqs_cis_long", self._long_table(), persistent=False)
 
     def _table(self) -> Tensor:
         return rope_table(self.dim, self.max_len, self.base, self.frequency_scaling)
 
+    def _long_table(self) -> Tensor | None:
+        """longrope's table for forwards longer than the original length (its long factors), else None."""
+        if self.switch_length is None or self.frequency_scaling["rope_type"] != "longrope":
+            return None
+        return rope_table(self.dim, self.max_len, self.base, self.frequency_scaling, length=self.switch_length + 1)
+
     def reset_parameters(self, device: torch.device | str | None = None) -> None:
-        """Recompute the table (after ``to_empty``, or on ``device`` for a model built on the meta device)."""
-        self.freqs_cis = self._table().to(device or self.freqs_cis.device)
+        """Recompute the tables (after ``to_empty``, or on ``device`` for a model built on the meta device)."""
+        device = device or self.freqs_cis.device
+        self.freqs_cis = self._table().to(device)
+        if self.freqs_cis_long is not None:
+            self.freqs_cis_long = self._long_table().to(device)
 
     def _apply(self, fn, recurse=True):  # noqa: ANN001 - nn.Module's signature
         super()._apply(fn, recurse)
         if self.freqs_cis.dtype != torch.float32 and not self.freqs_cis.is_meta:
-            self.freqs_cis = self._table().to(self.freqs_cis.device)
+            self.reset_parameters()
         return self
 
     def forward(self, batch_size: int, seq_len: int, position_ids: Tensor | None = None) -> Tensor:
-        """``[batch, seq, dim/2, 2]`` float32; ``position_ids=None`` means ``0..seq_len-1`` for every row."""
+        """``[batch, seq, dim/2, 2]`` float32; ``position_ids=None`` means ``0..seq_len-1`` for every row.
+
+        Under a length-dependent scaling the frequencies are those of this forward's length, its largest position
+        + 1 over the batch, as transformers' ``dynamic_rope_update`` takes it (read on the host: one sync)."""
         if position_ids is None:
             position_ids = torch.arange(seq_len, device=self.freqs_cis.device).expand(batch_size, -1)
-        return self.freqs_cis[position_ids].float()
+        table = self.freqs_cis
+        if self.switch_length is not None:
+            length = int(position_ids.max()) + 1
+            if length > self.switch_length and self.freqs_cis_long is not None:
+                table = self.freqs_cis_long
+            elif length > self.switch_length:  # dynamic NTK: its base depends on the very length
+                table = rope_table(self.dim, length, self.base, self.frequency_scaling, length).to(table.device)
+        return table[position_ids].float()
 
 
 def apply_rotary_emb(x: Tensor, rotary: Tensor) -> Tensor:

@@ -196,6 +196,15 @@ class AutoRegressiveLM(nn.Module):
                 position_ids = past.expand(batch, -1)
             if input_mask is None:  # causal over the cached and the new positions
                 input_mask = (torch.arange(kv_cache.length + seq_len, device=input_ids.device) <= past[:, None])[None]
+        if kv_cache is not None and self.rotary_embedding.freqs_cis_long is not None:
+            switch = self.rotary_embedding.switch_length
+            if 0 < kv_cache.length <= switch < kv_cache.length + seq_len:
+                # longrope: the cached keys were rotated with the short factors, the new ones would be with the long,
+                # a function of neither. transformers' Phi-3 drops its cache there and recomputes the whole sequence
+                # (Phi3ForCausalLM.prepare_inputs_for_generation), which is what a forward without a cache does here.
+                raise ValueError(f"longrope: this generation crosses original_max_position_embeddings {switch}, where "
+                                 "the cached keys' frequencies (short factors) no longer apply; generate without a "
+                                 "KV cache to go past it")  # fmt: skip
         x = self.embed_tokens(input_ids)
         rotary = self.rotary_embedding(batch, seq_len, position_ids)
         attn_mask = process_attention_mask(input_mask)
@@ -309,8 +318,11 @@ def count_parameters(config: ModelConfig) -> int:
 
 def rope_table_bytes(config: ModelConfig) -> int:
     """Bytes the RoPE table takes while it is built (every rank builds its own): float32 (cos, sin) for each
-    position and rotated dimension, with the float32 angles, cos and sin it is stacked from."""
-    return 10 * config.max_position_embeddings * config.rope_dim
+    position and rotated dimension, with the float32 angles, cos and sin it is stacked from; longrope builds two
+    (its short and long factors')."""
+    scaling = config.rope_frequency_scaling
+    tables = 2 if scaling is not None and scaling["rope_type"] == "longrope" else 1
+    return 10 * config.max_position_embeddings * config.rope_dim * tables
 
 
 def _reset(module: nn.Module) -> None:
