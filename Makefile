@@ -45,6 +45,7 @@ bench: install
 	$(BIN)/python bench/checkpoint_io.py
 	$(BIN)/python bench/memory.py
 	$(BIN)/python bench/lora_memory.py
+	$(BIN)/python bench/qlora_memory.py
 	$(BIN)/python bench/startup.py
 	$(BIN)/python bench/threads.py
 

@@ -380,7 +380,12 @@ class _HeadNLL(torch.autograd.Function):
         hidden, weight, targets, lse = ctx.saved_tensors
         smoothing, vocab = ctx.smoothing, weight.size(0)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        # A frozen head (LoRA, QLoRA: the adapters' base) gets no [V, H] gradient buffer at all; a trained one sums
+        # its chunks in place (addmm_), never holding a second weight-sized temporary.
+        grad_weight = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        )
+        weight_float = weight.float()  # once, not per chunk (the weight itself where it is float32 already)
         for begin in range(0, hidden.size(0), ctx.chunk_size):
             rows = slice(begin, begin + ctx.chunk_size)
             grad_logits = torch.exp((hidden[rows] @ weight.T).float() - lse[rows, None])  # softmax
@@ -389,7 +394,7 @@ class _HeadNLL(torch.autograd.Function):
                 grad_logits -= smoothing / vocab
             grad_logits *= grad_nll[rows, None]
             if grad_hidden is not None:
-                grad_hidden[rows] = (grad_logits @ weight.float()).to(hidden.dtype)
-            if ctx.needs_input_grad[1]:
-                grad_weight += grad_logits.T @ hidden[rows].float()
-        return grad_hidden, grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None, None, None, None
+                grad_hidden[rows] = (grad_logits @ weight_float).to(hidden.dtype)
+            if grad_weight is not None:
+                grad_weight.addmm_(grad_logits.T, hidden[rows].float())
+        return grad_hidden, grad_weight.to(weight.dtype) if grad_weight is not None else None, None, None, None

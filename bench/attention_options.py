@@ -1,11 +1,12 @@
 """What Gemma's attention options cost on CPU: sliding-window layers and soft-capping (issue 29, part 4).
 
-    .venv/bin/python bench/attention_options.py [--repeats 5] [--seq_len 8192] [--only step|layer]
+    .venv/bin/python bench/attention_options.py [--base REV] [--repeats 5] [--seq_len 8192] [--only step|layer]
 
 1. The common case, before and after: the training step (forward, backward) of a model with none of the options
    (hidden 256, 4 layers, 4/2 heads, SwiGLU 704, vocabulary 8000, batch 2 x 512 tokens, float32, one thread: small,
    so that per-layer Python overhead weighs more than it would in a real model),
-   with this tree's ``astrai_fabric`` and with the committed one (``git archive HEAD``), each in a subprocess of its
+   with this tree's ``astrai_fabric`` and with ``--base``'s (``git archive REV``; 2e80602 is the tree before the
+   options, ``HEAD`` the default), each in a subprocess of its
    own, alternating, 10 steps a run after 2 of warm-up; the median and the fastest step of each side (on a shared
    machine the fastest is the least disturbed). Target: no slower (the options are a few Python branches per layer,
    decided when the model is built).
@@ -55,10 +56,10 @@ def step_ms() -> list[float]:
     return times
 
 
-def before_and_after(repeats: int) -> tuple[list[float], list[float]]:
-    """Step times (ms) with HEAD's package and with this tree's, runs alternating."""
+def before_and_after(repeats: int, base: str) -> tuple[list[float], list[float]]:
+    """Step times (ms) with ``base``'s package and with this tree's, runs alternating."""
     with tempfile.TemporaryDirectory() as before:
-        archive = subprocess.run(["git", "-C", str(REPO), "archive", "HEAD", "astrai_fabric"], check=True,
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", base, "astrai_fabric"], check=True,
                                  capture_output=True).stdout  # fmt: skip
         subprocess.run(["tar", "-x", "-C", before], input=archive, check=True)
         runs: dict[str, list[float]] = {before: [], str(REPO): []}
@@ -108,6 +109,7 @@ def layer_ms(seq_len: int, repeats: int) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", default="HEAD", help="the revision to compare this tree with (default HEAD)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seq_len", type=int, default=8192)
     parser.add_argument("--only", choices=("step", "layer"), help="run one part only")
@@ -123,9 +125,9 @@ def main() -> None:
 
     torch.set_num_threads(1)
     if args.only != "layer":
-        before, after = before_and_after(args.repeats)
+        before, after = before_and_after(args.repeats, args.base)
         print("| model without the options | step ms, median | fastest |\n|---|---|---|")
-        for name, times in (("before (HEAD)", before), ("after (this tree)", after)):
+        for name, times in ((f"before ({args.base})", before), ("after (this tree)", after)):
             median, fastest = statistics.median(times), min(times)
             change = "" if times is before else f" ({median / statistics.median(before) - 1:+.1%})"
             print(f"| {name} | {median:.1f}{change} | {fastest:.1f} |")

@@ -4,12 +4,20 @@ a checkpoint save/load round trip. Prints tokens/s, MFU and peak memory. Not par
     python bench/gpu_check.py                 # every visible GPU (one FSDP rank each), 50 steps
     python bench/gpu_check.py --devices 1 --steps 20
     python bench/gpu_check.py --smoke         # the same path on CPU with the tiny model: checks the script itself
+    python bench/gpu_check.py --qlora         # instead: full / LoRA / QLoRA x chunked loss, bench/qlora_memory.py
+    python bench/gpu_check.py --qlora --smoke # that comparison on CPU with a tiny shape: checks it
 
 Model: hidden 2048, 20 layers, 16/8 heads, SwiGLU 5632, vocabulary 32000 (1.0B parameters), windows of 1024
 tokens from the bundled corpus (its tiny tokenizer uses the first 2048 ids), 4 per GPU, muon_adamw, bf16-true,
 NEFTune on (alpha 5: its noise generator lives on the GPU, ``astrai_fabric.randomness``).
 MFU uses Lightning's table of peak FLOP/s for the GPU (or --peak_flops). Peak memory is torch's
 ``max_memory_allocated`` on rank 0: parameters, gradients and optimizer state are sharded, activations are not.
+
+``--qlora`` runs ``bench/qlora_memory.py``'s comparison on one GPU instead: Qwen2.5-0.5B's shape, 1 x 1,024 tokens,
+full fine-tuning, LoRA and QLoRA (r=16, all seven targets), each with the loss unchunked and chunked, each a fresh
+process through ``astrai_fabric.train.run`` for 2 steps; peak ``max_memory_allocated`` of loading plus the steps, the
+head-plus-loss peak alone, and the step times of the six sides alternating in one process (the real shape: a step
+takes milliseconds here). ``--qlora_precision`` (default ``32-true``, as the CPU table in docs/performance.md).
 """
 
 from __future__ import annotations
@@ -43,9 +51,18 @@ def main() -> None:
     parser.add_argument("--peak_flops", type=float, default=None, help="Peak FLOP/s of one GPU, for unknown GPUs")
     parser.add_argument("--out", default=None, help="Where checkpoints go; default: a temporary folder")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, 3 steps: check the script itself")
+    parser.add_argument("--qlora", action="store_true", help="Instead: full / LoRA / QLoRA x chunked loss memory")
+    parser.add_argument("--qlora_precision", default="32-true", help="--qlora's precision (bf16-true, say)")
     options = parser.parse_args()
     if not options.smoke and not torch.cuda.is_available():
         raise SystemExit("gpu_check: no CUDA device visible (use --smoke to check the script on CPU)")
+    if options.qlora:
+        # bench/ is the script's folder, first on sys.path: the comparison is qlora_memory's, run on this device.
+        from qlora_memory import main as qlora_memory
+
+        device = ["--device", "cpu", "--smoke"] if options.smoke else ["--device", "cuda"]
+        qlora_memory([*device, "--precision", options.qlora_precision])
+        return
     # The launcher re-runs this script for the other local ranks: they must find the same folder (environment).
     os.environ.setdefault("GPU_CHECK_OUT", options.out or tempfile.mkdtemp(prefix="gpu_check_"))
     out = Path(os.environ["GPU_CHECK_OUT"])
