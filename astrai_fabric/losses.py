@@ -167,7 +167,11 @@ def preference_loss(
     cpo and orpo.
     """
     chosen, rejected = pairs.chosen, pairs.rejected
-    mean_chosen, mean_rejected = chosen / pairs.chosen_tokens, rejected / pairs.rejected_tokens
+    # A response without trained tokens (an online sample that ended at once) averages to 0, not 0/0.
+    mean_chosen, mean_rejected = (
+        chosen / pairs.chosen_tokens.clamp(min=1),
+        rejected / pairs.rejected_tokens.clamp(min=1),
+    )
     nll = None
     if kind in REFERENCE_FREE:
         used_chosen, used_rejected = (chosen, rejected) if kind == "cpo" else (mean_chosen, mean_rejected)
@@ -190,7 +194,9 @@ def preference_loss(
         elif kind == "hinge":
             per_pair = torch.relu(1 - beta * d)
         elif kind == "ipo":
-            per_token = chosen_ratio / pairs.chosen_tokens - rejected_ratio / pairs.rejected_tokens
+            per_token = chosen_ratio / pairs.chosen_tokens.clamp(min=1) - rejected_ratio / pairs.rejected_tokens.clamp(
+                min=1
+            )
             per_pair = (per_token - 1 / (2 * beta)) ** 2
         elif kind == "robust":
             e = label_smoothing

@@ -86,7 +86,7 @@ def dpo_batch_loss(
     policy = (logprobs * trained).sum(dim=-1).view(-1, 2)
     tokens = trained.sum(dim=-1).view(-1, 2)
     chosen_rows = slice(0, None, 2)  # each pair's chosen sequence, then its rejected one
-    chosen_nll = -(logprobs[chosen_rows] * trained[chosen_rows]).sum() / trained[chosen_rows].sum()
+    chosen_nll = -(logprobs[chosen_rows] * trained[chosen_rows]).sum() / trained[chosen_rows].sum().clamp(min=1)
     pairs = PairLogps(policy[:, 0], policy[:, 1], tokens[:, 0], tokens[:, 1], chosen_nll,
                       *((ref[:, 0], ref[:, 1]) if ref is not None else ()))  # fmt: skip
     loss, metrics = preference_loss(preference.kind, pairs, preference.beta, preference.label_smoothing,
