@@ -312,6 +312,8 @@ def grpo_loss(
 
     A micro-batch without response tokens gives 0.
     """
+    if kind not in GRPO_LOSSES:
+        raise ValueError(f"unknown grpo loss {kind!r}; expected one of {GRPO_LOSSES}")
     mask = mask.float()
     high = clip_eps if clip_eps_high is None else clip_eps_high
     ratio = torch.exp(logprobs - old_logprobs)

@@ -226,9 +226,9 @@ def round_trip(state_dict: Mapping[str, Tensor], entry: Any, where: str) -> dict
     dtype, keys = read_quantization_entry(entry, where)
     if absent := [k for k in keys if k not in state_dict]:
         raise CheckpointError(f"{where}: '{QUANTIZATION_KEY}' names weights the base lacks: {absent[:4]}")
-    if odd := [k for k in keys if not fits_blocks(tuple(state_dict[k].shape))]:
+    out = dict(state_dict)  # every tensor read once (a stored state dict reads a tensor each time it is indexed)
+    if odd := [k for k in keys if not fits_blocks(tuple(out[k].shape))]:
         raise CheckpointError(f"{where}: '{QUANTIZATION_KEY}' names weights NF4 cannot hold: {odd[:4]}")
-    out = dict(state_dict)
     for key in keys:
-        out[key] = to_nf4(state_dict[key].to(dtype)).get_original_weight()
+        out[key] = to_nf4(out[key].to(dtype)).get_original_weight()
     return out

@@ -462,6 +462,9 @@ def tokenizer_configs(draw, astrai: dict, hf: dict) -> Example:
 POSITION_KEYS = ("epoch", "sample_index", "world_size", "optimizer_step", "num_tokens", "consumed_samples",
                  "skipped_steps")  # fmt: skip
 LORA_BASE_KEYS = ("path", "absolute", "sha256")
+QUANTIZATION = {"method": "nf4", "block_size": 64, "scaler_block_size": 256, "dtype": "float32",
+                "keys": ["layers.0.attention.q_proj.weight"]}  # fmt: skip
+"""A valid ``meta.json`` ``quantization`` record for the tiny model (its q_proj, 128 x 128, fits NF4's blocks)."""
 
 
 @st.composite
@@ -470,19 +473,22 @@ def checkpoint_metas(draw, meta: dict, lora_meta: dict) -> Example:
     hostile fields, read by resume, export and generate."""
     lora = draw(st.booleans())
     base = lora_meta if lora else meta
+    quantized = lora and draw(st.booleans())  # a QLoRA checkpoint: its adapter merged into the base's NF4 round trip
     keys = tuple(f.name for f in fields(TrainArgs)) + ("resume_position", "reference", "lora_base", "astrai_fabric")
+    if quantized:  # its record edited: among a hundred-odd keys, a random edit would rarely reach it
+        base, keys = {**base, "quantization": QUANTIZATION}, ("quantization", "lora_base")
     doc, edits = draw(edited(base, keys, {"resume_position": POSITION_KEYS, "lora_base": LORA_BASE_KEYS,
                                           "astrai_fabric": ("format_version", "versions"),
-                                          "reference": ("param_path", "random_seed")}))  # fmt: skip
+                                          "reference": ("param_path", "random_seed"),
+                                          "quantization": tuple(QUANTIZATION)}))  # fmt: skip
     name = "lck" if lora else "ck"
     resume = (train("sft", "--resume", "{x}/lck", "--lora_r", "4", "--max_steps", "2", model="{w}/ck") if lora
               else train("seq", "--resume", "{x}/ck", "--max_steps", "2", data="{w}/seq.jsonl"))  # fmt: skip
-    argv = draw(st.sampled_from([
-        resume, [*resume, "--dry_run"],
-        ["export", f"{{x}}/{name}", "--format", "peft" if lora else "astrai", "--out", "{x}/out"],
-        ["export", f"{{x}}/{name}", "--format", "hf", "--out", "{x}/out"],
-        ["generate", "--param_path", f"{{x}}/{name}", "--prompt", "hi", "--max_new_tokens", "2"],
-    ]))  # fmt: skip
+    merged = [["export", f"{{x}}/{name}", "--format", "hf", "--out", "{x}/out"],
+              ["generate", "--param_path", f"{{x}}/{name}", "--prompt", "hi", "--max_new_tokens", "2"]]  # fmt: skip
+    others = [resume, [*resume, "--dry_run"],
+              ["export", f"{{x}}/{name}", "--format", "peft" if lora else "astrai", "--out", "{x}/out"]]  # fmt: skip
+    argv = draw(st.sampled_from(merged if quantized else [*others, *merged]))  # the merged model reads the record
     return Example(f"{name} meta.json", argv, {name: name}, {f"{name}/meta.json": draw(json_text(doc))},
                    culprits=culprits_of(f"{name}/meta.json", edits))  # fmt: skip
 
