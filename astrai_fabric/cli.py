@@ -44,7 +44,7 @@ from astrai_fabric.export import DEFAULT_MAX_SHARD_SIZE, DTYPES, FORMATS, Alread
 from astrai_fabric.generate import run_generate
 from astrai_fabric.tokenizer import Tokenizer
 
-TRAIN_COMMANDS = ("seq", "sft", "dpo", "kto", "grpo")
+TRAIN_COMMANDS = ("seq", "sft", "dpo", "kto", "grpo", "reward_model")
 OTHER_COMMANDS = ("evaluate", "generate", "chat", "export", "prepare", "plot", "download")
 """The commands that train nothing (each dispatched by ``_dispatch``); the usage line lists both tuples."""
 TRAIN_TYPE_ALIASES = {"online_grpo": "grpo", "online_dpo": "dpo"}
@@ -191,6 +191,7 @@ def _top_level_help() -> str:
         "  dpo       direct preference optimization on chosen/rejected pairs (--dpo_loss: ipo, simpo, orpo, ...)",
         "  kto       Kahneman-Tversky optimization on unpaired answers labelled desirable or not",
         "  grpo      group relative policy optimization: scored groups (offline) or sampled and rewarded (online)",
+        "  reward_model  a reward model (a score head) on chosen/rejected pairs; scores online grpo/dpo rollouts",
         "  evaluate  perplexity on held-out data and lm-evaluation-harness tasks, of a model or every checkpoint",
         "  generate  sample continuations of prompts from a model or checkpoint",
         "  chat      talk with a model or checkpoint: multi-turn, replies streamed, /reset and /exit",

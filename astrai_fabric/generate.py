@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from astrai_fabric import hub
-from astrai_fabric.checkpoint import load_model
+from astrai_fabric.checkpoint import load_language_model
 from astrai_fabric.config.generate import GenerateArgs, SamplingArgs
 from astrai_fabric.errors import ConfigError, UserError
 from astrai_fabric.model.kv_cache import KVCache
@@ -153,7 +153,7 @@ def load_sampler(args: SamplingArgs, command: str) -> tuple[nn.Module, Tokenizer
         raise ConfigError(f"{command}: --device_type cuda, but no CUDA device is available here")
     device = torch.device(args.device_type or ("cuda" if torch.cuda.is_available() else "cpu"))
     directory = hub.resolve_model(args.param_path, "param_path")  # a path, or a Hub id's snapshot
-    model = load_model(directory).to(device).eval()
+    model = load_language_model(directory, command=command).to(device).eval()
     tokenizer = Tokenizer.from_dir(hub.resolve_model(args.tokenizer_path, "tokenizer_path") if args.tokenizer_path
                                    else directory)  # fmt: skip
     return model, tokenizer, torch.Generator(device).manual_seed(args.seed)

@@ -258,27 +258,55 @@ def kto_loss(
     return loss, metrics
 
 
+def reward_model_loss(
+    chosen: Tensor, rejected: Tensor, margin: Tensor | None = None, center_coef: float = 0.0
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """A reward model's Bradley-Terry loss on the scores of pairs ``[B]``: ``-log sigmoid(r_c - r_r - margin)``
+    averaged over the pairs (``margin`` per pair, none by default; Touvron et al. 2023's margin), plus
+    ``center_coef * mean((r_c + r_r)^2)``, which keeps the scores centred on 0 (Eisenstein et al. 2023), as TRL
+    1.16's ``RewardTrainer`` computes them."""
+    difference = chosen - rejected
+    loss = -F.logsigmoid(difference - (margin if margin is not None else 0.0)).mean()
+    if center_coef:
+        loss = loss + center_coef * ((chosen + rejected) ** 2).mean()
+    metrics = {
+        "accuracy": (difference > 0).float().mean(),
+        "reward_margin": difference.detach().mean(),
+        "chosen_reward": chosen.detach().mean(),
+        "rejected_reward": rejected.detach().mean(),
+    }
+    return loss, metrics
+
+
 def group_advantages(rewards: Tensor) -> Tensor:
     """GRPO's group-normalised advantage ``(r - mean_G r) / (std_G r + 1e-8)`` over the last axis (population std)."""
     return (rewards - rewards.mean(dim=-1, keepdim=True)) / (rewards.std(dim=-1, unbiased=False, keepdim=True) + 1e-8)
 
 
-GRPO_LOSSES = ("astrai", "grpo", "bnpo", "dr_grpo")
+GRPO_LOSSES = ("astrai", "grpo", "bnpo", "dr_grpo", "dapo")
 """``--grpo_loss``: AstrAI's GRPO loss (the default) and TRL 1.16's ``loss_type`` values of the same name."""
 
 
-def grpo_advantages(rewards: Tensor, kind: str = "astrai", scale: str = "group") -> Tensor:
+def grpo_advantages(
+    rewards: Tensor, kind: str = "astrai", scale: str = "group", batch_std: Tensor | None = None
+) -> Tensor:
     """Each response's advantage from the rewards of its group ``[..., G]``.
 
     ``astrai``: ``group_advantages`` (population std + 1e-8). The TRL losses use TRL's: ``r - mean_G r``, divided by
-    the group's Bessel-corrected std + 1e-4 (``scale`` group) or not at all (``none``, Dr. GRPO's choice); a group of
-    one has no std, and its advantage is 0 (TRL's ``nan_to_num``).
+    the group's Bessel-corrected std + 1e-4 (``scale`` group), by ``batch_std`` + 1e-4 (``batch``: the
+    Bessel-corrected std of every reward of the batch, TRL's generation batch; None: of ``rewards``, all groups
+    together) or not at all (``none``, Dr. GRPO's choice); a group of one has no std, and its advantage is 0 (TRL's
+    ``nan_to_num``).
     """
     if kind == "astrai":
         return group_advantages(rewards)
     centred = rewards - rewards.mean(dim=-1, keepdim=True)
     if scale == "none":
         return centred
+    if scale == "batch":
+        if batch_std is None:
+            batch_std = rewards.std() if rewards.numel() > 1 else torch.full((), math.nan, device=rewards.device)
+        return torch.nan_to_num(centred / (batch_std + 1e-4), nan=0.0)
     std = rewards.std(dim=-1, keepdim=True) if rewards.shape[-1] > 1 else torch.full_like(centred, float("nan"))
     return torch.nan_to_num(centred / (std + 1e-4), nan=0.0)
 
@@ -294,6 +322,7 @@ def grpo_loss(
     kind: str = "astrai",
     clip_eps_high: float | None = None,
     max_response_tokens: int = 1024,
+    tokens_per_micro_batch: Tensor | float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GRPO (Shao et al. 2024): PPO's clipped objective and a KL penalty to the reference, per response token.
 
@@ -308,12 +337,17 @@ def grpo_loss(
     - ``astrai`` and ``bnpo``: over every response token of the micro-batch;
     - ``grpo``: over each response's tokens, then over the responses (TRL's ``grpo``, the paper's);
     - ``dr_grpo``: summed and divided by ``N x max_response_tokens`` (Dr. GRPO's constant, TRL's
-      ``max_completion_length``), so no response's length weights its tokens.
+      ``max_completion_length``), so no response's length weights its tokens;
+    - ``dapo``: summed and divided by ``tokens_per_micro_batch``, the mean response tokens of a micro-batch over
+      the whole batch of rollouts and every rank (``train.grpo.Rollouts``). Divided by ``grad_accum_steps`` by the
+      loop and averaged over the ranks, the step's gradient is that of one token mean over every response token of
+      the step (TRL's ``dapo``: its ``num_items_in_batch`` per accumulation window).
 
     A micro-batch without response tokens gives 0.
     """
     if kind not in GRPO_LOSSES:
         raise ValueError(f"unknown grpo loss {kind!r}; expected one of {GRPO_LOSSES}")
+    assert kind != "dapo" or tokens_per_micro_batch is not None, "dapo's normaliser comes with the rollouts"
     mask = mask.float()
     high = clip_eps if clip_eps_high is None else clip_eps_high
     ratio = torch.exp(logprobs - old_logprobs)
@@ -331,6 +365,8 @@ def grpo_loss(
             return ((mask * per_token).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
         if kind == "dr_grpo":
             return (mask * per_token).sum() / (per_token.shape[0] * max_response_tokens)
+        if kind == "dapo":
+            return (mask * per_token).sum() / tokens_per_micro_batch
         return (mask * per_token).sum() / mask.sum().clamp(min=1.0)
 
     policy_loss = aggregate(-surrogate)
@@ -353,46 +389,150 @@ def head_token_nll(
     ``F.cross_entropy`` hold ``[positions, V]`` (at Qwen's 151,936-token vocabulary, 0.6 GB per 1,024 positions) and
     keep them for the backward. With ``label_smoothing`` ε: ``(1 - ε) * nll + ε * (lse - mean(logits))``, as
     ``F.cross_entropy`` smooths. Returns ``[...]`` float32; its gradients equal the unfused computation's up to the
-    order of float32 sums (tests/test_chunked_loss.py). The model calls it inside its forward (``nll_targets``)."""
+    order of float32 sums (tests/test_chunked_loss.py). The model calls it inside its forward (``nll_targets``).
+
+    A frozen head (LoRA, QLoRA) takes the hidden states' gradient in the forward, so its backward recomputes no
+    logits; a trained one recomputes them, unless the loss's per-token weights are known first (``head_nll_loss``).
+    """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     shape = targets.shape
-    nll = _HeadNLL.apply(hidden.reshape(-1, hidden.size(-1)), weight, targets.reshape(-1), chunk_size, label_smoothing)
+    nll = _HeadNLL.apply(hidden.reshape(-1, hidden.size(-1)), weight, targets.reshape(-1), chunk_size,
+                         label_smoothing, torch.is_grad_enabled())  # fmt: skip
     return nll.reshape(shape)
 
 
+def head_nll_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    token_weights: Tensor,
+    chunk_size: int,
+    label_smoothing: float = 0.0,
+) -> tuple[Tensor, Tensor]:
+    """``sum(token_weights * nll)`` (a float32 scalar) and the per-token ``nll`` (detached, ``head_token_nll``'s
+    values) of the fused head, for a loss whose per-token weights are known before the forward (seq's and sft's mean,
+    ``token_nll_weights``). Its forward takes the gradients of the hidden states and of the head's weight as well (the
+    weight's summed in one float32 ``[V, H]`` buffer, the size of the gradient the unfused head produces), so the
+    backward only scales them by the upstream gradient: no logits are recomputed, whether the head trains or not.
+    All-zero weights (no trained token, B8) give a loss of exactly 0 and zero gradients."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    loss, nll = _WeightedHeadNLL.apply(hidden.reshape(-1, hidden.size(-1)), weight, targets.reshape(-1),
+                                       token_weights.reshape(-1).float(), chunk_size, label_smoothing,
+                                       torch.is_grad_enabled())  # fmt: skip
+    return loss, nll.reshape(targets.shape)
+
+
+def token_nll_weights(targets: Tensor, loss_mask: Tensor | None = None) -> Tensor:
+    """Float32 weights ``w`` with ``sum(w * token_nll) == token_nll_loss(token_nll, loss_mask)``: ``1 / N`` at every
+    position (seq), ``mask / mask.sum()`` (sft), and all 0 where the mask selects nothing (B8: ``head_nll_loss`` gives
+    exactly 0 with zero gradients)."""
+    if loss_mask is None:
+        return torch.full(targets.shape, 1.0 / targets.numel(), device=targets.device)
+    mask = loss_mask.float()
+    return mask / mask.sum().clamp(min=1.0)
+
+
+def _logits_buffer(hidden: Tensor, weight: Tensor, chunk_size: int) -> Tensor | None:
+    """One chunk's float32 logits, written by every chunk in turn where the head is float32 (``torch.mm(out=)``): on
+    CPU a fresh chunk-sized allocation per chunk is a fresh mapping, paid again in page faults each time."""
+    if hidden.dtype != torch.float32 or weight.dtype != torch.float32:
+        return None
+    return torch.empty(min(chunk_size, hidden.size(0)), weight.size(0), dtype=torch.float32, device=hidden.device)
+
+
+def _chunk_nll(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    smoothing: float,
+    grad_scale: Tensor | None,
+    buffer: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """One chunk's ``nll`` and log-sum-exp ``[positions]``, and given ``grad_scale [positions]`` (each position's
+    weight; None: no gradient) ``grad_scale * (softmax - (1 - ε) onehot - ε / V)`` ``[positions, V]`` float32, made
+    in the chunk's logits: no second chunk-sized tensor, and each pass over them one element-wise step (the
+    log-sum-exp taken by hand, ``torch.logsumexp`` allocating its own exponentials)."""
+    if buffer is not None:
+        logits = torch.mm(hidden, weight.T, out=buffer[: hidden.size(0)])
+    else:
+        logits = (hidden @ weight.T).float()
+    target_logits = logits.gather(-1, targets[:, None]).squeeze(-1)
+    mean_logits = logits.mean(dim=-1) if smoothing else None
+    largest = logits.amax(dim=-1)
+    exps = logits.sub_(largest[:, None]).exp_()
+    sums = exps.sum(dim=-1)
+    lse = largest + sums.log()
+    nll = lse - target_logits
+    if smoothing:
+        nll = (1 - smoothing) * nll + smoothing * (lse - mean_logits)
+    if grad_scale is None:
+        return nll, lse, None
+    grad_logits = exps.mul_((grad_scale / sums)[:, None])  # the softmax, scaled
+    grad_logits.scatter_add_(-1, targets[:, None], ((smoothing - 1) * grad_scale)[:, None])
+    if smoothing:
+        grad_logits -= (smoothing / weight.size(0) * grad_scale)[:, None]
+    return nll, lse, grad_logits
+
+
+def _times_weight(grad_logits: Tensor, weight: Tensor) -> Tensor:
+    """``grad_logits @ weight`` in the weight's dtype, as the unfused head's backward takes it: a float32 copy of a
+    bf16 head would be a ``[V, H]`` buffer."""
+    return grad_logits.to(weight.dtype) @ weight
+
+
 class _HeadNLL(torch.autograd.Function):
-    """``head_token_nll``'s autograd: the forward keeps each position's log-sum-exp (a float per position), the
-    backward recomputes each chunk's logits and turns them into ``softmax - target`` there, so no step holds more than
-    one chunk of logits. The gradients are those of ``F.cross_entropy(hidden @ weight.T)``:
+    """``head_token_nll``'s autograd, one of three ways, from what needs a gradient (``ctx.needs_input_grad``, which
+    torch fills in before the forward; it says True under ``no_grad`` too, hence ``grad_enabled``):
+
+    - the hidden states alone (a frozen head: LoRA, QLoRA): the forward stores each position's ``d nll / d hidden``
+      ``[positions, H]``, and the backward scales its rows by the upstream gradient. Exact for any loss upstream
+      (dpo, grpo and kto take the log-probabilities through nonlinear functions): each token's gradient is linear in
+      its own upstream scalar.
+    - the head's weight (full fine-tuning, a loss whose per-token weights are not known here): the forward keeps each
+      position's log-sum-exp, the backward recomputes each chunk's logits and turns them into ``softmax - target``
+      there, the weight's gradient summed in place (``addmm_``).
+    - nothing (a reference model, evaluation, rollouts): the values alone.
+
+    No step holds more than one chunk of logits. The gradients are those of ``F.cross_entropy(hidden @ weight.T)``:
     ``d nll / d logits = softmax - (1 - ε) onehot - ε / V``."""
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, chunk_size: int, smoothing: float) -> Tensor:
+    def forward(
+        ctx, hidden: Tensor, weight: Tensor, targets: Tensor, chunk_size: int, smoothing: float, grad_enabled: bool
+    ) -> Tensor:
+        needs_hidden, needs_weight = (grad_enabled and needed for needed in ctx.needs_input_grad[:2])
+        store = needs_hidden and not needs_weight
         nll = torch.empty(hidden.size(0), dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(nll)
+        # Float32 whatever the hidden states' dtype: the rows are scaled in the backward before the cast, as there.
+        grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if store else None
+        scale = torch.ones_like(nll) if store else None
+        buffer = _logits_buffer(hidden, weight, chunk_size)
         for begin in range(0, hidden.size(0), chunk_size):
             rows = slice(begin, begin + chunk_size)
-            logits = (hidden[rows] @ weight.T).float()
-            lse[rows] = torch.logsumexp(logits, dim=-1)
-            target_logits = logits.gather(-1, targets[rows, None]).squeeze(-1)
-            nll[rows] = lse[rows] - target_logits
-            if smoothing:
-                nll[rows] = (1 - smoothing) * nll[rows] + smoothing * (lse[rows] - logits.mean(dim=-1))
-        ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.chunk_size, ctx.smoothing = chunk_size, smoothing
+            nll[rows], lse[rows], grad_logits = _chunk_nll(hidden[rows], weight, targets[rows], smoothing,
+                                                           scale[rows] if store else None, buffer)  # fmt: skip
+            if store:
+                grad_hidden[rows] = _times_weight(grad_logits, weight)
+        ctx.chunk_size, ctx.smoothing, ctx.stored, ctx.hidden_dtype = chunk_size, smoothing, store, hidden.dtype
+        if store:
+            ctx.save_for_backward(grad_hidden)
+        elif needs_weight:
+            ctx.save_for_backward(hidden, weight, targets, lse)
         return nll
 
     @staticmethod
     def backward(ctx, grad_nll: Tensor) -> tuple[Tensor | None, ...]:
+        if ctx.stored:
+            (grad_hidden,) = ctx.saved_tensors
+            return (grad_nll[:, None] * grad_hidden).to(ctx.hidden_dtype), None, None, None, None, None
         hidden, weight, targets, lse = ctx.saved_tensors
         smoothing, vocab = ctx.smoothing, weight.size(0)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        # A frozen head (LoRA, QLoRA: the adapters' base) gets no [V, H] gradient buffer at all; a trained one sums
-        # its chunks in place (addmm_), never holding a second weight-sized temporary.
-        grad_weight = (
-            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
-        )
+        # A trained head sums its chunks' gradients in place (addmm_), never holding a second weight-sized temporary.
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         weight_float = weight.float()  # once, not per chunk (the weight itself where it is float32 already)
         for begin in range(0, hidden.size(0), ctx.chunk_size):
             rows = slice(begin, begin + ctx.chunk_size)
@@ -403,6 +543,56 @@ class _HeadNLL(torch.autograd.Function):
             grad_logits *= grad_nll[rows, None]
             if grad_hidden is not None:
                 grad_hidden[rows] = (grad_logits @ weight_float).to(hidden.dtype)
-            if grad_weight is not None:
+            grad_weight.addmm_(grad_logits.T, hidden[rows].float())
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+
+
+class _WeightedHeadNLL(torch.autograd.Function):
+    """``head_nll_loss``'s autograd: the forward turns each chunk's logits into ``w * (softmax - target)`` and takes
+    from it the hidden states' rows and the weight's summed gradient (``addmm_`` into one float32 ``[V, H]``, only
+    where the head trains); the backward multiplies them by the upstream scalar (the loop's ``1 / grad_accum_steps``,
+    a precision plugin's scale), in place. The per-token ``nll`` is an output without a gradient (metrics)."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        hidden: Tensor,
+        weight: Tensor,
+        targets: Tensor,
+        token_weights: Tensor,
+        chunk_size: int,
+        smoothing: float,
+        grad_enabled: bool,
+    ) -> tuple[Tensor, Tensor]:
+        needs_hidden, needs_weight = (grad_enabled and needed for needed in ctx.needs_input_grad[:2])
+        with_grad = needs_hidden or needs_weight
+        nll = torch.empty(hidden.size(0), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if needs_hidden else None
+        float32_zeros = dict(dtype=torch.float32, device=weight.device)
+        grad_weight = torch.zeros(weight.shape, **float32_zeros) if needs_weight else None
+        buffer = _logits_buffer(hidden, weight, chunk_size)
+        for begin in range(0, hidden.size(0), chunk_size):
+            rows = slice(begin, begin + chunk_size)
+            nll[rows], _, grad_logits = _chunk_nll(hidden[rows], weight, targets[rows], smoothing,
+                                                   token_weights[rows] if with_grad else None, buffer)  # fmt: skip
+            if not with_grad:
+                continue
+            if needs_hidden:
+                grad_hidden[rows] = _times_weight(grad_logits, weight)
+            if needs_weight:
                 grad_weight.addmm_(grad_logits.T, hidden[rows].float())
-        return grad_hidden, grad_weight.to(weight.dtype) if grad_weight is not None else None, None, None, None
+        ctx.hidden_dtype, ctx.weight_dtype = hidden.dtype, weight.dtype
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.mark_non_differentiable(nll)
+        return (nll * token_weights).sum(), nll
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor, _grad_nll: Tensor | None) -> tuple[Tensor | None, ...]:
+        grad_hidden, grad_weight = ctx.saved_tensors
+        # In place: the weight's gradient is the one float32 [V, H] this loss holds (a second backward through the
+        # same graph fails the saved tensors' version check rather than scaling twice).
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden.mul_(grad_loss).to(ctx.hidden_dtype)
+        if grad_weight is not None:
+            grad_weight = grad_weight.mul_(grad_loss).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None

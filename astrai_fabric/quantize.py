@@ -74,8 +74,11 @@ def require_torchao() -> None:
 
 
 def is_quantized(tensor: Any) -> bool:
-    """Whether ``tensor`` is an NF4 tensor (without importing torchao: a model that holds one has imported it)."""
-    module = sys.modules.get(_NF4_MODULE)
+    """Whether ``tensor`` is an NF4 tensor, or an FSDP shard of one (without importing torchao or DTensor: a model
+    that holds one has imported them)."""
+    module, distributed = sys.modules.get(_NF4_MODULE), sys.modules.get("torch.distributed.tensor")
+    if distributed is not None and isinstance(tensor, distributed.DTensor):
+        tensor = tensor.to_local()
     return module is not None and isinstance(tensor, module.NF4Tensor)
 
 
@@ -84,9 +87,12 @@ def dequantized(tensor: Tensor) -> Tensor:
     return tensor.get_original_weight() if is_quantized(tensor) else tensor
 
 
-def fits_blocks(shape: tuple[int, ...]) -> bool:
-    """Whether a weight of ``shape`` can be laid out in NF4's blocks (element count a multiple of 64 x 256)."""
-    return len(shape) == 2 and shape[0] * shape[1] % (BLOCK_SIZE * SCALER_BLOCK_SIZE) == 0
+def fits_blocks(shape: tuple[int, ...], num_shards: int = 1) -> bool:
+    """Whether a weight of ``shape`` can be laid out in NF4's blocks (element count a multiple of 64 x 256), and split
+    into ``num_shards`` FSDP shards of whole blocks (its rows into equal parts, each a multiple of the blocks: torchao
+    splits an NF4 tensor only so)."""
+    blocks = BLOCK_SIZE * SCALER_BLOCK_SIZE * num_shards
+    return len(shape) == 2 and shape[0] % num_shards == 0 and shape[0] * shape[1] % blocks == 0
 
 
 BYTES_PER_WEIGHT = 0.5 + 1 / BLOCK_SIZE + 4 / (BLOCK_SIZE * SCALER_BLOCK_SIZE)
@@ -101,6 +107,8 @@ class QuantizationPlan:
     quantized: tuple[str, ...]
     kept: tuple[str, ...]
     num_quantized: int
+    num_shards: int = 1
+    """The FSDP shards each NF4 weight is split into (whole blocks in each)."""
 
     def describe(self, float_bytes: int) -> str:
         """The plan's ``quantize`` line; ``float_bytes``: bytes of a weight in the training dtype."""
@@ -111,26 +119,27 @@ class QuantizationPlan:
         )
         if self.kept:
             named = ", ".join(self.kept[:3]) + (", ..." if len(self.kept) > 3 else "")
+            shards = f" x {self.num_shards} FSDP shards" if self.num_shards > 1 else ""
             line += (
                 f"; {len(self.kept)} kept unquantised (element count not a multiple of "
-                f"{BLOCK_SIZE * SCALER_BLOCK_SIZE:,}): {named}"
+                f"{BLOCK_SIZE * SCALER_BLOCK_SIZE:,}{shards}): {named}"
             )
         return line
 
 
-def plan_quantization(model: nn.Module) -> QuantizationPlan:
-    """The weights ``--quantize nf4`` stores in 4 bits: block linear weights (not routers) that fit the blocks. Only
-    shapes are read, so a model on the meta device answers."""
+def plan_quantization(model: nn.Module, num_shards: int = 1) -> QuantizationPlan:
+    """The weights ``--quantize nf4`` stores in 4 bits: block linear weights (not routers) that fit the blocks, in
+    each of ``num_shards`` FSDP shards. Only shapes are read, so a model on the meta device answers."""
     quantized, kept, num_quantized = [], [], 0
     for name, module in model.named_modules():
         leaf = name.rpartition(".")[2]
         if name.startswith("layers.") and isinstance(module, Linear) and leaf not in _NOT_QUANTIZED:
-            if fits_blocks(tuple(module.weight.shape)):
+            if fits_blocks(tuple(module.weight.shape), num_shards):
                 quantized.append(f"{name}.weight")
                 num_quantized += module.weight.numel()
             else:
                 kept.append(f"{name}.weight")
-    return QuantizationPlan(tuple(quantized), tuple(kept), num_quantized)
+    return QuantizationPlan(tuple(quantized), tuple(kept), num_quantized, num_shards)
 
 
 def to_nf4(weight: Tensor) -> Tensor:

@@ -44,13 +44,15 @@ class StepPlan:
     """``--max_steps``: the run's length in optimizer steps (it ends there, and the schedule is planned over it)."""
     stop_after_steps: int | None = None
     """``--stop_after_steps``: this run stops after this many steps of its own, the schedule untouched."""
+    num_iterations: int = 1
+    """Times each micro-batch is trained (online grpo's ``--grpo_num_iterations``; its repeats consume no samples)."""
 
     @classmethod
     def from_args(cls, args: TrainArgs, num_samples: int, num_dp_ranks: int) -> StepPlan:
         """The plan of a run of ``args`` over ``num_samples`` training samples on ``num_dp_ranks`` ranks (the run and
         its dry run both build it here)."""
         return cls(num_samples, num_dp_ranks, args.batch_per_device, args.grad_accum_steps, args.n_epoch,
-                   args.warmup_ratio, args.max_steps, args.stop_after_steps)  # fmt: skip
+                   args.warmup_ratio, args.max_steps, args.stop_after_steps, args.grpo_num_iterations)  # fmt: skip
 
     @property
     def samples_per_rank(self) -> int:
@@ -69,12 +71,13 @@ class StepPlan:
 
     @property
     def epoch_steps(self) -> int:
-        """AstrAI's ``(ceil(ceil(N / ranks) / batch) // accum) * epochs``: its schedule's length.
+        """AstrAI's ``(ceil(ceil(N / ranks) / batch) // accum) * epochs``: its schedule's length (each micro-batch
+        counted ``num_iterations`` times: ``(iterations * ceil(ceil(N / ranks) / batch) // accum) * epochs``).
 
         Accumulation windows run across epoch boundaries, so the epochs hold up to ``n_epoch - 1`` more steps than
         this (``last_step``); they run at the schedule's floor (AstrAI's behaviour).
         """
-        return (self.micro_batches_per_rank // self.grad_accum_steps) * self.n_epoch
+        return (self.num_iterations * self.micro_batches_per_rank // self.grad_accum_steps) * self.n_epoch
 
     @property
     def total_steps(self) -> int:
@@ -92,12 +95,14 @@ class StepPlan:
         (``max_tokens``, a skipped step or a stop request may end it sooner still).
 
         A resume continues at a window's start (a checkpoint follows an optimizer step), so the windows left are
-        the micro-batches left over ``grad_accum_steps``.
+        the micro-batches left (each trained ``num_iterations`` times) over ``grad_accum_steps``. With several
+        iterations the position counts each prompt when first trained, and a resume samples anew from there: a rollout
+        cut short is not finished, so every micro-batch left is trained ``num_iterations`` times.
         """
         epoch, sample_index, step = (start.epoch, start.sample_index, start.optimizer_step) if start else (0, 0, 0)
         consumed = epoch * self.micro_batches_per_rank + math.ceil(sample_index / self.batch_per_device)
         remaining = max(self.n_epoch * self.micro_batches_per_rank - consumed, 0)
-        final = step + remaining // self.grad_accum_steps
+        final = step + self.num_iterations * remaining // self.grad_accum_steps
         if self.max_steps is not None:
             final = min(final, max(self.max_steps, step))
         if self.stop_after_steps is not None:
@@ -117,9 +122,11 @@ class StepPlan:
     def describe(self, start: RunPosition | None = None, max_tokens: int | None = None) -> list[tuple[str, str]]:
         """The plan's ``batch``, ``steps`` and ``this run`` lines, labelled (``train.plan.describe_plan``), for a run
         starting at ``start`` (default: the beginning) that may also stop at ``max_tokens``."""
+        trained = f", each trained {self.num_iterations} times" if self.num_iterations > 1 else ""
         steps = (
             f"{self.num_samples} samples -> {self.samples_per_rank} per rank -> {self.micro_batches_per_rank} "
-            f"micro-batches per rank per epoch -> {self.epoch_steps} optimizer steps over {self.n_epoch} epoch(s)"
+            f"micro-batches per rank per epoch{trained} -> {self.epoch_steps} optimizer steps over {self.n_epoch} "
+            "epoch(s)"
         )
         if self.total_steps < self.epoch_steps:
             steps += f"; max_steps {self.max_steps}: the schedule's {self.total_steps}"

@@ -177,9 +177,17 @@ class Tokenizer:
         names = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE) + ((CHAT_TEMPLATE_FILE,) if self.layout == HUGGING_FACE else ())
         return {name: self.directory / name for name in names if (self.directory / name).is_file()}
 
+    def contents(self) -> dict[str, bytes]:
+        """The bytes of ``files``, by name: two tokenizers with equal contents tokenise alike."""
+        return {name: path.read_bytes() for name, path in self.files.items()}
+
     @property
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size()
+
+    def vocab(self) -> dict[str, int]:
+        """Every token string and its id, added tokens included."""
+        return self._tokenizer.get_vocab(with_added_tokens=True)
 
     def token_id(self, name: str) -> int | None:
         """Id of a named special token (``"bos_token"``, ``"eos_token"``, ``"pad_token"``, ...), or None."""

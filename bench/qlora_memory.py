@@ -22,9 +22,10 @@ about 40 minutes on 2 busy cores (the six runs 4-7 minutes each).
 
 ``head``: the head and the loss alone, each in a fresh process: hidden states [1,024, 896] float32 (requiring
 grad), the tied head's weight [151,936, 896] float32, trainable (full fine-tuning) or frozen (LoRA, QLoRA); forward
-and backward of ``causal_lm_loss(hidden @ weight.T)`` against ``head_token_nll`` with the default chunking (110
-positions). Peak is ``VmHWM`` above the RSS after the inputs are allocated (weight gradient included where it is
-trainable); medians of 3 processes, sides alternating.
+and backward of ``causal_lm_loss(hidden @ weight.T)`` against ``head_nll_loss`` (seq's and sft's fused loss, its
+gradients taken in the forward) with the default chunking (110 positions). Peak is ``VmHWM`` above the RSS after
+the inputs are allocated (weight gradient included where it is trainable); medians of 3 processes, sides
+alternating.
 
 ``time``: one process (the sides alternate inside it: which goes first rotates each round), a smaller shape where a
 step takes seconds (vocabulary 151,936 kept, since the head is what chunking changes; hidden 256, 4 layers, 4/2
@@ -190,7 +191,7 @@ def train_child(spec: dict) -> dict:
 
 def head_child(spec: dict) -> dict:
     """Forward and backward of the head and the loss alone, unchunked or fused and chunked."""
-    from astrai_fabric.losses import causal_lm_loss, head_token_nll, loss_chunk_positions
+    from astrai_fabric.losses import causal_lm_loss, head_nll_loss, loss_chunk_positions, token_nll_weights
 
     device, vocab, hidden, positions = spec["device"], spec["vocab"], spec["hidden"], spec["positions"]
     generator = torch.Generator().manual_seed(0)
@@ -200,7 +201,7 @@ def head_child(spec: dict) -> dict:
     chunk = spec["chunk"] if spec["chunk"] is not None else loss_chunk_positions(None, vocab, positions)
     baseline = reset_peak(device)
     if spec["loss"] == "chunked":
-        loss = head_token_nll(states, weight, targets, chunk).mean()
+        loss, _ = head_nll_loss(states, weight, targets, token_nll_weights(targets), chunk)  # as train.lm.lm_loss
     else:  # what the model's lm_head and the loop's loss do without chunking
         loss = causal_lm_loss(torch.nn.functional.linear(states, weight)[None], targets[None])
     loss.backward()

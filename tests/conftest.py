@@ -1,9 +1,11 @@
 """Shared fixtures. Tests never touch the network; multi-process tests set OMP_NUM_THREADS=1 themselves."""
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
@@ -33,3 +35,16 @@ def tiny_config(**overrides) -> ModelConfig:
 def tiny_model() -> AutoRegressiveLM:
     torch.manual_seed(0)
     return AutoRegressiveLM(tiny_config())
+
+
+def assert_resume_is_bit_exact(argv: list[str], root: Path, weights: str = "adapter_model.safetensors") -> None:
+    """Run the CLI's ``argv`` (4 steps, a checkpoint every 2) into ``root/full``, then again into ``root/resumed`` from
+    its step 2: the two step-4 ``weights`` files hold identical tensors, which step 2's do not."""
+    from astrai_fabric.cli import main
+
+    assert main([*argv, "--ckpt_dir", str(root / "full")]) == 0
+    resume = root / "full" / "epoch_0_step_2"
+    assert main([*argv, "--ckpt_dir", str(root / "resumed"), "--resume", str(resume)]) == 0
+    full, resumed = (load_file(root / run / "epoch_0_step_4" / weights) for run in ("full", "resumed"))
+    assert all(torch.equal(full[k], resumed[k]) for k in full)
+    assert not all(torch.equal(full[k], load_file(resume / weights)[k]) for k in full)  # training moved them

@@ -53,6 +53,7 @@ ERROR = "astrai-fabric: error:"
 
 COMMON = ["--window_size", "16", "--parallel_mode", "none", "--num_workers", "0", "--loggers", "[]"]
 DATA = {kind: f"{{w}}/{kind}.jsonl" for kind in ("seq", "sft", "dpo", "kto", "grpo")}
+DATA["reward_model"] = DATA["dpo"]  # the same pairs, a margin per pair optional
 SFT_PIPELINE = {"input": {"sections": [{"field": "messages", "action": "$role", "template": True}]},
                 "mask": {"assistant": "train"}}  # fmt: skip
 SEQ_PIPELINE = {"input": {"sections": [{"field": "text", "action": "train"}]}}
@@ -527,7 +528,7 @@ RAW_YAML = (
 def recipes(draw) -> Example:
     """A YAML recipe of TrainArgs keys (flat, or in AstrAI's sections) with values of every wrong kind, read by
     the dry run of each train type."""
-    command = draw(st.sampled_from(("seq", "sft", "dpo", "kto", "grpo")))
+    command = draw(st.sampled_from(("seq", "sft", "dpo", "kto", "grpo", "reward_model")))
     base = {"param_path": "{w}/tiny", "data_root_path": DATA[command], "window_size": 64 if command == "grpo" else 16,
             "parallel_mode": "none", "num_workers": 0, "loggers": [], "max_steps": 1}  # fmt: skip
     doc, edits = draw(edited(base, TRAIN_KEYS + SECTIONS + ("devices", "dry-run", "train_type", "config"),
@@ -552,11 +553,11 @@ RAW_LINES = ("{", "[]", "null", '"text"', '{"text": NaN}', "\ufeff{}", "{}", '{"
 def jsonl_records(draw, workspace: Path) -> Example:
     """A JSONL file of one train type's records (seq text, sft messages, dpo pairs, kto unpaired preferences, grpo
     groups, online prompts) with one record edited or one line broken; trained on for a step, dry-run, or prepared."""
-    kind = draw(st.sampled_from(("seq", "sft", "dpo", "kto", "grpo", "grpo_online")))
-    records = read_records(workspace / f"{kind}.jsonl")
+    kind = draw(st.sampled_from(("seq", "sft", "dpo", "kto", "grpo", "grpo_online", "reward_model")))
+    records = read_records(workspace / f"{'dpo' if kind == 'reward_model' else kind}.jsonl")
     index = draw(st.integers(0, len(records) - 1))
     extra = {"seq": ("text",), "sft": ("messages", "text"), "dpo": ("prompt", "chosen", "rejected"),
-             "kto": ("prompt", "completion", "label"),
+             "reward_model": ("prompt", "chosen", "rejected", "margin"), "kto": ("prompt", "completion", "label"),
              "grpo": ("prompt", "responses", "rewards"), "grpo_online": ("prompt", "answer")}[kind]  # fmt: skip
     record, edits = draw(edited(records[index], extra, max_edits=2))
     lines = [json.dumps(r) for r in records]
@@ -670,6 +671,7 @@ def serve() -> None:
     import astrai_fabric.train.grpo  # noqa: F401
     import astrai_fabric.train.kto  # noqa: F401
     import astrai_fabric.train.lm  # noqa: F401
+    import astrai_fabric.train.reward_model  # noqa: F401
     from astrai_fabric import cli
 
     cli.build_train_parser("seq")  # warms what the first parse loads lazily, once for every child

@@ -2,7 +2,8 @@
 gradients (of the hidden states and the head's weight) equal ``F.cross_entropy`` on the unfused head's float32
 logits, to float32 precision, for every chunk size, with label smoothing and a loss mask; and no step of it holds
 more than one chunk of logits, where the unfused computation holds all of them (counted with a dispatch mode that
-sees every tensor torch creates)."""
+sees every tensor torch creates). Where the forward takes the gradients (a frozen head under any loss, seq's and sft's
+weighted mean), they are still exact and the backward makes no logits."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from astrai_fabric.losses import head_token_nll
+from astrai_fabric.losses import head_nll_loss, head_token_nll, token_nll_loss, token_nll_weights
 
 POSITIONS, HIDDEN, VOCAB = 2 * 13, 24, 97
 
@@ -81,9 +82,11 @@ class LargestTensor(TorchDispatchMode):
         return out
 
 
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained-head", "frozen-head"])
 @pytest.mark.parametrize("chunk_size", [4, 9])
-def test_no_step_holds_more_than_one_chunk_of_logits(chunk_size):
+def test_no_step_holds_more_than_one_chunk_of_logits(chunk_size, frozen):
     hidden, weight, targets, mask = inputs(hidden_size=3)  # the weight's V x 3 below a chunk's V x chunk_size
+    weight.requires_grad_(not frozen)
     with LargestTensor() as whole:
         (unfused(hidden, weight, targets, 0.0) * mask).sum().backward()
     with LargestTensor() as chunked:
@@ -96,6 +99,111 @@ def test_a_chunk_size_below_one_is_refused():
     hidden, weight, targets, _ = inputs()
     with pytest.raises(ValueError, match="chunk_size must be >= 1"):
         head_token_nll(hidden, weight, targets, 0)
+    with pytest.raises(ValueError, match="chunk_size must be >= 1"):
+        head_nll_loss(hidden, weight, targets, token_nll_weights(targets), 0)
+
+
+# --- gradients taken in the forward: a frozen head, and a loss whose token weights are known ----------------------
+
+
+def dpo_like(nll: torch.Tensor) -> torch.Tensor:
+    """A loss nonlinear in each token's log-probability and across tokens: squared, then dpo's logsigmoid of the
+    difference of two sequences' sums."""
+    logp = -nll
+    return -F.logsigmoid(0.1 * (logp[0].sum() - logp[1].sum())) + (nll**2).sum() / 50
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("chunk_size", [1, 5, 1000])
+def test_a_frozen_heads_stored_gradient_serves_a_nonlinear_loss(chunk_size, smoothing):
+    """The frozen head's forward stores each position's ``d nll / d hidden``; dpo, grpo and kto take the token losses
+    through nonlinear functions, and each token's gradient is still its stored row times its upstream scalar."""
+    hidden, weight, targets, _ = inputs(2)
+    weight.requires_grad_(False)
+    dpo_like(unfused(hidden, weight, targets, smoothing)).backward()
+    expected = hidden.grad.clone()
+    hidden.grad = None
+    dpo_like(head_token_nll(hidden, weight, targets, chunk_size, smoothing)).backward()
+    assert_close(hidden.grad, expected)
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained-head", "frozen-head"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("masked", [False, True], ids=["seq", "sft"])
+def test_the_weighted_loss_and_its_gradients_equal_cross_entropy(masked, smoothing, frozen):
+    """``head_nll_loss`` with ``token_nll_weights``: seq's mean over every token, sft's over the masked ones, equal
+    to the unfused mean (value and gradients), the upstream scalar applied (a loop dividing by its accumulation
+    steps), the per-token losses returned detached."""
+    hidden, weight, targets, mask = inputs(3)
+    weight.requires_grad_(not frozen)
+    loss_mask = mask if masked else None
+    expected = token_nll_loss(unfused(hidden, weight, targets, smoothing), loss_mask)
+    (expected / 4).backward()
+    expected_grads = hidden.grad.clone(), weight.grad.clone() if not frozen else None
+    hidden.grad = weight.grad = None
+    loss, token_nll = head_nll_loss(hidden, weight, targets, token_nll_weights(targets, loss_mask), 5, smoothing)
+    (loss / 4).backward()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    assert not token_nll.requires_grad
+    assert_close(token_nll, unfused(hidden, weight, targets, smoothing).detach())
+    assert_close(hidden.grad, expected_grads[0])
+    if frozen:
+        assert weight.grad is None
+    else:
+        assert_close(weight.grad, expected_grads[1])
+
+
+def test_a_weighted_micro_batch_without_trained_tokens_is_exactly_zero():
+    """B8 on the weighted path: all-zero weights, a loss of exactly 0 and gradients of exactly 0 (not NaN)."""
+    hidden, weight, targets, mask = inputs(4)
+    loss, _ = head_nll_loss(hidden, weight, targets, token_nll_weights(targets, torch.zeros_like(mask)), 5, 0.1)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert hidden.grad.abs().max() == 0 and weight.grad.abs().max() == 0
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained-head", "frozen-head"])
+@pytest.mark.parametrize("weighted", [False, True], ids=["any-loss", "weighted"])
+def test_the_backward_recomputes_no_logits_where_the_forward_took_the_gradients(weighted, frozen):
+    """The backward alone under the dispatch mode: no chunk of logits where the forward took the gradients (a frozen
+    head, or known token weights); the recomputing backward of a trained head under an unknown loss makes them."""
+    hidden, weight, targets, mask = inputs(hidden_size=3)
+    weight.requires_grad_(not frozen)
+    if weighted:
+        loss, _ = head_nll_loss(hidden, weight, targets, token_nll_weights(targets, mask), 4)
+    else:
+        loss = dpo_like(head_token_nll(hidden, weight, targets, 4))
+    with LargestTensor() as backward:
+        loss.backward()
+    recomputes = not (weighted or frozen)
+    assert (backward.largest >= 4 * VOCAB) == recomputes
+
+
+class MatmulCount(TorchDispatchMode):
+    """How many matrix products run while the mode is on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's signature
+        self.count += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_)
+        return func(*args, **(kwargs or {}))
+
+
+def test_no_gradient_work_is_done_without_grad():
+    """A reference model, evaluation, rollouts: under ``no_grad`` (where torch still says the inputs need a
+    gradient) the forward takes the logits alone, one product per chunk, on both paths."""
+    hidden, weight, targets, mask = inputs()
+    for with_grad, products in ((False, 6), (True, 18)):  # 6 chunks of 5: logits, then d/d hidden and d/d weight
+        with torch.set_grad_enabled(with_grad), MatmulCount() as counted:
+            head_nll_loss(hidden, weight, targets, token_nll_weights(targets, mask), 5)
+        assert counted.count == products
+    weight.requires_grad_(False)
+    for with_grad, products in ((False, 6), (True, 12)):  # the frozen head: logits, then d/d hidden
+        with torch.set_grad_enabled(with_grad), MatmulCount() as counted:
+            head_token_nll(hidden, weight, targets, 5)
+        assert counted.count == products
 
 
 # --- the model and the train types -------------------------------------------------------------------------------

@@ -236,6 +236,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         },
         {"norm_placement": "post", "use_qk_norm": True, "qk_norm_over_projection": True, "num_key_value_heads": 2},
         {"norm_placement": "sandwich", "norm_unit_offset": True, "use_qk_norm": True, "rope_local_theta": 1e3},
+        {"score_head": True, "pad_token_id": 0, "tie_word_embeddings": False},
     ],
     ids=[
         "gqa",
@@ -248,6 +249,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         "deepseek-v3-layout",
         "post-norms-qknorm-over-projection",
         "sandwich-norms-local-rope",
+        "reward-model-untied",
     ],
 )
 def test_the_closed_form_parameter_count_is_the_models(changes):

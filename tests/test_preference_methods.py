@@ -15,13 +15,16 @@ import math
 import sys
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import assert_resume_is_bit_exact
 from safetensors.torch import load_file
 
 from astrai_fabric import assets
 from astrai_fabric.checkpoint import load_model, read_model_config, save_checkpoint
+from astrai_fabric.checkpoint.position import RunPosition
 from astrai_fabric.cli import main
 from astrai_fabric.config import ModelConfig
 from astrai_fabric.data.records import (
@@ -36,9 +39,16 @@ from astrai_fabric.data.records import (
 from astrai_fabric.data.storage import read_records
 from astrai_fabric.losses import PREFERENCE_LOSSES, REFERENCE_FREE, grpo_advantages
 from astrai_fabric.model import AutoRegressiveLM, next_token_logprobs
+from astrai_fabric.schedule import StepPlan
 from astrai_fabric.tokenizer import Tokenizer
 from astrai_fabric.train.dpo import PreferenceArgs, dpo_batch_loss, online_dpo_batch_loss
-from astrai_fabric.train.grpo import GRPOLossArgs, grpo_batch_loss
+from astrai_fabric.train.grpo import (
+    REWARD_STD,
+    TOKENS_PER_MICRO_BATCH,
+    GRPOLossArgs,
+    batch_statistics,
+    grpo_batch_loss,
+)
 from astrai_fabric.train.kto import kto_batch_loss
 
 transformers = pytest.importorskip("transformers")
@@ -185,12 +195,7 @@ def test_lora_cpo_resumes_bit_exactly(models, tmp_path):
               "--dpo_loss", "cpo", "--lora_r", "4", "--window_size", "48", "--batch_per_device", "2",
               "--max_steps", "4", "--ckpt_interval", "2", "--parallel_mode", "none", "--num_workers", "0",
               "--loggers", "[]"]  # fmt: skip
-    assert main([*common, "--ckpt_dir", str(tmp_path / "full")]) == 0
-    resume = str(tmp_path / "full" / "epoch_0_step_2")
-    assert main([*common, "--ckpt_dir", str(tmp_path / "resumed"), "--resume", resume]) == 0
-    full, resumed = (load_file(tmp_path / run / "epoch_0_step_4" / "adapter_model.safetensors")
-                     for run in ("full", "resumed"))  # fmt: skip
-    assert all(torch.equal(full[k], resumed[k]) for k in full)
+    assert_resume_is_bit_exact(common, tmp_path)
 
 
 # --- kto -------------------------------------------------------------------------------------------------------
@@ -356,21 +361,35 @@ def groups_batch(root: Path) -> tuple[dict[str, torch.Tensor], int]:
     return batch, len(dataset[pair[0]][0].prompt_ids)
 
 
-@pytest.mark.parametrize("kind", ["grpo", "bnpo", "dr_grpo"])
+DAPO_ACCUM, DAPO_STEPS_PER_GENERATION = 2, 4
+"""dapo's check: 2 micro-batches per optimizer step, a rollout of 2 steps (our ``rollout_interval`` 2)."""
+
+
+@pytest.mark.parametrize("kind", ["grpo", "bnpo", "dr_grpo", "dapo"])
 def test_grpo_losses_match_trl(models, kind):
     """TRL's ``GRPOTrainer._compute_loss`` on the same completions, advantages and old/reference log-probabilities,
-    with DAPO's asymmetric clip bound and a KL weight: loss within 1e-5, an MLP weight's gradient within 1e-6."""
+    with DAPO's asymmetric clip bound and a KL weight: loss within 1e-5, an MLP weight's gradient within 1e-6.
+
+    dapo: this micro-batch is one of a rollout of 4 (2 steps of 2 micro-batches) holding ``num_items`` response
+    tokens; TRL divides its token sum by ``num_items / processes x accumulation / steps_per_generation`` and ours by
+    the rollout's tokens per micro-batch, then the loop by ``grad_accum_steps``: the same loss and gradient."""
     batch, prompt_length = groups_batch(models)
     args = GRPOLossArgs(kind=kind, clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.05, max_response_tokens=40)
     reference = load_model(models / "reference_hf")
     ours = load_model(models / "policy_hf")
+    accum, extra = (DAPO_ACCUM, {"steps_per_generation": DAPO_STEPS_PER_GENERATION}) if kind == "dapo" else (1, {})
+    num_items = 3 * int(batch["loss_mask"].flatten(0, 1)[:, 1:].sum()) + 7  # the other micro-batches' tokens too
+    if kind == "dapo":  # what Rollouts attaches (batch_statistics): the rollout's tokens per micro-batch
+        batch[TOKENS_PER_MICRO_BATCH] = torch.tensor(num_items / DAPO_STEPS_PER_GENERATION)
     loss, metrics = grpo_batch_loss(ours, batch, reference, 0.2, 0.05, 0.0, loss=args)
+    loss = loss / accum  # the loop's division (loop/step.py)
     loss.backward()
     assert metrics["clip_fraction"] > 0.1  # the old policy differs: the bounds act
     policy = transformers.AutoModelForCausalLM.from_pretrained(models / "policy_hf", dtype=torch.float32)
     config = trl.GRPOConfig(output_dir=str(models / "trl"), report_to=[], use_cpu=True, bf16=False, loss_type=kind,
                             beta=0.05, epsilon=0.2, epsilon_high=0.28, max_completion_length=40, num_generations=4,
-                            per_device_train_batch_size=4, temperature=1.0)  # fmt: skip
+                            per_device_train_batch_size=4, temperature=1.0, gradient_accumulation_steps=accum,
+                            **extra)  # fmt: skip
     tokenizer = transformers.AutoTokenizer.from_pretrained(models / "policy_hf")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -387,13 +406,17 @@ def test_grpo_losses_match_trl(models, kind):
               "advantages": grpo_advantages(batch["rewards"], kind).flatten(),
               "old_per_token_logps": batch["old_logprobs"].flatten(0, 1)[:, start:],
               "ref_per_token_logps": ref_logprobs[:, start:]}  # fmt: skip
+    if kind == "dapo":  # the generation batch's response tokens, gathered over processes (_generate_and_score_...)
+        inputs["num_items_in_batch"] = torch.tensor(num_items)
     trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 1  # set by its training loop; ours divides by grad_accum_steps
+    trainer.current_gradient_accumulation_steps = accum  # set by its training loop
     theirs = trainer._compute_loss(trainer.model, inputs)
-    print(f"grpo {kind}: ours {loss.item():.6f}, TRL {theirs.item():.6f}", file=sys.stderr)
     assert loss.item() == pytest.approx(theirs.item(), abs=1e-5)
     theirs.backward()
     their_grad = policy.model.layers[0].mlp.down_proj.weight.grad
+    grad_diff = (ours.layers[0].mlp.down.weight.grad - their_grad).abs().max().item()
+    print(f"grpo {kind}: ours {loss.item():.6f}, TRL {theirs.item():.6f}, |diff| {abs(loss.item() - theirs.item()):.1e}"
+          f", gradient |diff| {grad_diff:.1e}", file=sys.stderr)  # fmt: skip
     torch.testing.assert_close(ours.layers[0].mlp.down.weight.grad, their_grad, atol=1e-6, rtol=1e-5)
 
 
@@ -410,6 +433,56 @@ def test_grpo_advantages_are_trls_and_astrais():
     astrai = centred / (rewards.std(dim=1, unbiased=False, keepdim=True) + 1e-8)
     torch.testing.assert_close(grpo_advantages(rewards, "astrai"), astrai, atol=0, rtol=0)
     assert torch.equal(grpo_advantages(rewards[:, :1], "grpo"), torch.zeros(2, 1))  # one response: no std, no signal
+
+
+def test_grpo_batch_scale_is_trls_std_over_the_whole_rollout():
+    """``--grpo_scale_rewards batch``: TRL's ``r - mean_G r`` over the ``nanstd`` of every reward of the generation
+    batch + 1e-4. Ours: the rollout's (``batch_statistics``, here on one rank), or the micro-batch's offline."""
+    from trl.trainer.utils import nanstd
+
+    rewards = torch.tensor([[1.0, 0.0, 0.5, 0.25], [2.0, 2.0, 2.0, 2.0], [3.0, -1.0, 0.0, 0.5]])
+    expected = (rewards - rewards.mean(dim=1, keepdim=True)) / (nanstd(rewards) + 1e-4)
+    torch.testing.assert_close(grpo_advantages(rewards, "grpo", "batch"), expected, atol=1e-6, rtol=0)
+    rolled = [{"rewards": group[None], "loss_mask": torch.ones(1, 4, 3, dtype=torch.bool)} for group in rewards]
+    batch_statistics(SimpleNamespace(world_size=1), rolled)  # a rollout of three micro-batches of one group
+    for i, batch in enumerate(rolled):
+        advantages = grpo_advantages(batch["rewards"], "bnpo", "batch", batch[REWARD_STD])
+        torch.testing.assert_close(advantages, expected[i : i + 1], atol=1e-6, rtol=0)
+    assert torch.equal(grpo_advantages(rewards[:1, :1], "grpo", "batch"), torch.zeros(1, 1))  # one reward: no std
+
+
+def test_num_iterations_multiplies_the_steps_of_the_plan():
+    plan = StepPlan(num_samples=200, num_dp_ranks=2, batch_per_device=3, grad_accum_steps=4, n_epoch=2,
+                    warmup_ratio=0.0, num_iterations=3)  # fmt: skip
+    # ceil(200 / 2) = 100 per rank -> ceil(100 / 3) = 34 micro-batches, each trained 3 times: 102 // 4 = 25 per epoch
+    assert (plan.micro_batches_per_rank, plan.epoch_steps) == (34, 50)
+    assert plan.last_step() == 3 * 34 * 2 // 4 == 51  # windows run across epochs
+    # A resume: every prompt left is trained 3 times (45 counted per rank, the next rollout samples anew)
+    assert plan.last_step(RunPosition(epoch=1, sample_index=45, optimizer_step=40)) == 40 + 3 * (34 - 15) // 4
+    assert "34 micro-batches per rank per epoch, each trained 3 times -> 50 optimizer steps" in plan.describe()[1][1]
+    assert StepPlan(200, 2, 3, 4, 2, 0.0).epoch_steps == (34 // 4) * 2  # AstrAI's, for one iteration
+
+
+def dapo_argv(out: Path, *flags: str) -> list[str]:
+    return ["grpo", "--config", str(ROOT / "recipes" / "tiny-grpo-dapo.yaml"), "--ckpt_dir", str(out),
+            "--group_size", "2", "--rollout_max_tokens", "4", "--batch_per_device", "2", "--grad_accum_steps", "1",
+            "--max_steps", "4", "--ckpt_interval", "2", "--loggers", "[]", *flags]  # fmt: skip
+
+
+def test_dapo_recipe_reuses_each_rollout_and_resumes_at_a_rollout_boundary_bit_exactly(tmp_path):
+    """``--grpo_num_iterations 2``: steps 1 and 2 train the same rollout (the same rewards), the position counts its
+    2 prompts once, and a resume from step 2 (a rollout boundary) ends at the same weights as the first run."""
+    assert main(dapo_argv(tmp_path / "full")) == 0
+    metrics = (tmp_path / "full" / "epoch_0_step_4" / "metric.jsonl").read_text().splitlines()
+    steps = [json.loads(line) for line in metrics]
+    rewards = [e["reward"] for e in steps if "reward" in e]
+    assert len(rewards) == 4 and rewards[0] == rewards[1] and rewards[2] == rewards[3] and rewards[1] != rewards[2]
+    meta = json.loads((tmp_path / "full" / "epoch_0_step_2" / "meta.json").read_text())
+    assert meta["resume_position"]["sample_index"] == 2 and meta["resume_position"]["consumed_samples"] == 2
+    resume = str(tmp_path / "full" / "epoch_0_step_2")
+    assert main(dapo_argv(tmp_path / "resumed", "--resume", resume)) == 0
+    full, resumed = (load_file(tmp_path / run / "epoch_0_step_4" / "model.safetensors") for run in ("full", "resumed"))
+    assert all(torch.equal(full[k], resumed[k]) for k in full)
 
 
 def test_grpo_recipe_with_a_trl_loss_runs(tmp_path):
@@ -434,11 +507,16 @@ def test_grpo_recipe_with_a_trl_loss_runs(tmp_path):
         (["--kto_desirable_weight", "0"], "kto_desirable_weight must be > 0, got 0.0"),
         (["--data_root_path", "bundled:data/grpo_online"], "records hold prompts without responses (online dpo)"),
         (["--grpo_clip_eps_high", "0"], "grpo_clip_eps_high must be > 0"),
-        (["--grpo_scale_rewards", "none"], "grpo_scale_rewards none applies to --grpo_loss grpo, bnpo and dr_grpo"),
+        (["--grpo_scale_rewards", "none"], "grpo_scale_rewards none applies to --grpo_loss grpo, bnpo, dr_grpo and"),
+        (["--grpo_num_iterations", "2"], "grpo_num_iterations 2 applies to online grpo, not dpo"),
+        (["--grpo_loss", "dapo"], "--grpo_loss dapo needs online grpo (its normaliser counts the tokens of a whole"),
+        (["--grpo_loss", "bnpo", "--grpo_num_iterations", "3"], "--grpo_num_iterations 3 needs online grpo"),
     ],
 )
 def test_bad_preference_flags_are_one_line_exit_2(tmp_path, capsys, flags, message):
-    argv = ["dpo", "--config", str(ROOT / "recipes" / "tiny-dpo.yaml"), "--ckpt_dir", str(tmp_path / "out"), *flags]
+    # The grpo flags that need a batch of rollouts are refused on offline grpo data: the grpo recipe
+    recipe, command = ("tiny-grpo.yaml", "grpo") if "needs online grpo" in message else ("tiny-dpo.yaml", "dpo")
+    argv = [command, "--config", str(ROOT / "recipes" / recipe), "--ckpt_dir", str(tmp_path / "out"), *flags]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err

@@ -3,7 +3,7 @@
 References: the same LoRA model over the dequantised base, i.e. the float weights torchao's
 ``NF4Tensor.get_original_weight()`` gives for the codes (float32, within 1e-5: the two compute the same products in
 another order); torchao's ``to_nf4`` called here directly for what a checkpoint must load; transformers and PEFT
-(their own forward) for the exports; the 1-process run for 2 DDP ranks (1e-5).
+(their own forward) for the exports; the 1-process run for 2 DDP ranks and 2 FSDP ranks (1e-5).
 """
 
 from __future__ import annotations
@@ -42,6 +42,12 @@ def tiny_config() -> ModelConfig:
     (256 x 128) fit NF4's 64 x 256 blocks; k/v (64 x 128, 2 KV heads) do not and stay float32."""
     raw = read_model_config(assets.resolve("bundled:tiny")).to_dict()
     return ModelConfig.from_dict({**raw, "intermediate_size": 256, "num_hidden_layers": 2})
+
+
+def wide_config() -> ModelConfig:
+    """Every block weight (256 x 256, and k/v 128 x 256 with 2 KV heads) splits into 2 FSDP shards of whole NF4
+    blocks, so one process and 2 fsdp ranks quantise the same weights."""
+    return ModelConfig.from_dict({**tiny_config().to_dict(), "hidden_size": 256, "num_attention_heads": 4})
 
 
 def quantized_pair(seed: int = 0) -> tuple[AutoRegressiveLM, AutoRegressiveLM, AutoRegressiveLM]:
@@ -121,13 +127,15 @@ def test_a_bf16_cast_keeps_the_4bit_codes_and_float32_adapters():
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
-    """The tiny model, seeded, as a Hugging Face directory (what PEFT needs as the adapter's base)."""
+    """The tiny model, seeded, as a Hugging Face directory (what PEFT needs as the adapter's base); beside it, the
+    wider model of ``wide_config`` in our layout (``wide``)."""
     root = tmp_path_factory.mktemp("qlora")
     source = assets.resolve("bundled:tiny")
     torch.manual_seed(0)
     files = {name: source / name for name in ("tokenizer.json", "tokenizer_config.json")}
     save_checkpoint(root / "ours", AutoRegressiveLM(tiny_config()).state_dict(), tiny_config().to_dict(), files=files)
     assert main(["export", str(root / "ours"), "--format", "hf", "--out", str(root / "base")]) == 0
+    save_checkpoint(root / "wide", AutoRegressiveLM(wide_config()).state_dict(), wide_config().to_dict(), files=files)
     return root / "base"
 
 
@@ -142,15 +150,19 @@ def qlora_args(base: Path, name: str, **overrides) -> TrainArgs:
     return TrainArgs(**values)
 
 
-def ddp_worker(base: str) -> None:
+def two_rank_worker(base: str) -> None:
     run(qlora_args(Path(base), "ddp", parallel_mode="ddp", nprocs=2, batch_per_device=1))
+    # FSDP: each rank reads the whole 4-bit base, then Fabric shards it (torchao's NF4 tensor splits by rows)
+    wide = Path(base).parent / "wide"
+    run(qlora_args(wide, "wide_fsdp", parallel_mode="fsdp", nprocs=2, batch_per_device=1, max_steps=3))
 
 
 @pytest.fixture(scope="module")
 def runs(base) -> Path:
     history = run(qlora_args(base, "none"))
     (base.parent / "history.json").write_text(json.dumps(history))
-    run_ranks(ddp_worker, 2, str(base))
+    run(qlora_args(base.parent / "wide", "wide_none", max_steps=3))
+    run_ranks(two_rank_worker, 2, str(base))
     return base.parent
 
 
@@ -217,10 +229,18 @@ def test_resume_is_bit_exact(runs, base):
     assert [h["loss"] for h in history] == [h["loss"] for h in uninterrupted[2:]]
 
 
-def test_two_ddp_ranks_match_one_process(runs):
-    ours, reference = (load_file(step_dir(runs / mode, 4) / "adapter_model.safetensors") for mode in ("ddp", "none"))
+@pytest.mark.parametrize(("mode", "step"), [("ddp", 4), ("wide_fsdp", 3)])
+def test_two_ddp_or_fsdp_ranks_match_one_process(runs, mode, step):
+    reference_run = "none" if mode == "ddp" else "wide_none"
+    ours, reference = (load_file(step_dir(runs / name, step) / "adapter_model.safetensors")
+                       for name in (mode, reference_run))  # fmt: skip
     for key in reference:
         torch.testing.assert_close(ours[key], reference[key], atol=1e-5, rtol=0)
+    meta = json.loads((step_dir(runs / mode, step) / "meta.json").read_text())
+    assert meta["quantization"] == json.loads((step_dir(runs / reference_run, step) / "meta.json").read_text())[
+        "quantization"]  # fmt: skip
+    if mode == "wide_fsdp":  # every block weight in 4 bits, k and v too
+        assert len(meta["quantization"]["keys"]) == 14
 
 
 @torch.no_grad()
@@ -266,15 +286,17 @@ def test_dpo_and_grpo_reference_is_the_same_quantised_base(runs, base):
     assert meta["reference"]["adapters_off"] is True and meta["quantization"]["method"] == "nf4"
 
 
-def test_the_plan_names_the_4bit_base_and_fsdp_is_refused(base, capsys):
+def test_the_plan_names_the_4bit_base_and_what_fsdp_shards_keep(base, capsys):
     argv = ["sft", "--param_path", str(base), "--data_root_path", "bundled:data/sft", "--ckpt_dir",
             str(base.parent / "dry"), "--lora_r", "8", "--quantize", "nf4", "--dry_run"]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "quantize     nf4 (torchao): 10 linear weights in 4 bits, 0.1 MiB instead of 1.0 MiB" in out
     assert "4 kept unquantised (element count not a multiple of 16,384): layers.0.attention.k_proj.weight" in out
-    assert main([*argv, "--parallel_mode", "fsdp", "--nprocs", "2"]) == 2
-    assert "quantize nf4 with fsdp over 2 shards: the 4-bit base is not sharded" in capsys.readouterr().out
+    assert main([*argv, "--parallel_mode", "fsdp", "--nprocs", "2"]) == 0  # q and o (16,384 values) split in halves
+    out = capsys.readouterr().out
+    assert "quantize     nf4 (torchao): 6 linear weights in 4 bits" in out
+    assert "8 kept unquantised (element count not a multiple of 16,384 x 2 FSDP shards)" in out
 
 
 @pytest.mark.parametrize(

@@ -1,11 +1,22 @@
-"""DPO and GRPO losses against hand-computed values on small tensors."""
+"""DPO and GRPO losses against hand-computed values on small tensors, and dapo's normaliser gathered over ranks."""
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
+from lightning.fabric import Fabric
+from spawn import run_ranks
 
-from astrai_fabric.losses import dpo_loss, group_advantages, grpo_loss, token_logprobs
+from astrai_fabric.losses import dpo_loss, group_advantages, grpo_advantages, grpo_loss, token_logprobs
+from astrai_fabric.train.grpo import (
+    REWARD_STD,
+    TOKENS_PER_MICRO_BATCH,
+    attach_statistics,
+    batch_statistics,
+    rollout_sums,
+)
 
 
 def test_dpo_with_policy_equal_to_reference_is_log_2():
@@ -66,3 +77,71 @@ def test_grpo_all_masked_rows_give_zero():
 def test_token_logprobs():
     logits = torch.tensor([[[0.0, math.log(3.0)]]])  # p = [0.25, 0.75]
     assert token_logprobs(logits, torch.tensor([[1]])).item() == pytest.approx(math.log(0.75))
+
+
+def fake_rollout(seed: int, num_micro_batches: int) -> list[dict[str, torch.Tensor]]:
+    """One rank's share of a rollout: micro-batches of one group of 4 responses, whose lengths differ."""
+    generator = torch.Generator().manual_seed(seed)
+    rolled = []
+    for _ in range(num_micro_batches):
+        lengths = torch.randint(1, 9, (4,), generator=generator)
+        mask = torch.arange(9)[None] <= lengths[:, None]  # position 0 is the prompt's: grpo_batch_loss drops it
+        mask[:, 0] = False
+        rolled.append({"loss_mask": mask[None], "rewards": torch.rand(1, 4, generator=generator)})
+    return rolled
+
+
+def test_dapo_step_is_one_token_mean_over_every_rank_and_micro_batch():
+    """2 data-parallel ranks x 2 micro-batches of unequal lengths: each micro-batch's dapo loss, divided by
+    grad_accum_steps (the loop) and averaged over ranks (DDP), has the gradient of one token mean over all 4."""
+    ranks = [fake_rollout(seed, 2) for seed in (0, 1)]
+    total = rollout_sums(ranks[0]) + rollout_sums(ranks[1])  # what the all-reduce gives every rank
+    for rolled in ranks:
+        attach_statistics(rolled, total)
+    batches = [batch for rolled in ranks for batch in rolled]
+    masks = [batch["loss_mask"].flatten(0, 1)[:, 1:] for batch in batches]
+    generator = torch.Generator().manual_seed(2)
+    logprobs = [-torch.rand(4, 8, generator=generator).requires_grad_() for _ in batches]
+    old = [lp.detach() + 0.3 * torch.randn(4, 8, generator=generator) for lp in logprobs]  # the ratio moves
+    ref = [lp.detach() - 0.1 for lp in logprobs]
+
+    def loss(i: int, kind: str, normaliser=None):
+        advantages = grpo_advantages(batches[i]["rewards"], kind).flatten()
+        return grpo_loss(logprobs[i], old[i], ref[i], masks[i], advantages, 0.2, 0.05, kind, 0.28,
+                         tokens_per_micro_batch=normaliser)[0]  # fmt: skip
+
+    accum, num_ranks = 2, 2
+    step = sum(loss(i, "dapo", batches[i][TOKENS_PER_MICRO_BATCH]) / accum for i in range(4)) / num_ranks
+    ours = torch.autograd.grad(step, logprobs)
+    # The reference: bnpo's token mean, over the 4 micro-batches as one
+    everything = grpo_loss(torch.cat(logprobs), torch.cat(old), torch.cat(ref), torch.cat(masks),
+                           torch.cat([grpo_advantages(b["rewards"], "bnpo").flatten() for b in batches]), 0.2, 0.05,
+                           "bnpo", 0.28)[0]  # fmt: skip
+    expected = torch.autograd.grad(everything, logprobs)
+    assert step.item() == pytest.approx(everything.item(), abs=1e-6)
+    for a, b in zip(ours, expected, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-5)
+    bnpo = sum(loss(i, "bnpo") / accum for i in range(4)) / num_ranks  # a mean of means: not the same
+    assert abs(bnpo.item() - everything.item()) > 1e-3
+
+
+def statistics_worker(out: str) -> None:
+    """One of 2 ddp ranks: its share of a rollout (3 micro-batches, its own lengths and rewards), statistics
+    gathered from both (``spawn.run_ranks``)."""
+    fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")
+    fabric.launch()
+    rolled = fake_rollout(fabric.global_rank, 3)
+    batch_statistics(fabric, rolled)
+    values = [[b[TOKENS_PER_MICRO_BATCH].item(), b[REWARD_STD].item()] for b in rolled]
+    (Path(out) / f"{fabric.global_rank}.json").write_text(json.dumps(values))
+
+
+def test_rollout_statistics_are_gathered_over_ranks(tmp_path):
+    run_ranks(statistics_worker, 2, str(tmp_path))
+    ranks = [fake_rollout(rank, 3) for rank in (0, 1)]
+    tokens = sum(b["loss_mask"].sum().item() for rolled in ranks for b in rolled)
+    rewards = torch.cat([b["rewards"].flatten() for rolled in ranks for b in rolled])
+    for rank in (0, 1):
+        for per_micro_batch, std in json.loads((tmp_path / f"{rank}.json").read_text()):
+            assert per_micro_batch == pytest.approx(tokens / 6, rel=1e-6)  # 2 ranks x 3 micro-batches
+            assert std == pytest.approx(rewards.std().item(), rel=1e-6)

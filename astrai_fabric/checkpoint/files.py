@@ -431,7 +431,7 @@ class StoredStateDict(Mapping[str, Tensor]):
     a second full copy of the model. Indexing reads the whole tensor into memory of its own (the file's dtype);
     pickling (a broadcast to ranks that cannot see the files) reads every tensor."""
 
-    def __init__(self, entries: dict[str, _Stored]) -> None:
+    def __init__(self, entries: dict[str, _Stored | Tensor]) -> None:
         self._entries = entries
 
     @classmethod
@@ -467,6 +467,11 @@ class StoredStateDict(Mapping[str, Tensor]):
                 entries[name] = _Stored(entry.file, entry.key, shape, entry.dtype, head_dim, rotary_dim, first_row)
         return StoredStateDict(entries)
 
+    def with_tensors(self, tensors: Mapping[str, Tensor], without: Iterable[str] = ()) -> StoredStateDict:
+        """The stored tensors less ``without``, and ``tensors`` (held in memory: a new reward head) beside them."""
+        entries = {k: v for k, v in self._entries.items() if k not in set(without)}
+        return StoredStateDict({**entries, **tensors})
+
     def __getitem__(self, key: str) -> Tensor:
         return self.read(key)
 
@@ -480,7 +485,7 @@ class StoredStateDict(Mapping[str, Tensor]):
         return dict, (dict(self.items()),)
 
     def shape(self, key: str) -> tuple[int, ...]:
-        return self._entries[key].shape
+        return tuple(self._entries[key].shape)
 
     def file(self, key: str) -> Path:
         """The file that holds tensor ``key``."""
@@ -488,7 +493,8 @@ class StoredStateDict(Mapping[str, Tensor]):
 
     def dtype(self, key: str) -> torch.dtype | None:
         """The tensor's dtype on disk (None for one torch has no name for)."""
-        return _SAFETENSORS_DTYPES.get(self._entries[key].dtype)
+        entry = self._entries[key]
+        return entry.dtype if isinstance(entry, Tensor) else _SAFETENSORS_DTYPES.get(entry.dtype)
 
     def read(
         self,
@@ -507,6 +513,9 @@ class StoredStateDict(Mapping[str, Tensor]):
         entry = self._entries[key]
         if box is None:
             box = tuple((0, n) for n in entry.shape)
+        if isinstance(entry, Tensor):  # one held in memory (``with_tensors``)
+            part = entry[tuple(slice(a, b) for a, b in box)]
+            return part.to(dtype or part.dtype, copy=True) if out is None else out.copy_(part)
         try:
             if not entry.shape:  # a scalar: nothing to chunk
                 with safe_open(str(entry.file), framework="pt") as handle:

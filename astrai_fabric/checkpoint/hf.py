@@ -188,6 +188,13 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
 """The transformers class of each supported model_type (``modeling_<type>.py``)."""
 
 
+def sequence_classifier(model_type: str) -> str:
+    """The transformers class of a reward model (one label) of ``model_type``: ``*ForSequenceClassification``."""
+    if model_type == "gemma3_text":
+        return "Gemma3TextForSequenceClassification"  # Gemma3ForSequenceClassification is the multimodal model's
+    return ARCHITECTURES[model_type].replace("ForCausalLM", "ForSequenceClassification")
+
+
 @dataclass(frozen=True)
 class HFSource:
     """Where an imported model came from: enough to write the same architecture back (export)."""
@@ -310,12 +317,30 @@ def model_config_from_hf(raw: Mapping[str, Any], source: str = "config.json") ->
         values.update(_deepseek_v3(read))
     if model_type in GEMMA_TYPES:
         values.update(_gemma(read, model_type))
+    values.update(_score_head(read))
     unknown = sorted(k for k in raw if k not in _READ_KEYS | _HARMLESS_KEYS)
     if unknown:
         warnings.warn(f"{source}: ignoring keys the {model_type} mapping does not know: {unknown}", stacklevel=2)
     config = ModelConfig.from_dict(values, source=source)
     config.check_buildable(source=source)
     return config
+
+
+def _score_head(read: _Reader) -> dict[str, Any]:
+    """A ``*ForSequenceClassification`` with one label is a reward model: a score head read at the last token before
+    ``pad_token_id`` (transformers' rule); a causal LM's config gives nothing."""
+    architectures = read.get("architectures") or []
+    if not any(isinstance(name, str) and name.endswith("ForSequenceClassification") for name in architectures):
+        return {}
+    labels = read.get("id2label")
+    num_labels = len(labels) if isinstance(labels, dict) else read.get("num_labels", 2)  # transformers' default 2
+    if num_labels != 1:
+        read.refuse("num_labels", num_labels, "a classifier of several labels is not a reward model (one score)")
+    pad_token_id = read.get("pad_token_id")
+    if not isinstance(pad_token_id, int) or isinstance(pad_token_id, bool):
+        read.refuse("pad_token_id", pad_token_id, "a reward model reads its score at the last token before padding, "
+                    "which needs the padding id")  # fmt: skip
+    return dict(score_head=True, pad_token_id=pad_token_id)
 
 
 def _gemma(read: _Reader, model_type: str) -> dict[str, Any]:
@@ -671,6 +696,7 @@ _KEY_PAIRS = [
     ("model.embed_tokens.weight", "embed_tokens.weight"),
     ("model.norm.weight", "norm.weight"),
     ("lm_head.weight", "lm_head.weight"),
+    ("score.weight", "score.weight"),  # a reward model's head (``*ForSequenceClassification``)
     *[(f"model.layers.{{i}}.self_attn.{p}_proj.{t}", f"layers.{{i}}.attention.{p}_proj.{t}")
       for p in "qkvo" for t in ("weight", "bias")],
     *[(f"model.layers.{{i}}.self_attn.{p}_norm.weight", f"layers.{{i}}.attention.{p}_norm.weight") for p in "qk"],
@@ -967,7 +993,7 @@ def hf_config(config: ModelConfig, state: Mapping[str, Tensor], dtype: str, sour
                 written[key] = dtype
         if "dtype" not in written and "torch_dtype" not in written:
             written["torch_dtype"] = dtype
-        return written
+        return _as_scored(written, config)
     model_type = export_model_type(config, state, where)
     kv_heads = config.num_key_value_heads or config.num_attention_heads
     rope_theta = 10000.0 if config.rope_theta is None else config.rope_theta
@@ -1031,7 +1057,16 @@ def hf_config(config: ModelConfig, state: Mapping[str, Tensor], dtype: str, sour
         written.update(_qwen_moe_fields(config, model_type))
     if model_type == "deepseek_v3":
         written.update(_deepseek_v3_fields(config))
-    return written
+    return _as_scored(written, config)
+
+
+def _as_scored(written: dict[str, Any], config: ModelConfig) -> dict[str, Any]:
+    """A reward model's config: its family's ``*ForSequenceClassification`` with one label, padding with the id
+    its score is read before; a language model's unchanged."""
+    if not config.score_head:
+        return written
+    return {**written, "architectures": [sequence_classifier(written["model_type"])],
+            "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}, "pad_token_id": config.pad_token_id}  # fmt: skip
 
 
 def _gemma_fields(config: ModelConfig, model_type: str, rope_theta: float, where: str) -> dict[str, Any]:

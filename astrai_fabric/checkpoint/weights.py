@@ -146,7 +146,7 @@ def check_hf_names(state_dict: Mapping[str, Tensor], config: ModelConfig, model_
     if skipped := hf.multi_token_prediction_layers(state_dict, config):
         warnings.warn(f"{weights}: skipping layers {skipped}, {model_type}'s multi-token-prediction modules, which "
                       "the causal LM never runs", stacklevel=3)  # fmt: skip
-    if not config.tied and hf.our_key_to_hf(LM_HEAD_KEY) not in state_dict:
+    if not config.tied and not config.score_head and hf.our_key_to_hf(LM_HEAD_KEY) not in state_dict:
         raise CheckpointError(
             f"{weights}: no lm_head.weight, but {CONFIG_FILE} says tie_word_embeddings: false, so transformers "
             "would compute with a head of its own (randomly initialised), not the embedding; add the head, or set "
@@ -309,6 +309,15 @@ def load_model(directory: str | Path, dtype: torch.dtype | None = None) -> nn.Mo
                     param.data = torch.empty(param.shape, dtype=stored)
     load_model_weights(model, ckpt.state_dict, source=weights_source(ckpt), dtype=dtype)
     return model
+
+
+def load_language_model(directory: str | Path, dtype: torch.dtype | None = None, command: str = "this") -> nn.Module:
+    """``load_model`` for what needs an LM head (generate, chat, evaluate): a reward model is refused in one line
+    naming ``command``, before any tensor is read."""
+    if Path(directory).is_dir() and read_model_config(directory).score_head:  # else load_model's own error
+        raise CheckpointError(f"{directory}: a reward model (a score head, no LM head), which {command} cannot run; "
+                              "it scores rollouts with --reward_model")  # fmt: skip
+    return load_model(directory, dtype=dtype)
 
 
 class _SkipInit(TorchFunctionMode):

@@ -74,6 +74,8 @@ EXTENSION_FIELDS = (
     "sliding_window",
     "layer_types",
     "rope_local_theta",
+    "score_head",
+    "pad_token_id",
 )
 """Our fields beyond AstrAI's schema: written to config.json only when they differ from their default."""
 ROPE_FREQUENCY_TYPES = {
@@ -244,6 +246,13 @@ class ModelConfig:
     rope_local_theta: float | None = None
     """The RoPE base of the sliding-window layers, without frequency scaling (Gemma 3's ``rope_local_base_freq``);
     None means they share the model's RoPE."""
+    score_head: bool = False
+    """A reward model: the network ends in ``score``, one scalar per position (``[1, hidden_size]``, read at each
+    sequence's last token that is not ``pad_token_id``), instead of the LM head (transformers'
+    ``*ForSequenceClassification`` with one label). Trained by ``astrai-fabric reward_model``."""
+    pad_token_id: int | None = None
+    """A reward model's padding id: its score is read at the rightmost token that is not this id (transformers'
+    rule, so its export scores the same); None for a language model."""
 
     extra: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     """Keys of the source file this schema does not know; kept only to report them, never written."""
@@ -429,6 +438,11 @@ class ModelConfig:
                 problems.append(
                     "'shared_expert_gate' needs shared experts to gate (ffn_type moe, n_shared_experts >= 1)"
                 )
+            if self.score_head and self.pad_token_id is None:
+                problems.append("'score_head' needs 'pad_token_id': the score is read at the last token before it")
+            if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
+                problems.append(f"'pad_token_id' {self.pad_token_id} is not an id of the {self.vocab_size}-token "
+                                "vocabulary")  # fmt: skip
             problems += self._value_problems()  # after the checks above: it divides by head counts
         if problems:
             raise ConfigError(f"{source}: cannot build a model: " + "; ".join(problems))

@@ -41,6 +41,8 @@ defaults, then the recipe (`--config`), then flags after it. Each bundled recipe
 | `recipes/tiny-online-dpo.yaml` | online DPO: two responses sampled per prompt, ranked by a reward into a pair |
 | `recipes/tiny-grpo.yaml` | offline GRPO on scored response groups |
 | `recipes/tiny-grpo-online.yaml` | online GRPO: responses sampled and rewarded during training |
+| `recipes/tiny-grpo-dapo.yaml` | online GRPO as DAPO: `dapo`, clip higher, batch-scaled rewards, 2 passes a rollout |
+| `recipes/tiny-reward-model.yaml` | a reward model (a score head) on preference pairs, for `--reward_model` |
 | `recipes/pretrain-8gpu.yaml` | pretraining on one node of 8 GPUs, FSDP2, bf16 (paths are placeholders) |
 | `recipes/sft-8gpu.yaml` | fine-tuning on one node of 8 GPUs, FSDP2, bf16 (paths are placeholders) |
 

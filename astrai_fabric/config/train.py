@@ -41,7 +41,7 @@ COMMAND_LINE_ONLY = ("trust_code",)
 """Flags a recipe may not set, and which resolved recipes leave out: a recipe file is data, never a way to opt into
 running code."""
 
-TrainType = Literal["seq", "sft", "dpo", "kto", "grpo"]
+TrainType = Literal["seq", "sft", "dpo", "kto", "grpo", "reward_model"]
 ParallelMode = Literal["none", "ddp", "fsdp"]
 Precision = Literal["auto", "bf16-true", "bf16-mixed", "32-true"]
 DataFormat = Literal[DATA_FORMATS]
@@ -203,33 +203,49 @@ class TrainArgs:
     suggests weights making ``desirable_weight x desirable / (undesirable_weight x undesirable)`` 1 to 4/3."""
     kto_undesirable_weight: float = 1.0
     """KTO's weight of the undesirable samples' loss (TRL's ``undesirable_weight``)."""
+    reward_center_coef: float = 0.0
+    """reward_model: weight of ``mean((r_chosen + r_rejected)^2)`` added to the loss, keeping scores centred on 0
+    (TRL's ``center_rewards_coefficient``; Eisenstein et al. suggest 0.01); 0: off."""
     group_size: int = 4
     """GRPO responses per prompt."""
     grpo_clip_eps: float = 0.2
     """GRPO PPO clip range."""
     grpo_kl_coef: float = 0.01
     """GRPO weight of the KL penalty to the reference model."""
-    grpo_loss: Literal["astrai", "grpo", "bnpo", "dr_grpo"] = "astrai"
+    grpo_loss: Literal["astrai", "grpo", "bnpo", "dr_grpo", "dapo"] = "astrai"
     """How GRPO averages its per-token loss, and which advantages and KL estimate it uses: ``astrai`` (AstrAI's,
     the default: a token mean over the micro-batch, population std + 1e-8, ``r - log(r + 1e-8) - 1``), or TRL 1.16's
-    ``grpo`` (per-response token means, then their mean), ``bnpo`` (a token mean over the micro-batch) and
-    ``dr_grpo`` (the token sum over responses x ``rollout_max_tokens``), each with TRL's advantages (Bessel std +
-    1e-4, or none: ``grpo_scale_rewards``) and KL ``r - log r - 1``."""
+    ``grpo`` (per-response token means, then their mean), ``bnpo`` (a token mean over the micro-batch),
+    ``dr_grpo`` (the token sum over responses x ``rollout_max_tokens``) and ``dapo`` (online only: a token mean over
+    every response token of the optimizer step, all micro-batches and ranks; with ``rollout_interval`` k, the
+    rollout's tokens / k, as TRL), each with TRL's advantages (Bessel std + 1e-4, or none: ``grpo_scale_rewards``)
+    and KL ``r - log r - 1``."""
     grpo_clip_eps_high: float | None = None
     """GRPO's upper clip bound ``1 + grpo_clip_eps_high`` on the ratio (DAPO's "clip higher", e.g. 0.28); None:
     ``grpo_clip_eps``, symmetric."""
-    grpo_scale_rewards: Literal["group", "none"] = "group"
-    """The TRL losses' advantages: divided by the group's reward std (``group``), or only centred (``none``, as Dr.
-    GRPO has it). ``astrai`` keeps AstrAI's."""
+    grpo_scale_rewards: Literal["group", "batch", "none"] = "group"
+    """The TRL losses' advantages: centred in the group and divided by the group's reward std (``group``), by the
+    std of every reward of the batch (``batch``: online, the whole rollout on every rank, TRL's generation batch;
+    offline, the micro-batch), or only centred (``none``, as Dr. GRPO has it). ``astrai`` keeps AstrAI's."""
+    grpo_num_iterations: int = 1
+    """Online GRPO: optimizer passes over each rollout (TRL's ``num_iterations``, the paper's mu): its micro-batches
+    are trained this many times in order, against the log-probabilities recorded at sampling; 1 samples anew after
+    one pass."""
     reward: str | dict | None = None
     """Online GRPO: the reward function, an import path or ``{class_path, init_args}`` (e.g.
     ``astrai_fabric.rewards.LengthReward``); required when the grpo data holds prompts without responses. Only the
     bundled rewards (``astrai_fabric.rewards.*``) resolve unless ``--trust_code`` is given."""
+    reward_model: str | None = None
+    """Online grpo and dpo: score the rollouts with this reward model (a directory: ``astrai-fabric reward_model``'s
+    checkpoint or export, or a transformers ``*ForSequenceClassification`` with one label) instead of ``--reward``.
+    It reads the policy's token ids, so it must share the policy's tokenizer."""
     trust_code: bool = False
     """Allow import paths outside astrai_fabric (``--reward mypackage.score``): importing them runs their code.
     Command line only: a recipe cannot set it, and the resolved ``recipe.yaml`` leaves it out."""
     rollout_interval: int = 512
-    """Online GRPO: optimizer steps trained on each rollout (responses are sampled for that many steps at once)."""
+    """Online GRPO: optimizer steps' worth of prompts sampled at once (``rollout_interval x grad_accum_steps``
+    micro-batches); each is trained ``grpo_num_iterations`` times, so a rollout every ``rollout_interval x
+    grpo_num_iterations`` steps."""
     rollout_temperature: float = 0.7
     """Online GRPO: sampling temperature."""
     rollout_top_k: int = 0
@@ -428,7 +444,7 @@ class TrainArgs:
             problems.append("param_path is required")
         positive = [
             "n_epoch", "batch_per_device", "grad_accum_steps", "ckpt_interval", "val_step", "nprocs", "num_nodes",
-            "muon_ns_steps", "rollout_interval", "rollout_max_tokens", "group_size", "t_mult",
+            "muon_ns_steps", "rollout_interval", "rollout_max_tokens", "group_size", "t_mult", "grpo_num_iterations",
         ]  # fmt: skip
         problems += [
             f"{SPELLED.get(name, name)} must be positive, got {getattr(self, name)}"
@@ -526,12 +542,20 @@ class TrainArgs:
             problems.append(f"cpo_alpha must be >= 0, got {self.cpo_alpha}")
         if not self.orpo_beta > 0:
             problems.append(f"orpo_beta must be > 0, got {self.orpo_beta}")
+        if not self.reward_center_coef >= 0:
+            problems.append(f"reward_center_coef must be >= 0 (0: off), got {self.reward_center_coef}")
+        if self.reward is not None and self.reward_model is not None:
+            problems.append("reward and reward_model both score rollouts: pass one of them")
         if self.grpo_clip_eps_high is not None and not self.grpo_clip_eps_high > 0:
             problems.append(f"grpo_clip_eps_high must be > 0 (or unset: grpo_clip_eps), got {self.grpo_clip_eps_high}")
         if self.grpo_scale_rewards != "group" and self.grpo_loss == "astrai":
             problems.append(
-                f"grpo_scale_rewards {self.grpo_scale_rewards} applies to --grpo_loss grpo, bnpo and dr_grpo (TRL's "
-                "advantages); astrai keeps AstrAI's group normalisation"
+                f"grpo_scale_rewards {self.grpo_scale_rewards} applies to --grpo_loss grpo, bnpo, dr_grpo and dapo "
+                "(TRL's advantages); astrai keeps AstrAI's group normalisation"
+            )
+        if self.grpo_num_iterations > 1 and self.train_type not in (None, "grpo"):
+            problems.append(
+                f"grpo_num_iterations {self.grpo_num_iterations} applies to online grpo, not {self.train_type}"
             )
         for name in ("kto_desirable_weight", "kto_undesirable_weight"):
             if not getattr(self, name) > 0:
@@ -555,6 +579,11 @@ class TrainArgs:
             problems.append("lora_targets is empty; name at least one of " + ", ".join(TARGETS))
         elif len(set(self.lora_targets)) != len(self.lora_targets):
             problems.append(f"lora_targets {self.lora_targets} names a layer twice")
+        if self.train_type == "reward_model" and (self.lora_r or self.quantize is not None):
+            problems.append(
+                "reward_model trains the whole network and its score head; LoRA (lora_r, quantize) would leave the "
+                "head out of the adapter's checkpoint: drop --lora_r, --quantize"
+            )
         if self.quantize is not None and self.lora_r == 0:
             problems.append(
                 f"quantize {self.quantize} needs lora_r > 0: a 4-bit base is frozen (QLoRA trains adapters over it); "

@@ -10,6 +10,8 @@ padding, B23).
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -113,6 +115,8 @@ class PreferenceDataset(Dataset):
         gave no sample (AstrAI drops them)."""
         self.num_identical = 0
         """Pairs whose chosen and rejected tokens are the same: their loss is log 2 and their gradient zero."""
+        self.margins: list[float] = []
+        """Each pair's ``margin`` (a reward model's, TRL's column; 0 where the record has none)."""
         for where, record in records:
             if render is not None:
                 encoded = render(record, where)
@@ -132,12 +136,21 @@ class PreferenceDataset(Dataset):
             chosen, rejected = zip(encoded.response_ids, encoded.masks(), strict=True)
             self.num_identical += chosen == rejected
             self.samples.append(encoded)
+            self.margins.append(_margin(record, where))
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def __getitem__(self, index: int) -> Encoded:
         return self.samples[index]
+
+
+def _margin(record: dict[str, Any], where: str) -> float:
+    margin = record.get("margin", 0.0)
+    if isinstance(margin, bool) or not isinstance(margin, int | float) or not math.isfinite(margin):
+        raise UserError(f"{where}: 'margin' must be a finite number (how much chosen should outscore rejected), got "
+                        f"{json.dumps(margin)[:60]}")  # fmt: skip
+    return float(margin)
 
 
 @dataclass

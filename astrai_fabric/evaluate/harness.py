@@ -34,7 +34,7 @@ from torch import nn
 from tqdm import tqdm
 
 from astrai_fabric import hub
-from astrai_fabric.checkpoint import load_model
+from astrai_fabric.checkpoint import load_language_model
 from astrai_fabric.errors import UserError
 from astrai_fabric.evaluate.perplexity import evaluation_world, right_padded_logprobs
 from astrai_fabric.generate import left_pad, padded_attention, sample_tokens
@@ -73,7 +73,7 @@ class AstraiFabricLM(TemplateLM):
             model, directory = pretrained, None
         else:
             directory = hub.resolve_model(str(pretrained), "pretrained")
-            model = load_model(directory, dtype=dtype)
+            model = load_language_model(directory, dtype=dtype, command="lm-evaluation-harness")
         if device is not None:
             model = model.to(device)
         self.model = model.eval()

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import torch
 
 from astrai_fabric import __version__, assets, hub
-from astrai_fabric.checkpoint import CONFIG_FILE, META_FILE, checkpoint_step, complete_checkpoints, load_model
+from astrai_fabric.checkpoint import CONFIG_FILE, META_FILE, checkpoint_step, complete_checkpoints, load_language_model
 from astrai_fabric.checkpoint.directory import CHECKPOINT_NAME
 from astrai_fabric.config.evaluate import EvaluateArgs
 from astrai_fabric.errors import ConfigError, UserError, raised_on_every_rank
@@ -205,7 +205,7 @@ def _evaluate_target(
     say: Callable[..., None],
 ) -> list[dict[str, Any]]:
     """Load ``target`` once and run the jobs not found done; store each result (rank 0) as soon as it is complete."""
-    model = load_model(target.directory, dtype=dtype).to(device).eval()
+    model = load_language_model(target.directory, dtype=dtype, command="evaluate").to(device).eval()
     tokenizer_dir = (
         hub.resolve_model(args.tokenizer_path, "tokenizer_path") if args.tokenizer_path else target.directory
     )

@@ -15,6 +15,9 @@ from astrai_fabric.config.train import TrainArgs
 
 LossFn = Callable[[nn.Module, dict[str, Tensor]], tuple[Tensor, dict[str, Tensor]]]
 """``(model, batch) -> (loss, metrics)``: the mean loss of one micro-batch and detached extras to log."""
+REUSED = "reused"
+"""Batch key, True on a micro-batch trained again (online grpo's ``--grpo_num_iterations``): its samples were counted
+(``RunPosition.sample_index``, ``consumed_samples``) when it was first trained."""
 
 
 @dataclass

@@ -2,13 +2,14 @@
 
 Per micro-batch: the model's noise generators reseeded from the position (``randomness.ModuleNoise``), forward and
 backward inside the accumulation context (``accumulation.py``), loss divided by ``grad_accum_steps``, the position
-advanced by the micro-batch's samples. Then one collective gives the window's means over its micro-batches and all
-ranks, whether any rank was asked to stop, and whether the previous update left a weight non-finite on any rank;
-the step reads those, the gradient norm, the window's tokens and the gradient SNR back to the host in one fetch,
-its only wait for the device. A finite loss and gradient norm: clip (the logged norm is this step's, pre-clip;
-AstrAI logs the previous one, B7), step the optimizer, zero the gradients, step the schedule. Otherwise the update
-is skipped: gradients zeroed, the window's samples consumed, the step counter and the schedule stand still (AstrAI
-applies it, and one bad batch can destroy the weights).
+advanced by the micro-batch's samples (once: a batch trained again, ``state.REUSED``, was counted already). Then one
+collective gives the window's means over its micro-batches and all ranks, whether any rank was asked to stop, and
+whether the previous update left a weight non-finite on any rank; the step reads those, the gradient norm, the
+window's tokens and the gradient SNR back to the host in one fetch, its only wait for the device. A finite loss and
+gradient norm: clip (the logged norm is this step's, pre-clip; AstrAI logs the previous one, B7), step the
+optimizer, zero the gradients, step the schedule. Otherwise the update is skipped: gradients zeroed, the window's
+samples consumed, the step counter and the schedule stand still (AstrAI applies it, and one bad batch can destroy the
+weights).
 
 Whether the update left every weight finite is computed at once on the device and read with the next step's
 numbers (``StepTools.unchecked_weights``): a non-finite update is reported one step later, and nothing trusts those
@@ -30,7 +31,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from astrai_fabric.accumulation import GradientState, backward_sync
-from astrai_fabric.loop.state import LoopArgs, LossFn, TrainState
+from astrai_fabric.loop.state import REUSED, LoopArgs, LossFn, TrainState
 from astrai_fabric.metrics import GradSNR, by_device_mesh, global_norm
 from astrai_fabric.preemption import StopRequest
 from astrai_fabric.quantize import is_quantized
@@ -130,8 +131,9 @@ def train_step(
             window_metrics[name] = window_metrics.get(name, 0.0) + value.float()
         window_tokens += _num_tokens(batch)
         num_samples += batch["input_ids"].size(0) * tools.num_dp_ranks
-        position.sample_index += batch["input_ids"].size(0)
-        position.consumed_samples += args.batch_per_device * tools.num_dp_ranks
+        if not batch.get(REUSED, False):  # the position counts samples consumed, not micro-batches trained
+            position.sample_index += batch["input_ids"].size(0)
+            position.consumed_samples += args.batch_per_device * tools.num_dp_ranks
 
     # One collective: the window's means over its micro-batches and all ranks, whether any rank was asked to stop
     # (a signal to one rank stops all after this same step), and whether the last update left any rank's weights

@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from astrai_fabric.config.model import ModelConfig
-from astrai_fabric.losses import head_token_nll, token_logprobs
+from astrai_fabric.losses import head_nll_loss, head_token_nll, token_logprobs
 from astrai_fabric.model.attention import GQA, MLA
 from astrai_fabric.model.ffn import MLP, DeepSeekMoE
 from astrai_fabric.model.kv_cache import KVCache
@@ -153,9 +153,12 @@ class AutoRegressiveLM(nn.Module):
                                       config.scale_embeddings)  # fmt: skip
         self.layers = nn.ModuleList(DecoderBlock(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_unit_offset)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
-        if config.tied:
-            self.lm_head.weight = self.embed_tokens.weight
+        if config.score_head:  # a reward model: a scalar head in the LM head's place (transformers' ``score``)
+            self.score = Linear(config.hidden_size, 1)
+        else:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size)
+            if config.tied:
+                self.lm_head.weight = self.embed_tokens.weight
         self.local_rotary_embedding = None  # the sliding-window layers' own RoPE (Gemma 3), after AstrAI's modules
         if config.rope_local_theta is not None:
             self.local_rotary_embedding = RotaryEmbedding(
@@ -164,6 +167,8 @@ class AutoRegressiveLM(nn.Module):
         self.gradient_checkpointing = False  # recompute each block in the backward pass (less memory)
         # Same traversal as AstrAI's `self.apply(_init_weights)`, hence the same random stream per seed.
         self.apply(_reset)
+        if config.score_head:  # every pair starts level (loss log 2), on any sharding: transformers draws N(0, 0.02)
+            nn.init.zeros_(self.score.weight)
 
     def forward(
         self,
@@ -175,8 +180,10 @@ class AutoRegressiveLM(nn.Module):
         nll_targets: Tensor | None = None,
         nll_chunk_size: int = 0,
         label_smoothing: float = 0.0,
+        nll_weights: Tensor | None = None,
     ) -> dict[str, Any]:
-        """``input_ids [B,S]`` → ``{"logits", "hidden_states"}`` (+ ``"aux_loss"``, ``"router_stats"`` for MoE).
+        """``input_ids [B,S]`` → ``{"logits", "hidden_states"}`` (+ ``"aux_loss"``, ``"router_stats"`` for MoE); a
+        reward model (``score_head``) gives ``"scores" [B,S]``, its head's output at every position, for logits.
 
         ``position_ids [B,S]`` default to ``0..S-1`` (after the cached positions, with a ``kv_cache``);
         ``input_mask`` is 2-D, 3-D or 4-D (see ``process_attention_mask``), over all keys (cached and new) when a
@@ -186,6 +193,9 @@ class AutoRegressiveLM(nn.Module):
         With ``nll_targets [B,S]`` and ``nll_chunk_size`` N > 0, the head is fused with the cross-entropy
         (``losses.head_token_nll``, N positions at a time): ``"token_nll" [B,S]`` float32 instead of ``"logits"``,
         never the whole ``[B,S,V]``. Inside forward, so that a sharded head is gathered once, as for the logits.
+        With ``nll_weights [B,S]`` as well (the loss's per-token weights, ``losses.token_nll_weights``), also
+        ``"nll_loss"``, ``sum(nll_weights * token_nll)``, whose gradients the fused head takes in its forward
+        (``losses.head_nll_loss``: no logits recomputed in the backward); ``"token_nll"`` is then detached.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
@@ -230,9 +240,20 @@ class AutoRegressiveLM(nn.Module):
         if kv_cache is not None:
             kv_cache.length += seq_len
         hidden_states = self.norm(x)
+        if self.config.score_head:  # a reward model: one score per position (``reward_model.sequence_scores``)
+            if nll_targets is not None:
+                raise ValueError("a reward model (score_head) has no LM head to take token losses from")
+            output = {"hidden_states": hidden_states, "scores": self.score(hidden_states).squeeze(-1)}
+            if aux_losses:
+                output.update(aux_loss=torch.stack(aux_losses).mean(), router_stats=router_stats)
+            return output
         fused, cap = nll_targets is not None and nll_chunk_size > 0, self.config.final_logit_softcapping
         output: dict[str, Any] = {"hidden_states": hidden_states}
-        if fused and cap is None:
+        if fused and cap is None and nll_weights is not None:
+            loss, nll = head_nll_loss(hidden_states, self.lm_head.weight, nll_targets, nll_weights, nll_chunk_size,
+                                      label_smoothing)  # fmt: skip
+            output.update(nll_loss=loss, token_nll=nll)
+        elif fused and cap is None:
             nll = head_token_nll(hidden_states, self.lm_head.weight, nll_targets, nll_chunk_size, label_smoothing)
             output["token_nll"] = nll
         else:
@@ -245,6 +266,8 @@ class AutoRegressiveLM(nn.Module):
                 nll = F.cross_entropy(logits.float().flatten(0, 1), nll_targets.flatten(), reduction="none",
                                       label_smoothing=label_smoothing)  # fmt: skip
                 output["token_nll"] = nll.view_as(nll_targets)
+                if nll_weights is not None:
+                    output["nll_loss"] = (output["token_nll"] * nll_weights).sum()
             else:
                 output["logits"] = logits
         if aux_losses:
@@ -261,6 +284,8 @@ class AutoRegressiveLM(nn.Module):
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """AstrAI's tie rules: tied → ``lm_head`` is the embedding; untied with no ``lm_head`` → a clone of it."""
         state_dict = dict(state_dict)
+        if self.config.score_head:  # no LM head to tie or clone
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
         if self.config.tied and EMBED_KEY in state_dict:
             state_dict[LM_HEAD_KEY] = state_dict[EMBED_KEY]
         elif LM_HEAD_KEY not in state_dict and EMBED_KEY in state_dict:
@@ -312,7 +337,8 @@ def count_parameters(config: ModelConfig) -> int:
         moe += dim if config.shared_expert_gate else 0
     norms = dim * (4 if config.norm_placement == "sandwich" else 2)
     blocks = layers * (attention + norms) + (layers - config.num_moe_layers) * mlp + config.num_moe_layers * moe
-    embeddings = config.vocab_size * dim * (1 if config.tied else 2)
+    embeddings = config.vocab_size * dim * (1 if config.tied or config.score_head else 2)
+    embeddings += dim if config.score_head else 0
     return embeddings + blocks + dim
 
 

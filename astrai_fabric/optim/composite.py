@@ -17,7 +17,9 @@ from astrai_fabric.errors import CheckpointError
 from astrai_fabric.lora import LoRALinear
 from astrai_fabric.model.layers import Embedding, Linear, RMSNorm
 
-NON_MATRIX_NAME_PARTS = ("norm", "bias", "embed", "lm_head")
+HEAD_NAMES = ("lm_head", "score")
+"""The output heads (a language model's, a reward model's): AdamW's, as embeddings are, never a matrix optimizer's."""
+NON_MATRIX_NAME_PARTS = ("norm", "bias", "embed", *HEAD_NAMES)
 
 
 def is_matrix_param(name: str, param: Tensor) -> bool:
@@ -31,13 +33,13 @@ class RoleSplit:
     each list in ``model.parameters()`` order, a tied embedding once."""
 
     matrices: list[Tensor]
-    """2-D weights of ``Linear`` layers other than ``lm_head``: Nora or Mano."""
+    """2-D weights of ``Linear`` layers other than the heads (``lm_head``, ``score``): Nora or Mano."""
     decay: list[Tensor]
     """Other parameters with two or more dimensions: (N)AdamW with ``--weight_decay``. Empty for every model this
     package builds (AstrAI's too), which is why ``--weight_decay`` never reached a parameter under AstrAI's
     ``nora_nadamw`` (B18)."""
     no_decay: list[Tensor]
-    """Embeddings, norms, biases, ``lm_head``, LoRA layers' own parameters, anything 1-D: (N)AdamW without decay."""
+    """Embeddings, norms, biases, the heads, LoRA layers' own parameters, anything 1-D: (N)AdamW without decay."""
 
 
 def split_by_role(model: nn.Module) -> RoleSplit:
@@ -50,7 +52,7 @@ def split_by_role(model: nn.Module) -> RoleSplit:
         elif isinstance(module, Linear):
             if module.bias is not None:
                 no_decay_ids.add(id(module.bias))
-            head = module_name.rsplit(".", 1)[-1] == "lm_head"
+            head = module_name.rsplit(".", 1)[-1] in HEAD_NAMES
             (no_decay_ids if head else matrix_ids).add(id(module.weight))
     split = RoleSplit([], [], [])
     for param in model.parameters():  # deduplicated by torch: a tied weight is met once, as the embedding

@@ -1,9 +1,9 @@
 """Training entry point: arguments → Fabric → the train type's ``main``.
 
-``execute(args)`` is the one dispatch, what ``astrai-fabric seq|sft|dpo|kto|grpo`` and ``run(args)`` both call once
-``args`` is validated: a dry run prints the plan (``dry_run.py``); otherwise it builds the Fabric (the only launch
-decision is here: the CLI launches its own ranks, but under ``fabric run``, torchrun or SLURM the processes exist
-already) and runs the train type's ``main(fabric, args)`` on every rank. Programs that own a launched Fabric call
+``execute(args)`` is the one dispatch, what ``astrai-fabric seq|sft|dpo|kto|grpo|reward_model`` and ``run(args)``
+both call once ``args`` is validated: a dry run prints the plan (``dry_run.py``); otherwise it builds the Fabric (the
+only launch decision is here: the CLI launches its own ranks, but under ``fabric run``, torchrun or SLURM the processes
+exist already) and runs the train type's ``main(fabric, args)`` on every rank. Programs that own a launched Fabric call
 ``train(fabric, args)``.
 
 Each ``main`` then reads downward: ``start.resolve_start`` (where the run starts), the train type's dataset and
@@ -27,15 +27,15 @@ from astrai_fabric.strategy import (
     resolve_topology,
     set_cpu_threads,
 )
-from astrai_fabric.train import dpo, grpo, kto, lm
+from astrai_fabric.train import dpo, grpo, kto, lm, reward_model
 from astrai_fabric.train.dry_run import dry_run
 
-TRAIN_TYPES = {"seq": lm, "sft": lm, "dpo": dpo, "kto": kto, "grpo": grpo}
+TRAIN_TYPES = {"seq": lm, "sft": lm, "dpo": dpo, "kto": kto, "grpo": grpo, "reward_model": reward_model}
 """Each train type's module: ``build_dataset(args, start)`` and ``main(fabric, args)``."""
 
 
 def run(args: TrainArgs) -> list[dict] | None:
-    """Validate ``args``, build the Fabric, launch its ranks and train (what ``astrai-fabric seq|sft|dpo|kto|grpo``
+    """Validate ``args``, build the Fabric, launch its ranks and train (what ``astrai-fabric seq|sft|dpo|...``
     does); a dry run prints the plan and returns ``[]``.
 
     Returns the per-step records of ``loop.fit`` (rank 0's when this process launched the ranks).

@@ -70,12 +70,6 @@ def preflight(args: TrainArgs, start: Start, plan: StepPlan, placement: Placemen
     except UserError as err:
         problems.append(str(err))
     problems += _memory_problems(args, start, placement)
-    if args.quantize is not None and placement.num_shards > 1:
-        problems.append(
-            f"quantize {args.quantize} with fsdp over {placement.num_shards} shards: the 4-bit base is not sharded "
-            "(it loads whole on each rank); use --parallel_mode ddp, where each rank holds the base at about a "
-            "quarter of its bfloat16 size"
-        )
     if start.resume is not None:
         try:
             check_position(start.resume, plan)
@@ -97,13 +91,14 @@ def _memory_problems(args: TrainArgs, start: Start, placement: Placement) -> lis
     num_parameters = count_parameters(config)
     half = start.weights is not None and placement.precision in ("bf16-true", "16-true")
     bytes_per_parameter = 2 if half else 4
-    shards = placement.num_shards if start.weights is not None else 1
+    # A 4-bit base is read whole on each rank before it is sharded (train/models.py): its load is the peak.
+    shards = placement.num_shards if start.weights is not None and args.quantize is None else 1
     # LoRA's adapters (float32, sharded like the rest), counted on the meta device: their rank reaches no size check
     # of the config's.
     adapters = meta_model(config, args).num_parameters(trainable_only=True) if args.lora_r else 0
     weight_bytes = num_parameters * bytes_per_parameter
     if args.quantize is not None:  # QLoRA: the block linear weights at NF4's size
-        quantized = plan_quantization(meta_model(config, args)).num_quantized
+        quantized = plan_quantization(meta_model(config, args), placement.num_shards).num_quantized
         weight_bytes -= int(quantized * (bytes_per_parameter - BYTES_PER_WEIGHT))
     per_rank = (weight_bytes + adapters * 4) // shards + rope_table_bytes(config)
     if shards > 1 and placement.accelerator == "cuda":

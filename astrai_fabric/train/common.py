@@ -68,7 +68,8 @@ def build_model(fabric: Fabric, start: Start, args: TrainArgs) -> nn.Module:
     """The trained model, handed to Fabric (which shards it under FSDP and casts it to the run's precision)."""
     config = dataclasses.replace(start.model_config, neftune_alpha=args.neftune_alpha)
     model = initial_model(fabric, config, start.weights, args.random_seed, f"param_path {args.param_path}",
-                          quantize=args.quantize is not None)  # fmt: skip
+                          quantize=args.quantize is not None,
+                          num_shards=Placement.of_fabric(fabric, args).num_shards)  # fmt: skip
     adapter = None
     if (spec := lora_spec(args)) is not None:
         lora.inject(model, spec, args.random_seed)  # base frozen, adapters float32 (lora.py)
@@ -83,7 +84,7 @@ def build_model(fabric: Fabric, start: Start, args: TrainArgs) -> nn.Module:
     if args.compile:
         model = torch.compile(model, mode=args.compile)
     module = fabric.setup_module(model)  # under FSDP on the meta device: sharded, then materialised on the device
-    if is_fsdp(fabric):
+    if is_fsdp(fabric) and args.quantize is None:  # a 4-bit base was read whole above (initial_model), then sharded
         raw = module.module  # Fabric's wrapper, then torch.compile's: the model whose names the file uses
         load_sharded_weights(getattr(raw, "_orig_mod", raw), start.weights, adapter)
     return module
@@ -208,7 +209,9 @@ def train_on(
         profiler = StepProfiler.for_run(fabric, args, position)  # None unless --profile_steps
         batches = profiler.steps_of(batches) if profiler is not None else batches
 
-        parameters = summarize_parameters(model, args, precision_of(fabric))
+        parameters = summarize_parameters(
+            model, args, precision_of(fabric), Placement.of_fabric(fabric, args).num_shards
+        )
         data = describe_data(args, len(train_set), data_summary, val_set)
         fabric.print(describe_run_plan(fabric, args, start, parameters, plan, scheduler, schedule_note, position, data))
         if fabric.global_rank == 0:

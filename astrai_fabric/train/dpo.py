@@ -27,9 +27,8 @@ from astrai_fabric.loop.state import TrainState
 from astrai_fabric.lora import reference_context
 from astrai_fabric.losses import REFERENCE_FREE, PairLogps, preference_loss, with_moe_aux_loss
 from astrai_fabric.model import next_token_logprobs
-from astrai_fabric.rewards import load_reward
 from astrai_fabric.train.common import train_on
-from astrai_fabric.train.grpo import Rollouts
+from astrai_fabric.train.grpo import Rollouts, check_rollout_reward, rollout_reward
 from astrai_fabric.train.start import Start, reference_model, require_records, resolve_start
 
 
@@ -119,11 +118,14 @@ def online_dpo_batch_loss(model: nn.Module, batch: dict[str, Tensor], **dpo: Any
     return loss, metrics
 
 
-def build_dataset(args: TrainArgs, start: Start) -> tuple[PreferenceDataset | PromptDataset, str]:
-    """The tokenised pairs (or, online, the prompts) and a one-line description of them."""
+def build_dataset(
+    args: TrainArgs, start: Start, train_type: str = "dpo"
+) -> tuple[PreferenceDataset | PromptDataset, str]:
+    """The tokenised pairs (or, online dpo, the prompts) and a one-line description of them; ``train_type``
+    ``reward_model`` reads the same pairs, and refuses prompts alone."""
     window_size = start.window_size
-    data_path = require_records(assets.resolve(args.data_root_path), "dpo")
-    tokenizer = start.need_tokenizer("dpo")
+    data_path = require_records(assets.resolve(args.data_root_path), train_type)
+    tokenizer = start.need_tokenizer(train_type)
     config = start.dataset_config
     schema_check = None if config is not None else Shaper("dpo", args.data_format, args.data_columns).check_schema
     records = read_records(data_path, subset=args.data_subset, split=args.data_split, schema_check=schema_check)
@@ -134,13 +136,11 @@ def build_dataset(args: TrainArgs, start: Start) -> tuple[PreferenceDataset | Pr
         records, shaper = shape_records(records, "dpo", args.data_format, args.data_columns)
         shapes = shaper.describe() and f"{shaper.describe()}, "
         if records and "chosen" not in records[0][1]:
-            if args.reward is None:
-                raise ConfigError(
-                    f"data_root_path {data_path}: records hold prompts without responses (online dpo), which needs "
-                    "--reward (e.g. --reward astrai_fabric.rewards.LengthReward)"
-                )
-            load_reward(args.reward, args.trust_code)  # refused here, where the data says it is needed: dry run too
-            summary = f"{shapes}prompts from {data_path} (online: 2 samples each, ranked by {args.reward})"
+            if train_type == "reward_model":
+                raise ConfigError(f"data_root_path {data_path}: records hold prompts without responses; a reward "
+                                  "model trains on preference pairs (prompt, chosen, rejected)")  # fmt: skip
+            scorer = check_rollout_reward(args, start, data_path, "dpo")
+            summary = f"{shapes}prompts from {data_path} (online: 2 samples each, ranked by {scorer})"
             return PromptDataset(records, tokenizer, window_size), summary
     render = partial(render_pair, config, tokenizer) if config is not None else None
     dataset = PreferenceDataset(records, tokenizer, window_size, render)
@@ -175,7 +175,7 @@ def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
     if isinstance(dataset, PreferenceDataset):
         collate = partial(collate_preferences, pad_id=start.need_tokenizer("dpo").padding_id)
         return train_on(fabric, args, start, dataset, summary, partial(dpo_batch_loss, **dpo), collate, extra_meta)
-    reward = load_reward(args.reward, args.trust_code)
+    reward = rollout_reward(fabric, args)
 
     def rollouts(state: TrainState, loader: Any) -> Rollouts:  # the loop's seam, as online grpo's
         return Rollouts(fabric, state.model, loader, start.need_tokenizer("dpo"), reward, args, start.window_size,

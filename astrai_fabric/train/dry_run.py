@@ -69,7 +69,8 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
         if missing:  # reported too: the data is not read without a model
             problems.append(f"data_root_path {args.data_root_path}: not found")
     if start is not None:
-        parameters = summarize_parameters(meta_model(start.model_config, args), args, precision)
+        num_shards = Placement.of_flags(args, topology, accelerator, precision).num_shards
+        parameters = summarize_parameters(meta_model(start.model_config, args), args, precision, num_shards)
         if start.resume is None and (later := checkpoints_after(args.ckpt_dir, 0)):
             problems.append(
                 f"ckpt_dir {args.ckpt_dir}: holds {len(later)} checkpoint(s) this fresh run would overwrite "

@@ -1,9 +1,10 @@
 """``grpo``: Group Relative Policy Optimization, offline (scored responses in the data) or online (sampled here).
 
 Offline data: JSONL ``{"prompt", "responses": [G texts], "rewards": [G floats]}``. Online data: JSONL prompts
-``{"prompt", ...}``; every ``--rollout_interval`` optimizer steps the current policy samples ``--group_size``
-responses per prompt for that many steps' micro-batches, the ``--reward`` function scores them, and training
-follows. Loss and advantages: ``losses.grpo_loss`` (AstrAI's formulas, ``astrai/trainer/strategy.py``).
+``{"prompt", ...}``; the current policy samples ``--group_size`` responses per prompt for ``--rollout_interval``
+steps' micro-batches at once, the ``--reward`` function scores them, and ``--grpo_num_iterations`` passes over them
+train (a rollout every ``rollout_interval x grpo_num_iterations`` steps). Loss and advantages: ``losses.grpo_loss``
+(AstrAI's formulas, ``astrai/trainer/strategy.py``; TRL 1.16's with ``--grpo_loss``).
 
 Departure from AstrAI (B11): the ratio's "old" policy is the policy as it was when the batch was drawn: the
 current one for offline data (ratio 1, the on-policy gradient) and the sampling policy's log-probabilities,
@@ -12,6 +13,7 @@ recorded at rollout, online. AstrAI keeps a frozen copy of the *initial* policy 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import partial
 from itertools import islice
@@ -22,7 +24,7 @@ import torch
 from lightning.fabric import Fabric
 from torch import Tensor, nn
 
-from astrai_fabric import assets
+from astrai_fabric import assets, hub
 from astrai_fabric.checkpoint.position import RunPosition
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.data.dataset_config import render_group, unrendered_warning
@@ -31,11 +33,12 @@ from astrai_fabric.data.shapes import Shaper, check_not_shaped, shape_records
 from astrai_fabric.data.storage import read_records
 from astrai_fabric.errors import ConfigError, UserError
 from astrai_fabric.generate import generate
-from astrai_fabric.loop.state import TrainState
+from astrai_fabric.loop.state import REUSED, TrainState
 from astrai_fabric.lora import reference_context
 from astrai_fabric.losses import grpo_advantages, grpo_loss, with_moe_aux_loss
 from astrai_fabric.model import next_token_logprobs
 from astrai_fabric.randomness import seeded_generator
+from astrai_fabric.reward_model import RewardModelScorer, check_reward_model
 from astrai_fabric.rewards import Reward, load_reward, score
 from astrai_fabric.strategy import data_parallel
 from astrai_fabric.tokenizer import Tokenizer
@@ -78,12 +81,56 @@ def grpo_batch_loss(
         ref_logprobs, _ = next_token_logprobs(reference if reference is not None else model, ids, loss_chunk_size)
     logprobs, out = next_token_logprobs(model, ids, loss_chunk_size)
     old = batch["old_logprobs"].flatten(0, 1) if "old_logprobs" in batch else logprobs.detach()
-    advantages = grpo_advantages(batch["rewards"], loss.kind, loss.scale_rewards).flatten()
+    # The whole rollout's statistics, where online rollouts attached them (batch_statistics): dapo's and "batch"'s
+    reward_std, tokens_per_micro_batch = batch.get(REWARD_STD), batch.get(TOKENS_PER_MICRO_BATCH)
+    advantages = grpo_advantages(batch["rewards"], loss.kind, loss.scale_rewards, reward_std).flatten()
     value, metrics = grpo_loss(logprobs, old, ref_logprobs, mask, advantages, loss.clip_eps, loss.kl_coef,
-                               loss.kind, loss.clip_eps_high, loss.max_response_tokens)  # fmt: skip
+                               loss.kind, loss.clip_eps_high, loss.max_response_tokens,
+                               tokens_per_micro_batch)  # fmt: skip
     metrics["reward"] = batch["rewards"].mean()
     value, moe_metrics = with_moe_aux_loss(value, out, moe_aux_loss_coef)
     return value, {**metrics, **moe_metrics}
+
+
+REWARD_STD = "reward_std"
+"""Batch key: the Bessel-corrected std of every reward of the rollout, all data-parallel ranks together
+(``--grpo_scale_rewards batch``)."""
+TOKENS_PER_MICRO_BATCH = "tokens_per_micro_batch"
+"""Batch key: the rollout's response tokens over its micro-batches, all data-parallel ranks together (dapo's
+normaliser, ``losses.grpo_loss``)."""
+
+
+def batch_statistics(fabric: Fabric, rolled: list[dict[str, Tensor]]) -> None:
+    """Attach to each micro-batch of ``rolled`` (a rollout, this rank's share) what is taken over the whole rollout
+    and every data-parallel rank: ``TOKENS_PER_MICRO_BATCH`` and ``REWARD_STD``. Collective: every rank calls it at
+    the same rollout (they sample in lockstep); one all-reduce."""
+    sums = rollout_sums(rolled)
+    if fabric.world_size > 1:
+        # Summed over the world: the tensor-parallel ranks of a replica hold the same rollout, counted once
+        ranks_per_replica = fabric.world_size // data_parallel(fabric).num_dp_ranks
+        sums = fabric.all_reduce(sums, reduce_op="sum") / ranks_per_replica
+    attach_statistics(rolled, sums)
+
+
+def rollout_sums(rolled: list[dict[str, Tensor]]) -> Tensor:
+    """``[response tokens, micro-batches, rewards, sum of rewards, sum of their squares]`` of ``rolled``, float64
+    (exact counts; the sums add over ranks)."""
+    rewards = torch.cat([batch["rewards"].flatten() for batch in rolled]).double()
+    tokens = sum(batch["loss_mask"].flatten(0, 1)[:, 1:].sum() for batch in rolled)  # grpo_batch_loss's mask
+    local = [tokens, len(rolled), rewards.numel(), rewards.sum(), rewards.square().sum()]
+    return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=rewards.device) for v in local])
+
+
+def attach_statistics(rolled: list[dict[str, Tensor]], sums: Tensor) -> None:
+    """``batch_statistics`` from the whole rollout's ``rollout_sums``."""
+    num_tokens, num_micro_batches, count, total, squares = sums.tolist()
+    # Bessel-corrected, as TRL's nanstd; NaN for a single reward (advantage 0, as TRL's nan_to_num)
+    variance = max(squares - total * total / count, 0.0) / (count - 1) if count > 1 else math.nan
+    device = sums.device
+    per_micro_batch = torch.tensor(max(num_tokens, 1.0) / num_micro_batches, device=device)
+    std = torch.tensor(math.sqrt(variance), device=device)
+    for batch in rolled:
+        batch[TOKENS_PER_MICRO_BATCH], batch[REWARD_STD] = per_micro_batch, std
 
 
 class Rollouts:
@@ -91,6 +138,10 @@ class Rollouts:
     policy samples ``group_size`` responses per prompt (``--group_size``; online dpo: 2), the reward scores them,
     and the sampling policy's log-probabilities are kept as the "old" ones. All ranks sample in lockstep (a sharded
     forward is collective).
+
+    Each rollout's micro-batches are then yielded ``--grpo_num_iterations`` times in order (TRL's ``num_iterations``:
+    its buffered generation batch reused, the old log-probabilities kept from sampling); the repeats are marked
+    ``REUSED``, so the loop counts their prompts once (``RunPosition.sample_index`` counts prompts consumed).
     """
 
     def __init__(
@@ -103,12 +154,19 @@ class Rollouts:
         self.loss_chunk_size = loss_chunk_size  # the policy's log-probabilities as the loss computes them
         self.micro_batches = args.rollout_interval * args.grad_accum_steps
         self.group_size = group_size or args.group_size
+        self.num_iterations = args.grpo_num_iterations if group_size is None else 1  # grpo's; online dpo samples anew
+        # What the whole rollout decides, besides each micro-batch's own (online dpo: neither)
+        self.statistics = group_size is None and (args.grpo_loss == "dapo" or args.grpo_scale_rewards == "batch")
 
     def __iter__(self):
         prompt_batches = iter(self.prompts)
         while chunk := list(islice(prompt_batches, self.micro_batches)):
             rolled = [self.rollout(batch, k) for k, batch in enumerate(chunk)]  # all sampled by the same policy
+            if self.statistics:
+                batch_statistics(self.fabric, rolled)
             yield from rolled
+            for _ in range(self.num_iterations - 1):
+                yield from ({**batch, REUSED: True} for batch in rolled)
 
     @torch.no_grad()
     def rollout(self, batch: dict[str, list], index: int) -> dict[str, Tensor]:
@@ -128,10 +186,14 @@ class Rollouts:
         texts = [tokenizer.decode(r) for r in responses]
         prompt_texts = [tokenizer.decode(p) for p in batch["prompt_ids"]]
         grouped = [texts[i : i + group] for i in range(0, len(texts), group)]
-        try:
-            rewards, refusal = score(self.reward, prompt_texts, grouped, batch["records"], Path(args.ckpt_dir)), None
-        except UserError as err:  # the user's reward raised, or returned what is not a reward
-            rewards, refusal = None, err
+        rewards, refusal = None, None
+        if isinstance(self.reward, RewardModelScorer):  # the policy's ids, prompt then response, as it trained
+            rewards = self.reward([p + r for p, r in zip(prompts, responses, strict=True)]).view(-1, group)
+        else:
+            try:
+                rewards = score(self.reward, prompt_texts, grouped, batch["records"], Path(args.ckpt_dir))
+            except UserError as err:  # the user's reward raised, or returned what is not a reward
+                refusal = err
         if self.fabric.world_size > 1:  # every rank stops here, together
             raise_together(self.fabric, refusal, lambda n: f"the reward was refused on {n} other rank(s)")
         if refusal is not None:
@@ -165,6 +227,17 @@ def build_dataset(args: TrainArgs, start: Start) -> tuple[GroupDataset | PromptD
         records, shaper = shape_records(records, "grpo", args.data_format, args.data_columns)
         shapes = shaper.describe() and f"{shaper.describe()}, "
     if config is not None or "responses" in records[0][1]:
+        # Both are defined over a batch of rollouts: offline groups come from the loader one micro-batch at a time
+        if args.grpo_loss == "dapo":
+            raise ConfigError(
+                f"--grpo_loss dapo needs online grpo (its normaliser counts the tokens of a whole batch of rollouts); "
+                f"data_root_path {data_path} holds scored responses: use bnpo, its token mean per micro-batch"
+            )
+        if args.grpo_num_iterations > 1:
+            raise ConfigError(
+                f"--grpo_num_iterations {args.grpo_num_iterations} needs online grpo (passes over each rollout); "
+                f"data_root_path {data_path} holds scored responses: use --n_epoch for more passes"
+            )
         render = partial(render_group, config, tokenizer) if config is not None else None
         groups = GroupDataset(records, tokenizer, window_size, render)
         summary = f"{shapes}scored response groups from {data_path} (offline)"
@@ -176,14 +249,32 @@ def build_dataset(args: TrainArgs, start: Start) -> tuple[GroupDataset | PromptD
                 "advantage): they train only the KL term"
             )
         return groups, summary
+    scorer = check_rollout_reward(args, start, data_path, "grpo")
+    summary = f"{shapes}prompts from {data_path} (online: {args.group_size} samples each, scored by {scorer})"
+    return PromptDataset(records, tokenizer, window_size), summary
+
+
+def check_rollout_reward(args: TrainArgs, start: Start, data_path: Path, train_type: str) -> str:
+    """The scorer of online rollouts (``--reward`` or ``--reward_model``), checked where the data says one is needed
+    (the dry run too); returns its name."""
+    if args.reward_model is not None:
+        path = hub.resolve_model(args.reward_model, "reward_model")
+        check_reward_model(path, start.model_config.vocab_size, start.tokenizer)
+        return f"the reward model {path}"
     if args.reward is None:
         raise ConfigError(
-            f"data_root_path {data_path}: records hold prompts without responses (online grpo), which needs --reward "
-            "(e.g. --reward astrai_fabric.rewards.LengthReward)"
+            f"data_root_path {data_path}: records hold prompts without responses (online {train_type}), which needs "
+            "--reward (e.g. --reward astrai_fabric.rewards.LengthReward) or --reward_model PATH"
         )
-    load_reward(args.reward, args.trust_code)  # refused here, where the data says it is needed: the dry run too
-    summary = f"{shapes}prompts from {data_path} (online: {args.group_size} samples each, scored by {args.reward})"
-    return PromptDataset(records, tokenizer, window_size), summary
+    load_reward(args.reward, args.trust_code)
+    return str(args.reward)
+
+
+def rollout_reward(fabric: Fabric, args: TrainArgs) -> Reward | RewardModelScorer:
+    """What scores online rollouts: the reward model (a whole copy on each rank), else the reward function."""
+    if args.reward_model is not None:
+        return RewardModelScorer(hub.resolve_model(args.reward_model, "reward_model"), fabric.device)
+    return load_reward(args.reward, args.trust_code)
 
 
 def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
@@ -199,7 +290,7 @@ def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
     if isinstance(dataset, GroupDataset):
         collate = partial(collate_groups, pad_id=start.need_tokenizer("grpo").padding_id)
         return train_on(fabric, args, start, dataset, summary, compute_loss, collate, meta)
-    reward = load_reward(args.reward, args.trust_code)
+    reward = rollout_reward(fabric, args)
 
     def rollouts(state: TrainState, loader: Any) -> Rollouts:  # the loop's seam (loop/__init__.py)
         tokenizer = start.need_tokenizer("grpo")

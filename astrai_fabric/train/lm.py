@@ -21,7 +21,7 @@ from astrai_fabric.data.datasets import window_dataset
 from astrai_fabric.data.shapes import Shaper, check_not_shaped, shape_records
 from astrai_fabric.data.storage import detect_format, read_records
 from astrai_fabric.data.tokenize import tokenize_chats, tokenize_text
-from astrai_fabric.losses import causal_lm_loss, token_nll_loss, with_moe_aux_loss
+from astrai_fabric.losses import causal_lm_loss, token_nll_weights, with_moe_aux_loss
 from astrai_fabric.model import forward_window
 from astrai_fabric.train.common import train_on
 from astrai_fabric.train.start import Start, resolve_start
@@ -35,11 +35,14 @@ def lm_loss(
     loss_chunk_size: int = 0,
 ):
     """Mean next-token cross-entropy of one micro-batch (+ the weighted MoE aux loss); with ``loss_chunk_size``, the
-    head fused with the loss inside the model's forward (``token_nll``: no whole logits)."""
+    head fused with the loss inside the model's forward (no whole logits). The mean's per-token weights are known
+    before the forward, so the fused head takes its gradients there and recomputes no logits in the backward."""
     if loss_chunk_size:
+        weights = token_nll_weights(batch["target_ids"], batch.get("loss_mask"))  # token_nll_loss's mean, B8 included
         out = forward_window(model, batch["input_ids"], batch.get("position_ids"), nll_targets=batch["target_ids"],
-                             nll_chunk_size=loss_chunk_size, label_smoothing=label_smoothing)  # fmt: skip
-        loss = token_nll_loss(out["token_nll"], batch.get("loss_mask"))
+                             nll_chunk_size=loss_chunk_size, label_smoothing=label_smoothing,
+                             nll_weights=weights)  # fmt: skip
+        loss = out["nll_loss"]
     else:
         out = forward_window(model, batch["input_ids"], batch.get("position_ids"))  # sft's documents apart
         loss = causal_lm_loss(out["logits"], batch["target_ids"], batch.get("loss_mask"), label_smoothing)

@@ -14,7 +14,6 @@ from astrai_fabric.checkpoint.state import load_weights
 from astrai_fabric.checkpoint.weights import allocating
 from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.config.train import TrainArgs
-from astrai_fabric.errors import ConfigError
 from astrai_fabric.model import AutoRegressiveLM
 from astrai_fabric.quantize import plan_quantization
 from astrai_fabric.strategy import is_fsdp
@@ -37,11 +36,19 @@ def meta_model(config: ModelConfig, args: TrainArgs) -> nn.Module:
 
 
 def initial_model(
-    fabric: Fabric, config: ModelConfig, weights: Checkpoint | None, seed: int, source: str, quantize: bool = False
+    fabric: Fabric,
+    config: ModelConfig,
+    weights: Checkpoint | None,
+    seed: int,
+    source: str,
+    quantize: bool = False,
+    num_shards: int = 1,
 ) -> nn.Module:
     """A model initialised from ``seed`` (identically on every rank, AstrAI's init) or from ``weights``; a model
     too large for this machine's memory is a ``ConfigError`` naming ``source``, where its config came from.
-    ``quantize``: the block linear weights stored as NF4 as they are read (QLoRA, ``quantize.py``).
+    ``quantize``: the block linear weights stored as NF4 as they are read (QLoRA, ``quantize.py``), those that split
+    into ``num_shards`` FSDP shards of whole blocks; under FSDP such a model is read whole on each rank, in 4 bits,
+    and Fabric shards it after (torchao's NF4 tensor splits and gathers as FSDP2 asks).
 
     From weights nothing is initialised: the tensors are allocated empty in the run's parameter dtype (what Fabric's
     precision would cast them to) and each is read from the memory-mapped files straight into its place
@@ -54,14 +61,12 @@ def initial_model(
     if weights is None:
         with allocating(source):
             return AutoRegressiveLM(config)
-    if is_fsdp(fabric):
-        if quantize:  # the CLI's preflight refuses this first; a caller's own one-rank FSDP Fabric reaches here
-            raise ConfigError("quantize nf4 under FSDP: the 4-bit base is not sharded; use one device or ddp")
+    if is_fsdp(fabric) and not quantize:
         with torch.device("meta"):
             return fabric.strategy.precision.convert_module(AutoRegressiveLM(config))
     model = empty_model(config, source)
     dtype = fabric.strategy.precision.convert_module(nn.Linear(1, 1)).weight.dtype
-    keys = plan_quantization(model).quantized if quantize else ()
+    keys = plan_quantization(model, num_shards).quantized if quantize else ()
     load_weights(model, weights, dtype=dtype, quantized=keys)
     return model
 

@@ -57,7 +57,7 @@ class ParameterSummary:
         }  # fmt: skip
 
 
-def summarize_parameters(model: nn.Module, args: TrainArgs, precision: str) -> ParameterSummary:
+def summarize_parameters(model: nn.Module, args: TrainArgs, precision: str, num_shards: int = 1) -> ParameterSummary:
     """``model``'s (Fabric-wrapped or not, on the meta device or not) parameters under ``args``' optimizer;
     ``precision``: the run's (the bytes a quantised weight would otherwise take)."""
     raw_model = getattr(model, "module", model)  # the module Fabric wraps
@@ -81,7 +81,7 @@ def summarize_parameters(model: nn.Module, args: TrainArgs, precision: str) -> P
     quantized = None
     if args.quantize is not None:
         float_bytes = 2 if precision in ("bf16-true", "16-true") else 4
-        quantized = plan_quantization(raw_model).describe(float_bytes)
+        quantized = plan_quantization(raw_model, num_shards).describe(float_bytes)
     return ParameterSummary(
         total=raw_model.num_parameters(), trainable=raw_model.num_parameters(trainable_only=True),
         optimizer=args.resolved_optimizer, groups=groups,
@@ -106,6 +106,7 @@ def describe_features(args: TrainArgs, loss_chunk_size: int = 0) -> str | None:
     ``loss_chunk_size``: the run's (``Start.loss_chunk_size``)."""
     on = [
         _preference_loss(args) if args.train_type == "dpo" and args.dpo_loss != "sigmoid" else None,
+        _reward_model_loss(args) if args.train_type == "reward_model" else None,
         f"NEFTune (alpha {args.neftune_alpha:g})" if args.neftune_alpha else None,
         f"label smoothing {args.label_smoothing:g}" if args.label_smoothing else None,
         f"loss fused with the head, {loss_chunk_size} positions at a time" if loss_chunk_size else None,
@@ -121,6 +122,11 @@ def describe_features(args: TrainArgs, loss_chunk_size: int = 0) -> str | None:
         f"keep the last {args.keep_last_k} checkpoints" if args.keep_last_k is not None else None,
     ]
     return ", ".join(item for item in on if item) or None
+
+
+def _reward_model_loss(args: TrainArgs) -> str:
+    centred = f", centred (coef {args.reward_center_coef:g})" if args.reward_center_coef else ""
+    return f"reward model: a score head read at each sequence's last token, Bradley-Terry loss{centred}"
 
 
 def _preference_loss(args: TrainArgs) -> str:

@@ -38,6 +38,7 @@ from astrai_fabric.data.dataset_config import DatasetConfig, read_dataset_config
 from astrai_fabric.data.storage import detect_format
 from astrai_fabric.errors import ConfigError, UserError, raised_on_every_rank
 from astrai_fabric.losses import loss_chunk_positions
+from astrai_fabric.reward_model import reward_model_config, reward_model_weights
 from astrai_fabric.strategy import is_fsdp, setup_frozen
 from astrai_fabric.tokenizer import Tokenizer
 from astrai_fabric.train.models import initial_model, load_sharded_weights, meta_model
@@ -73,7 +74,10 @@ class Start:
 
     def loss_chunk_size(self, args: TrainArgs) -> int:
         """Positions per chunk of the fused head and loss for this run, 0 for the whole logits
-        (``losses.loss_chunk_positions`` of the vocabulary and a micro-batch's windows)."""
+        (``losses.loss_chunk_positions`` of the vocabulary and a micro-batch's windows); 0 for a reward model, whose
+        head has no vocabulary."""
+        if self.model_config.score_head:
+            return 0
         return loss_chunk_positions(args.loss_chunk_size, self.model_config.vocab_size,
                                     args.batch_per_device * self.window_size)  # fmt: skip
 
@@ -192,25 +196,6 @@ def read_start(args: TrainArgs) -> Start:
         meta_model(model_config, args)  # every target names a layer of this model, checked before anything is read
     if args.quantize is not None:
         quantize.require_torchao()
-    resume = resume_checkpoint(args, param_path)
-    lora_base = lora_digests = None
-    if resume is not None:
-        check_resume(resume, model_config, args)
-        weights = resume
-        if resume.lora is not None:
-            lora_base, lora_digests = resume.lora.base, resume.meta[LORA_BASE_KEY]["sha256"]
-            check_resumed_base(resume.path, lora_base, lora_digests, param_path)  # never one of two bases unused
-    elif any((param_path / name).exists() for name in (WEIGHTS_FILE, WEIGHTS_INDEX_FILE, ADAPTER_FILE)):
-        weights = load_checkpoint(param_path, load_extra=False)  # a LoRA checkpoint: its adapter merged
-        if args.lora_r:
-            lora_base, lora_digests = param_path, weight_digests(param_path)
-    else:
-        weights = None
-    if args.lora_r and weights is None:
-        raise UserError(
-            f"lora_r {args.lora_r}: param_path {param_path} has no weights to adapt (LoRA trains adapters on a "
-            "trained model; pass a directory with model.safetensors)"
-        )
     # A Hub dataset's file is in its snapshot (pinned and fetched by now; a dry run reads only what is cached).
     data_path = hub.local_path(args.data_root_path, "dataset", args.data_subset, args.data_split)
     dataset_config = read_dataset_config(data_path, args.train_type)
@@ -227,6 +212,33 @@ def read_start(args: TrainArgs) -> Start:
         raise UserError(
             f"tokenizer {tokenizer.directory} has {tokenizer.vocab_size:,} ids, but the model's vocab_size is "
             f"{model_config.vocab_size:,} ({param_path / CONFIG_FILE}): pass the tokenizer the model was built for"
+        )
+    if args.train_type == "reward_model" and not model_config.score_head:  # a language model to score with
+        pad_token_id = tokenizer.padding_id if tokenizer is not None else 0
+        model_config = reward_model_config(model_config, pad_token_id)
+    elif model_config.score_head and args.train_type != "reward_model":
+        raise UserError(f"param_path {param_path}: a reward model (a score head, no LM head): it trains with "
+                        f"reward_model, not {args.train_type}")  # fmt: skip
+    resume = resume_checkpoint(args, param_path)
+    lora_base = lora_digests = None
+    if resume is not None:
+        check_resume(resume, model_config, args)
+        weights = resume
+        if resume.lora is not None:
+            lora_base, lora_digests = resume.lora.base, resume.meta[LORA_BASE_KEY]["sha256"]
+            check_resumed_base(resume.path, lora_base, lora_digests, param_path)  # never one of two bases unused
+    elif any((param_path / name).exists() for name in (WEIGHTS_FILE, WEIGHTS_INDEX_FILE, ADAPTER_FILE)):
+        weights = load_checkpoint(param_path, load_extra=False)  # a LoRA checkpoint: its adapter merged
+        if args.lora_r:
+            lora_base, lora_digests = param_path, weight_digests(param_path)
+    else:
+        weights = None
+    if args.train_type == "reward_model" and weights is not None and not weights.model_config().score_head:
+        weights = reward_model_weights(weights, model_config)  # the LM head left out, a new score head
+    if args.lora_r and weights is None:
+        raise UserError(
+            f"lora_r {args.lora_r}: param_path {param_path} has no weights to adapt (LoRA trains adapters on a "
+            "trained model; pass a directory with model.safetensors)"
         )
     origin = resume or weights
     source = None
@@ -275,11 +287,7 @@ def _data_tokenizer(config: DatasetConfig, run_tokenizer: Tokenizer | None) -> T
     data_tokenizer = Tokenizer.from_dir(directory)
     if run_tokenizer is None:
         return data_tokenizer
-
-    def contents(tokenizer: Tokenizer) -> dict[str, bytes]:
-        return {name: path.read_bytes() for name, path in tokenizer.files.items()}
-
-    if contents(data_tokenizer) != contents(run_tokenizer):
+    if data_tokenizer.contents() != run_tokenizer.contents():
         raise ConfigError(
             f"{config.path}: its records are tokenised with {directory} (AstrAI's rule: the file's tokenizer_path, "
             f"else the data directory), which differs from the run's tokenizer {run_tokenizer.directory}; pass "

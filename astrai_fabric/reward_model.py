@@ -1,0 +1,100 @@
+"""Reward models: a language model's network with a scalar ``score`` head in place of its LM head
+(``ModelConfig.score_head``), scoring a sequence at its last token that is not padding, as transformers'
+``*ForSequenceClassification`` with one label does, so that ``export --format hf`` scores the same.
+
+``astrai-fabric reward_model`` trains one on preference pairs (``train/reward_model.py``); ``--reward_model PATH``
+scores online grpo's and online dpo's rollouts with one (``RewardModelScorer``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from astrai_fabric.checkpoint import Checkpoint, load_model, read_model_config
+from astrai_fabric.checkpoint.files import StoredStateDict
+from astrai_fabric.config.model import ModelConfig
+from astrai_fabric.errors import UserError
+from astrai_fabric.model.transformer import LM_HEAD_KEY
+from astrai_fabric.tokenizer import Tokenizer
+
+SCORE_KEY = "score.weight"
+
+
+def reward_model_config(config: ModelConfig, pad_token_id: int) -> ModelConfig:
+    """A language model's config as a reward model's: the same network, a score head, padding ``pad_token_id``."""
+    return dataclasses.replace(config, score_head=True, pad_token_id=pad_token_id)
+
+
+def reward_model_weights(weights: Checkpoint, config: ModelConfig) -> Checkpoint:
+    """A language model's weights as the start of a reward model: its LM head left out, a score head of zeros (every
+    pair starts level: the first loss is log 2). The other tensors stay in their files, read as the model is built."""
+    head = {SCORE_KEY: torch.zeros(1, config.hidden_size)}
+    state = weights.state_dict
+    if isinstance(state, StoredStateDict):
+        state = state.with_tensors(head, without=[LM_HEAD_KEY])
+    else:
+        state = {**{k: v for k, v in state.items() if k != LM_HEAD_KEY}, **head}
+    return dataclasses.replace(weights, state_dict=state, config=config.to_dict())
+
+
+def last_token_index(input_ids: Tensor, pad_token_id: int) -> Tensor:
+    """Each row's rightmost position whose id is not ``pad_token_id`` (0 for a row of padding alone): transformers'
+    rule in ``GenericForSequenceClassification``. Where padding shares its id with EOS, a row ending in EOS is read
+    at the token before it, here as there."""
+    positions = torch.arange(input_ids.shape[-1], device=input_ids.device)
+    return (positions * (input_ids != pad_token_id)).argmax(dim=-1)
+
+
+def sequence_scores(model: nn.Module, input_ids: Tensor) -> tuple[Tensor, dict]:
+    """A reward model's score of each right-padded sequence ``input_ids [N, L]`` → ``[N]`` float32, and the model's
+    output (its MoE aux loss, if any)."""
+    out = model(input_ids)
+    index = last_token_index(input_ids, model.config.pad_token_id)
+    scores = out["scores"].gather(-1, index[:, None]).squeeze(-1)
+    return scores.float(), out
+
+
+class RewardModelScorer:
+    """``--reward_model PATH``: rollouts scored by a trained reward model (ours, or a transformers
+    ``*ForSequenceClassification`` directory with one label), frozen, a whole copy on every rank, in ``dtype``.
+
+    It reads the policy's token ids (prompt and response), so it must share the policy's tokenizer: a directory
+    holding a tokenizer of other contents is refused at start-up.
+    """
+
+    def __init__(self, path: Path, device: torch.device, dtype: torch.dtype | None = None) -> None:
+        self.model = load_model(path, dtype=dtype).to(device).eval().requires_grad_(False)
+        self.pad_token_id = self.model.config.pad_token_id
+
+    @torch.no_grad()
+    def __call__(self, sequences: list[list[int]]) -> Tensor:
+        """The score of each token sequence ``[N]`` (float32)."""
+        length = max(len(s) for s in sequences)
+        ids = torch.full((len(sequences), length), self.pad_token_id, dtype=torch.long)
+        for row, tokens in enumerate(sequences):
+            ids[row, : len(tokens)] = torch.tensor(tokens)
+        scores, _ = sequence_scores(self.model, ids.to(next(self.model.parameters()).device))
+        return scores
+
+
+def check_reward_model(path: Path, policy_vocab_size: int, tokenizer: Tokenizer | None) -> ModelConfig:
+    """``--reward_model``'s directory, checked before anything is built: a reward model (a score head) over the
+    policy's vocabulary, with the policy's tokenizer where it holds one. Returns its config."""
+    config = read_model_config(path)
+    config.check_buildable(source=str(path / "config.json"))
+    if not config.score_head:
+        raise UserError(f"reward_model {path}: a language model, not a reward model (no score head); train one with "
+                        "astrai-fabric reward_model, or pass a *ForSequenceClassification directory")  # fmt: skip
+    if config.vocab_size < policy_vocab_size:
+        raise UserError(f"reward_model {path}: vocab_size {config.vocab_size:,} is smaller than the policy's "
+                        f"{policy_vocab_size:,}; it must read the policy's token ids")  # fmt: skip
+    theirs, _ = Tokenizer.from_dir_if_present(path)
+    if theirs is not None and tokenizer is not None and theirs.vocab() != tokenizer.vocab():
+        raise UserError(f"reward_model {path}: its tokenizer's vocabulary differs from the policy's "
+                        f"({tokenizer.directory}); it scores the policy's token ids, so it must be trained with the "
+                        "same tokenizer")  # fmt: skip
+    return config
