@@ -33,9 +33,9 @@ heads, SwiGLU 1,024), batch 1 x 512, float32, the training loop's loss (``train.
 the median of 7 steps per side after one untimed round.
 
 Targets: the NF4 weights <= 0.3 x the same weights' bf16 bytes; the chunked loss cuts the head-plus-loss peak >= 3x;
-chunked / unchunked step time within 10%. QLoRA / LoRA step time is reported. ``bench/gpu_check.py --qlora`` runs
-the same comparison on a CUDA device (``torch.cuda.max_memory_allocated`` instead of RSS). ``--smoke``: a tiny
-shape (chunks of 16 positions), to check the script itself (a few minutes).
+chunked / unchunked step time at most 1.1 (chunking costs at most 10% more time). QLoRA / LoRA step time is
+reported. ``bench/gpu_check.py --qlora`` runs the same comparison on a CUDA device (``torch.cuda.max_memory_allocated``
+instead of RSS). ``--smoke``: a tiny shape (chunks of 16 positions), to check the script itself (a few minutes).
 """
 
 from __future__ import annotations
@@ -367,13 +367,14 @@ def time_part(options: argparse.Namespace) -> None:
           f"chunks of {result['chunk']} positions; median of {options.steps} steps, sides alternating in one "
           f"process, {result['threads']} thread(s)\n")  # fmt: skip
     print(f"{'method':<6} {'unchunked s':>11} {'chunked s':>9} {'chunked/unchunked':>17}")
-    worst = 0.0
+    slowest = 0.0
     for method in METHODS:
         off, on = medians[f"{method} unchunked"], medians[f"{method} chunked"]
-        worst = max(worst, abs(on / off - 1))
+        slowest = max(slowest, on / off)
         print(f"{method:<6} {off:>11.3f} {on:>9.3f} {on / off:>17.3f}")
-    print(f"\nchunked / unchunked: worst {1 + worst:.3f} or its inverse (target within 10%: "
-          f"{'ok' if worst <= 0.1 else 'MISSED'})")  # fmt: skip
+    # The target bounds what chunking costs: a chunked step faster than the unchunked one meets it.
+    print(f"\nchunked / unchunked: at most {slowest:.3f} (target: chunking costs at most 10% more time, <= 1.1: "
+          f"{'ok' if slowest <= 1.1 else 'MISSED'})")  # fmt: skip
     for loss in LOSSES:
         print(f"qlora / lora, {loss}: {medians[f'qlora {loss}'] / medians[f'lora {loss}']:.2f}")
 
