@@ -40,8 +40,10 @@ def causal_lm_loss(
 CHUNKED_LOSS_ELEMENTS = 1 << 26
 """Float32 logits of a micro-batch (positions x vocabulary) from which the loss is fused and chunked by default
 (256 MB; Qwen's 151,936-token vocabulary reaches it at 442 positions)."""
-CHUNK_ELEMENTS = 1 << 24
-"""Float32 logits in one chunk of the fused loss (64 MB): ``CHUNK_ELEMENTS // vocab`` positions at a time."""
+CHUNK_ELEMENTS = 1 << 23
+"""Float32 logits in one chunk of the fused loss (32 MB): ``CHUNK_ELEMENTS // vocab`` positions at a time (55 at
+Qwen's vocabulary). Half of 64 MB took a trained head's fused head-plus-loss peak from 2.97x to 3.14x below the
+unfused one, its steps staying faster than unfused ones (bench/qlora_memory.py, docs/performance.md)."""
 
 
 def loss_chunk_positions(requested: int | None, vocab_size: int, positions_per_micro_batch: int) -> int:

@@ -23,7 +23,7 @@ about 40 minutes on 2 busy cores (the six runs 4-7 minutes each).
 ``head``: the head and the loss alone, each in a fresh process: hidden states [1,024, 896] float32 (requiring
 grad), the tied head's weight [151,936, 896] float32, trainable (full fine-tuning) or frozen (LoRA, QLoRA); forward
 and backward of ``causal_lm_loss(hidden @ weight.T)`` against ``head_nll_loss`` (seq's and sft's fused loss, its
-gradients taken in the forward) with the default chunking (110 positions). Peak is ``VmHWM`` above the RSS after
+gradients taken in the forward) with the default chunking (55 positions). Peak is ``VmHWM`` above the RSS after
 the inputs are allocated (weight gradient included where it is trainable); medians of 3 processes, sides
 alternating.
 
