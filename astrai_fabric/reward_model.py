@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from astrai_fabric.checkpoint import Checkpoint, load_model, read_model_config
 from astrai_fabric.checkpoint.files import StoredStateDict
 from astrai_fabric.config.model import ModelConfig
+from astrai_fabric.data.records import encode, prompt_of
 from astrai_fabric.errors import UserError
 from astrai_fabric.model.transformer import LM_HEAD_KEY
 from astrai_fabric.tokenizer import Tokenizer
@@ -62,17 +63,37 @@ class RewardModelScorer:
     """``--reward_model PATH``: rollouts scored by a trained reward model (ours, or a transformers
     ``*ForSequenceClassification`` directory with one label), frozen, a whole copy on every rank, in ``dtype``.
 
-    It reads the policy's token ids (prompt and response), so it must share the policy's tokenizer: a directory
-    holding a tokenizer of other contents is refused at start-up.
+    With the policy's vocabulary it scores the prompt's and the response's ids as sampled. A reward model whose
+    tokenizer has another vocabulary (``own_tokenizer``) scores each conversation rendered again with its own chat
+    template, the record's prompt then the response's text as the assistant's turn, as TRL's trainers re-tokenise
+    for a reward model of another tokenizer.
     """
 
-    def __init__(self, path: Path, device: torch.device, dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, path: Path, device: torch.device, policy_tokenizer: Tokenizer | None, dtype: torch.dtype | None = None
+    ) -> None:
         self.model = load_model(path, dtype=dtype).to(device).eval().requires_grad_(False)
         self.pad_token_id = self.model.config.pad_token_id
+        self.tokenizer = own_tokenizer(path, policy_tokenizer)
 
     @torch.no_grad()
-    def __call__(self, sequences: list[list[int]]) -> Tensor:
-        """The score of each token sequence ``[N]`` (float32)."""
+    def __call__(
+        self, prompt_ids: list[list[int]], response_ids: list[list[int]], records: list[dict], texts: list[str]
+    ) -> Tensor:
+        """The score ``[N]`` (float32) of each of N sampled responses: its prompt's ids, its own ids, its prompt's
+        record and its text."""
+        if self.tokenizer is None:
+            sequences = [p + r for p, r in zip(prompt_ids, response_ids, strict=True)]
+        else:
+            limit = self.model.config.max_position_embeddings
+            sequences = []
+            for record, text in zip(records, texts, strict=True):
+                encoded = encode(self.tokenizer, prompt_of(record, "reward_model"), [text], limit)
+                sequences.append(encoded.prompt_ids + encoded.response_ids[0])
+        return self.score_ids(sequences)
+
+    def score_ids(self, sequences: list[list[int]]) -> Tensor:
+        """The score of each token sequence (its own ids) ``[N]``, padded with its padding id."""
         length = max(len(s) for s in sequences)
         ids = torch.full((len(sequences), length), self.pad_token_id, dtype=torch.long)
         for row, tokens in enumerate(sequences):
@@ -81,20 +102,30 @@ class RewardModelScorer:
         return scores
 
 
-def check_reward_model(path: Path, policy_vocab_size: int, tokenizer: Tokenizer | None) -> ModelConfig:
-    """``--reward_model``'s directory, checked before anything is built: a reward model (a score head) over the
-    policy's vocabulary, with the policy's tokenizer where it holds one. Returns its config."""
+def own_tokenizer(path: Path, policy_tokenizer: Tokenizer | None) -> Tokenizer | None:
+    """The reward model's tokenizer where its vocabulary differs from the policy's, else None (it reads the policy's
+    ids; an export's tokenizer files differ in layout, not in vocabulary)."""
+    theirs, _ = Tokenizer.from_dir_if_present(path)
+    if theirs is None or policy_tokenizer is None or theirs.vocab() == policy_tokenizer.vocab():
+        return None
+    return theirs
+
+
+def check_reward_model(path: Path, policy_vocab_size: int, tokenizer: Tokenizer | None) -> str:
+    """``--reward_model``'s directory, checked before anything is built: a reward model (a score head) reading the
+    policy's ids, or with a tokenizer of its own that renders a conversation. Returns how it reads the rollouts."""
     config = read_model_config(path)
     config.check_buildable(source=str(path / "config.json"))
     if not config.score_head:
         raise UserError(f"reward_model {path}: a language model, not a reward model (no score head); train one with "
                         "astrai-fabric reward_model, or pass a *ForSequenceClassification directory")  # fmt: skip
+    theirs = own_tokenizer(path, tokenizer)
+    if theirs is not None:
+        theirs.render_chat([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+                           where=f"reward_model {path}")  # fmt: skip
+        return f"its own tokenizer of {theirs.vocab_size:,} ids, each conversation rendered again with its template"
     if config.vocab_size < policy_vocab_size:
         raise UserError(f"reward_model {path}: vocab_size {config.vocab_size:,} is smaller than the policy's "
-                        f"{policy_vocab_size:,}; it must read the policy's token ids")  # fmt: skip
-    theirs, _ = Tokenizer.from_dir_if_present(path)
-    if theirs is not None and tokenizer is not None and theirs.vocab() != tokenizer.vocab():
-        raise UserError(f"reward_model {path}: its tokenizer's vocabulary differs from the policy's "
-                        f"({tokenizer.directory}); it scores the policy's token ids, so it must be trained with the "
-                        "same tokenizer")  # fmt: skip
-    return config
+                        f"{policy_vocab_size:,} and it holds no tokenizer of its own to read the rollouts with; pass "
+                        "its directory with its tokenizer")  # fmt: skip
+    return "the policy's token ids"

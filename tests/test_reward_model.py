@@ -130,10 +130,38 @@ def test_loss_and_gradients_equal_trls_reward_trainer(models):
 
 
 def test_the_scorer_pads_with_the_reward_models_id(models):
-    scorer = RewardModelScorer(models / "rm", torch.device("cpu"))
+    scorer = RewardModelScorer(models / "rm", torch.device("cpu"), Tokenizer.from_dir(models / "lm"))
+    assert scorer.tokenizer is None  # the policy's vocabulary: its ids are scored as sampled
     sequences = [[5, 6, 7, 8, 9], [5, 6], [11, 12, 13]]
-    individually = torch.cat([scorer([s]) for s in sequences])
-    assert torch.allclose(scorer(sequences), individually, atol=1e-5, rtol=0)  # batched sums differ in order
+    individually = torch.cat([scorer.score_ids([s]) for s in sequences])
+    assert torch.allclose(scorer.score_ids(sequences), individually, atol=1e-5, rtol=0)  # batched sums differ in order
+    prompts, responses = [[5, 6], [5], [11, 12]], [[7, 8, 9], [6], [13]]
+    assert torch.equal(scorer(prompts, responses, [{}] * 3, [""] * 3), scorer.score_ids(sequences))
+
+
+def test_a_reward_model_of_another_vocabulary_scores_each_conversation_rendered_again(models, tmp_path):
+    """As TRL re-tokenises for a reward model of another tokenizer: the record's prompt and the response's text
+    through the reward model's own chat template (here the bundled tokenizer with two ids swapped)."""
+    other = tmp_path / "rm_other_vocabulary"
+    shutil.copytree(models / "rm", other)
+    vocabulary = json.loads((other / "tokenizer.json").read_text())
+    vocab = vocabulary["model"]["vocab"]
+    first, second = list(vocab)[100:102]
+    vocab[first], vocab[second] = vocab[second], vocab[first]  # the same size, other ids
+    (other / "tokenizer.json").write_text(json.dumps(vocabulary))
+    policy = Tokenizer.from_dir(models / "lm")
+    scorer = RewardModelScorer(other, torch.device("cpu"), policy)
+    assert scorer.tokenizer is not None
+    records, texts = [{"prompt": f"Say {first}{second} twice."}, {"prompt": "What is 2 + 2?"}], [first + second, "4"]
+    prompt_ids = [policy.apply_chat_template([{"role": "user", "content": r["prompt"]}]) for r in records]
+    response_ids = [policy.encode(t, add_special_tokens=False) for t in texts]
+    theirs = [
+        scorer.tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}, {"role": "assistant",
+                                             "content": t}], add_generation_prompt=False)
+        for r, t in zip(records, texts, strict=True)
+    ]  # fmt: skip
+    assert theirs[0] != prompt_ids[0] + response_ids[0]  # the swapped tokens: other ids than the policy's
+    assert torch.equal(scorer(prompt_ids, response_ids, records, texts), scorer.score_ids(theirs))
 
 
 def test_recipe_starts_at_log_2_resumes_exactly_and_scores_online_rollouts(models, tmp_path, capsys):
@@ -197,20 +225,17 @@ def test_a_bad_margin_is_one_line_naming_the_record(models, tmp_path, capsys):
 def test_models_of_the_wrong_kind_are_refused_in_one_line(models, tmp_path, capsys):
     online = ["grpo", "--config", str(ROOT / "recipes" / "tiny-grpo-online.yaml"), "--param_path", str(models / "lm"),
               "--reward", "null", "--ckpt_dir", str(tmp_path / "run")]  # fmt: skip
-    other_tokenizer = tmp_path / "rm_other_tokenizer"
-    shutil.copytree(models / "rm", other_tokenizer)
-    vocabulary = json.loads((other_tokenizer / "tokenizer.json").read_text())
-    vocab = vocabulary["model"]["vocab"]
-    first, second = list(vocab)[100:102]
-    vocab[first], vocab[second] = vocab[second], vocab[first]  # two ids swapped: the same size, other ids
-    (other_tokenizer / "tokenizer.json").write_text(json.dumps(vocabulary))
+    small = tmp_path / "rm_small_vocabulary_no_tokenizer"  # its config alone is read before it is refused
+    small.mkdir()
+    config = json.loads((models / "rm" / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps({**config, "vocab_size": 1024}))
     cases = [
         ([*online, "--reward_model", str(models / "lm")], "a language model, not a reward model"),
+        ([*online, "--reward_model", str(small)], "holds no tokenizer of its own to read the rollouts with"),
         (["sft", "--config", str(ROOT / "recipes" / "tiny-sft.yaml"), "--param_path", str(models / "rm"),
           "--ckpt_dir", str(tmp_path / "run")], "(a score head, no LM head): it trains with reward_model, not sft"),
         (["generate", "--param_path", str(models / "rm"), "--prompt", "hi"],
          "a reward model (a score head, no LM head), which generate cannot run"),
-        ([*online, "--reward_model", str(other_tokenizer)], "its tokenizer's vocabulary differs from the policy's"),
     ]  # fmt: skip
     for argv, message in cases:
         assert main(argv) == 2

@@ -238,7 +238,8 @@ class TrainArgs:
     reward_model: str | None = None
     """Online grpo and dpo: score the rollouts with this reward model (a directory: ``astrai-fabric reward_model``'s
     checkpoint or export, or a transformers ``*ForSequenceClassification`` with one label) instead of ``--reward``.
-    It reads the policy's token ids, so it must share the policy's tokenizer."""
+    With the policy's vocabulary it reads the sampled ids; with a tokenizer of its own, each conversation rendered
+    again with that tokenizer's chat template."""
     trust_code: bool = False
     """Allow import paths outside astrai_fabric (``--reward mypackage.score``): importing them runs their code.
     Command line only: a recipe cannot set it, and the resolved ``recipe.yaml`` leaves it out."""

@@ -175,7 +175,7 @@ def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
     if isinstance(dataset, PreferenceDataset):
         collate = partial(collate_preferences, pad_id=start.need_tokenizer("dpo").padding_id)
         return train_on(fabric, args, start, dataset, summary, partial(dpo_batch_loss, **dpo), collate, extra_meta)
-    reward = rollout_reward(fabric, args)
+    reward = rollout_reward(fabric, args, start.need_tokenizer("dpo"))
 
     def rollouts(state: TrainState, loader: Any) -> Rollouts:  # the loop's seam, as online grpo's
         return Rollouts(fabric, state.model, loader, start.need_tokenizer("dpo"), reward, args, start.window_size,

@@ -187,8 +187,9 @@ class Rollouts:
         prompt_texts = [tokenizer.decode(p) for p in batch["prompt_ids"]]
         grouped = [texts[i : i + group] for i in range(0, len(texts), group)]
         rewards, refusal = None, None
-        if isinstance(self.reward, RewardModelScorer):  # the policy's ids, prompt then response, as it trained
-            rewards = self.reward([p + r for p, r in zip(prompts, responses, strict=True)]).view(-1, group)
+        if isinstance(self.reward, RewardModelScorer):
+            records = [record for record in batch["records"] for _ in range(group)]
+            rewards = self.reward(prompts, responses, records, texts).view(-1, group)
         else:
             try:
                 rewards = score(self.reward, prompt_texts, grouped, batch["records"], Path(args.ckpt_dir))
@@ -259,8 +260,8 @@ def check_rollout_reward(args: TrainArgs, start: Start, data_path: Path, train_t
     (the dry run too); returns its name."""
     if args.reward_model is not None:
         path = hub.resolve_model(args.reward_model, "reward_model")
-        check_reward_model(path, start.model_config.vocab_size, start.tokenizer)
-        return f"the reward model {path}"
+        reads = check_reward_model(path, start.model_config.vocab_size, start.tokenizer)
+        return f"the reward model {path} ({reads})"
     if args.reward is None:
         raise ConfigError(
             f"data_root_path {data_path}: records hold prompts without responses (online {train_type}), which needs "
@@ -270,10 +271,10 @@ def check_rollout_reward(args: TrainArgs, start: Start, data_path: Path, train_t
     return str(args.reward)
 
 
-def rollout_reward(fabric: Fabric, args: TrainArgs) -> Reward | RewardModelScorer:
+def rollout_reward(fabric: Fabric, args: TrainArgs, tokenizer: Tokenizer) -> Reward | RewardModelScorer:
     """What scores online rollouts: the reward model (a whole copy on each rank), else the reward function."""
     if args.reward_model is not None:
-        return RewardModelScorer(hub.resolve_model(args.reward_model, "reward_model"), fabric.device)
+        return RewardModelScorer(hub.resolve_model(args.reward_model, "reward_model"), fabric.device, tokenizer)
     return load_reward(args.reward, args.trust_code)
 
 
@@ -290,7 +291,7 @@ def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
     if isinstance(dataset, GroupDataset):
         collate = partial(collate_groups, pad_id=start.need_tokenizer("grpo").padding_id)
         return train_on(fabric, args, start, dataset, summary, compute_loss, collate, meta)
-    reward = rollout_reward(fabric, args)
+    reward = rollout_reward(fabric, args, start.need_tokenizer("grpo"))
 
     def rollouts(state: TrainState, loader: Any) -> Rollouts:  # the loop's seam (loop/__init__.py)
         tokenizer = start.need_tokenizer("grpo")
