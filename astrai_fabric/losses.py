@@ -170,10 +170,8 @@ def preference_loss(
     """
     chosen, rejected = pairs.chosen, pairs.rejected
     # A response without trained tokens (an online sample that ended at once) averages to 0, not 0/0.
-    mean_chosen, mean_rejected = (
-        chosen / pairs.chosen_tokens.clamp(min=1),
-        rejected / pairs.rejected_tokens.clamp(min=1),
-    )
+    chosen_tokens, rejected_tokens = pairs.chosen_tokens.clamp(min=1), pairs.rejected_tokens.clamp(min=1)
+    mean_chosen, mean_rejected = chosen / chosen_tokens, rejected / rejected_tokens
     nll = None
     if kind in REFERENCE_FREE:
         used_chosen, used_rejected = (chosen, rejected) if kind == "cpo" else (mean_chosen, mean_rejected)
@@ -196,9 +194,7 @@ def preference_loss(
         elif kind == "hinge":
             per_pair = torch.relu(1 - beta * d)
         elif kind == "ipo":
-            per_token = chosen_ratio / pairs.chosen_tokens.clamp(min=1) - rejected_ratio / pairs.rejected_tokens.clamp(
-                min=1
-            )
+            per_token = chosen_ratio / chosen_tokens - rejected_ratio / rejected_tokens
             per_pair = (per_token - 1 / (2 * beta)) ** 2
         elif kind == "robust":
             e = label_smoothing
@@ -349,7 +345,8 @@ def grpo_loss(
     """
     if kind not in GRPO_LOSSES:
         raise ValueError(f"unknown grpo loss {kind!r}; expected one of {GRPO_LOSSES}")
-    assert kind != "dapo" or tokens_per_micro_batch is not None, "dapo's normaliser comes with the rollouts"
+    if kind == "dapo" and tokens_per_micro_batch is None:
+        raise ValueError("grpo loss dapo needs tokens_per_micro_batch, which online rollouts attach")
     mask = mask.float()
     high = clip_eps if clip_eps_high is None else clip_eps_high
     ratio = torch.exp(logprobs - old_logprobs)
@@ -451,8 +448,8 @@ def _chunk_nll(
     smoothing: float,
     grad_scale: Tensor | None,
     buffer: Tensor | None,
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """One chunk's ``nll`` and log-sum-exp ``[positions]``, and given ``grad_scale [positions]`` (each position's
+) -> tuple[Tensor, Tensor | None]:
+    """One chunk's ``nll`` ``[positions]``, and given ``grad_scale [positions]`` (each position's
     weight; None: no gradient) ``grad_scale * (softmax - (1 - ε) onehot - ε / V)`` ``[positions, V]`` float32, made
     in the chunk's logits: no second chunk-sized tensor, and each pass over them one element-wise step (the
     log-sum-exp taken by hand, ``torch.logsumexp`` allocating its own exponentials)."""
@@ -470,12 +467,12 @@ def _chunk_nll(
     if smoothing:
         nll = (1 - smoothing) * nll + smoothing * (lse - mean_logits)
     if grad_scale is None:
-        return nll, lse, None
+        return nll, None
     grad_logits = exps.mul_((grad_scale / sums)[:, None])  # the softmax, scaled
     grad_logits.scatter_add_(-1, targets[:, None], ((smoothing - 1) * grad_scale)[:, None])
     if smoothing:
         grad_logits -= (smoothing / weight.size(0) * grad_scale)[:, None]
-    return nll, lse, grad_logits
+    return nll, grad_logits
 
 
 def _times_weight(grad_logits: Tensor, weight: Tensor) -> Tensor:
@@ -492,9 +489,9 @@ class _HeadNLL(torch.autograd.Function):
       ``[positions, H]``, and the backward scales its rows by the upstream gradient. Exact for any loss upstream
       (dpo, grpo and kto take the log-probabilities through nonlinear functions): each token's gradient is linear in
       its own upstream scalar.
-    - the head's weight (full fine-tuning, a loss whose per-token weights are not known here): the forward keeps each
-      position's log-sum-exp, the backward recomputes each chunk's logits and turns them into ``softmax - target``
-      there, the weight's gradient summed in place (``addmm_``).
+    - the head's weight (full fine-tuning, a loss whose per-token weights are not known here): the backward
+      recomputes each chunk's logits and turns them into ``softmax - target`` there (``_chunk_nll``, as the forward),
+      scaled by the upstream gradient, the weight's gradient summed in place (``addmm_``).
     - nothing (a reference model, evaluation, rollouts): the values alone.
 
     No step holds more than one chunk of logits. The gradients are those of ``F.cross_entropy(hidden @ weight.T)``:
@@ -507,22 +504,21 @@ class _HeadNLL(torch.autograd.Function):
         needs_hidden, needs_weight = (grad_enabled and needed for needed in ctx.needs_input_grad[:2])
         store = needs_hidden and not needs_weight
         nll = torch.empty(hidden.size(0), dtype=torch.float32, device=hidden.device)
-        lse = torch.empty_like(nll)
         # Float32 whatever the hidden states' dtype: the rows are scaled in the backward before the cast, as there.
         grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if store else None
         scale = torch.ones_like(nll) if store else None
         buffer = _logits_buffer(hidden, weight, chunk_size)
         for begin in range(0, hidden.size(0), chunk_size):
             rows = slice(begin, begin + chunk_size)
-            nll[rows], lse[rows], grad_logits = _chunk_nll(hidden[rows], weight, targets[rows], smoothing,
-                                                           scale[rows] if store else None, buffer)  # fmt: skip
+            nll[rows], grad_logits = _chunk_nll(hidden[rows], weight, targets[rows], smoothing,
+                                                scale[rows] if store else None, buffer)  # fmt: skip
             if store:
                 grad_hidden[rows] = _times_weight(grad_logits, weight)
         ctx.chunk_size, ctx.smoothing, ctx.stored, ctx.hidden_dtype = chunk_size, smoothing, store, hidden.dtype
         if store:
             ctx.save_for_backward(grad_hidden)
         elif needs_weight:
-            ctx.save_for_backward(hidden, weight, targets, lse)
+            ctx.save_for_backward(hidden, weight, targets)
         return nll
 
     @staticmethod
@@ -530,19 +526,15 @@ class _HeadNLL(torch.autograd.Function):
         if ctx.stored:
             (grad_hidden,) = ctx.saved_tensors
             return (grad_nll[:, None] * grad_hidden).to(ctx.hidden_dtype), None, None, None, None, None
-        hidden, weight, targets, lse = ctx.saved_tensors
-        smoothing, vocab = ctx.smoothing, weight.size(0)
+        hidden, weight, targets = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         # A trained head sums its chunks' gradients in place (addmm_), never holding a second weight-sized temporary.
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         weight_float = weight.float()  # once, not per chunk (the weight itself where it is float32 already)
+        buffer = _logits_buffer(hidden, weight, ctx.chunk_size)
         for begin in range(0, hidden.size(0), ctx.chunk_size):
             rows = slice(begin, begin + ctx.chunk_size)
-            grad_logits = torch.exp((hidden[rows] @ weight.T).float() - lse[rows, None])  # softmax
-            grad_logits.scatter_add_(-1, targets[rows, None], torch.full_like(lse[rows, None], smoothing - 1))
-            if smoothing:
-                grad_logits -= smoothing / vocab
-            grad_logits *= grad_nll[rows, None]
+            _, grad_logits = _chunk_nll(hidden[rows], weight, targets[rows], ctx.smoothing, grad_nll[rows], buffer)
             if grad_hidden is not None:
                 grad_hidden[rows] = (grad_logits @ weight_float).to(hidden.dtype)
             grad_weight.addmm_(grad_logits.T, hidden[rows].float())
@@ -570,13 +562,12 @@ class _WeightedHeadNLL(torch.autograd.Function):
         with_grad = needs_hidden or needs_weight
         nll = torch.empty(hidden.size(0), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if needs_hidden else None
-        float32_zeros = dict(dtype=torch.float32, device=weight.device)
-        grad_weight = torch.zeros(weight.shape, **float32_zeros) if needs_weight else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_weight else None
         buffer = _logits_buffer(hidden, weight, chunk_size)
         for begin in range(0, hidden.size(0), chunk_size):
             rows = slice(begin, begin + chunk_size)
-            nll[rows], _, grad_logits = _chunk_nll(hidden[rows], weight, targets[rows], smoothing,
-                                                   token_weights[rows] if with_grad else None, buffer)  # fmt: skip
+            nll[rows], grad_logits = _chunk_nll(hidden[rows], weight, targets[rows], smoothing,
+                                                token_weights[rows] if with_grad else None, buffer)  # fmt: skip
             if not with_grad:
                 continue
             if needs_hidden:

@@ -333,6 +333,7 @@ HF_KEYS = (
     "use_sliding_window", "max_window_layers", "layer_types", "num_local_experts", "num_experts_per_tok",
     "router_aux_loss_coef", "attention_bias", "mlp_bias", "partial_rotary_factor", "quantization_config",
     "final_logit_softcapping", "attn_logit_softcapping", "bos_token_id", "eos_token_id", "pad_token_id",
+    "id2label", "num_labels",
 )  # fmt: skip
 ROPE_KEYS = ("rope_type", "type", "factor", "rope_theta", "low_freq_factor", "high_freq_factor",
              "original_max_position_embeddings", "partial_rotary_factor")  # fmt: skip
@@ -364,8 +365,10 @@ def model_configs(draw) -> Example:
 @st.composite
 def hf_configs(draw, base: dict) -> Example:
     """A Hugging Face ``config.json`` (the tiny model exported as llama) retyped as one of the five architectures,
-    with hostile fields."""
+    now and then as its reward model (``*ForSequenceClassification``, one label), with hostile fields."""
     start = {**base, "model_type": draw(st.sampled_from(HF_TYPES))}
+    if draw(st.integers(0, 3)) == 0:  # the weights lack its score head: a run says so, a dry run reads the config
+        start.update(architectures=["LlamaForSequenceClassification"], id2label={"0": "LABEL_0"}, pad_token_id=2)
     doc, edits = draw(edited(start, HF_KEYS, {"rope_scaling": ROPE_KEYS, "rope_parameters": ROPE_KEYS}))
     edits += draw(sized(doc, SIZE_KEYS + ("num_local_experts", "num_experts_per_tok", "sliding_window", "head_dim")))
     argv = draw(st.sampled_from([
@@ -374,6 +377,8 @@ def hf_configs(draw, base: dict) -> Example:
         ["export", "{x}/hf", "--out", "{x}/out"],
         ["export", "{x}/hf", "--format", "hf", "--out", "{x}/out"],
         ["generate", "--param_path", "{x}/hf", "--prompt", "hi", "--max_new_tokens", "2", "--chat", "false"],
+        train("reward_model", "--dry_run", model="{x}/hf", data=DATA["dpo"]),
+        train("grpo", "--dry_run", "--reward_model", "{x}/hf", data="{w}/grpo_online.jsonl"),
     ]))  # fmt: skip
     return Example("hf config.json", argv, {"hf": "hf"}, {"hf/config.json": draw(json_text(doc))},
                    culprits=culprits_of("hf/config.json", edits))  # fmt: skip
