@@ -195,6 +195,8 @@ REFUSED = [
     ("gated", dict(use_gated_attention=True), False, "use_gated_attention True cannot be exported"),
     ("deepseek_v3_grouped_kv", dict(DEEPSEEK_V3_LAYOUT, num_key_value_heads=2), False,
      "num_key_value_heads 2 cannot be exported to Hugging Face: DeepSeek-V3 has a key and value per head"),
+    ("deepseek_v3_scaled_embeddings", dict(DEEPSEEK_V3_LAYOUT, scale_embeddings=True), False,  # a Gemma option
+     "scale_embeddings True cannot be exported to Hugging Face: DeepseekV3ForCausalLM, the class with latent"),
     ("deepseek_v3_softmax", dict(DEEPSEEK_V3_LAYOUT, scoring_func="softmax"), False,
      "scoring_func 'softmax' cannot be exported to Hugging Face: DeepseekV3ForCausalLM"),
     ("shared_experts", dict(ffn_type="moe", n_routed_experts=4, n_activated_experts=2, n_shared_experts=1), False,

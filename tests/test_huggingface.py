@@ -1,4 +1,4 @@
-"""Hugging Face import (``checkpoint/hf.py``) against transformers itself, the oracle: tiny random models of every
+"""Hugging Face import (``checkpoint/hf/``) against transformers itself, the oracle: tiny random models of every
 supported architecture are built with transformers, saved with ``save_pretrained`` and loaded here; the logits must
 match to 1e-5 in float32 (causal, and per document under our document-boundary mask), and greedy generation token
 for token. Refused architectures and fields give one line and exit 2 through the real CLI.
@@ -8,6 +8,7 @@ transformers is a test-only dependency (the ``test`` extra); nothing in the pack
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import math
@@ -32,6 +33,7 @@ from astrai_fabric.checkpoint import (  # noqa: E402
     read_model_config,
     save_model_directory,
 )
+from astrai_fabric.checkpoint.hf import families as hf_families  # noqa: E402
 from astrai_fabric.cli import main  # noqa: E402
 from astrai_fabric.config import ModelConfig  # noqa: E402
 from astrai_fabric.config.model import EXTENSION_FIELDS  # noqa: E402
@@ -509,6 +511,31 @@ def test_a_hub_shaped_phi3_longrope_config_reads_as_transformers_reads_it(kind):
         table = rope_table(config.rope_dim, 2, 10000.0, scaling, length)[1] / attention_factor
         assert torch.allclose(torch.atan2(table[:, 1], table[:, 0]), expected, rtol=1e-6, atol=0)
         assert rope_attention_factor(scaling) == pytest.approx(attention_factor, rel=1e-12)
+
+
+def test_a_family_is_one_file_found_by_the_registry_with_a_case_here():
+    """Each module of ``checkpoint/hf/families/`` is one registered family, and every supported model_type has a
+    case in ``CASES`` (adding a family is its file plus its row here)."""
+    folder = Path(hf_families.__file__).parent
+    modules = {path.stem for path in folder.glob("*.py")} - {"__init__"}
+    assert sorted(type(family).__module__.rsplit(".", 1)[1] for family in hf_families.FAMILIES) == sorted(modules)
+    assert len(hf_families.BY_MODEL_TYPE) == len(hf_families.FAMILIES) == 12
+    tested = {getattr(transformers, config_class)().model_type for config_class, *_ in CASES.values()}
+    assert sorted(set(hf.SUPPORTED_MODEL_TYPES) - tested) == []
+
+
+def test_the_engine_names_no_family():
+    """No module of ``checkpoint/hf/`` outside ``families/`` holds a supported model_type as a string, or imports a
+    family's module: what is particular to a family is asked of it."""
+    engine = list(Path(hf.__file__).parent.glob("*.py"))
+    assert len(engine) >= 5
+    for path in engine:
+        tree = ast.parse(path.read_text())
+        constants = [node.value for node in ast.walk(tree) if isinstance(node, ast.Constant)]
+        named = [value for value in constants if value in hf.SUPPORTED_MODEL_TYPES]
+        modules = [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+        imported = [module for module in modules if module.startswith("astrai_fabric.checkpoint.hf.families.")]
+        assert (named, imported) == ([], []), path.name
 
 
 def test_the_permutation_pairs_rotate_half_dims():

@@ -159,7 +159,7 @@ class ModelConfig:
     moe_aux_loss_coef: float = 0.01
     """Recorded for AstrAI; training reads ``--moe_aux_loss_coef`` instead (as AstrAI does)."""
 
-    # Fields AstrAI's schema lacks, for architectures imported from Hugging Face (``checkpoint/hf.py``). Their
+    # Fields AstrAI's schema lacks, for architectures imported from Hugging Face (``checkpoint/hf/``). Their
     # defaults are AstrAI's behaviour and ``to_dict`` leaves them out while they hold it, so an AstrAI config.json
     # reads and writes back with exactly AstrAI's keys.
     head_dim: int | None = None
