@@ -291,7 +291,10 @@ def train_command(train_type: str, argv: list[str]) -> int:
     args.validate()  # at the boundary, once: execute takes validated arguments
     _crash_log_dir = Path(args.ckpt_dir)
     if not args.dry_run and os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")) == "0":
-        hub.pin_hub_flags(args)  # Hub ids fetched before any rank starts (a download outlasts --dist_timeout)
+        # Hub ids fetched before any rank starts (a download outlasts --dist_timeout)
+        values = {flag: getattr(args, flag) for flag in hub.HUB_FLAGS}
+        for flag, value in hub.pin_hub_flags(values, args.data_subset, args.data_split).items():
+            setattr(args, flag, value)
     from astrai_fabric.train import execute  # imports Lightning (5-17 s measured): only when training
 
     return execute(args, set_threads=True)[0]

@@ -175,43 +175,51 @@ HUB_FLAGS = {"param_path": "model", "tokenizer_path": "model", "reference_path":
 """The training flags that may name a Hub repository (a model or tokenizer directory, a dataset), and its type."""
 
 
-def dataset_choice(args: Any, flag: str) -> dict[str, str | None]:
-    """``{subset, split}`` of ``args`` (``--data_subset``, ``--data_split``) where ``flag`` names a dataset, else
-    nothing: what of a dataset repository is fetched, known wherever a flag is pinned or fetched, so that every
-    rank's node fetches the same files."""
+def dataset_choice(flag: str, subset: str | None = None, split: str | None = None) -> dict[str, str | None]:
+    """``{subset, split}`` (``--data_subset``, ``--data_split``) where ``flag`` names a dataset, else nothing: what of
+    a dataset repository is fetched, known wherever a flag is pinned or fetched, so that every rank's node fetches
+    the same files."""
     if HUB_FLAGS[flag] != "dataset":
         return {}
-    return {"subset": getattr(args, "data_subset", None), "split": getattr(args, "data_split", None)}
+    return {"subset": subset, "split": split}
 
 
-def pin_hub_flags(args: Any) -> None:
-    """Each of ``HUB_FLAGS`` that is a Hub id pinned in place (``pinned``): every later read of it finds the same
-    snapshot, and the checkpoints' meta.json and recipe record ``org/name@commit``."""
-    for flag, repo_type in HUB_FLAGS.items():
-        setattr(args, flag, pinned(getattr(args, flag), flag, repo_type, **dataset_choice(args, flag)))
+def pin_hub_flags(
+    values: dict[str, str | None], subset: str | None = None, split: str | None = None
+) -> dict[str, str | None]:
+    """``values`` (``{flag: value}`` of ``HUB_FLAGS``) with each Hub id pinned (``pinned``; of the dataset,
+    ``subset`` and ``split``: ``dataset_choice``): set in place of the flags, every later read of them finds the same
+    snapshots, and the checkpoints' meta.json and recipe record ``org/name@commit``."""
+    return {
+        flag: pinned(value, flag, HUB_FLAGS[flag], **dataset_choice(flag, subset, split))
+        for flag, value in values.items()
+    }
 
 
-def pin_cached_flags(args: Any) -> dict[str, str]:
-    """``--dry_run``'s ``pin_hub_flags``, which downloads nothing: each of ``HUB_FLAGS`` that is a Hub id whose
-    snapshot this machine's cache holds is pinned to it (no request: the run itself asks the Hub for the branch's
-    newest commit); one it lacks is left as it is and returned, ``{flag: what the plan says}``. Offline, a missing
-    one is the run's own error (``snapshot``)."""
-    uncached = {}
-    for flag, repo_type in HUB_FLAGS.items():
-        value = getattr(args, flag)
+def pin_cached_flags(
+    values: dict[str, str | None], subset: str | None = None, split: str | None = None
+) -> tuple[dict[str, str | None], dict[str, str]]:
+    """``--dry_run``'s ``pin_hub_flags``, which downloads nothing: each of ``values`` (``{flag: value}`` of
+    ``HUB_FLAGS``) that is a Hub id whose snapshot this machine's cache holds is pinned to it (no request: the run
+    itself asks the Hub for the branch's newest commit); one it lacks is left as it is. Returns the values so pinned
+    and the flags not cached, ``{flag: what the plan says}``. Offline, a missing one is the run's own error
+    (``snapshot``)."""
+    pinned_values, uncached = dict(values), {}
+    for flag, value in values.items():
+        repo_type, choice = HUB_FLAGS[flag], dataset_choice(flag, subset, split)
         if value is None or not is_hub_id(value):
             continue
         hub_id = HubId.parse(value)
         try:  # a card naming no such subset is the run's error, said here too (it is cached: no request)
-            folder = _cached(hub_id, repo_type, flag, **dataset_choice(args, flag))
+            folder = _cached(hub_id, repo_type, flag, **choice)
         except _NotCached:
             if is_offline():
-                snapshot(hub_id, flag, repo_type=repo_type, **dataset_choice(args, flag))  # raises its one line
+                snapshot(hub_id, flag, repo_type=repo_type, **choice)  # raises its one line
             uncached[flag] = (f"{flag} {value}: the Hub {repo_type} is not cached here ({cache_dir()}); the run "
                               "fetches it first, so what it holds is not planned here")  # fmt: skip
             continue
-        setattr(args, flag, portable(folder) or value)
-    return uncached
+        pinned_values[flag] = portable(folder) or value
+    return pinned_values, uncached
 
 
 def fetch(pin: str, flag: str, subset: str | None = None, split: str | None = None) -> Path:

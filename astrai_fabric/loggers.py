@@ -4,39 +4,40 @@ when missing."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from lightning.fabric import Fabric
 from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
 
-from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import ConfigError
 
 LOG_DIR = "logs"
 """Where the loggers write, under ``ckpt_dir``."""
 
 
-def build_loggers(args: TrainArgs) -> list:
-    """The recipe's loggers, writing under ``ckpt_dir/logs`` (created on first use, by rank 0), all into the same
-    ``version_N`` folder (each would otherwise take the next free one for itself)."""
+def build_loggers(names: Sequence[str], ckpt_dir: str, config: dict[str, Any]) -> list:
+    """The loggers ``names`` (``--loggers``), writing under ``ckpt_dir/logs`` (created on first use, by rank 0), all
+    into the same ``version_N`` folder (each would otherwise take the next free one for itself); ``config``: the
+    recipe's values, W&B's record of the run's config."""
     loggers: list = []
     version = None
-    if "csv" in args.loggers:
-        loggers.append(CSVLogger(args.ckpt_dir, name=LOG_DIR))
+    if "csv" in names:
+        loggers.append(CSVLogger(ckpt_dir, name=LOG_DIR))
         version = loggers[-1].version  # the next free version_N
-    if "tensorboard" in args.loggers:
+    if "tensorboard" in names:
         try:
-            loggers.append(TensorBoardLogger(args.ckpt_dir, name=LOG_DIR, version=version))
+            loggers.append(TensorBoardLogger(ckpt_dir, name=LOG_DIR, version=version))
         except ModuleNotFoundError as err:
             raise _missing_extra("tensorboard", err) from None
-    if "wandb" in args.loggers:
+    if "wandb" in names:
         try:  # here, not at the top: wandb is an optional extra (and takes ~2 s to import)
             from astrai_fabric.wandb_logger import WandbLogger
         except ModuleNotFoundError as err:
             raise _missing_extra("wandb", err) from None
-        loggers.append(WandbLogger(Path(args.ckpt_dir) / LOG_DIR, config=args.recipe_values()))
+        loggers.append(WandbLogger(Path(ckpt_dir) / LOG_DIR, config=config))
     return loggers
 
 

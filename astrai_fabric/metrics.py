@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.model import count_parameters
+from astrai_fabric.torch_private import foreach_add_, foreach_norm, foreach_sub
 
 METRIC_FILE = "metric.jsonl"
 
@@ -131,14 +132,14 @@ class GradSNR:
             self.first = [g.clone() for g in grads]
             self.blocks = _blocks(grads)
             for block in self.blocks:
-                first_norms += torch._foreach_norm([self.first[i] for i in block])
+                first_norms += foreach_norm([self.first[i] for i in block])
         else:
             for block in self.blocks:
                 block_grads, block_first = [grads[i] for i in block], [self.first[i] for i in block]
-                deltas = torch._foreach_sub(block_grads, block_first)  # d = g - m
-                delta_norms += torch._foreach_norm(deltas)
-                torch._foreach_add_(block_first, deltas, alpha=1 - self.beta)  # m <- m + (1 - beta) d
-                first_norms += torch._foreach_norm(block_first)
+                deltas = foreach_sub(block_grads, block_first)  # d = g - m
+                delta_norms += foreach_norm(deltas)
+                foreach_add_(block_first, deltas, alpha=1 - self.beta)  # m <- m + (1 - beta) d
+                first_norms += foreach_norm(block_first)
         signal = _sum_of_squares(first_norms)
         if delta_norms:
             self.noise = self.beta * (self.noise + (1 - self.beta) * _sum_of_squares(delta_norms))

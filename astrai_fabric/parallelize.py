@@ -15,7 +15,7 @@ DTensor: torch's gradient clipping refuses plain tensors and DTensors mixed.
 The HSDP mesh is a new ``init_device_mesh`` over the same ranks in the same row-major order as Fabric's (which
 builds its own the same way), so a rank's data-parallel index ``replica * S + shard`` is the one Fabric's sampler
 arguments report. Unflattening Fabric's ``data_parallel`` axis (``DeviceMesh._unflatten``, torch 2.13) would keep
-one root mesh, but it is private and missing from older torch versions this package supports (>= 2.6).
+one root mesh, but it is private and missing from older torch versions this package supports (>= 2.9).
 """
 
 from __future__ import annotations

@@ -19,12 +19,11 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
 from lightning.fabric import Fabric
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from astrai_fabric.checkpoint.position import RunPosition
-from astrai_fabric.config.train import TrainArgs
+from astrai_fabric.torch_private import dump_memory_snapshot, record_memory_history, stop_memory_history
 
 PROFILE_DIR = "profile"
 """Where traces go, under ``ckpt_dir``."""
@@ -32,48 +31,52 @@ MEMORY_HISTORY_ENTRIES = 100_000
 """Allocator events the CUDA memory snapshot keeps (the newest ones; torch's example uses the same)."""
 
 
-def describe_profiling(args: TrainArgs, last_step: int | None = None) -> str | None:
-    """The plan's line on profiling; None when off. With the run's ``last_step`` (``StepPlan.last_step``), a range
-    the run never reaches says so, rather than profiling nothing in silence."""
-    if args.profile_step_range is None:
+def describe_profiling(steps: tuple[int, int] | None, ckpt_dir: str, last_step: int | None = None) -> str | None:
+    """The plan's line on profiling optimizer ``steps`` ``(first, last)`` (``--profile_steps``); None when off.
+    With the run's ``last_step`` (``StepPlan.last_step``, else ``--max_steps``), a range the run never reaches says
+    so, rather than profiling nothing in silence."""
+    if steps is None:
         return None
-    first, last = args.profile_step_range
+    first, last = steps
     what = "a torch.profiler trace per rank (and on CUDA a memory snapshot)"
-    line = f"steps {first} to {last}: {what} in {profile_dir(args)}"
-    final = last_step if last_step is not None else args.max_steps
-    if final is None:  # the dry run could not count the steps
+    line = f"steps {first} to {last}: {what} in {profile_dir(steps, ckpt_dir)}"
+    if last_step is None:  # the dry run could not count the steps
         return line
-    if first > final:
-        line += f"\nwarning: steps {first} to {last} are past this run's last step {final}: nothing will be profiled"
-    elif last > final:
-        missed = f"step {last}" if last == final + 1 else f"steps {final + 1} to {last}"
-        line += f"\nwarning: this run's last step is {final}: {missed} will not be profiled"
+    if first > last_step:
+        line += (
+            f"\nwarning: steps {first} to {last} are past this run's last step {last_step}: nothing will be profiled"
+        )
+    elif last > last_step:
+        missed = f"step {last}" if last == last_step + 1 else f"steps {last_step + 1} to {last}"
+        line += f"\nwarning: this run's last step is {last_step}: {missed} will not be profiled"
     return line
 
 
-def profile_dir(args: TrainArgs) -> Path:
-    first, last = args.profile_step_range or (0, 0)
-    return Path(args.ckpt_dir).resolve() / PROFILE_DIR / f"steps_{first}-{last}"
+def profile_dir(steps: tuple[int, int] | None, ckpt_dir: str) -> Path:
+    first, last = steps or (0, 0)
+    return Path(ckpt_dir).resolve() / PROFILE_DIR / f"steps_{first}-{last}"
 
 
 class StepProfiler:
     """Profiles optimizer steps ``first`` to ``last`` (inclusive) of the batches it wraps; ``position`` is the run's
     live position (the loop updates ``optimizer_step`` in place), which says which step a fetched batch starts."""
 
-    def __init__(self, fabric: Fabric, args: TrainArgs, position: RunPosition) -> None:
-        self.first, self.last = args.profile_step_range
+    def __init__(self, fabric: Fabric, steps: tuple[int, int], ckpt_dir: str, position: RunPosition) -> None:
+        self.first, self.last = steps
         self.fabric = fabric
         self.position = position
-        self.directory = profile_dir(args)
+        self.directory = profile_dir(steps, ckpt_dir)
         self.cuda = fabric.device.type == "cuda"
         self._profiler: profile | None = None
         self._marker: tuple[int, Any] | None = None  # (step, its open record_function)
         self._done = False
 
     @classmethod
-    def for_run(cls, fabric: Fabric, args: TrainArgs, position: RunPosition) -> StepProfiler | None:
-        """A profiler when ``--profile_steps`` asks for one, else None."""
-        return cls(fabric, args, position) if args.profile_step_range is not None else None
+    def for_run(
+        cls, fabric: Fabric, steps: tuple[int, int] | None, ckpt_dir: str, position: RunPosition
+    ) -> StepProfiler | None:
+        """A profiler when ``--profile_steps`` asks for one (``steps``: ``(first, last)``, else None), else None."""
+        return cls(fabric, steps, ckpt_dir, position) if steps is not None else None
 
     def steps_of(self, batches: Iterable[Any]) -> Iterable[Any]:
         """``batches``, iterable once per epoch like them, with the profiled steps recorded."""
@@ -110,8 +113,8 @@ class StepProfiler:
         self.directory.mkdir(parents=True, exist_ok=True)
         self._profiler.export_chrome_trace(str(self.directory / f"rank{rank}.pt.trace.json"))
         if self.cuda:
-            torch.cuda.memory._dump_snapshot(str(self.directory / f"rank{rank}.memory.pickle"))
-            torch.cuda.memory._record_memory_history(enabled=None)
+            dump_memory_snapshot(str(self.directory / f"rank{rank}.memory.pickle"))
+            stop_memory_history()
         self._profiler = None
         self.fabric.print(
             f"profile: {self.directory} (rank*.pt.trace.json{', rank*.memory.pickle' if self.cuda else ''})"
@@ -124,7 +127,7 @@ class StepProfiler:
     def _start(self) -> None:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
         if self.cuda:
-            torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
+            record_memory_history(MEMORY_HISTORY_ENTRIES)
         self._profiler = profile(activities=activities, record_shapes=True, profile_memory=True)
         self._profiler.start()
 

@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn.parallel import DistributedDataParallel
 
+from astrai_fabric import torch_private
 from astrai_fabric.errors import CheckpointError, UserError
 from astrai_fabric.model.layers import Linear
 
@@ -53,7 +53,7 @@ decide per token where it goes and how much of the shared expert it takes (modul
 def _nf4() -> Any:
     """torchao's NF4 module, imported once and quietly: on a CPU build of torch its import logs a warning for each
     CUDA kernel library it cannot load, and torch logs one about an enum it registers; neither concerns the user."""
-    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    loggers = [logging.getLogger(name) for name in ("torchao", torch_private.PYTREE_LOGGER)]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.ERROR)
@@ -180,7 +180,7 @@ def hide_from_ddp(model: nn.Module) -> None:
     2-rank run's first loss then differed from one process's by 3e-5). Frozen, they take no part in its gradient
     reduction either."""
     names = [name for name, param in model.named_parameters() if is_quantized(param)]
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
+    torch_private.hide_from_ddp(model, names)
 
 
 def quantized_bytes(model: nn.Module) -> tuple[int, int]:

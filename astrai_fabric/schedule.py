@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -30,7 +29,8 @@ DEFAULT_MIN_RATE = 0.01
 @dataclass(frozen=True)
 class StepPlan:
     """How many optimizer steps a run takes, derived as AstrAI derives it, and the schedule's length: AstrAI's count,
-    or ``--max_steps`` when that is shorter."""
+    or ``--max_steps`` when that is shorter. Numbers only: the run and its dry run both build it from the flags with
+    ``train.plan.step_plan``."""
 
     num_samples: int
     """Training samples (after the validation split)."""
@@ -46,13 +46,6 @@ class StepPlan:
     """``--stop_after_steps``: this run stops after this many steps of its own, the schedule untouched."""
     num_iterations: int = 1
     """Times each micro-batch is trained (online grpo's ``--grpo_num_iterations``; its repeats consume no samples)."""
-
-    @classmethod
-    def from_args(cls, args: TrainArgs, num_samples: int, num_dp_ranks: int) -> StepPlan:
-        """The plan of a run of ``args`` over ``num_samples`` training samples on ``num_dp_ranks`` ranks (the run and
-        its dry run both build it here)."""
-        return cls(num_samples, num_dp_ranks, args.batch_per_device, args.grad_accum_steps, args.n_epoch,
-                   args.warmup_ratio, args.max_steps, args.stop_after_steps, args.grpo_num_iterations)  # fmt: skip
 
     @property
     def samples_per_rank(self) -> int:
@@ -152,7 +145,7 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class ScheduleArgs:
-    """The flags a run's schedule reads (``TrainArgs`` documents each; ``from_args`` takes them from it)."""
+    """The flags a run's schedule reads (``TrainArgs`` documents each; ``train.plan.schedule_args`` builds it)."""
 
     schedule_type: str
     min_rate: float | None
@@ -162,11 +155,6 @@ class ScheduleArgs:
     decay_steps: int | None
     resume_schedule: bool
     """Whether a resume continues the checkpoint's schedule (``train.common.build_schedule``)."""
-
-    @classmethod
-    def from_args(cls, args: TrainArgs) -> ScheduleArgs:
-        return cls(args.schedule_type, args.min_rate, args.cycle_length, args.t_mult, args.stable_steps,
-                   args.decay_steps, args.resume_schedule)  # fmt: skip
 
     def build(self, optimizer: Optimizer, plan: StepPlan) -> _AstraiSchedule:
         """This schedule over ``plan``'s steps (``build_scheduler``), after ``check``."""

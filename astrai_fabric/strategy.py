@@ -15,13 +15,12 @@ world size, and ``fabric.launch()`` must not be called (it raises there).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from lightning.fabric import Fabric
@@ -29,8 +28,6 @@ from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElastic
 from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
 from torch import nn
 
-from astrai_fabric.config.evaluate import EvaluateArgs
-from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import ConfigError
 from astrai_fabric.loggers import build_loggers
 from astrai_fabric.parallelize import parallelize
@@ -51,8 +48,9 @@ class Topology:
         return self.devices * self.num_nodes
 
 
-def resolve_topology(args: TrainArgs | EvaluateArgs) -> Topology:
-    """Ranks per node and nodes, from the launcher's environment when there is one, else from the flags."""
+def resolve_topology(nprocs: int = 1, num_nodes: int = 1) -> Topology:
+    """Ranks per node and nodes, from the launcher's environment when there is one, else from ``--nprocs`` and
+    ``--num_nodes``."""
     env = os.environ
     if env.get("LT_CLI_USED") == "1":  # fabric run
         topology = Topology(int(env.get("LT_DEVICES", "1")), int(env.get("LT_NUM_NODES", "1")), True)
@@ -63,15 +61,14 @@ def resolve_topology(args: TrainArgs | EvaluateArgs) -> Topology:
         nodes = int(env.get("SLURM_NNODES", "1"))
         topology = Topology(int(env["SLURM_NTASKS"]) // nodes, nodes, True)
     else:
-        return Topology(args.nprocs, args.num_nodes, False)
+        return Topology(nprocs, num_nodes, False)
     # Only a value given that says otherwise conflicts: the defaults (1) mean "what the launcher decides", and
     # --nprocs may be the ranks per node or (as AstrAI's docs have it) the world size.
-    defaults = {f.name: f.default for f in dataclasses.fields(type(args))}
     conflicts = []
-    if args.nprocs != defaults["nprocs"] and args.nprocs not in (topology.devices, topology.world_size):
-        conflicts.append(f"--nprocs {args.nprocs}")
-    if args.num_nodes != defaults["num_nodes"] and args.num_nodes != topology.num_nodes:
-        conflicts.append(f"--num_nodes {args.num_nodes}")
+    if nprocs != 1 and nprocs not in (topology.devices, topology.world_size):
+        conflicts.append(f"--nprocs {nprocs}")
+    if num_nodes != 1 and num_nodes != topology.num_nodes:
+        conflicts.append(f"--num_nodes {num_nodes}")
     if conflicts:
         warnings.warn(
             f"the launcher runs {topology.devices} rank(s) per node on {topology.num_nodes} node(s); "
@@ -96,13 +93,14 @@ class FSDPLayout:
         return f"{self.replicas} replica(s) x {self.shards} shard(s){tp}"
 
 
-def fsdp_layout(args: TrainArgs, world_size: int) -> FSDPLayout:
-    """The layout ``--tp_size`` and ``--fsdp_shard_size`` ask of ``world_size`` ranks, checked."""
-    tp_size = args.tp_size or 1
+def fsdp_layout(world_size: int, tp_size: int | None, fsdp_shard_size: int | None) -> FSDPLayout:
+    """The layout ``--tp_size`` and ``--fsdp_shard_size`` ask of ``world_size`` ranks, checked (None: the
+    default, 1 and every data-parallel rank)."""
+    tp_size = tp_size or 1
     if world_size % tp_size:
         raise ConfigError(f"tp_size {tp_size} must divide the world size {world_size}")
     data_parallel_size = world_size // tp_size
-    shards = args.fsdp_shard_size or data_parallel_size
+    shards = fsdp_shard_size or data_parallel_size
     if data_parallel_size % shards:
         raise ConfigError(
             f"fsdp_shard_size {shards} must divide the data-parallel size {data_parallel_size} (world size "
@@ -111,10 +109,10 @@ def fsdp_layout(args: TrainArgs, world_size: int) -> FSDPLayout:
     return FSDPLayout(data_parallel_size // shards, shards, tp_size)
 
 
-def resolve_accelerator(args: TrainArgs | EvaluateArgs) -> str:
+def resolve_accelerator(device_type: str | None) -> str:
     """``--device_type``, else what ``fabric run --accelerator`` chose, else cuda when available."""
     launcher_choice = {"gpu": "cuda", "cuda": "cuda", "cpu": "cpu"}.get(os.environ.get("LT_ACCELERATOR", ""))
-    device_type = args.device_type or launcher_choice
+    device_type = device_type or launcher_choice
     if device_type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device_type cuda: no CUDA device is available here (use --device_type cpu)")
     return device_type or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -183,12 +181,35 @@ def precision_of(fabric: Fabric) -> str:
     return str(fabric.strategy.precision.precision)
 
 
-def build_fabric(args: TrainArgs, topology: Topology) -> Fabric:
-    accelerator = resolve_accelerator(args)
+@dataclass(frozen=True)
+class FabricArgs:
+    """The flags ``build_fabric`` reads (``TrainArgs`` documents each; ``train.fabric_args`` takes them from it)."""
+
+    parallel_mode: str
+    device_type: str | None
+    precision: str
+    backend: str | None
+    dist_timeout: float
+    tp_size: int | None
+    fsdp_shard_size: int | None
+    fsdp_reshard_after_forward: bool
+    fsdp_param_dtype: str | None
+    fsdp_reduce_dtype: str | None
+    fsdp_cpu_offload: bool
+    loggers: tuple[str, ...]
+    """``--loggers``, writing under ``ckpt_dir`` (``loggers.build_loggers``)."""
+    ckpt_dir: str
+    logged_config: dict[str, Any]
+    """The recipe's values, for the loggers that record a run's config (W&B)."""
+
+
+def build_fabric(args: FabricArgs, topology: Topology) -> Fabric:
+    """The Fabric ``args`` ask for over ``topology``'s ranks (not launched)."""
+    accelerator = resolve_accelerator(args.device_type)
     world_size = topology.world_size
     if world_size == 1 and (args.tp_size or 1) > 1:
         raise ConfigError(f"tp_size {args.tp_size} needs at least {args.tp_size} processes (--nprocs)")
-    layout = fsdp_layout(args, world_size) if args.parallel_mode == "fsdp" else None
+    layout = fsdp_layout(world_size, args.tp_size, args.fsdp_shard_size) if args.parallel_mode == "fsdp" else None
     if world_size == 1:
         strategy = "auto"
     elif args.parallel_mode == "none":
@@ -223,15 +244,15 @@ def build_fabric(args: TrainArgs, topology: Topology) -> Fabric:
         devices=topology.devices,
         num_nodes=topology.num_nodes,
         precision=resolve_precision(args.precision, accelerator),
-        loggers=build_loggers(args),
+        loggers=build_loggers(args.loggers, args.ckpt_dir, args.logged_config),
     )
 
 
-def evaluation_fabric(args: EvaluateArgs) -> Fabric:
+def evaluation_fabric(nprocs: int, num_nodes: int, device_type: str | None) -> Fabric:
     """The ranks of ``astrai-fabric evaluate``: each holds the whole model and scores its share, so all they need is
     a process group (gloo on CPU, nccl on CUDA) and DDP's launcher; the model is never wrapped (nothing is trained)."""
-    topology = resolve_topology(args)
-    accelerator = resolve_accelerator(args)
+    topology = resolve_topology(nprocs, num_nodes)
+    accelerator = resolve_accelerator(device_type)
     backend = "nccl" if accelerator == "cuda" else "gloo"
     strategy = "auto" if topology.world_size == 1 else DDPStrategy(process_group_backend=backend)
     return Fabric(accelerator=accelerator, strategy=strategy, devices=topology.devices, num_nodes=topology.num_nodes)
@@ -267,16 +288,16 @@ def fsdp_shard_size_of(fabric: Fabric) -> int | None:
     return function.keywords.get("fsdp_shard_size") or data_parallel(fabric).num_dp_ranks
 
 
-def check_fsdp_shard_size(fabric: Fabric, args: TrainArgs) -> None:
+def check_fsdp_shard_size(fabric: Fabric, fsdp_shard_size: int | None) -> None:
     """Refuse ``--fsdp_shard_size`` that a Fabric built elsewhere would not apply: its strategy decides the layout
     (as it decides ``parallel_mode``), and a silently different one would cost other memory and communication."""
-    if args.fsdp_shard_size is None or fsdp_shard_size_of(fabric) == args.fsdp_shard_size:
+    if fsdp_shard_size is None or fsdp_shard_size_of(fabric) == fsdp_shard_size:
         return
     raise ConfigError(
-        f"fsdp_shard_size {args.fsdp_shard_size}: the Fabric given to train() decides the sharding, and its "
-        f"{type(fabric.strategy).__name__} does not shard over {args.fsdp_shard_size} rank(s); build it with "
+        f"fsdp_shard_size {fsdp_shard_size}: the Fabric given to train() decides the sharding, and its "
+        f"{type(fabric.strategy).__name__} does not shard over {fsdp_shard_size} rank(s); build it with "
         "ModelParallelStrategy(parallelize_fn=partial(astrai_fabric.parallelize.parallelize, "
-        f"fsdp_shard_size={args.fsdp_shard_size}), ...) or drop --fsdp_shard_size"
+        f"fsdp_shard_size={fsdp_shard_size}), ...) or drop --fsdp_shard_size"
     )
 
 

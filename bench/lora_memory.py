@@ -43,10 +43,10 @@ def worker(mode: str, nprocs: int, out: str) -> None:
     from astrai_fabric.config.train import TrainArgs
     from astrai_fabric.model import AutoRegressiveLM
     from astrai_fabric.optim import OptimArgs, build_optimizer
-    from astrai_fabric.strategy import build_fabric, resolve_topology
+    from astrai_fabric.train import build_run_fabric
 
     args = TrainArgs(param_path="-", data_root_path="-", parallel_mode=mode, nprocs=nprocs, device_type="cpu")
-    fabric = build_fabric(args, resolve_topology(args))
+    fabric = build_run_fabric(args)
     fabric.launch()
     setups = {}
     for side in SIDES:

@@ -35,10 +35,10 @@ def worker(mode: str, out: str) -> None:
     from astrai_fabric.config.train import TrainArgs
     from astrai_fabric.model import AutoRegressiveLM
     from astrai_fabric.optim import OptimArgs, build_optimizer
-    from astrai_fabric.strategy import build_fabric, resolve_topology
+    from astrai_fabric.train import build_run_fabric
 
     args = TrainArgs(param_path="-", data_root_path="-", parallel_mode=mode, nprocs=2, device_type="cpu")
-    fabric = build_fabric(args, resolve_topology(args))
+    fabric = build_run_fabric(args)
     fabric.launch()
     torch.manual_seed(0)
     model = fabric.setup_module(AutoRegressiveLM(ModelConfig(**CONFIG)))

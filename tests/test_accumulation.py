@@ -103,14 +103,13 @@ class CallCounter:
 
 
 def ddp_all_reduces(fabric_args: TrainArgs, train_args: TrainArgs) -> int:
-    """Train with the Fabric ``build_fabric`` makes from ``fabric_args`` (DDP) and count the backward passes whose
+    """Train with the Fabric ``build_run_fabric`` makes from ``fabric_args`` (DDP) and count the backward passes whose
     gradients DDP all-reduced: a comm hook that all-reduces as DDP would, counting each backward's last bucket."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    from astrai_fabric.strategy import build_fabric, resolve_topology
-    from astrai_fabric.train import train
+    from astrai_fabric.train import build_run_fabric, train
 
-    fabric = build_fabric(fabric_args, resolve_topology(fabric_args))
+    fabric = build_run_fabric(fabric_args)
     reductions = 0
     wrap_in_ddp = fabric.strategy.setup_module
 

@@ -139,14 +139,14 @@ def test_sft_windows_are_scored_with_training_masks_and_document_boundaries(work
     """sft: each window's loss equals training's own ``lm_loss`` on the training dataset's window (assistant tokens
     only, documents masked apart); a window scored without its document mask differs."""
     from astrai_fabric.train.lm import build_dataset, lm_loss
-    from astrai_fabric.train.start import evaluation_start
+    from astrai_fabric.train.start import Start
 
     model = load_model(work / "model").eval()
     tokenizer = Tokenizer.from_dir(work / "model")
     data = str(work / "chats.jsonl")
     args = evaluate_args(data_root_path=data, train_type="sft", window_size=MAX_POSITIONS, batch_size=4)
     scores = score_data(model, tokenizer, args, progress=False)
-    start = evaluation_start(model.config, tokenizer, data, "sft", MAX_POSITIONS)
+    start = Start(model.config, None, None, tokenizer, window_size=MAX_POSITIONS)  # a fresh run's, on this data
     dataset, _ = build_dataset(TrainArgs(train_type="sft", data_root_path=data, window_size=MAX_POSITIONS), start)
     assert len(scores.token_counts) == len(dataset)
     mixed = 0

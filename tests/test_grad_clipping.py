@@ -53,15 +53,17 @@ class RecordingSGD(torch.optim.SGD):
 def clip_one_step(root: Path, mode: str) -> None:
     from astrai_fabric.checkpoint.position import RunPosition
     from astrai_fabric.config.train import TrainArgs
-    from astrai_fabric.loop.state import LoopArgs, TrainState
+    from astrai_fabric.loop.state import TrainState
     from astrai_fabric.loop.step import StepTools, train_step
     from astrai_fabric.losses import causal_lm_loss
     from astrai_fabric.model import AutoRegressiveLM
-    from astrai_fabric.strategy import build_fabric, data_parallel, is_fsdp, resolve_topology
+    from astrai_fabric.strategy import data_parallel, is_fsdp
+    from astrai_fabric.train import build_run_fabric
+    from astrai_fabric.train.common import loop_args as loop_args_of
 
     args = TrainArgs(param_path="bundled:tiny", ckpt_dir=str(root / mode), nprocs=2, batch_per_device=2,
                      grad_accum_steps=1, max_grad_norm=MAX_GRAD_NORM, device_type="cpu", **MODES[mode])  # fmt: skip
-    fabric = build_fabric(args, resolve_topology(args))
+    fabric = build_run_fabric(args)
     fabric.launch()
     torch.manual_seed(0)  # the same model on every rank
     model = fabric.setup_module(AutoRegressiveLM(tiny_config(max_position_embeddings=16)))
@@ -85,7 +87,7 @@ def clip_one_step(root: Path, mode: str) -> None:
     unclipped = {n: whole(p.grad) for n, p in model.named_parameters() if p.grad is not None}
     optimizer.zero_grad(set_to_none=True)
 
-    loop_args = LoopArgs.from_args(args, dp_rank=dp.dp_rank, fsdp=is_fsdp(fabric))
+    loop_args = loop_args_of(args, dp_rank=dp.dp_rank, fsdp=is_fsdp(fabric))
     state = TrainState(model, optimizer, scheduler, RunPosition(world_size=dp.num_dp_ranks))
     tools = StepTools.for_run(fabric, model, loop_args, dp.num_dp_ranks)
     result = train_step(fabric, state=state, micro_batches=iter([{"input_ids": ids}]), compute_loss=compute_loss,

@@ -27,8 +27,8 @@ from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.errors import ConfigError
 from astrai_fabric.model import AutoRegressiveLM
 from astrai_fabric.parallelize import parallelize
-from astrai_fabric.strategy import build_fabric, check_fsdp_shard_size, resolve_topology
-from astrai_fabric.train import run, train
+from astrai_fabric.strategy import check_fsdp_shard_size
+from astrai_fabric.train import build_run_fabric, run, train
 
 HSDP = dict(nprocs=4, batch_per_device=1, parallel_mode="fsdp", optimizer="muon_adamw", max_steps=4, ckpt_interval=2)
 REFERENCE = dict(batch_per_device=4, optimizer="muon_adamw", max_steps=4, ckpt_interval=2)
@@ -46,9 +46,9 @@ HSDP_TP = dict(
 
 def layout_report(args) -> dict:
     """What this rank holds once the CLI's Fabric has sharded the tiny model: bytes and a checksum per parameter."""
-    fabric = build_fabric(args, resolve_topology(args))
+    fabric = build_run_fabric(args)
     fabric.launch()
-    check_fsdp_shard_size(fabric, args)  # the CLI's own Fabric applies the flag
+    check_fsdp_shard_size(fabric, args.fsdp_shard_size)  # the CLI's own Fabric applies the flag
     model = fabric.setup_module(AutoRegressiveLM(ModelConfig.from_file(TINY_MODEL_DIR / "config.json")))
     local = {name: p.to_local() for name, p in model.module.named_parameters()}
     mesh = next(iter(model.module.parameters())).device_mesh
@@ -78,9 +78,9 @@ def four_rank_worker(root: str) -> None:
     strategy = ModelParallelStrategy(parallelize_fn, data_parallel_size=4, tensor_parallel_size=1)
     user = Fabric(accelerator="cpu", devices=4, strategy=strategy)
     user.launch()
-    check_fsdp_shard_size(user, base_args(root / "unused", **HSDP, fsdp_shard_size=2))
+    check_fsdp_shard_size(user, 2)
     with pytest.raises(ConfigError, match="fsdp_shard_size 4: the Fabric given to train"):
-        check_fsdp_shard_size(user, base_args(root / "unused", **HSDP, fsdp_shard_size=4))
+        check_fsdp_shard_size(user, 4)
     if rank0:
         (root / "resumed.json").write_text(json.dumps(resumed))
         (root / "hsdp_tp.json").write_text(json.dumps(history))

@@ -13,6 +13,7 @@ from spawn import free_port
 
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.strategy import build_fabric, resolve_accelerator, resolve_topology
+from astrai_fabric.train import fabric_args
 
 ROOT = Path(__file__).parents[1]
 BIN = Path(sys.executable).parent
@@ -104,10 +105,10 @@ def test_slurm_is_detected_from_its_variables(monkeypatch):
     args = TrainArgs(param_path="m", data_root_path="d", parallel_mode="fsdp", nprocs=8)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        topology = resolve_topology(args)
+        topology = resolve_topology(args.nprocs, args.num_nodes)
     assert (topology.devices, topology.num_nodes, topology.launched_externally) == (2, 2, True)
     assert any("--nprocs 8 is ignored" in str(w.message) for w in caught)  # the launcher decides
-    environment = build_fabric(args, topology).strategy.cluster_environment
+    environment = build_fabric(fabric_args(args), topology).strategy.cluster_environment
     assert type(environment).__name__ == "SLURMEnvironment"
     assert (environment.global_rank(), environment.local_rank(), environment.node_rank()) == (3, 1, 1)
     assert (environment.world_size(), environment.main_address) == (4, "node1")
@@ -119,9 +120,9 @@ def test_fabric_run_environment_decides_devices_and_accelerator(monkeypatch):
     monkeypatch.setenv("LT_NUM_NODES", "2")
     monkeypatch.setenv("LT_ACCELERATOR", "cpu")
     args = TrainArgs(param_path="m", data_root_path="d", nprocs=4, num_nodes=2)
-    topology = resolve_topology(args)
+    topology = resolve_topology(args.nprocs, args.num_nodes)
     assert (topology.devices, topology.num_nodes, topology.world_size) == (4, 2, 8)
-    assert resolve_accelerator(args) == "cpu"  # `fabric run --accelerator cpu`, even where CUDA exists
+    assert resolve_accelerator(args.device_type) == "cpu"  # `fabric run --accelerator cpu`, even where CUDA exists
 
 
 def test_under_a_launcher_only_a_conflicting_flag_warns(monkeypatch, tmp_path, capsys, recwarn):

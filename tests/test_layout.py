@@ -1,5 +1,6 @@
-"""The package's seams, read from the source: no import circle between its files (every import counted), the
-checkpoint package's public names import without Lightning and one module imports safetensors, ``prepare`` loads
+"""The package's seams, read from the source: no import circle between its files nor between its folders, at every
+level (every import counted: top-level, deferred, ``TYPE_CHECKING``), no arrow running back up to the training side,
+the checkpoint package's public names import without Lightning and one module imports safetensors, ``prepare`` loads
 no model code and the loop no strategy."""
 
 import ast
@@ -94,6 +95,55 @@ def test_the_circle_finder_finds_a_deferred_circle():
     graph["astrai_fabric.errors"] = graph["astrai_fabric.errors"] | {"astrai_fabric.cli"}
     circles = import_circles(graph)
     assert any({"astrai_fabric.errors", "astrai_fabric.cli"} <= set(circle) for circle in circles)
+
+
+def folder_circles(graph: dict[str, set[str]]) -> list[tuple[str, list[str]]]:
+    """``(package, its parts in a circle)``: a package's parts are its files and sub-folders (each with everything
+    under it), its own ``__init__.py`` one of its own (``reading_order.folder_cycles``)."""
+    return load_reading_order().folder_cycles(graph)
+
+
+def test_no_import_circle_between_the_package_folders():
+    """At every level: between ``train/``, ``evaluate/``, ``plot.py``, ... and inside each folder between its files
+    and sub-folders; a package-level loop can be made of files in no loop."""
+    graph = file_import_graph()
+    assert "astrai_fabric.train" in load_reading_order().folder_graphs(graph)["astrai_fabric"], "no folders read"
+    assert folder_circles(graph) == []
+
+
+TRAINING_SIDE = {
+    "astrai_fabric.train": {"astrai_fabric.cli", "astrai_fabric.lightning_module"},
+    "astrai_fabric.loop": {"astrai_fabric.train"},
+}
+"""Who may import each folder of the training side (besides its own modules): the entry points import ``train/``,
+``train/`` alone the loop. The tools beside training (evaluate, plot, chat, export, ...) read what it writes through
+``checkpoint/`` and ``data/``: an arrow from anywhere else runs back up."""
+
+
+def arrows_back_up(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    """``{folder of the training side: the modules that import it but may not}``, the folders without any left out."""
+    found = {}
+    for folder, allowed in TRAINING_SIDE.items():
+        inside = {m for m in graph if m == folder or m.startswith(f"{folder}.")}
+        importers = {m for m, deps in graph.items() if deps & inside and m not in inside}
+        if strays := sorted(m for m in importers if not any(m == a or m.startswith(f"{a}.") for a in allowed)):
+            found[folder] = strays
+    return found
+
+
+def test_no_arrow_runs_back_up_to_the_training_side():
+    assert arrows_back_up(file_import_graph()) == {}
+
+
+def test_the_circle_finder_finds_a_folder_circle_of_files_in_none():
+    """The two checks above can fail: evaluate reading training's windows through ``train/`` (a deferred
+    import, as it once did) closes train -> plot -> evaluate -> train, though no file reaches itself."""
+    graph = file_import_graph()
+    graph["astrai_fabric.evaluate.perplexity"].add("astrai_fabric.train.start")
+    assert import_circles(graph) == []
+    circles = folder_circles(graph)
+    assert ("astrai_fabric", ["astrai_fabric.evaluate", "astrai_fabric.plot", "astrai_fabric.train"]) in circles
+    assert arrows_back_up(graph) == {"astrai_fabric.train": ["astrai_fabric.evaluate.perplexity"]}
 
 
 def test_prepare_loads_no_model_code_and_the_loop_no_strategy():

@@ -128,13 +128,13 @@ def sharded_worker(directory: str, out: str) -> None:
     from pathlib import Path
 
     from astrai_fabric.config.train import TrainArgs
-    from astrai_fabric.strategy import build_fabric, resolve_topology
+    from astrai_fabric.train import build_run_fabric
     from astrai_fabric.train.common import build_model
     from astrai_fabric.train.start import Start, reference_model
 
     files._CHUNK_ELEMENTS = 40  # chunks that straddle each rank's rows
     args = TrainArgs(param_path=directory, data_root_path="-", parallel_mode="fsdp", nprocs=2, device_type="cpu")
-    fabric = build_fabric(args, resolve_topology(args))
+    fabric = build_run_fabric(args)
     fabric.launch()
     weights = load_checkpoint(directory, load_extra=False)
     start = Start(weights.model_config(), weights, None, None)

@@ -78,3 +78,15 @@ def test_the_package_graph():
     height = ro.heights(ro.graph_of(found, {"top"}))
     assert set(height) == set(ro.modules())
     assert all(height[imp.source] > height[imp.target] for imp in found if imp.kind == "top")
+
+
+def test_folder_cycles():
+    """A package's ``__init__`` re-exporting its sub-folder, whose file imports a sibling file, is no circle; a
+    circle of folders is found at the level where its parts differ, with no file in a circle."""
+    graph = {"p": {"p.sub"}, "p.sub": {"p.sub.x"}, "p.sub.x": {"p.files"}, "p.sub.y": {"p.sub.z.k"}}
+    graph |= {"p.sub.z.j": {"p.sub.w"}, "p.files": set(), "p.sub.z.k": set(), "p.sub.w": set()}
+    assert sorted(ro.folder_graphs(graph)) == ["p", "p.sub", "p.sub.z"]
+    assert ro.folder_cycles(graph) == []
+    graph["p.sub.w"] = {"p.sub.y"}  # z.j -> w -> y -> z.k
+    assert [g for g in ro.components(graph) if len(g) > 1] == []
+    assert ro.folder_cycles(graph) == [("p.sub", ["p.sub.w", "p.sub.y", "p.sub.z"])]

@@ -3,7 +3,8 @@
 
     .venv/bin/python tools/reading_order.py            # the climbs, each classified; the figure: direct climbs
     .venv/bin/python tools/reading_order.py --verbose  # also every distinct pair, with its first call site
-    .venv/bin/python tools/reading_order.py --cycles   # only: import cycles between files, all imports (exit 1 if any)
+    .venv/bin/python tools/reading_order.py --cycles   # only: import cycles between files and between folders,
+                                                       # every import counted (exit 1 if any)
 
 What it does: runs one real ``astrai-fabric sft`` in this process (the bundled ``recipes/tiny-sft.yaml``, two
 optimizer steps, a temporary ``ckpt_dir``) under ``sys.setprofile``, from the call of ``cli.main`` to its return,
@@ -63,9 +64,14 @@ The run's own output is hidden (its last lines are printed when it fails); its e
 ``--cycles`` checks the import graph of *every* import: top level, deferred (in a function) and under
 ``TYPE_CHECKING``, one node per file as above. It lists each group of files that reach each other (a strongly
 connected component), one shortest cycle of it, and every edge inside it with its kind and line (the edges one
-would cut). It also checks the top-level graph one level up, each module counted as its top-level part of the
-package (``astrai_fabric.train.start`` as ``astrai_fabric.train``): every pair of parts that import each other,
-directly or through others. Exit status 1 when either finds one. The default run prints both summaries first.
+would cut). It checks the same graph between folders too, at every level: for each package ``P`` (a folder with an
+``__init__.py``), the graph of its parts, where a part is a file of ``P`` or a sub-folder of ``P`` with every module
+under it (``astrai_fabric.train.start`` is the part ``astrai_fabric.train`` of ``astrai_fabric``, and the part
+``astrai_fabric.train.start`` of ``astrai_fabric.train``), and ``P``'s own ``__init__.py`` is a part of its own (a
+package re-exporting names of its sub-folders is not in a circle with them); it lists each group of parts that reach
+each other, with one shortest cycle and the imports between its parts. Files in no circle can make folders that are
+in one (``evaluate.perplexity`` importing ``train.start`` while ``train.common`` imports ``plot``, which imports
+``evaluate.results``). Exit status 1 when either check finds one. The default run prints both summaries first.
 """
 
 from __future__ import annotations
@@ -267,29 +273,46 @@ def shortest_cycle(graph: dict[str, set[str]], group: list[str]) -> list[str]:
     return [start]
 
 
-def package_cycles(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
-    """Pairs ``(a, b)``: part ``a`` imports part ``b`` and ``b`` reaches ``a`` back (see ``--cycles``)."""
-    parts: dict[str, set[str]] = {}
-    for name, deps in graph.items():
-        part = ".".join(name.split(".")[:2])
-        parts.setdefault(part, set()).update(".".join(d.split(".")[:2]) for d in deps)
-    for part, deps in parts.items():
-        deps.discard(part)
+def part_of(package: str, module: str) -> str | None:
+    """The part of ``package`` that ``module`` lies in (see ``--cycles``), or None when it lies outside."""
+    if module == package:
+        return package  # its __init__.py: a part of its own
+    if not module.startswith(f"{package}."):
+        return None
+    return f"{package}.{module[len(package) + 1 :].split('.')[0]}"
 
-    def reachable(start: str) -> set[str]:
-        seen, todo = set(), [start]
-        while todo:
-            for dep in parts.get(todo.pop(), ()):
-                if dep not in seen:
-                    seen.add(dep)
-                    todo.append(dep)
-        return seen
 
-    return sorted((a, b) for a, deps in parts.items() for b in deps if a in reachable(b))
+def folder_graphs(graph: dict[str, set[str]]) -> dict[str, dict[str, set[str]]]:
+    """For each package (a folder: the module names before a dot), the graph of its parts that ``graph``'s imports
+    inside it give."""
+    packages = {name.rsplit(".", depth)[0] for name in graph for depth in range(1, name.count(".") + 1)}
+    result = {}
+    for package in sorted(packages):
+        parts: dict[str, set[str]] = {}
+        for module, deps in graph.items():
+            if (part := part_of(package, module)) is None:
+                continue
+            reached = {part_of(package, dep) for dep in deps} - {None, part}
+            parts.setdefault(part, set()).update(reached)
+            for other in reached:
+                parts.setdefault(other, set())
+        result[package] = parts
+    return result
+
+
+def folder_cycles(graph: dict[str, set[str]]) -> list[tuple[str, list[str]]]:
+    """``(package, parts)``: each group of more than one part of a package that import each other, directly or
+    through others (see ``--cycles``)."""
+    return [
+        (package, group)
+        for package, parts in folder_graphs(graph).items()
+        for group in components(parts)
+        if len(group) > 1
+    ]
 
 
 def report_cycles(found: list[Import]) -> bool:
-    """Print the file cycles (all imports) and the package pairs (top level); True when there is any."""
+    """Print the file cycles and the folder cycles (every import counted); True when there is any."""
     graph = graph_of(found, {TOP, DEFERRED, TYPING})
     groups = [group for group in components(graph) if len(group) > 1]
     print(f"import cycles between files (top-level, deferred and TYPE_CHECKING imports): {len(groups) or 'none'}")
@@ -298,11 +321,16 @@ def report_cycles(found: list[Import]) -> bool:
         for imp in sorted(found, key=lambda i: (i.source, i.line)):
             if imp.source in group and imp.target in group:
                 print(f"    {imp.source} -> {imp.target}  ({imp.kind}, {_file(imp.source)}:{imp.line})")
-    pairs = package_cycles(graph_of(found, {TOP}))
-    print(
-        "import cycles between packages (top-level imports): " + (", ".join(f"{a} <-> {b}" for a, b in pairs) or "none")
-    )
-    return bool(groups or pairs)
+    folders = folder_cycles(graph)
+    print(f"import cycles between folders, at every level (the same imports): {len(folders) or 'none'}")
+    parts = folder_graphs(graph)
+    for package, group in folders:
+        print(f"  {len(group)} parts of {package}: " + " -> ".join(shortest_cycle(parts[package], group)))
+        for imp in sorted(found, key=lambda i: (i.source, i.line)):
+            source, target = part_of(package, imp.source), part_of(package, imp.target)
+            if source in group and target in group and source != target:
+                print(f"    {imp.source} -> {imp.target}  ({imp.kind}, {_file(imp.source)}:{imp.line})")
+    return bool(groups or folders)
 
 
 def _file(module: str) -> str:
@@ -458,7 +486,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2, help="optimizer steps of the run (default 2)")
     parser.add_argument("--verbose", action="store_true", help="also print every distinct pair, first call site")
-    parser.add_argument("--cycles", action="store_true", help="only check for import cycles (all imports)")
+    parser.add_argument("--cycles", action="store_true", help="only check for import cycles, files and folders")
     options = parser.parse_args()
     found = imports()
     cyclic = report_cycles(found)

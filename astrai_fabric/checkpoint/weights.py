@@ -41,6 +41,7 @@ from astrai_fabric.errors import CheckpointError, ConfigError
 from astrai_fabric.model import AutoRegressiveLM
 from astrai_fabric.model.transformer import EMBED_KEY, LM_HEAD_KEY
 from astrai_fabric.quantize import QUANTIZATION_KEY
+from astrai_fabric.torch_private import local_shape_and_global_offset
 
 
 @dataclass
@@ -269,13 +270,12 @@ def _read_into(state_dict: Mapping[str, Tensor], key: str, target: Tensor) -> No
             target.copy_(state_dict[key])
         return
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor  # loaded already: see _is_dtensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     local = target.to_local()
     if all(type(p) in (Shard, Replicate) for p in target.placements):
         # Each rank reads only its own box of the file (see ``load_sharded_weights`` in train/models.py for why
         # not rank 0 reading and sending).
-        shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+        shape, offset = local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
         box = tuple((o, o + n) for o, n in zip(offset, shape, strict=True))
         if isinstance(state_dict, StoredStateDict):
             state_dict.read(key, out=local, box=box)

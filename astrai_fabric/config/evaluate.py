@@ -2,8 +2,10 @@
 ``TrainArgs`` so that the options page (``config/reference.py``) and the CLI read them without importing the model.
 
 Two kinds of evaluation share one command: perplexity on held-out data (``--data_root_path``) and
-lm-evaluation-harness tasks (``--tasks``); either or both. The settings that change a result are ``settings()``:
-a checkpoint evaluated with the same ones is not evaluated again (``evaluate/results.py``).
+lm-evaluation-harness tasks (``--tasks``); either or both. The settings that change a result are
+``perplexity_settings()`` and ``task_settings()`` (``evaluate.run.job_settings`` adds the files' fingerprints and
+the precision ``auto`` resolves to): a checkpoint evaluated with the same ones is not evaluated again
+(``evaluate/results.py``).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ are rendered as AstrAI renders them: a BOS token (masked) before a source with a
 message rendered alone without the generation prompt, text sections encoded with special tokens only for the
 first one, each output cut to ``preprocessing.max_seq_len``; a record whose source renders nothing is dropped.
 The tokenizer is AstrAI's choice too: the file's ``tokenizer_path`` (relative to the current directory), else the
-data directory's own (``common.read_start`` checks it against the run's).
+data directory's own (``windows.data_tokenizer`` checks it against the run's).
 
 Refused, each with the fix, where AstrAI's reading is a bug or silently ignores what the file asks for:
 ``position_ids_mode`` other than ``none`` with ``input.sources`` (AstrAI then counts its one position-id array as

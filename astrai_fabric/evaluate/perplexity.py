@@ -1,10 +1,10 @@
 """Perplexity of a model on held-out data: the summed negative log-likelihood of each scored unit (a training window,
 or a record), then the token-weighted mean loss, its perplexity and a bootstrap 95% interval over the units.
 
-``windows`` reads the data exactly as training does (``train.lm.build_dataset``: the same windows, stride, sft loss
-masks and document boundaries, and ``model.forward_window``), so the mean loss is the run's validation loss with
-each token weighted alike (the run's is a mean of per-micro-batch means). ``records`` scores each record alone from
-its first token, in rolling windows of the most context where it is longer than the window (lm-eval's
+``windows`` reads the data exactly as training does (``data.windows.build_windows``, training's own: the same
+windows, stride, sft loss masks and document boundaries, and ``model.forward_window``), so the mean loss is the run's
+validation loss with each token weighted alike (the run's is a mean of per-micro-batch means). ``records`` scores each
+record alone from its first token, in rolling windows of the most context where it is longer than the window (lm-eval's
 ``loglikelihood_rolling`` order, with no prefix token), as AstrAI's ``scripts/eval/evaluate_ppl.py`` does for records
 that fit (docs/astrai-compat.md says where that script differs).
 """
@@ -26,6 +26,7 @@ from astrai_fabric import assets
 from astrai_fabric.config.evaluate import EvaluateArgs
 from astrai_fabric.data.shapes import shape_records
 from astrai_fabric.data.storage import read_records
+from astrai_fabric.data.windows import WindowData, build_windows, evaluation_start
 from astrai_fabric.errors import UserError
 from astrai_fabric.losses import loss_chunk_positions, token_logprobs
 from astrai_fabric.model import forward_window
@@ -78,17 +79,11 @@ def summarize(scores: Scores, bootstrap_iters: int, seed: int) -> dict[str, Any]
 
 
 def _score_windows(model: nn.Module, tokenizer: Tokenizer | None, args: EvaluateArgs, progress: bool) -> Scores:
-    # The training pipeline itself, so that nothing about windows or masks can drift from what training scores;
-    # it imports Lightning (train/__init__), a few seconds paid only here.
-    from astrai_fabric.config.train import TrainArgs
-    from astrai_fabric.train.lm import build_dataset
-    from astrai_fabric.train.start import evaluation_start
-
-    start = evaluation_start(model.config, tokenizer, args.data_root_path, args.train_type, args.window_size)
-    data_args = TrainArgs(train_type=args.train_type, data_root_path=args.data_root_path, stride=args.stride,
-                          window_size=start.window_size, data_subset=args.data_subset, data_split=args.data_split,
-                          data_format=args.data_format, data_columns=args.data_columns)  # fmt: skip
-    dataset, summary = build_dataset(data_args, start)
+    # The windows training builds (one definition), so that nothing about windows or masks can drift from what
+    # training scores.
+    data, config = WindowData.of(args), model.config
+    start = evaluation_start(config.vocab_size, config.max_position_embeddings, tokenizer, data, args.window_size)
+    dataset, summary = build_windows(data, start)
     device = next(model.parameters()).device
     rank, world_size = evaluation_world()
     mine = range(rank, len(dataset), world_size)  # the others' windows are scored by the other ranks

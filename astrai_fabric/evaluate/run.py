@@ -59,7 +59,7 @@ def run_evaluate(args: EvaluateArgs) -> list[dict[str, Any]]:
         _harness()
     from astrai_fabric.strategy import evaluation_fabric  # Lightning (5-17 s): only for several processes
 
-    fabric = evaluation_fabric(args)
+    fabric = evaluation_fabric(args.nprocs, args.num_nodes, args.device_type)
     if fabric.world_size == 1 or os.environ.get("LT_CLI_USED") == "1":  # under `fabric run` the group exists
         return evaluate_models(args, fabric.device)
     return fabric.launch(lambda fabric: evaluate_models(args, fabric.device))  # starts the local ranks, or joins
@@ -76,7 +76,7 @@ def evaluate_models(args: EvaluateArgs, device: torch.device) -> list[dict[str, 
     dtype = _dtype(args, device)
     rank, world_size = evaluation_world()
     say = print if rank == 0 else _silent
-    jobs = job_settings(args, harness)
+    jobs = job_settings(args, harness, device)
     what = " and ".join(
         f"perplexity ({args.train_type}, {args.perplexity_unit}) on {args.data_root_path}" if kind == "perplexity"
         else f"lm-eval {harness.LM_EVAL_VERSION} tasks {', '.join(args.tasks)}"
@@ -104,17 +104,18 @@ def evaluate_models(args: EvaluateArgs, device: torch.device) -> list[dict[str, 
     return collected
 
 
-def job_settings(args: EvaluateArgs, harness: Any) -> list[tuple[str, dict[str, Any]]]:
+def job_settings(args: EvaluateArgs, harness: Any, device: torch.device) -> list[tuple[str, dict[str, Any]]]:
     """Each evaluation asked for, ``(kind, the settings its result depends on)``: the flags that change it, with the
     local files it reads named absolutely and fingerprinted (a file changed or another one at the same relative
-    path is evaluated again), and lm-eval's version (its tasks change with it)."""
-    jobs, tokenizer = [], {"tokenizer_path": source_identity(args.tokenizer_path)}
+    path is evaluated again), the precision ``auto`` resolves to on ``device`` (bf16 on CUDA, float32 on CPU), and
+    lm-eval's version (its tasks change with it). tests/test_evaluate_key.py names every flag that does not."""
+    jobs, common = [], {"tokenizer_path": source_identity(args.tokenizer_path), "precision": _precision(args, device)}
     if args.data_root_path is not None:
         data = {"data_root_path": source_identity(args.data_root_path)}
-        jobs.append(("perplexity", {**args.perplexity_settings(), **tokenizer, **data}))
+        jobs.append(("perplexity", {**args.perplexity_settings(), **common, **data}))
     if args.tasks:
         tasks = {"include_path": source_identity(args.include_path), "lm_eval": harness.LM_EVAL_VERSION}
-        jobs.append(("tasks", {**args.task_settings(), **tokenizer, **tasks}))
+        jobs.append(("tasks", {**args.task_settings(), **common, **tasks}))
     return jobs
 
 
@@ -262,10 +263,13 @@ def _device(args: EvaluateArgs) -> torch.device:
     return torch.device(args.device_type or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
+def _precision(args: EvaluateArgs, device: torch.device) -> str:
+    """``--precision``: ``auto`` is bf16-true on CUDA (as training), 32-true on CPU."""
+    return args.precision if args.precision != "auto" else ("bf16-true" if device.type == "cuda" else "32-true")
+
+
 def _dtype(args: EvaluateArgs, device: torch.device) -> torch.dtype:
-    """``--precision``: ``auto`` is bf16 on CUDA (as training), float32 on CPU."""
-    precision = args.precision if args.precision != "auto" else ("bf16-true" if device.type == "cuda" else "32-true")
-    return torch.bfloat16 if precision == "bf16-true" else torch.float32
+    return torch.bfloat16 if _precision(args, device) == "bf16-true" else torch.float32
 
 
 def _checked_output(output: str | None) -> Path | None:

@@ -1,5 +1,5 @@
 """What the loop carries from step to step: ``TrainState`` (the model, optimizer, schedule and ``RunPosition``) and
-``LoopArgs``, the slice of ``TrainArgs`` the loop reads."""
+``LoopArgs``, the slice of the training flags the loop reads (built by ``train.common.loop_args``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from astrai_fabric.checkpoint.position import RunPosition
-from astrai_fabric.config.train import TrainArgs
 
 LossFn = Callable[[nn.Module, dict[str, Tensor]], tuple[Tensor, dict[str, Tensor]]]
 """``(model, batch) -> (loss, metrics)``: the mean loss of one micro-batch and detached extras to log."""
@@ -34,7 +33,8 @@ class TrainState:
 
 @dataclass(frozen=True)
 class LoopArgs:
-    """The flags ``fit`` and ``train_step`` read (``TrainArgs`` documents each; ``from_args`` takes them from it)."""
+    """The flags ``fit`` and ``train_step`` read (``TrainArgs`` documents each; ``train.common.loop_args`` takes them
+    from it, with what the caller knows of the Fabric)."""
 
     n_epoch: int
     batch_per_device: int
@@ -59,21 +59,6 @@ class LoopArgs:
     check_weights_each_step: bool = False
     """Read whether each update left the weights finite at the end of its step (a second read from the device),
     not with the next step's numbers: the batches are made by the live model between steps (online GRPO)."""
-
-    @classmethod
-    def from_args(cls, args: TrainArgs, *, dp_rank: int, fsdp: bool, live_batches: bool = False) -> LoopArgs:
-        """The loop's flags from ``args``, and what the caller knows of the Fabric: this rank's data-parallel
-        rank, whether its strategy shards with FSDP (the loop itself never asks the strategy), and whether the
-        batches are made by the live model (``check_weights_each_step``)."""
-        return cls(
-            n_epoch=args.n_epoch, batch_per_device=args.batch_per_device, grad_accum_steps=args.grad_accum_steps,
-            max_steps=args.max_steps, stop_after_steps=args.stop_after_steps, max_tokens=args.max_tokens,
-            max_grad_norm=args.max_grad_norm, max_bad_steps=args.max_bad_steps, val_step=args.val_step,
-            ckpt_interval=args.ckpt_interval,
-            ckpt_dir=args.ckpt_dir, random_seed=args.random_seed, grad_snr="grad_snr" in args.metrics,
-            skip_sync=not (args.fsdp_sync_each_micro_batch and fsdp), dp_rank=dp_rank,
-            check_weights_each_step=live_batches,
-        )  # fmt: skip
 
     def budget_reached(self, position: RunPosition, first_step: int) -> bool:
         """``max_steps``, ``max_tokens`` or, for a run that began after step ``first_step``, ``stop_after_steps``

@@ -36,6 +36,7 @@ from astrai_fabric.metrics import GradSNR, by_device_mesh, global_norm
 from astrai_fabric.preemption import StopRequest
 from astrai_fabric.quantize import is_quantized
 from astrai_fabric.randomness import ModuleNoise
+from astrai_fabric.torch_private import foreach_mul_
 
 
 @dataclass
@@ -213,4 +214,4 @@ def _clip(grads_by_mesh: dict[Any, list[Tensor]], norm: float, max_norm: float) 
     coef = min(1.0, max_norm / (norm + 1e-6))  # a float works for plain and DTensor gradients alike
     if coef < 1.0:
         for grads in grads_by_mesh.values():
-            torch._foreach_mul_(grads, coef)
+            foreach_mul_(grads, coef)

@@ -12,7 +12,6 @@ import torch
 from torch import Tensor, nn
 from torch.optim import AdamW, Optimizer
 
-from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.optim.composite import CompositeOptimizer, fused_if_possible, is_matrix_param, split_by_role
 from astrai_fabric.optim.mano import Mano, ManoAdamW
 from astrai_fabric.optim.muon import ADAMW_BETAS, MuonAdamW, MuonNS, newton_schulz, resolve_ns_dtype
@@ -41,7 +40,7 @@ class GroupPlan(NamedTuple):
 @dataclass(frozen=True)
 class OptimArgs:
     """The flags the optimizer reads (``TrainArgs`` documents each under its flag name), with the defaults of
-    ``--optimizer``'s parts; ``from_args`` takes them from ``TrainArgs``."""
+    ``--optimizer``'s parts; ``train.plan.optim_args`` takes them from the flags."""
 
     name: str = "muon_adamw"
     """``--optimizer``, resolved (``OPTIMIZERS``)."""
@@ -65,16 +64,6 @@ class OptimArgs:
     nora_momentum: float = 0.95
     mano_momentum: float = 0.95
     mano_nesterov: bool = True
-
-    @classmethod
-    def from_args(cls, args: TrainArgs, device: torch.device) -> OptimArgs:
-        return cls(
-            name=args.resolved_optimizer, lr=args.max_lr, weight_decay=args.weight_decay,
-            momentum=args.muon_momentum, nesterov=args.muon_nesterov, ns_steps=args.muon_ns_steps,
-            adjust_lr_fn=args.muon_adjust_lr, ns_dtype=resolve_ns_dtype(args.muon_ns_dtype, device),
-            nora_lr=args.nora_lr, nora_weight_decay=args.resolved_nora_weight_decay, nora_beta=args.nora_beta,
-            nora_momentum=args.nora_momentum, mano_momentum=args.mano_momentum, mano_nesterov=args.mano_nesterov,
-        )  # fmt: skip
 
 
 def optimizer_groups(model: nn.Module, args: OptimArgs) -> list[GroupPlan]:

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import AdamW, Muon
 
 from astrai_fabric.optim.composite import CompositeOptimizer, evaluate_closure, fused_if_possible, is_matrix_param
+from astrai_fabric.torch_private import muon_init_group
 
 ADAMW_BETAS = (0.9, 0.95)
 """AdamW's betas in ``muon_adamw`` and ``mano_adamw`` (torch's default second beta is 0.999)."""
@@ -62,7 +63,7 @@ class MuonNS(Muon):
         loss = evaluate_closure(closure)
         for group in self.param_groups:
             params, grads, buffers = [], [], []
-            self._init_group(group, params, grads, buffers)  # torch's: creates momentum buffers exactly as torch does
+            muon_init_group(self, group, params, grads, buffers)  # torch's: creates momentum buffers as torch does
             lr, momentum = group["lr"], group["momentum"]
             for param, grad, buf in zip(params, grads, buffers, strict=True):
                 # Torch's Muon step, with the orthogonalisation below as the only change.

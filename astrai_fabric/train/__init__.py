@@ -13,6 +13,7 @@ optimizer step).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -22,6 +23,7 @@ from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import ConfigError, TrainingError
 from astrai_fabric.loggers import closing_loggers
 from astrai_fabric.strategy import (
+    FabricArgs,
     build_fabric,
     check_fsdp_shard_size,
     resolve_topology,
@@ -53,7 +55,7 @@ def execute(args: TrainArgs, *, set_threads: bool = False) -> tuple[int, list[di
         set_cpu_threads(args.num_threads)
     if args.dry_run:
         return dry_run(args, TRAIN_TYPES[args.train_type].build_dataset), []
-    fabric = build_fabric(args, resolve_topology(args))
+    fabric = build_run_fabric(args)
     with closing_loggers(fabric):
         if os.environ.get("LT_CLI_USED") == "1":
             return 0, _train(fabric, args)  # under `fabric run` the Fabric joined the group already (launching raises)
@@ -68,8 +70,21 @@ def train(fabric: Fabric, args: TrainArgs) -> list[dict]:
     and ``fsdp_shard_size``, refused unless the strategy shards that way. Returns the per-step records of
     ``loop.fit``; every rank must call it."""
     args.validate()
-    check_fsdp_shard_size(fabric, args)
+    check_fsdp_shard_size(fabric, args.fsdp_shard_size)
     return _train(fabric, args)
+
+
+def build_run_fabric(args: TrainArgs) -> Fabric:
+    """The Fabric the flags ask for (``strategy.build_fabric``), over the ranks the launcher or ``--nprocs`` and
+    ``--num_nodes`` give; not launched."""
+    return build_fabric(fabric_args(args), resolve_topology(args.nprocs, args.num_nodes))
+
+
+def fabric_args(args: TrainArgs) -> FabricArgs:
+    """The flags of ``args`` that ``strategy.build_fabric`` reads, each field of ``FabricArgs`` the flag of its name
+    (the loggers also get the recipe's values)."""
+    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(FabricArgs) if f.name != "logged_config"}
+    return FabricArgs(**flags | {"loggers": tuple(args.loggers)}, logged_config=args.recipe_values())
 
 
 def _train(fabric: Fabric, args: TrainArgs) -> list[dict]:

@@ -17,11 +17,12 @@ from astrai_fabric.checkpoint.weights import host_memory_bytes
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import CheckpointError, UserError
 from astrai_fabric.model import count_parameters, rope_table_bytes
-from astrai_fabric.optim import OptimArgs, build_optimizer
+from astrai_fabric.optim import build_optimizer
 from astrai_fabric.quantize import BYTES_PER_WEIGHT, plan_quantization
 from astrai_fabric.schedule import StepPlan
 from astrai_fabric.strategy import Topology, fsdp_layout, is_fsdp, local_ranks, precision_of
 from astrai_fabric.train.models import meta_model
+from astrai_fabric.train.plan import optim_args
 from astrai_fabric.train.resume import check_position
 from astrai_fabric.train.start import Start
 
@@ -43,7 +44,7 @@ class Placement:
         shards = 1
         if is_fsdp(fabric) and fabric.world_size > 1:
             try:
-                layout = fsdp_layout(args, fabric.world_size)
+                layout = fsdp_layout(fabric.world_size, args.tp_size, args.fsdp_shard_size)
                 shards = layout.shards * layout.tp
             except UserError:  # a caller's own ModelParallelStrategy, laid out otherwise: at least as sharded
                 shards = 1
@@ -54,7 +55,7 @@ class Placement:
         shards = 1
         if args.parallel_mode == "fsdp" and topology.world_size > 1:
             try:
-                layout = fsdp_layout(args, topology.world_size)
+                layout = fsdp_layout(topology.world_size, args.tp_size, args.fsdp_shard_size)
                 shards = layout.shards * layout.tp
             except UserError:  # the dry run lists the layout's own problem
                 shards = 1
@@ -133,5 +134,5 @@ def _check_optimizer_state(args: TrainArgs, start: Start) -> None:
             f"--resume: {resume.path} has no optimizer.pt (add --resume_optimizer false to start a fresh one)"
         )
     model = meta_model(start.model_config, args)
-    optimizer = build_optimizer(model, OptimArgs.from_args(args, torch.device("cpu")))
+    optimizer = build_optimizer(model, optim_args(args, torch.device("cpu")))
     load_optimizer_state(optimizer, resume.extra["optimizer"], resume.path / "optimizer.pt")

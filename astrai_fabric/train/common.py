@@ -33,7 +33,7 @@ from astrai_fabric.config.train import RECIPE_FILE, TrainArgs, resolved_recipe
 from astrai_fabric.errors import CheckpointError, UserError
 from astrai_fabric.loop import LoopArgs, LossFn, TrainState, fit
 from astrai_fabric.metrics import MetricLog, flops_per_token, peak_flops
-from astrai_fabric.optim import OptimArgs, build_optimizer
+from astrai_fabric.optim import build_optimizer
 from astrai_fabric.plot import PLOT_FILE, plot_runs
 from astrai_fabric.preemption import StopRequest
 from astrai_fabric.profiling import StepProfiler
@@ -48,6 +48,7 @@ from astrai_fabric.strategy import (
     precision_of,
     resolve_num_workers,
 )
+from astrai_fabric.torch_private import uncompiled
 from astrai_fabric.train.checks import Placement, preflight
 from astrai_fabric.train.loaders import LoaderArgs, make_loader, shut_down_workers, split_validation
 from astrai_fabric.train.models import initial_model, load_sharded_weights, lora_spec
@@ -58,6 +59,9 @@ from astrai_fabric.train.plan import (
     describe_plan,
     describe_processes,
     describe_schedule,
+    optim_args,
+    schedule_args,
+    step_plan,
     summarize_parameters,
 )
 from astrai_fabric.train.resume import start_position
@@ -86,7 +90,7 @@ def build_model(fabric: Fabric, start: Start, args: TrainArgs) -> nn.Module:
     module = fabric.setup_module(model)  # under FSDP on the meta device: sharded, then materialised on the device
     if is_fsdp(fabric) and args.quantize is None:  # a 4-bit base was read whole above (initial_model), then sharded
         raw = module.module  # Fabric's wrapper, then torch.compile's: the model whose names the file uses
-        load_sharded_weights(getattr(raw, "_orig_mod", raw), start.weights, adapter)
+        load_sharded_weights(uncompiled(raw), start.weights, adapter)
     return module
 
 
@@ -96,7 +100,7 @@ def build_optimizer_and_schedule(fabric: Fabric, model: nn.Module, start: Start,
 
     Built after sharding: an optimizer built before would step the pre-shard tensors, silently.
     """
-    optimizer = build_optimizer(model, OptimArgs.from_args(args, fabric.device))
+    optimizer = build_optimizer(model, optim_args(args, fabric.device))
     if start.resume is not None and args.resume_optimizer:  # its optimizer.pt fits: checked by the preflight
         if (start.resume.path / STATE_DIR).is_dir():
             load_sharded_optimizer_state(optimizer, start.resume.path / STATE_DIR)
@@ -105,7 +109,7 @@ def build_optimizer_and_schedule(fabric: Fabric, model: nn.Module, start: Start,
     elif start.resume is not None:
         fabric.print("optimizer: starting fresh (--resume_optimizer false)")
     optimizer = fabric.setup_optimizers(optimizer)  # after loading: Fabric copies the optimizer's param groups
-    scheduler, note = build_schedule(optimizer.optimizer, ScheduleArgs.from_args(args), plan, start.resume)
+    scheduler, note = build_schedule(optimizer.optimizer, schedule_args(args), plan, start.resume)
     return optimizer, scheduler, note
 
 
@@ -156,7 +160,7 @@ def describe_run_plan(
     layout = None
     if is_fsdp(fabric) and world_size > 1:
         try:
-            layout = fsdp_layout(args, world_size).describe()
+            layout = fsdp_layout(world_size, args.tp_size, args.fsdp_shard_size).describe()
         except UserError:  # a caller's own ModelParallelStrategy, laid out otherwise: its layout is not ours to say
             layout = None
     mode = "fsdp" if is_fsdp(fabric) else "ddp"
@@ -168,6 +172,21 @@ def describe_run_plan(
         args, dry_run=False, processes=processes, start=start, parameters=parameters, data=data, steps=plan,
         schedule=describe_schedule(args, scheduler), schedule_note=schedule_note,
         loader=resolve_num_workers(args.num_workers, devices)[1], cpu_threads=threads, position=position,
+    )  # fmt: skip
+
+
+def loop_args(args: TrainArgs, *, dp_rank: int, fsdp: bool, live_batches: bool = False) -> LoopArgs:
+    """The loop's flags from ``args``, and what the caller knows of the Fabric: this rank's data-parallel rank,
+    whether its strategy shards with FSDP (the loop itself never asks the strategy), and whether the batches are
+    made by the live model (``check_weights_each_step``)."""
+    return LoopArgs(
+        n_epoch=args.n_epoch, batch_per_device=args.batch_per_device, grad_accum_steps=args.grad_accum_steps,
+        max_steps=args.max_steps, stop_after_steps=args.stop_after_steps, max_tokens=args.max_tokens,
+        max_grad_norm=args.max_grad_norm, max_bad_steps=args.max_bad_steps, val_step=args.val_step,
+        ckpt_interval=args.ckpt_interval,
+        ckpt_dir=args.ckpt_dir, random_seed=args.random_seed, grad_snr="grad_snr" in args.metrics,
+        skip_sync=not (args.fsdp_sync_each_micro_batch and fsdp), dp_rank=dp_rank,
+        check_weights_each_step=live_batches,
     )  # fmt: skip
 
 
@@ -190,7 +209,7 @@ def train_on(
     """
     train_set, val_set = split_validation(dataset, args.val_split, args.random_seed)
     num_dp_ranks = data_parallel(fabric).num_dp_ranks
-    plan = StepPlan.from_args(args, len(train_set), num_dp_ranks)
+    plan = step_plan(args, len(train_set), num_dp_ranks)
     if problems := preflight(args, start, plan, Placement.of_fabric(fabric, args)):  # what --dry_run lists
         raise UserError(problems[0])
 
@@ -206,7 +225,7 @@ def train_on(
             val_loader = make_loader(fabric, val_set, loader_args, shuffle=False, collate=collate)[0]
         state = TrainState(model, optimizer, scheduler, position)
         batches = make_batches(state, train_loader) if make_batches is not None else train_loader
-        profiler = StepProfiler.for_run(fabric, args, position)  # None unless --profile_steps
+        profiler = StepProfiler.for_run(fabric, args.profile_step_range, args.ckpt_dir, position)  # or None
         batches = profiler.steps_of(batches) if profiler is not None else batches
 
         parameters = summarize_parameters(
@@ -233,10 +252,10 @@ def train_on(
         )  # fmt: skip
         try:
             with StopRequest() as stop:
-                loop_args = LoopArgs.from_args(args, dp_rank=data_parallel(fabric).dp_rank, fsdp=is_fsdp(fabric),
-                                               live_batches=make_batches is not None)  # fmt: skip
+                loop_settings = loop_args(args, dp_rank=data_parallel(fabric).dp_rank, fsdp=is_fsdp(fabric),
+                                          live_batches=make_batches is not None)  # fmt: skip
                 history = fit(fabric, state=state, batches=batches, sampler=sampler, compute_loss=compute_loss,
-                              args=loop_args, save=save, reporter=reporter, val_loader=val_loader,
+                              args=loop_settings, save=save, reporter=reporter, val_loader=val_loader,
                               stop=stop)  # fmt: skip
         finally:
             shut_down_workers(train_loader, val_loader)

@@ -12,7 +12,7 @@ from astrai_fabric.checkpoint.ownership import in_use_message, lock_holder, not_
 from astrai_fabric.config.train import RECIPE_FILE, RECIPE_HEADER, TrainArgs
 from astrai_fabric.errors import UserError
 from astrai_fabric.hub import HUB_FLAGS, looks_like_hub_id, pin_cached_flags
-from astrai_fabric.schedule import ScheduleArgs, StepPlan
+from astrai_fabric.schedule import StepPlan
 from astrai_fabric.strategy import (
     describe_cpu_threads,
     fsdp_layout,
@@ -32,23 +32,25 @@ from astrai_fabric.train.plan import (
     describe_plan,
     describe_processes,
     describe_schedule,
+    schedule_args,
+    step_plan,
     summarize_parameters,
 )
 from astrai_fabric.train.resume import planned_position
-from astrai_fabric.train.start import Start, read_start
+from astrai_fabric.train.start import Start, hub_values, read_start, set_values
 
 
 def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train type's build_dataset
     """Print the plan; return 0 when the run could start, 2 (after listing what is missing or in the way) otherwise."""
     problems: list[str] = []
-    topology = resolve_topology(args)
+    topology = resolve_topology(args.nprocs, args.num_nodes)
     layout = None
     if args.parallel_mode == "fsdp" and topology.world_size > 1:
         try:
-            layout = fsdp_layout(args, topology.world_size).describe()
+            layout = fsdp_layout(topology.world_size, args.tp_size, args.fsdp_shard_size).describe()
         except UserError as err:
             problems.append(str(err))
-    accelerator = resolve_accelerator(args)
+    accelerator = resolve_accelerator(args.device_type)
     precision = resolve_precision(args.precision, accelerator)
     processes = describe_processes(
         topology.world_size, topology.devices, args.parallel_mode, layout, accelerator, precision
@@ -56,7 +58,8 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
     problems += _ckpt_dir_problems(args)
     start = dataset = parameters = data = plan = schedule = note = position = None
     try:  # a dry run downloads nothing: ids in the cache are read from it, the others only named in the plan
-        uncached = pin_cached_flags(args)
+        pinned, uncached = pin_cached_flags(hub_values(args), args.data_subset, args.data_split)
+        set_values(args, pinned)
     except UserError as err:
         problems.append(str(err))
         uncached = dict.fromkeys(HUB_FLAGS, "")
@@ -84,7 +87,7 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
     if dataset is not None:
         train_set, val_set = split_validation(dataset, args.val_split, args.random_seed)
         data = describe_data(args, len(train_set), summary, val_set)
-        plan = StepPlan.from_args(args, len(train_set), topology.world_size // (args.tp_size or 1))
+        plan = step_plan(args, len(train_set), topology.world_size // (args.tp_size or 1))
         problems += preflight(args, start, plan, Placement.of_flags(args, topology, accelerator, precision))
         try:
             plan.check()
@@ -132,7 +135,7 @@ def _schedule(args: TrainArgs, start: Start, plan: StepPlan) -> tuple[str, str |
     groups = len(lrs) if isinstance(lrs, list) and lrs else 1
     optimizer = torch.optim.SGD([{"params": [torch.zeros(1, requires_grad=True)]} for _ in range(groups)],
                                 lr=args.max_lr)  # fmt: skip
-    scheduler, note = build_schedule(optimizer, ScheduleArgs.from_args(args), plan, start.resume)
+    scheduler, note = build_schedule(optimizer, schedule_args(args), plan, start.resume)
     return describe_schedule(args, scheduler), note
 
 

@@ -17,6 +17,7 @@ from astrai_fabric.data import ResumableSampler
 from astrai_fabric.preemption import ignore_stop_signals
 from astrai_fabric.randomness import derive_seed
 from astrai_fabric.strategy import data_parallel, local_ranks, resolve_num_workers
+from astrai_fabric.torch_private import shut_down_loader_workers
 
 
 def split_validation(dataset: Dataset, val_split: float | None, seed: int) -> tuple[Dataset, Dataset | None]:
@@ -82,6 +83,4 @@ def shut_down_workers(*loaders: DataLoader | None) -> None:
     alive while it is referenced, and after an exception its traceback references it until the interpreter exits,
     where multiprocessing joins them: they ignore SIGTERM (``ignore_stop_signals``), so that join would never end."""
     for loader in loaders:
-        iterator = getattr(getattr(loader, "_dataloader", loader), "_iterator", None)  # Fabric's wrapper, then torch's
-        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-            iterator._shutdown_workers()
+        shut_down_loader_workers(getattr(loader, "_dataloader", loader))  # Fabric's wrapper, then torch's loader

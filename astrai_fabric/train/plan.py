@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from astrai_fabric import assets, lora
@@ -16,12 +17,36 @@ from astrai_fabric.checkpoint.position import RunPosition
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.losses import REFERENCE_FREE
 from astrai_fabric.model.ffn import describe_routing
-from astrai_fabric.optim import OptimArgs, optimizer_groups, optimizer_state_bytes
+from astrai_fabric.optim import OptimArgs, optimizer_groups, optimizer_state_bytes, resolve_ns_dtype
 from astrai_fabric.profiling import describe_profiling
 from astrai_fabric.quantize import plan_quantization
-from astrai_fabric.schedule import StepPlan
+from astrai_fabric.schedule import ScheduleArgs, StepPlan
 from astrai_fabric.train.models import lora_spec
 from astrai_fabric.train.start import Start
+
+
+def step_plan(args: TrainArgs, num_samples: int, num_dp_ranks: int) -> StepPlan:
+    """The step plan of a run of ``args`` over ``num_samples`` training samples on ``num_dp_ranks`` ranks (the run
+    and its dry run both build it here)."""
+    return StepPlan(num_samples, num_dp_ranks, args.batch_per_device, args.grad_accum_steps, args.n_epoch,
+                    args.warmup_ratio, args.max_steps, args.stop_after_steps, args.grpo_num_iterations)  # fmt: skip
+
+
+def schedule_args(args: TrainArgs) -> ScheduleArgs:
+    """The flags of ``args`` the learning-rate schedule reads."""
+    return ScheduleArgs(args.schedule_type, args.min_rate, args.cycle_length, args.t_mult, args.stable_steps,
+                        args.decay_steps, args.resume_schedule)  # fmt: skip
+
+
+def optim_args(args: TrainArgs, device: torch.device) -> OptimArgs:
+    """The flags of ``args`` the optimizer reads, its Newton-Schulz dtype resolved for ``device``."""
+    return OptimArgs(
+        name=args.resolved_optimizer, lr=args.max_lr, weight_decay=args.weight_decay,
+        momentum=args.muon_momentum, nesterov=args.muon_nesterov, ns_steps=args.muon_ns_steps,
+        adjust_lr_fn=args.muon_adjust_lr, ns_dtype=resolve_ns_dtype(args.muon_ns_dtype, device),
+        nora_lr=args.nora_lr, nora_weight_decay=args.resolved_nora_weight_decay, nora_beta=args.nora_beta,
+        nora_momentum=args.nora_momentum, mano_momentum=args.mano_momentum, mano_nesterov=args.mano_nesterov,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -211,8 +236,8 @@ def describe_plan(
         rows.append(("cpu threads", cpu_threads))
     if features := describe_features(args, start.loss_chunk_size(args) if start is not None else 0):
         rows.append(("training", features))
-    last_step = steps.last_step(position) if steps is not None else None
-    if profiling := describe_profiling(args, last_step):  # warns of steps past the run's last
+    last_step = steps.last_step(position) if steps is not None else args.max_steps  # None: the dry run can't tell
+    if profiling := describe_profiling(args.profile_step_range, args.ckpt_dir, last_step):  # warns of steps past it
         rows.append(("profiling", profiling))
     rows.append((
         "outputs",

@@ -16,7 +16,7 @@ import torch
 from lightning.fabric import Fabric
 from torch import nn
 
-from astrai_fabric import assets, hub, quantize
+from astrai_fabric import hub, quantize
 from astrai_fabric.checkpoint import (
     ADAPTER_FILE,
     CONFIG_FILE,
@@ -36,6 +36,7 @@ from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.data.dataset_config import DatasetConfig, read_dataset_config
 from astrai_fabric.data.storage import detect_format
+from astrai_fabric.data.windows import DataStart, data_tokenizer
 from astrai_fabric.errors import ConfigError, UserError, raised_on_every_rank
 from astrai_fabric.losses import loss_chunk_positions
 from astrai_fabric.reward_model import reward_model_config, reward_model_weights
@@ -81,11 +82,14 @@ class Start:
         return loss_chunk_positions(args.loss_chunk_size, self.model_config.vocab_size,
                                     args.batch_per_device * self.window_size)  # fmt: skip
 
+    def data_start(self) -> DataStart:
+        """What the run's data reads of this start (``data.windows``: the windows of seq and sft)."""
+        sizes = (self.model_config.vocab_size, self.model_config.max_position_embeddings)
+        return DataStart(*sizes, self.window_size, self.tokenizer, self.no_tokenizer, self.dataset_config)
+
     def need_tokenizer(self, what: str) -> Tokenizer:
         """The tokenizer, or the one-line error saying ``what`` needs one and why there is none."""
-        if self.tokenizer is None:
-            raise UserError(f"{what} needs a tokenizer: {self.no_tokenizer}")
-        return self.tokenizer
+        return self.data_start().need_tokenizer(what)
 
 
 T = TypeVar("T")
@@ -149,16 +153,16 @@ def pin_hub_ids(fabric: Fabric, args: TrainArgs) -> None:
     The CLI pins them once before it launches (``cli.train_command``), so that a download is not timed by
     ``--dist_timeout``; here they are then found in the cache. Checkpoints record the pinned ids (meta.json, the
     recipe)."""
-    if not any(hub.looks_like_hub_id(getattr(args, flag)) for flag in hub.HUB_FLAGS):
+    values = hub_values(args)
+    if not any(hub.looks_like_hub_id(value) for value in values.values()):
         return  # the same answer on every rank: no collective
     if fabric.world_size == 1:
-        hub.pin_hub_flags(args)
+        set_values(args, hub.pin_hub_flags(values, args.data_subset, args.data_split))
         return
     outcome = None
     if fabric.global_rank == 0:
         try:
-            outcome = ("value", {flag: hub.pinned(getattr(args, flag), flag, kind, **hub.dataset_choice(args, flag))
-                                 for flag, kind in hub.HUB_FLAGS.items()})  # fmt: skip
+            outcome = ("value", hub.pin_hub_flags(values, args.data_subset, args.data_split))
         except UserError as err:
             outcome = ("error", err)
     kind, value = fabric.broadcast(outcome)
@@ -169,12 +173,23 @@ def pin_hub_ids(fabric: Fabric, args: TrainArgs) -> None:
         try:
             for flag, pin in value.items():
                 if pin != getattr(args, flag):  # a Hub id rank 0 pinned (a path it has is left as it is)
-                    hub.fetch(pin, flag, **hub.dataset_choice(args, flag))  # the same subset's files as rank 0
+                    choice = hub.dataset_choice(flag, args.data_subset, args.data_split)  # the files rank 0 has
+                    hub.fetch(pin, flag, **choice)
         except UserError as err:
             error = err
     raise_together(fabric, error, lambda n: f"{n} node(s) could not fetch the Hub snapshot rank 0 resolved")
-    for flag, pin in value.items():
-        setattr(args, flag, pin)
+    set_values(args, value)
+
+
+def hub_values(args: TrainArgs) -> dict[str, str | None]:
+    """``{flag: value}`` of the flags that may name a Hub repository (``hub.HUB_FLAGS``)."""
+    return {flag: getattr(args, flag) for flag in hub.HUB_FLAGS}
+
+
+def set_values(args: TrainArgs, values: dict[str, Any]) -> None:
+    """``args`` with ``values`` (``{flag: value}``, e.g. Hub ids pinned) set in place."""
+    for flag, value in values.items():
+        setattr(args, flag, value)
 
 
 def read_start(args: TrainArgs) -> Start:
@@ -206,7 +221,7 @@ def read_start(args: TrainArgs) -> Start:
     else:
         tokenizer, no_tokenizer = Tokenizer.from_dir_if_present(param_path)
     if dataset_config is not None and dataset_config.tokenizer_dir is not None:
-        tokenizer, no_tokenizer = _data_tokenizer(dataset_config, tokenizer), None
+        tokenizer, no_tokenizer = data_tokenizer(dataset_config, tokenizer), None
     # Larger models pad vocab_size; a smaller one cannot work.
     if tokenizer is not None and tokenizer.vocab_size > model_config.vocab_size:
         raise UserError(
@@ -256,44 +271,6 @@ def read_start(args: TrainArgs) -> Start:
         source,
         window_size=args.window_size or model_config.max_position_embeddings,
     )
-
-
-def evaluation_start(
-    model_config: ModelConfig,
-    tokenizer: Tokenizer | None,
-    data_root_path: str,
-    train_type: str,
-    window_size: int | None,
-) -> Start:
-    """What ``build_dataset`` reads of a start, for scoring a loaded model on data as training reads it
-    (``astrai-fabric evaluate``): the data directory's ``dataset_config.json`` and its tokenizer rule, the window."""
-    window_size = window_size or model_config.max_position_embeddings
-    if window_size > model_config.max_position_embeddings:
-        raise ConfigError(
-            f"window_size {window_size} exceeds the model's max_position_embeddings "
-            f"{model_config.max_position_embeddings}: lower --window_size"
-        )
-    dataset_config = read_dataset_config(hub.local_path(data_root_path, "dataset"), train_type)
-    if dataset_config is not None and dataset_config.tokenizer_dir is not None:
-        tokenizer = _data_tokenizer(dataset_config, tokenizer)
-    no_tokenizer = None if tokenizer is not None else "the model directory holds no tokenizer (pass --tokenizer_path)"
-    return Start(model_config, None, None, tokenizer, no_tokenizer, dataset_config, window_size=window_size)
-
-
-def _data_tokenizer(config: DatasetConfig, run_tokenizer: Tokenizer | None) -> Tokenizer:
-    """The tokenizer AstrAI tokenises a ``dataset_config.json`` route with; it must be the run's (the one checkpoints
-    carry and the model was built for) where the run has one."""
-    directory = assets.resolve(str(config.tokenizer_dir))
-    data_tokenizer = Tokenizer.from_dir(directory)
-    if run_tokenizer is None:
-        return data_tokenizer
-    if data_tokenizer.contents() != run_tokenizer.contents():
-        raise ConfigError(
-            f"{config.path}: its records are tokenised with {directory} (AstrAI's rule: the file's tokenizer_path, "
-            f"else the data directory), which differs from the run's tokenizer {run_tokenizer.directory}; pass "
-            f"--tokenizer_path {directory}, or make the two the same"
-        )
-    return run_tokenizer
 
 
 def require_records(path: Path, train_type: str) -> Path:
