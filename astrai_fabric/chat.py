@@ -169,7 +169,7 @@ class ChatSession:
         del self._fed[self.cache.length :]
         self._fed += ids
         tokens = torch.tensor([ids], dtype=torch.long, device=self.device)
-        return self.model(tokens, kv_cache=self.cache)["logits"][:, -1]
+        return self.model(tokens, kv_cache=self.cache).logits[:, -1]
 
     def _feed_token(self, token: Tensor) -> Tensor:
         return self._feed(token.tolist())

@@ -88,7 +88,7 @@ def generate(
     ids, valid = left_pad(prompts, pad_id, device)
     cache = KVCache(ids.size(1) + max_new_tokens) if use_cache else None
     positions, mask = padded_attention(valid)
-    logits = model(ids, input_mask=mask, position_ids=positions, kv_cache=cache)["logits"][:, -1]
+    logits = model(ids, input_mask=mask, position_ids=positions, kv_cache=cache).logits[:, -1]
 
     def feed(token: Tensor) -> Tensor:
         nonlocal ids, valid, positions
@@ -101,7 +101,7 @@ def generate(
             ids = torch.cat([ids, token[:, None]], dim=1)
             positions, mask = padded_attention(valid)
             out = model(ids, input_mask=mask, position_ids=positions)
-        return out["logits"][:, -1]
+        return out.logits[:, -1]
 
     sampled = sample_tokens(logits, feed, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             stop_ids=stop_ids, pad_id=pad_id, generator=generator, all_done=all_done)  # fmt: skip

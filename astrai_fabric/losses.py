@@ -67,15 +67,16 @@ def token_nll_loss(token_nll: Tensor, loss_mask: Tensor | None = None) -> Tensor
     return torch.where(mask.any(), loss, token_nll.sum() * 0.0)  # chosen on the device, as causal_lm_loss does
 
 
-def with_moe_aux_loss(task_loss: Tensor, output: dict, coef: float) -> tuple[Tensor, dict[str, Tensor]]:
-    """``task + coef * aux`` for MoE models (``output`` is the model's), with AstrAI's metric names and routing
-    diagnostics; the task loss alone otherwise."""
+def with_moe_aux_loss(
+    task_loss: Tensor, aux_loss: Tensor | None, router_stats: list[dict[str, Tensor]] | None, coef: float
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """``task + coef * aux`` for MoE models (``aux_loss`` and ``router_stats`` are the model's output's), with
+    AstrAI's metric names and routing diagnostics; the task loss alone otherwise."""
     metrics = {"task_loss": task_loss.detach()}
-    aux_loss = output.get("aux_loss")
     if aux_loss is None:
         return task_loss, metrics
     metrics.update(moe_aux_loss=aux_loss.detach(), moe_aux_loss_weighted=(coef * aux_loss).detach())
-    metrics.update(moe_diagnostics(output.get("router_stats") or []))
+    metrics.update(moe_diagnostics(router_stats or []))
     return task_loss + coef * aux_loss, metrics
 
 

@@ -19,6 +19,7 @@ from astrai_fabric.checkpoint.files import StoredStateDict
 from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.data.records import encode, prompt_of
 from astrai_fabric.errors import UserError
+from astrai_fabric.model import ModelOutput
 from astrai_fabric.model.transformer import LM_HEAD_KEY
 from astrai_fabric.tokenizer import Tokenizer
 
@@ -50,12 +51,12 @@ def last_token_index(input_ids: Tensor, pad_token_id: int) -> Tensor:
     return (positions * (input_ids != pad_token_id)).argmax(dim=-1)
 
 
-def sequence_scores(model: nn.Module, input_ids: Tensor) -> tuple[Tensor, dict]:
+def sequence_scores(model: nn.Module, input_ids: Tensor) -> tuple[Tensor, ModelOutput]:
     """A reward model's score of each right-padded sequence ``input_ids [N, L]`` → ``[N]`` float32, and the model's
     output (its MoE aux loss, if any)."""
     out = model(input_ids)
     index = last_token_index(input_ids, model.config.pad_token_id)
-    scores = out["scores"].gather(-1, index[:, None]).squeeze(-1)
+    scores = out.scores.gather(-1, index[:, None]).squeeze(-1)
     return scores.float(), out
 
 

@@ -286,7 +286,7 @@ def test_qwen_moe_routers_train_with_the_aux_loss_and_lora_leaves_them_alone(cas
     model = AutoRegressiveLM(config).train()
     out = model(tokens(2, 8))
     assert len(out["router_stats"]) == config.num_moe_layers
-    loss, metrics = with_moe_aux_loss(out["logits"].float().mean(), out, coef=0.01)
+    loss, metrics = with_moe_aux_loss(out.logits.float().mean(), out.aux_loss, out.router_stats, coef=0.01)
     assert metrics["moe_aux_loss"] > 0
     assert {"router_entropy", "dead_expert_fraction", "load_imbalance_mean", "load_imbalance_max"} <= set(metrics)
     loss.backward()
@@ -357,7 +357,7 @@ def test_deepseek_v3_is_ours_its_sigmoid_router_trains_and_lora_names_its_target
     out = model(tokens(2, 8))
     assert len(out["router_stats"]) == config.num_moe_layers == 2
     assert all(torch.allclose(stats["probs"].sum(dim=-1), torch.ones(16)) for stats in out["router_stats"])
-    loss, metrics = with_moe_aux_loss(out["logits"].float().mean(), out, coef=0.01)
+    loss, metrics = with_moe_aux_loss(out.logits.float().mean(), out.aux_loss, out.router_stats, coef=0.01)
     assert 0 < metrics["moe_aux_loss"] < math.inf
     assert {"router_entropy", "dead_expert_fraction", "load_imbalance_mean", "load_imbalance_max"} <= set(metrics)
     loss.backward()

@@ -9,7 +9,14 @@ from conftest import tiny_config
 
 from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.errors import ConfigError
-from astrai_fabric.model import AutoRegressiveLM, count_parameters, make_doc_boundary_mask
+from astrai_fabric.model import (
+    AutoRegressiveLM,
+    LanguageHead,
+    ModelOutput,
+    TokenLoss,
+    count_parameters,
+    make_doc_boundary_mask,
+)
 from astrai_fabric.model.layers import apply_rotary_emb, rope_table
 from astrai_fabric.model.transformer import process_attention_mask
 
@@ -272,3 +279,35 @@ def test_a_config_bounds_its_layers_and_experts_before_counting_them():
                                   n_shared_experts=1, n_activated_experts=2)  # fmt: skip
     with pytest.raises(ConfigError, match="64 MoE layers x 2,049 experts"):
         experts.check_buildable()
+
+
+def test_the_output_is_typed_and_reads_as_astrai_s_dict(tiny_model):
+    """``ModelOutput``: attributes, and AstrAI's dict access (``out["logits"]``; a field not computed is a
+    ``KeyError``, as a missing key was)."""
+    ids = torch.randint(0, tiny_model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    out = tiny_model(ids)
+    assert (
+        isinstance(out, ModelOutput)
+        and out["logits"] is out.logits
+        and out.logits.shape == (2, 8, tiny_model.config.vocab_size)
+    )
+    assert "logits" in out and "token_nll" not in out and "aux_loss" not in out and out.get("aux_loss") is None
+    with pytest.raises(KeyError):
+        out["token_nll"]
+    fused = tiny_model(ids, nll_targets=ids, nll_chunk_size=3)
+    assert fused.logits is None and "logits" not in fused and fused.token_nll.shape == (2, 8)
+
+
+def test_trunk_then_the_head_on_its_own_is_the_forward(tiny_model):
+    """The head is usable where no root forward holds it (a pipeline's last stage): trunk, then ``LanguageHead``,
+    give the forward's logits and its fused token losses exactly."""
+    ids = torch.randint(0, tiny_model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
+    hidden, aux_loss, router_stats = tiny_model.trunk(ids)
+    assert aux_loss is None and router_stats is None
+    head = LanguageHead(tiny_model.lm_head, tiny_model.config.final_logit_softcapping)
+    assert torch.equal(head(hidden).logits, tiny_model(ids).logits)
+    targets = torch.roll(ids, -1, dims=1)
+    separate = head(hidden, TokenLoss(targets, chunk_size=5)).token_nll
+    assert torch.equal(separate, tiny_model(ids, nll_targets=targets, nll_chunk_size=5).token_nll)
+    whole = torch.nn.functional.cross_entropy(tiny_model(ids).logits.flatten(0, 1), targets.flatten(), reduction="none")
+    assert torch.allclose(separate.flatten(), whole, atol=1e-6)

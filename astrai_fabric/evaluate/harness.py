@@ -253,7 +253,7 @@ class AstraiFabricLM(TemplateLM):
         cache = KVCache(ids.size(1) + max_new_tokens)
         positions, mask = padded_attention(valid)
         with torch.no_grad():
-            logits = self.model(ids, input_mask=mask, position_ids=positions, kv_cache=cache)["logits"][:, -1]
+            logits = self.model(ids, input_mask=mask, position_ids=positions, kv_cache=cache).logits[:, -1]
 
         def feed(token: torch.Tensor) -> torch.Tensor:
             nonlocal valid, positions
@@ -262,7 +262,7 @@ class AstraiFabricLM(TemplateLM):
             with torch.no_grad():
                 out = self.model(token[:, None], input_mask=valid[:, None, None, :], position_ids=positions[:, -1:],
                                  kv_cache=cache)  # fmt: skip
-            return out["logits"][:, -1]
+            return out.logits[:, -1]
 
         temperature = float(options.get("temperature", 0.0)) if options.get("do_sample") else 0.0
         rows: list[list[int]] = [[] for _ in contexts]

@@ -98,9 +98,9 @@ def _score_windows(model: nn.Module, tokenizer: Tokenizer | None, args: Evaluate
             if chunk_size:  # the head fused with the loss, as training computes it: never the whole logits
                 out = forward_window(model, batch["input_ids"], batch.get("position_ids"),
                                      nll_targets=batch["target_ids"], nll_chunk_size=chunk_size)  # fmt: skip
-                nll = out["token_nll"]
+                nll = out.token_nll
             else:
-                logits = forward_window(model, batch["input_ids"], batch.get("position_ids"))["logits"]
+                logits = forward_window(model, batch["input_ids"], batch.get("position_ids")).logits
                 nll = -token_logprobs(logits, batch["target_ids"])
         mask = batch.get("loss_mask", torch.ones_like(nll, dtype=torch.bool))
         nll_sums[indices] = (nll * mask).sum(dim=1).double().cpu().numpy()
@@ -206,7 +206,7 @@ def right_padded_logprobs(
         wanted[i, : len(target)] = torch.as_tensor(target)
     wanted = wanted.to(device)
     with torch.no_grad():
-        logits = model(ids.to(device))["logits"]
+        logits = model(ids.to(device)).logits
         logprobs = token_logprobs(logits, wanted).cpu()
         greedy = (logits.argmax(dim=-1) == wanted).cpu() if with_greedy else None
     rows = [logprobs[i, : len(row)] for i, row in enumerate(inputs)]

@@ -1,5 +1,6 @@
 """AstrAI-compatible decoder-only transformer (no Lightning, no torch.distributed in here)."""
 
+from astrai_fabric.model.head import LanguageHead, ModelOutput, TokenLoss
 from astrai_fabric.model.transformer import (
     AutoRegressiveLM,
     DecoderBlock,
@@ -13,6 +14,9 @@ from astrai_fabric.model.transformer import (
 __all__ = [
     "AutoRegressiveLM",
     "DecoderBlock",
+    "LanguageHead",
+    "ModelOutput",
+    "TokenLoss",
     "count_parameters",
     "forward_window",
     "make_doc_boundary_mask",

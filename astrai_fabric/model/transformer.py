@@ -7,19 +7,20 @@ The model knows nothing of Lightning or ``torch.distributed``; parallelism is ap
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from astrai_fabric.config.model import ModelConfig
-from astrai_fabric.losses import head_nll_loss, head_token_nll, token_logprobs
+from astrai_fabric.losses import token_logprobs
 from astrai_fabric.model.attention import GQA, MLA
 from astrai_fabric.model.ffn import MLP, DeepSeekMoE
+from astrai_fabric.model.head import LanguageHead, ModelOutput, TokenLoss
 from astrai_fabric.model.kv_cache import KVCache
 from astrai_fabric.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding
 
@@ -108,9 +109,7 @@ def make_doc_boundary_mask(position_ids: Tensor) -> Tensor:
     return (same_doc & causal).unsqueeze(1)
 
 
-def forward_window(
-    model: nn.Module, input_ids: Tensor, position_ids: Tensor | None = None, **head: Any
-) -> dict[str, Tensor]:
+def forward_window(model: nn.Module, input_ids: Tensor, position_ids: Tensor | None = None, **head: Any) -> ModelOutput:
     """The model on a window of a token stream: causal throughout, or, given the stream's ``position_ids`` (sft's
     packed documents), with positions restarting and attention stopping at each document boundary. Training's
     forward and evaluation's, one definition. ``head``: the fused loss's arguments (``nll_targets``, ...)."""
@@ -119,16 +118,16 @@ def forward_window(
     return model(input_ids, input_mask=make_doc_boundary_mask(position_ids), position_ids=position_ids, **head)
 
 
-def next_token_logprobs(model: nn.Module, ids: Tensor, loss_chunk_size: int = 0) -> tuple[Tensor, dict[str, Any]]:
+def next_token_logprobs(model: nn.Module, ids: Tensor, loss_chunk_size: int = 0) -> tuple[Tensor, ModelOutput]:
     """``log p`` of every next token of right-padded sequences ``ids [N, L]`` → ``[N, L - 1]``, and the model's
     output (dpo's and grpo's log-probabilities); with ``loss_chunk_size``, through the fused head (no whole
     logits)."""
     if not loss_chunk_size:
         out = model(ids)
-        return token_logprobs(out["logits"][:, :-1], ids[:, 1:]), out
+        return token_logprobs(out.logits[:, :-1], ids[:, 1:]), out
     targets = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)  # the last position predicts nothing read: any id will do
     out = model(ids, nll_targets=targets, nll_chunk_size=loss_chunk_size)
-    return -out["token_nll"][:, :-1], out
+    return -out.token_nll[:, :-1], out
 
 
 class AutoRegressiveLM(nn.Module):
@@ -181,9 +180,11 @@ class AutoRegressiveLM(nn.Module):
         nll_chunk_size: int = 0,
         label_smoothing: float = 0.0,
         nll_weights: Tensor | None = None,
-    ) -> dict[str, Any]:
-        """``input_ids [B,S]`` → ``{"logits", "hidden_states"}`` (+ ``"aux_loss"``, ``"router_stats"`` for MoE); a
-        reward model (``score_head``) gives ``"scores" [B,S]``, its head's output at every position, for logits.
+    ) -> ModelOutput:
+        """``input_ids [B,S]`` → ``ModelOutput``: ``logits`` and ``hidden_states`` (+ ``aux_loss``, ``router_stats``
+        for MoE); a reward model (``score_head``) gives ``scores [B,S]``, its head's output at every position, for
+        logits. The trunk (``trunk``) then the head (``LanguageHead``), in one forward so that FSDP gathers a sharded
+        head once.
 
         ``position_ids [B,S]`` default to ``0..S-1`` (after the cached positions, with a ``kv_cache``);
         ``input_mask`` is 2-D, 3-D or 4-D (see ``process_attention_mask``), over all keys (cached and new) when a
@@ -191,12 +192,36 @@ class AutoRegressiveLM(nn.Module):
         before a loss.
 
         With ``nll_targets [B,S]`` and ``nll_chunk_size`` N > 0, the head is fused with the cross-entropy
-        (``losses.head_token_nll``, N positions at a time): ``"token_nll" [B,S]`` float32 instead of ``"logits"``,
-        never the whole ``[B,S,V]``. Inside forward, so that a sharded head is gathered once, as for the logits.
-        With ``nll_weights [B,S]`` as well (the loss's per-token weights, ``losses.token_nll_weights``), also
-        ``"nll_loss"``, ``sum(nll_weights * token_nll)``, whose gradients the fused head takes in its forward
-        (``losses.head_nll_loss``: no logits recomputed in the backward); ``"token_nll"`` is then detached.
+        (``TokenLoss``, N positions at a time): ``token_nll [B,S]`` float32 instead of ``logits``, never the whole
+        ``[B,S,V]``. With ``nll_weights [B,S]`` as well (the loss's per-token weights, ``losses.token_nll_weights``),
+        also ``nll_loss``, ``sum(nll_weights * token_nll)``, whose gradients the fused head takes in its forward
+        (``losses.head_nll_loss``: no logits recomputed in the backward); ``token_nll`` is then detached.
         """
+        hidden_states, aux_loss, router_stats = self.trunk(input_ids, input_mask, position_ids, kv_cache)
+        fused = nll_targets is not None and nll_chunk_size > 0
+        if self.config.score_head:  # a reward model: one score per position (``reward_model.sequence_scores``)
+            if nll_targets is not None:
+                raise ValueError("a reward model (score_head) has no LM head to take token losses from")
+            output = ModelOutput(hidden_states, scores=self.score(hidden_states).squeeze(-1))
+        else:
+            loss = TokenLoss(nll_targets, nll_chunk_size, label_smoothing, nll_weights) if fused else None
+            output = self.head(hidden_states, loss)
+        return dataclasses.replace(output, aux_loss=aux_loss, router_stats=router_stats)
+
+    @property
+    def head(self) -> LanguageHead:
+        """The LM head as an object of its own (``LanguageHead``): logits, or the fused head's token losses."""
+        return LanguageHead(self.lm_head, self.config.final_logit_softcapping)
+
+    def trunk(
+        self,
+        input_ids: Tensor,
+        input_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> tuple[Tensor, Tensor | None, list[dict[str, Tensor]] | None]:
+        """Everything before the head: ``(hidden_states [B,S,H]`` after the final norm, the MoE layers' mean
+        ``aux_loss`` and their ``router_stats``; both None without MoE layers). See ``forward``."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
         batch, seq_len = input_ids.shape
@@ -212,9 +237,10 @@ class AutoRegressiveLM(nn.Module):
                 # longrope: the cached keys were rotated with the short factors, the new ones would be with the long,
                 # a function of neither. transformers' Phi-3 drops its cache there and recomputes the whole sequence
                 # (Phi3ForCausalLM.prepare_inputs_for_generation), which is what a forward without a cache does here.
-                raise ValueError(f"longrope: this generation crosses original_max_position_embeddings {switch}, where "
-                                 "the cached keys' frequencies (short factors) no longer apply; generate without a "
-                                 "KV cache to go past it")  # fmt: skip
+                raise ValueError(
+                    f"longrope: this generation crosses original_max_position_embeddings {switch}, where the cached "
+                    "keys' frequencies (short factors) no longer apply; generate without a KV cache to go past it"
+                )
         x = self.embed_tokens(input_ids)
         rotary = self.rotary_embedding(batch, seq_len, position_ids)
         attn_mask = process_attention_mask(input_mask)
@@ -239,41 +265,9 @@ class AutoRegressiveLM(nn.Module):
                 router_stats.append(stats)
         if kv_cache is not None:
             kv_cache.length += seq_len
-        hidden_states = self.norm(x)
-        if self.config.score_head:  # a reward model: one score per position (``reward_model.sequence_scores``)
-            if nll_targets is not None:
-                raise ValueError("a reward model (score_head) has no LM head to take token losses from")
-            output = {"hidden_states": hidden_states, "scores": self.score(hidden_states).squeeze(-1)}
-            if aux_losses:
-                output.update(aux_loss=torch.stack(aux_losses).mean(), router_stats=router_stats)
-            return output
-        fused, cap = nll_targets is not None and nll_chunk_size > 0, self.config.final_logit_softcapping
-        output: dict[str, Any] = {"hidden_states": hidden_states}
-        if fused and cap is None and nll_weights is not None:
-            loss, nll = head_nll_loss(hidden_states, self.lm_head.weight, nll_targets, nll_weights, nll_chunk_size,
-                                      label_smoothing)  # fmt: skip
-            output.update(nll_loss=loss, token_nll=nll)
-        elif fused and cap is None:
-            nll = head_token_nll(hidden_states, self.lm_head.weight, nll_targets, nll_chunk_size, label_smoothing)
-            output["token_nll"] = nll
-        else:
-            logits = self.lm_head(hidden_states)
-            if cap is not None:  # Gemma 2's final soft-capping
-                logits = cap * torch.tanh(logits / cap)
-            if fused:
-                # The fused head's chunks are linear logits: capped ones are made whole and the same token losses
-                # taken from them (exact, without the fused head's memory saving).
-                nll = F.cross_entropy(logits.float().flatten(0, 1), nll_targets.flatten(), reduction="none",
-                                      label_smoothing=label_smoothing)  # fmt: skip
-                output["token_nll"] = nll.view_as(nll_targets)
-                if nll_weights is not None:
-                    output["nll_loss"] = (output["token_nll"] * nll_weights).sum()
-            else:
-                output["logits"] = logits
-        if aux_losses:
-            output["aux_loss"] = torch.stack(aux_losses).mean()
-            output["router_stats"] = router_stats
-        return output
+        if not aux_losses:
+            return self.norm(x), None, None
+        return self.norm(x), torch.stack(aux_losses).mean(), router_stats
 
     def state_dict(self, *, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
         state = super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)

@@ -90,7 +90,7 @@ def dpo_batch_loss(
                       *((ref[:, 0], ref[:, 1]) if ref is not None else ()))  # fmt: skip
     loss, metrics = preference_loss(preference.kind, pairs, preference.beta, preference.label_smoothing,
                                     preference.simpo_gamma, preference.cpo_alpha, preference.orpo_beta)  # fmt: skip
-    loss, moe_metrics = with_moe_aux_loss(loss, out, moe_aux_loss_coef)
+    loss, moe_metrics = with_moe_aux_loss(loss, out.aux_loss, out.router_stats, moe_aux_loss_coef)
     return loss, {**metrics, **moe_metrics}
 
 

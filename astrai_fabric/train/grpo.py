@@ -88,7 +88,7 @@ def grpo_batch_loss(
                                loss.kind, loss.clip_eps_high, loss.max_response_tokens,
                                tokens_per_micro_batch)  # fmt: skip
     metrics["reward"] = batch["rewards"].mean()
-    value, moe_metrics = with_moe_aux_loss(value, out, moe_aux_loss_coef)
+    value, moe_metrics = with_moe_aux_loss(value, out.aux_loss, out.router_stats, moe_aux_loss_coef)
     return value, {**metrics, **moe_metrics}
 
 

@@ -64,7 +64,7 @@ def kto_batch_loss(
     kl = baseline(kl_policy - kl_reference)
     policy, out = response_logprobs(model, ids, mask, loss_chunk_size)  # last: its graph is the one backward needs
     loss, metrics = kto_loss(policy, ref, batch["desirable"], kl, beta, desirable_weight, undesirable_weight)
-    loss, moe_metrics = with_moe_aux_loss(loss, out, moe_aux_loss_coef)
+    loss, moe_metrics = with_moe_aux_loss(loss, out.aux_loss, out.router_stats, moe_aux_loss_coef)
     return loss, {**metrics, **moe_metrics}
 
 

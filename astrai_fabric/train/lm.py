@@ -37,11 +37,11 @@ def lm_loss(
         out = forward_window(model, batch["input_ids"], batch.get("position_ids"), nll_targets=batch["target_ids"],
                              nll_chunk_size=loss_chunk_size, label_smoothing=label_smoothing,
                              nll_weights=weights)  # fmt: skip
-        loss = out["nll_loss"]
+        loss = out.nll_loss
     else:
         out = forward_window(model, batch["input_ids"], batch.get("position_ids"))  # sft's documents apart
-        loss = causal_lm_loss(out["logits"], batch["target_ids"], batch.get("loss_mask"), label_smoothing)
-    return with_moe_aux_loss(loss, out, moe_aux_loss_coef)
+        loss = causal_lm_loss(out.logits, batch["target_ids"], batch.get("loss_mask"), label_smoothing)
+    return with_moe_aux_loss(loss, out.aux_loss, out.router_stats, moe_aux_loss_coef)
 
 
 def build_dataset(args: TrainArgs, start: Start) -> tuple[WindowDataset, str]:

@@ -53,7 +53,7 @@ def reward_model_batch_loss(
     scores, out = sequence_scores(model, batch["input_ids"].flatten(0, 1))  # pairs: chosen, rejected
     pairs = scores.view(-1, 2)
     loss, metrics = reward_model_loss(pairs[:, 0], pairs[:, 1], batch["margin"], center_coef)
-    loss, moe_metrics = with_moe_aux_loss(loss, out, moe_aux_loss_coef)
+    loss, moe_metrics = with_moe_aux_loss(loss, out.aux_loss, out.router_stats, moe_aux_loss_coef)
     return loss, {**metrics, **moe_metrics}
 
 
