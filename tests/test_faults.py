@@ -21,7 +21,7 @@ from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import TrainingError
 from astrai_fabric.preemption import StopRequest
 from astrai_fabric.train import lm
-from astrai_fabric.train.common import train_on
+from astrai_fabric.train.common import TrainTask, train_on
 from astrai_fabric.train.start import resolve_start
 
 BIN = Path(sys.executable).parent
@@ -137,7 +137,7 @@ def poisoned_run(tmp_path: Path, bad_micro_batches, **overrides) -> list[dict]:
 
     start = resolve_start(fabric, args)
     dataset, summary = lm.build_dataset(args, start)
-    return train_on(fabric, args, start, dataset, summary, loss_fn)
+    return train_on(fabric, args, start, TrainTask(dataset, summary, loss_fn))
 
 
 def test_a_non_finite_step_is_skipped_and_counted(tmp_path):

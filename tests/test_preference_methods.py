@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -188,6 +189,73 @@ def test_each_recipe_runs(recipe, tmp_path, capsys):
     else:
         assert meta["reference"]["param_path"] is None  # the seeded initialisation, as the policy's
         assert steps[0]["dpo_loss"] == pytest.approx(STEP_1[kind], abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("recipe", "flag", "value"),
+    [
+        ("tiny-simpo.yaml", "simpo_beta", "2.0"),  # the recipe as written (dpo_beta: 2.0 before)
+        ("tiny-cpo.yaml", "cpo_beta", "0.5"),
+        ("tiny-kto.yaml", "kto_beta", "0.5"),
+    ],
+)
+def test_dpo_beta_still_spells_simpo_cpo_and_kto_beta(recipe, flag, value, tmp_path, capsys):
+    """A recipe as written before its method's own beta (tiny-simpo.yaml's ``dpo_beta: 2.0``) trains exactly as
+    with the new flag, with one FutureWarning naming it; both spellings at once are refused in one line."""
+    command, method = ("kto", "kto") if flag == "kto_beta" else ("dpo", f"dpo --dpo_loss {flag[:-5]}")
+    text = (ROOT / "recipes" / recipe).read_text()
+    assert f"\n{flag}: " in text and "dpo_beta" not in text
+    for name, key in (("new", flag), ("old", "dpo_beta")):
+        (tmp_path / f"{name}.yaml").write_text(re.sub(rf"\n{flag}: .*\n", f"\n{key}: {value}\n", text))
+    common = ["--max_steps", "2", "--batch_per_device", "4", "--grad_accum_steps", "1", "--window_size", "48"]
+    new_run, old_run = (tmp_path / run / "epoch_0_step_2" for run in ("new", "old"))
+    assert main([command, "--config", str(tmp_path / "new.yaml"), "--ckpt_dir", str(new_run.parent), *common]) == 0
+    with pytest.warns(FutureWarning) as caught:
+        assert main([command, "--config", str(tmp_path / "old.yaml"), "--ckpt_dir", str(old_run.parent), *common]) == 0
+    assert [str(w.message) for w in caught] == [
+        f"--dpo_beta {float(value):g} read as --{flag}, its deprecated spelling for {method}: write {flag}"
+    ]
+    assert (new_run / "model.safetensors").read_bytes() == (old_run / "model.safetensors").read_bytes()
+    losses = [
+        [json.loads(line)["loss"] for line in (run / "metric.jsonl").open() if '"type": "step"' in line]
+        for run in (new_run, old_run)
+    ]
+    assert len(losses[0]) == 2 and losses[0] == losses[1]
+    capsys.readouterr()
+    both = [command, "--config", str(tmp_path / "old.yaml"), f"--{flag}", "2.5", "--ckpt_dir", str(tmp_path / "both")]
+    assert main(both) == 2
+    err = capsys.readouterr().err
+    assert f"{flag} 2.5 and dpo_beta {float(value)}, its deprecated spelling, both set {method}'s beta" in err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "both").exists()
+
+
+@pytest.mark.parametrize(
+    ("train_type", "loss", "flags", "beta"),
+    [
+        ("dpo", "sigmoid", {"dpo_beta": 0.3}, 0.3),  # AstrAI's --dpo_beta, unchanged
+        ("dpo", "ipo", {}, 0.1),
+        ("dpo", "orpo", {"dpo_beta": 0.3}, 0.3),  # read by no loss: orpo's lambda is --orpo_beta
+        ("dpo", "simpo", {"simpo_beta": 2.0}, 2.0),
+        ("dpo", "simpo", {"dpo_beta": 2.0}, 2.0),
+        ("dpo", "simpo", {}, 0.1),
+        ("dpo", "cpo", {"cpo_beta": 0.2}, 0.2),
+        ("dpo", "cpo", {"dpo_beta": 0.2}, 0.2),
+        ("kto", "sigmoid", {"kto_beta": 0.2}, 0.2),
+        ("kto", "sigmoid", {"dpo_beta": 0.2}, 0.2),
+        ("kto", "sigmoid", {}, 0.1),
+    ],
+)
+def test_each_method_reads_its_own_beta_or_dpo_beta(train_type, loss, flags, beta):
+    from astrai_fabric.config.train import TrainArgs
+
+    data = f"bundled:data/{train_type}"
+    args = TrainArgs(train_type=train_type, dpo_loss=loss, param_path="bundled:tiny", data_root_path=data, **flags)
+    deprecated = "dpo_beta" in flags and args.beta_flag != "dpo_beta"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        args.validate()
+    assert [str(w.message).split(":")[-1] for w in caught] == ([f" write {args.beta_flag}"] if deprecated else [])
+    assert args.preference_beta == beta and PreferenceArgs.from_args(args).beta == beta
 
 
 def test_lora_cpo_resumes_bit_exactly(models, tmp_path):
@@ -503,6 +571,10 @@ def test_grpo_recipe_with_a_trl_loss_runs(tmp_path):
         (["--dpo_loss", "orpo", "--orpo_beta", "0"], "orpo_beta must be > 0, got 0.0"),
         (["--dpo_loss", "cpo", "--cpo_alpha", "-1"], "cpo_alpha must be >= 0, got -1.0"),
         (["--dpo_beta", "0"], "dpo_beta must be > 0, got 0.0"),
+        (["--dpo_loss", "cpo", "--cpo_beta", "0"], "cpo_beta must be > 0, got 0.0"),
+        (["--simpo_beta", "2"], "simpo_beta applies to dpo --dpo_loss simpo, not dpo --dpo_loss sigmoid; drop it"),
+        (["--kto_beta", "0.2"], "kto_beta applies to kto, not dpo --dpo_loss sigmoid; drop it"),
+        (["--dpo_loss", "cpo", "--cpo_beta", "0.2", "--dpo_beta", "0.3"], "cpo_beta 0.2 and dpo_beta 0.3, its"),
         (["--dpo_loss", "kto"], "dpo_loss"),
         (["--kto_desirable_weight", "0"], "kto_desirable_weight must be > 0, got 0.0"),
         (["--data_root_path", "bundled:data/grpo_online"], "records hold prompts without responses (online dpo)"),

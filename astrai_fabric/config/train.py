@@ -14,6 +14,7 @@ import dataclasses
 import math
 import re
 import typing
+import warnings
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -183,7 +184,17 @@ class TrainArgs:
     """NEFTune noise on the embeddings during training (AstrAI's Gaussian form); 0 disables it. The noise is
     seeded by ``random_seed``, data-parallel rank, step and micro-batch, so a resume draws the same."""
     dpo_beta: float = 0.1
-    """DPO temperature; SimPO's, CPO's and KTO's beta too."""
+    """DPO's temperature beta, and ipo's, hinge's and robust's (TRL's ``DPOConfig.beta``); for simpo, cpo and kto
+    the deprecated spelling of ``simpo_beta``, ``cpo_beta`` and ``kto_beta``, read where those are unset."""
+    simpo_beta: float | None = None
+    """SimPO's beta, the scale of the length-normalised margin (TRL's ``CPOConfig.beta`` with ``loss_type="simpo"``;
+    the paper uses 2 to 2.5). None: ``--dpo_beta``'s value (its deprecated spelling for simpo)."""
+    cpo_beta: float | None = None
+    """CPO's beta (TRL's ``CPOConfig.beta`` with ``loss_type="sigmoid"``, default 0.1). None: ``--dpo_beta``'s value
+    (its deprecated spelling for cpo)."""
+    kto_beta: float | None = None
+    """KTO's beta, the scale of the reward against the KL baseline (TRL's ``KTOConfig.beta``, default 0.1). None:
+    ``--dpo_beta``'s value (its deprecated spelling for kto)."""
     dpo_loss: Literal["sigmoid", "ipo", "hinge", "robust", "simpo", "cpo", "orpo"] = "sigmoid"
     """The preference loss of dpo, each as TRL 1.16 computes it: ``sigmoid`` (DPO, AstrAI's), ``ipo``, ``hinge``,
     ``robust`` (with ``dpo_label_smoothing``), and the reference-free ``simpo`` (length-normalised, margin
@@ -418,9 +429,25 @@ class TrainArgs:
         """``nora_weight_decay``, or ``weight_decay`` when unset (the fix of AstrAI's B18)."""
         return self.weight_decay if self.nora_weight_decay is None else self.nora_weight_decay
 
+    @property
+    def beta_flag(self) -> str:
+        """The flag naming the run's preference beta: ``kto_beta`` (kto), ``simpo_beta`` and ``cpo_beta`` (dpo's
+        simpo and cpo losses), else ``dpo_beta`` (orpo reads ``orpo_beta`` instead)."""
+        if self.train_type == "kto":
+            return "kto_beta"
+        return {"simpo": "simpo_beta", "cpo": "cpo_beta"}.get(self.dpo_loss, "dpo_beta")
+
+    @property
+    def preference_beta(self) -> float:
+        """The beta the run's preference loss reads: its ``beta_flag``, or ``dpo_beta`` (the deprecated spelling)
+        where that is unset."""
+        own = getattr(self, self.beta_flag)
+        return self.dpo_beta if own is None else own
+
     def validate(self) -> None:
         """Raise one ``ConfigError`` naming every field with a bad value: first its kind (``config.kinds``; a
-        recipe's ``null`` or list reaches here where the parser lets it through), then its range."""
+        recipe's ``null`` or list reaches here where the parser lets it through), then its range and its agreement
+        with the other flags, section by section (the sections of the fields above)."""
         hints = typing.get_type_hints(TrainArgs)
         kinds = [
             f"{f.name} {problem}"
@@ -429,12 +456,48 @@ class TrainArgs:
         ]
         if kinds:
             raise ConfigError("invalid training arguments: " + "; ".join(kinds))
-        largest = torch.finfo(torch.float32).max  # finite in float32 too: a rate of 1e39 is inf in the optimizer
         problems = [
-            f"{f.name} must be a finite number, got {getattr(self, f.name)}"
-            for f in dataclasses.fields(self)
-            if isinstance(getattr(self, f.name), float) and not abs(getattr(self, f.name)) <= largest
+            *self._range_problems(),
+            *self._data_problems(),
+            *self._optimizer_problems(),
+            *self._schedule_problems(),
+            *self._loss_problems(),
+            *self._preference_problems(),
+            *self._rollout_problems(),
+            *self._lora_problems(),
+            *self._parallel_problems(),
+            *self._output_problems(),
         ]
+        if problems:
+            raise ConfigError("invalid training arguments: " + "; ".join(problems))
+
+    def _range_problems(self) -> list[str]:
+        """The ranges many fields share: finite floats (in float32 too: a rate of 1e39 is inf in the optimizer),
+        positive counts, non-negative amounts."""
+        largest = torch.finfo(torch.float32).max
+        values = [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
+        problems = [
+            f"{name} must be a finite number, got {value}"
+            for name, value in values
+            if isinstance(value, float) and not abs(value) <= largest
+        ]
+        problems += [
+            f"{SPELLED.get(name, name)} must be positive, got {getattr(self, name)}"
+            for name in POSITIVE
+            if getattr(self, name) < 1
+        ]
+        problems += [
+            f"{name} must be positive, got {getattr(self, name)}"
+            for name in OPTIONAL_POSITIVE
+            if getattr(self, name) is not None and getattr(self, name) < 1
+        ]
+        problems += [
+            f"{name} must be >= 0, got {getattr(self, name)}" for name in NON_NEGATIVE if getattr(self, name) < 0
+        ]
+        return problems
+
+    def _data_problems(self) -> list[str]:
+        problems = []
         if self.data_root_path is None:
             problems.append("data_root_path is required")
         if self.data_split is not None and not re.fullmatch(r"\w+(\.\w+)*", self.data_split):
@@ -443,19 +506,8 @@ class TrainArgs:
             problems.append(f"data_subset must be a subset name, got {self.data_subset!r}")
         if self.param_path is None:
             problems.append("param_path is required")
-        positive = [
-            "n_epoch", "batch_per_device", "grad_accum_steps", "ckpt_interval", "val_step", "nprocs", "num_nodes",
-            "muon_ns_steps", "rollout_interval", "rollout_max_tokens", "group_size", "t_mult", "grpo_num_iterations",
-        ]  # fmt: skip
-        problems += [
-            f"{SPELLED.get(name, name)} must be positive, got {getattr(self, name)}"
-            for name in positive
-            if getattr(self, name) < 1
-        ]
-        optional_positive = [
-            "window_size", "stride", "max_steps", "stop_after_steps", "max_tokens", "tp_size", "cycle_length",
-            "keep_last_k", "num_threads", "fsdp_shard_size",
-        ]  # fmt: skip
+        if self.val_split is not None and not 0 < self.val_split < 1:
+            problems.append(f"val_split must be in (0, 1), got {self.val_split}")
         if self.num_workers is not None and self.num_workers < 0:
             problems.append(f"num_workers must be >= 0, got {self.num_workers}")
         # Upper bounds no machine needs to pass: each worker is a process, each thread an OS thread (a million of
@@ -463,88 +515,51 @@ class TrainArgs:
         for name, most in (("num_workers", MAX_WORKERS), ("num_threads", MAX_THREADS)):
             if (getattr(self, name) or 0) > most:
                 problems.append(f"{name} must be at most {most}, got {getattr(self, name)}")
-        problems += [
-            f"{name} must be positive, got {getattr(self, name)}"
-            for name in optional_positive
-            if getattr(self, name) is not None and getattr(self, name) < 1
+        return problems + settings_problems(self.train_type, self.data_format, self.data_columns)
+
+    def _optimizer_problems(self) -> list[str]:
+        problems = [
+            f"{name} must be in [0, 1], got {getattr(self, name)}"
+            for name in ("muon_momentum", "nora_momentum", "mano_momentum")
+            if not 0 <= getattr(self, name) <= 1
         ]
-        non_negative = [
-            "neftune_alpha", "moe_aux_loss_coef", "weight_decay", "warmup_ratio", "label_smoothing",
-            "rollout_top_k", "start_epoch", "start_samples", "max_lr", "max_bad_steps", "nora_lr",
-        ]  # fmt: skip
-        if self.loss_chunk_size is not None and self.loss_chunk_size < 0:
-            problems.append(f"loss_chunk_size must be >= 0 (0: off), got {self.loss_chunk_size}")
-        problems += [
-            f"{name} must be >= 0, got {getattr(self, name)}" for name in non_negative if getattr(self, name) < 0
-        ]
-        for name in ("muon_momentum", "nora_momentum", "mano_momentum"):
-            if not 0 <= getattr(self, name) <= 1:
-                problems.append(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if not 0 <= self.nora_beta < 1:
             problems.append(f"nora_beta must be in [0, 1), got {self.nora_beta}")
-        for name in ("stable_steps", "decay_steps", "nora_weight_decay"):
-            if getattr(self, name) is not None and getattr(self, name) < 0:
-                problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
-        if not self.dist_timeout > 0:
-            problems.append(f"dist_timeout must be > 0, got {self.dist_timeout}")
+        if self.nora_weight_decay is not None and self.nora_weight_decay < 0:
+            problems.append(f"nora_weight_decay must be >= 0, got {self.nora_weight_decay}")
         if not self.max_grad_norm > 0:
             problems.append(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
-        if self.val_split is not None and not 0 < self.val_split < 1:
-            problems.append(f"val_split must be in (0, 1), got {self.val_split}")
-        if not 0 < self.rollout_top_p <= 1:
-            problems.append(f"rollout_top_p must be in (0, 1], got {self.rollout_top_p}")
-        if self.rollout_temperature <= 0:
-            problems.append(f"rollout_temperature must be > 0, got {self.rollout_temperature}")
+        return problems
+
+    def _schedule_problems(self) -> list[str]:
+        problems = [
+            f"{name} must be >= 0, got {getattr(self, name)}"
+            for name in ("stable_steps", "decay_steps")
+            if getattr(self, name) is not None and getattr(self, name) < 0
+        ]
         if not 0 <= self.warmup_ratio <= 1:
             problems.append(f"warmup_ratio must be in [0, 1], got {self.warmup_ratio}")
         if self.min_rate is not None and not 0 <= self.min_rate <= 1:
             problems.append(f"min_rate must be in [0, 1], got {self.min_rate}")
+        return problems
+
+    def _loss_problems(self) -> list[str]:
+        problems = []
+        if self.loss_chunk_size is not None and self.loss_chunk_size < 0:
+            problems.append(f"loss_chunk_size must be >= 0 (0: off), got {self.loss_chunk_size}")
         if not 0 <= self.label_smoothing < 1:
             problems.append(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
-        if (self.tp_size or 1) > 1 and self.parallel_mode != "fsdp":
-            problems.append(f"tp_size {self.tp_size} needs parallel_mode fsdp (the 2-D mesh), got {self.parallel_mode}")
-        if self.fsdp_shard_size is not None and self.parallel_mode != "fsdp":
-            problems.append(f"fsdp_shard_size needs parallel_mode fsdp, got {self.parallel_mode}")
-        if self.sharded_checkpoint and self.parallel_mode != "fsdp":
-            problems.append(f"sharded_checkpoint needs parallel_mode fsdp, got {self.parallel_mode}")
-        if self.device_type not in (None, "cpu", "cuda"):
-            problems.append(f"device_type must be cpu or cuda, got {self.device_type!r}")
-        unknown = [m for m in self.metrics if m not in KNOWN_METRICS]
-        if unknown:
-            problems.append(f"metrics {unknown} are unknown; choose from {list(KNOWN_METRICS)}")
-        if self.peak_flops is not None and self.peak_flops <= 0:
-            problems.append(f"peak_flops must be positive, got {self.peak_flops}")
+        return problems
+
+    def _rollout_problems(self) -> list[str]:
+        """grpo's: its sampling, its rewards, its loss's options."""
+        problems = []
+        if not 0 < self.rollout_top_p <= 1:
+            problems.append(f"rollout_top_p must be in (0, 1], got {self.rollout_top_p}")
+        if self.rollout_temperature <= 0:
+            problems.append(f"rollout_temperature must be > 0, got {self.rollout_temperature}")
         if self.reward is not None and (problem := reward_spec_problem(self.reward, self.trust_code)):
             problems.append(problem)
-        problems += self._lora_problems()
-        problems += self._preference_problems()
-        if self.profile_steps is not None and self.profile_step_range is None:
-            problems.append(
-                f"profile_steps must be A:B with optimizer steps 1 <= A <= B (e.g. 10:12), got {self.profile_steps!r}"
-            )
-        problems += settings_problems(self.train_type, self.data_format, self.data_columns)
-        if isinstance(self.resume, str) and not self.resume:
-            problems.append("resume must be true, false, auto or a checkpoint path, got ''")
-        if problems:
-            raise ConfigError("invalid training arguments: " + "; ".join(problems))
-
-    def _preference_problems(self) -> list[str]:
-        problems = []
-        if not self.dpo_beta > 0:
-            problems.append(f"dpo_beta must be > 0, got {self.dpo_beta}")
-        if not 0 <= self.dpo_label_smoothing < 0.5:
-            problems.append(f"dpo_label_smoothing must be in [0, 0.5), got {self.dpo_label_smoothing}")
-        elif self.dpo_label_smoothing and self.dpo_loss not in SMOOTHED:
-            problems.append(
-                f"dpo_label_smoothing applies to --dpo_loss {', '.join(SMOOTHED)}, not {self.dpo_loss} (which has no "
-                "smoothing term); drop it or choose one of those"
-            )
-        if not self.cpo_alpha >= 0:
-            problems.append(f"cpo_alpha must be >= 0, got {self.cpo_alpha}")
-        if not self.orpo_beta > 0:
-            problems.append(f"orpo_beta must be > 0, got {self.orpo_beta}")
-        if not self.reward_center_coef >= 0:
-            problems.append(f"reward_center_coef must be >= 0 (0: off), got {self.reward_center_coef}")
         if self.reward is not None and self.reward_model is not None:
             problems.append("reward and reward_model both score rollouts: pass one of them")
         if self.grpo_clip_eps_high is not None and not self.grpo_clip_eps_high > 0:
@@ -558,11 +573,81 @@ class TrainArgs:
             problems.append(
                 f"grpo_num_iterations {self.grpo_num_iterations} applies to online grpo, not {self.train_type}"
             )
+        return problems
+
+    def _parallel_problems(self) -> list[str]:
+        problems = []
+        if not self.dist_timeout > 0:
+            problems.append(f"dist_timeout must be > 0, got {self.dist_timeout}")
+        if (self.tp_size or 1) > 1 and self.parallel_mode != "fsdp":
+            problems.append(f"tp_size {self.tp_size} needs parallel_mode fsdp (the 2-D mesh), got {self.parallel_mode}")
+        if self.fsdp_shard_size is not None and self.parallel_mode != "fsdp":
+            problems.append(f"fsdp_shard_size needs parallel_mode fsdp, got {self.parallel_mode}")
+        if self.sharded_checkpoint and self.parallel_mode != "fsdp":
+            problems.append(f"sharded_checkpoint needs parallel_mode fsdp, got {self.parallel_mode}")
+        if self.device_type not in (None, "cpu", "cuda"):
+            problems.append(f"device_type must be cpu or cuda, got {self.device_type!r}")
+        return problems
+
+    def _output_problems(self) -> list[str]:
+        """Checkpoints, metrics, logging, profiling, resuming."""
+        problems = []
+        if unknown := [m for m in self.metrics if m not in KNOWN_METRICS]:
+            problems.append(f"metrics {unknown} are unknown; choose from {list(KNOWN_METRICS)}")
+        if self.peak_flops is not None and self.peak_flops <= 0:
+            problems.append(f"peak_flops must be positive, got {self.peak_flops}")
+        if self.profile_steps is not None and self.profile_step_range is None:
+            problems.append(
+                f"profile_steps must be A:B with optimizer steps 1 <= A <= B (e.g. 10:12), got {self.profile_steps!r}"
+            )
+        if isinstance(self.resume, str) and not self.resume:
+            problems.append("resume must be true, false, auto or a checkpoint path, got ''")
+        return problems
+
+    def _preference_problems(self) -> list[str]:
+        problems = self._beta_problems()
+        if not 0 <= self.dpo_label_smoothing < 0.5:
+            problems.append(f"dpo_label_smoothing must be in [0, 0.5), got {self.dpo_label_smoothing}")
+        elif self.dpo_label_smoothing and self.dpo_loss not in SMOOTHED:
+            problems.append(
+                f"dpo_label_smoothing applies to --dpo_loss {', '.join(SMOOTHED)}, not {self.dpo_loss} (which has no "
+                "smoothing term); drop it or choose one of those"
+            )
+        if not self.cpo_alpha >= 0:
+            problems.append(f"cpo_alpha must be >= 0, got {self.cpo_alpha}")
+        if not self.orpo_beta > 0:
+            problems.append(f"orpo_beta must be > 0, got {self.orpo_beta}")
+        if not self.reward_center_coef >= 0:
+            problems.append(f"reward_center_coef must be >= 0 (0: off), got {self.reward_center_coef}")
         for name in ("kto_desirable_weight", "kto_undesirable_weight"):
             if not getattr(self, name) > 0:
                 problems.append(f"{name} must be > 0, got {getattr(self, name)}")
         if not math.isfinite(self.simpo_gamma):
             problems.append(f"simpo_gamma must be a finite number, got {self.simpo_gamma}")
+        return problems
+
+    def _beta_problems(self) -> list[str]:
+        """Each beta > 0; a method's own beta given to another method refused (as ``dpo_label_smoothing`` is), and
+        beside a ``dpo_beta`` off its default (one of the two would be ignored); ``dpo_beta`` read for simpo, cpo or
+        kto (``preference_beta``) warns (FutureWarning), naming the flag to write."""
+        methods = {"simpo_beta": "dpo --dpo_loss simpo", "cpo_beta": "dpo --dpo_loss cpo", "kto_beta": "kto"}
+        given = {name: getattr(self, name) for name in ("dpo_beta", *methods) if getattr(self, name) is not None}
+        problems = [f"{name} must be > 0, got {value}" for name, value in given.items() if not value > 0]
+        own, run = self.beta_flag, f"dpo --dpo_loss {self.dpo_loss}" if self.train_type == "dpo" else self.train_type
+        problems += [
+            f"{name} applies to {methods[name]}, not {run}; drop it or choose that method"
+            for name in methods
+            if name in given and name != own and self.train_type is not None
+        ]
+        if own != "dpo_beta" and self.dpo_beta != TrainArgs.dpo_beta:  # the class attribute holds the default
+            if own in given:
+                problems.append(
+                    f"{own} {given[own]} and dpo_beta {self.dpo_beta}, its deprecated spelling, both set "
+                    f"{methods[own]}'s beta; drop --dpo_beta"
+                )
+            elif self.dpo_beta > 0:
+                message = f"--dpo_beta {self.dpo_beta:g} read as --{own}, its deprecated spelling for {methods[own]}"
+                warnings.warn(f"{message}: write {own}", FutureWarning, stacklevel=4)
         return problems
 
     def _lora_problems(self) -> list[str]:
@@ -609,6 +694,21 @@ class TrainArgs:
         return dataclasses.asdict(self)
 
 
+POSITIVE = (
+    "n_epoch", "batch_per_device", "grad_accum_steps", "ckpt_interval", "val_step", "nprocs", "num_nodes",
+    "muon_ns_steps", "rollout_interval", "rollout_max_tokens", "group_size", "t_mult", "grpo_num_iterations",
+)  # fmt: skip
+"""Counts of at least 1."""
+OPTIONAL_POSITIVE = (
+    "window_size", "stride", "max_steps", "stop_after_steps", "max_tokens", "tp_size", "cycle_length",
+    "keep_last_k", "num_threads", "fsdp_shard_size",
+)  # fmt: skip
+"""Counts of at least 1, or None (unset)."""
+NON_NEGATIVE = (
+    "neftune_alpha", "moe_aux_loss_coef", "weight_decay", "warmup_ratio", "label_smoothing", "rollout_top_k",
+    "start_epoch", "start_samples", "max_lr", "max_bad_steps", "nora_lr",
+)  # fmt: skip
+"""Amounts of at least 0."""
 SPELLED = {"nprocs": "nprocs (devices)"}
 """A field's name in messages where users also spell it another way (the CLI's aliases: ``--devices``)."""
 

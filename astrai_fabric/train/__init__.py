@@ -7,8 +7,8 @@ exist already) and runs the train type's ``main(fabric, args)`` on every rank. P
 ``train(fabric, args)``.
 
 Each ``main`` then reads downward: ``start.resolve_start`` (where the run starts), the train type's dataset and
-loss, ``common.train_on`` (model, optimizer, loaders, saver), ``loop.fit`` (epochs) and ``loop.train_step`` (one
-optimizer step).
+loss (handed over as a ``common.TrainTask``), ``common.train_on`` (model, optimizer, loaders, saver), ``loop.fit``
+(epochs) and ``loop.train_step`` (one optimizer step).
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 the loaders and the saver, prints the plan and runs ``loop.fit``.
 
 A train type's ``main`` reads downward: ``start.resolve_start`` (where the run starts), its own ``build_dataset``
-and loss, then ``train_on``. The model (``build_model``), optimizer and schedule (``build_optimizer_and_schedule``,
-``build_schedule``: the dry run uses the same) are built here; loaders, outputs, models and resume have their own
-modules beside this one.
+and loss, handed over as a ``TrainTask``, then ``train_on``. The model (``build_model``), optimizer and schedule
+(``build_optimizer_and_schedule``, ``build_schedule``: the dry run uses the same) are built here; loaders, outputs,
+models and resume have their own modules beside this one.
 """
 
 from __future__ import annotations
@@ -190,24 +190,30 @@ def loop_args(args: TrainArgs, *, dp_rank: int, fsdp: bool, live_batches: bool =
     )  # fmt: skip
 
 
-def train_on(
-    fabric: Fabric,
-    args: TrainArgs,
-    start: Start,
-    dataset: Dataset,
-    data_summary: str,
-    compute_loss: LossFn,
-    collate: Callable | None = None,
-    extra_meta: dict[str, Any] | None = None,
-    make_batches: Callable[[TrainState, Iterable], Iterable] | None = None,
-) -> list[dict[str, float]]:
-    """Everything after the data is read, for every train type: split, plan, model, optimizer, resume, loop.
+@dataclasses.dataclass(frozen=True)
+class TrainTask:
+    """What one train type hands the run all train types share (``train_on``): its data, its loss, and what its
+    checkpoints record beyond the common meta."""
 
-    ``make_batches(state, loader)`` turns the loader's batches into training batches with the live model and
-    position (online GRPO samples its responses there: the loop's seam, see ``loop/__init__.py``); by default the
-    loader's batches are trained on as they are.
-    """
-    train_set, val_set = split_validation(dataset, args.val_split, args.random_seed)
+    dataset: Dataset
+    """The samples, before ``--val_split`` takes the validation set from them."""
+    data_summary: str
+    """The data's description in the printed plan (``plan.describe_data``)."""
+    compute_loss: LossFn
+    """``compute_loss(model, batch) -> (loss, metrics)``: one micro-batch's mean loss, what to log (``loop.LossFn``)."""
+    collate: Callable | None = None
+    """How the loaders stack samples into a micro-batch; None: torch's default collate."""
+    checkpoint_meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Extra ``meta.json`` keys of every checkpoint of the run (dpo's, kto's and grpo's reference model)."""
+    make_batches: Callable[[TrainState, Iterable], Iterable] | None = None
+    """``make_batches(state, loader)``: the training batches made from the loader's with the live model and position
+    (online grpo and dpo sample their responses there: the loop's seam, see ``loop/__init__.py``); None: the
+    loader's batches are trained on as they are."""
+
+
+def train_on(fabric: Fabric, args: TrainArgs, start: Start, task: TrainTask) -> list[dict[str, float]]:
+    """Everything after the data is read, for every train type: split, plan, model, optimizer, resume, loop."""
+    train_set, val_set = split_validation(task.dataset, args.val_split, args.random_seed)
     num_dp_ranks = data_parallel(fabric).num_dp_ranks
     plan = step_plan(args, len(train_set), num_dp_ranks)
     if problems := preflight(args, start, plan, Placement.of_fabric(fabric, args)):  # what --dry_run lists
@@ -219,19 +225,19 @@ def train_on(
         position = start_position(fabric, start.resume, args, plan)
         refuse_to_overwrite(fabric, args.ckpt_dir, position.optimizer_step)
         loader_args = LoaderArgs.from_args(args)
-        train_loader, sampler = make_loader(fabric, train_set, loader_args, shuffle=True, collate=collate)
+        train_loader, sampler = make_loader(fabric, train_set, loader_args, shuffle=True, collate=task.collate)
         val_loader = None
         if val_set is not None:
-            val_loader = make_loader(fabric, val_set, loader_args, shuffle=False, collate=collate)[0]
+            val_loader = make_loader(fabric, val_set, loader_args, shuffle=False, collate=task.collate)[0]
         state = TrainState(model, optimizer, scheduler, position)
-        batches = make_batches(state, train_loader) if make_batches is not None else train_loader
+        batches = task.make_batches(state, train_loader) if task.make_batches is not None else train_loader
         profiler = StepProfiler.for_run(fabric, args.profile_step_range, args.ckpt_dir, position)  # or None
         batches = profiler.steps_of(batches) if profiler is not None else batches
 
         parameters = summarize_parameters(
             model, args, precision_of(fabric), Placement.of_fabric(fabric, args).num_shards
         )
-        data = describe_data(args, len(train_set), data_summary, val_set)
+        data = describe_data(args, len(train_set), task.data_summary, val_set)
         fabric.print(describe_run_plan(fabric, args, start, parameters, plan, scheduler, schedule_note, position, data))
         if fabric.global_rank == 0:
             if stale := remove_stale_staging(args.ckpt_dir):
@@ -244,7 +250,7 @@ def train_on(
         if start.resume is None:  # recorded once per run, at its start
             metric_log.add("parameters", position.epoch, position.optimizer_step, position.consumed_samples,
                            **parameters.counts())  # fmt: skip
-        save = make_saver(fabric, model, optimizer, scheduler, start, args, metric_log, extra_meta)
+        save = make_saver(fabric, model, optimizer, scheduler, start, args, metric_log, task.checkpoint_meta)
         reporter = Reporter(
             fabric, plan, metric_log, first_step=position.optimizer_step + 1, last_step=plan.last_step(position),
             flops_per_token=flops_per_token(start.model_config, start.window_size),
@@ -253,8 +259,8 @@ def train_on(
         try:
             with StopRequest() as stop:
                 loop_settings = loop_args(args, dp_rank=data_parallel(fabric).dp_rank, fsdp=is_fsdp(fabric),
-                                          live_batches=make_batches is not None)  # fmt: skip
-                history = fit(fabric, state=state, batches=batches, sampler=sampler, compute_loss=compute_loss,
+                                          live_batches=task.make_batches is not None)  # fmt: skip
+                history = fit(fabric, state=state, batches=batches, sampler=sampler, compute_loss=task.compute_loss,
                               args=loop_settings, save=save, reporter=reporter, val_loader=val_loader,
                               stop=stop)  # fmt: skip
         finally:

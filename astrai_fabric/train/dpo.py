@@ -27,7 +27,7 @@ from astrai_fabric.loop.state import TrainState
 from astrai_fabric.lora import reference_context
 from astrai_fabric.losses import REFERENCE_FREE, PairLogps, preference_loss, with_moe_aux_loss
 from astrai_fabric.model import next_token_logprobs
-from astrai_fabric.train.common import train_on
+from astrai_fabric.train.common import TrainTask, train_on
 from astrai_fabric.train.grpo import Rollouts, check_rollout_reward, rollout_reward
 from astrai_fabric.train.start import Start, reference_model, require_records, resolve_start
 
@@ -56,7 +56,7 @@ class PreferenceArgs:
 
     @classmethod
     def from_args(cls, args: TrainArgs) -> PreferenceArgs:
-        return cls(args.dpo_loss, args.dpo_beta, args.dpo_label_smoothing, args.simpo_gamma, args.cpo_alpha,
+        return cls(args.dpo_loss, args.preference_beta, args.dpo_label_smoothing, args.simpo_gamma, args.cpo_alpha,
                    args.orpo_beta)  # fmt: skip
 
 
@@ -170,16 +170,18 @@ def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
     else:
         reference, reference_meta = reference_model(fabric, start, args)
         extra_meta = {"reference": reference_meta}
-    dpo = dict(reference=reference, beta=args.dpo_beta, moe_aux_loss_coef=args.moe_aux_loss_coef,
+    dpo = dict(reference=reference, beta=args.preference_beta, moe_aux_loss_coef=args.moe_aux_loss_coef,
                loss_chunk_size=start.loss_chunk_size(args), preference=PreferenceArgs.from_args(args))  # fmt: skip
     if isinstance(dataset, PreferenceDataset):
         collate = partial(collate_preferences, pad_id=start.need_tokenizer("dpo").padding_id)
-        return train_on(fabric, args, start, dataset, summary, partial(dpo_batch_loss, **dpo), collate, extra_meta)
+        task = TrainTask(dataset, summary, partial(dpo_batch_loss, **dpo), collate, checkpoint_meta=extra_meta)
+        return train_on(fabric, args, start, task)
     reward = rollout_reward(fabric, args, start.need_tokenizer("dpo"))
 
     def rollouts(state: TrainState, loader: Any) -> Rollouts:  # the loop's seam, as online grpo's
         return Rollouts(fabric, state.model, loader, start.need_tokenizer("dpo"), reward, args, start.window_size,
                         state.position, start.loss_chunk_size(args), group_size=2)  # fmt: skip
 
-    return train_on(fabric, args, start, dataset, summary, partial(online_dpo_batch_loss, **dpo), collate_prompts,
-                    extra_meta, rollouts)  # fmt: skip
+    online_loss = partial(online_dpo_batch_loss, **dpo)
+    task = TrainTask(dataset, summary, online_loss, collate_prompts, checkpoint_meta=extra_meta, make_batches=rollouts)
+    return train_on(fabric, args, start, task)

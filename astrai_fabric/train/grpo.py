@@ -42,7 +42,7 @@ from astrai_fabric.reward_model import RewardModelScorer, check_reward_model
 from astrai_fabric.rewards import Reward, load_reward, score
 from astrai_fabric.strategy import data_parallel
 from astrai_fabric.tokenizer import Tokenizer
-from astrai_fabric.train.common import train_on
+from astrai_fabric.train.common import TrainTask, train_on
 from astrai_fabric.train.start import Start, raise_together, reference_model, require_records, resolve_start
 
 
@@ -290,7 +290,7 @@ def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
     meta = {"reference": reference_meta}
     if isinstance(dataset, GroupDataset):
         collate = partial(collate_groups, pad_id=start.need_tokenizer("grpo").padding_id)
-        return train_on(fabric, args, start, dataset, summary, compute_loss, collate, meta)
+        return train_on(fabric, args, start, TrainTask(dataset, summary, compute_loss, collate, checkpoint_meta=meta))
     reward = rollout_reward(fabric, args, start.need_tokenizer("grpo"))
 
     def rollouts(state: TrainState, loader: Any) -> Rollouts:  # the loop's seam (loop/__init__.py)
@@ -298,4 +298,5 @@ def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
         return Rollouts(fabric, state.model, loader, tokenizer, reward, args, start.window_size, state.position,
                         start.loss_chunk_size(args))  # fmt: skip
 
-    return train_on(fabric, args, start, dataset, summary, compute_loss, collate_prompts, meta, rollouts)
+    task = TrainTask(dataset, summary, compute_loss, collate_prompts, checkpoint_meta=meta, make_batches=rollouts)
+    return train_on(fabric, args, start, task)

@@ -23,7 +23,7 @@ from astrai_fabric.data.shapes import Shaper, shape_records
 from astrai_fabric.data.storage import read_records
 from astrai_fabric.lora import reference_context
 from astrai_fabric.losses import kto_loss, with_moe_aux_loss
-from astrai_fabric.train.common import train_on
+from astrai_fabric.train.common import TrainTask, train_on
 from astrai_fabric.train.dpo import response_logprobs
 from astrai_fabric.train.start import Start, reference_model, require_records, resolve_start
 
@@ -91,10 +91,10 @@ def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
     start = resolve_start(fabric, args)
     dataset, summary = build_dataset(args, start)
     reference, reference_meta = reference_model(fabric, start, args)
-    compute_loss = partial(kto_batch_loss, reference=reference, baseline=kl_baseline(fabric), beta=args.dpo_beta,
+    compute_loss = partial(kto_batch_loss, reference=reference, baseline=kl_baseline(fabric), beta=args.preference_beta,
                            desirable_weight=args.kto_desirable_weight, undesirable_weight=args.kto_undesirable_weight,
                            moe_aux_loss_coef=args.moe_aux_loss_coef,
                            loss_chunk_size=start.loss_chunk_size(args))  # fmt: skip
     collate = partial(collate_unpaired, pad_id=start.need_tokenizer("kto").padding_id)
-    return train_on(fabric, args, start, dataset, summary, compute_loss, collate,
-                    extra_meta={"reference": reference_meta})  # fmt: skip
+    task = TrainTask(dataset, summary, compute_loss, collate, checkpoint_meta={"reference": reference_meta})
+    return train_on(fabric, args, start, task)

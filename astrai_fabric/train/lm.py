@@ -18,7 +18,7 @@ from astrai_fabric.data import WindowDataset
 from astrai_fabric.data.windows import WindowData, build_windows
 from astrai_fabric.losses import causal_lm_loss, token_nll_weights, with_moe_aux_loss
 from astrai_fabric.model import forward_window
-from astrai_fabric.train.common import train_on
+from astrai_fabric.train.common import TrainTask, train_on
 from astrai_fabric.train.start import Start, resolve_start
 
 
@@ -56,4 +56,4 @@ def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
     dataset, summary = build_dataset(args, start)
     compute_loss = partial(lm_loss, label_smoothing=args.label_smoothing, moe_aux_loss_coef=args.moe_aux_loss_coef,
                            loss_chunk_size=start.loss_chunk_size(args))  # fmt: skip
-    return train_on(fabric, args, start, dataset, summary, compute_loss)
+    return train_on(fabric, args, start, TrainTask(dataset, summary, compute_loss))

@@ -22,7 +22,7 @@ from astrai_fabric.data.records import Encoded, PreferenceDataset, collate_prefe
 from astrai_fabric.losses import reward_model_loss, with_moe_aux_loss
 from astrai_fabric.reward_model import sequence_scores
 from astrai_fabric.train import dpo
-from astrai_fabric.train.common import train_on
+from astrai_fabric.train.common import TrainTask, train_on
 from astrai_fabric.train.start import Start, resolve_start
 
 
@@ -70,4 +70,4 @@ def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
     compute_loss = partial(reward_model_batch_loss, center_coef=args.reward_center_coef,
                            moe_aux_loss_coef=args.moe_aux_loss_coef)  # fmt: skip
     collate = partial(collate_margin_pairs, pad_id=start.model_config.pad_token_id)
-    return train_on(fabric, args, start, pairs, summary, compute_loss, collate)
+    return train_on(fabric, args, start, TrainTask(pairs, summary, compute_loss, collate))
