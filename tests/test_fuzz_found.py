@@ -27,10 +27,24 @@ def config(**changes) -> bytes:
 
 def hf_config(**changes) -> dict:
     """The tiny model's Hugging Face config.json (as ``export --format hf`` writes it) with ``changes``."""
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 2048, "hidden_size": 128,
-            "intermediate_size": 352, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "head_dim": 32, "hidden_act": "silu", "max_position_embeddings": 256, "rms_norm_eps": 1e-06,
-            "rope_theta": 10000.0, "tie_word_embeddings": True, "torch_dtype": "float32", **changes}  # fmt: skip
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 2048,
+        "hidden_size": 128,
+        "intermediate_size": 352,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "hidden_act": "silu",
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+        **changes,
+    }
 
 
 def sft_records(message: dict) -> bytes:
@@ -46,8 +60,10 @@ SFT_200 = "".join(
 HF_TOKENIZER = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_sentence|>",
                 "eos_token": "<|end_of_sentence|>", "pad_token": "<|_pad_|>",
                 "additional_special_tokens": ["<|im_start|>", "<|im_end|>"]}  # fmt: skip
-CHAT = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # fmt: skip
+CHAT = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 GENERATE = ["generate", "--prompt", "hi", "--max_new_tokens", "2", "--chat", "false", "--param_path"]
 STEP = {"type": "step", "epoch": 0, "step": 1, "consumed_samples": 1, "loss": 7.7, "lr": 3e-06, "tokens_per_sec": 99.0}
 
@@ -96,7 +112,7 @@ CASES = {
         Example("seq recipe", ["seq", "--config", "{x}/r.yaml", "--ckpt_dir", "{x}/out", "--dry_run"], {},
                 {"r.yaml": b"param_path: '{w}/tiny'\ndata_root_path: '{w}/seq.jsonl'\ndevices: 0\n"},
                 culprits=("r.yaml", "devices")),
-        (),  # fixed: a range error names the field as users also spell it (config.train.SPELLED)
+        (),  # fixed: a range error names the field as users also spell it (config.train_checks.SPELLED)
     ),
 }  # fmt: skip
 

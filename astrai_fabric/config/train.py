@@ -3,40 +3,25 @@ AstrAI's defaults.
 
 The CLI exposes each field as ``--name`` and a recipe is a flat YAML of the same keys. Departures from AstrAI's
 defaults are the machine-dependent ones (``device_type``, ``backend``, ``precision``); new flags follow AstrAI's
-spelling. ``validate()`` reports every bad value in one ``ConfigError``.
-One responsibility over 300 lines: every flag with its docstring (docs/recipes.md is rendered from them), their
-validation, and the resolved recipe a run writes.
+spelling. ``validate()`` reports every bad value in one ``ConfigError`` (the checks by section: ``train_checks``).
+One responsibility over 300 lines: every flag with its docstring (docs/recipes.md is rendered from them) and the
+resolved recipe a run writes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import re
 import typing
-import warnings
 from dataclasses import dataclass, field
 from typing import Literal
 
-import torch
 import yaml
 
 from astrai_fabric.config.kinds import kind_problem
-from astrai_fabric.config.lora import DEFAULT_TARGETS, TARGETS
-from astrai_fabric.data.shapes import DATA_FORMATS, settings_problems
+from astrai_fabric.config.lora import DEFAULT_TARGETS
+from astrai_fabric.config.train_checks import TrainChecks
+from astrai_fabric.data.shapes import DATA_FORMATS
 from astrai_fabric.errors import ConfigError
-from astrai_fabric.losses import SMOOTHED
-from astrai_fabric.rewards import reward_spec_problem
-
-KNOWN_METRICS = (
-    "loss", "lr", "grad_norm", "grad_snr", "val_loss", "moe_aux_loss", "router_entropy", "dead_expert_fraction",
-    "load_imbalance_mean", "load_imbalance_max", "tokens_per_sec", "samples_per_sec", "mfu",
-)  # fmt: skip
-"""Names ``--metrics`` accepts: AstrAI's, plus throughput (``tokens_per_sec``, ``samples_per_sec``, ``mfu``)."""
-
-MAX_WORKERS, MAX_THREADS = 256, 1024
-"""The most loader workers and CPU threads per rank a run may ask for (the largest machines have a few hundred
-CPUs)."""
 
 COMMAND_LINE_ONLY = ("trust_code",)
 """Flags a recipe may not set, and which resolved recipes leave out: a recipe file is data, never a way to opt into
@@ -49,7 +34,7 @@ DataFormat = Literal[DATA_FORMATS]
 
 
 @dataclass
-class TrainArgs:
+class TrainArgs(TrainChecks):
     """One training run. AstrAI's flag names and defaults unless a docstring says otherwise."""
 
     # --- what to train -------------------------------------------------------------------------------------------
@@ -471,246 +456,9 @@ class TrainArgs:
         if problems:
             raise ConfigError("invalid training arguments: " + "; ".join(problems))
 
-    def _range_problems(self) -> list[str]:
-        """The ranges many fields share: finite floats (in float32 too: a rate of 1e39 is inf in the optimizer),
-        positive counts, non-negative amounts."""
-        largest = torch.finfo(torch.float32).max
-        values = [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
-        problems = [
-            f"{name} must be a finite number, got {value}"
-            for name, value in values
-            if isinstance(value, float) and not abs(value) <= largest
-        ]
-        problems += [
-            f"{SPELLED.get(name, name)} must be positive, got {getattr(self, name)}"
-            for name in POSITIVE
-            if getattr(self, name) < 1
-        ]
-        problems += [
-            f"{name} must be positive, got {getattr(self, name)}"
-            for name in OPTIONAL_POSITIVE
-            if getattr(self, name) is not None and getattr(self, name) < 1
-        ]
-        problems += [
-            f"{name} must be >= 0, got {getattr(self, name)}" for name in NON_NEGATIVE if getattr(self, name) < 0
-        ]
-        return problems
-
-    def _data_problems(self) -> list[str]:
-        problems = []
-        if self.data_root_path is None:
-            problems.append("data_root_path is required")
-        if self.data_split is not None and not re.fullmatch(r"\w+(\.\w+)*", self.data_split):
-            problems.append(f"data_split must be a split name (letters, digits, _ and .), got {self.data_split!r}")
-        if self.data_subset is not None and (not self.data_subset.strip() or not self.data_subset.isprintable()):
-            problems.append(f"data_subset must be a subset name, got {self.data_subset!r}")
-        if self.param_path is None:
-            problems.append("param_path is required")
-        if self.val_split is not None and not 0 < self.val_split < 1:
-            problems.append(f"val_split must be in (0, 1), got {self.val_split}")
-        if self.num_workers is not None and self.num_workers < 0:
-            problems.append(f"num_workers must be >= 0, got {self.num_workers}")
-        # Upper bounds no machine needs to pass: each worker is a process, each thread an OS thread (a million of
-        # them exhausted the process limit inside the tokenizer's thread pool: a Rust panic, not a message).
-        for name, most in (("num_workers", MAX_WORKERS), ("num_threads", MAX_THREADS)):
-            if (getattr(self, name) or 0) > most:
-                problems.append(f"{name} must be at most {most}, got {getattr(self, name)}")
-        return problems + settings_problems(self.train_type, self.data_format, self.data_columns)
-
-    def _optimizer_problems(self) -> list[str]:
-        problems = [
-            f"{name} must be in [0, 1], got {getattr(self, name)}"
-            for name in ("muon_momentum", "nora_momentum", "mano_momentum")
-            if not 0 <= getattr(self, name) <= 1
-        ]
-        if not 0 <= self.nora_beta < 1:
-            problems.append(f"nora_beta must be in [0, 1), got {self.nora_beta}")
-        if self.nora_weight_decay is not None and self.nora_weight_decay < 0:
-            problems.append(f"nora_weight_decay must be >= 0, got {self.nora_weight_decay}")
-        if not self.max_grad_norm > 0:
-            problems.append(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
-        return problems
-
-    def _schedule_problems(self) -> list[str]:
-        problems = [
-            f"{name} must be >= 0, got {getattr(self, name)}"
-            for name in ("stable_steps", "decay_steps")
-            if getattr(self, name) is not None and getattr(self, name) < 0
-        ]
-        if not 0 <= self.warmup_ratio <= 1:
-            problems.append(f"warmup_ratio must be in [0, 1], got {self.warmup_ratio}")
-        if self.min_rate is not None and not 0 <= self.min_rate <= 1:
-            problems.append(f"min_rate must be in [0, 1], got {self.min_rate}")
-        return problems
-
-    def _loss_problems(self) -> list[str]:
-        problems = []
-        if self.loss_chunk_size is not None and self.loss_chunk_size < 0:
-            problems.append(f"loss_chunk_size must be >= 0 (0: off), got {self.loss_chunk_size}")
-        if not 0 <= self.label_smoothing < 1:
-            problems.append(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
-        return problems
-
-    def _rollout_problems(self) -> list[str]:
-        """grpo's: its sampling, its rewards, its loss's options."""
-        problems = []
-        if not 0 < self.rollout_top_p <= 1:
-            problems.append(f"rollout_top_p must be in (0, 1], got {self.rollout_top_p}")
-        if self.rollout_temperature <= 0:
-            problems.append(f"rollout_temperature must be > 0, got {self.rollout_temperature}")
-        if self.reward is not None and (problem := reward_spec_problem(self.reward, self.trust_code)):
-            problems.append(problem)
-        if self.reward is not None and self.reward_model is not None:
-            problems.append("reward and reward_model both score rollouts: pass one of them")
-        if self.grpo_clip_eps_high is not None and not self.grpo_clip_eps_high > 0:
-            problems.append(f"grpo_clip_eps_high must be > 0 (or unset: grpo_clip_eps), got {self.grpo_clip_eps_high}")
-        if self.grpo_scale_rewards != "group" and self.grpo_loss == "astrai":
-            problems.append(
-                f"grpo_scale_rewards {self.grpo_scale_rewards} applies to --grpo_loss grpo, bnpo, dr_grpo and dapo "
-                "(TRL's advantages); astrai keeps AstrAI's group normalisation"
-            )
-        if self.grpo_num_iterations > 1 and self.train_type not in (None, "grpo"):
-            problems.append(
-                f"grpo_num_iterations {self.grpo_num_iterations} applies to online grpo, not {self.train_type}"
-            )
-        return problems
-
-    def _parallel_problems(self) -> list[str]:
-        problems = []
-        if not self.dist_timeout > 0:
-            problems.append(f"dist_timeout must be > 0, got {self.dist_timeout}")
-        if (self.tp_size or 1) > 1 and self.parallel_mode != "fsdp":
-            problems.append(f"tp_size {self.tp_size} needs parallel_mode fsdp (the 2-D mesh), got {self.parallel_mode}")
-        if self.fsdp_shard_size is not None and self.parallel_mode != "fsdp":
-            problems.append(f"fsdp_shard_size needs parallel_mode fsdp, got {self.parallel_mode}")
-        if self.sharded_checkpoint and self.parallel_mode != "fsdp":
-            problems.append(f"sharded_checkpoint needs parallel_mode fsdp, got {self.parallel_mode}")
-        if self.device_type not in (None, "cpu", "cuda"):
-            problems.append(f"device_type must be cpu or cuda, got {self.device_type!r}")
-        return problems
-
-    def _output_problems(self) -> list[str]:
-        """Checkpoints, metrics, logging, profiling, resuming."""
-        problems = []
-        if unknown := [m for m in self.metrics if m not in KNOWN_METRICS]:
-            problems.append(f"metrics {unknown} are unknown; choose from {list(KNOWN_METRICS)}")
-        if self.peak_flops is not None and self.peak_flops <= 0:
-            problems.append(f"peak_flops must be positive, got {self.peak_flops}")
-        if self.profile_steps is not None and self.profile_step_range is None:
-            problems.append(
-                f"profile_steps must be A:B with optimizer steps 1 <= A <= B (e.g. 10:12), got {self.profile_steps!r}"
-            )
-        if isinstance(self.resume, str) and not self.resume:
-            problems.append("resume must be true, false, auto or a checkpoint path, got ''")
-        return problems
-
-    def _preference_problems(self) -> list[str]:
-        problems = self._beta_problems()
-        if not 0 <= self.dpo_label_smoothing < 0.5:
-            problems.append(f"dpo_label_smoothing must be in [0, 0.5), got {self.dpo_label_smoothing}")
-        elif self.dpo_label_smoothing and self.dpo_loss not in SMOOTHED:
-            problems.append(
-                f"dpo_label_smoothing applies to --dpo_loss {', '.join(SMOOTHED)}, not {self.dpo_loss} (which has no "
-                "smoothing term); drop it or choose one of those"
-            )
-        if not self.cpo_alpha >= 0:
-            problems.append(f"cpo_alpha must be >= 0, got {self.cpo_alpha}")
-        if not self.orpo_beta > 0:
-            problems.append(f"orpo_beta must be > 0, got {self.orpo_beta}")
-        if not self.reward_center_coef >= 0:
-            problems.append(f"reward_center_coef must be >= 0 (0: off), got {self.reward_center_coef}")
-        for name in ("kto_desirable_weight", "kto_undesirable_weight"):
-            if not getattr(self, name) > 0:
-                problems.append(f"{name} must be > 0, got {getattr(self, name)}")
-        if not math.isfinite(self.simpo_gamma):
-            problems.append(f"simpo_gamma must be a finite number, got {self.simpo_gamma}")
-        return problems
-
-    def _beta_problems(self) -> list[str]:
-        """Each beta > 0; a method's own beta given to another method refused (as ``dpo_label_smoothing`` is), and
-        beside a ``dpo_beta`` off its default (one of the two would be ignored); ``dpo_beta`` read for simpo, cpo or
-        kto (``preference_beta``) warns (FutureWarning), naming the flag to write."""
-        methods = {"simpo_beta": "dpo --dpo_loss simpo", "cpo_beta": "dpo --dpo_loss cpo", "kto_beta": "kto"}
-        given = {name: getattr(self, name) for name in ("dpo_beta", *methods) if getattr(self, name) is not None}
-        problems = [f"{name} must be > 0, got {value}" for name, value in given.items() if not value > 0]
-        own, run = self.beta_flag, f"dpo --dpo_loss {self.dpo_loss}" if self.train_type == "dpo" else self.train_type
-        problems += [
-            f"{name} applies to {methods[name]}, not {run}; drop it or choose that method"
-            for name in methods
-            if name in given and name != own and self.train_type is not None
-        ]
-        if own != "dpo_beta" and self.dpo_beta != TrainArgs.dpo_beta:  # the class attribute holds the default
-            if own in given:
-                problems.append(
-                    f"{own} {given[own]} and dpo_beta {self.dpo_beta}, its deprecated spelling, both set "
-                    f"{methods[own]}'s beta; drop --dpo_beta"
-                )
-            elif self.dpo_beta > 0:
-                message = f"--dpo_beta {self.dpo_beta:g} read as --{own}, its deprecated spelling for {methods[own]}"
-                warnings.warn(f"{message}: write {own}", FutureWarning, stacklevel=4)
-        return problems
-
-    def _lora_problems(self) -> list[str]:
-        problems = []
-        if self.lora_r < 0:
-            problems.append(f"lora_r must be >= 0 (0 = off), got {self.lora_r}")
-        if self.lora_alpha <= 0:
-            problems.append(f"lora_alpha must be positive, got {self.lora_alpha}")
-        if not 0 <= self.lora_dropout < 1:
-            problems.append(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
-        unknown = [t for t in self.lora_targets if t not in TARGETS]
-        if unknown:
-            problems.append(f"lora_targets {unknown} are unknown; choose from {list(TARGETS)} (the router never)")
-        elif not self.lora_targets:
-            problems.append("lora_targets is empty; name at least one of " + ", ".join(TARGETS))
-        elif len(set(self.lora_targets)) != len(self.lora_targets):
-            problems.append(f"lora_targets {self.lora_targets} names a layer twice")
-        if self.train_type == "reward_model" and (self.lora_r or self.quantize is not None):
-            problems.append(
-                "reward_model trains the whole network and its score head; LoRA (lora_r, quantize) would leave the "
-                "head out of the adapter's checkpoint: drop --lora_r, --quantize"
-            )
-        if self.quantize is not None and self.lora_r == 0:
-            problems.append(
-                f"quantize {self.quantize} needs lora_r > 0: a 4-bit base is frozen (QLoRA trains adapters over it); "
-                "add --lora_r 16, or drop --quantize to train the whole model"
-            )
-        if self.lora_r > 0:
-            if self.reference_path is not None:
-                problems.append(
-                    "reference_path cannot be combined with lora_r: the reference is the base model (the adapters "
-                    "switched off); drop --reference_path"
-                )
-            if (self.tp_size or 1) > 1:
-                problems.append(f"tp_size {self.tp_size} with lora_r: LoRA adapters are not tensor-parallel; use fsdp")
-            if self.sharded_checkpoint:
-                problems.append(
-                    "sharded_checkpoint with lora_r: a LoRA checkpoint holds only the adapters and their (small) "
-                    "optimizer state; drop --sharded_checkpoint"
-                )
-        return problems
-
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-
-POSITIVE = (
-    "n_epoch", "batch_per_device", "grad_accum_steps", "ckpt_interval", "val_step", "nprocs", "num_nodes",
-    "muon_ns_steps", "rollout_interval", "rollout_max_tokens", "group_size", "t_mult", "grpo_num_iterations",
-)  # fmt: skip
-"""Counts of at least 1."""
-OPTIONAL_POSITIVE = (
-    "window_size", "stride", "max_steps", "stop_after_steps", "max_tokens", "tp_size", "cycle_length",
-    "keep_last_k", "num_threads", "fsdp_shard_size",
-)  # fmt: skip
-"""Counts of at least 1, or None (unset)."""
-NON_NEGATIVE = (
-    "neftune_alpha", "moe_aux_loss_coef", "weight_decay", "warmup_ratio", "label_smoothing", "rollout_top_k",
-    "start_epoch", "start_samples", "max_lr", "max_bad_steps", "nora_lr",
-)  # fmt: skip
-"""Amounts of at least 0."""
-SPELLED = {"nprocs": "nprocs (devices)"}
-"""A field's name in messages where users also spell it another way (the CLI's aliases: ``--devices``)."""
 
 RECIPE_FILE = "recipe.yaml"
 """The resolved recipe every run writes in its ``ckpt_dir`` (and each checkpoint carries)."""
