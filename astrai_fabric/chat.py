@@ -135,9 +135,15 @@ class ChatSession:
             with torch.no_grad():
                 logits = self._prefill(ids, len(ids) + budget)
                 for token in sample_tokens(
-                    logits, self._feed_token, budget, temperature=self.args.temperature, top_k=self.args.top_k,
-                    top_p=self.args.top_p, stop_ids=sorted(stop_ids), generator=self.generator,
-                ):  # fmt: skip
+                    logits,
+                    self._feed_token,
+                    budget,
+                    temperature=self.args.temperature,
+                    top_k=self.args.top_k,
+                    top_p=self.args.top_p,
+                    stop_ids=sorted(stop_ids),
+                    generator=self.generator,
+                ):
                     sampled.append(int(token))
                     if piece := text_of(sampled[-1]):
                         write(piece)

@@ -303,8 +303,13 @@ def train_command(train_type: str, argv: list[str]) -> int:
 def evaluate_command(argv: list[str]) -> int:
     from astrai_fabric.evaluate.run import run_evaluate  # torch and the model code: only when evaluating
 
-    values = _parse_with_src("evaluate", EvaluateArgs, argv, "A checkpoint or model directory (a LoRA checkpoint: its "
-                             "adapter applied), a Hub id, or a run's ckpt_dir (each of its checkpoints).")  # fmt: skip
+    values = _parse_with_src(
+        "evaluate",
+        EvaluateArgs,
+        argv,
+        "A checkpoint or model directory (a LoRA checkpoint: its "
+        "adapter applied), a Hub id, or a run's ckpt_dir (each of its checkpoints).",
+    )
     values["tasks"] = [name.strip() for given in values["tasks"] for name in given.split(",") if name.strip()]
     run_evaluate(EvaluateArgs(**values))
     return 0
@@ -322,8 +327,13 @@ def generate_command(argv: list[str]) -> int:
 def chat_command(argv: list[str]) -> int:
     from astrai_fabric.chat import run_chat
 
-    values = _parse_with_src("chat", ChatArgs, argv, "A checkpoint or model directory: ours or AstrAI's, a LoRA "
-                             "checkpoint (its adapter merged) or a Hugging Face directory.")  # fmt: skip
+    values = _parse_with_src(
+        "chat",
+        ChatArgs,
+        argv,
+        "A checkpoint or model directory: ours or AstrAI's, a LoRA "
+        "checkpoint (its adapter merged) or a Hugging Face directory.",
+    )
     return run_chat(ChatArgs(**values))
 
 
@@ -372,8 +382,14 @@ def export_command(argv: list[str]) -> int:
     namespace = _parse(parser, argv)
     source = namespace.checkpoint
     try:
-        target = export(source, namespace.out, namespace.format, namespace.dtype, namespace.max_shard_size,
-                        merge_lora=namespace.merge_lora)  # fmt: skip
+        target = export(
+            source,
+            namespace.out,
+            namespace.format,
+            namespace.dtype,
+            namespace.max_shard_size,
+            merge_lora=namespace.merge_lora,
+        )
     except AlreadyComplete as done:  # what was asked holds already: said, exit 0
         print(f"nothing to export: {done}")
         return 0
@@ -440,9 +456,20 @@ def prepare_command(argv: list[str]) -> int:
         raise UserError("prepare needs --tokenizer_path (the tokenizer of the model to train), or tokenizer_path in -c")
     tokenizer = Tokenizer.from_dir(hub.resolve_model(tokenizer_path, "--tokenizer_path"))
     inputs = [Path(p) for p in namespace.inputs]
-    print(prepare(inputs, Path(namespace.output_dir), config, tokenizer, namespace.num_proc, namespace.resume,
-                  namespace.data_subset, namespace.data_split, namespace.data_format,
-                  namespace.data_columns))  # fmt: skip
+    print(
+        prepare(
+            inputs,
+            Path(namespace.output_dir),
+            config,
+            tokenizer,
+            namespace.num_proc,
+            namespace.resume,
+            namespace.data_subset,
+            namespace.data_split,
+            namespace.data_format,
+            namespace.data_columns,
+        )
+    )
     return 0
 
 

@@ -119,8 +119,10 @@ def split_patterns(chosen: Subset, split: str | None, where: str) -> dict[str, t
     if split is None:
         return chosen.splits
     if split not in chosen.splits:
-        raise UserError(f"--data_split {split!r}: subset {chosen.name!r} of {where} has no such split; it has "
-                        f"{_listed(chosen.splits)}")  # fmt: skip
+        raise UserError(
+            f"--data_split {split!r}: subset {chosen.name!r} of {where} has no such split; it has "
+            f"{_listed(chosen.splits)}"
+        )
     return {split: chosen.splits[split]}
 
 
@@ -141,8 +143,9 @@ def _subset(entry: Any, where: str, budget: list[int]) -> Subset:
         raise UserError(f"{where}: is {_kind(entry)}, expected a mapping {{config_name, data_files}}")
     name = entry.get("config_name", "default")
     if not isinstance(name, str) or not name.strip() or len(name) > MAX_NAME_CHARS or not name.isprintable():
-        raise UserError(f"{where}.config_name: is {_kind(name)}, expected a printable name of at most "
-                        f"{MAX_NAME_CHARS} characters")  # fmt: skip
+        raise UserError(
+            f"{where}.config_name: is {_kind(name)}, expected a printable name of at most {MAX_NAME_CHARS} characters"
+        )
     default = entry.get("default", False)
     if not isinstance(default, bool):
         raise UserError(f"{where}.default: is {_kind(default)}, expected true or false")
@@ -163,16 +166,19 @@ def _subset(entry: Any, where: str, budget: list[int]) -> Subset:
         for index, item in enumerate(files):
             split, path = item.get("split", "train"), item.get("path")
             if not isinstance(split, str) or not re.fullmatch(r"\w+(\.\w+)*", split) or len(split) > MAX_NAME_CHARS:
-                raise UserError(f"{at}[{index}].split: is {_kind(split)}, expected a split name (letters, digits, "
-                                "_ and .)")  # fmt: skip
+                raise UserError(
+                    f"{at}[{index}].split: is {_kind(split)}, expected a split name (letters, digits, _ and .)"
+                )
             if split in splits:
                 raise UserError(f"{at}[{index}].split: {split!r} appears more than once")
             splits[split] = _patterns(path, f"{at}[{index}].path", budget)
     else:
-        raise UserError(f"{at}: is {_kind(files)}, expected a string, a list of strings or a list of "
-                        "{split, path} mappings")  # fmt: skip
-    return Subset(name, {split: tuple(prefix + p for p in found) for split, found in splits.items()}, default,
-                  data_dir or "")  # fmt: skip
+        raise UserError(
+            f"{at}: is {_kind(files)}, expected a string, a list of strings or a list of {{split, path}} mappings"
+        )
+    return Subset(
+        name, {split: tuple(prefix + p for p in found) for split, found in splits.items()}, default, data_dir or ""
+    )
 
 
 def _patterns(value: Any, where: str, budget: list[int]) -> tuple[str, ...]:
@@ -188,8 +194,9 @@ def _patterns(value: Any, where: str, budget: list[int]) -> tuple[str, ...]:
 def _pattern(value: Any, where: str) -> str:
     """A path pattern inside the repository: a string, bounded, relative, never climbing out of it."""
     if not isinstance(value, str) or not value.strip() or len(value) > MAX_PATTERN_CHARS:
-        raise UserError(f"{where}: is {_kind(value)}, expected a path pattern of at most {MAX_PATTERN_CHARS} "
-                        "characters")  # fmt: skip
+        raise UserError(
+            f"{where}: is {_kind(value)}, expected a path pattern of at most {MAX_PATTERN_CHARS} characters"
+        )
     parts = value.replace("\\", "/").split("/")
     if value.startswith(("/", "\\", "~")) or re.match(r"[A-Za-z]:", value) or ".." in parts or "\0" in value:
         raise UserError(f"{where}: {value!r} is not a path inside the repository (absolute, or with ..)")

@@ -71,8 +71,14 @@ class AlreadyComplete(CheckpointError):
     always was, since no new directory comes back."""
 
 
-def export(source: str | Path, target: str | Path | None = None, format: str = "astrai", dtype: str | None = None,
-           max_shard_size: str | None = None, merge_lora: bool = False) -> Path:  # fmt: skip
+def export(
+    source: str | Path,
+    target: str | Path | None = None,
+    format: str = "astrai",
+    dtype: str | None = None,
+    max_shard_size: str | None = None,
+    merge_lora: bool = False,
+) -> Path:
     """Write ``source`` (``bundled:NAME`` too, or a Hub id: its snapshot) to ``target`` (default: ``SOURCE_full``
     for astrai, ``SOURCE_hf`` for hf, ``SOURCE_peft`` for peft; for a Hub id, ``NAME_hf`` etc. in the current
     directory) and return it. ``merge_lora`` (astrai): a LoRA checkpoint's adapter merged
@@ -86,8 +92,10 @@ def export(source: str | Path, target: str | Path | None = None, format: str = "
     if merge_lora and format == "peft":
         raise UserError("--merge_lora writes the merged model; --format peft writes the adapter alone: drop one")
     if merge_lora and format == "astrai" and dtype is not None:
-        raise UserError("--dtype does not apply to --merge_lora (the merged model keeps the checkpoint's dtype); "
-                        "use --format hf --dtype, or export the merged model again with --dtype")  # fmt: skip
+        raise UserError(
+            "--dtype does not apply to --merge_lora (the merged model keeps the checkpoint's dtype); "
+            "use --format hf --dtype, or export the merged model again with --dtype"
+        )
     max_shard_bytes = parse_size(max_shard_size or DEFAULT_MAX_SHARD_SIZE) if format == "hf" else None
     if target is None and hub.is_hub_id(str(source)):  # beside a cache snapshot is no place: here, named after it
         target = hub.HubId.parse(str(source)).repo.split("/")[1] + _DEFAULT_SUFFIX[format]
@@ -113,11 +121,15 @@ def _say_if_quantized(source: Path, format: str) -> None:
     if QUANTIZATION_KEY not in meta or not (source / ADAPTER_FILE).is_file():
         return
     if format == "peft":
-        note = ("its adapter was trained over the base quantised to NF4 (--quantize nf4); PEFT applies it to the "
-                "full-precision base, a slightly different model (docs/lora.md, QLoRA)")  # fmt: skip
+        note = (
+            "its adapter was trained over the base quantised to NF4 (--quantize nf4); PEFT applies it to the "
+            "full-precision base, a slightly different model (docs/lora.md, QLoRA)"
+        )
     else:
-        note = ("its adapter was trained over the base quantised to NF4 (--quantize nf4): merged into the "
-                "dequantised base, the model the run trained")  # fmt: skip
+        note = (
+            "its adapter was trained over the base quantised to NF4 (--quantize nf4): merged into the "
+            "dequantised base, the model the run trained"
+        )
     print(f"note: {source}: {note}", file=sys.stderr)
 
 
@@ -144,14 +156,18 @@ def destination(source: Path, target: str | Path | None, format: str) -> Path:
         out_real, source_real = here.resolve(), Path(os.path.abspath(source)).resolve()
         if out_real == source_real or source_real in out_real.parents:
             where = "is" if out_real == source_real else "is inside"
-            raise CheckpointError(f"{flag}: {where} {source}, the directory being exported; export writes a new "
-                                  "directory, never into what it reads: choose another --out")  # fmt: skip
+            raise CheckpointError(
+                f"{flag}: {where} {source}, the directory being exported; export writes a new "
+                "directory, never into what it reads: choose another --out"
+            )
         if out_real in source_real.parents:
             raise CheckpointError(f"{flag}: holds {source}, the directory being exported; choose another --out")
         if os.path.lexists(here):
             if here.is_symlink():
-                raise CheckpointError(f"{flag}: is a symbolic link; export writes a new directory, never through "
-                                      "a link: choose another --out")  # fmt: skip
+                raise CheckpointError(
+                    f"{flag}: is a symbolic link; export writes a new directory, never through "
+                    "a link: choose another --out"
+                )
             if not here.is_dir():
                 raise CheckpointError(f"{flag}: {target} is a file, not a directory; choose another --out")
             entries = sorted(os.listdir(here))
@@ -187,8 +203,10 @@ def check_work_to_do(source: Path) -> None:
         return
     what = "checkpoint" if ckpt.meta else "model directory"
     if ckpt.lora is not None or (source / ADAPTER_FILE).is_file():
-        formats = ("--format peft writes its adapter for PEFT, --merge_lora the merged model, --format hf the "
-                   "merged model for transformers")  # fmt: skip
+        formats = (
+            "--format peft writes its adapter for PEFT, --merge_lora the merged model, --format hf the "
+            "merged model for transformers"
+        )
     else:
         formats = "--format hf writes it for transformers, --dtype casts it"
     raise AlreadyComplete(
@@ -206,9 +224,11 @@ def export_astrai(source: Path, target: Path, dtype: str | None = None) -> Path:
         path = export_checkpoint(source, target, cast=_caster(dtype))
         config = load_checkpoint(path, load_extra=False).model_config()
         if config.extensions:  # resumable here; AstrAI refuses its model_type (never misreads it)
-            print(f"note: {path / CONFIG_FILE} keeps model_type {config.to_dict()['model_type']!r} for "
-                  f"{config.extensions}, which AstrAI's schema lacks; use --format hf for transformers",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"note: {path / CONFIG_FILE} keeps model_type {config.to_dict()['model_type']!r} for "
+                f"{config.extensions}, which AstrAI's schema lacks; use --format hf for transformers",
+                file=sys.stderr,
+            )
         return path
     if dtype is None:  # before optimizer.pt is read: AlreadyComplete unless a Hugging Face directory, converted here
         check_work_to_do(source)
@@ -227,14 +247,25 @@ def export_astrai(source: Path, target: Path, dtype: str | None = None) -> Path:
         return save_model_directory(target, cast(ckpt.state_dict), files)
     if not ckpt.meta:
         return save_model_directory(target, cast(ckpt.state_dict), {CONFIG_FILE: json.dumps(ckpt.config, indent=2)})
-    names = [p.name for p in source.iterdir() if (p.is_file() or p.is_symlink()) and p.suffix not in (".pt",
-             ".safetensors") and p.name not in (META_FILE, CONFIG_FILE)]  # fmt: skip
+    names = [
+        p.name
+        for p in source.iterdir()
+        if (p.is_file() or p.is_symlink())
+        and p.suffix not in (".pt", ".safetensors")
+        and p.name not in (META_FILE, CONFIG_FILE)
+    ]
     copied = files_inside(source, sorted(names))
     meta = {k: v for k, v in ckpt.meta.items() if k not in RESERVED_META}
     return save_checkpoint(
-        target, cast(ckpt.state_dict), ckpt.config, epoch=ckpt.epoch, consumed_samples=ckpt.consumed_samples,
-        meta=meta, extra=ckpt.extra, files=copied,
-    )  # fmt: skip
+        target,
+        cast(ckpt.state_dict),
+        ckpt.config,
+        epoch=ckpt.epoch,
+        consumed_samples=ckpt.consumed_samples,
+        meta=meta,
+        extra=ckpt.extra,
+        files=copied,
+    )
 
 
 def export_hf(source: Path, target: Path, dtype: str | None = None, max_shard_bytes: int | None = None) -> Path:
@@ -283,8 +314,10 @@ def export_peft(source: Path, target: Path, dtype: str | None = None) -> Path:
     base = ckpt.lora.base.resolve()
     base_source = load_checkpoint(base, load_extra=False).source
     if base_source is None:
-        raise ConfigError(f"{source}: its LoRA base {base} is not a Hugging Face directory, so PEFT has no base "
-                          "model to apply the adapter to; export the merged model with --format hf")  # fmt: skip
+        raise ConfigError(
+            f"{source}: its LoRA base {base} is not a Hugging Face directory, so PEFT has no base "
+            "model to apply the adapter to; export the merged model with --format hf"
+        )
     config, spec = ckpt.model_config(), ckpt.lora.spec
     tensors, modules = {}, set()
     for key, tensor in sorted(_caster(dtype)(ckpt.lora.state_dict).items()):
@@ -294,18 +327,28 @@ def export_peft(source: Path, target: Path, dtype: str | None = None) -> Path:
         if name is None or ".experts." in name or ".shared_expert" in name:
             raise ConfigError(f"{source}: adapter on {layer} has no PEFT equivalent (only dense layers are mapped)")
         if fused := hf.fused_into(f"{layer}.weight", base_source.model_type):
-            raise ConfigError(f"{source}: adapter on {layer} has no PEFT equivalent: its base's files fuse that layer "
-                              f"with others ({fused}); export the merged model with --format hf")  # fmt: skip
+            raise ConfigError(
+                f"{source}: adapter on {layer} has no PEFT equivalent: its base's files fuse that layer "
+                f"with others ({fused}); export the merged model with --format hf"
+            )
         module = name.removesuffix(".weight")
         if part == "lora_B" and hf.is_rotated(f"{layer}.weight", config):
             tensor = hf.interleaved_to_rotate_half(tensor, config.attention_head_dim, config.rope_dim)
         tensors[f"{PEFT_PREFIX}{module}.{part}.weight"] = tensor.contiguous()
         modules.add(module.rpartition(".")[2])
     peft_config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", **_peft_base(base), "r": spec.r,
-        "lora_alpha": spec.alpha, "lora_dropout": spec.dropout, "target_modules": sorted(modules), "bias": "none",
-        "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True,
-    }  # fmt: skip
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        **_peft_base(base),
+        "r": spec.r,
+        "lora_alpha": spec.alpha,
+        "lora_dropout": spec.dropout,
+        "target_modules": sorted(modules),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "inference_mode": True,
+    }
     files = {PEFT_CONFIG_FILE: json.dumps(peft_config, indent=2).encode("utf-8")}  # bytes: written as they are
     return save_model_directory(target, tensors, files, metadata={"format": "pt"}, weights_name=PEFT_WEIGHTS_FILE)
 

@@ -103,8 +103,18 @@ def generate(
             out = model(ids, input_mask=mask, position_ids=positions)
         return out.logits[:, -1]
 
-    sampled = sample_tokens(logits, feed, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                            stop_ids=stop_ids, pad_id=pad_id, generator=generator, all_done=all_done)  # fmt: skip
+    sampled = sample_tokens(
+        logits,
+        feed,
+        max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        stop_ids=stop_ids,
+        pad_id=pad_id,
+        generator=generator,
+        all_done=all_done,
+    )
     new_tokens = list(sampled)
     return [_until_stop(row.tolist(), set(stop_ids)) for row in torch.stack(new_tokens, dim=1)]
 
@@ -154,8 +164,9 @@ def load_sampler(args: SamplingArgs, command: str) -> tuple[nn.Module, Tokenizer
     device = torch.device(args.device_type or ("cuda" if torch.cuda.is_available() else "cpu"))
     directory = hub.resolve_model(args.param_path, "param_path")  # a path, or a Hub id's snapshot
     model = load_language_model(directory, command=command).to(device).eval()
-    tokenizer = Tokenizer.from_dir(hub.resolve_model(args.tokenizer_path, "tokenizer_path") if args.tokenizer_path
-                                   else directory)  # fmt: skip
+    tokenizer = Tokenizer.from_dir(
+        hub.resolve_model(args.tokenizer_path, "tokenizer_path") if args.tokenizer_path else directory
+    )
     return model, tokenizer, torch.Generator(device).manual_seed(args.seed)
 
 
@@ -181,9 +192,16 @@ def run_generate(args: GenerateArgs) -> list[list[str]]:
     if limit < 1:
         raise ConfigError(f"a prompt fills the model's {model.config.max_position_embeddings} positions")
     outputs = generate(
-        model, batch, min(args.max_new_tokens, limit), temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, stop_ids=stop_ids, pad_id=tokenizer.padding_id, generator=generator,
-    )  # fmt: skip
+        model,
+        batch,
+        min(args.max_new_tokens, limit),
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        stop_ids=stop_ids,
+        pad_id=tokenizer.padding_id,
+        generator=generator,
+    )
     texts = [tokenizer.decode_whole_chars(out) for out in outputs]
     grouped = [texts[i : i + args.num_samples] for i in range(0, len(texts), args.num_samples)]
     for prompt, samples in zip(args.prompt, grouped, strict=True):

@@ -104,8 +104,10 @@ def cache_dir() -> Path:
 
 
 def is_offline() -> bool:
-    return any(os.environ.get(name, "").upper() in ("1", "ON", "YES", "TRUE") for name in
-               ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))  # fmt: skip
+    return any(
+        os.environ.get(name, "").upper() in ("1", "ON", "YES", "TRUE")
+        for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
 
 
 def _endpoint() -> str:
@@ -125,8 +127,9 @@ def resolve_model(path_or_id: str | Path, what: str = "param_path") -> Path:
     return snapshot(HubId.parse(text), what)
 
 
-def local_path(path_or_id: str | Path, repo_type: str = "model", subset: str | None = None,
-               split: str | None = None) -> Path:  # fmt: skip
+def local_path(
+    path_or_id: str | Path, repo_type: str = "model", subset: str | None = None, split: str | None = None
+) -> Path:
     """Where ``path_or_id`` is on this machine without asking the Hub: a Hub id's cached snapshot (of a ``model`` or
     ``dataset`` repository; of a dataset, holding the files of ``subset`` and ``split``), else the path (which may
     not exist)."""
@@ -161,8 +164,9 @@ def portable(path: Path) -> str | None:
     return f"{parts[0]}/{parts[1]}@{path.name}" if len(parts) == 2 else None
 
 
-def pinned(path_or_id: str | None, what: str, repo_type: str = "model", subset: str | None = None,
-           split: str | None = None) -> str | None:  # fmt: skip
+def pinned(
+    path_or_id: str | None, what: str, repo_type: str = "model", subset: str | None = None, split: str | None = None
+) -> str | None:
     """``path_or_id`` with a Hub id replaced by ``org/name@commit`` of the snapshot it resolves to now (fetched if
     need be; a dataset's ``subset`` and ``split`` only, ``snapshot``); anything else unchanged."""
     if path_or_id is None or not is_hub_id(path_or_id):
@@ -215,8 +219,10 @@ def pin_cached_flags(
         except _NotCached:
             if is_offline():
                 snapshot(hub_id, flag, repo_type=repo_type, **choice)  # raises its one line
-            uncached[flag] = (f"{flag} {value}: the Hub {repo_type} is not cached here ({cache_dir()}); the run "
-                              "fetches it first, so what it holds is not planned here")  # fmt: skip
+            uncached[flag] = (
+                f"{flag} {value}: the Hub {repo_type} is not cached here ({cache_dir()}); the run "
+                "fetches it first, so what it holds is not planned here"
+            )
             continue
         pinned_values[flag] = portable(folder) or value
     return pinned_values, uncached
@@ -243,8 +249,15 @@ def download(text: str, revision: str | None = None, local_dir: str | None = Non
     return snapshot(hub_id, "download", local_dir=local_dir)
 
 
-def snapshot(hub_id: HubId, what: str, *, repo_type: str = "model", local_dir: str | None = None,
-             subset: str | None = None, split: str | None = None) -> Path:  # fmt: skip
+def snapshot(
+    hub_id: HubId,
+    what: str,
+    *,
+    repo_type: str = "model",
+    local_dir: str | None = None,
+    subset: str | None = None,
+    split: str | None = None,
+) -> Path:
     """The local snapshot of ``hub_id``: from the cache when the revision is a commit it holds or when offline,
     else fetched (a model: only ``ALLOW_PATTERNS``, after the repository's file list says its weights are not only
     pickled; a dataset: its card first, then the data files of ``subset`` (``--data_subset``; and of ``split``
@@ -256,8 +269,11 @@ def snapshot(hub_id: HubId, what: str, *, repo_type: str = "model", local_dir: s
         except _NotCached:
             if is_offline():
                 get = f"`astrai-fabric download {hub_id}`" if repo_type == "model" else "the same command"
-                chosen = "".join(f" ({flag} {value!r})" for flag, value in (("--data_subset", subset),
-                                 ("--data_split", split)) if value is not None)  # fmt: skip
+                chosen = "".join(
+                    f" ({flag} {value!r})"
+                    for flag, value in (("--data_subset", subset), ("--data_split", split))
+                    if value is not None
+                )
                 raise UserError(
                     f"{where}: not a directory here, and HF_HUB_OFFLINE=1 with no cached copy of the Hub {repo_type} "
                     f"{hub_id}{chosen} in {cache_dir()}; get one with {get} while online, or unset HF_HUB_OFFLINE"
@@ -278,8 +294,9 @@ def snapshot(hub_id: HubId, what: str, *, repo_type: str = "model", local_dir: s
                     f"({_reason(err)}) with no cached copy; check the network (or HF_ENDPOINT), or run "
                     f"`astrai-fabric download {hub_id}` where the Hub is reachable"
                 ) from None
-            print(f"astrai-fabric: the Hub cannot be reached ({_reason(err)}); using the cached {folder}",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"astrai-fabric: the Hub cannot be reached ({_reason(err)}); using the cached {folder}", file=sys.stderr
+            )
             return folder
         raise _user_error(err, hub_id, where, repo_type) from None
     if repo_type == "model":
@@ -290,19 +307,37 @@ def snapshot(hub_id: HubId, what: str, *, repo_type: str = "model", local_dir: s
         card = None
         if dataset_card.CARD in names:
             try:
-                card = dataset_card.read_card(Path(hf_hub_download(
-                    hub_id.repo, dataset_card.CARD, repo_type=repo_type, revision=info.sha, cache_dir=cache_dir(),
-                    local_dir=local_dir, endpoint=_endpoint(), token=_token(), etag_timeout=ETAG_TIMEOUT_S,
-                )).parent)  # fmt: skip
+                card = dataset_card.read_card(
+                    Path(
+                        hf_hub_download(
+                            hub_id.repo,
+                            dataset_card.CARD,
+                            repo_type=repo_type,
+                            revision=info.sha,
+                            cache_dir=cache_dir(),
+                            local_dir=local_dir,
+                            endpoint=_endpoint(),
+                            token=_token(),
+                            etag_timeout=ETAG_TIMEOUT_S,
+                        )
+                    ).parent
+                )
             except Exception as err:
                 raise _user_error(err, hub_id, where, repo_type) from None
         allow = _dataset_allow(card, names, where, subset, split)
     try:
         folder = snapshot_download(
-            hub_id.repo, repo_type=repo_type, revision=hub_id.revision, cache_dir=cache_dir(), local_dir=local_dir,
-            allow_patterns=allow, ignore_patterns=ignore, endpoint=_endpoint(), token=_token(),
+            hub_id.repo,
+            repo_type=repo_type,
+            revision=hub_id.revision,
+            cache_dir=cache_dir(),
+            local_dir=local_dir,
+            allow_patterns=allow,
+            ignore_patterns=ignore,
+            endpoint=_endpoint(),
+            token=_token(),
             etag_timeout=ETAG_TIMEOUT_S,
-        )  # fmt: skip
+        )
     except Exception as err:
         raise _user_error(err, hub_id, where, repo_type) from None
     if repo_type == "dataset" and Path(folder).name != info.sha:  # the files chosen by another commit's card
@@ -310,8 +345,7 @@ def snapshot(hub_id: HubId, what: str, *, repo_type: str = "model", local_dir: s
     return Path(folder)
 
 
-def _dataset_allow(card: str | None, names: list[str], where: str, subset: str | None,
-                   split: str | None) -> list[str]:  # fmt: skip
+def _dataset_allow(card: str | None, names: list[str], where: str, subset: str | None, split: str | None) -> list[str]:
     """What of a dataset repository holding ``names`` (its files) a snapshot fetches: where its ``card`` names no
     subsets (``configs``), every data file (``DATASET_ALLOW_PATTERNS``, as ``datasets`` reads such a repository);
     else the card and the data files of the subset chosen (``dataset_card.choose``), and only ``split``'s where the
@@ -320,8 +354,10 @@ def _dataset_allow(card: str | None, names: list[str], where: str, subset: str |
     found = dataset_card.subsets(card, f"{where}: {dataset_card.CARD}")
     if found is None:
         if subset not in (None, "default"):
-            raise UserError(f"--data_subset {subset!r}: {where} has no such subset; it has 'default' (its "
-                            f"{dataset_card.CARD} names no configs)")  # fmt: skip
+            raise UserError(
+                f"--data_subset {subset!r}: {where} has no such subset; it has 'default' (its "
+                f"{dataset_card.CARD} names no configs)"
+            )
         return list(DATASET_ALLOW_PATTERNS)
     chosen = dataset_card.choose(found, subset, where)
     if chosen.splits is None and not chosen.data_dir:  # an entry naming no files reads the whole layout
@@ -333,8 +369,10 @@ def _dataset_allow(card: str | None, names: list[str], where: str, subset: str |
     files = [name for name in dataset_card.matching(patterns, names) if name.lower().endswith(DATA_SUFFIXES)]
     if not files:
         shown = ", ".join(patterns[:3]) + (f" and {len(patterns) - 3} more" if len(patterns) > 3 else "")
-        raise UserError(f"{where}: subset {chosen.name!r} of its {dataset_card.CARD} names data files ({shown}) that "
-                        "match no parquet, arrow, CSV or JSON file of the repository")  # fmt: skip
+        raise UserError(
+            f"{where}: subset {chosen.name!r} of its {dataset_card.CARD} names data files ({shown}) that "
+            "match no parquet, arrow, CSV or JSON file of the repository"
+        )
     # Each file by its own name (snapshot_download's patterns are fnmatch's: its special characters made literal).
     return [dataset_card.CARD, *(re.sub(r"[*?[]", lambda m: f"[{m.group()}]", name) for name in files)]
 
@@ -350,8 +388,13 @@ class _NotCached(UserError):
     mistake in what was asked: a subset its cached card does not name, say)."""
 
 
-def _cached(hub_id: HubId, repo_type: str = "model", what: str = "param_path", subset: str | None = None,
-            split: str | None = None) -> Path:  # fmt: skip
+def _cached(
+    hub_id: HubId,
+    repo_type: str = "model",
+    what: str = "param_path",
+    subset: str | None = None,
+    split: str | None = None,
+) -> Path:
     """The cached snapshot of ``hub_id``, complete for what ``snapshot`` fetches (of a dataset: what its cached card
     says ``subset`` and ``split`` need), without a request; ``_NotCached`` if there is none."""
     from huggingface_hub import snapshot_download
@@ -361,10 +404,17 @@ def _cached(hub_id: HubId, repo_type: str = "model", what: str = "param_path", s
 
     def cached(patterns: list[str]) -> Path:
         try:
-            return Path(snapshot_download(
-                hub_id.repo, repo_type=repo_type, revision=hub_id.revision, cache_dir=cache_dir(),
-                local_files_only=True, allow_patterns=patterns, ignore_patterns=ignore,
-            ))  # fmt: skip
+            return Path(
+                snapshot_download(
+                    hub_id.repo,
+                    repo_type=repo_type,
+                    revision=hub_id.revision,
+                    cache_dir=cache_dir(),
+                    local_files_only=True,
+                    allow_patterns=patterns,
+                    ignore_patterns=ignore,
+                )
+            )
         except (LocalEntryNotFoundError, OSError, ValueError) as err:  # ValueError: huggingface_hub's validation
             raise _NotCached(f"{hub_id}: no cached snapshot ({_reason(err)})") from None
 
@@ -436,23 +486,30 @@ def _user_error(err: Exception, hub_id: HubId, where: str, repo_type: str) -> Ex
             f"{status}); set HF_TOKEN to a token with access, and accept its terms on its Hub page if it asks"
         )
     if isinstance(err, RevisionNotFoundError):
-        return UserError(f"{where}: the Hub repository {hub_id.repo} has no revision {hub_id.revision!r} (a branch, "
-                         "tag or commit)")  # fmt: skip
+        return UserError(
+            f"{where}: the Hub repository {hub_id.repo} has no revision {hub_id.revision!r} (a branch, tag or commit)"
+        )
     if isinstance(err, RepositoryNotFoundError) or (isinstance(err, HfHubHTTPError) and status == 401):
         return UserError(
             f"{where}: no such directory here, and no {repo_type} repository {hub_id.repo} on the Hub ({_endpoint()}); "
             "fix the path, or the id (a private repository needs HF_TOKEN)"
         )
     if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
-        return UserError(f"{where}: the disk is full while downloading into {cache_dir()} ({err.strerror}); free "
-                         "space, or point HF_HUB_CACHE (or --local_dir) at a disk with room")  # fmt: skip
+        return UserError(
+            f"{where}: the disk is full while downloading into {cache_dir()} ({err.strerror}); free "
+            "space, or point HF_HUB_CACHE (or --local_dir) at a disk with room"
+        )
     if isinstance(err, PermissionError):
-        return UserError(f"{where}: cannot write the download into {cache_dir()} ({err.strerror}: "
-                         f"{err.filename}); point HF_HUB_CACHE at a directory you can write")  # fmt: skip
+        return UserError(
+            f"{where}: cannot write the download into {cache_dir()} ({err.strerror}: "
+            f"{err.filename}); point HF_HUB_CACHE at a directory you can write"
+        )
     if isinstance(err, LocalEntryNotFoundError) or _is_unreachable(err):
-        return UserError(f"{where}: the Hub ({_endpoint()}) cannot be reached ({_reason(err)}) to download it; "
-                         f"check the network (or HF_ENDPOINT), or run `astrai-fabric download {hub_id}` where it "
-                         "is")  # fmt: skip
+        return UserError(
+            f"{where}: the Hub ({_endpoint()}) cannot be reached ({_reason(err)}) to download it; "
+            f"check the network (or HF_ENDPOINT), or run `astrai-fabric download {hub_id}` where it "
+            "is"
+        )
     if isinstance(err, HfHubHTTPError):
         return UserError(f"{where}: the Hub answered HTTP {status} ({_reason(err)}); try again later")
     return err

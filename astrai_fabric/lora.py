@@ -227,8 +227,11 @@ def load_adapter(model: nn.Module, adapter: Mapping[str, Tensor], source: str) -
     missing, unexpected = sorted(set(expected) - set(adapter)), sorted(set(adapter) - set(expected))
     wrong = [k for k in expected if k in adapter and tuple(adapter[k].shape) != tuple(expected[k].shape)]
     if missing or unexpected or wrong:
-        detail = [f"{label} {keys[:4]}" for label, keys in
-                  (("missing", missing), ("unexpected", unexpected), ("wrong shapes", wrong)) if keys]  # fmt: skip
+        detail = [
+            f"{label} {keys[:4]}"
+            for label, keys in (("missing", missing), ("unexpected", unexpected), ("wrong shapes", wrong))
+            if keys
+        ]
         raise CheckpointError(f"{source}: does not fit this model's adapters: " + "; ".join(detail))
     layers = dict(lora_layers(model))
     with torch.no_grad():

@@ -397,8 +397,14 @@ def head_token_nll(
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     shape = targets.shape
-    nll = _HeadNLL.apply(hidden.reshape(-1, hidden.size(-1)), weight, targets.reshape(-1), chunk_size,
-                         label_smoothing, torch.is_grad_enabled())  # fmt: skip
+    nll = _HeadNLL.apply(
+        hidden.reshape(-1, hidden.size(-1)),
+        weight,
+        targets.reshape(-1),
+        chunk_size,
+        label_smoothing,
+        torch.is_grad_enabled(),
+    )
     return nll.reshape(shape)
 
 
@@ -418,9 +424,15 @@ def head_nll_loss(
     All-zero weights (no trained token, B8) give a loss of exactly 0 and zero gradients."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    loss, nll = _WeightedHeadNLL.apply(hidden.reshape(-1, hidden.size(-1)), weight, targets.reshape(-1),
-                                       token_weights.reshape(-1).float(), chunk_size, label_smoothing,
-                                       torch.is_grad_enabled())  # fmt: skip
+    loss, nll = _WeightedHeadNLL.apply(
+        hidden.reshape(-1, hidden.size(-1)),
+        weight,
+        targets.reshape(-1),
+        token_weights.reshape(-1).float(),
+        chunk_size,
+        label_smoothing,
+        torch.is_grad_enabled(),
+    )
     return loss, nll.reshape(targets.shape)
 
 
@@ -511,8 +523,9 @@ class _HeadNLL(torch.autograd.Function):
         buffer = _logits_buffer(hidden, weight, chunk_size)
         for begin in range(0, hidden.size(0), chunk_size):
             rows = slice(begin, begin + chunk_size)
-            nll[rows], grad_logits = _chunk_nll(hidden[rows], weight, targets[rows], smoothing,
-                                                scale[rows] if store else None, buffer)  # fmt: skip
+            nll[rows], grad_logits = _chunk_nll(
+                hidden[rows], weight, targets[rows], smoothing, scale[rows] if store else None, buffer
+            )
             if store:
                 grad_hidden[rows] = _times_weight(grad_logits, weight)
         ctx.chunk_size, ctx.smoothing, ctx.stored, ctx.hidden_dtype = chunk_size, smoothing, store, hidden.dtype
@@ -567,8 +580,9 @@ class _WeightedHeadNLL(torch.autograd.Function):
         buffer = _logits_buffer(hidden, weight, chunk_size)
         for begin in range(0, hidden.size(0), chunk_size):
             rows = slice(begin, begin + chunk_size)
-            nll[rows], grad_logits = _chunk_nll(hidden[rows], weight, targets[rows], smoothing,
-                                                token_weights[rows] if with_grad else None, buffer)  # fmt: skip
+            nll[rows], grad_logits = _chunk_nll(
+                hidden[rows], weight, targets[rows], smoothing, token_weights[rows] if with_grad else None, buffer
+            )
             if not with_grad:
                 continue
             if needs_hidden:

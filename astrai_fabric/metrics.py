@@ -122,8 +122,9 @@ class GradSNR:
         with_grads = [i for i, p in enumerate(parameters) if p.grad is not None]
         grads = [parameters[i].grad.detach().float() for i in with_grads]
         if self.first and with_grads != self.with_grads:
-            warnings.warn("grad_snr: the parameters that have gradients changed; its averages start again here",
-                          stacklevel=3)  # fmt: skip
+            warnings.warn(
+                "grad_snr: the parameters that have gradients changed; its averages start again here", stacklevel=3
+            )
             self.restart()
         first_norms: list[Tensor] = []
         delta_norms: list[Tensor] = []

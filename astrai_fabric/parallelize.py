@@ -106,8 +106,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     if uneven:
         raise ConfigError(f"tp_size {size} must divide {', '.join(uneven)}")
     if config.qk_norm_over_projection:
-        raise ConfigError(f"tp_size {size} cannot split qk_norm_over_projection: its RMS spans every head of a "
-                          "token (OLMo 2), and tensor parallelism gives each rank some heads only")  # fmt: skip
+        raise ConfigError(
+            f"tp_size {size} cannot split qk_norm_over_projection: its RMS spans every head of a "
+            "token (OLMo 2), and tensor parallelism gives each rank some heads only"
+        )
     for block in model.decoder_blocks:
         attention = block.attention
         names = ["q_proj", "kv_b_proj"] if isinstance(attention, MLA) else ["q_proj", "k_proj", "v_proj"]
@@ -118,9 +120,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
             # MLA's one shared RoPE key head, broadcast to every head: each rank keeps its heads' share, and the
             # backward pass gathers every head's gradient so the one head (and kv_a_proj) sums them all.
             plan["rope_key_heads"] = PrepareModuleInputOutput(
-                input_layouts=Replicate(), desired_input_layouts=Replicate(), output_layouts=Replicate(),
+                input_layouts=Replicate(),
+                desired_input_layouts=Replicate(),
+                output_layouts=Replicate(),
                 desired_output_layouts=Shard(2),
-            )  # fmt: skip
+            )
         if attention.q_norm is not None:
             # One weight for every head, each rank normalising its own heads ([B, S, heads, D], split on dim 2):
             # replicated, its gradient summed over the ranks' heads (left alone, each rank's copy would learn from

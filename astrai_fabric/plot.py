@@ -67,8 +67,11 @@ def read_evaluations(run: Path) -> dict[str, list[tuple[int, float]]]:
             if result.get("kind") == "perplexity":
                 data_paths.add(str(result.get("settings", {}).get("data_root_path")))
     for step, result in results:
-        where = f" ({result['settings'].get('data_root_path')})" if len(data_paths) > 1 and result.get("kind") == (
-            "perplexity") else ""  # fmt: skip
+        where = (
+            f" ({result['settings'].get('data_root_path')})"
+            if len(data_paths) > 1 and result.get("kind") == ("perplexity")
+            else ""
+        )
         for name, value in result["metrics"].items():
             drawn = isinstance(value, int | float) and not isinstance(value, bool)
             if (
@@ -113,15 +116,23 @@ def plot_runs(runs: list[Path], output: Path) -> Path:
         steps = [e for e in entries if e["type"] == "step"]
         line = _series(loss_ax, steps, "loss", f"{name} train")
         color = line.get_color() if line else None
-        _series(loss_ax, [e for e in entries if e["type"] == "validation"], "val_loss", f"{name} validation",
-                color=color, linestyle="--", marker="o")  # fmt: skip
+        _series(
+            loss_ax,
+            [e for e in entries if e["type"] == "validation"],
+            "val_loss",
+            f"{name} validation",
+            color=color,
+            linestyle="--",
+            marker="o",
+        )
         _series(lr_ax, steps, "lr", name)
         _series(speed_ax, steps, "tokens_per_sec", name)
         for metric, points in evaluations[run].items():
             entries_of = [{"step": step, "value": value} for step, value in points]
             if _is_eval_loss(metric):
-                _series(loss_ax, entries_of, "value", f"{name} held-out {metric}", color=color, linestyle=":",
-                        marker="s")  # fmt: skip
+                _series(
+                    loss_ax, entries_of, "value", f"{name} held-out {metric}", color=color, linestyle=":", marker="s"
+                )
             else:
                 _series(eval_axes[metric], entries_of, "value", name, marker="o")
     for axis in axes.flat[3 + len(eval_names) :]:

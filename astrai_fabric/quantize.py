@@ -221,8 +221,9 @@ def read_quantization_entry(entry: Any, where: str) -> tuple[torch.dtype, tuple[
     if wrong := [f"{k} {entry.get(k)!r} (expected {v!r})" for k, v in expected.items() if entry.get(k) != v]:
         raise CheckpointError(f"{where}: '{QUANTIZATION_KEY}' has " + ", ".join(wrong))
     if entry.get("dtype") not in _DTYPES:
-        raise CheckpointError(f"{where}: '{QUANTIZATION_KEY}' dtype must be one of {list(_DTYPES)}, got "
-                              f"{entry.get('dtype')!r}")  # fmt: skip
+        raise CheckpointError(
+            f"{where}: '{QUANTIZATION_KEY}' dtype must be one of {list(_DTYPES)}, got {entry.get('dtype')!r}"
+        )
     keys = entry.get("keys")
     if not isinstance(keys, list) or not all(isinstance(k, str) and k.endswith(".weight") for k in keys):
         raise CheckpointError(f"{where}: '{QUANTIZATION_KEY}' keys must be a list of '<layer>.weight' names")

@@ -118,15 +118,20 @@ def check_reward_model(path: Path, policy_vocab_size: int, tokenizer: Tokenizer 
     config = read_model_config(path)
     config.check_buildable(source=str(path / "config.json"))
     if not config.score_head:
-        raise UserError(f"reward_model {path}: a language model, not a reward model (no score head); train one with "
-                        "astrai-fabric reward_model, or pass a *ForSequenceClassification directory")  # fmt: skip
+        raise UserError(
+            f"reward_model {path}: a language model, not a reward model (no score head); train one with "
+            "astrai-fabric reward_model, or pass a *ForSequenceClassification directory"
+        )
     theirs = own_tokenizer(path, tokenizer)
     if theirs is not None:
-        theirs.render_chat([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
-                           where=f"reward_model {path}")  # fmt: skip
+        theirs.render_chat(
+            [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], where=f"reward_model {path}"
+        )
         return f"its own tokenizer of {theirs.vocab_size:,} ids, each conversation rendered again with its template"
     if config.vocab_size < policy_vocab_size:
-        raise UserError(f"reward_model {path}: vocab_size {config.vocab_size:,} is smaller than the policy's "
-                        f"{policy_vocab_size:,} and it holds no tokenizer of its own to read the rollouts with; pass "
-                        "its directory with its tokenizer")  # fmt: skip
+        raise UserError(
+            f"reward_model {path}: vocab_size {config.vocab_size:,} is smaller than the policy's "
+            f"{policy_vocab_size:,} and it holds no tokenizer of its own to read the rollouts with; pass "
+            "its directory with its tokenizer"
+        )
     return "the policy's token ids"

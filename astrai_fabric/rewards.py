@@ -143,9 +143,12 @@ def reward_name(reward: Reward) -> str:
 
 
 def score(
-    reward: Reward, prompts: list[str], responses: list[list[str]], records: list[dict],
+    reward: Reward,
+    prompts: list[str],
+    responses: list[list[str]],
+    records: list[dict],
     traceback_dir: Path | None = None,
-) -> Tensor:  # fmt: skip
+) -> Tensor:
     """``rewards [B, G]`` (float32), checked: one finite number per response (an int or a float, not a bool, a
     string or None: nothing is passed through ``float()``), or one clear error naming the reward.
 

@@ -136,11 +136,14 @@ class StepPlan:
         if max_tokens is not None:
             run += f", or fewer: the run stops at max_tokens {max_tokens:,}"
         return [
-            ("batch", f"{self.num_dp_ranks} rank(s) x {self.batch_per_device} per device x {self.grad_accum_steps} "
-                      f"accumulation = {self.global_batch_size} samples per optimizer step"),
+            (
+                "batch",
+                f"{self.num_dp_ranks} rank(s) x {self.batch_per_device} per device x {self.grad_accum_steps} "
+                f"accumulation = {self.global_batch_size} samples per optimizer step",
+            ),
             ("steps", steps),
             ("this run", run),
-        ]  # fmt: skip
+        ]
 
 
 @dataclass(frozen=True)
@@ -159,8 +162,17 @@ class ScheduleArgs:
     def build(self, optimizer: Optimizer, plan: StepPlan) -> _AstraiSchedule:
         """This schedule over ``plan``'s steps (``build_scheduler``), after ``check``."""
         self.check(plan)
-        return build_scheduler(optimizer, self.schedule_type, plan.total_steps, plan.warmup_steps, self.min_rate,
-                               self.cycle_length, self.t_mult, self.stable_steps, self.decay_steps)  # fmt: skip
+        return build_scheduler(
+            optimizer,
+            self.schedule_type,
+            plan.total_steps,
+            plan.warmup_steps,
+            self.min_rate,
+            self.cycle_length,
+            self.t_mult,
+            self.stable_steps,
+            self.decay_steps,
+        )
 
     def check(self, plan: StepPlan) -> None:
         """A run that ends at ``--max_steps`` must hold the phases its flags make explicit: a stable phase or first

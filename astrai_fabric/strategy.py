@@ -219,17 +219,21 @@ def build_fabric(args: FabricArgs, topology: Topology) -> Fabric:
         )
     elif args.parallel_mode == "ddp":
         strategy = DDPStrategy(
-            process_group_backend=args.backend, timeout=timedelta(seconds=args.dist_timeout),
-            gradient_as_bucket_view=True, broadcast_buffers=False,
-        )  # fmt: skip
+            process_group_backend=args.backend,
+            timeout=timedelta(seconds=args.dist_timeout),
+            gradient_as_bucket_view=True,
+            broadcast_buffers=False,
+        )
     else:
         if args.fsdp_cpu_offload and accelerator == "cpu":
             raise ConfigError("fsdp_cpu_offload moves state from an accelerator to CPU memory; this run is on CPU")
         knobs = dict(
-            reshard_after_forward=args.fsdp_reshard_after_forward, param_dtype=args.fsdp_param_dtype,
-            reduce_dtype=args.fsdp_reduce_dtype, cpu_offload=args.fsdp_cpu_offload,
+            reshard_after_forward=args.fsdp_reshard_after_forward,
+            param_dtype=args.fsdp_param_dtype,
+            reduce_dtype=args.fsdp_reduce_dtype,
+            cpu_offload=args.fsdp_cpu_offload,
             fsdp_shard_size=layout.shards,
-        )  # fmt: skip
+        )
         strategy = ModelParallelStrategy(
             parallelize_fn=partial(parallelize, **knobs),
             # explicit: Lightning's "auto" would put every rank on TP

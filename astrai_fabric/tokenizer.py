@@ -252,8 +252,13 @@ class Tokenizer:
         if self.layout == ASTRAI:  # AstrAI's ChatTemplate.render as its Tokenizer calls it
             return {"messages": messages, "add_generation_prompt": add_generation_prompt}
         # transformers' apply_chat_template: the named special tokens, then these (render_jinja_template)
-        return {**self.special_tokens, "messages": messages, "tools": None, "documents": None,
-                "add_generation_prompt": add_generation_prompt}  # fmt: skip
+        return {
+            **self.special_tokens,
+            "messages": messages,
+            "tools": None,
+            "documents": None,
+            "add_generation_prompt": add_generation_prompt,
+        }
 
     def render_chat(self, messages: list[Message], add_generation_prompt: bool = False, where: str = "") -> str:
         """The chat template applied to ``messages`` (text, not ids); ``where`` names the record in errors."""

@@ -59,15 +59,17 @@ def step_ms() -> list[float]:
 def before_and_after(repeats: int, base: str) -> tuple[list[float], list[float]]:
     """Step times (ms) with ``base``'s package and with this tree's, runs alternating."""
     with tempfile.TemporaryDirectory() as before:
-        archive = subprocess.run(["git", "-C", str(REPO), "archive", base, "astrai_fabric"], check=True,
-                                 capture_output=True).stdout  # fmt: skip
+        archive = subprocess.run(
+            ["git", "-C", str(REPO), "archive", base, "astrai_fabric"], check=True, capture_output=True
+        ).stdout
         subprocess.run(["tar", "-x", "-C", before], input=archive, check=True)
         runs: dict[str, list[float]] = {before: [], str(REPO): []}
         for _ in range(repeats):
             for root, times in runs.items():
                 env = dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1")
-                out = subprocess.run([sys.executable, __file__, "--child", root], env=env, check=True,
-                                     capture_output=True, text=True).stdout  # fmt: skip
+                out = subprocess.run(
+                    [sys.executable, __file__, "--child", root], env=env, check=True, capture_output=True, text=True
+                ).stdout
                 times += [float(ms) for ms in out.split()]
         return runs[before], runs[str(REPO)]
 
@@ -81,8 +83,14 @@ def layer_ms(seq_len: int, repeats: int) -> dict[str, float]:
     from astrai_fabric.model.layers import rope_table
     from astrai_fabric.model.transformer import sliding_window_mask
 
-    base = dict(vocab_size=8, hidden_size=128, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8,
-                max_position_embeddings=seq_len)  # fmt: skip
+    base = dict(
+        vocab_size=8,
+        hidden_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=8,
+        max_position_embeddings=seq_len,
+    )
     rotary = rope_table(64, seq_len, 10000.0)[None]
     x = torch.randn(1, seq_len, 128, requires_grad=True)
     cases = {

@@ -104,8 +104,13 @@ def main() -> None:
         touch([checkpoint.state_dict, checkpoint.extra])
 
     def load_raw(folder: Path) -> None:
-        touch([load_file(str(folder / "model.safetensors")), torch.load(folder / "optimizer.pt", weights_only=True),
-               torch.load(folder / "scheduler.pt", weights_only=True)])  # fmt: skip
+        touch(
+            [
+                load_file(str(folder / "model.safetensors")),
+                torch.load(folder / "optimizer.pt", weights_only=True),
+                torch.load(folder / "scheduler.pt", weights_only=True),
+            ]
+        )
 
     times: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(dir=Path.cwd()) as scratch:  # the disk checkpoints go to, not a tmpfs
@@ -123,8 +128,10 @@ def main() -> None:
             for folder in (ours, raw, synced):
                 shutil.rmtree(folder)
     median = {name: statistics.median(values) for name, values in times.items()}
-    print(f"\nmodel: {num_params / 1e6:.0f}M parameters, float32, AdamW state; checkpoint {size / 2**30:.2f} GiB; "
-          f"median of {repeats}\n")  # fmt: skip
+    print(
+        f"\nmodel: {num_params / 1e6:.0f}M parameters, float32, AdamW state; checkpoint {size / 2**30:.2f} GiB; "
+        f"median of {repeats}\n"
+    )
     print(f"{'operation':<9} {'ours s':>7} {'raw s':>7} {'raw+fsync s':>12} {'ours/baseline':>14} {'ours GiB/s':>11}")
     for op, baseline in (("save", "raw+fsync save"), ("load", "raw load")):
         ratio = median[f"ours {op}"] / median[baseline]

@@ -56,9 +56,20 @@ def _repeat(loader):
 
 def consumed(train_type: str, data: Path) -> float:
     with tempfile.TemporaryDirectory() as out, contextlib.redirect_stdout(io.StringIO()):
-        args = TrainArgs(param_path=str(TINY_MODEL_DIR), data_root_path=str(data), train_type=train_type,
-                         ckpt_dir=out, window_size=WINDOW, batch_per_device=BATCH, max_steps=30, num_workers=0,
-                         parallel_mode="none", ckpt_interval=10**9, loggers=[], optimizer="adamw")  # fmt: skip
+        args = TrainArgs(
+            param_path=str(TINY_MODEL_DIR),
+            data_root_path=str(data),
+            train_type=train_type,
+            ckpt_dir=out,
+            window_size=WINDOW,
+            batch_per_device=BATCH,
+            max_steps=30,
+            num_workers=0,
+            parallel_mode="none",
+            ckpt_interval=10**9,
+            loggers=[],
+            optimizer="adamw",
+        )
         return statistics.median(r["tokens_per_sec"] for r in run(args)[5:])
 
 
@@ -72,8 +83,12 @@ def main() -> None:
         for train_type, jsonl in (("seq", SEQ_DATA_DIR), ("sft", SFT_DATA_DIR)):
             shards = Path(scratch) / train_type
             started = time.perf_counter()
-            prepare(sorted(jsonl.glob("*.jsonl")), shards, PipelineConfig.from_dict(PIPELINES[train_type], "bench"),
-                    tokenizer)  # fmt: skip
+            prepare(
+                sorted(jsonl.glob("*.jsonl")),
+                shards,
+                PipelineConfig.from_dict(PIPELINES[train_type], "bench"),
+                tokenizer,
+            )
             prepare_seconds = time.perf_counter() - started
             training = consumed(train_type, shards)
             for source, path, tok in (("jsonl", jsonl, tokenizer), ("bin", shards, None)):
@@ -86,11 +101,14 @@ def main() -> None:
                     rate = delivered(dataset, workers, batches)
                     rows.append((train_type, source, workers, build_seconds, rate, rate / training, training))
     print(f"\nwindows of {WINDOW} tokens, {BATCH} per batch, {batches} batches; consumed = fit() on the tiny model\n")
-    print(f"{'type':<5} {'source':<6} {'workers':>7} {'build s':>8} {'delivered tok/s':>16} {'consumed tok/s':>15} "
-          f"{'headroom':>9}")  # fmt: skip
+    print(
+        f"{'type':<5} {'source':<6} {'workers':>7} {'build s':>8} {'delivered tok/s':>16} {'consumed tok/s':>15} "
+        f"{'headroom':>9}"
+    )
     for train_type, source, workers, build, rate, ratio, training in rows:
-        print(f"{train_type:<5} {source:<6} {workers:>7} {build:>8.2f} {rate:>16,.0f} {training:>15,.0f} "
-              f"{ratio:>8.0f}x")  # fmt: skip
+        print(
+            f"{train_type:<5} {source:<6} {workers:>7} {build:>8.2f} {rate:>16,.0f} {training:>15,.0f} {ratio:>8.0f}x"
+        )
     print("\nbuild s: tokenising JSONL when the run starts, or `prepare` once (bin shards are then memory-mapped)")
 
 

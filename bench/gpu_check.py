@@ -77,12 +77,25 @@ def main() -> None:
 
     devices = options.devices or (1 if options.smoke else torch.cuda.device_count())
     args = TrainArgs(
-        train_type="seq", param_path=str(model_dir), data_root_path="bundled:data/seq", ckpt_dir=str(out / "run"),
-        window_size=64 if options.smoke else 1024, batch_per_device=4, max_steps=3 if options.smoke else options.steps,
-        n_epoch=1000, parallel_mode="fsdp", nprocs=devices, device_type="cpu" if options.smoke else "cuda",
-        precision="32-true" if options.smoke else "bf16-true", num_workers=2, ckpt_interval=10**9, loggers=[],
-        metrics=["loss", "lr", "grad_norm", "tokens_per_sec", "mfu"], peak_flops=options.peak_flops, neftune_alpha=5.0,
-    )  # fmt: skip
+        train_type="seq",
+        param_path=str(model_dir),
+        data_root_path="bundled:data/seq",
+        ckpt_dir=str(out / "run"),
+        window_size=64 if options.smoke else 1024,
+        batch_per_device=4,
+        max_steps=3 if options.smoke else options.steps,
+        n_epoch=1000,
+        parallel_mode="fsdp",
+        nprocs=devices,
+        device_type="cpu" if options.smoke else "cuda",
+        precision="32-true" if options.smoke else "bf16-true",
+        num_workers=2,
+        ckpt_interval=10**9,
+        loggers=[],
+        metrics=["loss", "lr", "grad_norm", "tokens_per_sec", "mfu"],
+        peak_flops=options.peak_flops,
+        neftune_alpha=5.0,
+    )
     history = run(args)
     if int(os.environ.get("LOCAL_RANK", 0)) != 0:  # the launched ranks train; rank 0 reports
         return
@@ -96,16 +109,19 @@ def main() -> None:
     checkpoint = load_checkpoint(checkpoint_dir)
     load_seconds = time.perf_counter() - started
     started = time.perf_counter()
-    copy = save_checkpoint(out / "round_trip", checkpoint.state_dict, checkpoint.config, meta={"train_type": "seq"},
-                           extra=checkpoint.extra)  # fmt: skip
+    copy = save_checkpoint(
+        out / "round_trip", checkpoint.state_dict, checkpoint.config, meta={"train_type": "seq"}, extra=checkpoint.extra
+    )
     save_seconds = time.perf_counter() - started
     reloaded = load_checkpoint(copy)
     exact = all(torch.equal(reloaded.state_dict[k], v) for k, v in checkpoint.state_dict.items())
 
     num_params = sum(t.numel() for t in checkpoint.state_dict.values())
     device = "CPU (smoke)" if options.smoke else f"{devices} x {torch.cuda.get_device_name(0)}"
-    print(f"\ngpu_check on {device}: {num_params / 1e9:.2f}B parameters, {len(history)} steps, "
-          f"{args.precision}, FSDP over {devices} rank(s)\n")  # fmt: skip
+    print(
+        f"\ngpu_check on {device}: {num_params / 1e9:.2f}B parameters, {len(history)} steps, "
+        f"{args.precision}, FSDP over {devices} rank(s)\n"
+    )
     rows = [
         ("tokens/s (all ranks, median after step 5)", f"{tokens_per_sec:,.0f}"),
         ("MFU", f"{mfu:.1%}" if mfu is not None else "unknown peak FLOP/s (pass --peak_flops)"),

@@ -92,8 +92,9 @@ def write_model(root: Path, config: dict, layout: str) -> Path:
     directory = root / layout
     directory.mkdir()
     generator = torch.Generator().manual_seed(0)
-    hidden, inter, heads, kv = (config[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
-                                                    "num_key_value_heads"))  # fmt: skip
+    hidden, inter, heads, kv = (
+        config[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
+    )
     head_dim = hidden // heads
     shapes = {"model.embed_tokens.weight": (config["vocab_size"], hidden), "model.norm.weight": (hidden,)}
     for i in range(config["num_hidden_layers"]):
@@ -124,8 +125,10 @@ def write_model(root: Path, config: dict, layout: str) -> Path:
             file = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
             save_file(tensors, str(directory / file), metadata={"format": "pt"})
             weight_map |= dict.fromkeys(tensors, file)
-        index = {"metadata": {"total_size": sum(t.numel() * 2 for s in shards for t in s.values())},
-                 "weight_map": weight_map}  # fmt: skip
+        index = {
+            "metadata": {"total_size": sum(t.numel() * 2 for s in shards for t in s.values())},
+            "weight_map": weight_map,
+        }
         (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         (directory / "config.json").write_text(json.dumps(config, indent=2))
     else:
@@ -138,8 +141,9 @@ def write_model(root: Path, config: dict, layout: str) -> Path:
 
 def measure(directory: Path, side: str, dtype: str) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
-    out = subprocess.run([sys.executable, "-c", CHILD, str(directory), side, dtype], capture_output=True, text=True,
-                         env=env, check=False)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, str(directory), side, dtype], capture_output=True, text=True, env=env, check=False
+    )
     if out.returncode != 0:
         raise SystemExit(f"{side} {dtype} {directory.name} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -156,8 +160,10 @@ def main() -> None:
     root = args.keep or Path(tempfile.mkdtemp(prefix="hf_load_memory-"))
     root.mkdir(parents=True, exist_ok=True)
     try:
-        dirs = {layout: (root / layout if (root / layout).exists() else write_model(root, config, layout))
-                for layout in ("hf", "astrai")}  # fmt: skip
+        dirs = {
+            layout: (root / layout if (root / layout).exists() else write_model(root, config, layout))
+            for layout in ("hf", "astrai")
+        }
         cases = [("hf", "new"), ("hf", "old"), ("astrai", "new")]
         if args.no_old:
             cases.remove(("hf", "old"))
@@ -172,18 +178,24 @@ def main() -> None:
             shutil.rmtree(root, ignore_errors=True)
     gib = 2**30
     first = next(iter(results.values()))[0]
-    print(f"\nmodel: {first['params'] / 1e9:.2f}B parameters, bf16 on disk; medians of {args.repeats} fresh "
-          f"processes, {os.environ.get('OMP_NUM_THREADS', '2')} thread(s)\n")  # fmt: skip
-    print(f"{'layout':<7} {'loader':<6} {'dtype':<9} {'model GiB':>9} {'peak GiB':>9} {'peak/model':>10} "
-          f"{'(peak-base)/model':>17} {'load s':>7}")  # fmt: skip
+    print(
+        f"\nmodel: {first['params'] / 1e9:.2f}B parameters, bf16 on disk; medians of {args.repeats} fresh "
+        f"processes, {os.environ.get('OMP_NUM_THREADS', '2')} thread(s)\n"
+    )
+    print(
+        f"{'layout':<7} {'loader':<6} {'dtype':<9} {'model GiB':>9} {'peak GiB':>9} {'peak/model':>10} "
+        f"{'(peak-base)/model':>17} {'load s':>7}"
+    )
     verdicts = []
     for (layout, side, dtype), runs in results.items():
         size = runs[0]["size"]
         peak = statistics.median(r["peak"] for r in runs)
         above = statistics.median(r["peak"] - r["baseline"] for r in runs)
         seconds = statistics.median(r["seconds"] for r in runs)
-        print(f"{layout:<7} {side:<6} {dtype:<9} {size / gib:>9.2f} {peak / gib:>9.2f} {peak / size:>10.2f} "
-              f"{above / size:>17.2f} {seconds:>7.1f}")  # fmt: skip
+        print(
+            f"{layout:<7} {side:<6} {dtype:<9} {size / gib:>9.2f} {peak / gib:>9.2f} {peak / size:>10.2f} "
+            f"{above / size:>17.2f} {seconds:>7.1f}"
+        )
         if side == "new":
             verdicts.append(peak / size <= 1.3)
     base = statistics.median(r["baseline"] for runs in results.values() for r in runs)

@@ -41,11 +41,22 @@ WINDOW, BATCH, ACCUM, SEED = 128, 8, 2, 3407
 def ours(steps: int, grad_snr: bool = False) -> list[float]:
     with tempfile.TemporaryDirectory() as out:
         args = TrainArgs(
-            param_path=str(TINY_MODEL_DIR), data_root_path=str(SEQ_DATA_DIR), train_type="seq", ckpt_dir=out,
-            window_size=WINDOW, batch_per_device=BATCH, grad_accum_steps=ACCUM, max_steps=steps, max_lr=1e-3,
-            optimizer="adamw", parallel_mode="none", num_workers=0, random_seed=SEED, ckpt_interval=10**9,
+            param_path=str(TINY_MODEL_DIR),
+            data_root_path=str(SEQ_DATA_DIR),
+            train_type="seq",
+            ckpt_dir=out,
+            window_size=WINDOW,
+            batch_per_device=BATCH,
+            grad_accum_steps=ACCUM,
+            max_steps=steps,
+            max_lr=1e-3,
+            optimizer="adamw",
+            parallel_mode="none",
+            num_workers=0,
+            random_seed=SEED,
+            ckpt_interval=10**9,
             metrics=["loss", "lr", "grad_norm", "tokens_per_sec", *(["grad_snr"] if grad_snr else [])],
-        )  # fmt: skip
+        )
         return [r["tokens_per_sec"] for r in run(args)]
 
 
@@ -90,8 +101,10 @@ def main() -> None:
     for pair, a, b, ratio in rows:
         print(f"{pair:>4} {a:>12,.0f} {b:>12,.0f} {ratio:>7.3f}")
     median = statistics.median(r[3] for r in rows)
-    print(f"median ratio {median:.3f} (target >= 0.97: {'ok' if median >= 0.97 else 'MISSED'}), "
-          f"{torch.get_num_threads()} thread(s), {Path(TINY_MODEL_DIR).name} model")  # fmt: skip
+    print(
+        f"median ratio {median:.3f} (target >= 0.97: {'ok' if median >= 0.97 else 'MISSED'}), "
+        f"{torch.get_num_threads()} thread(s), {Path(TINY_MODEL_DIR).name} model"
+    )
 
 
 if __name__ == "__main__":

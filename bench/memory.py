@@ -50,9 +50,12 @@ def worker(mode: str, out: str) -> None:
     params = sum(local_bytes(p) for p in model.parameters())
     grads = sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
     states = sum(
-        local_bytes(v) for part in (optimizer.muon, optimizer.adamw) for s in part.state.values() for v in s.values()
+        local_bytes(v)
+        for part in (optimizer.muon, optimizer.adamw)
+        for s in part.state.values()
+        for v in s.values()
         if isinstance(v, torch.Tensor)
-    )  # fmt: skip
+    )
     row = {"rank": fabric.global_rank, "params": params, "grads": grads, "optimizer": states}
     Path(out, f"{mode}_{fabric.global_rank}.json").write_text(json.dumps(row))
     num = sum(p.numel() for p in model.parameters())

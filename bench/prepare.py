@@ -59,8 +59,21 @@ def tree_pss_kb(pid: int) -> int:
 
 
 def run_prepare(corpus: Path, pipeline: Path, output: Path, procs: int) -> dict[str, float]:
-    argv = [sys.executable, "-m", "astrai_fabric", "prepare", str(corpus), "-o", str(output), "-c", str(pipeline),
-            "--tokenizer_path", "bundled:tiny", "--num_proc", str(procs)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "astrai_fabric",
+        "prepare",
+        str(corpus),
+        "-o",
+        str(output),
+        "-c",
+        str(pipeline),
+        "--tokenizer_path",
+        "bundled:tiny",
+        "--num_proc",
+        str(procs),
+    ]
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         started = time.perf_counter()
         child = subprocess.Popen(argv, stdout=out, stderr=err, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -105,11 +118,15 @@ def main() -> None:
             for n in procs:
                 med = {k: statistics.median(r[k] for r in runs[n]) for k in runs[n][0]}
                 rows.append((size, n, records, med))
-    print(f"\n{'input GB':>8} {'procs':>5} {'records':>10} {'tokens':>13} {'wall s':>8} {'tokens/s':>10} "
-          f"{'peak RSS MB':>11} {'peak PSS MB':>11}")  # fmt: skip
+    print(
+        f"\n{'input GB':>8} {'procs':>5} {'records':>10} {'tokens':>13} {'wall s':>8} {'tokens/s':>10} "
+        f"{'peak RSS MB':>11} {'peak PSS MB':>11}"
+    )
     for size, n, records, med in rows:
-        print(f"{size:>8.3g} {n:>5} {records:>10,} {med['tokens']:>13,.0f} {med['seconds']:>8.1f} "
-              f"{med['tokens'] / med['seconds']:>10,.0f} {med['rss_mb']:>11.0f} {med['pss_mb']:>11.0f}")  # fmt: skip
+        print(
+            f"{size:>8.3g} {n:>5} {records:>10,} {med['tokens']:>13,.0f} {med['seconds']:>8.1f} "
+            f"{med['tokens'] / med['seconds']:>10,.0f} {med['rss_mb']:>11.0f} {med['pss_mb']:>11.0f}"
+        )
     print(f"\nmedians of {args.repeats} run(s) each; RSS: the largest process; PSS: main process and workers together")
 
 

@@ -137,8 +137,9 @@ def train_child(spec: dict) -> dict:
     from astrai_fabric.train import run
 
     # By module path: ``astrai_fabric.loop`` exports a function named ``fit`` that hides its module.
-    fit_module, common, outputs = (importlib.import_module(f"astrai_fabric.{name}")
-                                   for name in ("loop.fit", "train.common", "train.outputs"))  # fmt: skip
+    fit_module, common, outputs = (
+        importlib.import_module(f"astrai_fabric.{name}") for name in ("loop.fit", "train.common", "train.outputs")
+    )
     device = spec["device"]
     method = spec["method"]
     record: dict = {"step_s": [], "step_peak": []}
@@ -154,10 +155,12 @@ def train_child(spec: dict) -> dict:
         base = [(n, p) for n, p in module.named_parameters() if not n.endswith(("lora_A", "lora_B"))]
         float_base = sum(p.numel() * p.element_size() for _, p in base if not quantize.is_quantized(p))
         record.update(
-            nf4_bytes=nf4_bytes, nf4_elements=nf4_elements, base_bytes=float_base + nf4_bytes,
+            nf4_bytes=nf4_bytes,
+            nf4_elements=nf4_elements,
+            base_bytes=float_base + nf4_bytes,
             base_elements=sum(p.numel() for _, p in base),
             trainable=sum(p.numel() for p in module.parameters() if p.requires_grad),
-        )  # fmt: skip
+        )
         return module
 
     def measured_train_step(*args, **kwargs):
@@ -177,12 +180,28 @@ def train_child(spec: dict) -> dict:
     outputs.save_training_checkpoint = measured_save
     lora = {} if method == "full" else dict(lora_r=LORA_R, lora_targets=list(LORA_TARGETS))
     args = TrainArgs(
-        train_type="seq", param_path=spec["model_dir"], data_root_path="bundled:data/seq", ckpt_dir=spec["ckpt_dir"],
-        window_size=spec["window"], batch_per_device=1, grad_accum_steps=1, max_steps=spec["steps"], n_epoch=1000,
-        parallel_mode="none", nprocs=1, device_type=device, precision=spec["precision"], num_workers=0,
-        ckpt_interval=10**9, loggers=[], optimizer="adamw", metrics=["loss", "lr", "grad_norm", "tokens_per_sec"],
-        loss_chunk_size=spec["chunk"], quantize="nf4" if method == "qlora" else None, **lora,
-    )  # fmt: skip
+        train_type="seq",
+        param_path=spec["model_dir"],
+        data_root_path="bundled:data/seq",
+        ckpt_dir=spec["ckpt_dir"],
+        window_size=spec["window"],
+        batch_per_device=1,
+        grad_accum_steps=1,
+        max_steps=spec["steps"],
+        n_epoch=1000,
+        parallel_mode="none",
+        nprocs=1,
+        device_type=device,
+        precision=spec["precision"],
+        num_workers=0,
+        ckpt_interval=10**9,
+        loggers=[],
+        optimizer="adamw",
+        metrics=["loss", "lr", "grad_norm", "tokens_per_sec"],
+        loss_chunk_size=spec["chunk"],
+        quantize="nf4" if method == "qlora" else None,
+        **lora,
+    )
     record["baseline"] = reset_peak(device)
     history = run(args)
     record["loss"] = [r["loss"] for r in history]
@@ -287,38 +306,60 @@ def memory_part(model_dir: Path, work: Path, options: argparse.Namespace) -> Non
     for method in METHODS:
         for loss in LOSSES:
             chunk = 0 if loss == "unchunked" else options.chunk
-            spec = dict(device=options.device, method=method, chunk=chunk, model_dir=str(model_dir),
-                        ckpt_dir=str(work / f"run_{method}_{loss}"), window=options.window, steps=2,
-                        precision=options.precision)  # fmt: skip
+            spec = dict(
+                device=options.device,
+                method=method,
+                chunk=chunk,
+                model_dir=str(model_dir),
+                ckpt_dir=str(work / f"run_{method}_{loss}"),
+                window=options.window,
+                steps=2,
+                precision=options.precision,
+            )
             started = time.perf_counter()
             rows[method, loss] = in_child("train", spec, options.threads, options.malloc == "mmap")
             rows[method, loss]["wall_s"] = time.perf_counter() - started
             shutil.rmtree(work / f"run_{method}_{loss}", ignore_errors=True)
-            print(f"  {method} {loss}: {rows[method, loss]['peak'] / GIB:.2f} GiB peak, "
-                  f"{rows[method, loss]['wall_s']:.0f} s", flush=True)  # fmt: skip
+            print(
+                f"  {method} {loss}: {rows[method, loss]['peak'] / GIB:.2f} GiB peak, "
+                f"{rows[method, loss]['wall_s']:.0f} s",
+                flush=True,
+            )
     unit = "RSS" if options.device == "cpu" else "max_memory_allocated"
     first = rows["full", "unchunked"]
-    print(f"\nmodel: {first['base_elements'] / 1e6:.0f}M parameters ({options.shape_name}), bf16 on disk, "
-          f"{options.precision}, adamw, 1 x {options.window} tokens, 2 steps; lora/qlora r={LORA_R} on all 7 targets; "
-          f"peak = {unit}, a fresh process per row, {options.threads} threads, malloc {options.malloc}\n")  # fmt: skip
-    print(f"{'method':<6} {'loss':<10} {'trainable':>11} {'base GiB':>8} {'load s':>6} {'load peak':>9} "
-          f"{'step-1 peak':>11} {'peak GiB':>8} {'peak-base':>9} {'step s':>7}")  # fmt: skip
+    print(
+        f"\nmodel: {first['base_elements'] / 1e6:.0f}M parameters ({options.shape_name}), bf16 on disk, "
+        f"{options.precision}, adamw, 1 x {options.window} tokens, 2 steps; lora/qlora r={LORA_R} on all 7 targets; "
+        f"peak = {unit}, a fresh process per row, {options.threads} threads, malloc {options.malloc}\n"
+    )
+    print(
+        f"{'method':<6} {'loss':<10} {'trainable':>11} {'base GiB':>8} {'load s':>6} {'load peak':>9} "
+        f"{'step-1 peak':>11} {'peak GiB':>8} {'peak-base':>9} {'step s':>7}"
+    )
     for (method, loss), r in rows.items():
-        print(f"{method:<6} {loss:<10} {r['trainable']:>11,} {r['base_bytes'] / GIB:>8.2f} {r['load_s']:>6.1f} "
-              f"{r['load_peak'] / GIB:>9.2f} {r['step_peak'][0] / GIB:>11.2f} {r['peak'] / GIB:>8.2f} "
-              f"{(r['peak'] - r['baseline']) / GIB:>9.2f} {statistics.median(r['step_s']):>7.1f}")  # fmt: skip
-    print(f"\nbaseline (torch, lightning and astrai_fabric imported): {first['baseline'] / GIB:.2f} GiB; "
-          "step s: median of the 2 steps")  # fmt: skip
+        print(
+            f"{method:<6} {loss:<10} {r['trainable']:>11,} {r['base_bytes'] / GIB:>8.2f} {r['load_s']:>6.1f} "
+            f"{r['load_peak'] / GIB:>9.2f} {r['step_peak'][0] / GIB:>11.2f} {r['peak'] / GIB:>8.2f} "
+            f"{(r['peak'] - r['baseline']) / GIB:>9.2f} {statistics.median(r['step_s']):>7.1f}"
+        )
+    print(
+        f"\nbaseline (torch, lightning and astrai_fabric imported): {first['baseline'] / GIB:.2f} GiB; "
+        "step s: median of the 2 steps"
+    )
     q = rows["qlora", "unchunked"]
     bf16 = q["nf4_elements"] * 2
     ratio = q["nf4_bytes"] / bf16
-    print(f"nf4 weights: {q['nf4_elements'] / 1e6:.1f}M in {q['nf4_bytes'] / MIB:.1f} MiB, against {bf16 / MIB:.1f} "
-          f"MiB in bf16: {ratio:.3f}x (target <= 0.3: {'ok' if ratio <= 0.3 else 'MISSED'})")  # fmt: skip
+    print(
+        f"nf4 weights: {q['nf4_elements'] / 1e6:.1f}M in {q['nf4_bytes'] / MIB:.1f} MiB, against {bf16 / MIB:.1f} "
+        f"MiB in bf16: {ratio:.3f}x (target <= 0.3: {'ok' if ratio <= 0.3 else 'MISSED'})"
+    )
     whole_bf16 = first["base_elements"] * 2
-    print(f"whole base, qlora: {q['base_bytes'] / MIB:,.1f} MiB (embedding, norms and biases in "
-          f"{PRECISION_NAMES.get(options.precision, options.precision)}), against {whole_bf16 / MIB:,.1f} MiB for "
-          f"the whole model in bf16 ({q['base_bytes'] / whole_bf16:.2f}x) and {first['base_bytes'] / MIB:,.1f} MiB "
-          "at the run's precision")  # fmt: skip
+    print(
+        f"whole base, qlora: {q['base_bytes'] / MIB:,.1f} MiB (embedding, norms and biases in "
+        f"{PRECISION_NAMES.get(options.precision, options.precision)}), against {whole_bf16 / MIB:,.1f} MiB for "
+        f"the whole model in bf16 ({q['base_bytes'] / whole_bf16:.2f}x) and {first['base_bytes'] / MIB:,.1f} MiB "
+        "at the run's precision"
+    )
     for method in METHODS:
         off, on = rows[method, "unchunked"], rows[method, "chunked"]
         print(
@@ -333,8 +374,15 @@ def head_part(options: argparse.Namespace) -> None:
     results: dict[tuple[bool, str], list[dict]] = {case: [] for case in cases}
     for repeat in range(options.repeats):
         for trainable, loss in cases if repeat % 2 == 0 else cases[::-1]:  # alternate the sides
-            spec = dict(device=options.device, vocab=vocab, hidden=hidden, positions=options.window,
-                        trainable=trainable, loss=loss, chunk=options.chunk)  # fmt: skip
+            spec = dict(
+                device=options.device,
+                vocab=vocab,
+                hidden=hidden,
+                positions=options.window,
+                trainable=trainable,
+                loss=loss,
+                chunk=options.chunk,
+            )
             results[trainable, loss].append(in_child("head", spec, options.threads, options.malloc == "mmap"))
     logits = options.window * vocab * 4
     print(
@@ -352,20 +400,29 @@ def head_part(options: argparse.Namespace) -> None:
     for trainable in (True, False):
         ratio = peaks[trainable, "unchunked"] / peaks[trainable, "chunked"]
         weight = "trainable (full)" if trainable else "frozen (lora, qlora)"
-        print(f"unchunked / chunked, head weight {weight}: {ratio:.2f}x (target >= 3: "
-              f"{'ok' if ratio >= 3 else 'MISSED'})")  # fmt: skip
+        print(
+            f"unchunked / chunked, head weight {weight}: {ratio:.2f}x (target >= 3: {'ok' if ratio >= 3 else 'MISSED'})"
+        )
 
 
 def time_part(options: argparse.Namespace) -> None:
     shape = options.time_shape
-    spec = dict(device=options.device, shape=shape, window=options.time_window, steps=options.steps,
-                precision=options.precision, chunk=options.chunk)  # fmt: skip
+    spec = dict(
+        device=options.device,
+        shape=shape,
+        window=options.time_window,
+        steps=options.steps,
+        precision=options.precision,
+        chunk=options.chunk,
+    )
     result = in_child("time", spec, options.threads)
     medians = {side: statistics.median(times) for side, times in result["times"].items()}
-    print(f"\nstep time: vocabulary {shape['vocab_size']:,}, hidden {shape['hidden_size']}, "
-          f"{shape['num_hidden_layers']} layers, 1 x {options.time_window} tokens, {options.precision}, adamw, "
-          f"chunks of {result['chunk']} positions; median of {options.steps} steps, sides alternating in one "
-          f"process, {result['threads']} thread(s)\n")  # fmt: skip
+    print(
+        f"\nstep time: vocabulary {shape['vocab_size']:,}, hidden {shape['hidden_size']}, "
+        f"{shape['num_hidden_layers']} layers, 1 x {options.time_window} tokens, {options.precision}, adamw, "
+        f"chunks of {result['chunk']} positions; median of {options.steps} steps, sides alternating in one "
+        f"process, {result['threads']} thread(s)\n"
+    )
     print(f"{'method':<6} {'unchunked s':>11} {'chunked s':>9} {'chunked/unchunked':>17}")
     slowest = 0.0
     for method in METHODS:
@@ -373,8 +430,10 @@ def time_part(options: argparse.Namespace) -> None:
         slowest = max(slowest, on / off)
         print(f"{method:<6} {off:>11.3f} {on:>9.3f} {on / off:>17.3f}")
     # The target bounds what chunking costs: a chunked step faster than the unchunked one meets it.
-    print(f"\nchunked / unchunked: at most {slowest:.3f} (target: chunking costs at most 10% more time, <= 1.1: "
-          f"{'ok' if slowest <= 1.1 else 'MISSED'})")  # fmt: skip
+    print(
+        f"\nchunked / unchunked: at most {slowest:.3f} (target: chunking costs at most 10% more time, <= 1.1: "
+        f"{'ok' if slowest <= 1.1 else 'MISSED'})"
+    )
     for loss in LOSSES:
         print(f"qlora / lora, {loss}: {medians[f'qlora {loss}'] / medians[f'lora {loss}']:.2f}")
 
@@ -387,9 +446,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
     parser.add_argument("--repeats", type=int, default=None, help="processes per side of the head part (3; 1 on CUDA)")
     parser.add_argument("--steps", type=int, default=7, help="timed steps per side of the time part")
-    parser.add_argument("--malloc", default="mmap", choices=("mmap", "default"),
-                        help="glibc's allocation in the memory and head parts: each allocation from 1 MiB mapped "
-                        "alone (the RSS follows the tensors), or glibc's default (it keeps freed blocks)")  # fmt: skip
+    parser.add_argument(
+        "--malloc",
+        default="mmap",
+        choices=("mmap", "default"),
+        help="glibc's allocation in the memory and head parts: each allocation from 1 MiB mapped "
+        "alone (the RSS follows the tensors), or glibc's default (it keeps freed blocks)",
+    )
     parser.add_argument("--keep", type=Path, default=None, help="write the model here, reuse it, leave it")
     parser.add_argument("--smoke", action="store_true", help="a tiny shape: checks the script itself")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)

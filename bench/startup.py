@@ -73,8 +73,9 @@ def cpu_seconds(argv: list[str], stdin: str = "") -> tuple[float, int, str]:
     """The child's user + system CPU seconds (its own children included), its exit status and its stderr."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err, text=True,
-                                cwd=ROOT, env=env)  # fmt: skip
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err, text=True, cwd=ROOT, env=env
+        )
         proc.stdin.write(stdin)
         proc.stdin.close()
         _, status, usage = os.wait4(proc.pid, 0)
@@ -86,14 +87,28 @@ def cpu_seconds(argv: list[str], stdin: str = "") -> tuple[float, int, str]:
 def command_rows(out: Path) -> dict[str, tuple[list[str], str]]:
     """Each measured command: its arguments (``{i}``: the run's number, for fresh outputs) and its stdin."""
     ckpt_dir = out / "run"
-    train = [str(Path(sys.executable).parent / "astrai-fabric"), "seq", "--config", "recipes/tiny-seq.yaml",
-             "--n_epoch", "1", "--max_steps", "2", "--ckpt_dir", str(ckpt_dir), "--loggers", "[]"]  # fmt: skip
+    train = [
+        str(Path(sys.executable).parent / "astrai-fabric"),
+        "seq",
+        "--config",
+        "recipes/tiny-seq.yaml",
+        "--n_epoch",
+        "1",
+        "--max_steps",
+        "2",
+        "--ckpt_dir",
+        str(ckpt_dir),
+        "--loggers",
+        "[]",
+    ]
     subprocess.run(train, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
     (ckpt,) = ckpt_dir.glob("epoch_*_step_*")
     records = (ROOT / "astrai_fabric/assets/data/sft/tasks.jsonl").read_text(encoding="utf-8").splitlines()[:16]
     (out / "chats.jsonl").write_text("\n".join(records) + "\n", encoding="utf-8")
-    pipeline = {"input": {"sections": [{"field": "messages", "action": "$role", "template": True}]},
-                "mask": {"assistant": "train"}}  # fmt: skip
+    pipeline = {
+        "input": {"sections": [{"field": "messages", "action": "$role", "template": True}]},
+        "mask": {"assistant": "train"},
+    }
     (out / "chat.json").write_text(json.dumps(pipeline), encoding="utf-8")
     sample = ["--max_new_tokens", "8", "--temperature", "0"]
     rows: dict[str, tuple[list[str], str]] = {"--help": (["--help"], "")}
@@ -102,8 +117,19 @@ def command_rows(out: Path) -> dict[str, tuple[list[str], str]]:
     rows["generate"] = (["generate", "--param_path", str(ckpt), "--chat", "false", "--prompt", "In the", *sample], "")
     rows["chat"] = (["chat", str(ckpt), *sample], "In the beginning\n/exit\n")
     rows["export --format hf"] = (["export", str(ckpt), "--format", "hf", "--out", f"{out}/hf_{{i}}"], "")
-    rows["prepare"] = (["prepare", f"{out}/chats.jsonl", "-o", f"{out}/prepared_{{i}}", "-c", f"{out}/chat.json",
-                        "--tokenizer_path", str(ckpt)], "")  # fmt: skip
+    rows["prepare"] = (
+        [
+            "prepare",
+            f"{out}/chats.jsonl",
+            "-o",
+            f"{out}/prepared_{{i}}",
+            "-c",
+            f"{out}/chat.json",
+            "--tokenizer_path",
+            str(ckpt),
+        ],
+        "",
+    )
     rows["plot"] = (["plot", str(ckpt_dir), "-o", f"{out}/plot_{{i}}.png"], "")
     return rows
 
@@ -141,9 +167,20 @@ def first_step_table(repeats: int) -> None:
     times: dict[str, list[float]] = {"astrai-fabric": [], "plain script": []}
     with tempfile.TemporaryDirectory() as out:
         for repeat in range(repeats):
-            ours = [str(Path(sys.executable).parent / "astrai-fabric"), "seq", "--config", "recipes/tiny-seq.yaml",
-                    "--max_steps", "1", "--grad_accum_steps", "1", "--ckpt_dir", f"{out}/{repeat}",
-                    "--loggers", "[]"]  # fmt: skip
+            ours = [
+                str(Path(sys.executable).parent / "astrai-fabric"),
+                "seq",
+                "--config",
+                "recipes/tiny-seq.yaml",
+                "--max_steps",
+                "1",
+                "--grad_accum_steps",
+                "1",
+                "--ckpt_dir",
+                f"{out}/{repeat}",
+                "--loggers",
+                "[]",
+            ]
             times["astrai-fabric"].append(seconds_to_first_step(ours))
             times["plain script"].append(seconds_to_first_step([sys.executable, "-c", PLAIN]))
     print(f"\nseconds from the command to the first optimizer step (tiny model, 8 windows of 128), {repeats} runs\n")

@@ -84,9 +84,14 @@ class Side:
 
     def __init__(self, command: list[str], env: dict[str, str], core: int) -> None:
         self.process = subprocess.Popen(
-            command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            command,
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
             preexec_fn=lambda: os.sched_setaffinity(0, {core}),
-        )  # fmt: skip
+        )
         self.step = 0
         self.turns: list[tuple[int, float]] = []
         """Per turn after start-up: the optimizer steps it covered and the seconds the process ran for them."""
@@ -185,16 +190,61 @@ def grad_snr_cost(repeats: int) -> None:
 def commands(root: Path, options: argparse.Namespace) -> dict[str, list[str]]:
     """Ours and the script on the inputs written under ``root``, as ``options`` ask."""
     model_dir, data_dir = write_inputs(root, options.steps)
-    ours = [sys.executable, "-m", "astrai_fabric", "seq", "--param_path", str(model_dir), "--data_root_path",
-            str(data_dir), "--ckpt_dir", str(root / "ckpt"), "--window_size", str(WINDOW), "--batch_per_device",
-            str(BATCH), "--max_steps", str(options.steps), "--max_lr", str(LR), "--optimizer", options.optimizer,
-            "--num_threads", "1", "--parallel_mode", "none", "--num_workers", "0", "--random_seed", str(SEED),
-            "--ckpt_interval", "1000000", *(["--metrics", options.metrics] if options.metrics != "default" else []),
-            *options.extra.split()]  # fmt: skip
+    ours = [
+        sys.executable,
+        "-m",
+        "astrai_fabric",
+        "seq",
+        "--param_path",
+        str(model_dir),
+        "--data_root_path",
+        str(data_dir),
+        "--ckpt_dir",
+        str(root / "ckpt"),
+        "--window_size",
+        str(WINDOW),
+        "--batch_per_device",
+        str(BATCH),
+        "--max_steps",
+        str(options.steps),
+        "--max_lr",
+        str(LR),
+        "--optimizer",
+        options.optimizer,
+        "--num_threads",
+        "1",
+        "--parallel_mode",
+        "none",
+        "--num_workers",
+        "0",
+        "--random_seed",
+        str(SEED),
+        "--ckpt_interval",
+        "1000000",
+        *(["--metrics", options.metrics] if options.metrics != "default" else []),
+        *options.extra.split(),
+    ]
     log_every = max(1, options.steps // 20)  # astrai-fabric's cadence on a pipe (reporting.py)
-    script = [sys.executable, str(PLAIN), str(model_dir), str(data_dir), "--steps", str(options.steps), "--batch",
-              str(BATCH), "--window", str(WINDOW), "--optimizer", options.optimizer, "--lr", str(LR),
-              "--seed", str(SEED), "--log_every", str(log_every)]  # fmt: skip
+    script = [
+        sys.executable,
+        str(PLAIN),
+        str(model_dir),
+        str(data_dir),
+        "--steps",
+        str(options.steps),
+        "--batch",
+        str(BATCH),
+        "--window",
+        str(WINDOW),
+        "--optimizer",
+        options.optimizer,
+        "--lr",
+        str(LR),
+        "--seed",
+        str(SEED),
+        "--log_every",
+        str(log_every),
+    ]
     return {"ours": script if options.calibrate else ours, "script": script}
 
 
@@ -210,15 +260,22 @@ def turns(options: argparse.Namespace, env: dict[str, str]) -> None:
             sides = run_pair(sides_commands, env, first, core, options.steps)
             ours_s, script_s = (sides[n].seconds_per_step(options.warmup) for n in ("ours", "script"))
             rows.append((repeat, first, core, ours_s, script_s, sides["ours"].first_loss, sides["script"].first_loss))
-            print(f"pair {repeat}: ours {ours_s * 1e3:.0f} ms/step, script {script_s * 1e3:.0f} ms/step ({first} "
-                  f"started first, core {core}, load {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
+            print(
+                f"pair {repeat}: ours {ours_s * 1e3:.0f} ms/step, script {script_s * 1e3:.0f} ms/step ({first} "
+                f"started first, core {core}, load {os.getloadavg()[0]:.1f})",
+                flush=True,
+            )
     tokens = BATCH * WINDOW
     label = "script copy" if options.calibrate else "ours"
-    print(f"\n{'pair':>4} {'first':>6} {'core':>4} {label + ' tok/s':>17} {'script tok/s':>13} {'ratio':>6} "
-          f"{'step-1 loss ' + label:>23} {'script':>8}")  # fmt: skip
+    print(
+        f"\n{'pair':>4} {'first':>6} {'core':>4} {label + ' tok/s':>17} {'script tok/s':>13} {'ratio':>6} "
+        f"{'step-1 loss ' + label:>23} {'script':>8}"
+    )
     for repeat, first, core, ours_s, script_s, loss_a, loss_b in rows:
-        print(f"{repeat:>4} {first:>6} {core:>4} {tokens / ours_s:>17,.0f} {tokens / script_s:>13,.0f} "
-              f"{script_s / ours_s:>6.3f} {loss_a:>23.4f} {loss_b:>8.4f}")  # fmt: skip
+        print(
+            f"{repeat:>4} {first:>6} {core:>4} {tokens / ours_s:>17,.0f} {tokens / script_s:>13,.0f} "
+            f"{script_s / ours_s:>6.3f} {loss_a:>23.4f} {loss_b:>8.4f}"
+        )
     ratios = [script_s / ours_s for _, _, _, ours_s, script_s, _, _ in rows]
     median = statistics.median(ratios)
     print(
@@ -242,8 +299,10 @@ def op_accounting(options: argparse.Namespace, env: dict[str, str]) -> None:
     first, last = PROFILED
     with tempfile.TemporaryDirectory() as tmp:
         sides = commands(Path(tmp), argparse.Namespace(**{**vars(options), "steps": max(options.steps, last + 1)}))
-        traces = {"ours": Path(tmp) / "ckpt" / "profile" / f"steps_{first}-{last}" / "rank0.pt.trace.json",
-                  "script": Path(tmp) / "script.pt.trace.json"}  # fmt: skip
+        traces = {
+            "ours": Path(tmp) / "ckpt" / "profile" / f"steps_{first}-{last}" / "rank0.pt.trace.json",
+            "script": Path(tmp) / "script.pt.trace.json",
+        }
         sides["ours"] += ["--profile_steps", f"{first}:{last}"]
         sides["script"] += ["--profile", f"{first}:{last}:{traces['script']}"]
         for command in sides.values():
@@ -255,17 +314,25 @@ def op_accounting(options: argparse.Namespace, env: dict[str, str]) -> None:
     # more often is scaled by it, so what remains is work, not one process having run faster than the other.
     speed = sum(ours_ms[name] for name in same) / sum(script_ms[name] for name in same)
     extra = {name: ours_ms[name] - speed * script_ms[name] for name in added}
-    print(f"self time of every op per step: ours {sum(ours_ms.values()):.1f} ms, script {sum(script_ms.values()):.1f}"
-          f" ms; the ops both call equally often took ours {speed:.3f}x the script's time (steps {first}-{last} "
-          f"profiled, load {os.getloadavg()[0]:.2f})\n")  # fmt: skip
-    print(f"{'op (calls per step differ)':<40} {'ours ms':>8} {'script ms':>10} {'added ms':>9} {'ours n':>7} "
-          f"{'script n':>9}")  # fmt: skip
+    print(
+        f"self time of every op per step: ours {sum(ours_ms.values()):.1f} ms, script {sum(script_ms.values()):.1f}"
+        f" ms; the ops both call equally often took ours {speed:.3f}x the script's time (steps {first}-{last} "
+        f"profiled, load {os.getloadavg()[0]:.2f})\n"
+    )
+    print(
+        f"{'op (calls per step differ)':<40} {'ours ms':>8} {'script ms':>10} {'added ms':>9} {'ours n':>7} "
+        f"{'script n':>9}"
+    )
     for name in sorted(added, key=lambda name: -extra[name]):
-        print(f"{name[:40]:<40} {ours_ms[name]:>8.2f} {script_ms[name]:>10.2f} {extra[name]:>9.2f} "
-              f"{ours_n[name]:>7.0f} {script_n[name]:>9.0f}")  # fmt: skip
+        print(
+            f"{name[:40]:<40} {ours_ms[name]:>8.2f} {script_ms[name]:>10.2f} {extra[name]:>9.2f} "
+            f"{ours_n[name]:>7.0f} {script_n[name]:>9.0f}"
+        )
     total = sum(extra.values())
-    print(f"ops ours adds: {total:+.1f} ms per step ({total / (speed * sum(script_ms.values())):+.1%} of a step; "
-          f"'added' = ours - {speed:.3f} x script)")  # fmt: skip
+    print(
+        f"ops ours adds: {total:+.1f} ms per step ({total / (speed * sum(script_ms.values())):+.1%} of a step; "
+        f"'added' = ours - {speed:.3f} x script)"
+    )
 
 
 def self_times(trace: Path, num_steps: int) -> tuple[Counter[str], Counter[str]]:
@@ -293,8 +360,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--warmup", type=int, default=3, help="logged steps after the first left out")
     parser.add_argument("--optimizer", default="muon_adamw", choices=["muon_adamw", "adamw"])
-    parser.add_argument("--metrics", default="default", help="ours: 'default', or a --metrics list such as "
-                        "'[loss,lr,grad_norm,tokens_per_sec]' (grad_snr left out)")  # fmt: skip
+    parser.add_argument(
+        "--metrics",
+        default="default",
+        help="ours: 'default', or a --metrics list such as '[loss,lr,grad_norm,tokens_per_sec]' (grad_snr left out)",
+    )
     parser.add_argument("--extra", default="", help="more astrai-fabric flags, space-separated")
     parser.add_argument("--calibrate", action="store_true", help="a second copy of the script in ours' place")
     parser.add_argument("--ops", action="store_true", help="only profile both sides and list the ops ours adds")

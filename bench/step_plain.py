@@ -40,8 +40,12 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--seed", type=int, default=3407)
     parser.add_argument("--log_every", type=int, default=1, help="print steps 1, k, 2k, ... and the last")
-    parser.add_argument("--profile", metavar="A:B:TRACE", help="torch.profiler over steps A..B (inclusive) with "
-                        "astrai-fabric's --profile_steps settings, written to the Chrome trace TRACE")  # fmt: skip
+    parser.add_argument(
+        "--profile",
+        metavar="A:B:TRACE",
+        help="torch.profiler over steps A..B (inclusive) with "
+        "astrai-fabric's --profile_steps settings, written to the Chrome trace TRACE",
+    )
     options = parser.parse_args()
     torch.set_num_threads(1)
 

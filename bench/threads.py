@@ -31,9 +31,26 @@ def one_run(threads: int | None, steps: int, nprocs: int, ckpt_dir: Path) -> tup
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
-    command = [sys.executable, "-m", "astrai_fabric", "seq", "--config", "recipes/tiny-seq.yaml", "--ckpt_dir",
-               str(ckpt_dir), "--max_steps", str(steps), "--window_size", str(WINDOW), "--loggers", "[]",
-               "--nprocs", str(nprocs), "--parallel_mode", "ddp" if nprocs > 1 else "none"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "astrai_fabric",
+        "seq",
+        "--config",
+        "recipes/tiny-seq.yaml",
+        "--ckpt_dir",
+        str(ckpt_dir),
+        "--max_steps",
+        str(steps),
+        "--window_size",
+        str(WINDOW),
+        "--loggers",
+        "[]",
+        "--nprocs",
+        str(nprocs),
+        "--parallel_mode",
+        "ddp" if nprocs > 1 else "none",
+    ]
     start = time.perf_counter()
     subprocess.run(command, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wall = time.perf_counter() - start
@@ -66,8 +83,10 @@ def main() -> None:
                 results[setting].append((wall, step))
                 name = "default" if setting is None else str(setting)
                 print(f"{repeat:>6}  {name:>8}  {wall:7.1f}  {step * 1000:8.1f}", flush=True)
-    print(f"\nmedians over {options.repeats} repeat(s), {options.steps} steps, {options.nprocs} process(es), "
-          f"{os.cpu_count()} CPU(s), load average {os.getloadavg()[0]:.2f} at the end")  # fmt: skip
+    print(
+        f"\nmedians over {options.repeats} repeat(s), {options.steps} steps, {options.nprocs} process(es), "
+        f"{os.cpu_count()} CPU(s), load average {os.getloadavg()[0]:.2f} at the end"
+    )
     print(f"{'threads':>8}  {'wall s':>7}  {'step ms':>8}")
     for setting, runs in results.items():
         name = "default" if setting is None else str(setting)

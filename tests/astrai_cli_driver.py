@@ -51,8 +51,10 @@ def optimizer_params(model, optimizer) -> dict:
     names = {id(param): name for name, param in model.named_parameters()}
     inner = getattr(optimizer, "optimizer", optimizer)  # AstrAI's AccumOptimizer wraps its composite
     parts = {part: getattr(inner, part) for part in inner.state_dict()}  # muon/adamw, nora/nadamw or mano/adamw
-    return {part: None if sub is None else [names[id(p)] for group in sub.param_groups for p in group["params"]]
-            for part, sub in parts.items()}  # fmt: skip
+    return {
+        part: None if sub is None else [names[id(p)] for group in sub.param_groups for p in group["params"]]
+        for part, sub in parts.items()
+    }
 
 
 class Probed(Exception):

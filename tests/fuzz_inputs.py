@@ -61,8 +61,18 @@ SEQ_PIPELINE = {"input": {"sections": [{"field": "text", "action": "train"}]}}
 
 def train(command: str, *extra: str, model: str = "{w}/tiny", data: str | None = None) -> list[str]:
     window = ["--window_size", "64"] if command == "grpo" else []
-    return [command, "--param_path", model, "--data_root_path", data or DATA[command], *COMMON, *window,
-            "--ckpt_dir", "{x}/out", *extra]  # fmt: skip
+    return [
+        command,
+        "--param_path",
+        model,
+        "--data_root_path",
+        data or DATA[command],
+        *COMMON,
+        *window,
+        "--ckpt_dir",
+        "{x}/out",
+        *extra,
+    ]
 
 
 RECORDS = {"seq": 6, "sft": 24, "dpo": 16, "kto": 16, "grpo": 12, "grpo_online": 8}
@@ -84,14 +94,53 @@ def build_workspace(root: Path, server: ForkServer) -> Path:
         (w / f"{kind}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in bundled_records(kind)))
     (w / "sft_pipeline.json").write_text(json.dumps(SFT_PIPELINE))
     (w / "seq_pipeline.json").write_text(json.dumps(SEQ_PIPELINE))
-    prepare = [["prepare", f"{{w}}/{kind}.jsonl", "-o", f"{{w}}/{kind}_shards", "-c", f"{{w}}/{kind}_pipeline.json",
-                "--tokenizer_path", "{w}/tiny"] for kind in ("seq", "sft")]  # fmt: skip
+    prepare = [
+        [
+            "prepare",
+            f"{{w}}/{kind}.jsonl",
+            "-o",
+            f"{{w}}/{kind}_shards",
+            "-c",
+            f"{{w}}/{kind}_pipeline.json",
+            "--tokenizer_path",
+            "{w}/tiny",
+        ]
+        for kind in ("seq", "sft")
+    ]
     stages = [
-        [["seq", "--param_path", "{w}/tiny", "--data_root_path", "{w}/seq.jsonl", *COMMON, "--ckpt_dir", "{w}/seq_run",
-          "--max_steps", "1"], *prepare],
-        [["sft", "--param_path", "{w}/ck", "--data_root_path", "{w}/sft.jsonl", *COMMON, "--ckpt_dir", "{w}/lora_run",
-          "--max_steps", "1", "--lora_r", "4"], ["export", "{w}/ck", "--format", "hf", "--out", "{w}/hf"]],
-    ]  # fmt: skip
+        [
+            [
+                "seq",
+                "--param_path",
+                "{w}/tiny",
+                "--data_root_path",
+                "{w}/seq.jsonl",
+                *COMMON,
+                "--ckpt_dir",
+                "{w}/seq_run",
+                "--max_steps",
+                "1",
+            ],
+            *prepare,
+        ],
+        [
+            [
+                "sft",
+                "--param_path",
+                "{w}/ck",
+                "--data_root_path",
+                "{w}/sft.jsonl",
+                *COMMON,
+                "--ckpt_dir",
+                "{w}/lora_run",
+                "--max_steps",
+                "1",
+                "--lora_r",
+                "4",
+            ],
+            ["export", "{w}/ck", "--format", "hf", "--out", "{w}/hf"],
+        ],
+    ]
     for i, stage in enumerate(stages):  # the commands of a stage in parallel, one per core
         jobs = [([fill(a, w, w) for a in argv], w / f"stage{i}-{j}") for j, argv in enumerate(stage)]
         for outcome in server.run_all(jobs, cwd=w, deadline_s=120):
@@ -153,15 +202,21 @@ ODD_STRINGS = (
     "<|end_of_sentence|>", "q_proj", "assistant", "system",
 )  # fmt: skip
 scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-4, 70), st.sampled_from(HUGE_INTS + SIZES), st.sampled_from(ODD_FLOATS),
-    st.floats(), st.text(max_size=6), st.sampled_from(ODD_STRINGS),
-)  # fmt: skip
+    st.none(),
+    st.booleans(),
+    st.integers(-4, 70),
+    st.sampled_from(HUGE_INTS + SIZES),
+    st.sampled_from(ODD_FLOATS),
+    st.floats(),
+    st.text(max_size=6),
+    st.sampled_from(ODD_STRINGS),
+)
 values = st.recursive(
     scalars,
     lambda inner: (
         st.lists(inner, max_size=3)
         | st.dictionaries(st.text(max_size=5) | st.sampled_from(ODD_STRINGS), inner, max_size=3)
-    ),  # fmt: skip
+    ),
     max_leaves=6,
 )
 
@@ -172,8 +227,13 @@ def confused(value: Any) -> st.SearchStrategy:
     if isinstance(value, bool):
         options += [st.sampled_from([int(value), "yes", str(value).lower()])]
     elif isinstance(value, int):
-        options += [st.sampled_from([str(value), -value, value + 1, value * 1000, value * 2**31, float(value),
-                                     value + 0.5, True]), st.sampled_from(SIZES), st.sampled_from(SIZES)]  # fmt: skip
+        options += [
+            st.sampled_from(
+                [str(value), -value, value + 1, value * 1000, value * 2**31, float(value), value + 0.5, True]
+            ),
+            st.sampled_from(SIZES),
+            st.sampled_from(SIZES),
+        ]
     elif isinstance(value, float):
         options += [st.sampled_from([str(value), -value, value * 1e30, 0.0, round(value), math.nan])]
     elif isinstance(value, str):
@@ -349,17 +409,38 @@ def model_configs(draw) -> Example:
     text = draw(json_text(doc))
     where = draw(st.sampled_from(("model", "model", "checkpoint")))
     if where == "model":
-        argv = draw(st.sampled_from([train("seq", "--dry_run", model="{x}/m"), train("sft", "--dry_run", model="{x}/m"),
-                                     train("seq", "--max_steps", "1", model="{x}/m")]))  # fmt: skip
-        return Example("model config.json", argv, {"m": "tiny"}, {"m/config.json": text},
-                       culprits=culprits_of("m/config.json", edits))  # fmt: skip
-    argv = draw(st.sampled_from([
-        ["generate", "--param_path", "{x}/ck", "--prompt", "hi", "--max_new_tokens", "2", "--chat", "false"],
-        ["export", "{x}/ck", "--format", "hf", "--out", "{x}/out"],
-        train("seq", "--resume", "{x}/ck", "--max_steps", "2"),
-    ]))  # fmt: skip
-    return Example("checkpoint config.json", argv, {"ck": "ck"}, {"ck/config.json": text},
-                   culprits=culprits_of("ck/config.json", edits))  # fmt: skip
+        argv = draw(
+            st.sampled_from(
+                [
+                    train("seq", "--dry_run", model="{x}/m"),
+                    train("sft", "--dry_run", model="{x}/m"),
+                    train("seq", "--max_steps", "1", model="{x}/m"),
+                ]
+            )
+        )
+        return Example(
+            "model config.json",
+            argv,
+            {"m": "tiny"},
+            {"m/config.json": text},
+            culprits=culprits_of("m/config.json", edits),
+        )
+    argv = draw(
+        st.sampled_from(
+            [
+                ["generate", "--param_path", "{x}/ck", "--prompt", "hi", "--max_new_tokens", "2", "--chat", "false"],
+                ["export", "{x}/ck", "--format", "hf", "--out", "{x}/out"],
+                train("seq", "--resume", "{x}/ck", "--max_steps", "2"),
+            ]
+        )
+    )
+    return Example(
+        "checkpoint config.json",
+        argv,
+        {"ck": "ck"},
+        {"ck/config.json": text},
+        culprits=culprits_of("ck/config.json", edits),
+    )
 
 
 @st.composite
@@ -371,17 +452,26 @@ def hf_configs(draw, base: dict) -> Example:
         start.update(architectures=["LlamaForSequenceClassification"], id2label={"0": "LABEL_0"}, pad_token_id=2)
     doc, edits = draw(edited(start, HF_KEYS, {"rope_scaling": ROPE_KEYS, "rope_parameters": ROPE_KEYS}))
     edits += draw(sized(doc, SIZE_KEYS + ("num_local_experts", "num_experts_per_tok", "sliding_window", "head_dim")))
-    argv = draw(st.sampled_from([
-        train("sft", "--dry_run", model="{x}/hf"),
-        train("sft", "--max_steps", "1", model="{x}/hf"),
-        ["export", "{x}/hf", "--out", "{x}/out"],
-        ["export", "{x}/hf", "--format", "hf", "--out", "{x}/out"],
-        ["generate", "--param_path", "{x}/hf", "--prompt", "hi", "--max_new_tokens", "2", "--chat", "false"],
-        train("reward_model", "--dry_run", model="{x}/hf", data=DATA["dpo"]),
-        train("grpo", "--dry_run", "--reward_model", "{x}/hf", data="{w}/grpo_online.jsonl"),
-    ]))  # fmt: skip
-    return Example("hf config.json", argv, {"hf": "hf"}, {"hf/config.json": draw(json_text(doc))},
-                   culprits=culprits_of("hf/config.json", edits))  # fmt: skip
+    argv = draw(
+        st.sampled_from(
+            [
+                train("sft", "--dry_run", model="{x}/hf"),
+                train("sft", "--max_steps", "1", model="{x}/hf"),
+                ["export", "{x}/hf", "--out", "{x}/out"],
+                ["export", "{x}/hf", "--format", "hf", "--out", "{x}/out"],
+                ["generate", "--param_path", "{x}/hf", "--prompt", "hi", "--max_new_tokens", "2", "--chat", "false"],
+                train("reward_model", "--dry_run", model="{x}/hf", data=DATA["dpo"]),
+                train("grpo", "--dry_run", "--reward_model", "{x}/hf", data="{w}/grpo_online.jsonl"),
+            ]
+        )
+    )
+    return Example(
+        "hf config.json",
+        argv,
+        {"hf": "hf"},
+        {"hf/config.json": draw(json_text(doc))},
+        culprits=culprits_of("hf/config.json", edits),
+    )
 
 
 TEMPLATE_PIECES = (
@@ -439,9 +529,14 @@ def tokenizer_configs(draw, astrai: dict, hf: dict) -> Example:
     base = copy.deepcopy(astrai if layout == "astrai" else hf)
     if layout == "hf" and draw(st.booleans()):
         base["added_tokens_decoder"] = {str(i): {"content": t, "special": True} for i, t in enumerate(TOKENS)}
-    doc, edits = draw(edited(base, ("chat_template", *HF_TOKENIZER_KEYS, "special_tokens"),
-                             {"special_tokens": ASTRAI_SPECIAL, "added_tokens_decoder": ("0", "7", "-1", "x")},
-                             max_edits=2))  # fmt: skip
+    doc, edits = draw(
+        edited(
+            base,
+            ("chat_template", *HF_TOKENIZER_KEYS, "special_tokens"),
+            {"special_tokens": ASTRAI_SPECIAL, "added_tokens_decoder": ("0", "7", "-1", "x")},
+            max_edits=2,
+        )
+    )
     files = {}
     if draw(st.integers(0, 2)):
         template = draw(templates(base["chat_template"]))
@@ -453,14 +548,37 @@ def tokenizer_configs(draw, astrai: dict, hf: dict) -> Example:
             edits.append((("chat_template",), template))
     files["t/tokenizer_config.json"] = draw(json_text(doc))
     culprits = (*culprits_of("t/tokenizer_config.json", edits), "chat_template", "special")
-    argv = draw(st.sampled_from([
-        train("sft", "--dry_run", "--tokenizer_path", "{x}/t"),
-        train("sft", "--max_steps", "1", "--tokenizer_path", "{x}/t"),
-        train("dpo", "--dry_run", "--tokenizer_path", "{x}/t"),
-        ["prepare", "{w}/sft.jsonl", "-o", "{x}/out", "-c", "{w}/sft_pipeline.json", "--tokenizer_path", "{x}/t"],
-        ["generate", "--param_path", "{w}/ck", "--tokenizer_path", "{x}/t", "--prompt", "hi", "--max_new_tokens", "2"],
-        ["export", "{x}/t", "--format", "hf", "--out", "{x}/out"],
-    ]))  # fmt: skip
+    argv = draw(
+        st.sampled_from(
+            [
+                train("sft", "--dry_run", "--tokenizer_path", "{x}/t"),
+                train("sft", "--max_steps", "1", "--tokenizer_path", "{x}/t"),
+                train("dpo", "--dry_run", "--tokenizer_path", "{x}/t"),
+                [
+                    "prepare",
+                    "{w}/sft.jsonl",
+                    "-o",
+                    "{x}/out",
+                    "-c",
+                    "{w}/sft_pipeline.json",
+                    "--tokenizer_path",
+                    "{x}/t",
+                ],
+                [
+                    "generate",
+                    "--param_path",
+                    "{w}/ck",
+                    "--tokenizer_path",
+                    "{x}/t",
+                    "--prompt",
+                    "hi",
+                    "--max_new_tokens",
+                    "2",
+                ],
+                ["export", "{x}/t", "--format", "hf", "--out", "{x}/out"],
+            ]
+        )
+    )
     copies = {"t": "ck"} if argv[0] == "export" else {"t/tokenizer.json": "tiny/tokenizer.json"}
     return Example(f"tokenizer_config.json ({layout})", argv, copies, files, culprits=culprits)
 
@@ -483,20 +601,42 @@ def checkpoint_metas(draw, meta: dict, lora_meta: dict) -> Example:
     keys = tuple(f.name for f in fields(TrainArgs)) + ("resume_position", "reference", "lora_base", "astrai_fabric")
     if quantized:  # its record edited: among a hundred-odd keys, a random edit would rarely reach it
         base, keys = {**base, "quantization": QUANTIZATION}, ("quantization", "lora_base")
-    doc, edits = draw(edited(base, keys, {"resume_position": POSITION_KEYS, "lora_base": LORA_BASE_KEYS,
-                                          "astrai_fabric": ("format_version", "versions"),
-                                          "reference": ("param_path", "random_seed"),
-                                          "quantization": tuple(QUANTIZATION)}))  # fmt: skip
+    doc, edits = draw(
+        edited(
+            base,
+            keys,
+            {
+                "resume_position": POSITION_KEYS,
+                "lora_base": LORA_BASE_KEYS,
+                "astrai_fabric": ("format_version", "versions"),
+                "reference": ("param_path", "random_seed"),
+                "quantization": tuple(QUANTIZATION),
+            },
+        )
+    )
     name = "lck" if lora else "ck"
-    resume = (train("sft", "--resume", "{x}/lck", "--lora_r", "4", "--max_steps", "2", model="{w}/ck") if lora
-              else train("seq", "--resume", "{x}/ck", "--max_steps", "2", data="{w}/seq.jsonl"))  # fmt: skip
-    merged = [["export", f"{{x}}/{name}", "--format", "hf", "--out", "{x}/out"],
-              ["generate", "--param_path", f"{{x}}/{name}", "--prompt", "hi", "--max_new_tokens", "2"]]  # fmt: skip
-    others = [resume, [*resume, "--dry_run"],
-              ["export", f"{{x}}/{name}", "--format", "peft" if lora else "astrai", "--out", "{x}/out"]]  # fmt: skip
+    resume = (
+        train("sft", "--resume", "{x}/lck", "--lora_r", "4", "--max_steps", "2", model="{w}/ck")
+        if lora
+        else train("seq", "--resume", "{x}/ck", "--max_steps", "2", data="{w}/seq.jsonl")
+    )
+    merged = [
+        ["export", f"{{x}}/{name}", "--format", "hf", "--out", "{x}/out"],
+        ["generate", "--param_path", f"{{x}}/{name}", "--prompt", "hi", "--max_new_tokens", "2"],
+    ]
+    others = [
+        resume,
+        [*resume, "--dry_run"],
+        ["export", f"{{x}}/{name}", "--format", "peft" if lora else "astrai", "--out", "{x}/out"],
+    ]
     argv = draw(st.sampled_from(merged if quantized else [*others, *merged]))  # the merged model reads the record
-    return Example(f"{name} meta.json", argv, {name: name}, {f"{name}/meta.json": draw(json_text(doc))},
-                   culprits=culprits_of(f"{name}/meta.json", edits))  # fmt: skip
+    return Example(
+        f"{name} meta.json",
+        argv,
+        {name: name},
+        {f"{name}/meta.json": draw(json_text(doc))},
+        culprits=culprits_of(f"{name}/meta.json", edits),
+    )
 
 
 ADAPTER_KEYS = ("r", "alpha", "lora_alpha", "target_modules", "lora_dropout", "init", "peft_type", "task_type",
@@ -507,15 +647,24 @@ ADAPTER_KEYS = ("r", "alpha", "lora_alpha", "target_modules", "lora_dropout", "i
 def adapter_configs(draw, base: dict) -> Example:
     """A LoRA checkpoint's ``adapter_config.json`` with hostile fields."""
     doc, edits = draw(edited(base, ADAPTER_KEYS))
-    argv = draw(st.sampled_from([
-        ["export", "{x}/lck", "--format", "peft", "--out", "{x}/out"],
-        ["export", "{x}/lck", "--format", "hf", "--out", "{x}/out"],
-        ["generate", "--param_path", "{x}/lck", "--prompt", "hi", "--max_new_tokens", "2"],
-        train("sft", "--resume", "{x}/lck", "--lora_r", "4", "--dry_run", model="{w}/ck"),
-        train("sft", "--max_steps", "1", model="{x}/lck"),
-    ]))  # fmt: skip
-    return Example("adapter_config.json", argv, {"lck": "lck"}, {"lck/adapter_config.json": draw(json_text(doc))},
-                   culprits=culprits_of("lck/adapter_config.json", edits))  # fmt: skip
+    argv = draw(
+        st.sampled_from(
+            [
+                ["export", "{x}/lck", "--format", "peft", "--out", "{x}/out"],
+                ["export", "{x}/lck", "--format", "hf", "--out", "{x}/out"],
+                ["generate", "--param_path", "{x}/lck", "--prompt", "hi", "--max_new_tokens", "2"],
+                train("sft", "--resume", "{x}/lck", "--lora_r", "4", "--dry_run", model="{w}/ck"),
+                train("sft", "--max_steps", "1", model="{x}/lck"),
+            ]
+        )
+    )
+    return Example(
+        "adapter_config.json",
+        argv,
+        {"lck": "lck"},
+        {"lck/adapter_config.json": draw(json_text(doc))},
+        culprits=culprits_of("lck/adapter_config.json", edits),
+    )
 
 
 TRAIN_KEYS = tuple(f.name for f in fields(TrainArgs))
@@ -534,16 +683,33 @@ def recipes(draw) -> Example:
     """A YAML recipe of TrainArgs keys (flat, or in AstrAI's sections) with values of every wrong kind, read by
     the dry run of each train type."""
     command = draw(st.sampled_from(("seq", "sft", "dpo", "kto", "grpo", "reward_model")))
-    base = {"param_path": "{w}/tiny", "data_root_path": DATA[command], "window_size": 64 if command == "grpo" else 16,
-            "parallel_mode": "none", "num_workers": 0, "loggers": [], "max_steps": 1}  # fmt: skip
-    doc, edits = draw(edited(base, TRAIN_KEYS + SECTIONS + ("devices", "dry-run", "train_type", "config"),
-                             {s: TRAIN_KEYS[:40:3] for s in SECTIONS[:3]}))  # fmt: skip
+    base = {
+        "param_path": "{w}/tiny",
+        "data_root_path": DATA[command],
+        "window_size": 64 if command == "grpo" else 16,
+        "parallel_mode": "none",
+        "num_workers": 0,
+        "loggers": [],
+        "max_steps": 1,
+    }
+    doc, edits = draw(
+        edited(
+            base,
+            TRAIN_KEYS + SECTIONS + ("devices", "dry-run", "train_type", "config"),
+            {s: TRAIN_KEYS[:40:3] for s in SECTIONS[:3]},
+        )
+    )
     text = yaml.safe_dump(doc, allow_unicode=True, sort_keys=False)
     if draw(st.integers(0, 5)) == 0:
         text += draw(st.sampled_from(RAW_YAML))
     argv = [command, "--config", "{x}/r.yaml", "--ckpt_dir", "{x}/out", "--dry_run"]
-    return Example(f"{command} recipe", argv, {}, {"r.yaml": text.encode()},
-                   culprits=(*culprits_of("r.yaml", edits), "--config", "recipe"))  # fmt: skip
+    return Example(
+        f"{command} recipe",
+        argv,
+        {},
+        {"r.yaml": text.encode()},
+        culprits=(*culprits_of("r.yaml", edits), "--config", "recipe"),
+    )
 
 
 def read_records(path: Path) -> list[dict]:
@@ -561,9 +727,15 @@ def jsonl_records(draw, workspace: Path) -> Example:
     kind = draw(st.sampled_from(("seq", "sft", "dpo", "kto", "grpo", "grpo_online", "reward_model")))
     records = read_records(workspace / f"{'dpo' if kind == 'reward_model' else kind}.jsonl")
     index = draw(st.integers(0, len(records) - 1))
-    extra = {"seq": ("text",), "sft": ("messages", "text"), "dpo": ("prompt", "chosen", "rejected"),
-             "reward_model": ("prompt", "chosen", "rejected", "margin"), "kto": ("prompt", "completion", "label"),
-             "grpo": ("prompt", "responses", "rewards"), "grpo_online": ("prompt", "answer")}[kind]  # fmt: skip
+    extra = {
+        "seq": ("text",),
+        "sft": ("messages", "text"),
+        "dpo": ("prompt", "chosen", "rejected"),
+        "reward_model": ("prompt", "chosen", "rejected", "margin"),
+        "kto": ("prompt", "completion", "label"),
+        "grpo": ("prompt", "responses", "rewards"),
+        "grpo_online": ("prompt", "answer"),
+    }[kind]
     record, edits = draw(edited(records[index], extra, max_edits=2))
     lines = [json.dumps(r) for r in records]
     lines[index] = json.dumps(record)
@@ -572,13 +744,30 @@ def jsonl_records(draw, workspace: Path) -> Example:
     text = "\n".join(lines) + draw(st.sampled_from(("\n", "", "\r\n", "\n\n\n")))
     command = "grpo" if kind == "grpo_online" else kind
     online = ["--reward", "length", "--group_size", "2", "--rollout_max_tokens", "4"] if kind == "grpo_online" else []
-    choices = [train(command, "--max_steps", "1", *online, data="{x}/data.jsonl"),
-               train(command, "--dry_run", *online, data="{x}/data.jsonl")]  # fmt: skip
+    choices = [
+        train(command, "--max_steps", "1", *online, data="{x}/data.jsonl"),
+        train(command, "--dry_run", *online, data="{x}/data.jsonl"),
+    ]
     if kind in ("seq", "sft"):
-        choices.append(["prepare", "{x}/data.jsonl", "-o", "{x}/out", "-c", f"{{w}}/{kind}_pipeline.json",
-                        "--tokenizer_path", "{w}/tiny"])  # fmt: skip
-    return Example(f"{kind} jsonl", draw(st.sampled_from(choices)), {}, {"data.jsonl": text.encode()},
-                   culprits=culprits_of("data.jsonl", edits))  # fmt: skip
+        choices.append(
+            [
+                "prepare",
+                "{x}/data.jsonl",
+                "-o",
+                "{x}/out",
+                "-c",
+                f"{{w}}/{kind}_pipeline.json",
+                "--tokenizer_path",
+                "{w}/tiny",
+            ]
+        )
+    return Example(
+        f"{kind} jsonl",
+        draw(st.sampled_from(choices)),
+        {},
+        {"data.jsonl": text.encode()},
+        culprits=culprits_of("data.jsonl", edits),
+    )
 
 
 @st.composite
@@ -589,8 +778,13 @@ def shard_metas(draw, workspace: Path) -> Example:
     meta_path = next((workspace / f"{kind}_shards").rglob("meta.json"))
     relative = meta_path.relative_to(workspace / f"{kind}_shards")
     base = json.loads(meta_path.read_text())
-    doc, edits = draw(edited(base, ("sequence", "loss_mask", "position_ids", "attention_mask", "../x", ".hidden"),
-                             {k: ("shape", "dtype", "offset") for k in base}))  # fmt: skip
+    doc, edits = draw(
+        edited(
+            base,
+            ("sequence", "loss_mask", "position_ids", "attention_mask", "../x", ".hidden"),
+            {k: ("shape", "dtype", "offset") for k in base},
+        )
+    )
     files = {f"d/{relative}": draw(json_text(doc))}
     if draw(st.integers(0, 5)) == 0:
         key = draw(st.sampled_from(sorted(base)))
@@ -599,8 +793,13 @@ def shard_metas(draw, workspace: Path) -> Example:
     argv = draw(
         st.sampled_from([train(kind, "--max_steps", "1", data="{x}/d"), train(kind, "--dry_run", data="{x}/d")])
     )
-    return Example(f"{kind} shard meta.json", argv, {"d": f"{kind}_shards"}, files,
-                   culprits=(*culprits_of(f"d/{relative}", edits), ".bin"))  # fmt: skip
+    return Example(
+        f"{kind} shard meta.json",
+        argv,
+        {"d": f"{kind}_shards"},
+        files,
+        culprits=(*culprits_of(f"d/{relative}", edits), ".bin"),
+    )
 
 
 @st.composite
@@ -611,9 +810,14 @@ def metric_histories(draw, workspace: Path) -> Example:
     record, edits = draw(edited(records[index], ("type", "step", "loss", "lr", "tokens_per_sec", "val_loss")))
     lines = [json.dumps(r) for r in records]
     lines[index] = json.dumps(record) if draw(st.integers(0, 6)) else draw(st.sampled_from(RAW_LINES))
-    return Example("metric.jsonl", ["plot", "{x}/metric.jsonl", "-o", "{x}/out.png"], {},
-                   {"metric.jsonl": ("\n".join(lines) + "\n").encode()}, outputs=("out.png",),
-                   culprits=culprits_of("metric.jsonl", edits))  # fmt: skip
+    return Example(
+        "metric.jsonl",
+        ["plot", "{x}/metric.jsonl", "-o", "{x}/out.png"],
+        {},
+        {"metric.jsonl": ("\n".join(lines) + "\n").encode()},
+        outputs=("out.png",),
+        culprits=culprits_of("metric.jsonl", edits),
+    )
 
 
 # --- running an example and the promise it must keep --------------------------------------------------------------
@@ -635,19 +839,33 @@ class ForkServer:
 
     def __init__(self) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-        self.process = subprocess.Popen([sys.executable, __file__, "serve"], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, env=env, text=True, cwd=ROOT)  # fmt: skip
+        self.process = subprocess.Popen(
+            [sys.executable, __file__, "serve"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            text=True,
+            cwd=ROOT,
+        )
         assert self.process.stdout.readline().strip() == "ready"
 
-    def run_all(self, jobs: list[tuple[list[str], Path]], cwd: Path | None = None,
-                deadline_s: float = DEADLINE_S) -> list[Outcome]:  # fmt: skip
+    def run_all(
+        self, jobs: list[tuple[list[str], Path]], cwd: Path | None = None, deadline_s: float = DEADLINE_S
+    ) -> list[Outcome]:
         """Each ``(argv, directory)`` run at once in its own child, in ``cwd`` (default ``directory/cwd``); its
         stdout and stderr go through ``directory.stdout`` and ``directory.stderr``."""
         requests = []
         for argv, directory in jobs:
             out, err = (directory.with_name(directory.name + suffix) for suffix in (".stdout", ".stderr"))
-            requests.append({"argv": argv, "cwd": str(cwd or directory / "cwd"), "stdout": str(out),
-                             "stderr": str(err), "deadline_s": deadline_s})  # fmt: skip
+            requests.append(
+                {
+                    "argv": argv,
+                    "cwd": str(cwd or directory / "cwd"),
+                    "stdout": str(out),
+                    "stderr": str(err),
+                    "deadline_s": deadline_s,
+                }
+            )
         self.process.stdin.write(json.dumps(requests) + "\n")
         self.process.stdin.flush()
         outcomes = []
@@ -739,9 +957,12 @@ def _wait_child(pid: int, handle: int, start: float, deadline: float) -> dict:
     os.close(handle)
     _kill_group(pid)  # anything it left running (loader workers, launched ranks)
     died = os.WIFSIGNALED(status) and not timed_out
-    return {"code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
-            "signal": os.WTERMSIG(status) if died else None, "timed_out": timed_out,
-            "seconds": time.monotonic() - start}  # fmt: skip
+    return {
+        "code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
+        "signal": os.WTERMSIG(status) if died else None,
+        "timed_out": timed_out,
+        "seconds": time.monotonic() - start,
+    }
 
 
 def _kill_group(pid: int) -> None:
@@ -768,8 +989,9 @@ def materialise(example: Example, workspace: Path, directory: Path) -> list[str]
             shutil.copyfile(workspace / source, directory / target)
     for name, content in example.files.items():
         (directory / name).parent.mkdir(parents=True, exist_ok=True)
-        (directory / name).write_bytes(fill(content.decode("utf-8", "surrogateescape"), workspace, directory).encode(
-            "utf-8", "surrogateescape"))  # fmt: skip
+        (directory / name).write_bytes(
+            fill(content.decode("utf-8", "surrogateescape"), workspace, directory).encode("utf-8", "surrogateescape")
+        )
     return [fill(arg, workspace, directory) for arg in example.argv]
 
 

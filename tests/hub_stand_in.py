@@ -72,8 +72,15 @@ class HubStandIn:
         self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
         self.thread.start()
 
-    def add(self, repo_id: str, files: dict[str, bytes] | Path, *, repo_type: str = "model",
-            revision: str = "main", gated: bool = False) -> str:  # fmt: skip
+    def add(
+        self,
+        repo_id: str,
+        files: dict[str, bytes] | Path,
+        *,
+        repo_type: str = "model",
+        revision: str = "main",
+        gated: bool = False,
+    ) -> str:
         """Put ``files`` (a mapping, or a directory's files) at ``revision`` of ``repo_id``; returns its commit."""
         if isinstance(files, Path):
             files = {p.relative_to(files).as_posix(): p.read_bytes() for p in sorted(files.rglob("*")) if p.is_file()}
@@ -107,8 +114,7 @@ class HubStandIn:
         repo_type = "dataset" if parts[:1] == ["datasets"] else "model"
         parts = parts[1:] if repo_type == "dataset" else parts
         if len(parts) >= 5 and parts[2] == "resolve":
-            return self._file(handler, repo_type, "/".join(parts[:2]), parts[3], "/".join(parts[4:]), body,
-                              authorized)  # fmt: skip
+            return self._file(handler, repo_type, "/".join(parts[:2]), parts[3], "/".join(parts[4:]), body, authorized)
         if url.path != "/api/agent-harnesses":
             self.unexpected.append(f"{handler.command} {handler.path}")
         self._send(handler, 404, b"", {})
@@ -143,12 +149,22 @@ class HubStandIn:
         if found is not None:
             repo, commit = found
             files = repo.commits[commit]
-            entries = [{"type": "file", "path": name, "size": len(data), "oid": hashlib.sha1(data).hexdigest()}
-                       for name, data in sorted(files.items())]  # fmt: skip
+            entries = [
+                {"type": "file", "path": name, "size": len(data), "oid": hashlib.sha1(data).hexdigest()}
+                for name, data in sorted(files.items())
+            ]
             self._json(handler, entries)
 
-    def _file(self, handler, repo_type: str, repo_id: str, revision: str, name: str, body: bool,  # noqa: ANN001
-              authorized: bool) -> None:  # fmt: skip
+    def _file(
+        self,
+        handler,
+        repo_type: str,
+        repo_id: str,
+        revision: str,
+        name: str,
+        body: bool,  # noqa: ANN001
+        authorized: bool,
+    ) -> None:
         found = self._find(handler, repo_type, repo_id, revision, authorized)
         if found is None:
             return

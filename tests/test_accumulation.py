@@ -29,10 +29,20 @@ def test_sync_every_nth_micro_batch_across_epochs():
 
 def seq_args(tmp_path, **overrides) -> TrainArgs:
     values = dict(
-        param_path="bundled:tiny", data_root_path="bundled:data/seq", train_type="seq", ckpt_dir=str(tmp_path),
-        window_size=16, max_steps=2, max_lr=1e-3, warmup_ratio=0.0, num_workers=0, parallel_mode="none",
-        optimizer="adamw", random_seed=5, ckpt_interval=1000,
-    )  # fmt: skip
+        param_path="bundled:tiny",
+        data_root_path="bundled:data/seq",
+        train_type="seq",
+        ckpt_dir=str(tmp_path),
+        window_size=16,
+        max_steps=2,
+        max_lr=1e-3,
+        warmup_ratio=0.0,
+        num_workers=0,
+        parallel_mode="none",
+        optimizer="adamw",
+        random_seed=5,
+        ckpt_interval=1000,
+    )
     values.update(overrides)
     return TrainArgs(**values)
 

@@ -27,8 +27,13 @@ def test_corpora_parse_and_have_the_documented_shape():
 
 def test_build_reproduces_the_committed_files(tmp_path):
     build.build(tmp_path, build.read_jsonl(build.SEQ_CORPUS))
-    committed = ("data/sft/tasks.jsonl", "data/kto/unpaired.jsonl", "tiny/tokenizer.json", "tiny/tokenizer_config.json",
-                 "tiny/config.json")  # fmt: skip
+    committed = (
+        "data/sft/tasks.jsonl",
+        "data/kto/unpaired.jsonl",
+        "tiny/tokenizer.json",
+        "tiny/tokenizer_config.json",
+        "tiny/config.json",
+    )
     for relative in committed:
         assert (tmp_path / relative).read_bytes() == (build.ASSETS / relative).read_bytes(), relative
 

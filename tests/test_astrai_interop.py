@@ -48,9 +48,14 @@ def model_files(tmp_path_factory) -> Path:
         model(torch.randint(0, 32, (2, 5)))["logits"].sum().backward()
         optimizer.step()
         path = save_checkpoint(
-            root / f"tied_{tied}" / "epoch_0_step_1", model.state_dict(), model.config.to_dict(), epoch=0,
-            consumed_samples=2, meta={"strategy": "seq"}, extra={"optimizer": optimizer.state_dict()},
-        )  # fmt: skip
+            root / f"tied_{tied}" / "epoch_0_step_1",
+            model.state_dict(),
+            model.config.to_dict(),
+            epoch=0,
+            consumed_samples=2,
+            meta={"strategy": "seq"},
+            extra={"optimizer": optimizer.state_dict()},
+        )
         torch.save(model(ids)["logits"].detach(), path.parent / "expected_logits.pt")
     (root / "config.json").write_text(json.dumps(tiny_config().to_dict()))
     run_astrai(f"""
@@ -211,9 +216,11 @@ OPTIMIZER_FLAGS = {
 }
 for _optimizer, _flags in OPTIMIZER_FLAGS.items():
     CROSSINGS[f"sft_{_optimizer}"] = dataclasses.replace(
-        CROSSINGS["sft"], flags=(*CROSSINGS["sft"].flags, "--optimizer", _optimizer, *_flags), optimizer=_optimizer,
+        CROSSINGS["sft"],
+        flags=(*CROSSINGS["sft"].flags, "--optimizer", _optimizer, *_flags),
+        optimizer=_optimizer,
         astrai_source=f"astrai/sft_{_optimizer}/epoch_1_step_4",
-    )  # fmt: skip
+    )
 
 
 def write_model_dir(directory: Path, tied: bool) -> Path:
@@ -263,8 +270,12 @@ def write_crossing_data(root: Path, tokenizer_dir: Path) -> None:
         "responses": {"sections": [{"field": "responses", "action": "train"}], "list_field": True, "mask_key": "masks"},
         "rewards": {"sections": [{"field": "rewards", "action": "value"}]},
     }  # AstrAI's documented grpo config; position ids "none", or its store holds one record (B10)
-    dataset_config = {"input": {"sources": sources}, "mask_default": "mask", "tokenizer_path": str(tokenizer_dir),
-                      "output": {"position_ids_mode": "none"}}  # fmt: skip
+    dataset_config = {
+        "input": {"sources": sources},
+        "mask_default": "mask",
+        "tokenizer_path": str(tokenizer_dir),
+        "output": {"position_ids_mode": "none"},
+    }
     (root / "grpo_astrai" / "dataset_config.json").write_text(json.dumps(dataset_config))
 
 
@@ -272,9 +283,19 @@ def crossing_argv(root: Path, route: str, param_path: Path, ckpt_dir: Path, astr
     train_type = CROSSINGS[route].train_type
     data = root / "data" / (f"{train_type}_astrai" if astrai and train_type == "grpo" else train_type)
     return [
-        "--train_type", train_type, "--data_root_path", str(data), "--param_path", str(param_path), "--ckpt_dir",
-        str(ckpt_dir), *COMMON_FLAGS, *CROSSINGS[route].flags, *([] if astrai else OURS_ONLY), *extra,
-    ]  # fmt: skip
+        "--train_type",
+        train_type,
+        "--data_root_path",
+        str(data),
+        "--param_path",
+        str(param_path),
+        "--ckpt_dir",
+        str(ckpt_dir),
+        *COMMON_FLAGS,
+        *CROSSINGS[route].flags,
+        *([] if astrai else OURS_ONLY),
+        *extra,
+    ]
 
 
 def model_dir(root: Path, route: str) -> Path:
@@ -342,8 +363,10 @@ def optimizer_params(model: nn.Module, optimizer: Any) -> dict[str, list[str]]:
 
     names = {id(param): name for name, param in getattr(model, "module", model).named_parameters()}
     parts = optimizer_parts(getattr(optimizer, "optimizer", optimizer))  # under Fabric's optimizer wrapper
-    return {part: None if sub is None else [names[id(p)] for group in sub.param_groups for p in group["params"]]
-            for part, sub in parts.items()}  # fmt: skip
+    return {
+        part: None if sub is None else [names[id(p)] for group in sub.param_groups for p in group["params"]]
+        for part, sub in parts.items()
+    }
 
 
 def checkpoint_names(directory: Path) -> tuple[str, ...]:
@@ -462,10 +485,17 @@ def shards(tmp_path_factory) -> Path:
     (root / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in SHARD_RECORDS))
     (root / "seq.jsonl").write_text("".join(json.dumps(r) + "\n" for r in SHARD_TEXTS))
     for name, max_tokens in [("one", 10_000), ("many", 40)]:
-        config = {"input": {"sections": SHARD_SECTIONS["sft"]}, "preprocessing": {"min_chars": 0},
-                  "output": {"max_tokens_per_shard": max_tokens}}  # fmt: skip
-        prepare([root / "sft.jsonl"], root / name, PipelineConfig.from_dict(config, "cfg"),
-                Tokenizer.from_dir(TINY_MODEL_DIR))  # fmt: skip
+        config = {
+            "input": {"sections": SHARD_SECTIONS["sft"]},
+            "preprocessing": {"min_chars": 0},
+            "output": {"max_tokens_per_shard": max_tokens},
+        }
+        prepare(
+            [root / "sft.jsonl"],
+            root / name,
+            PipelineConfig.from_dict(config, "cfg"),
+            Tokenizer.from_dir(TINY_MODEL_DIR),
+        )
     assert len(list((root / "many").glob("*/shard_*"))) == 3
     run_astrai(f"""
         import glob, torch

@@ -61,8 +61,9 @@ def work(tmp_path_factory) -> Path:
     layout), ``lora`` (an adapter-only checkpoint on it), and tokenizers: ``rewrite``, ``plain`` (no template),
     ``no_system``, ``two_turns`` (a template refusing a second question), ``empty`` (one rendering nothing)."""
     root = tmp_path_factory.mktemp("chat")
-    config = ModelConfig.from_dict({**json.loads((TINY_MODEL_DIR / "config.json").read_text()),
-                                    "tie_word_embeddings": False})  # fmt: skip
+    config = ModelConfig.from_dict(
+        {**json.loads((TINY_MODEL_DIR / "config.json").read_text()), "tie_word_embeddings": False}
+    )
     torch.manual_seed(9)  # replies of varied tokens whose text encodes back to the ids sampled (the cache is kept)
     model = AutoRegressiveLM(config)
     files = {name: TINY_MODEL_DIR / name for name in ("tokenizer.json", "tokenizer_config.json")}
@@ -73,8 +74,15 @@ def work(tmp_path_factory) -> Path:
     torch.manual_seed(4)
     adapter = {k: torch.randn_like(v) * 0.5 for k, v in lora.adapter_state_dict(model.state_dict()).items()}
     meta = {"lora_base": lora_base_entry(root / "model", root / "lora", weight_digests(root / "model"))}
-    save_checkpoint(root / "lora", None, config.to_dict(), meta=meta, files=files, adapter=adapter,
-                    adapter_config=spec.adapter_config())  # fmt: skip
+    save_checkpoint(
+        root / "lora",
+        None,
+        config.to_dict(),
+        meta=meta,
+        files=files,
+        adapter=adapter,
+        adapter_config=spec.adapter_config(),
+    )
     tokenizer_dir(root / "rewrite", chat_template=REWRITE)
     tokenizer_dir(root / "plain", chat_template=None)
     tokenizer_dir(root / "no_system", chat_template=NO_SYSTEM + TOKENIZER_CONFIG["chat_template"])
@@ -172,10 +180,18 @@ def test_a_reply_stopped_by_ctrl_c_stays_in_the_conversation_and_the_cache_stays
     messages = [{"role": "user", "content": TURNS[0]}, {"role": "assistant", "content": partial}]
     for user in TURNS[1:]:  # the ids the cache holds are known exactly: a third turn still reuses it
         ids = chat_session.tokenizer.apply_chat_template([*messages, {"role": "user", "content": user}])
-        out = generate(chat_session.model, [ids], NEW_TOKENS, temperature=0,
-                       stop_ids=chat_session.tokenizer.stop_ids, use_cache=False)[0]  # fmt: skip
-        messages += [{"role": "user", "content": user},
-                     {"role": "assistant", "content": chat_session.tokenizer.decode_whole_chars(out)}]  # fmt: skip
+        out = generate(
+            chat_session.model,
+            [ids],
+            NEW_TOKENS,
+            temperature=0,
+            stop_ids=chat_session.tokenizer.stop_ids,
+            use_cache=False,
+        )[0]
+        messages += [
+            {"role": "user", "content": user},
+            {"role": "assistant", "content": chat_session.tokenizer.decode_whole_chars(out)},
+        ]
         assert chat_session.reply(user, lambda text: None) == messages[-1]["content"]
     assert chat_session.recomputed_turns == 1
 
@@ -225,8 +241,10 @@ def test_a_conversation_past_the_models_positions_is_one_line_and_reset_starts_a
     first = reference(load_model(work / "model").eval(), tokenizer, ["hello"])[0]
     assert code == 0 and out.endswith(f"\n{first}\n") and out.count("\n") == 2 and "Traceback" not in err
     cut, full = err.splitlines()
-    assert cut == ("astrai-fabric: the reply stopped at the model's 256 positions (max_position_embeddings): type "
-                   "/reset to start a new conversation")  # fmt: skip
+    assert cut == (
+        "astrai-fabric: the reply stopped at the model's 256 positions (max_position_embeddings): type "
+        "/reset to start a new conversation"
+    )
     tokens = re.fullmatch(
         r"astrai-fabric: the conversation \((\d+) tokens with this message\) "
         r"no longer fits the model's 256 positions \(max_position_embeddings\): type /reset to start a new one",
@@ -297,8 +315,17 @@ def read_until(fd: int, wanted: bytes, seconds: float = 60) -> bytes:
 
 def test_in_a_terminal_the_prompt_shows_and_the_reply_streams(work):
     first = reference(load_model(work / "model").eval(), Tokenizer.from_dir(work / "model"), TURNS[:1])[0]
-    argv = [sys.executable, "-m", "astrai_fabric.cli", "chat", str(work / "model"), "--temperature", "0",
-            "--max_new_tokens", str(NEW_TOKENS)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "astrai_fabric.cli",
+        "chat",
+        str(work / "model"),
+        "--temperature",
+        "0",
+        "--max_new_tokens",
+        str(NEW_TOKENS),
+    ]
     pid, terminal = pty.fork()  # the child's controlling terminal: Ctrl-C there is its SIGINT
     if pid == 0:
         try:

@@ -34,8 +34,9 @@ def assert_close(got: torch.Tensor, expected: torch.Tensor) -> None:
 
 def unfused(hidden, weight, targets, smoothing: float) -> torch.Tensor:
     logits = (hidden @ weight.T).float()
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none",
-                           label_smoothing=smoothing).view(targets.shape)  # fmt: skip
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none", label_smoothing=smoothing).view(
+        targets.shape
+    )
 
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
@@ -227,8 +228,9 @@ def test_the_models_fused_head_gives_its_logits_loss_and_gradients(overrides):
     model = AutoRegressiveLM(tiny_config(**overrides))
     ids = torch.randint(32, (3, 12))
     targets = torch.randint(32, (3, 12))
-    expected = unfused_logits_loss = F.cross_entropy(model(ids)["logits"].flatten(0, 1).float(), targets.flatten(),
-                                                     label_smoothing=0.1)  # fmt: skip
+    expected = unfused_logits_loss = F.cross_entropy(
+        model(ids)["logits"].flatten(0, 1).float(), targets.flatten(), label_smoothing=0.1
+    )
     unfused_logits_loss.backward()
     expected_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
     model.zero_grad()
@@ -244,10 +246,22 @@ def test_the_models_fused_head_gives_its_logits_loss_and_gradients(overrides):
 def run_args(tmp_path, train_type: str, **overrides):
     from astrai_fabric.config.train import TrainArgs
 
-    values = dict(param_path="bundled:tiny", data_root_path=f"bundled:data/{train_type}", train_type=train_type,
-                  ckpt_dir=str(tmp_path), window_size=32, batch_per_device=2, max_steps=2, max_lr=1e-3, num_workers=0,
-                  parallel_mode="none", random_seed=1, ckpt_interval=1000, label_smoothing=0.1 if train_type in
-                  ("seq", "sft") else 0.0, group_size=2)  # fmt: skip
+    values = dict(
+        param_path="bundled:tiny",
+        data_root_path=f"bundled:data/{train_type}",
+        train_type=train_type,
+        ckpt_dir=str(tmp_path),
+        window_size=32,
+        batch_per_device=2,
+        max_steps=2,
+        max_lr=1e-3,
+        num_workers=0,
+        parallel_mode="none",
+        random_seed=1,
+        ckpt_interval=1000,
+        label_smoothing=0.1 if train_type in ("seq", "sft") else 0.0,
+        group_size=2,
+    )
     values.update(overrides)
     return TrainArgs(**values)
 
@@ -286,11 +300,17 @@ def test_no_train_types_step_holds_the_whole_logits_when_fused(train_type):
     ids = torch.randint(512, (2, 2, 12))
     batches = {
         "seq": (lm_loss, {"input_ids": ids[0], "target_ids": ids[1]}, {"label_smoothing": 0.0}),
-        "dpo": (dpo_batch_loss, {"input_ids": ids, "loss_mask": torch.ones_like(ids, dtype=torch.bool)},
-                {"reference": None, "beta": 0.1}),
-        "grpo": (grpo_batch_loss, {"input_ids": ids, "loss_mask": torch.ones_like(ids, dtype=torch.bool),
-                                   "rewards": torch.rand(2, 2)}, {"reference": None, "clip_eps": 0.2, "kl_coef": 0.1}),
-    }  # fmt: skip
+        "dpo": (
+            dpo_batch_loss,
+            {"input_ids": ids, "loss_mask": torch.ones_like(ids, dtype=torch.bool)},
+            {"reference": None, "beta": 0.1},
+        ),
+        "grpo": (
+            grpo_batch_loss,
+            {"input_ids": ids, "loss_mask": torch.ones_like(ids, dtype=torch.bool), "rewards": torch.rand(2, 2)},
+            {"reference": None, "clip_eps": 0.2, "kl_coef": 0.1},
+        ),
+    }
     loss_fn, batch, options = batches[train_type]
     positions = batch["input_ids"].numel()
     largest = {}
@@ -305,8 +325,17 @@ def test_no_train_types_step_holds_the_whole_logits_when_fused(train_type):
 def test_a_negative_loss_chunk_size_is_one_line_and_nothing_is_written(tmp_path, capsys):
     from astrai_fabric.cli import main
 
-    argv = ["seq", "--param_path", "bundled:tiny", "--data_root_path", "bundled:data/seq", "--ckpt_dir",
-            str(tmp_path / "run"), "--loss_chunk_size", "-1"]  # fmt: skip
+    argv = [
+        "seq",
+        "--param_path",
+        "bundled:tiny",
+        "--data_root_path",
+        "bundled:data/seq",
+        "--ckpt_dir",
+        str(tmp_path / "run"),
+        "--loss_chunk_size",
+        "-1",
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].endswith("loss_chunk_size must be >= 0 (0: off), got -1")

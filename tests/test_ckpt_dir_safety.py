@@ -24,9 +24,24 @@ ENV = {"OMP_NUM_THREADS": "1", "PATH": str(Path(sys.executable).parent)}
 
 
 def tiny(directory, *extra) -> list[str]:
-    return ["seq", "--param_path", "bundled:tiny", "--data_root_path", "bundled:data/seq", "--window_size", "16",
-            "--parallel_mode", "none", "--num_workers", "0", "--loggers", "[]", "--ckpt_dir", str(directory),
-            *extra]  # fmt: skip
+    return [
+        "seq",
+        "--param_path",
+        "bundled:tiny",
+        "--data_root_path",
+        "bundled:data/seq",
+        "--window_size",
+        "16",
+        "--parallel_mode",
+        "none",
+        "--num_workers",
+        "0",
+        "--loggers",
+        "[]",
+        "--ckpt_dir",
+        str(directory),
+        *extra,
+    ]
 
 
 def snapshot(root: Path) -> dict[str, bytes]:
@@ -51,10 +66,26 @@ def test_a_second_run_into_a_held_ckpt_dir_refuses_on_every_rank_and_a_killed_ru
         assert ".astrai_fabric.lock" in before and "recipe.yaml" in before
         # The second run has two ranks (two single-rank 'nodes'): rank 0 finds the lock held, rank 1 must hear of it.
         env = dict(ENV, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        second = cli("--parallel_mode", "ddp", "--num_nodes", "2", "--ckpt_dir", str(tmp_path), "--max_lr", "1e-3",
-                     "--max_steps", "1", "--dist_timeout", "60")  # fmt: skip
-        ranks = [subprocess.Popen(second, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  env=dict(env, NODE_RANK=str(rank))) for rank in (0, 1)]  # fmt: skip
+        second = cli(
+            "--parallel_mode",
+            "ddp",
+            "--num_nodes",
+            "2",
+            "--ckpt_dir",
+            str(tmp_path),
+            "--max_lr",
+            "1e-3",
+            "--max_steps",
+            "1",
+            "--dist_timeout",
+            "60",
+        )
+        ranks = [
+            subprocess.Popen(
+                second, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(env, NODE_RANK=str(rank))
+            )
+            for rank in (0, 1)
+        ]
         errors = [rank.communicate(timeout=120)[1] for rank in ranks]
         assert [rank.returncode for rank in ranks] == [2, 2], errors
         for err in errors:
@@ -159,8 +190,18 @@ def test_weights_made_non_finite_by_a_step_are_never_saved(tmp_path, capsys):
     # A huge but float32-finite rate and decay: AdamW's decay factor 1 - lr * wd overflows the weights to inf in
     # step 1 while loss and gradients are finite. Before this check, later steps were skipped and the NaN weights
     # saved as "the last good state".
-    huge = ["--optimizer", "adamw", "--max_lr", "1e30", "--weight_decay", "1e30", "--ckpt_interval", "1",
-            "--max_steps", "20"]  # fmt: skip
+    huge = [
+        "--optimizer",
+        "adamw",
+        "--max_lr",
+        "1e30",
+        "--weight_decay",
+        "1e30",
+        "--ckpt_interval",
+        "1",
+        "--max_steps",
+        "20",
+    ]
     assert main(tiny(tmp_path / "fresh", *huge, "--max_bad_steps", "1")) == 1
     line = error_line(capsys)
     assert "the weights became non-finite (NaN or infinite) in optimizer step 1" in line

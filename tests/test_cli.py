@@ -30,9 +30,22 @@ def test_astrai_command_line_is_accepted_unchanged(tmp_path):
         "ckpt:\n  ckpt_interval: 10\nruntime:\n  gpus: 8\n"
     )
     argv = [
-        "--train_type", "sft", "-c", str(recipe), "--resume", "--no-muon_nesterov", "--gradient_checkpointing",
-        "--metrics", "loss", "--metrics", "lr", "--pin_memory", "false", "--devices", "3",
-    ]  # fmt: skip
+        "--train_type",
+        "sft",
+        "-c",
+        str(recipe),
+        "--resume",
+        "--no-muon_nesterov",
+        "--gradient_checkpointing",
+        "--metrics",
+        "loss",
+        "--metrics",
+        "lr",
+        "--pin_memory",
+        "false",
+        "--devices",
+        "3",
+    ]
     args, _ = parse_train_args("sft", argv)
     assert (args.param_path, args.data_root_path, args.window_size) == ("m", "d", 64)
     assert (args.batch_per_device, args.grad_accum_steps, args.parallel_mode, args.ckpt_interval) == (2, 4, "ddp", 10)
@@ -120,8 +133,20 @@ def test_flag_mistakes(capsys, argv, message):
 
 
 def tiny(tmp_path, *extra) -> list[str]:
-    return ["seq", "--param_path", "bundled:tiny", "--data_root_path", "bundled:data/seq", "--ckpt_dir",
-            str(tmp_path / "out"), "--parallel_mode", "none", "--num_workers", "0", *extra]  # fmt: skip
+    return [
+        "seq",
+        "--param_path",
+        "bundled:tiny",
+        "--data_root_path",
+        "bundled:data/seq",
+        "--ckpt_dir",
+        str(tmp_path / "out"),
+        "--parallel_mode",
+        "none",
+        "--num_workers",
+        "0",
+        *extra,
+    ]
 
 
 @pytest.mark.parametrize(
@@ -166,26 +191,47 @@ def test_resuming_a_checkpoint_of_another_model_is_refused(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_tiny_recipe_end_to_end_then_resume(tmp_path):
-    base = [sys.executable, "-m", "astrai_fabric", "sft", "--config", str(ROOT / "recipes" / "tiny-sft.yaml"),
-            "--ckpt_dir", str(tmp_path), "--max_steps", "4", "--ckpt_interval", "2"]  # fmt: skip
+    base = [
+        sys.executable,
+        "-m",
+        "astrai_fabric",
+        "sft",
+        "--config",
+        str(ROOT / "recipes" / "tiny-sft.yaml"),
+        "--ckpt_dir",
+        str(tmp_path),
+        "--max_steps",
+        "4",
+        "--ckpt_interval",
+        "2",
+    ]
     first = subprocess.run(base, capture_output=True, text=True, env={"OMP_NUM_THREADS": "1", "PATH": ""})
     assert first.returncode == 0, first.stderr
     assert "checkpoint: " in first.stdout and str(tmp_path) in first.stdout
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == [".astrai_fabric.json", "epoch_0_step_2", "epoch_0_step_4", "logs",
-                     "plot.png", "recipe.yaml"]  # fmt: skip
+    assert names == [".astrai_fabric.json", "epoch_0_step_2", "epoch_0_step_4", "logs", "plot.png", "recipe.yaml"]
     files = sorted(p.name for p in (tmp_path / "epoch_0_step_4").iterdir())
     assert files == [
-        "config.json", "meta.json", "metric.jsonl", "model.safetensors", "optimizer.pt", "recipe.yaml", "rng.pt",
-        "scheduler.pt", "tokenizer.json", "tokenizer_config.json",
-    ]  # fmt: skip
+        "config.json",
+        "meta.json",
+        "metric.jsonl",
+        "model.safetensors",
+        "optimizer.pt",
+        "recipe.yaml",
+        "rng.pt",
+        "scheduler.pt",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     meta = json.loads((tmp_path / "epoch_0_step_4" / "meta.json").read_text())
     assert (meta["epoch"], meta["consumed_samples"], meta["train_type"]) == (0, 4 * 2 * 8, "sft")
 
     second = subprocess.run(
         base[:-4] + ["--max_steps", "6", "--ckpt_interval", "2", "--resume", "auto"],
-        capture_output=True, text=True, env={"OMP_NUM_THREADS": "1", "PATH": ""},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env={"OMP_NUM_THREADS": "1", "PATH": ""},
+    )
     assert second.returncode == 0, second.stderr
     assert f"  resume       from {tmp_path / 'epoch_0_step_4'} at step 4" in second.stdout
     assert "step 5/" in second.stdout and "step 1/" not in second.stdout
@@ -195,9 +241,24 @@ def test_tiny_recipe_end_to_end_then_resume(tmp_path):
 @pytest.mark.slow
 def test_cli_launches_its_own_ranks(tmp_path):
     # `--nprocs 2`: Fabric re-executes `python -m astrai_fabric ...` for rank 1; both ranks train one FSDP model.
-    command = [sys.executable, "-m", "astrai_fabric", "seq", "--config", str(ROOT / "recipes" / "tiny-seq.yaml"),
-               "--ckpt_dir", str(tmp_path), "--max_steps", "2", "--nprocs", "2", "--parallel_mode", "fsdp",
-               "--window_size", "32"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "astrai_fabric",
+        "seq",
+        "--config",
+        str(ROOT / "recipes" / "tiny-seq.yaml"),
+        "--ckpt_dir",
+        str(tmp_path),
+        "--max_steps",
+        "2",
+        "--nprocs",
+        "2",
+        "--parallel_mode",
+        "fsdp",
+        "--window_size",
+        "32",
+    ]
     result = subprocess.run(command, capture_output=True, text=True, env={"OMP_NUM_THREADS": "1", "PATH": ""})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "  batch        2 rank(s) x 8 per device x 2 accumulation = 32 samples per optimizer step" in result.stdout
@@ -219,8 +280,21 @@ def test_generate_command(tmp_path, capsys):
     model = AutoRegressiveLM(ModelConfig.from_file(TINY_MODEL_DIR / "config.json"))
     files = {name: TINY_MODEL_DIR / name for name in ("tokenizer.json", "tokenizer_config.json")}
     path = save_checkpoint(tmp_path / "model", model.state_dict(), model.config.to_dict(), files=files)
-    argv = ["generate", "--param_path", str(path), "--prompt", "What is 2 + 2?", "--prompt", "Hi", "--temperature",
-            "0", "--max_new_tokens", "4", "--num_samples", "2"]  # fmt: skip
+    argv = [
+        "generate",
+        "--param_path",
+        str(path),
+        "--prompt",
+        "What is 2 + 2?",
+        "--prompt",
+        "Hi",
+        "--temperature",
+        "0",
+        "--max_new_tokens",
+        "4",
+        "--num_samples",
+        "2",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert out.count(">>> What is 2 + 2?") == 2 and out.count(">>> Hi") == 2
@@ -270,8 +344,10 @@ def test_export_of_a_complete_checkpoint_in_its_own_layout_says_so_and_writes_no
     save_checkpoint(tmp_path / "lora", None, config, meta=meta, adapter=adapter, adapter_config=spec.adapter_config())
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     lora_formats = "--format peft writes its adapter for PEFT, --merge_lora"
-    for source, formats in ((ckpt, "--format hf writes it for transformers, --dtype casts it"),
-                            (tmp_path / "lora", lora_formats)):  # fmt: skip
+    for source, formats in (
+        (ckpt, "--format hf writes it for transformers, --dtype casts it"),
+        (tmp_path / "lora", lora_formats),
+    ):
         assert main(["export", str(source)]) == 0
         out = capsys.readouterr().out
         assert out.startswith(f"nothing to export: {source}: already a complete checkpoint in AstrAI's layout"), out
@@ -292,8 +368,16 @@ def test_num_threads_is_set_by_the_command_line_only(tmp_path, monkeypatch, caps
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(3)  # a program's own setting
-        run(TrainArgs(param_path="bundled:tiny", data_root_path="bundled:data/seq", train_type="seq",
-                      ckpt_dir=str(tmp_path), num_threads=1, dry_run=True))  # fmt: skip
+        run(
+            TrainArgs(
+                param_path="bundled:tiny",
+                data_root_path="bundled:data/seq",
+                train_type="seq",
+                ckpt_dir=str(tmp_path),
+                num_threads=1,
+                dry_run=True,
+            )
+        )
         assert torch.get_num_threads() == 3  # the library leaves it alone
         assert main(plan) == 0
         assert "  cpu threads  3 per rank (--num_threads 1 can be several times faster" in capsys.readouterr().out

@@ -98,11 +98,16 @@ def test_optimizer_flags_are_checked_and_nora_decay_defaults_to_weight_decay():
     args = TrainArgs(**required, optimizer="nora_nadamw", weight_decay=0.07)
     assert args.resolved_nora_weight_decay == 0.07  # AstrAI's 0.0 left --weight_decay nothing to decay (B18)
     assert TrainArgs(**required, nora_weight_decay=0.0).resolved_nora_weight_decay == 0.0
-    bad = TrainArgs(**required, nora_beta=1.0, nora_momentum=-0.1, mano_momentum=1.5, nora_weight_decay=-1.0,
-                    nora_lr=-1e-3)  # fmt: skip
+    bad = TrainArgs(
+        **required, nora_beta=1.0, nora_momentum=-0.1, mano_momentum=1.5, nora_weight_decay=-1.0, nora_lr=-1e-3
+    )
     with pytest.raises(ConfigError) as raised:
         bad.validate()
-    for message in ("nora_beta must be in [0, 1), got 1.0", "nora_momentum must be in [0, 1], got -0.1",
-                    "mano_momentum must be in [0, 1], got 1.5", "nora_weight_decay must be >= 0, got -1.0",
-                    "nora_lr must be >= 0, got -0.001"):  # fmt: skip
+    for message in (
+        "nora_beta must be in [0, 1), got 1.0",
+        "nora_momentum must be in [0, 1], got -0.1",
+        "mano_momentum must be in [0, 1], got 1.5",
+        "nora_weight_decay must be >= 0, got -1.0",
+        "nora_lr must be >= 0, got -0.001",
+    ):
         assert message in str(raised.value)

@@ -68,8 +68,12 @@ def test_seq_ignores_shard_position_ids(tmp_path):
     """seq trains on positions 0..window-1 and never reads the shards' position ids (AstrAI's seq neither), so ids
     past max_position_embeddings (one long document from `prepare` or AstrAI's pipeline) are no reason to refuse."""
     for train_type in ("seq", "sft"):
-        write_shard(tmp_path / train_type / "shard_0000", sequence=np.arange(40, dtype=np.int32),
-                    loss_mask=np.ones(40, np.int32), position_ids=np.arange(40, dtype=np.int32))  # fmt: skip
+        write_shard(
+            tmp_path / train_type / "shard_0000",
+            sequence=np.arange(40, dtype=np.int32),
+            loss_mask=np.ones(40, np.int32),
+            position_ids=np.arange(40, dtype=np.int32),
+        )
     dataset = load_window_dataset("seq", tmp_path / "seq", 8, stride=None, tokenizer=None, max_positions=16)
     assert len(dataset) == 4
     with pytest.raises(UserError, match="position ids must be below the model's max_position_embeddings 16"):

@@ -28,8 +28,21 @@ def test_seq_and_sft_on_bin_shards_train_and_resume_without_a_tokenizer(tmp_path
     shutil.copy(TINY_MODEL_DIR / "config.json", tmp_path / "model")
     chat = PipelineConfig.from_dict(SFT_CONFIG, "sft.json")
     prepare([resolve("bundled:data/sft") / "tasks.jsonl"], tmp_path / "shards", chat, TOKENIZER)
-    run = ["sft", "--data_root_path", str(tmp_path / "shards"), "--window_size", "16", "--parallel_mode", "none",
-           "--num_workers", "0", "--loggers", "[]", "--ckpt_dir", str(tmp_path / "run")]  # fmt: skip
+    run = [
+        "sft",
+        "--data_root_path",
+        str(tmp_path / "shards"),
+        "--window_size",
+        "16",
+        "--parallel_mode",
+        "none",
+        "--num_workers",
+        "0",
+        "--loggers",
+        "[]",
+        "--ckpt_dir",
+        str(tmp_path / "run"),
+    ]
 
     assert main([*run, "--param_path", str(tmp_path / "model"), "--max_steps", "1"]) == 0
     out = capsys.readouterr().out
@@ -113,8 +126,10 @@ def test_dataset_config_token_ids_equal_astrais(tmp_path):
     config = read_dataset_config(dirs["sft"], "sft")
     stream, dropped = render_stream(config, TOKENIZER, read_jsonl(dirs["sft"]))
     assert not dropped
-    assert {k: v.tolist() for k, v in stream.items()} == {**reference["sft"], "loss_mask": [
-        bool(m) for m in reference["sft"]["loss_mask"]]}  # fmt: skip
+    assert {k: v.tolist() for k, v in stream.items()} == {
+        **reference["sft"],
+        "loss_mask": [bool(m) for m in reference["sft"]["loss_mask"]],
+    }
 
     config = read_dataset_config(dirs["dpo"], "dpo")
     dataset = PreferenceDataset(
@@ -139,8 +154,20 @@ def test_dataset_config_token_ids_equal_astrais(tmp_path):
 
 
 def test_dpo_and_grpo_train_from_a_dataset_config_through_the_cli(tmp_path, capsys):
-    common = ["--param_path", "bundled:tiny", "--window_size", "64", "--parallel_mode", "none", "--num_workers", "0",
-              "--loggers", "[]", "--max_steps", "1"]  # fmt: skip
+    common = [
+        "--param_path",
+        "bundled:tiny",
+        "--window_size",
+        "64",
+        "--parallel_mode",
+        "none",
+        "--num_workers",
+        "0",
+        "--loggers",
+        "[]",
+        "--max_steps",
+        "1",
+    ]
     for kind, config, records in (("dpo", DPO_CONFIG, pairs()), ("grpo", GRPO_CONFIG, groups())):
         data = data_dir(tmp_path, kind, config, records)
         assert main([kind, *common, "--data_root_path", str(data), "--ckpt_dir", str(tmp_path / f"{kind}-run")]) == 0

@@ -31,8 +31,10 @@ from astrai_fabric.data.tokenize import tokenize_chats
 from astrai_fabric.errors import ConfigError, UserError
 from astrai_fabric.tokenizer import Tokenizer
 
-U, A, S = ({"role": role, "content": text} for role, text in (("user", "What is 2 + 2?"), ("assistant", "Four."),
-                                                               ("system", "Answer briefly.")))  # fmt: skip
+U, A, S = (
+    {"role": role, "content": text}
+    for role, text in (("user", "What is 2 + 2?"), ("assistant", "Four."), ("system", "Answer briefly."))
+)
 
 SFT = [  # (shape, shaped record, the messages it stands for)
     ("sharegpt", {"conversations": [{"from": "system", "value": S["content"]}, {"from": "human", "value": U["content"]},
@@ -93,8 +95,9 @@ def test_dpo_shapes_give_the_pairs_of_prompt_chosen_rejected(tokenizer):
     listed = {"prompt": [S, U], "chosen": [A], "rejected": [rejected[1]]}
     for record in (implicit, listed):
         shaped, _ = shape_records(numbered([record]), "dpo")
-        assert pairs(PreferenceDataset(shaped, tokenizer, 64)) == pairs(PreferenceDataset(numbered([explicit]),
-                                                                                          tokenizer, 64))  # fmt: skip
+        assert pairs(PreferenceDataset(shaped, tokenizer, 64)) == pairs(
+            PreferenceDataset(numbered([explicit]), tokenizer, 64)
+        )
     multi_turn = {"chosen": [U, A, U, A], "rejected": [U, A, U, rejected[1]]}  # the first three turns are the prompt
     shaped, _ = shape_records(numbered([multi_turn]), "dpo")
     assert shaped[0][1]["prompt"] == [U, A, U]
@@ -130,10 +133,12 @@ def test_conversational_prompt_completion_matches_trls_sft_tokenisation(tmp_path
         example = {"prompt": [S, U], "completion": [A]}
         assert data_utils.is_conversational(example)
         texts = data_utils.maybe_apply_chat_template(example, theirs)
-        prompt_ids = theirs.apply_chat_template(example["prompt"], add_generation_prompt=True, tokenize=True,
-                                                return_dict=True)["input_ids"]  # fmt: skip
-        full_ids = theirs.apply_chat_template(example["prompt"] + example["completion"], tokenize=True,
-                                              return_dict=True)["input_ids"]  # fmt: skip
+        prompt_ids = theirs.apply_chat_template(
+            example["prompt"], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+        full_ids = theirs.apply_chat_template(
+            example["prompt"] + example["completion"], tokenize=True, return_dict=True
+        )["input_ids"]
         prompt_len = data_utils.common_prefix_length(prompt_ids, full_ids)
         trl_mask = [0] * prompt_len + [1] * (len(full_ids) - prompt_len)
 
@@ -186,8 +191,8 @@ def test_the_shape_is_detected_from_the_columns(train_type, record, shape):
 
 def test_data_format_reads_every_record_as_the_shape_it_names():
     record = {"messages": [U, A], "conversations": [{"from": "human", "value": "other"}]}
-    (_, auto), = shape_records(numbered([record]), "sft")[0]  # fmt: skip
-    (_, forced), = shape_records(numbered([record]), "sft", "sharegpt")[0]  # fmt: skip
+    ((_, auto),) = shape_records(numbered([record]), "sft")[0]
+    ((_, forced),) = shape_records(numbered([record]), "sft", "sharegpt")[0]
     assert auto["messages"] == [U, A] and forced["messages"] == [{"role": "user", "content": "other"}]
     with pytest.raises(UserError, match=r"data.jsonl:1: an sft record needs \['instruction', 'output'\] \(alpaca"):
         shape_records(numbered([record]), "sft", "alpaca")
@@ -195,8 +200,9 @@ def test_data_format_reads_every_record_as_the_shape_it_names():
 
 def test_data_columns_reads_fields_from_other_columns(tokenizer):
     records = [{"question": "Add 2 and 2.", "context": "", "answer": "4"}]
-    shaped, shaper = shape_records(numbered(records), "sft", data_columns="instruction=question,input=context,"
-                                   "output=answer")  # fmt: skip
+    shaped, shaper = shape_records(
+        numbered(records), "sft", data_columns="instruction=question,input=context,output=answer"
+    )
     expected = [{"role": "user", "content": "Add 2 and 2."}, {"role": "assistant", "content": "4"}]
     assert shaped[0][1]["messages"] == expected
     assert shaper.describe() == "alpaca shape (1 record), columns instruction=question,input=context,output=answer"
@@ -220,8 +226,9 @@ def test_data_columns_reads_fields_from_other_columns(tokenizer):
     ],
 )  # fmt: skip
 def test_shape_flags_are_checked_with_the_other_flags(train_type, data_format, data_columns, message):
-    args = TrainArgs(data_root_path="d", param_path="m", train_type=train_type, data_format=data_format,
-                     data_columns=data_columns)  # fmt: skip
+    args = TrainArgs(
+        data_root_path="d", param_path="m", train_type=train_type, data_format=data_format, data_columns=data_columns
+    )
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("?", r"\?")):
         args.validate()
 
@@ -229,8 +236,11 @@ def test_shape_flags_are_checked_with_the_other_flags(train_type, data_format, d
 def test_a_source_holds_one_shape_and_each_file_its_own(tmp_path):
     alpaca = {"instruction": "Say hi.", "output": "hi"}
     sharegpt = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}
-    with pytest.raises(UserError, match=r"data.jsonl:2: the record has the sharegpt shape \(conversations\), but "
-                                        r"data.jsonl:1, the source's first record, has the alpaca shape"):  # fmt: skip
+    with pytest.raises(
+        UserError,
+        match=r"data.jsonl:2: the record has the sharegpt shape \(conversations\), but "
+        r"data.jsonl:1, the source's first record, has the alpaca shape",
+    ):
         shape_records(numbered([alpaca, sharegpt]), "sft")
     with pytest.raises(UserError, match=r"d.parquet row 1: the record has the sharegpt shape"):  # data/sources.py's
         shape_records([("d.parquet row 0", alpaca), ("d.parquet row 1", sharegpt)], "sft")
@@ -258,9 +268,26 @@ def write_jsonl(path: Path, records: list[dict]) -> str:
 
 
 def cli(tmp_path: Path, train_type: str, data: str, *extra: str) -> list[str]:
-    return [train_type, "--param_path", "bundled:tiny", "--data_root_path", data, "--window_size", "64",
-            "--max_steps", "1", "--parallel_mode", "none", "--num_workers", "0", "--loggers", "[]",
-            "--ckpt_dir", str(tmp_path / "out"), *extra]  # fmt: skip
+    return [
+        train_type,
+        "--param_path",
+        "bundled:tiny",
+        "--data_root_path",
+        data,
+        "--window_size",
+        "64",
+        "--max_steps",
+        "1",
+        "--parallel_mode",
+        "none",
+        "--num_workers",
+        "0",
+        "--loggers",
+        "[]",
+        "--ckpt_dir",
+        str(tmp_path / "out"),
+        *extra,
+    ]
 
 
 @pytest.mark.parametrize(
@@ -316,8 +343,16 @@ def test_prepare_writes_for_each_sft_shape_the_bytes_of_its_messages_records(tmp
         write_jsonl(shaped / f"{shape}.jsonl", [record for record, _ in entries])
         write_jsonl(canonical / f"{shape}.jsonl", [{"messages": messages} for _, messages in entries])
     (tmp_path / "chat.json").write_text(json.dumps(CHAT_PIPELINE))
-    argv = ["prepare", str(canonical), "-o", str(tmp_path / "canonical-out"), "-c", str(tmp_path / "chat.json"),
-            "--tokenizer_path", "bundled:tiny"]  # fmt: skip
+    argv = [
+        "prepare",
+        str(canonical),
+        "-o",
+        str(tmp_path / "canonical-out"),
+        "-c",
+        str(tmp_path / "chat.json"),
+        "--tokenizer_path",
+        "bundled:tiny",
+    ]
     assert main(argv) == 0
     assert "records read as" not in capsys.readouterr().out  # messages records: read as they are
     expected = shard_bytes(tmp_path / "canonical-out")
@@ -334,8 +369,11 @@ def test_prepare_writes_for_each_sft_shape_the_bytes_of_its_messages_records(tmp
         prepare([shaped], tmp_path / "resumed", config, TINY, num_proc=2)
     monkeypatch.delenv("ASTRAI_FABRIC_CRASH_AT")
     state = json.loads((tmp_path / ".resumed.prepare-partial" / "prepare_state.json").read_text())
-    assert state["next"]["record"] > 0 and state["shapes"] == {"0:0": "alpaca", "1:0": "prompt_completion",
-                                                              "2:0": "sharegpt"}  # fmt: skip
+    assert state["next"]["record"] > 0 and state["shapes"] == {
+        "0:0": "alpaca",
+        "1:0": "prompt_completion",
+        "2:0": "sharegpt",
+    }
     prepare([shaped], tmp_path / "resumed", config, TINY, num_proc=2, resume=True)
     assert shard_bytes(tmp_path / "resumed") == expected
 
@@ -347,11 +385,21 @@ def test_prepare_reads_a_field_from_another_column(tmp_path, capsys):
     bodies = ["In the beginning God created", "the heaven and the earth"]
     write_jsonl(tmp_path / "texts.jsonl", [{"text": body} for body in bodies] + [{}])
     write_jsonl(tmp_path / "bodies.jsonl", [{"body": body} for body in bodies] + [{}])
-    (tmp_path / "seq.json").write_text(json.dumps({"input": {"sections": [{"field": "text", "action": "train"}]},
-                                                   "preprocessing": {"min_chars": 0}}))  # fmt: skip
+    (tmp_path / "seq.json").write_text(
+        json.dumps({"input": {"sections": [{"field": "text", "action": "train"}]}, "preprocessing": {"min_chars": 0}})
+    )
     for name, extra in (("texts", []), ("bodies", ["--data_format", "text", "--data_columns", "text=body"])):
-        argv = ["prepare", str(tmp_path / f"{name}.jsonl"), "-o", str(tmp_path / f"{name}-out"), "-c",
-                str(tmp_path / "seq.json"), "--tokenizer_path", "bundled:tiny", *extra]  # fmt: skip
+        argv = [
+            "prepare",
+            str(tmp_path / f"{name}.jsonl"),
+            "-o",
+            str(tmp_path / f"{name}-out"),
+            "-c",
+            str(tmp_path / "seq.json"),
+            "--tokenizer_path",
+            "bundled:tiny",
+            *extra,
+        ]
         assert main(argv) == 0
         assert "records: 3 read, 2 kept, dropped: 1 no tokens\n" in capsys.readouterr().out
     assert shard_bytes(tmp_path / "bodies-out") == shard_bytes(tmp_path / "texts-out")

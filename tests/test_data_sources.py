@@ -66,8 +66,9 @@ def sources(tmp_path_factory) -> Path:
     (root / "parquet-dir").mkdir()  # three files, read in name order
     for i in range(3):
         datasets.Dataset.from_list(TEXTS[i * 15 : (i + 1) * 15]).to_parquet(root / "parquet-dir" / f"part-{i}.parquet")
-    datasets.DatasetDict({"train": datasets.Dataset.from_list(TEXTS[:5]),
-                          "validation": datasets.Dataset.from_list(TEXTS[5:])}).save_to_disk(root / "dict")  # fmt: skip
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(TEXTS[:5]), "validation": datasets.Dataset.from_list(TEXTS[5:])}
+    ).save_to_disk(root / "dict")
     return root
 
 
@@ -105,9 +106,26 @@ def test_a_directory_of_parquet_files_and_a_split_of_a_saved_dict(sources):
 
 
 def run(kind: str, data: Path, out: Path, *extra: str) -> list[str]:
-    return [kind, "--param_path", "bundled:tiny", "--data_root_path", str(data), "--window_size", "16",
-            "--parallel_mode", "none", "--num_workers", "0", "--loggers", "[]", "--max_steps", "1",
-            "--ckpt_dir", str(out), *extra]  # fmt: skip
+    return [
+        kind,
+        "--param_path",
+        "bundled:tiny",
+        "--data_root_path",
+        str(data),
+        "--window_size",
+        "16",
+        "--parallel_mode",
+        "none",
+        "--num_workers",
+        "0",
+        "--loggers",
+        "[]",
+        "--max_steps",
+        "1",
+        "--ckpt_dir",
+        str(out),
+        *extra,
+    ]
 
 
 @pytest.mark.parametrize("kind, name", [("seq", "texts.parquet"), ("sft", "chats.parquet"), ("dpo", "pairs.parquet")])
@@ -148,8 +166,10 @@ def test_a_dataset_config_beside_parquet_renders_its_records_as_beside_jsonl(tmp
 def test_a_split_of_a_saved_dict_is_what_trains(sources, tmp_path, capsys):
     assert main(run("seq", sources / "dict", tmp_path / "validation", "--data_split", "validation", "--dry_run")) == 0
     assert main(run("seq", sources / "dict", tmp_path / "train", "--dry_run")) == 0
-    validation, train = (re.search(r"^  data +([\d,]+) samples", out, re.M).group(1) for out in
-                         capsys.readouterr().out.split("plan for ")[1:])  # fmt: skip
+    validation, train = (
+        re.search(r"^  data +([\d,]+) samples", out, re.M).group(1)
+        for out in capsys.readouterr().out.split("plan for ")[1:]
+    )
     assert validation != train  # 5 texts in train, the rest in validation
 
 
@@ -175,8 +195,16 @@ def test_a_killed_prepare_of_a_parquet_directory_resumes_to_the_same_bytes(tmp_p
     for i in range(3):  # the kill falls inside the second file: the resume starts at its row
         datasets.Dataset.from_list(rows[i * 20 : (i + 1) * 20]).to_parquet(tmp_path / "in" / f"{i}.parquet")
     (tmp_path / "p.json").write_text(json.dumps(STREAMED["bfd"]))
-    argv = ["prepare", str(tmp_path / "in"), "-o", str(tmp_path / "out"), "-c", str(tmp_path / "p.json"),
-            "--tokenizer_path", "bundled:tiny"]  # fmt: skip
+    argv = [
+        "prepare",
+        str(tmp_path / "in"),
+        "-o",
+        str(tmp_path / "out"),
+        "-c",
+        str(tmp_path / "p.json"),
+        "--tokenizer_path",
+        "bundled:tiny",
+    ]
     env = {**os.environ, "ASTRAI_FABRIC_CRASH_AT": "prepare-shard@3", "OMP_NUM_THREADS": "1"}
     killed = subprocess.run([sys.executable, "-m", "astrai_fabric", *argv], env=env, capture_output=True, timeout=120)
     assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]
@@ -237,23 +265,38 @@ def test_a_hub_dataset_with_subsets_fetches_only_the_chosen_ones_files(tmp_path,
     stand-in's request log shows; a subset or split the card lacks is refused before any data file is asked for;
     prepare and a run read the same way, the run offline from the pinned commit."""
     stand_in_module = pytest.importorskip("tests.hub_stand_in", reason="tests/hub_stand_in.py (HUB's) is missing")
-    rows = {"en/train-00000-of-00001.parquet": TEXTS[:10], "en/test-00000-of-00001.parquet": TEXTS[10:15],
-            "fr/part-0.parquet": TEXTS[20:30], "fr/part-1.parquet": TEXTS[30:40]}  # fmt: skip
+    rows = {
+        "en/train-00000-of-00001.parquet": TEXTS[:10],
+        "en/test-00000-of-00001.parquet": TEXTS[10:15],
+        "fr/part-0.parquet": TEXTS[20:30],
+        "fr/part-1.parquet": TEXTS[30:40],
+    }
     files = {"README.md": SUBSETS_CARD}
     for name, part in rows.items():
         datasets.Dataset.from_list(part).to_parquet(tmp_path / "part.parquet")
         files[name] = (tmp_path / "part.parquet").read_bytes()
     (tmp_path / "p.json").write_text(json.dumps({"input": {"sections": [{"field": "text", "action": "train"}]}}))
-    prepare_argv = ["prepare", "org/multi", "-o", str(tmp_path / "out"), "-c", str(tmp_path / "p.json"),
-                    "--tokenizer_path", "bundled:tiny"]  # fmt: skip
+    prepare_argv = [
+        "prepare",
+        "org/multi",
+        "-o",
+        str(tmp_path / "out"),
+        "-c",
+        str(tmp_path / "p.json"),
+        "--tokenizer_path",
+        "bundled:tiny",
+    ]
     with stand_in_module.serving(monkeypatch, tmp_path / "home") as stand_in:
         commit = stand_in.add("org/multi", files, repo_type="dataset")
         refused = [
             ({"subset": "de"}, "--data_subset 'de': data_root_path org/multi has no such subset; it has 'en', 'fr'"),
             ({}, "data_root_path org/multi: has subsets 'en', 'fr'; choose one with --data_subset"),
-            ({"subset": "en", "split": "validation"}, "--data_split 'validation': subset 'en' of data_root_path "
-             "org/multi has no such split; it has 'train', 'test'"),
-        ]  # fmt: skip
+            (
+                {"subset": "en", "split": "validation"},
+                "--data_split 'validation': subset 'en' of data_root_path "
+                "org/multi has no such split; it has 'train', 'test'",
+            ),
+        ]
         for choice, message in refused:
             with pytest.raises(UserError, match=f"^{re.escape(message)}$"):
                 read_records(Path("org/multi"), **choice)
@@ -270,8 +313,12 @@ def test_a_hub_dataset_with_subsets_fetches_only_the_chosen_ones_files(tmp_path,
         asked = len(stand_in.requests)
         assert plain(read_records(Path("org/multi"), subset="fr")) == TEXTS[20:40]  # from the cache
         assert plain(read_records(Path(f"org/multi@{commit}"), subset="en", split="test")) == TEXTS[10:15]
-        with pytest.raises(UserError, match=re.escape("HF_HUB_OFFLINE=1 with no cached copy of the Hub dataset "
-                                                      "org/multi (--data_subset 'en') in ")):  # fmt: skip
+        with pytest.raises(
+            UserError,
+            match=re.escape(
+                "HF_HUB_OFFLINE=1 with no cached copy of the Hub dataset org/multi (--data_subset 'en') in "
+            ),
+        ):
             read_records(Path("org/multi"), subset="en")  # its train split was never fetched
         assert main(run("seq", Path("org/multi"), tmp_path / "run", "--data_subset", "fr")) == 0
         assert len(stand_in.requests) == asked  # not one request offline
@@ -306,10 +353,23 @@ def test_a_malformed_dataset_card_is_one_line_naming_it(tmp_path, monkeypatch, c
     with stand_in_module.serving(monkeypatch, tmp_path / "home") as stand_in:
         for index, (header, message) in enumerate(BAD_CARDS):
             card = f"---\n{header}\n---\n# a card\n".encode()
-            stand_in.add(f"org/bad{index}", {"README.md": card, "x.parquet": (tmp_path / "part.parquet").read_bytes()},
-                         repo_type="dataset")  # fmt: skip
-            argv = ["prepare", f"org/bad{index}", "-o", str(tmp_path / "out"), "-c", str(tmp_path / "p.json"),
-                    "--tokenizer_path", "bundled:tiny", "--data_subset", "a"]  # fmt: skip
+            stand_in.add(
+                f"org/bad{index}",
+                {"README.md": card, "x.parquet": (tmp_path / "part.parquet").read_bytes()},
+                repo_type="dataset",
+            )
+            argv = [
+                "prepare",
+                f"org/bad{index}",
+                "-o",
+                str(tmp_path / "out"),
+                "-c",
+                str(tmp_path / "p.json"),
+                "--tokenizer_path",
+                "bundled:tiny",
+                "--data_subset",
+                "a",
+            ]
             assert main(argv) == 2
             lines = capsys.readouterr().err.strip().splitlines()
             expected = f"astrai-fabric: error: input org/bad{index}: {message}"
@@ -327,10 +387,22 @@ print(json.dumps([main(argv) for argv in json.loads(sys.argv[1])]))
 
 def test_without_the_extra_jsonl_works_and_other_kinds_say_which_extra(sources, tmp_path):
     (tmp_path / "p.json").write_text('{"input": {"sections": [{"field": "text", "action": "train"}]}}')
-    runs = [["prepare", str(sources / name), "-o", str(tmp_path / name), "-c", str(tmp_path / "p.json"),
-             "--tokenizer_path", "bundled:tiny"] for name in ("texts.jsonl", "texts.parquet")]  # fmt: skip
-    done = subprocess.run([sys.executable, "-c", BLOCKED, json.dumps(runs)], capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    runs = [
+        [
+            "prepare",
+            str(sources / name),
+            "-o",
+            str(tmp_path / name),
+            "-c",
+            str(tmp_path / "p.json"),
+            "--tokenizer_path",
+            "bundled:tiny",
+        ]
+        for name in ("texts.jsonl", "texts.parquet")
+    ]
+    done = subprocess.run(
+        [sys.executable, "-c", BLOCKED, json.dumps(runs)], capture_output=True, text=True, timeout=120
+    )
     assert done.stdout.startswith("records: 40 read, ") and done.stdout.splitlines()[-1] == "[0, 2]", done.stderr
     assert done.stderr.splitlines() == [
         f"astrai-fabric: error: input {sources / 'texts.parquet'}: reading parquet data "
@@ -341,8 +413,9 @@ def test_without_the_extra_jsonl_works_and_other_kinds_say_which_extra(sources, 
 
 def test_what_a_source_does_not_have_is_one_line(sources, tmp_path):
     """Each choice a source cannot honour, named with what it has (the CLI cases: tests/test_hostile_input.py)."""
-    datasets.DatasetDict({"a": datasets.Dataset.from_list(TEXTS[:1]),
-                          "b": datasets.Dataset.from_list(TEXTS[1:2])}).save_to_disk(tmp_path / "ab")  # fmt: skip
+    datasets.DatasetDict(
+        {"a": datasets.Dataset.from_list(TEXTS[:1]), "b": datasets.Dataset.from_list(TEXTS[1:2])}
+    ).save_to_disk(tmp_path / "ab")
     (tmp_path / "broken").mkdir()
     for name in ("state.json", "dataset_info.json"):
         (tmp_path / "broken" / name).write_text("{not json")
@@ -363,7 +436,7 @@ def test_what_a_source_does_not_have_is_one_line(sources, tmp_path):
                 [tmp_path / "shards"], tmp_path / "o", PipelineConfig.from_dict(STREAMED["text"], "c"), TOKENIZER
             ),
             "holds bin shards, already prepared; inputs are records",
-        ),  # fmt: skip
+        ),
     ]
     for read, message in cases:
         with pytest.raises(UserError, match=re.escape(message)):

@@ -19,9 +19,11 @@ def test_the_docs_show_the_examples_verbatim(example):
 
 def run_example(name: str, out: Path) -> str:
     result = subprocess.run(
-        [sys.executable, str(EXAMPLES / name), str(out)], capture_output=True, text=True,
+        [sys.executable, str(EXAMPLES / name), str(out)],
+        capture_output=True,
+        text=True,
         env={"OMP_NUM_THREADS": "1", "PATH": str(Path(sys.executable).parent)},
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 

@@ -55,9 +55,16 @@ def work(tmp_path_factory) -> Path:
     ``text.jsonl`` (seq records of 3 to 70 tokens), ``chats.jsonl`` (short conversations) and ``tasks/`` (the three
     lm-eval tasks)."""
     root = tmp_path_factory.mktemp("evaluate")
-    config = ModelConfig.from_dict({**json.loads((TINY_MODEL_DIR / "config.json").read_text()), "hidden_size": 32,
-                                    "intermediate_size": 64, "num_hidden_layers": 2, "tie_word_embeddings": False,
-                                    "max_position_embeddings": MAX_POSITIONS})  # fmt: skip
+    config = ModelConfig.from_dict(
+        {
+            **json.loads((TINY_MODEL_DIR / "config.json").read_text()),
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "tie_word_embeddings": False,
+            "max_position_embeddings": MAX_POSITIONS,
+        }
+    )
     torch.manual_seed(11)
     model = AutoRegressiveLM(config)
     with torch.no_grad():  # a sharper distribution than the init's, so greedy choices are far from ties
@@ -72,13 +79,17 @@ def work(tmp_path_factory) -> Path:
     rng = torch.Generator().manual_seed(3)
     lines = [json.dumps({"text": words(rng, n)}) for n in (2, 9, 30, 60, 17, 25, 5)]
     (root / "text.jsonl").write_text("\n".join(lines) + "\n")
-    chats = [[{"role": "user", "content": words(rng, 2 + i % 4)},
-              {"role": "assistant", "content": words(rng, 1 + i % 3)}] for i in range(12)]  # fmt: skip
+    chats = [
+        [{"role": "user", "content": words(rng, 2 + i % 4)}, {"role": "assistant", "content": words(rng, 1 + i % 3)}]
+        for i in range(12)
+    ]
     (root / "chats.jsonl").write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in chats))
     tasks = root / "tasks"
     tasks.mkdir()
-    mc = [{"question": words(rng, 4 + i), "choices": [" " + words(rng, k + 1) for k in range(3)], "answer": i % 3}
-          for i in range(6)]  # fmt: skip
+    mc = [
+        {"question": words(rng, 4 + i), "choices": [" " + words(rng, k + 1) for k in range(3)], "answer": i % 3}
+        for i in range(6)
+    ]
     rolling = [{"text": words(rng, n)} for n in (3, 25, 90)]  # the last spans several windows
     gen = [{"prompt": words(rng, 3 + 20 * (i % 3)), "answer": WORDS[i]} for i in range(5)]  # some truncated
     for name, records in (("mc", mc), ("rolling", rolling), ("gen", gen)):
@@ -89,18 +100,18 @@ def work(tmp_path_factory) -> Path:
         "output_type: multiple_choice\ndoc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\n"
         "doc_to_target: '{{answer}}'\nmetric_list:\n  - metric: acc\n    aggregation: mean\n"
         "    higher_is_better: true\n"
-    )  # fmt: skip
+    )
     (tasks / "tiny_rolling.yaml").write_text(
         f"task: tiny_rolling\n{common}dataset_kwargs:\n  data_files:\n    test: {tasks / 'rolling.jsonl'}\n"
         "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\nmetric_list:\n"
         "  - metric: word_perplexity\n  - metric: bits_per_byte\n"
-    )  # fmt: skip
+    )
     (tasks / "tiny_gen.yaml").write_text(
         f"task: tiny_gen\n{common}dataset_kwargs:\n  data_files:\n    test: {tasks / 'gen.jsonl'}\n"
         "output_type: generate_until\ndoc_to_text: '{{prompt}}'\ndoc_to_target: '{{answer}}'\n"
         "generation_kwargs:\n  until: ['firmament']\n  max_gen_toks: 6\n  do_sample: false\n"
         "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n"
-    )  # fmt: skip
+    )
     return root
 
 
@@ -116,8 +127,12 @@ def test_windows_score_every_token_of_the_training_stream_once(work):
     EOS, concatenated, cut into windows of 16 inputs and their next tokens), summed over the windows."""
     model = load_model(work / "model").eval()
     tokenizer = Tokenizer.from_dir(work / "model")
-    scores = score_data(model, tokenizer, evaluate_args(data_root_path=str(work / "text.jsonl"), window_size=16,
-                                                        batch_size=3), progress=False)  # fmt: skip
+    scores = score_data(
+        model,
+        tokenizer,
+        evaluate_args(data_root_path=str(work / "text.jsonl"), window_size=16, batch_size=3),
+        progress=False,
+    )
     stream = []
     for line in (work / "text.jsonl").read_text().splitlines():
         stream += tokenizer.encode(json.loads(line)["text"], add_special_tokens=False) + [tokenizer.eos_token_id]
@@ -168,15 +183,24 @@ def test_bin_shards_are_scored_as_the_records_they_were_prepared_from(work, tmp_
     config.write_text(
         json.dumps({"input": {"sections": [{"field": "text", "action": "train"}]}, "preprocessing": {"min_chars": 0}})
     )  # AstrAI's default drops short records
-    argv = ["prepare", str(work / "text.jsonl"), "-o", str(tmp_path / "shards"), "-c", str(config),
-            "--tokenizer_path", str(work / "model")]  # fmt: skip
+    argv = [
+        "prepare",
+        str(work / "text.jsonl"),
+        "-o",
+        str(tmp_path / "shards"),
+        "-c",
+        str(config),
+        "--tokenizer_path",
+        str(work / "model"),
+    ]
     assert main(argv) == 0
     model, tokenizer = load_model(work / "model").eval(), Tokenizer.from_dir(work / "model")
     records, shards = (
-        summarize(score_data(model, tokenizer, evaluate_args(data_root_path=str(path), window_size=16),
-                             progress=False), 0, 0)
+        summarize(
+            score_data(model, tokenizer, evaluate_args(data_root_path=str(path), window_size=16), progress=False), 0, 0
+        )
         for path in (work / "text.jsonl", tmp_path / "shards")
-    )  # fmt: skip
+    )
     assert shards == pytest.approx(records, rel=1e-6) and shards["units"] > 5
 
 
@@ -197,10 +221,15 @@ def test_records_are_scored_alone_whatever_the_window_and_batch(work):
     model = load_model(work / "model").eval()
     tokenizer = Tokenizer.from_dir(work / "model")
     data = str(work / "text.jsonl")
-    whole = score_data(model, tokenizer, evaluate_args(data_root_path=data, perplexity_unit="records",
-                                                       batch_size=1), progress=False)  # fmt: skip
-    rolled = score_data(model, tokenizer, evaluate_args(data_root_path=data, perplexity_unit="records",
-                                                        window_size=8, batch_size=5), progress=False)  # fmt: skip
+    whole = score_data(
+        model, tokenizer, evaluate_args(data_root_path=data, perplexity_unit="records", batch_size=1), progress=False
+    )
+    rolled = score_data(
+        model,
+        tokenizer,
+        evaluate_args(data_root_path=data, perplexity_unit="records", window_size=8, batch_size=5),
+        progress=False,
+    )
     lengths = [len(tokenizer.encode(json.loads(line)["text"])) for line in Path(data).read_text().splitlines()]
     assert whole.token_counts.tolist() == [n - 1 for n in lengths] == rolled.token_counts.tolist()
     fits = max((n, i) for i, n in enumerate(lengths) if n <= MAX_POSITIONS + 1)[1]  # one window, read whole
@@ -270,11 +299,18 @@ def test_records_perplexity_equals_astrai_evaluate_ppl_made_causal(work, tmp_pat
             return forward(input_ids, input_mask=causal[None, None] & input_mask[:, None, None, :].bool(), **kwargs)
         model.forward = causal
         print(json.dumps({{"causal": run(), "as_shipped": as_shipped}}))
-    """)  # fmt: skip
+    """)
     astrai = json.loads(output.splitlines()[-1])
-    ours = summarize(score_data(load_model(work / "model").eval(), tokenizer,
-                                evaluate_args(data_root_path=str(tmp_path / "fits.jsonl"), perplexity_unit="records"),
-                                progress=False), 0, 0)  # fmt: skip
+    ours = summarize(
+        score_data(
+            load_model(work / "model").eval(),
+            tokenizer,
+            evaluate_args(data_root_path=str(tmp_path / "fits.jsonl"), perplexity_unit="records"),
+            progress=False,
+        ),
+        0,
+        0,
+    )
     assert ours["tokens"] == astrai["causal"]["num_tokens"]
     assert ours["loss"] == pytest.approx(astrai["causal"]["mean_loss"], rel=1e-5)
     assert ours["perplexity"] == pytest.approx(astrai["causal"]["ppl"], rel=1e-4)
@@ -298,15 +334,34 @@ def test_a_lora_checkpoint_is_evaluated_with_its_adapter_applied(work, tmp_path,
     adapter = {k: torch.randn_like(v) * 0.5 for k, v in lora.adapter_state_dict(model.state_dict()).items()}
     files = {name: TINY_MODEL_DIR / name for name in ("tokenizer.json", "tokenizer_config.json")}
     meta = {"lora_base": lora_base_entry(work / "model", tmp_path / "lora", weight_digests(work / "model"))}
-    save_checkpoint(tmp_path / "lora", None, model.config.to_dict(), meta=meta, files=files, adapter=adapter,
-                    adapter_config=spec.adapter_config())  # fmt: skip
+    save_checkpoint(
+        tmp_path / "lora",
+        None,
+        model.config.to_dict(),
+        meta=meta,
+        files=files,
+        adapter=adapter,
+        adapter_config=spec.adapter_config(),
+    )
     assert main(["export", str(tmp_path / "lora"), "--merge_lora", "--out", str(tmp_path / "merged")]) == 0
     losses = {}
-    sources = [("lora", tmp_path / "lora"), ("merged", tmp_path / "merged"), ("base", work / "model"),
-               ("hf", work / "hf")]  # fmt: skip
+    sources = [
+        ("lora", tmp_path / "lora"),
+        ("merged", tmp_path / "merged"),
+        ("base", work / "model"),
+        ("hf", work / "hf"),
+    ]
     for name, path in sources:
-        argv = ["evaluate", str(path), "--data_root_path", str(work / "text.jsonl"), "--perplexity_unit", "records",
-                "--output", str(tmp_path / f"{name}.json")]  # fmt: skip
+        argv = [
+            "evaluate",
+            str(path),
+            "--data_root_path",
+            str(work / "text.jsonl"),
+            "--perplexity_unit",
+            "records",
+            "--output",
+            str(tmp_path / f"{name}.json"),
+        ]
         assert main(argv) == 0
         losses[name] = json.loads((tmp_path / f"{name}.json").read_text())["results"][0]["metrics"]["loss"]
     assert losses["lora"] == pytest.approx(losses["merged"], rel=1e-6)
@@ -324,8 +379,14 @@ TASKS = ["tiny_mc", "tiny_rolling", "tiny_gen"]
 def lm_eval_samples(lm, tasks: Path, chat: bool) -> dict:
     from astrai_fabric.evaluate.harness import tasks_index
 
-    return lm_eval.simple_evaluate(model=lm, tasks=TASKS, log_samples=True, apply_chat_template=chat,
-                                   task_manager=tasks_index(TASKS, str(tasks)), bootstrap_iters=0)  # fmt: skip
+    return lm_eval.simple_evaluate(
+        model=lm,
+        tasks=TASKS,
+        log_samples=True,
+        apply_chat_template=chat,
+        task_manager=tasks_index(TASKS, str(tasks)),
+        bootstrap_iters=0,
+    )
 
 
 @pytest.mark.parametrize(
@@ -346,8 +407,9 @@ def test_lm_eval_requests_and_metrics_equal_its_hf_backend_on_our_export(work, m
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     ours = lm_eval_samples(AstraiFabricLM(str(work / ours_dir), batch_size=4, progress=False), work / "tasks", chat)
-    theirs = lm_eval_samples(HFLM(pretrained=str(work / hf_dir), dtype="float32", device="cpu", batch_size=1),
-                             work / "tasks", chat)  # fmt: skip
+    theirs = lm_eval_samples(
+        HFLM(pretrained=str(work / hf_dir), dtype="float32", device="cpu", batch_size=1), work / "tasks", chat
+    )
     compared, largest = 0, 0.0
     for task in ("tiny_mc", "tiny_rolling", "tiny_gen"):
         for mine, reference in zip(ours["samples"][task], theirs["samples"][task], strict=True):
@@ -392,8 +454,14 @@ def run_dir(root: Path) -> Path:
         model = load_model(root / "model")
         with torch.no_grad():
             model.lm_head.weight.mul_(step / 4)
-        save_checkpoint(run / f"epoch_0_step_{step}", model.state_dict(), model.config.to_dict(), files=files,
-                        epoch=0, meta={"train_type": "seq"})  # fmt: skip
+        save_checkpoint(
+            run / f"epoch_0_step_{step}",
+            model.state_dict(),
+            model.config.to_dict(),
+            files=files,
+            epoch=0,
+            meta={"train_type": "seq"},
+        )
     return run
 
 
@@ -402,17 +470,36 @@ def test_a_run_is_evaluated_checkpoint_by_checkpoint_once_and_plotted(work, tmp_
     (tmp_path / "model").symlink_to(work / "model")
     run = run_dir(tmp_path)
     shutil.copy(work / "text.jsonl", tmp_path / "held_out.jsonl")
-    argv = ["evaluate", str(run), "--data_root_path", str(tmp_path / "held_out.jsonl"), "--window_size", "16",
-            "--tasks", "tiny_mc", "--include_path", str(work / "tasks"), "--trust_code", "--limit", "3",
-            "--log_samples", "--output", str(tmp_path / "results.json")]  # fmt: skip
+    argv = [
+        "evaluate",
+        str(run),
+        "--data_root_path",
+        str(tmp_path / "held_out.jsonl"),
+        "--window_size",
+        "16",
+        "--tasks",
+        "tiny_mc",
+        "--include_path",
+        str(work / "tasks"),
+        "--trust_code",
+        "--limit",
+        "3",
+        "--log_samples",
+        "--output",
+        str(tmp_path / "results.json"),
+    ]
     assert main(argv) == 0
     first = capsys.readouterr().out
     stored = sorted(run.glob("epoch_*/eval/*.json"))
     assert [p.parent.parent.name for p in stored] == ["epoch_0_step_2"] * 2 + ["epoch_0_step_4"] * 2
     assert re.search(r"perplexity +loss +\d", first) and re.search(r"tiny_mc +acc +\d", first)
     written = json.loads((tmp_path / "results.json").read_text())["results"]
-    assert [(r["step"], r["kind"]) for r in written] == [(2, "perplexity"), (2, "tasks"), (4, "perplexity"),
-                                                         (4, "tasks")]  # fmt: skip
+    assert [(r["step"], r["kind"]) for r in written] == [
+        (2, "perplexity"),
+        (2, "tasks"),
+        (4, "perplexity"),
+        (4, "tasks"),
+    ]
     assert written[0]["metrics"]["loss"] != written[2]["metrics"]["loss"]
     assert written[1]["versions"]["lm_eval"] == lm_eval.__version__
     assert len(written[1]["lm_eval"]["samples"]["tiny_mc"]) == 3  # --log_samples: each document's requests
@@ -442,14 +529,36 @@ def test_two_processes_give_the_results_of_one(work, tmp_path, monkeypatch):
     run = run_dir(tmp_path)
     alone = tmp_path / "alone"
     shutil.copytree(run, alone)
-    flags = ["--data_root_path", str(work / "text.jsonl"), "--window_size", "8", "--tasks", "tiny_mc,tiny_gen",
-             "--include_path", str(work / "tasks"), "--trust_code"]  # fmt: skip
+    flags = [
+        "--data_root_path",
+        str(work / "text.jsonl"),
+        "--window_size",
+        "8",
+        "--tasks",
+        "tiny_mc,tiny_gen",
+        "--include_path",
+        str(work / "tasks"),
+        "--trust_code",
+    ]
     assert main(["evaluate", str(alone), *flags, "--output", str(tmp_path / "one.json")]) == 0
     result = subprocess.run(
-        [sys.executable, "-m", "astrai_fabric", "evaluate", str(run), *flags, "--nprocs", "2", "--output",
-         str(tmp_path / "two.json")],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "astrai_fabric",
+            "evaluate",
+            str(run),
+            *flags,
+            "--nprocs",
+            "2",
+            "--output",
+            str(tmp_path / "two.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 processes" in result.stdout and result.stdout.count("stored:") == 4  # rank 0 speaks and writes
     one = json.loads((tmp_path / "one.json").read_text())["results"]
@@ -482,8 +591,12 @@ def test_two_processes_give_the_results_of_one(work, tmp_path, monkeypatch):
     ],
 )  # fmt: skip
 def test_mistakes_are_one_line_and_nothing_is_written(work, tmp_path, capsys, argv, message):
-    values = {"model": str(work / "model"), "tmp": str(tmp_path), "text": str(work / "text.jsonl"),
-              "tasks": str(work / "tasks")}  # fmt: skip
+    values = {
+        "model": str(work / "model"),
+        "tmp": str(tmp_path),
+        "text": str(work / "text.jsonl"),
+        "tasks": str(work / "tasks"),
+    }
     before = sorted(p.name for p in (work / "model").rglob("*"))
     assert main([a.format(**values) for a in argv]) == 2
     err = capsys.readouterr().err
@@ -496,8 +609,18 @@ def test_bf16_evaluation_is_close_to_float32(work, tmp_path):
     within bf16's precision of float32's (its 8-bit mantissa: ~0.4% per product; here, measured, far less)."""
     losses = {}
     for precision in ("32-true", "bf16-true"):
-        argv = ["evaluate", str(work / "model"), "--data_root_path", str(work / "text.jsonl"), "--perplexity_unit",
-                "records", "--precision", precision, "--output", str(tmp_path / f"{precision}.json")]  # fmt: skip
+        argv = [
+            "evaluate",
+            str(work / "model"),
+            "--data_root_path",
+            str(work / "text.jsonl"),
+            "--perplexity_unit",
+            "records",
+            "--precision",
+            precision,
+            "--output",
+            str(tmp_path / f"{precision}.json"),
+        ]
         assert main(argv) == 0
         losses[precision] = json.loads((tmp_path / f"{precision}.json").read_text())["results"][0]["metrics"]
     assert losses["bf16-true"]["tokens"] == losses["32-true"]["tokens"]
@@ -511,8 +634,14 @@ def test_a_model_whose_loss_is_not_finite_is_one_line(work, tmp_path, capsys):
         model.lm_head.weight[0, 0] = float("nan")
     files = {name: TINY_MODEL_DIR / name for name in ("tokenizer.json", "tokenizer_config.json")}
     save_checkpoint(tmp_path / "nan", model.state_dict(), model.config.to_dict(), files=files)
-    argv = ["evaluate", str(tmp_path / "nan"), "--data_root_path", str(work / "text.jsonl"), "--perplexity_unit",
-            "records"]  # fmt: skip
+    argv = [
+        "evaluate",
+        str(tmp_path / "nan"),
+        "--data_root_path",
+        str(work / "text.jsonl"),
+        "--perplexity_unit",
+        "records",
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "nats per token; the model's weights or outputs are not finite" in err and len(err.splitlines()) == 1

@@ -72,13 +72,20 @@ def test_sigterm_saves_a_checkpoint_and_resume_auto_continues_exactly(tmp_path):
     assert find_latest_checkpoint(interrupted).name == f"epoch_0_step_{stopped_at}"
 
     total = str(stopped_at + 3)
-    resumed = subprocess.run(cli("--parallel_mode", "none", "--ckpt_dir", str(interrupted), "--stop_after_steps", "3",
-                                 "--resume", "auto"), capture_output=True, text=True, env=ENV)  # fmt: skip
+    resumed = subprocess.run(
+        cli("--parallel_mode", "none", "--ckpt_dir", str(interrupted), "--stop_after_steps", "3", "--resume", "auto"),
+        capture_output=True,
+        text=True,
+        env=ENV,
+    )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"  resume       from {interrupted / f'epoch_0_step_{stopped_at}'}" in resumed.stdout
-    reference = subprocess.run(cli("--parallel_mode", "none", "--ckpt_dir", str(uninterrupted), "--stop_after_steps",
-                                   total),
-                               capture_output=True, text=True, env=ENV)  # fmt: skip
+    reference = subprocess.run(
+        cli("--parallel_mode", "none", "--ckpt_dir", str(uninterrupted), "--stop_after_steps", total),
+        capture_output=True,
+        text=True,
+        env=ENV,
+    )
     assert reference.returncode == 0, reference.stderr[-2000:]
     ours, theirs = find_latest_checkpoint(interrupted), find_latest_checkpoint(uninterrupted)
     assert ours.name == theirs.name == f"epoch_0_step_{total}"
@@ -91,8 +98,19 @@ def test_sigterm_saves_a_checkpoint_and_resume_auto_continues_exactly(tmp_path):
 def two_ranks(ckpt_dir: Path, *flags: str) -> list[tuple[subprocess.Popen, list[str]]]:
     """Two single-rank 'nodes' joined by environment variables (no launcher process watching them)."""
     env = dict(ENV, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    command = cli("--parallel_mode", "ddp", "--num_nodes", "2", "--ckpt_dir", str(ckpt_dir), "--stop_after_steps",
-                  "500", "--dist_timeout", "60", *flags)  # fmt: skip
+    command = cli(
+        "--parallel_mode",
+        "ddp",
+        "--num_nodes",
+        "2",
+        "--ckpt_dir",
+        str(ckpt_dir),
+        "--stop_after_steps",
+        "500",
+        "--dist_timeout",
+        "60",
+        *flags,
+    )
     rank1 = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(env, NODE_RANK="1")
     )
@@ -125,9 +143,21 @@ def test_a_killed_rank_makes_the_other_exit_with_an_error(tmp_path):
 
 def poisoned_run(tmp_path: Path, bad_micro_batches, **overrides) -> list[dict]:
     """seq on the tiny model, the loss made NaN on the given micro-batches (counted from 0)."""
-    args = TrainArgs(train_type="seq", param_path="bundled:tiny", data_root_path="bundled:data/seq", window_size=16,
-                     batch_per_device=2, grad_accum_steps=2, parallel_mode="none", num_workers=0, optimizer="adamw",
-                     ckpt_dir=str(tmp_path), ckpt_interval=1000, loggers=[], **overrides)  # fmt: skip
+    args = TrainArgs(
+        train_type="seq",
+        param_path="bundled:tiny",
+        data_root_path="bundled:data/seq",
+        window_size=16,
+        batch_per_device=2,
+        grad_accum_steps=2,
+        parallel_mode="none",
+        num_workers=0,
+        optimizer="adamw",
+        ckpt_dir=str(tmp_path),
+        ckpt_interval=1000,
+        loggers=[],
+        **overrides,
+    )
     fabric = Fabric(accelerator="cpu", devices=1)
     calls = itertools.count()
 
@@ -167,17 +197,35 @@ def test_too_many_bad_steps_in_a_row_stop_with_the_last_good_state_saved(tmp_pat
 @pytest.mark.parametrize("point", ["meta", "weights", "extra", "rename"])
 def test_kill_9_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path, point):
     env = dict(ENV, ASTRAI_FABRIC_CRASH_AT=f"{point}@2")  # the second save dies at this point
-    run = subprocess.run(cli("--parallel_mode", "none", "--ckpt_dir", str(tmp_path), "--max_steps", "6",
-                             "--ckpt_interval", "2"), capture_output=True, text=True, env=env)  # fmt: skip
+    run = subprocess.run(
+        cli("--parallel_mode", "none", "--ckpt_dir", str(tmp_path), "--max_steps", "6", "--ckpt_interval", "2"),
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert run.returncode == -signal.SIGKILL, run.stderr[-2000:]
     newest = find_latest_checkpoint(tmp_path)
     assert newest.name == "epoch_0_step_2"
     load_checkpoint(newest)  # every file, the .pt extras included
     assert len(list(tmp_path.glob(".epoch_0_step_4.tmp-*"))) == 1  # the partial one stays hidden
     if point == "weights":  # and the next run clears it and continues from the newest complete one
-        resumed = subprocess.run(cli("--parallel_mode", "none", "--ckpt_dir", str(tmp_path), "--max_steps", "6",
-                                     "--ckpt_interval", "2", "--resume", "auto"), capture_output=True, text=True,
-                                 env=ENV)  # fmt: skip
+        resumed = subprocess.run(
+            cli(
+                "--parallel_mode",
+                "none",
+                "--ckpt_dir",
+                str(tmp_path),
+                "--max_steps",
+                "6",
+                "--ckpt_interval",
+                "2",
+                "--resume",
+                "auto",
+            ),
+            capture_output=True,
+            text=True,
+            env=ENV,
+        )
         assert resumed.returncode == 0, resumed.stderr[-2000:]
         assert "removed 1 partial checkpoint(s)" in resumed.stdout and "  resume       from " in resumed.stdout
         assert find_latest_checkpoint(tmp_path).name == "epoch_0_step_6"
@@ -218,11 +266,28 @@ sys.exit(main(sys.argv[1:]))
 def test_an_exception_mid_epoch_ends_every_process_with_workers_reaped(tmp_path, ranks):
     script = tmp_path / "failing.py"
     script.write_text(FAILING_RUN)
-    flags = [*SEQ, "--num_workers", "2", "--persistent_workers", "true", "--ckpt_dir", str(tmp_path / "run"),
-             "--nprocs", str(ranks), "--parallel_mode", "ddp" if ranks > 1 else "none"]  # fmt: skip
+    flags = [
+        *SEQ,
+        "--num_workers",
+        "2",
+        "--persistent_workers",
+        "true",
+        "--ckpt_dir",
+        str(tmp_path / "run"),
+        "--nprocs",
+        str(ranks),
+        "--parallel_mode",
+        "ddp" if ranks > 1 else "none",
+    ]
     env = {**ENV, "MASTER_PORT": str(free_port())}
-    proc = subprocess.Popen([sys.executable, str(script), *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, str(script), *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     try:
         _, stderr = proc.communicate(timeout=60)  # a hang fails here (the bug this guards against never exited)
     finally:

@@ -55,7 +55,7 @@ def strategy(kind: str, workspace) -> st.SearchStrategy:
         "hf-config": lambda: hf_configs(read("hf/config.json")),
         "tokenizer-config": lambda: tokenizer_configs(
             read("tiny/tokenizer_config.json"), read("hf/tokenizer_config.json")
-        ),  # fmt: skip
+        ),
         "checkpoint-meta": lambda: checkpoint_metas(read("ck/meta.json"), read("lck/meta.json")),
         "adapter-config": lambda: adapter_configs(read("lck/adapter_config.json")),
         "recipe": lambda: recipes(),

@@ -61,8 +61,16 @@ def clip_one_step(root: Path, mode: str) -> None:
     from astrai_fabric.train import build_run_fabric
     from astrai_fabric.train.common import loop_args as loop_args_of
 
-    args = TrainArgs(param_path="bundled:tiny", ckpt_dir=str(root / mode), nprocs=2, batch_per_device=2,
-                     grad_accum_steps=1, max_grad_norm=MAX_GRAD_NORM, device_type="cpu", **MODES[mode])  # fmt: skip
+    args = TrainArgs(
+        param_path="bundled:tiny",
+        ckpt_dir=str(root / mode),
+        nprocs=2,
+        batch_per_device=2,
+        grad_accum_steps=1,
+        max_grad_norm=MAX_GRAD_NORM,
+        device_type="cpu",
+        **MODES[mode],
+    )
     fabric = build_run_fabric(args)
     fabric.launch()
     torch.manual_seed(0)  # the same model on every rank
@@ -90,8 +98,14 @@ def clip_one_step(root: Path, mode: str) -> None:
     loop_args = loop_args_of(args, dp_rank=dp.dp_rank, fsdp=is_fsdp(fabric))
     state = TrainState(model, optimizer, scheduler, RunPosition(world_size=dp.num_dp_ranks))
     tools = StepTools.for_run(fabric, model, loop_args, dp.num_dp_ranks)
-    result = train_step(fabric, state=state, micro_batches=iter([{"input_ids": ids}]), compute_loss=compute_loss,
-                        args=loop_args, tools=tools)  # fmt: skip
+    result = train_step(
+        fabric,
+        state=state,
+        micro_batches=iter([{"input_ids": ids}]),
+        compute_loss=compute_loss,
+        args=loop_args,
+        tools=tools,
+    )
     assert result is not None and result.stepped
     (clipped,) = optimizer.seen
     if os.environ["RANK"] == "0":

@@ -102,8 +102,16 @@ class _no_warning:
 def native(directory: Path, pair_equal_norms: bool = False, **fields) -> Path:
     """A random AstrAI model saved as a checkpoint (every weight redrawn: norms around 1, so a wrong order shows)."""
     torch.manual_seed(0)
-    values = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  intermediate_size=40, max_position_embeddings=64, rms_norm_eps=1e-6)  # fmt: skip
+    values = dict(
+        vocab_size=96,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=40,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+    )
     config = ModelConfig(**{**values, **fields})
     model = AutoRegressiveLM(config)
     with torch.no_grad():
@@ -249,13 +257,18 @@ def test_export_options_are_checked_before_anything_is_written(tmp_path, capsys)
         ([source, "--format", "hf", "--max_shard_size", "lots"], "'lots': expected a size such as 5GB"),
         ([source, "--max_shard_size", "1GB"], "--max_shard_size applies to --format hf"),
         ([source, "--format", "hf", "--out", qwen2], "already exists and is not empty ([config.json, "),
-        ([qwen2, "--out", tmp_path / "as_astrai"], "a qwen2 model needs ['attention_qkv_bias'], "
-         "which AstrAI's schema lacks (AstrAI would compute another function); export it with --format hf"),
-        ([qwen2_moe, "--out", tmp_path / "as_astrai"], "a qwen2_moe model needs ['attention_qkv_bias', "
-         "'shared_expert_gate'], which AstrAI's schema lacks"),
+        (
+            [qwen2, "--out", tmp_path / "as_astrai"],
+            "a qwen2 model needs ['attention_qkv_bias'], "
+            "which AstrAI's schema lacks (AstrAI would compute another function); export it with --format hf",
+        ),
+        (
+            [qwen2_moe, "--out", tmp_path / "as_astrai"],
+            "a qwen2_moe model needs ['attention_qkv_bias', 'shared_expert_gate'], which AstrAI's schema lacks",
+        ),
         ([source, "--format", "onnx"], "--format"),
         ([source, "--dtype", "int8"], "--dtype"),
-    ]  # fmt: skip
+    ]
     for argv, message in cases:
         assert message in run_refused(argv, tmp_path, capsys), argv
 
@@ -268,8 +281,9 @@ def test_an_empty_out_directory_is_taken_and_anything_else_is_left_alone(tmp_pat
     assert export(source, "--format", "hf", "--out", tmp_path / "empty") == 0
     assert (tmp_path / "empty" / "config.json").is_file() and (tmp_path / "empty" / "model.safetensors").is_file()
     before = {p.name: p.read_bytes() for p in (tmp_path / "empty").iterdir()}
-    assert "already exists and is not empty" in run_refused([source, "--format", "hf", "--out", tmp_path / "empty"],
-                                                            tmp_path, capsys)  # fmt: skip
+    assert "already exists and is not empty" in run_refused(
+        [source, "--format", "hf", "--out", tmp_path / "empty"], tmp_path, capsys
+    )
     assert {p.name: p.read_bytes() for p in (tmp_path / "empty").iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "empty"]  # no staging sibling left
 
@@ -317,8 +331,12 @@ def test_the_bundled_tokenizer_loads_in_transformers_and_encodes_the_same(tmp_pa
     )
     (ckpt / "tokenizer_config.json").write_text(json.dumps(astrai_config))
     model = AutoRegressiveLM(ModelConfig.from_file(ckpt / "config.json"))
-    save_checkpoint(tmp_path / "model", model.state_dict(), model.config.to_dict(), files={
-        n: ckpt / n for n in ("tokenizer.json", "tokenizer_config.json")})  # fmt: skip
+    save_checkpoint(
+        tmp_path / "model",
+        model.state_dict(),
+        model.config.to_dict(),
+        files={n: ckpt / n for n in ("tokenizer.json", "tokenizer_config.json")},
+    )
     assert export(tmp_path / "model", "--format", "hf", "--out", tmp_path / "out") == 0
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
     ours = Tokenizer.from_dir(tmp_path / "model")
@@ -326,13 +344,17 @@ def test_the_bundled_tokenizer_loads_in_transformers_and_encodes_the_same(tmp_pa
         assert theirs.encode(text) == ours.encode(text), text
         assert theirs.decode(ours.encode(text), skip_special_tokens=True) == ours.decode(ours.encode(text))
     assert (theirs.bos_token, theirs.eos_token, theirs.pad_token) == tuple(
-        ours.special_tokens[n] for n in ("bos_token", "eos_token", "pad_token"))  # fmt: skip
+        ours.special_tokens[n] for n in ("bos_token", "eos_token", "pad_token")
+    )
     for prompt in (True, False):
         rendered = theirs.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=prompt)
         assert rendered == ours.render_chat(MESSAGES, add_generation_prompt=prompt)
     generation = json.loads((tmp_path / "out" / "generation_config.json").read_text())
-    assert generation == {"bos_token_id": ours.bos_token_id, "eos_token_id": ours.eos_token_id,
-                          "pad_token_id": ours.pad_token_id}  # fmt: skip
+    assert generation == {
+        "bos_token_id": ours.bos_token_id,
+        "eos_token_id": ours.eos_token_id,
+        "pad_token_id": ours.pad_token_id,
+    }
     assert load_hf(tmp_path / "out").config.eos_token_id == ours.eos_token_id
 
 
@@ -340,10 +362,36 @@ def test_the_bundled_tokenizer_loads_in_transformers_and_encodes_the_same(tmp_pa
 
 
 def sft(param_path: Path, ckpt_dir: Path, *extra: str) -> list[str]:
-    return ["sft", "--param_path", str(param_path), "--data_root_path", "bundled:data/sft", "--tokenizer_path",
-            "bundled:tiny", "--window_size", "32", "--batch_per_device", "2", "--grad_accum_steps", "1",
-            "--max_lr", "1e-3", "--parallel_mode", "none", "--num_workers", "0", "--loggers", "[]",
-            "--ckpt_dir", str(ckpt_dir), "--ckpt_interval", "2", "--max_steps", "2", *extra]  # fmt: skip
+    return [
+        "sft",
+        "--param_path",
+        str(param_path),
+        "--data_root_path",
+        "bundled:data/sft",
+        "--tokenizer_path",
+        "bundled:tiny",
+        "--window_size",
+        "32",
+        "--batch_per_device",
+        "2",
+        "--grad_accum_steps",
+        "1",
+        "--max_lr",
+        "1e-3",
+        "--parallel_mode",
+        "none",
+        "--num_workers",
+        "0",
+        "--loggers",
+        "[]",
+        "--ckpt_dir",
+        str(ckpt_dir),
+        "--ckpt_interval",
+        "2",
+        "--max_steps",
+        "2",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -372,7 +420,8 @@ def test_a_finetuned_model_exports_to_transformers_with_our_logits(trained, tmp_
         print(f"fine-tuned {name}: exported max |logit diff| {diff:.2e}", file=sys.stderr)
         assert diff <= TOLERANCE
         assert transformers.AutoTokenizer.from_pretrained(tmp_path / name).encode(TEXTS[0]) == Tokenizer.from_dir(
-            TINY_MODEL_DIR).encode(TEXTS[0])  # fmt: skip
+            TINY_MODEL_DIR
+        ).encode(TEXTS[0])
 
 
 def test_checkpoints_astrai_can_express_are_plain_astrai_and_the_others_carry_a_type_it_refuses(trained):
@@ -387,8 +436,9 @@ def test_astrai_loads_the_plain_ones_exactly_and_refuses_the_others(trained, tmp
     ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
     torch.save(ids, tmp_path / "ids.pt")
     assert export(trained["llama_hf"], "--out", tmp_path / "llama_astrai") == 0  # an HF directory in AstrAI's layout
-    mixtral = save_hf(build_hf("MixtralConfig", num_local_experts=4, num_experts_per_tok=2, vocab_size=VOCAB),
-                      tmp_path / "mixtral_hf")  # fmt: skip
+    mixtral = save_hf(
+        build_hf("MixtralConfig", num_local_experts=4, num_experts_per_tok=2, vocab_size=VOCAB), tmp_path / "mixtral_hf"
+    )
     assert export(mixtral, "--out", tmp_path / "mixtral_astrai") == 0
     out = run_astrai(f"""
         import torch
@@ -496,15 +546,21 @@ def test_a_lora_checkpoint_exports_as_a_peft_adapter_of_its_huggingface_base(tra
     tensors = load_file(tmp_path / "peft" / "adapter_model.safetensors")
     ours = load_file(lora_run / "adapter_model.safetensors")
     layers = load_model(trained["llama_hf"]).config.num_hidden_layers
-    expected = {f"base_model.model.model.layers.{i}.{'self_attn' if p[0] in 'qkvo' else 'mlp'}.{p}.lora_{m}.weight"
-                for i in range(layers) for p in projections for m in "AB"}  # fmt: skip
+    expected = {
+        f"base_model.model.model.layers.{i}.{'self_attn' if p[0] in 'qkvo' else 'mlp'}.{p}.lora_{m}.weight"
+        for i in range(layers)
+        for p in projections
+        for m in "AB"
+    }
     assert set(tensors) == expected
     prefix = "base_model.model.model.layers.0"
     assert torch.equal(tensors[f"{prefix}.self_attn.q_proj.lora_A.weight"], ours["layers.0.attention.q_proj.lora_A"])
     assert torch.equal(tensors[f"{prefix}.self_attn.v_proj.lora_B.weight"], ours["layers.0.attention.v_proj.lora_B"])
     head_dim = load_model(trained["llama_hf"]).config.attention_head_dim
-    assert torch.equal(tensors[f"{prefix}.self_attn.k_proj.lora_B.weight"],
-                       hf.interleaved_to_rotate_half(ours["layers.0.attention.k_proj.lora_B"], head_dim))  # fmt: skip
+    assert torch.equal(
+        tensors[f"{prefix}.self_attn.k_proj.lora_B.weight"],
+        hf.interleaved_to_rotate_half(ours["layers.0.attention.k_proj.lora_B"], head_dim),
+    )
     peft = pytest.importorskip("peft")
     adapted = peft.PeftModel.from_pretrained(load_hf(trained["llama_hf"]), tmp_path / "peft").eval()
     diff = logits_diff(load_model(lora_run), adapted, vocab=VOCAB)
@@ -517,19 +573,42 @@ def test_peft_export_is_refused_without_a_huggingface_base(trained, tmp_path, ca
     assert "not a LoRA checkpoint with a base pointer" in line
     base = native(tmp_path / "native", vocab_size=VOCAB, max_position_embeddings=256)
     assert main(sft(base, tmp_path / "run", "--lora_r", "4", "--max_steps", "1", "--ckpt_interval", "1")) == 0
-    line = run_refused([tmp_path / "run" / "epoch_0_step_1", "--format", "peft", "--out", tmp_path / "b"], tmp_path,
-                       capsys)  # fmt: skip
+    line = run_refused(
+        [tmp_path / "run" / "epoch_0_step_1", "--format", "peft", "--out", tmp_path / "b"], tmp_path, capsys
+    )
     assert "is not a Hugging Face directory, so PEFT has no base model" in line
-    moe = save_hf(build_hf("MixtralConfig", vocab_size=VOCAB, max_position_embeddings=256, num_local_experts=2,
-                           num_experts_per_tok=1), tmp_path / "mixtral_hf")  # fmt: skip
-    assert main(sft(moe, tmp_path / "moe", "--lora_r", "4", "--lora_targets", "up", "--max_steps", "1",
-                    "--ckpt_interval", "1")) == 0  # fmt: skip
-    line = run_refused([tmp_path / "moe" / "epoch_0_step_1", "--format", "peft", "--out", tmp_path / "c"], tmp_path,
-                       capsys)  # fmt: skip
+    moe = save_hf(
+        build_hf(
+            "MixtralConfig", vocab_size=VOCAB, max_position_embeddings=256, num_local_experts=2, num_experts_per_tok=1
+        ),
+        tmp_path / "mixtral_hf",
+    )
+    assert (
+        main(
+            sft(
+                moe,
+                tmp_path / "moe",
+                "--lora_r",
+                "4",
+                "--lora_targets",
+                "up",
+                "--max_steps",
+                "1",
+                "--ckpt_interval",
+                "1",
+            )
+        )
+        == 0
+    )
+    line = run_refused(
+        [tmp_path / "moe" / "epoch_0_step_1", "--format", "peft", "--out", tmp_path / "c"], tmp_path, capsys
+    )
     assert "has no PEFT equivalent (only dense layers are mapped)" in line
-    phi3 = save_hf(build_hf("Phi3Config", **CASES["phi3"][1], vocab_size=VOCAB, max_position_embeddings=256),
-                   tmp_path / "phi3_hf")  # fmt: skip
+    phi3 = save_hf(
+        build_hf("Phi3Config", **CASES["phi3"][1], vocab_size=VOCAB, max_position_embeddings=256), tmp_path / "phi3_hf"
+    )
     assert main(sft(phi3, tmp_path / "phi3", "--lora_r", "4", "--max_steps", "1", "--ckpt_interval", "1")) == 0
-    line = run_refused([tmp_path / "phi3" / "epoch_0_step_1", "--format", "peft", "--out", tmp_path / "d"], tmp_path,
-                       capsys)  # fmt: skip
+    line = run_refused(
+        [tmp_path / "phi3" / "epoch_0_step_1", "--format", "peft", "--out", tmp_path / "d"], tmp_path, capsys
+    )
     assert "adapter on layers.0.attention.k_proj has no PEFT equivalent: its base's files fuse that layer" in line

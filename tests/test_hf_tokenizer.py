@@ -106,12 +106,14 @@ def build_tokenizer(kind: str, **named: str) -> transformers.PreTrainedTokenizer
     raw = RawTokenizer(models.BPE())
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS[kind],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=SPECIALS[kind], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     raw.train_from_iterator(CORPUS, trainer)
     if kind == "llama3":  # Llama 3's tokenizer.json adds BOS when encoding with special tokens; chat ids must not
-        raw.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A", special_tokens=[
-            ("<|begin_of_text|>", raw.token_to_id("<|begin_of_text|>"))])  # fmt: skip
+        raw.post_processor = processors.TemplateProcessing(
+            single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", raw.token_to_id("<|begin_of_text|>"))]
+        )
     named = named or NAMED[kind]
     return transformers.PreTrainedTokenizerFast(tokenizer_object=raw, chat_template=TEMPLATES[kind], **named)
 
@@ -125,8 +127,9 @@ def saved(request, tmp_path_factory) -> tuple[str, transformers.PreTrainedTokeni
 
 
 def their_ids(theirs, messages, add_generation_prompt: bool) -> list[int]:
-    return theirs.apply_chat_template(messages, tokenize=True, return_dict=False,
-                                      add_generation_prompt=add_generation_prompt)  # fmt: skip
+    return theirs.apply_chat_template(
+        messages, tokenize=True, return_dict=False, add_generation_prompt=add_generation_prompt
+    )
 
 
 @pytest.mark.parametrize("add_generation_prompt", [False, True])
@@ -149,8 +152,12 @@ def test_whitespace_control_and_loop_controls_are_transformers(saved):
     kind, theirs, directory = saved
     if kind != "chatml":
         pytest.skip("the Llama 3 template strips its own whitespace")
-    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""},
-                {"role": "stop", "content": "x"}, {"role": "user", "content": "never rendered"}]  # fmt: skip
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": ""},
+        {"role": "stop", "content": "x"},
+        {"role": "user", "content": "never rendered"},
+    ]
     ours = Tokenizer.from_dir(directory)
     rendered = ours.render_chat(messages)
     assert rendered == theirs.apply_chat_template(messages, tokenize=False)
@@ -183,8 +190,14 @@ def test_llama3_bad_role_raises_as_transformers(saved):
 
 
 def added_token(content: str) -> dict:
-    return {"content": content, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
-            "special": True}  # fmt: skip
+    return {
+        "content": content,
+        "lstrip": False,
+        "normalized": False,
+        "rstrip": False,
+        "single_word": False,
+        "special": True,
+    }
 
 
 def rewrite(directory: Path, target: Path, form: str) -> Path:
@@ -262,18 +275,42 @@ def test_sft_messages_are_the_conversation_transformers_renders(saved):
 def test_sft_trains_from_a_huggingface_directory_without_a_pad_token(tmp_path, capsys):
     tokenizer = build_tokenizer("llama3")
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=40,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=128)  # fmt: skip
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=40,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     model_dir = tmp_path / "llama"
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     chats = tmp_path / "chats.jsonl"
     chats.write_text("".join(json.dumps({"messages": m}) + "\n" for m in CONVERSATIONS[1:] * 4))
     out = tmp_path / "out"
-    argv = ["sft", "--param_path", str(model_dir), "--data_root_path", str(chats), "--window_size", "48",
-            "--batch_per_device", "2", "--max_steps", "2", "--parallel_mode", "none", "--num_workers", "0",
-            "--loggers", "[]", "--ckpt_dir", str(out)]  # fmt: skip
+    argv = [
+        "sft",
+        "--param_path",
+        str(model_dir),
+        "--data_root_path",
+        str(chats),
+        "--window_size",
+        "48",
+        "--batch_per_device",
+        "2",
+        "--max_steps",
+        "2",
+        "--parallel_mode",
+        "none",
+        "--num_workers",
+        "0",
+        "--loggers",
+        "[]",
+        "--ckpt_dir",
+        str(out),
+    ]
     assert main(argv) == 0, capsys.readouterr().err[-2000:]
     (checkpoint,) = out.glob("epoch_*_step_2")
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):

@@ -44,8 +44,24 @@ class Case:
 
 
 def seq(*extra: str, data: str = "bundled:data/seq", model: str = "bundled:tiny") -> list[str]:
-    return ["seq", "--param_path", model, "--data_root_path", data, "--window_size", "16", "--parallel_mode",
-            "none", "--num_workers", "0", "--loggers", "[]", "--ckpt_dir", "{c}/out", *extra]  # fmt: skip
+    return [
+        "seq",
+        "--param_path",
+        model,
+        "--data_root_path",
+        data,
+        "--window_size",
+        "16",
+        "--parallel_mode",
+        "none",
+        "--num_workers",
+        "0",
+        "--loggers",
+        "[]",
+        "--ckpt_dir",
+        "{c}/out",
+        *extra,
+    ]
 
 
 def sft(*extra: str, data: str = "bundled:data/sft", model: str = "bundled:tiny") -> list[str]:
@@ -88,8 +104,10 @@ HF_EOS = {"eos_token": "<|end_of_sentence|>"}
 def hf_tokenizer(config: dict, jinja: str | bytes | None = None) -> Files:
     """A tokenizer directory in Hugging Face's layout: the tiny tokenizer.json, ``config`` as tokenizer_config.json
     and, when given, ``jinja`` as chat_template.jinja."""
-    files: Files = {"t/tokenizer.json": (TINY_MODEL_DIR / "tokenizer.json").read_bytes(),
-                    "t/tokenizer_config.json": json.dumps(config)}  # fmt: skip
+    files: Files = {
+        "t/tokenizer.json": (TINY_MODEL_DIR / "tokenizer.json").read_bytes(),
+        "t/tokenizer_config.json": json.dumps(config),
+    }
     if jinja is not None:
         files["t/chat_template.jinja"] = jinja
     return files
@@ -111,8 +129,10 @@ def sft_shard(length: int = 400, mask: int = 1, positions: np.ndarray | None = N
     ids = np.arange(length, dtype=np.int32) % 2000
     pos = positions if positions is not None else np.arange(length, dtype=np.int32) % 64
     loss = np.full(length, mask, dtype=np.bool_)
-    meta = {k: {"shape": [length], "dtype": str(a.dtype)} for k, a in (("sequence", ids), ("position_ids", pos),
-                                                                          ("loss_mask", loss))}  # fmt: skip
+    meta = {
+        k: {"shape": [length], "dtype": str(a.dtype)}
+        for k, a in (("sequence", ids), ("position_ids", pos), ("loss_mask", loss))
+    }
     return shards(meta, sequence=ids, position_ids=pos, loss_mask=loss)
 
 
@@ -131,8 +151,10 @@ def prepare_argv() -> list[str]:
 
 def data_config(config: object, *lines: object) -> Files:
     """``d/``: JSONL records beside AstrAI's ``dataset_config.json`` (an object, or raw text)."""
-    return {"d/dataset_config.json": config if isinstance(config, str) else json.dumps(config),
-            **jsonl(*lines, name="d/data.jsonl")}  # fmt: skip
+    return {
+        "d/dataset_config.json": config if isinstance(config, str) else json.dumps(config),
+        **jsonl(*lines, name="d/data.jsonl"),
+    }
 
 
 CHAT_SOURCE = {"sections": [{"field": "chosen", "action": "$role", "template": True}]}
@@ -502,7 +524,7 @@ CASES = [
                      {**PAIR, "chosen": None})),
     Case("dataset-config-reward-text", grpo(data="{c}/d"), "'rewards' must be numbers finite in float32",
          data_config(GRPO_CONFIG, {"prompt": [{"role": "user", "content": "hi"}], "responses": ["a", "b"],
-                                   "rewards": ["1", 0]})),  # fmt: skip
+                                   "rewards": ["1", 0]})),
     Case("dataset-config-other-tokenizer", dpo(data="{c}/d"), "differs from the run's tokenizer",
          {**data_config(configured(DPO_CONFIG, tokenizer_path="{c}/t"), PAIR),
           **tokenizer_dir(chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")}),

@@ -154,8 +154,22 @@ def test_a_program_s_fabric_that_shards_otherwise_refuses_the_flag(tmp_path):
 
 
 def test_the_plan_prints_the_layout(capsys, tmp_path):
-    argv = ["seq", "--param_path", "bundled:tiny", "--data_root_path", "bundled:data/seq", "--window_size", "32",
-            "--ckpt_dir", str(tmp_path / "run"), "--num_workers", "0", "--nprocs", "8", "--dry_run"]  # fmt: skip
+    argv = [
+        "seq",
+        "--param_path",
+        "bundled:tiny",
+        "--data_root_path",
+        "bundled:data/seq",
+        "--window_size",
+        "32",
+        "--ckpt_dir",
+        str(tmp_path / "run"),
+        "--num_workers",
+        "0",
+        "--nprocs",
+        "8",
+        "--dry_run",
+    ]
     assert main([*argv, "--fsdp_shard_size", "2", "--tp_size", "2"]) == 0
     assert "parallel_mode fsdp (2 replica(s) x 2 shard(s) x 2 tensor-parallel)" in capsys.readouterr().out
     assert main(argv) == 0

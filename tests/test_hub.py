@@ -53,9 +53,32 @@ def stand_in(monkeypatch, tmp_path, model_files):
 
 def train_argv(train_type: str, ckpt_dir: Path, *extra: str) -> list[str]:
     data = {"seq": "bundled:data/seq", "sft": "bundled:data/sft"}[train_type]
-    return [train_type, "--param_path", REPO, "--data_root_path", data, "--window_size", "16", "--batch_per_device",
-            "2", "--grad_accum_steps", "1", "--parallel_mode", "none", "--num_workers", "0", "--loggers", "[]",
-            "--ckpt_dir", str(ckpt_dir), "--ckpt_interval", "1", "--max_steps", "1", *extra]  # fmt: skip
+    return [
+        train_type,
+        "--param_path",
+        REPO,
+        "--data_root_path",
+        data,
+        "--window_size",
+        "16",
+        "--batch_per_device",
+        "2",
+        "--grad_accum_steps",
+        "1",
+        "--parallel_mode",
+        "none",
+        "--num_workers",
+        "0",
+        "--loggers",
+        "[]",
+        "--ckpt_dir",
+        str(ckpt_dir),
+        "--ckpt_interval",
+        "1",
+        "--max_steps",
+        "1",
+        *extra,
+    ]
 
 
 def error_line(capsys) -> str:
@@ -91,8 +114,21 @@ def test_download_then_offline_training_generate_and_export_from_an_id(stand_in,
     assert AstraiLM(param_path=REPO).tokenizer.directory == snapshot
     (tmp_path / "held_out.jsonl").write_text('{"text": "In the beginning God created the heaven"}\n')
     capsys.readouterr()
-    assert main(["evaluate", REPO, "--data_root_path", str(tmp_path / "held_out.jsonl"), "--perplexity_unit",
-                 "records", "--output", str(tmp_path / "eval.json")]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "evaluate",
+                REPO,
+                "--data_root_path",
+                str(tmp_path / "held_out.jsonl"),
+                "--perplexity_unit",
+                "records",
+                "--output",
+                str(tmp_path / "eval.json"),
+            ]
+        )
+        == 0
+    )
     assert f"[1/1] {REPO}@{stand_in.commit}" in capsys.readouterr().out  # named portably; nothing stored in the cache
     assert not (snapshot / "eval").exists() and json.loads((tmp_path / "eval.json").read_text())["results"]
     monkeypatch.chdir(tmp_path)
@@ -214,9 +250,23 @@ def test_what_is_read_as_a_hub_id(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "models" / "here").mkdir(parents=True)
     ids = ["org/name", "Qwen/Qwen3-0.6B", "org/name@v1.0", "org/name@refs/pr/1", "a/b.c_d-e"]
-    not_ids = ["models/here", "./org/name", "../org/name", "/org/name", "bundled:tiny", "name", "a/b/c", "org/",
-               "org/na me", "org/a--b", "org/a..b", "org/name@", "org/-name", "org/name@../../x",
-               "org/name@a b"]  # fmt: skip
+    not_ids = [
+        "models/here",
+        "./org/name",
+        "../org/name",
+        "/org/name",
+        "bundled:tiny",
+        "name",
+        "a/b/c",
+        "org/",
+        "org/na me",
+        "org/a--b",
+        "org/a..b",
+        "org/name@",
+        "org/-name",
+        "org/name@../../x",
+        "org/name@a b",
+    ]
     assert [text for text in ids if not hub.is_hub_id(text)] == []
     assert [text for text in not_ids if hub.is_hub_id(text)] == []
 
@@ -232,17 +282,32 @@ def test_a_dataset_repository_is_served_and_fetched_whole(stand_in):
 def test_a_dataset_card_pattern_matches_what_datasets_makes_of_it():
     """``*`` and ``?`` stay in one folder, ``**`` crosses folders, ``[...]`` is a class, hidden paths never match;
     hub.py then fetches each matched file by its own name (fnmatch's special characters made literal)."""
-    names = ["a.parquet", "data/a.parquet", "data/x/b.parquet", "data/.hidden.parquet", "data/__x/c.parquet",
-             "data/[1].parquet", "data/b?.parquet"]  # fmt: skip
+    names = [
+        "a.parquet",
+        "data/a.parquet",
+        "data/x/b.parquet",
+        "data/.hidden.parquet",
+        "data/__x/c.parquet",
+        "data/[1].parquet",
+        "data/b?.parquet",
+    ]
     assert dataset_card.matching(["data/*.parquet"], names) == ["data/[1].parquet", "data/a.parquet", "data/b?.parquet"]
-    assert dataset_card.matching(["data/**"], names) == ["data/[1].parquet", "data/a.parquet", "data/b?.parquet",
-                                                         "data/x/b.parquet"]  # fmt: skip
+    assert dataset_card.matching(["data/**"], names) == [
+        "data/[1].parquet",
+        "data/a.parquet",
+        "data/b?.parquet",
+        "data/x/b.parquet",
+    ]
     assert dataset_card.matching(["**/b*.parquet"], names) == ["data/b?.parquet", "data/x/b.parquet"]
-    assert dataset_card.matching(["data/?.parquet", "data/[!a]?.parquet"], names) == ["data/a.parquet",
-                                                                                      "data/b?.parquet"]  # fmt: skip
+    assert dataset_card.matching(["data/?.parquet", "data/[!a]?.parquet"], names) == [
+        "data/a.parquet",
+        "data/b?.parquet",
+    ]
     card = "---\nconfigs:\n- config_name: a\n  data_files: data/*.parquet\n---\n"
     allow = hub._dataset_allow(card, names, "data_root_path org/x", "a", None)
     assert allow == ["README.md", "data/[[]1].parquet", "data/a.parquet", "data/b[?].parquet"]
     assert [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in allow[1:])] == [
-        "data/a.parquet", "data/[1].parquet", "data/b?.parquet"
-    ]  # fmt: skip
+        "data/a.parquet",
+        "data/[1].parquet",
+        "data/b?.parquet",
+    ]

@@ -191,8 +191,11 @@ def min_router_gap(model: torch.nn.Module, *batches: torch.Tensor) -> float:
             top = groups.topk(moe.topk_group + 1, dim=-1).values
             gaps.append((top[:, -2] - top[:, -1]).min().item())
 
-    hooks = [layer.mlp.router.register_forward_hook(lambda _, __, out, moe=layer.mlp: record(moe, out))
-             for layer in model.layers if hasattr(layer.mlp, "router")]  # fmt: skip
+    hooks = [
+        layer.mlp.router.register_forward_hook(lambda _, __, out, moe=layer.mlp: record(moe, out))
+        for layer in model.layers
+        if hasattr(layer.mlp, "router")
+    ]
     for ids in batches:
         model(ids)
     for hook in hooks:
@@ -239,8 +242,9 @@ def test_greedy_generation_equals_transformers(pair):
     prompt = tokens(1, 8, seed=3)
     theirs.generation_config.eos_token_id = None  # random weights: run all 16 steps on both sides
     # The explicit mask: transformers would otherwise take prompt tokens equal to pad_token_id for padding.
-    out = theirs.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16, do_sample=False,
-                          pad_token_id=0)  # fmt: skip
+    out = theirs.generate(
+        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16, do_sample=False, pad_token_id=0
+    )
     expected = out[0, 8:].tolist()
     assert generate(ours, prompt.tolist(), 16, temperature=0.0)[0] == expected
 
@@ -280,8 +284,9 @@ def test_qwen_moe_routers_train_with_the_aux_loss_and_lora_leaves_them_alone(cas
     config_class, fields, _, _ = CASES[case]
     config = hf.model_config_from_hf(getattr(transformers, config_class)(**{**SIZES, **fields}).to_dict())
     assert config.to_dict()["model_type"] == "astrai_fabric_lm"  # AstrAI refuses it rather than misread it
-    assert config.extensions == (["attention_qkv_bias", "shared_expert_gate"] if case == "qwen2_moe"
-                                 else ["head_dim", "qk_norm_before_rope"])  # fmt: skip
+    assert config.extensions == (
+        ["attention_qkv_bias", "shared_expert_gate"] if case == "qwen2_moe" else ["head_dim", "qk_norm_before_rope"]
+    )
     torch.manual_seed(0)
     model = AutoRegressiveLM(config).train()
     out = model(tokens(2, 8))
@@ -330,8 +335,9 @@ def test_dense_families_are_ours_lora_adapts_their_projections_and_tp_splits_or_
     with torch.no_grad():
         fused = model(ids, nll_targets=ids.roll(-1, 1), nll_chunk_size=5, label_smoothing=0.1)["token_nll"]
         logits = model(ids)["logits"].float()
-    unfused = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.roll(-1, 1).flatten(), reduction="none",
-                                                label_smoothing=0.1)  # fmt: skip
+    unfused = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), ids.roll(-1, 1).flatten(), reduction="none", label_smoothing=0.1
+    )
     torch.testing.assert_close(fused, unfused.view_as(fused), atol=1e-5, rtol=0)
     adapted = lora.inject(model, lora.LoRASpec(r=2), seed=0)
     assert sorted({name.rpartition(".")[2] for name in adapted}) == ["k_proj", "o_proj", "q_proj", "v_proj"]
@@ -349,9 +355,18 @@ def test_deepseek_v3_is_ours_its_sigmoid_router_trains_and_lora_names_its_target
     it cannot split in one line."""
     config = hf.model_config_from_hf(transformers.DeepseekV3Config(**{**SIZES, **DEEPSEEK_V3}).to_dict())
     assert config.to_dict()["model_type"] == "astrai_fabric_lm"  # AstrAI refuses it rather than misread it
-    assert config.extensions == ["rope_frequency_scaling", "q_lora_rank", "v_head_dim", "mla_shared_rope_key",
-                                 "yarn_softmax_scale", "scoring_func", "score_correction_bias", "n_group",
-                                 "topk_group", "routed_scaling_factor"]  # fmt: skip
+    assert config.extensions == [
+        "rope_frequency_scaling",
+        "q_lora_rank",
+        "v_head_dim",
+        "mla_shared_rope_key",
+        "yarn_softmax_scale",
+        "scoring_func",
+        "score_correction_bias",
+        "n_group",
+        "topk_group",
+        "routed_scaling_factor",
+    ]
     torch.manual_seed(0)
     model = AutoRegressiveLM(config).train()
     out = model(tokens(2, 8))
@@ -371,12 +386,17 @@ def test_deepseek_v3_is_ours_its_sigmoid_router_trains_and_lora_names_its_target
     adapted = lora.inject(AutoRegressiveLM(config), lora.LoRASpec(r=2, targets=("q_proj", "o_proj")), seed=0)
     assert len(adapted) == 2 * config.num_hidden_layers
     present = tuple(target for target in lora.TARGETS if target not in ("k_proj", "v_proj"))
-    assert not [name for name in lora.inject(AutoRegressiveLM(config), lora.LoRASpec(r=2, targets=present), seed=0)
-                if name.endswith("router")]  # fmt: skip
-    unbuildable = [(dict(n_group=3), "n_group (3) must divide n_routed_experts (8)"),
-                   (dict(n_group=8, topk_group=1), "n_group (8) leaves fewer than 2 experts per group"),
-                   (dict(topk_group=1, n_activated_experts=3), "n_activated_experts (3) exceeds the experts"),
-                   (dict(ffn_type="mlp"), "'score_correction_bias' applies to ffn_type moe only")]  # fmt: skip
+    assert not [
+        name
+        for name in lora.inject(AutoRegressiveLM(config), lora.LoRASpec(r=2, targets=present), seed=0)
+        if name.endswith("router")
+    ]
+    unbuildable = [
+        (dict(n_group=3), "n_group (3) must divide n_routed_experts (8)"),
+        (dict(n_group=8, topk_group=1), "n_group (8) leaves fewer than 2 experts per group"),
+        (dict(topk_group=1, n_activated_experts=3), "n_activated_experts (3) exceeds the experts"),
+        (dict(ffn_type="mlp"), "'score_correction_bias' applies to ffn_type moe only"),
+    ]
     for changes, problem in unbuildable:
         with pytest.raises(ConfigError, match=re.escape(problem)):
             dataclasses.replace(config, **changes).check_buildable()
@@ -392,8 +412,11 @@ def test_deepseek_v3_multi_token_prediction_layers_are_skipped_with_one_warning(
     directory = save_hf(theirs, tmp_path / "m")
     tensors = load_file(directory / "model.safetensors")
     last = DEEPSEEK_V3["num_hidden_layers"]
-    mtp = {key.replace(f"layers.{last - 1}.", f"layers.{last}."): value.clone() for key, value in tensors.items()
-           if key.startswith(f"model.layers.{last - 1}.")}  # fmt: skip
+    mtp = {
+        key.replace(f"layers.{last - 1}.", f"layers.{last}."): value.clone()
+        for key, value in tensors.items()
+        if key.startswith(f"model.layers.{last - 1}.")
+    }
     mtp |= {f"model.layers.{last}.{name}.weight": torch.ones(2) for name in ("enorm", "hnorm", "eh_proj")}
     save_file({**tensors, **mtp}, directory / "model.safetensors", metadata={"format": "pt"})
     with pytest.warns(UserWarning, match=re.escape(f"skipping layers [{last}], deepseek_v3's multi-token-prediction")):
@@ -428,9 +451,11 @@ def test_deepseek_v3_hub_config_maps_without_a_warning():
         warnings.simplefilter("error")
         config = hf.model_config_from_hf(DEEPSEEK_V3_HUB_CONFIG)
     assert count_parameters(config) == 671_026_404_352
-    assert describe_routing(config) == ("sigmoid top-8 of 256 in the best 4 of 8 groups, chosen with a score-"
-                                        "correction bias, renormalised, scaled by 2.5, + 1 shared expert (ungated); "
-                                        "MoE in 58 of 61 layers")  # fmt: skip
+    assert describe_routing(config) == (
+        "sigmoid top-8 of 256 in the best 4 of 8 groups, chosen with a score-"
+        "correction bias, renormalised, scaled by 2.5, + 1 shared expert (ungated); "
+        "MoE in 58 of 61 layers"
+    )
 
 
 YARN_VARIANTS = {
@@ -477,17 +502,20 @@ def test_length_dependent_rope_is_transformers_on_both_sides_of_the_switch(tmp_p
         assert diff <= TOLERANCE
     prompt = tokens(1, switch - 4, seed=3)
     theirs.generation_config.eos_token_id = None
-    expected = theirs.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False,
-                               pad_token_id=0)[0, switch - 4 :].tolist()  # fmt: skip
+    expected = theirs.generate(
+        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False, pad_token_id=0
+    )[0, switch - 4 :].tolist()
     longrope = case == "phi3_longrope"
     if longrope:
-        with pytest.raises(ValueError, match=f"longrope: this generation crosses original_max_position_embeddings "
-                           f"{switch}"):  # fmt: skip
+        with pytest.raises(
+            ValueError, match=f"longrope: this generation crosses original_max_position_embeddings {switch}"
+        ):
             generate(ours, prompt.tolist(), 8, temperature=0.0)
     assert generate(ours, prompt.tolist(), 8, temperature=0.0, use_cache=not longrope)[0] == expected
     prompt = tokens(1, switch + 2, seed=4)  # already past the switch: every cached key is a long-factor one
-    expected = theirs.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False,
-                               pad_token_id=0)[0, switch + 2 :].tolist()  # fmt: skip
+    expected = theirs.generate(
+        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False, pad_token_id=0
+    )[0, switch + 2 :].tolist()
     assert generate(ours, prompt.tolist(), 4, temperature=0.0)[0] == expected
 
 
@@ -499,9 +527,14 @@ def test_a_hub_shaped_phi3_longrope_config_reads_as_transformers_reads_it(kind):
     are ``_compute_longrope_parameters``'."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    raw = {**SIZES, "model_type": "phi3", "partial_rotary_factor": 0.75, "original_max_position_embeddings": 24,
-           "rope_theta": 10000.0, "rope_scaling": {"type": kind, **{k: LONGROPE[k] for k in LONGROPE
-                                                                   if k.endswith("_factor")}}}  # fmt: skip
+    raw = {
+        **SIZES,
+        "model_type": "phi3",
+        "partial_rotary_factor": 0.75,
+        "original_max_position_embeddings": 24,
+        "rope_theta": 10000.0,
+        "rope_scaling": {"type": kind, **{k: LONGROPE[k] for k in LONGROPE if k.endswith("_factor")}},
+    }
     config = hf.model_config_from_hf(raw)
     scaling = config.rope_frequency_scaling
     assert (scaling["original_max_position_embeddings"], scaling["factor"]) == (24, 64 / 24)
@@ -583,8 +616,9 @@ def test_a_multimodal_gemma3_loads_its_language_model_and_exports_it_alone(tmp_p
     logits; the vision tower and projector are left out, said so, and export writes a Gemma3ForCausalLM with the
     same logits."""
     _, text, _, _ = CASES["gemma3_text"]
-    vision = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=28,
-                  patch_size=14)  # fmt: skip
+    vision = dict(
+        hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+    )
     torch.manual_seed(0)
     config = transformers.Gemma3Config(text_config={**SIZES, **text}, vision_config=vision, mm_tokens_per_image=4)
     theirs = transformers.Gemma3ForConditionalGeneration(config).float().eval()
@@ -704,9 +738,22 @@ def test_training_starts_from_a_huggingface_directory(tmp_path, capsys, case):
     config_class, fields, routing = STARTS[case]
     model = build_hf(config_class, **fields, vocab_size=vocab, max_position_embeddings=256)  # the data's positions
     directory = save_hf(model, tmp_path / "m")
-    argv = ["sft", "--param_path", str(directory), "--data_root_path", "bundled:data/sft", "--tokenizer_path",
-            "bundled:tiny", "--window_size", "32", "--parallel_mode", "none", "--ckpt_dir", str(tmp_path / "out"),
-            "--dry_run"]  # fmt: skip
+    argv = [
+        "sft",
+        "--param_path",
+        str(directory),
+        "--data_root_path",
+        "bundled:data/sft",
+        "--tokenizer_path",
+        "bundled:tiny",
+        "--window_size",
+        "32",
+        "--parallel_mode",
+        "none",
+        "--ckpt_dir",
+        str(tmp_path / "out"),
+        "--dry_run",
+    ]
     code, out = main(argv), capsys.readouterr().out
     assert code == 0, out[-2000:]
     assert not (tmp_path / "out").exists()
@@ -725,8 +772,20 @@ def test_training_refuses_before_anything_is_written(llama_dir, tmp_path, capsys
     directory.mkdir()
     config = {**json.loads((llama_dir / "config.json").read_text()), "model_type": "gemma"}
     (directory / "config.json").write_text(json.dumps(config))
-    argv = ["sft", "--param_path", str(directory), "--data_root_path", "bundled:data/sft", "--tokenizer_path",
-            "bundled:tiny", "--parallel_mode", "none", "--ckpt_dir", str(tmp_path / "out"), "--dry_run"]  # fmt: skip
+    argv = [
+        "sft",
+        "--param_path",
+        str(directory),
+        "--data_root_path",
+        "bundled:data/sft",
+        "--tokenizer_path",
+        "bundled:tiny",
+        "--parallel_mode",
+        "none",
+        "--ckpt_dir",
+        str(tmp_path / "out"),
+        "--dry_run",
+    ]
     assert main(argv) == 2
     out, err = capsys.readouterr()  # the dry run lists what stops the run on stdout
     assert "model_type 'gemma' is not supported" in out and "Traceback" not in err + out
@@ -755,7 +814,10 @@ def test_an_untied_directory_without_its_head_is_refused_not_cloned(llama_dir, t
     assert sorted(p.name for p in tmp_path.rglob("*")) == before
     ours = load_checkpoint(llama_dir)  # the same tensors in AstrAI's layout, its head left out: cloned
     astrai = tmp_path / "astrai"
-    save_model_directory(astrai, {k: ours.state_dict[k] for k in ours.state_dict if k != "lm_head.weight"},
-                         {"config.json": json.dumps(ours.config)})  # fmt: skip
+    save_model_directory(
+        astrai,
+        {k: ours.state_dict[k] for k in ours.state_dict if k != "lm_head.weight"},
+        {"config.json": json.dumps(ours.config)},
+    )
     model = load_model(astrai)
     assert not model.config.tied and torch.equal(model.lm_head.weight, model.embed_tokens.weight)

@@ -34,8 +34,12 @@ def final_weights(ckpt_dir: Path) -> dict:
 @pytest.fixture(scope="module")
 def single_node(tmp_path_factory) -> tuple[list, dict]:
     out = tmp_path_factory.mktemp("single_node")
-    result = subprocess.run([sys.executable, "-m", "astrai_fabric", *TRAIN, "--nprocs", "2", "--ckpt_dir", str(out)],
-                            capture_output=True, text=True, env=ENV)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "astrai_fabric", *TRAIN, "--nprocs", "2", "--ckpt_dir", str(out)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     return losses(result.stdout), final_weights(out)
 
@@ -75,7 +79,7 @@ def test_fabric_run_on_two_simulated_nodes(tmp_path, single_node):
             stderr=subprocess.PIPE,
             text=True,
             env=ENV,
-        )  # fmt: skip
+        )
         for rank in (1, 0)
     ]
     outputs = [node.communicate(timeout=300) for node in nodes]
@@ -86,8 +90,18 @@ def test_fabric_run_on_two_simulated_nodes(tmp_path, single_node):
 
 @pytest.mark.slow
 def test_torchrun(tmp_path, single_node):
-    command = [str(BIN / "torchrun"), "--nproc-per-node", "2", "--master-port", str(free_port()), "-m",
-               "astrai_fabric", *TRAIN, "--ckpt_dir", str(tmp_path)]  # fmt: skip
+    command = [
+        str(BIN / "torchrun"),
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "astrai_fabric",
+        *TRAIN,
+        "--ckpt_dir",
+        str(tmp_path),
+    ]
     result = subprocess.run(command, capture_output=True, text=True, env=ENV, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert_same_run(result.stdout, tmp_path, single_node)

@@ -40,17 +40,24 @@ def write_hf_llama(directory, config=LLAMA, dtype=torch.bfloat16, shards=2):
     transformers' (``modeling_llama.py``), written without transformers."""
     hidden, heads, kv = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
     head_dim, inter = hidden // heads, config["intermediate_size"]
-    shapes = {"model.embed_tokens.weight": (config["vocab_size"], hidden), "model.norm.weight": (hidden,),
-              "lm_head.weight": (config["vocab_size"], hidden)}  # fmt: skip
+    shapes = {
+        "model.embed_tokens.weight": (config["vocab_size"], hidden),
+        "model.norm.weight": (hidden,),
+        "lm_head.weight": (config["vocab_size"], hidden),
+    }
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        shapes |= {p + "self_attn.q_proj.weight": (heads * head_dim, hidden),
-                   p + "self_attn.k_proj.weight": (kv * head_dim, hidden),
-                   p + "self_attn.v_proj.weight": (kv * head_dim, hidden),
-                   p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
-                   p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
-                   p + "mlp.down_proj.weight": (hidden, inter), p + "input_layernorm.weight": (hidden,),
-                   p + "post_attention_layernorm.weight": (hidden,)}  # fmt: skip
+        shapes |= {
+            p + "self_attn.q_proj.weight": (heads * head_dim, hidden),
+            p + "self_attn.k_proj.weight": (kv * head_dim, hidden),
+            p + "self_attn.v_proj.weight": (kv * head_dim, hidden),
+            p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
+            p + "mlp.gate_proj.weight": (inter, hidden),
+            p + "mlp.up_proj.weight": (inter, hidden),
+            p + "mlp.down_proj.weight": (hidden, inter),
+            p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
+        }
     generator = torch.Generator().manual_seed(0)
     tensors = {k: torch.randn(s, generator=generator).to(dtype) for k, s in shapes.items()}
     directory.mkdir()
@@ -193,16 +200,24 @@ def test_loading_holds_the_model_once_and_one_chunk_beside_it(llama_dir, tmp_pat
     ``model.safetensors``, 150 MB, its embedding and head 64 MB each), as a multiple of the model's size: the
     model plus one 4 MB chunk. For contrast, in the same process: chunks as large as a tensor (the mapped
     embedding beside the model), and the plain path (the whole mapped file beside the model)."""
-    config = dict(vocab_size=32768, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
-                  num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=64)  # fmt: skip
+    config = dict(
+        vocab_size=32768,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_position_embeddings=64,
+    )
     model_config = ModelConfig.from_dict(config)
     big = tmp_path / "big"
     big.mkdir()
     shapes = {k: v.shape for k, v in empty_model(model_config).state_dict().items()}
     save_file({k: torch.full(s, 0.5) for k, s in shapes.items()}, str(big / "model.safetensors"))
     (big / "config.json").write_text(json.dumps(model_config.to_dict()))
-    out = subprocess.run([sys.executable, "-c", MEASURE, str(llama_dir), str(big)], capture_output=True, text=True,
-                         check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(llama_dir), str(big)], capture_output=True, text=True, check=True
+    )
     extra = json.loads(out.stdout.splitlines()[-1])
     assert extra["streamed"] <= 1.1, extra
     assert extra["whole tensors"] > 1.3 and extra["plain"] > 1.7, extra

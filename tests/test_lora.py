@@ -139,11 +139,26 @@ def make_base(path: Path) -> Path:
 
 def lora_args(root: Path, name: str, **overrides) -> TrainArgs:
     values = dict(
-        param_path=str(root / "base"), data_root_path="bundled:data/seq", train_type="seq", ckpt_dir=str(root / name),
-        window_size=32, batch_per_device=2, grad_accum_steps=2, max_steps=4, ckpt_interval=2, max_lr=2e-3,
-        max_grad_norm=0.05, warmup_ratio=0.0, num_workers=0, parallel_mode="none", random_seed=5, lora_r=4,
-        lora_targets=["q_proj", "v_proj", "o_proj", "up"], lora_save_full=True, loggers=[],
-    )  # fmt: skip
+        param_path=str(root / "base"),
+        data_root_path="bundled:data/seq",
+        train_type="seq",
+        ckpt_dir=str(root / name),
+        window_size=32,
+        batch_per_device=2,
+        grad_accum_steps=2,
+        max_steps=4,
+        ckpt_interval=2,
+        max_lr=2e-3,
+        max_grad_norm=0.05,
+        warmup_ratio=0.0,
+        num_workers=0,
+        parallel_mode="none",
+        random_seed=5,
+        lora_r=4,
+        lora_targets=["q_proj", "v_proj", "o_proj", "up"],
+        lora_save_full=True,
+        loggers=[],
+    )
     values.update(overrides)
     return TrainArgs(**values)
 
@@ -161,10 +176,36 @@ def two_rank_worker(root: str) -> None:
         run(lora_args(root, mode, parallel_mode=mode, nprocs=2, batch_per_device=1))
     # Last (the refusal leaves the process group), in this spawn (another costs ~15 s): a LoRA online grpo run whose
     # reward fails on one fsdp rank, right before the sharded forward every rank takes part in.
-    argv = ["grpo", "--param_path", str(root / "base"), "--data_root_path", "bundled:data/grpo_online", "--lora_r",
-            "4", "--window_size", "64", "--batch_per_device", "1", "--group_size", "2", "--rollout_max_tokens", "2",
-            "--parallel_mode", "fsdp", "--nprocs", "2", "--num_workers", "0", "--loggers", "[]", "--ckpt_dir",
-            str(root / "reward_fails"), "--reward", "test_lora.rank_one_fails", "--trust_code"]  # fmt: skip
+    argv = [
+        "grpo",
+        "--param_path",
+        str(root / "base"),
+        "--data_root_path",
+        "bundled:data/grpo_online",
+        "--lora_r",
+        "4",
+        "--window_size",
+        "64",
+        "--batch_per_device",
+        "1",
+        "--group_size",
+        "2",
+        "--rollout_max_tokens",
+        "2",
+        "--parallel_mode",
+        "fsdp",
+        "--nprocs",
+        "2",
+        "--num_workers",
+        "0",
+        "--loggers",
+        "[]",
+        "--ckpt_dir",
+        str(root / "reward_fails"),
+        "--reward",
+        "test_lora.rank_one_fails",
+        "--trust_code",
+    ]
     with contextlib.redirect_stderr(io.StringIO()) as err:
         code = main(argv)
     (root / f"reward_fails_rank{os.environ['RANK']}.txt").write_text(f"{code}\n{err.getvalue()}")
@@ -315,9 +356,18 @@ def test_dpo_and_grpo_start_from_the_merged_sft_adapter_at_log_2_and_keep_the_ba
     Step 2: the metrics logged must equal ``expected_dpo_step_2`` / ``expected_grpo_step_2`` (float32, 1e-5; KL
     1e-6): a reference with the adapters left on (or the live policy) gives log 2 and zero KL instead."""
     sft = step_dir(runs / "none", 4)
-    dpo_args = lora_args(runs, "dpo", train_type="dpo", data_root_path="bundled:data/dpo", param_path=str(sft),
-                         max_steps=2, ckpt_interval=1, batch_per_device=1, grad_accum_steps=1,
-                         window_size=64)  # fmt: skip
+    dpo_args = lora_args(
+        runs,
+        "dpo",
+        train_type="dpo",
+        data_root_path="bundled:data/dpo",
+        param_path=str(sft),
+        max_steps=2,
+        ckpt_interval=1,
+        batch_per_device=1,
+        grad_accum_steps=1,
+        window_size=64,
+    )
     history = run(dpo_args)
     assert history[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # the reference is the policy at step 1
     expected = expected_dpo_step_2(runs, sft, dpo_args)
@@ -330,8 +380,17 @@ def test_dpo_and_grpo_start_from_the_merged_sft_adapter_at_log_2_and_keep_the_ba
     merged_sft = load_checkpoint(sft).state_dict
     assert all(torch.equal(dpo.state_dict[k], v) for k, v in merged_sft.items())
     assert dpo.meta["reference"]["adapters_off"] is True
-    grpo_args = lora_args(runs, "grpo", train_type="grpo", data_root_path="bundled:data/grpo", max_steps=2,
-                          ckpt_interval=1, batch_per_device=1, grad_accum_steps=1, window_size=64)  # fmt: skip
+    grpo_args = lora_args(
+        runs,
+        "grpo",
+        train_type="grpo",
+        data_root_path="bundled:data/grpo",
+        max_steps=2,
+        ckpt_interval=1,
+        batch_per_device=1,
+        grad_accum_steps=1,
+        window_size=64,
+    )
     history = run(grpo_args)
     assert history[0]["kl_loss"] == pytest.approx(0.0, abs=1e-7)  # reference = policy before the first update
     expected = expected_grpo_step_2(runs, grpo_args)
@@ -340,9 +399,21 @@ def test_dpo_and_grpo_start_from_the_merged_sft_adapter_at_log_2_and_keep_the_ba
     assert history[1]["policy_loss"] == pytest.approx(expected["policy_loss"], abs=1e-5)
     # Online: the policy (adapters on) samples the groups, the reference is the same network with them off.
     reward = {"class_path": "astrai_fabric.rewards.LengthReward"}
-    history = run(lora_args(runs, "grpo_online", train_type="grpo", data_root_path="bundled:data/grpo_online",
-                            max_steps=1, batch_per_device=2, grad_accum_steps=1, window_size=64, group_size=2,
-                            rollout_max_tokens=4, reward=reward))  # fmt: skip
+    history = run(
+        lora_args(
+            runs,
+            "grpo_online",
+            train_type="grpo",
+            data_root_path="bundled:data/grpo_online",
+            max_steps=1,
+            batch_per_device=2,
+            grad_accum_steps=1,
+            window_size=64,
+            group_size=2,
+            rollout_max_tokens=4,
+            reward=reward,
+        )
+    )
     assert history[0]["kl_loss"] == pytest.approx(0.0, abs=1e-7)
     online = load_checkpoint(step_dir(runs / "grpo_online", 1), merge_lora=False)
     assert online.lora is not None and online.meta["reference"]["adapters_off"] is True
@@ -354,10 +425,27 @@ def test_resume_refuses_a_changed_or_missing_base(runs, tmp_path, capsys):
     weights = load_file(tmp_path / "base" / "model.safetensors")
     weights["norm.weight"] = weights["norm.weight"] + 1
     save_file(weights, tmp_path / "base" / "model.safetensors")
-    argv = ["seq", "--param_path", str(tmp_path / "base"), "--data_root_path", "bundled:data/seq", "--ckpt_dir",
-            str(tmp_path / "out"), "--window_size", "32", "--lora_r", "4", "--lora_targets", "q_proj,v_proj,o_proj,up",
-            "--parallel_mode", "none", "--num_workers", "0", "--resume",
-            str(tmp_path / "dropout/epoch_0_step_2")]  # fmt: skip
+    argv = [
+        "seq",
+        "--param_path",
+        str(tmp_path / "base"),
+        "--data_root_path",
+        "bundled:data/seq",
+        "--ckpt_dir",
+        str(tmp_path / "out"),
+        "--window_size",
+        "32",
+        "--lora_r",
+        "4",
+        "--lora_targets",
+        "q_proj,v_proj,o_proj,up",
+        "--parallel_mode",
+        "none",
+        "--num_workers",
+        "0",
+        "--resume",
+        str(tmp_path / "dropout/epoch_0_step_2"),
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "is not the one this adapter was trained on (sha256 of model.safetensors differs)" in err
@@ -385,10 +473,29 @@ def test_resume_refuses_a_param_path_that_is_not_the_adapters_base(runs, tmp_pat
     other = make_base(tmp_path / "other")  # the same architecture, other weights
     weights = load_file(other / "model.safetensors")
     save_file({k: v + 1 for k, v in weights.items()}, other / "model.safetensors")
-    argv = ["seq", "--param_path", str(other), "--data_root_path", "bundled:data/seq", "--ckpt_dir",
-            str(tmp_path / "out"), "--window_size", "32", "--lora_r", "4", "--lora_targets", "q_proj,v_proj,o_proj,up",
-            "--parallel_mode", "none", "--num_workers", "0", "--loggers", "[]",
-            "--resume", str(checkpoint)]  # fmt: skip
+    argv = [
+        "seq",
+        "--param_path",
+        str(other),
+        "--data_root_path",
+        "bundled:data/seq",
+        "--ckpt_dir",
+        str(tmp_path / "out"),
+        "--window_size",
+        "32",
+        "--lora_r",
+        "4",
+        "--lora_targets",
+        "q_proj,v_proj,o_proj,up",
+        "--parallel_mode",
+        "none",
+        "--num_workers",
+        "0",
+        "--loggers",
+        "[]",
+        "--resume",
+        str(checkpoint),
+    ]
     assert main(argv) == 2  # today's: trains on the checkpoint's base, param_path's weights silently unused
     base = (runs / "base").resolve()
     refusal = f"--resume: {checkpoint} is a LoRA adapter trained on the base {base}, but --param_path is {other}"
@@ -443,8 +550,20 @@ def test_an_adapter_whose_base_pointer_loops_is_refused_at_once(runs, tmp_path, 
     ],
 )
 def test_bad_lora_flags_are_one_line_exit_2(tmp_path, capsys, flags, message):
-    argv = ["dpo", "--param_path", "bundled:tiny", "--data_root_path", "bundled:data/dpo", "--ckpt_dir",
-            str(tmp_path / "out"), "--parallel_mode", "fsdp", "--num_workers", "0", *flags]  # fmt: skip
+    argv = [
+        "dpo",
+        "--param_path",
+        "bundled:tiny",
+        "--data_root_path",
+        "bundled:data/dpo",
+        "--ckpt_dir",
+        str(tmp_path / "out"),
+        "--parallel_mode",
+        "fsdp",
+        "--num_workers",
+        "0",
+        *flags,
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
@@ -452,8 +571,18 @@ def test_bad_lora_flags_are_one_line_exit_2(tmp_path, capsys, flags, message):
 
 
 def test_dry_run_prints_trainable_parameters_and_optimizer_state(runs, capsys):
-    argv = ["sft", "--param_path", str(runs / "base"), "--data_root_path", "bundled:data/sft", "--ckpt_dir",
-            str(runs / "dry"), "--lora_r", "8", "--dry_run"]  # fmt: skip
+    argv = [
+        "sft",
+        "--param_path",
+        str(runs / "base"),
+        "--data_root_path",
+        "bundled:data/sft",
+        "--ckpt_dir",
+        str(runs / "dry"),
+        "--lora_r",
+        "8",
+        "--dry_run",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert (

@@ -44,8 +44,10 @@ def test_moe_aux_loss_is_added_with_its_coefficient():
     loss, metrics = with_moe_aux_loss(torch.tensor(2.0), torch.tensor(1.5), [], coef=0.01)
     assert loss.item() == pytest.approx(2.015)
     assert {k: round(v.item(), 6) for k, v in metrics.items()} == {
-        "task_loss": 2.0, "moe_aux_loss": 1.5, "moe_aux_loss_weighted": 0.015,
-    }  # fmt: skip
+        "task_loss": 2.0,
+        "moe_aux_loss": 1.5,
+        "moe_aux_loss_weighted": 0.015,
+    }
     dense, dense_metrics = with_moe_aux_loss(torch.tensor(2.0), None, None, coef=0.01)
     assert dense.item() == 2.0 and list(dense_metrics) == ["task_loss"]
 

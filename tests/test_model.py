@@ -261,8 +261,14 @@ def test_gradient_checkpointing_gives_the_same_gradients():
 )
 def test_the_closed_form_parameter_count_is_the_models(changes):
     """``count_parameters`` (no layer built) against the meta-device model's own count."""
-    base = dict(vocab_size=50, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, intermediate_size=40,
-                max_position_embeddings=16)  # fmt: skip
+    base = dict(
+        vocab_size=50,
+        hidden_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        intermediate_size=40,
+        max_position_embeddings=16,
+    )
     config = ModelConfig(**{**base, **changes})
     with torch.device("meta"):
         model = AutoRegressiveLM(config)
@@ -271,12 +277,19 @@ def test_the_closed_form_parameter_count_is_the_models(changes):
 
 def test_a_config_bounds_its_layers_and_experts_before_counting_them():
     """Counting layer by layer (or building) a config with 2**31 - 1 layers never ends: refused first, at once."""
-    huge = ModelConfig(vocab_size=8, hidden_size=8, num_hidden_layers=2**31 - 1, num_attention_heads=2,
-                       intermediate_size=8, max_position_embeddings=8)  # fmt: skip
+    huge = ModelConfig(
+        vocab_size=8,
+        hidden_size=8,
+        num_hidden_layers=2**31 - 1,
+        num_attention_heads=2,
+        intermediate_size=8,
+        max_position_embeddings=8,
+    )
     with pytest.raises(ConfigError, match="'num_hidden_layers' must be at most 4,096, got 2,147,483,647"):
         huge.check_buildable()
-    experts = dataclasses.replace(huge, num_hidden_layers=64, ffn_type="moe", n_routed_experts=2048,
-                                  n_shared_experts=1, n_activated_experts=2)  # fmt: skip
+    experts = dataclasses.replace(
+        huge, num_hidden_layers=64, ffn_type="moe", n_routed_experts=2048, n_shared_experts=1, n_activated_experts=2
+    )
     with pytest.raises(ConfigError, match="64 MoE layers x 2,049 experts"):
         experts.check_buildable()
 

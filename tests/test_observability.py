@@ -16,9 +16,26 @@ HAS_WANDB = importlib.util.find_spec("wandb") is not None  # the [wandb] extra (
 
 
 def tiny(ckpt_dir, *extra) -> list[str]:
-    return ["seq", "--param_path", "bundled:tiny", "--data_root_path", "bundled:data/seq", "--window_size", "16",
-            "--batch_per_device", "2", "--parallel_mode", "none", "--num_workers", "0", "--loggers", "[]",
-            "--ckpt_dir", str(ckpt_dir), *extra]  # fmt: skip
+    return [
+        "seq",
+        "--param_path",
+        "bundled:tiny",
+        "--data_root_path",
+        "bundled:data/seq",
+        "--window_size",
+        "16",
+        "--batch_per_device",
+        "2",
+        "--parallel_mode",
+        "none",
+        "--num_workers",
+        "0",
+        "--loggers",
+        "[]",
+        "--ckpt_dir",
+        str(ckpt_dir),
+        *extra,
+    ]
 
 
 def test_profile_steps_trace_exactly_those_steps(tmp_path, capsys):

@@ -133,8 +133,9 @@ def test_role_split_is_astrai_and_puts_every_matrix_in_nora():
     names = {id(p): n for n, p in model.named_parameters()}
     rest = [names[id(p)] for p in nadamw_group["params"]]
     # 14 linear weights to Nora; embeddings, norms and the (untied) head to NAdamW without decay, in model order.
-    assert len(nora_group["params"]) == 14 and all("proj" in names[id(p)] or "mlp" in names[id(p)]
-                                                   for p in nora_group["params"])  # fmt: skip
+    assert len(nora_group["params"]) == 14 and all(
+        "proj" in names[id(p)] or "mlp" in names[id(p)] for p in nora_group["params"]
+    )
     assert rest == ["embed_tokens.weight", *[n for n in names.values() if "norm" in n], "lm_head.weight"]
     assert (nora_group["lr"], nora_group["weight_decay"], nadamw_group["weight_decay"]) == (5e-3, 0.02, 0.0)
     mano = build_optimizer(model, OptimArgs("mano_adamw", lr=1e-3, weight_decay=0.1))
@@ -152,12 +153,20 @@ def test_state_layout_is_astrai_and_refuses_other_layouts():
     assert list(state) == ["nora", "nadamw"]
     assert set(state["nora"]["state"][0]) == {"momentum_buffer"}
     assert state["nadamw"]["state"][0]["step"] == 1 and set(state["nadamw"]["state"][0]) == {"step", "m", "v"}
-    assert set(state["nora"]["param_groups"][0]) == {"lr", "weight_decay", "momentum", "beta", "nesterov", "eps",
-                                                     "params"}  # fmt: skip
+    assert set(state["nora"]["param_groups"][0]) == {
+        "lr",
+        "weight_decay",
+        "momentum",
+        "beta",
+        "nesterov",
+        "eps",
+        "params",
+    }
     other = build_optimizer(copy.deepcopy(model), OptimArgs("nora_nadamw", lr=1e-3, weight_decay=0.1))
     other.load_state_dict(state)
-    assert torch.equal(other.parts["nadamw"].state[other.param_groups[1]["params"][0]]["m"],
-                       state["nadamw"]["state"][0]["m"])  # fmt: skip
+    assert torch.equal(
+        other.parts["nadamw"].state[other.param_groups[1]["params"][0]]["m"], state["nadamw"]["state"][0]["m"]
+    )
     with pytest.raises(CheckpointError, match="another optimizer"):
         other.load_state_dict({"muon": None, "adamw": None})
     with pytest.raises(CheckpointError, match="another model"):
@@ -185,8 +194,10 @@ def test_mano_alternates_its_normalised_dimension_across_a_resume():
 
 
 def test_mano_takes_its_own_momentum_not_muons():
-    optimizer = build_optimizer(role_model(), OptimArgs("mano_adamw", 1e-3, 0.1, momentum=0.5, nesterov=True,
-                                mano_momentum=0.8, mano_nesterov=False))  # fmt: skip
+    optimizer = build_optimizer(
+        role_model(),
+        OptimArgs("mano_adamw", 1e-3, 0.1, momentum=0.5, nesterov=True, mano_momentum=0.8, mano_nesterov=False),
+    )
     group = optimizer.parts["mano"].param_groups[0]
     assert (group["momentum"], group["nesterov"]) == (0.8, False)  # AstrAI would give 0.5 and True (B17)
 

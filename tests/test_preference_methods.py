@@ -107,26 +107,43 @@ def trl_loss(kind: str, root: Path, batch: dict, args: PreferenceArgs) -> tuple[
             from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
             if kind == "orpo":
-                trainer = ORPOTrainer(model=policy, args=ORPOConfig(**{**common, "beta": args.orpo_beta}),
-                                      train_dataset=dataset, processing_class=tokenizer)  # fmt: skip
+                trainer = ORPOTrainer(
+                    model=policy,
+                    args=ORPOConfig(**{**common, "beta": args.orpo_beta}),
+                    train_dataset=dataset,
+                    processing_class=tokenizer,
+                )
             else:  # SimPO is TRL's CPOTrainer with loss_type simpo and no NLL term (cpo_alpha 0)
-                config = CPOConfig(**common, loss_type="simpo" if kind == "simpo" else "sigmoid",
-                                   label_smoothing=args.label_smoothing, simpo_gamma=args.simpo_gamma,
-                                   cpo_alpha=0.0 if kind == "simpo" else args.cpo_alpha)  # fmt: skip
+                config = CPOConfig(
+                    **common,
+                    loss_type="simpo" if kind == "simpo" else "sigmoid",
+                    label_smoothing=args.label_smoothing,
+                    simpo_gamma=args.simpo_gamma,
+                    cpo_alpha=0.0 if kind == "simpo" else args.cpo_alpha,
+                )
                 trainer = CPOTrainer(model=policy, args=config, train_dataset=dataset, processing_class=tokenizer)
-            inputs = {f"{side}_{key}": value for i, side in enumerate(("chosen", "rejected"))
-                      for key, value in (("input_ids", ids[:, i]), ("attention_mask", attention[:, i]),
-                                         ("labels", ids[:, i].masked_fill(~mask[:, i], -100)))}  # fmt: skip
+            inputs = {
+                f"{side}_{key}": value
+                for i, side in enumerate(("chosen", "rejected"))
+                for key, value in (
+                    ("input_ids", ids[:, i]),
+                    ("attention_mask", attention[:, i]),
+                    ("labels", ids[:, i].masked_fill(~mask[:, i], -100)),
+                )
+            }
             trainer.model.train()
             loss, metrics = trainer.get_batch_loss_metrics(trainer.model, inputs, "train")
         else:
             reference = transformers.AutoModelForCausalLM.from_pretrained(root / "reference_hf", dtype=torch.float32)
             config = trl.DPOConfig(**common, loss_type=kind, label_smoothing=args.label_smoothing)
-            trainer = trl.DPOTrainer(model=policy, ref_model=reference, args=config, train_dataset=dataset,
-                                     processing_class=tokenizer)  # fmt: skip
-            inputs = {"input_ids": ids.transpose(0, 1).flatten(0, 1),  # TRL's layout: every chosen, then every rejected
-                      "attention_mask": attention.transpose(0, 1).flatten(0, 1),
-                      "completion_mask": mask.long().transpose(0, 1).flatten(0, 1)}  # fmt: skip
+            trainer = trl.DPOTrainer(
+                model=policy, ref_model=reference, args=config, train_dataset=dataset, processing_class=tokenizer
+            )
+            inputs = {
+                "input_ids": ids.transpose(0, 1).flatten(0, 1),  # TRL's layout: every chosen, then every rejected
+                "attention_mask": attention.transpose(0, 1).flatten(0, 1),
+                "completion_mask": mask.long().transpose(0, 1).flatten(0, 1),
+            }
             trainer.model.train()
             loss, metrics = trainer._compute_loss(trainer.model, inputs, return_outputs=False), {}
     return loss, metrics, policy
@@ -153,8 +170,10 @@ def test_each_loss_matches_trl(models, kind):
         nll = -logprobs.gather(-1, ids[:, 1:, None])[..., 0][mask].mean()
         assert metrics["nll_loss"].item() == pytest.approx(nll.item(), abs=1e-5)
         return
-    print(f"{kind}: ours {loss.item():.6f}, TRL {theirs.item():.6f}, |diff| {abs(loss.item() - theirs.item()):.1e}",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"{kind}: ours {loss.item():.6f}, TRL {theirs.item():.6f}, |diff| {abs(loss.item() - theirs.item()):.1e}",
+        file=sys.stderr,
+    )
     assert loss.item() == pytest.approx(theirs.item(), abs=1e-5)
     theirs.backward()
     their_grad = their_policy.model.layers[0].mlp.down_proj.weight.grad
@@ -174,8 +193,21 @@ RECIPES = {"tiny-dpo.yaml": "sigmoid", "tiny-dpo-ipo.yaml": "ipo", "tiny-dpo-hin
 def test_each_recipe_runs(recipe, tmp_path, capsys):
     kind = RECIPES[recipe]
     out = tmp_path / "run"
-    argv = ["dpo", "--config", str(ROOT / "recipes" / recipe), "--ckpt_dir", str(out), "--max_steps", "2",
-            "--batch_per_device", "2", "--grad_accum_steps", "1", "--window_size", "48"]  # fmt: skip
+    argv = [
+        "dpo",
+        "--config",
+        str(ROOT / "recipes" / recipe),
+        "--ckpt_dir",
+        str(out),
+        "--max_steps",
+        "2",
+        "--batch_per_device",
+        "2",
+        "--grad_accum_steps",
+        "1",
+        "--window_size",
+        "48",
+    ]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     (checkpoint,) = out.glob("epoch_*_step_2")
@@ -259,10 +291,31 @@ def test_each_method_reads_its_own_beta_or_dpo_beta(train_type, loss, flags, bet
 
 
 def test_lora_cpo_resumes_bit_exactly(models, tmp_path):
-    common = ["dpo", "--param_path", str(models / "policy_hf"), "--data_root_path", "bundled:data/dpo",
-              "--dpo_loss", "cpo", "--lora_r", "4", "--window_size", "48", "--batch_per_device", "2",
-              "--max_steps", "4", "--ckpt_interval", "2", "--parallel_mode", "none", "--num_workers", "0",
-              "--loggers", "[]"]  # fmt: skip
+    common = [
+        "dpo",
+        "--param_path",
+        str(models / "policy_hf"),
+        "--data_root_path",
+        "bundled:data/dpo",
+        "--dpo_loss",
+        "cpo",
+        "--lora_r",
+        "4",
+        "--window_size",
+        "48",
+        "--batch_per_device",
+        "2",
+        "--max_steps",
+        "4",
+        "--ckpt_interval",
+        "2",
+        "--parallel_mode",
+        "none",
+        "--num_workers",
+        "0",
+        "--loggers",
+        "[]",
+    ]
     assert_resume_is_bit_exact(common, tmp_path)
 
 
@@ -284,28 +337,53 @@ def test_kto_matches_trl(models):
     batch = unpaired_batch(models)
     ours = load_model(models / "policy_hf")
     one_rank = lambda log_ratios: log_ratios.mean().clamp(min=0)  # noqa: E731 - kto.kl_baseline's, 1 process
-    loss, metrics = kto_batch_loss(ours, batch, load_model(models / "reference_hf"), one_rank, beta=0.1,
-                                   desirable_weight=1.3, undesirable_weight=0.8, moe_aux_loss_coef=0.0)  # fmt: skip
+    loss, metrics = kto_batch_loss(
+        ours,
+        batch,
+        load_model(models / "reference_hf"),
+        one_rank,
+        beta=0.1,
+        desirable_weight=1.3,
+        undesirable_weight=0.8,
+        moe_aux_loss_coef=0.0,
+    )
     loss.backward()
     policy = transformers.AutoModelForCausalLM.from_pretrained(models / "policy_hf", dtype=torch.float32)
     reference = transformers.AutoModelForCausalLM.from_pretrained(models / "reference_hf", dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(models / "policy_hf")
-    dataset = datasets.Dataset.from_list([{"prompt": "a", "completion": "b", "label": True},
-                                          {"prompt": "c", "completion": "d", "label": False}])  # fmt: skip
-    config = trl.KTOConfig(output_dir=str(models / "trl"), report_to=[], use_cpu=True, bf16=False, beta=0.1,
-                           desirable_weight=1.3, undesirable_weight=0.8, per_device_train_batch_size=2)  # fmt: skip
+    dataset = datasets.Dataset.from_list(
+        [{"prompt": "a", "completion": "b", "label": True}, {"prompt": "c", "completion": "d", "label": False}]
+    )
+    config = trl.KTOConfig(
+        output_dir=str(models / "trl"),
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        beta=0.1,
+        desirable_weight=1.3,
+        undesirable_weight=0.8,
+        per_device_train_batch_size=2,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = trl.KTOTrainer(model=policy, ref_model=reference, args=config, train_dataset=dataset,
-                                 processing_class=tokenizer)  # fmt: skip
-    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"].long(),
-              "completion_mask": batch["loss_mask"].long(), "KL_input_ids": batch["kl_input_ids"],
-              "KL_attention_mask": batch["kl_attention_mask"].long(),
-              "KL_completion_mask": batch["kl_loss_mask"].long(), "label": batch["desirable"]}  # fmt: skip
+        trainer = trl.KTOTrainer(
+            model=policy, ref_model=reference, args=config, train_dataset=dataset, processing_class=tokenizer
+        )
+    inputs = {
+        "input_ids": batch["input_ids"],
+        "attention_mask": batch["attention_mask"].long(),
+        "completion_mask": batch["loss_mask"].long(),
+        "KL_input_ids": batch["kl_input_ids"],
+        "KL_attention_mask": batch["kl_attention_mask"].long(),
+        "KL_completion_mask": batch["kl_loss_mask"].long(),
+        "label": batch["desirable"],
+    }
     trainer.model.train()
     theirs = trainer._compute_loss(trainer.model, inputs, return_outputs=False)
-    print(f"kto: ours {loss.item():.6f}, TRL {theirs.item():.6f}, |diff| {abs(loss.item() - theirs.item()):.1e}",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"kto: ours {loss.item():.6f}, TRL {theirs.item():.6f}, |diff| {abs(loss.item() - theirs.item()):.1e}",
+        file=sys.stderr,
+    )
     assert loss.item() == pytest.approx(theirs.item(), abs=1e-5)
     assert metrics["kl"].item() == pytest.approx(trainer._metrics["train"]["kl"][-1], abs=1e-5)
     theirs.backward()
@@ -316,9 +394,21 @@ def test_kto_matches_trl(models):
 def test_kto_recipe_runs_from_one_half(tmp_path, capsys):
     """At step 1 the policy is its reference: every sample's log-ratio and the baseline are 0, so each loss is
     1 - sigmoid(0) = 1/2."""
-    argv = ["kto", "--config", str(ROOT / "recipes" / "tiny-kto.yaml"), "--ckpt_dir", str(tmp_path / "run"),
-            "--max_steps", "2", "--batch_per_device", "4", "--grad_accum_steps", "1",
-            "--window_size", "48"]  # fmt: skip
+    argv = [
+        "kto",
+        "--config",
+        str(ROOT / "recipes" / "tiny-kto.yaml"),
+        "--ckpt_dir",
+        str(tmp_path / "run"),
+        "--max_steps",
+        "2",
+        "--batch_per_device",
+        "4",
+        "--grad_accum_steps",
+        "1",
+        "--window_size",
+        "48",
+    ]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "unpaired preferences from" in printed and "desirable" in printed
@@ -341,8 +431,15 @@ def test_bad_kto_records_are_one_line_naming_the_line(tmp_path, capsys, record, 
     records = [json.loads(line) for line in (assets.resolve("bundled:data/kto") / "unpaired.jsonl").open()][:3]
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in [*records[:2], record, records[2]]))
-    argv = ["kto", "--config", str(ROOT / "recipes" / "tiny-kto.yaml"), "--data_root_path", str(data),
-            "--ckpt_dir", str(tmp_path / "out")]  # fmt: skip
+    argv = [
+        "kto",
+        "--config",
+        str(ROOT / "recipes" / "tiny-kto.yaml"),
+        "--data_root_path",
+        str(data),
+        "--ckpt_dir",
+        str(tmp_path / "out"),
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert f"{data}:3" in err and message in err and len(err.strip().splitlines()) == 1
@@ -375,8 +472,9 @@ def test_online_dpo_ranks_and_scores_as_trl(models):
     reference = transformers.AutoModelForCausalLM.from_pretrained(models / "reference_hf", dtype=torch.float32)
     order = [0, 2, 4, 1, 3, 5]  # TRL's layout: every prompt's first sample, then every second one
     rewards = batch["rewards"].transpose(0, 1).flatten().tolist()
-    config = OnlineDPOConfig(output_dir=str(models / "trl"), report_to=[], use_cpu=True, bf16=False, beta=0.1,
-                             per_device_train_batch_size=3)  # fmt: skip
+    config = OnlineDPOConfig(
+        output_dir=str(models / "trl"), report_to=[], use_cpu=True, bf16=False, beta=0.1, per_device_train_batch_size=3
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = OnlineDPOTrainer(
@@ -389,8 +487,13 @@ def test_online_dpo_ranks_and_scores_as_trl(models):
         )
     width = len(prompt_ids[0])
     ids, attention = packed["input_ids"][order], packed["attention_mask"][order].long()
-    trainer._generate = lambda model, prompts, images=None: (ids[:, :width], attention[:, :width], ids[:, width:],
-                                                             attention[:, width:], None)  # fmt: skip
+    trainer._generate = lambda model, prompts, images=None: (
+        ids[:, :width],
+        attention[:, :width],
+        ids[:, width:],
+        attention[:, width:],
+        None,
+    )
     theirs = trainer.training_step(trainer.model, {"prompt": prompts})
     print(f"online dpo: ours {loss.item():.6f}, TRL {theirs.item():.6f}", file=sys.stderr)
     assert loss.item() == pytest.approx(theirs.item(), abs=1e-5)
@@ -399,8 +502,18 @@ def test_online_dpo_ranks_and_scores_as_trl(models):
 
 
 def test_online_dpo_recipe_starts_at_log_2(tmp_path, capsys):
-    argv = ["--train_type", "online_dpo", "--config", str(ROOT / "recipes" / "tiny-online-dpo.yaml"), "--ckpt_dir",
-            str(tmp_path / "run"), "--max_steps", "2", "--batch_per_device", "2"]  # fmt: skip
+    argv = [
+        "--train_type",
+        "online_dpo",
+        "--config",
+        str(ROOT / "recipes" / "tiny-online-dpo.yaml"),
+        "--ckpt_dir",
+        str(tmp_path / "run"),
+        "--max_steps",
+        "2",
+        "--batch_per_device",
+        "2",
+    ]
     assert main(argv) == 0
     assert "online: 2 samples each, ranked by" in capsys.readouterr().out
     (checkpoint,) = (tmp_path / "run").glob("epoch_*_step_2")
@@ -454,26 +567,46 @@ def test_grpo_losses_match_trl(models, kind):
     loss.backward()
     assert metrics["clip_fraction"] > 0.1  # the old policy differs: the bounds act
     policy = transformers.AutoModelForCausalLM.from_pretrained(models / "policy_hf", dtype=torch.float32)
-    config = trl.GRPOConfig(output_dir=str(models / "trl"), report_to=[], use_cpu=True, bf16=False, loss_type=kind,
-                            beta=0.05, epsilon=0.2, epsilon_high=0.28, max_completion_length=40, num_generations=4,
-                            per_device_train_batch_size=4, temperature=1.0, gradient_accumulation_steps=accum,
-                            **extra)  # fmt: skip
+    config = trl.GRPOConfig(
+        output_dir=str(models / "trl"),
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        loss_type=kind,
+        beta=0.05,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        max_completion_length=40,
+        num_generations=4,
+        per_device_train_batch_size=4,
+        temperature=1.0,
+        gradient_accumulation_steps=accum,
+        **extra,
+    )
     tokenizer = transformers.AutoTokenizer.from_pretrained(models / "policy_hf")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = trl.GRPOTrainer(model=policy, reward_funcs=[lambda completions, **_: [0.0] * len(completions)],
-                                  args=config, train_dataset=datasets.Dataset.from_list([{"prompt": "a"}] * 4),
-                                  processing_class=tokenizer)  # fmt: skip
+        trainer = trl.GRPOTrainer(
+            model=policy,
+            reward_funcs=[lambda completions, **_: [0.0] * len(completions)],
+            args=config,
+            train_dataset=datasets.Dataset.from_list([{"prompt": "a"}] * 4),
+            processing_class=tokenizer,
+        )
     ids, attention = batch["input_ids"].flatten(0, 1), batch["attention_mask"].flatten(0, 1).long()
     completions = batch["loss_mask"].flatten(0, 1)[:, prompt_length:].long()
     with torch.no_grad():
         ref_logprobs = next_token_logprobs(reference, ids)[0]
     start = prompt_length - 1  # the first completion token's prediction
-    inputs = {"prompt_ids": ids[:, :prompt_length], "prompt_mask": attention[:, :prompt_length],
-              "completion_ids": ids[:, prompt_length:], "completion_mask": completions,
-              "advantages": grpo_advantages(batch["rewards"], kind).flatten(),
-              "old_per_token_logps": batch["old_logprobs"].flatten(0, 1)[:, start:],
-              "ref_per_token_logps": ref_logprobs[:, start:]}  # fmt: skip
+    inputs = {
+        "prompt_ids": ids[:, :prompt_length],
+        "prompt_mask": attention[:, :prompt_length],
+        "completion_ids": ids[:, prompt_length:],
+        "completion_mask": completions,
+        "advantages": grpo_advantages(batch["rewards"], kind).flatten(),
+        "old_per_token_logps": batch["old_logprobs"].flatten(0, 1)[:, start:],
+        "ref_per_token_logps": ref_logprobs[:, start:],
+    }
     if kind == "dapo":  # the generation batch's response tokens, gathered over processes (_generate_and_score_...)
         inputs["num_items_in_batch"] = torch.tensor(num_items)
     trainer.model.train()
@@ -483,8 +616,11 @@ def test_grpo_losses_match_trl(models, kind):
     theirs.backward()
     their_grad = policy.model.layers[0].mlp.down_proj.weight.grad
     grad_diff = (ours.layers[0].mlp.down.weight.grad - their_grad).abs().max().item()
-    print(f"grpo {kind}: ours {loss.item():.6f}, TRL {theirs.item():.6f}, |diff| {abs(loss.item() - theirs.item()):.1e}"
-          f", gradient |diff| {grad_diff:.1e}", file=sys.stderr)  # fmt: skip
+    print(
+        f"grpo {kind}: ours {loss.item():.6f}, TRL {theirs.item():.6f}, |diff| {abs(loss.item() - theirs.item()):.1e}"
+        f", gradient |diff| {grad_diff:.1e}",
+        file=sys.stderr,
+    )
     torch.testing.assert_close(ours.layers[0].mlp.down.weight.grad, their_grad, atol=1e-6, rtol=1e-5)
 
 
@@ -520,8 +656,15 @@ def test_grpo_batch_scale_is_trls_std_over_the_whole_rollout():
 
 
 def test_num_iterations_multiplies_the_steps_of_the_plan():
-    plan = StepPlan(num_samples=200, num_dp_ranks=2, batch_per_device=3, grad_accum_steps=4, n_epoch=2,
-                    warmup_ratio=0.0, num_iterations=3)  # fmt: skip
+    plan = StepPlan(
+        num_samples=200,
+        num_dp_ranks=2,
+        batch_per_device=3,
+        grad_accum_steps=4,
+        n_epoch=2,
+        warmup_ratio=0.0,
+        num_iterations=3,
+    )
     # ceil(200 / 2) = 100 per rank -> ceil(100 / 3) = 34 micro-batches, each trained 3 times: 102 // 4 = 25 per epoch
     assert (plan.micro_batches_per_rank, plan.epoch_steps) == (34, 50)
     assert plan.last_step() == 3 * 34 * 2 // 4 == 51  # windows run across epochs
@@ -532,9 +675,28 @@ def test_num_iterations_multiplies_the_steps_of_the_plan():
 
 
 def dapo_argv(out: Path, *flags: str) -> list[str]:
-    return ["grpo", "--config", str(ROOT / "recipes" / "tiny-grpo-dapo.yaml"), "--ckpt_dir", str(out),
-            "--group_size", "2", "--rollout_max_tokens", "4", "--batch_per_device", "2", "--grad_accum_steps", "1",
-            "--max_steps", "4", "--ckpt_interval", "2", "--loggers", "[]", *flags]  # fmt: skip
+    return [
+        "grpo",
+        "--config",
+        str(ROOT / "recipes" / "tiny-grpo-dapo.yaml"),
+        "--ckpt_dir",
+        str(out),
+        "--group_size",
+        "2",
+        "--rollout_max_tokens",
+        "4",
+        "--batch_per_device",
+        "2",
+        "--grad_accum_steps",
+        "1",
+        "--max_steps",
+        "4",
+        "--ckpt_interval",
+        "2",
+        "--loggers",
+        "[]",
+        *flags,
+    ]
 
 
 def test_dapo_recipe_reuses_each_rollout_and_resumes_at_a_rollout_boundary_bit_exactly(tmp_path):
@@ -554,9 +716,25 @@ def test_dapo_recipe_reuses_each_rollout_and_resumes_at_a_rollout_boundary_bit_e
 
 
 def test_grpo_recipe_with_a_trl_loss_runs(tmp_path):
-    argv = ["grpo", "--config", str(ROOT / "recipes" / "tiny-grpo.yaml"), "--ckpt_dir", str(tmp_path / "run"),
-            "--max_steps", "2", "--batch_per_device", "2", "--grad_accum_steps", "1", "--grpo_loss", "dr_grpo",
-            "--grpo_clip_eps_high", "0.28", "--grpo_scale_rewards", "none"]  # fmt: skip
+    argv = [
+        "grpo",
+        "--config",
+        str(ROOT / "recipes" / "tiny-grpo.yaml"),
+        "--ckpt_dir",
+        str(tmp_path / "run"),
+        "--max_steps",
+        "2",
+        "--batch_per_device",
+        "2",
+        "--grad_accum_steps",
+        "1",
+        "--grpo_loss",
+        "dr_grpo",
+        "--grpo_clip_eps_high",
+        "0.28",
+        "--grpo_scale_rewards",
+        "none",
+    ]
     assert main(argv) == 0
     (checkpoint,) = (tmp_path / "run").glob("epoch_*_step_2")
     meta = json.loads((checkpoint / "meta.json").read_text())

@@ -25,10 +25,18 @@ TOKENIZER = Tokenizer.from_dir(TINY_MODEL_DIR)
 
 def args(tmp_path, train_type, data, **overrides) -> TrainArgs:
     values = dict(
-        param_path="bundled:tiny", data_root_path=f"bundled:data/{data}", train_type=train_type, ckpt_dir=str(tmp_path),
-        window_size=64, batch_per_device=8, max_lr=1e-3, num_workers=0, parallel_mode="none", random_seed=3407,
+        param_path="bundled:tiny",
+        data_root_path=f"bundled:data/{data}",
+        train_type=train_type,
+        ckpt_dir=str(tmp_path),
+        window_size=64,
+        batch_per_device=8,
+        max_lr=1e-3,
+        num_workers=0,
+        parallel_mode="none",
+        random_seed=3407,
         ckpt_interval=1000,
-    )  # fmt: skip
+    )
     values.update(overrides)
     return TrainArgs(**values)
 
@@ -63,9 +71,22 @@ def test_dpo_starts_at_log_2_and_learns_the_training_pairs(tmp_path):
 def test_online_grpo_raises_the_length_reward(tmp_path):
     # Length reward (target 16 characters), 8 samples per prompt, 40 steps of 4 prompts, all seeds fixed.
     reward = {"class_path": "astrai_fabric.rewards.LengthReward", "init_args": {"target_chars": 16}}
-    history = run(args(tmp_path, "grpo", "grpo_online", batch_per_device=4, group_size=8, reward=reward, max_steps=40,
-                       max_lr=3e-3, rollout_interval=1, rollout_max_tokens=16, rollout_temperature=1.0,
-                       rollout_top_p=1.0))  # fmt: skip
+    history = run(
+        args(
+            tmp_path,
+            "grpo",
+            "grpo_online",
+            batch_per_device=4,
+            group_size=8,
+            reward=reward,
+            max_steps=40,
+            max_lr=3e-3,
+            rollout_interval=1,
+            rollout_max_tokens=16,
+            rollout_temperature=1.0,
+            rollout_top_p=1.0,
+        )
+    )
     first = sum(r["reward"] for r in history[:5]) / 5
     last = sum(r["reward"] for r in history[-5:]) / 5
     print(f"mean reward: first 5 steps {first:.3f}, last 5 steps {last:.3f}")
@@ -210,11 +231,33 @@ def user_rewards(tmp_path, monkeypatch):
     (tmp_path / "user_rewards.py").write_text(USER_REWARDS)
     monkeypatch.syspath_prepend(str(tmp_path))
     yield lambda function: [
-        "grpo", "--param_path", "bundled:tiny", "--data_root_path", "bundled:data/grpo_online", "--window_size", "64",
-        "--batch_per_device", "2", "--group_size", "2", "--rollout_max_tokens", "2", "--max_steps", "1",
-        "--parallel_mode", "none", "--num_workers", "0", "--loggers", "[]", "--ckpt_dir", str(tmp_path / "out"),
-        "--reward", f"user_rewards.{function}", "--trust_code",
-    ]  # fmt: skip
+        "grpo",
+        "--param_path",
+        "bundled:tiny",
+        "--data_root_path",
+        "bundled:data/grpo_online",
+        "--window_size",
+        "64",
+        "--batch_per_device",
+        "2",
+        "--group_size",
+        "2",
+        "--rollout_max_tokens",
+        "2",
+        "--max_steps",
+        "1",
+        "--parallel_mode",
+        "none",
+        "--num_workers",
+        "0",
+        "--loggers",
+        "[]",
+        "--ckpt_dir",
+        str(tmp_path / "out"),
+        "--reward",
+        f"user_rewards.{function}",
+        "--trust_code",
+    ]
     sys.modules.pop("user_rewards", None)
 
 

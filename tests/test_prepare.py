@@ -53,8 +53,10 @@ def test_masked_record_after_unmasked_ones_stays_aligned(tmp_path):
 def test_chat_round_trip_to_training_windows(tmp_path):
     chat = {"messages": [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4."}]}
     records = write(tmp_path / "chat.jsonl", [chat, chat])
-    config = {"input": {"sections": [{"field": "messages", "action": "$role", "template": True}]},
-              "mask": {"assistant": "train"}}  # fmt: skip
+    config = {
+        "input": {"sections": [{"field": "messages", "action": "$role", "template": True}]},
+        "mask": {"assistant": "train"},
+    }
     prepare([records], tmp_path / "out", PipelineConfig.from_dict(config, "cfg"), TOKENIZER)
     user = TOKENIZER.encode(TOKENIZER.render_chat(chat["messages"][:1]))
     assistant = TOKENIZER.encode(TOKENIZER.render_chat(chat["messages"][1:]))
@@ -74,8 +76,9 @@ def test_chat_round_trip_to_training_windows(tmp_path):
 def test_text_documents_end_with_eos_and_filters_count(tmp_path, capsys):
     records = write(tmp_path / "text.jsonl", [{"text": "In the beginning God created"}, {"text": "short"}, {}])
     config = tmp_path / "seq.json"
-    config.write_text(json.dumps({"input": {"sections": [{"field": "text", "action": "train"}]},
-                                  "preprocessing": {"min_chars": 10}}))  # fmt: skip
+    config.write_text(
+        json.dumps({"input": {"sections": [{"field": "text", "action": "train"}]}, "preprocessing": {"min_chars": 10}})
+    )
     argv = ["prepare", str(records), "-o", str(tmp_path / "out"), "-c", str(config), "--tokenizer_path", "bundled:tiny"]
     assert main(argv) == 0
     summary = capsys.readouterr().out
@@ -87,12 +90,19 @@ def test_text_documents_end_with_eos_and_filters_count(tmp_path, capsys):
 
 
 def test_bfd_packing_and_domains(tmp_path):
-    records = write(tmp_path / "in.jsonl", [
-        {"text": "a " * 3, "lang": "en"}, {"text": "b " * 9, "lang": "en"}, {"text": "c " * 5, "lang": "xx"},
-    ])  # fmt: skip
-    config = {"input": {"sections": [{"field": "text", "action": "train"}]},
-              "preprocessing": {"min_chars": 0, "packing_strategy": "bfd", "max_packed_len": 64, "append_eos": False},
-              "output": {"domain_key": "lang", "dtype": {"sequence": "int64"}}}  # fmt: skip
+    records = write(
+        tmp_path / "in.jsonl",
+        [
+            {"text": "a " * 3, "lang": "en"},
+            {"text": "b " * 9, "lang": "en"},
+            {"text": "c " * 5, "lang": "xx"},
+        ],
+    )
+    config = {
+        "input": {"sections": [{"field": "text", "action": "train"}]},
+        "preprocessing": {"min_chars": 0, "packing_strategy": "bfd", "max_packed_len": 64, "append_eos": False},
+        "output": {"domain_key": "lang", "dtype": {"sequence": "int64"}},
+    }
     prepare([records], tmp_path / "out", PipelineConfig.from_dict(config, "cfg"), TOKENIZER)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["en", "xx"]
     meta = json.loads((tmp_path / "out" / "en" / "shard_0000" / "meta.json").read_text())
@@ -189,8 +199,16 @@ def test_two_processes_write_the_bytes_of_one(tmp_path, monkeypatch):
 def test_a_killed_prepare_resumes_to_the_same_bytes(tmp_path, capsys):
     # A real prepare process, SIGKILLed (as a power cut would) right after its third shard is recorded.
     records = mixed_records(tmp_path / "in.jsonl")
-    argv = ["prepare", str(records), "-o", str(tmp_path / "out"), "-c", str(pipeline(tmp_path, "bfd")),
-            "--tokenizer_path", "bundled:tiny"]  # fmt: skip
+    argv = [
+        "prepare",
+        str(records),
+        "-o",
+        str(tmp_path / "out"),
+        "-c",
+        str(pipeline(tmp_path, "bfd")),
+        "--tokenizer_path",
+        "bundled:tiny",
+    ]
     env = {**os.environ, "ASTRAI_FABRIC_CRASH_AT": "prepare-shard@3", "OMP_NUM_THREADS": "1"}
     killed = subprocess.run([sys.executable, "-m", "astrai_fabric", *argv], env=env, capture_output=True, timeout=120)
     assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]

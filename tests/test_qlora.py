@@ -73,8 +73,14 @@ def test_the_plan_quantises_block_linears_that_fit_and_keeps_the_rest():
     assert sorted(plan.kept) == sorted(
         f"layers.{i}.attention.{p}.weight" for i in range(2) for p in ("k_proj", "v_proj")
     )
-    moe_fields = dict(ffn_type="moe", n_routed_experts=4, n_shared_experts=1, n_activated_experts=2,
-                      moe_intermediate_size=128, shared_expert_gate=True)  # fmt: skip
+    moe_fields = dict(
+        ffn_type="moe",
+        n_routed_experts=4,
+        n_shared_experts=1,
+        n_activated_experts=2,
+        moe_intermediate_size=128,
+        shared_expert_gate=True,
+    )
     moe = AutoRegressiveLM(ModelConfig.from_dict({**tiny_config().to_dict(), **moe_fields}))
     moe_plan = quantize.plan_quantization(moe)
     assert not any("router" in key or "shared_expert_gate" in key for key in (*moe_plan.quantized, *moe_plan.kept))
@@ -90,8 +96,9 @@ def test_nf4_model_computes_the_lora_model_over_its_dequantised_base_through_fou
     assert num_bytes <= 0.3 * 2 * num_elements
     with torch.no_grad():
         assert (model(ids)["logits"] - dequantized(ids)["logits"]).abs().max() > 1e-2
-    adapters = {name: [p for p in m.parameters() if p.requires_grad] for name, m in
-                (("nf4", quantized), ("float", dequantized))}  # fmt: skip
+    adapters = {
+        name: [p for p in m.parameters() if p.requires_grad] for name, m in (("nf4", quantized), ("float", dequantized))
+    }
     optimizers = {name: torch.optim.AdamW(params, lr=1e-2) for name, params in adapters.items()}
     for _ in range(4):
         losses, grads = {}, {}
@@ -141,11 +148,26 @@ def base(tmp_path_factory) -> Path:
 
 def qlora_args(base: Path, name: str, **overrides) -> TrainArgs:
     values = dict(
-        param_path=str(base), data_root_path="bundled:data/seq", train_type="seq", ckpt_dir=str(base.parent / name),
-        window_size=32, batch_per_device=2, grad_accum_steps=2, max_steps=4, ckpt_interval=2, max_lr=2e-3,
-        max_grad_norm=0.05, warmup_ratio=0.0, num_workers=0, parallel_mode="none", random_seed=5, lora_r=4,
-        lora_targets=TARGETS, quantize="nf4", loggers=[],
-    )  # fmt: skip
+        param_path=str(base),
+        data_root_path="bundled:data/seq",
+        train_type="seq",
+        ckpt_dir=str(base.parent / name),
+        window_size=32,
+        batch_per_device=2,
+        grad_accum_steps=2,
+        max_steps=4,
+        ckpt_interval=2,
+        max_lr=2e-3,
+        max_grad_norm=0.05,
+        warmup_ratio=0.0,
+        num_workers=0,
+        parallel_mode="none",
+        random_seed=5,
+        lora_r=4,
+        lora_targets=TARGETS,
+        quantize="nf4",
+        loggers=[],
+    )
     values.update(overrides)
     return TrainArgs(**values)
 
@@ -187,16 +209,21 @@ def test_checkpoints_hold_the_adapter_and_load_as_it_merged_into_the_dequantised
     meta = json.loads((checkpoint / "meta.json").read_text())
     assert meta["quantize"] == "nf4"
     assert meta["quantization"] == {
-        "method": "nf4", "block_size": 64, "scaler_block_size": 256, "dtype": "float32",
+        "method": "nf4",
+        "block_size": 64,
+        "scaler_block_size": 256,
+        "dtype": "float32",
         "keys": list(quantize.plan_quantization(AutoRegressiveLM(tiny_config())).quantized),
-    }  # fmt: skip
+    }
     expected = expected_model_state(base, checkpoint)
     loaded = load_model(checkpoint).state_dict()
     assert all(torch.equal(loaded[k], v) for k, v in expected.items())
     float_base = load_model(base).state_dict()
     q_proj = "layers.0.attention.q_proj.weight"
-    assert not torch.equal(loaded[q_proj], lora.merge_state_dict(float_base, load_file(
-        checkpoint / "adapter_model.safetensors"), 8)[q_proj])  # fmt: skip
+    assert not torch.equal(
+        loaded[q_proj],
+        lora.merge_state_dict(float_base, load_file(checkpoint / "adapter_model.safetensors"), 8)[q_proj],
+    )
 
 
 @pytest.mark.parametrize(
@@ -232,13 +259,16 @@ def test_resume_is_bit_exact(runs, base):
 @pytest.mark.parametrize(("mode", "step"), [("ddp", 4), ("wide_fsdp", 3)])
 def test_two_ddp_or_fsdp_ranks_match_one_process(runs, mode, step):
     reference_run = "none" if mode == "ddp" else "wide_none"
-    ours, reference = (load_file(step_dir(runs / name, step) / "adapter_model.safetensors")
-                       for name in (mode, reference_run))  # fmt: skip
+    ours, reference = (
+        load_file(step_dir(runs / name, step) / "adapter_model.safetensors") for name in (mode, reference_run)
+    )
     for key in reference:
         torch.testing.assert_close(ours[key], reference[key], atol=1e-5, rtol=0)
     meta = json.loads((step_dir(runs / mode, step) / "meta.json").read_text())
-    assert meta["quantization"] == json.loads((step_dir(runs / reference_run, step) / "meta.json").read_text())[
-        "quantization"]  # fmt: skip
+    assert (
+        meta["quantization"]
+        == json.loads((step_dir(runs / reference_run, step) / "meta.json").read_text())["quantization"]
+    )
     if mode == "wide_fsdp":  # every block weight in 4 bits, k and v too
         assert len(meta["quantization"]["keys"]) == 14
 
@@ -252,8 +282,10 @@ def test_exports_merge_into_the_dequantised_base_and_say_so(runs, base, capsys):
     ours = load_model(checkpoint).eval()(ids)["logits"]
     assert main(["export", str(checkpoint), "--merge_lora", "--out", str(runs / "merged")]) == 0
     assert "merged into the dequantised base" in capsys.readouterr().err
-    assert all(torch.equal(v, load_model(runs / "merged").state_dict()[k])
-               for k, v in load_model(checkpoint).state_dict().items())  # fmt: skip
+    assert all(
+        torch.equal(v, load_model(runs / "merged").state_dict()[k])
+        for k, v in load_model(checkpoint).state_dict().items()
+    )
     assert main(["export", str(checkpoint), "--format", "hf", "--out", str(runs / "hf")]) == 0
     assert "merged into the dequantised base" in capsys.readouterr().err
     theirs = transformers.AutoModelForCausalLM.from_pretrained(runs / "hf", dtype=torch.float32).eval()
@@ -268,8 +300,10 @@ def test_exports_merge_into_the_dequantised_base_and_say_so(runs, base, capsys):
     over_float.load_state_dict(lora.merge_state_dict(load_model(base).state_dict(), adapter, 8))
     assert (adapted - over_float.eval()(ids)["logits"]).abs().max() <= 1e-5
     quantisation_error = (adapted - ours).abs().max().item()
-    print(f"qlora: PEFT on the float base vs the trained model, max |logit diff| {quantisation_error:.3f}",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"qlora: PEFT on the float base vs the trained model, max |logit diff| {quantisation_error:.3f}",
+        file=sys.stderr,
+    )
     assert quantisation_error > 1e-3
 
 
@@ -287,8 +321,20 @@ def test_dpo_and_grpo_reference_is_the_same_quantised_base(runs, base):
 
 
 def test_the_plan_names_the_4bit_base_and_what_fsdp_shards_keep(base, capsys):
-    argv = ["sft", "--param_path", str(base), "--data_root_path", "bundled:data/sft", "--ckpt_dir",
-            str(base.parent / "dry"), "--lora_r", "8", "--quantize", "nf4", "--dry_run"]  # fmt: skip
+    argv = [
+        "sft",
+        "--param_path",
+        str(base),
+        "--data_root_path",
+        "bundled:data/sft",
+        "--ckpt_dir",
+        str(base.parent / "dry"),
+        "--lora_r",
+        "8",
+        "--quantize",
+        "nf4",
+        "--dry_run",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "quantize     nf4 (torchao): 10 linear weights in 4 bits, 0.1 MiB instead of 1.0 MiB" in out
@@ -307,8 +353,18 @@ def test_the_plan_names_the_4bit_base_and_what_fsdp_shards_keep(base, capsys):
     ],
 )
 def test_bad_quantize_flags_are_one_line_exit_2(base, tmp_path, capsys, flags, message):
-    argv = ["sft", "--param_path", str(base), "--data_root_path", "bundled:data/sft", "--ckpt_dir",
-            str(tmp_path / "out"), "--num_workers", "0", *flags]  # fmt: skip
+    argv = [
+        "sft",
+        "--param_path",
+        str(base),
+        "--data_root_path",
+        "bundled:data/sft",
+        "--ckpt_dir",
+        str(tmp_path / "out"),
+        "--num_workers",
+        "0",
+        *flags,
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
@@ -327,8 +383,21 @@ def test_without_torchao_the_run_says_which_extra_to_install(base, tmp_path, cap
     monkeypatch.setitem(sys.modules, quantize._NF4_MODULE, None)
     quantize._nf4.cache_clear()
     try:
-        argv = ["sft", "--param_path", str(base), "--data_root_path", "bundled:data/sft", "--ckpt_dir",
-                str(tmp_path / "out"), "--num_workers", "0", "--lora_r", "4", "--quantize", "nf4"]  # fmt: skip
+        argv = [
+            "sft",
+            "--param_path",
+            str(base),
+            "--data_root_path",
+            "bundled:data/sft",
+            "--ckpt_dir",
+            str(tmp_path / "out"),
+            "--num_workers",
+            "0",
+            "--lora_r",
+            "4",
+            "--quantize",
+            "nf4",
+        ]
         assert main(argv) == 2
     finally:
         quantize._nf4.cache_clear()

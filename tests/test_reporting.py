@@ -32,9 +32,26 @@ PLAIN_LINE = re.compile(
 
 
 def short_run_argv(ckpt_dir: Path) -> list[str]:
-    return ["sft", "--config", str(ROOT / "recipes" / "tiny-sft.yaml"), "--ckpt_dir", str(ckpt_dir), "--max_steps",
-            "6", "--ckpt_interval", "4", "--val_split", "0.05", "--val_step", "3", "--n_epoch", "1",
-            "--neftune_alpha", "1", "--gradient_checkpointing"]  # fmt: skip
+    return [
+        "sft",
+        "--config",
+        str(ROOT / "recipes" / "tiny-sft.yaml"),
+        "--ckpt_dir",
+        str(ckpt_dir),
+        "--max_steps",
+        "6",
+        "--ckpt_interval",
+        "4",
+        "--val_split",
+        "0.05",
+        "--val_step",
+        "3",
+        "--n_epoch",
+        "1",
+        "--neftune_alpha",
+        "1",
+        "--gradient_checkpointing",
+    ]
 
 
 def plan_lines(out: str) -> list[str]:
@@ -73,9 +90,20 @@ def test_the_run_prints_the_plan_its_dry_run_prints(short_run, monkeypatch, caps
     assert "would overwrite" in dry.partition("cannot start:")[2]
     run_plan = plan_lines(stdout)
     assert [line.split()[0] for line in run_plan] == [
-        "processes", "model", "parameters", "tokenizer", "data", "batch", "steps", "this", "schedule", "loader",
-        "cpu", "training", "outputs",
-    ]  # fmt: skip
+        "processes",
+        "model",
+        "parameters",
+        "tokenizer",
+        "data",
+        "batch",
+        "steps",
+        "this",
+        "schedule",
+        "loader",
+        "cpu",
+        "training",
+        "outputs",
+    ]
     assert "  training     NEFTune (alpha 1), gradient checkpointing" in run_plan
     assert plan_lines(dry) == run_plan
 
@@ -283,9 +311,23 @@ def test_the_progress_total_is_the_step_the_run_ends_at(train_type, tmp_path, ca
     """Accumulation windows run across epochs, so 2 epochs of 8 micro-batches in windows of 3 take 5 steps, one
     more than AstrAI's count (2 x 8 // 3 = 4, the schedule's length): the plan, every progress line's total and the
     last line's step say 5. (Regression: the total was the schedule's length, and the last line read 5/4.)"""
-    argv = [train_type, "--config", str(ROOT / "recipes" / f"tiny-{train_type}.yaml"), "--ckpt_dir",
-            str(tmp_path / "run"), "--batch_per_device", "1", "--grad_accum_steps", "3", "--n_epoch", "2",
-            "--loggers", "[]", "--val_split", "null"]  # fmt: skip
+    argv = [
+        train_type,
+        "--config",
+        str(ROOT / "recipes" / f"tiny-{train_type}.yaml"),
+        "--ckpt_dir",
+        str(tmp_path / "run"),
+        "--batch_per_device",
+        "1",
+        "--grad_accum_steps",
+        "3",
+        "--n_epoch",
+        "2",
+        "--loggers",
+        "[]",
+        "--val_split",
+        "null",
+    ]
     records = {"seq": 1, "sft": 32}.get(train_type, 8)  # 8 samples: seq's windows, sft's packed rows, pairs, groups
     argv += ["--data_root_path", str(few_records(tmp_path, train_type, records))]
     if train_type == "seq":
@@ -302,10 +344,26 @@ def test_the_progress_total_holds_across_stops_and_resumes(tmp_path, capsys):
     """A run split by ``--stop_after_steps 2`` shows steps 1-2 of 2, then (resumed) 3-4 of 4, then 5 of 5;
     ``--max_steps 3`` ends at 3 of 3, the schedule planned over 3 steps."""
     data = few_records(tmp_path, "sft", 32)
-    base = ["sft", "--config", str(ROOT / "recipes" / "tiny-sft.yaml"), "--data_root_path", str(data),
-            "--batch_per_device", "1", "--grad_accum_steps", "3", "--n_epoch", "2", "--loggers", "[]"]  # fmt: skip
-    pieces = [(["--stop_after_steps", "2"], 1, 2), (["--resume", "auto", "--stop_after_steps", "2"], 3, 4),
-              (["--resume", "auto"], 5, 5)]  # fmt: skip
+    base = [
+        "sft",
+        "--config",
+        str(ROOT / "recipes" / "tiny-sft.yaml"),
+        "--data_root_path",
+        str(data),
+        "--batch_per_device",
+        "1",
+        "--grad_accum_steps",
+        "3",
+        "--n_epoch",
+        "2",
+        "--loggers",
+        "[]",
+    ]
+    pieces = [
+        (["--stop_after_steps", "2"], 1, 2),
+        (["--resume", "auto", "--stop_after_steps", "2"], 3, 4),
+        (["--resume", "auto"], 5, 5),
+    ]
     for flags, first, last in pieces:
         assert main([*base, "--ckpt_dir", str(tmp_path / "split"), *flags]) == 0
         shown_first, shown_last, lines = progress_totals(capsys.readouterr().out)

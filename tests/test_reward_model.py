@@ -61,8 +61,10 @@ def models(tmp_path_factory) -> Path:
 def pair_batch(root: Path, num_pairs: int = 3) -> dict[str, torch.Tensor]:
     """Bundled pairs as our collate makes them (``[B, 2, L]``, chosen then rejected, right-padded), with margins."""
     tokenizer = Tokenizer.from_dir(root / "rm")
-    records = [(where, {**record, "margin": 0.25 * i}) for i, (where, record)
-               in enumerate(read_records(assets.resolve("bundled:data/dpo"))[:num_pairs])]  # fmt: skip
+    records = [
+        (where, {**record, "margin": 0.25 * i})
+        for i, (where, record) in enumerate(read_records(assets.resolve("bundled:data/dpo"))[:num_pairs])
+    ]
     pairs = MarginPairs(PreferenceDataset(records, tokenizer, 64))
     return collate_margin_pairs([pairs[i] for i in range(len(pairs))], tokenizer.padding_id)
 
@@ -103,8 +105,9 @@ def test_loss_and_gradients_equal_trls_reward_trainer(models):
     loss.backward()
     policy = transformers.AutoModelForSequenceClassification.from_pretrained(models / "rm_hf", dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(models / "rm_hf")
-    config = trl.RewardConfig(output_dir=str(models / "trl"), report_to=[], use_cpu=True, bf16=False,
-                              center_rewards_coefficient=0.01)  # fmt: skip
+    config = trl.RewardConfig(
+        output_dir=str(models / "trl"), report_to=[], use_cpu=True, bf16=False, center_rewards_coefficient=0.01
+    )
     with warnings.catch_warnings():  # its dataset preparation warns about our one-row placeholder
         warnings.simplefilter("ignore")
         trainer = trl.RewardTrainer(
@@ -114,16 +117,21 @@ def test_loss_and_gradients_equal_trls_reward_trainer(models):
             train_dataset=datasets.Dataset.from_list([{"chosen": "a", "rejected": "b"}]),
         )
     ids, attention = batch["input_ids"], batch["attention_mask"].long()
-    inputs = {"input_ids": ids.transpose(0, 1).flatten(0, 1), "attention_mask": attention.transpose(0, 1).flatten(0, 1),
-              "margin": batch["margin"]}  # fmt: skip
+    inputs = {
+        "input_ids": ids.transpose(0, 1).flatten(0, 1),
+        "attention_mask": attention.transpose(0, 1).flatten(0, 1),
+        "margin": batch["margin"],
+    }
     trainer.model.train()
     their_loss = trainer.compute_loss(trainer.model, inputs)
     their_loss.backward()
     assert batch["margin"].tolist() == [0.0, 0.25, 0.5]
     assert loss.item() == pytest.approx(their_loss.item(), abs=1e-6)
     assert metrics["accuracy"].item() == pytest.approx(trainer._metrics["train"]["accuracy"][-1], abs=1e-6)
-    for mine, hf_name in (("score.weight", "score.weight"), ("layers.1.mlp.down.weight",
-                                                              "model.layers.1.mlp.down_proj.weight")):  # fmt: skip
+    for mine, hf_name in (
+        ("score.weight", "score.weight"),
+        ("layers.1.mlp.down.weight", "model.layers.1.mlp.down_proj.weight"),
+    ):
         mine_grad = dict(ours.named_parameters())[mine].grad
         their_grad = dict(trainer.model.named_parameters())[hf_name].grad
         assert torch.allclose(mine_grad, their_grad, atol=1e-6, rtol=0), (mine, (mine_grad - their_grad).abs().max())
@@ -156,26 +164,54 @@ def test_a_reward_model_of_another_vocabulary_scores_each_conversation_rendered_
     prompt_ids = [policy.apply_chat_template([{"role": "user", "content": r["prompt"]}]) for r in records]
     response_ids = [policy.encode(t, add_special_tokens=False) for t in texts]
     theirs = [
-        scorer.tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}, {"role": "assistant",
-                                             "content": t}], add_generation_prompt=False)
+        scorer.tokenizer.apply_chat_template(
+            [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": t}], add_generation_prompt=False
+        )
         for r, t in zip(records, texts, strict=True)
-    ]  # fmt: skip
+    ]
     assert theirs[0] != prompt_ids[0] + response_ids[0]  # the swapped tokens: other ids than the policy's
     assert torch.equal(scorer(prompt_ids, response_ids, records, texts), scorer.score_ids(theirs))
 
 
 def test_recipe_starts_at_log_2_resumes_exactly_and_scores_online_rollouts(models, tmp_path, capsys):
-    common = ["reward_model", "--config", str(ROOT / "recipes" / "tiny-reward-model.yaml"), "--param_path",
-              str(models / "lm"), "--max_steps", "4", "--ckpt_interval", "2", "--batch_per_device", "2",
-              "--grad_accum_steps", "1", "--window_size", "48", "--loggers", "[]"]  # fmt: skip
+    common = [
+        "reward_model",
+        "--config",
+        str(ROOT / "recipes" / "tiny-reward-model.yaml"),
+        "--param_path",
+        str(models / "lm"),
+        "--max_steps",
+        "4",
+        "--ckpt_interval",
+        "2",
+        "--batch_per_device",
+        "2",
+        "--grad_accum_steps",
+        "1",
+        "--window_size",
+        "48",
+        "--loggers",
+        "[]",
+    ]
     assert_resume_is_bit_exact(common, tmp_path, weights="model.safetensors")
     assert "score.weight" in load_file(tmp_path / "full" / "epoch_0_step_4" / "model.safetensors")
     metrics = (tmp_path / "full" / "epoch_0_step_4" / "metric.jsonl").read_text().splitlines()
     steps = [json.loads(line) for line in metrics if "reward_margin" in line]
     assert steps[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # the head starts at zeros: every pair level
     assert steps[-1]["reward_margin"] != 0
-    fresh = ["reward_model", "--config", str(ROOT / "recipes" / "tiny-reward-model.yaml"), "--max_steps", "1",
-             "--batch_per_device", "2", "--ckpt_dir", str(tmp_path / "fresh"), "--loggers", "[]"]  # fmt: skip
+    fresh = [
+        "reward_model",
+        "--config",
+        str(ROOT / "recipes" / "tiny-reward-model.yaml"),
+        "--max_steps",
+        "1",
+        "--batch_per_device",
+        "2",
+        "--ckpt_dir",
+        str(tmp_path / "fresh"),
+        "--loggers",
+        "[]",
+    ]
     assert main(fresh) == 0  # the recipe as written: the bundled model has no weights, AstrAI's init, a zero head
     first = json.loads((tmp_path / "fresh" / "epoch_0_step_1" / "metric.jsonl").read_text().splitlines()[-1])
     assert first["loss"] == pytest.approx(math.log(2), abs=1e-7) and first["reward_margin"] == 0
@@ -183,9 +219,27 @@ def test_recipe_starts_at_log_2_resumes_exactly_and_scores_online_rollouts(model
     # Online grpo scored by the reward model just trained; online dpo ranked by a transformers export of one.
     for train_type, rm in (("grpo", str(tmp_path / "full" / "epoch_0_step_4")), ("dpo", str(models / "rm_hf"))):
         out = tmp_path / f"online_{train_type}"
-        argv = [train_type, "--config", str(ROOT / "recipes" / "tiny-grpo-online.yaml"), "--param_path",
-                str(models / "lm"), "--reward", "null", "--reward_model", rm, "--ckpt_dir", str(out), "--max_steps",
-                "1", "--batch_per_device", "2", "--rollout_max_tokens", "4", "--loggers", "[]"]  # fmt: skip
+        argv = [
+            train_type,
+            "--config",
+            str(ROOT / "recipes" / "tiny-grpo-online.yaml"),
+            "--param_path",
+            str(models / "lm"),
+            "--reward",
+            "null",
+            "--reward_model",
+            rm,
+            "--ckpt_dir",
+            str(out),
+            "--max_steps",
+            "1",
+            "--batch_per_device",
+            "2",
+            "--rollout_max_tokens",
+            "4",
+            "--loggers",
+            "[]",
+        ]
         assert main(argv) == 0
         verb = "scored" if train_type == "grpo" else "ranked"
         assert f"{verb} by the reward model {rm}" in capsys.readouterr().out
@@ -204,8 +258,16 @@ def test_recipe_starts_at_log_2_resumes_exactly_and_scores_online_rollouts(model
 )  # fmt: skip
 def test_bad_reward_model_flags_are_one_line_exit_2(models, tmp_path, capsys, flags, message):
     out = tmp_path / "run"
-    argv = ["reward_model", "--config", str(ROOT / "recipes" / "tiny-reward-model.yaml"), "--ckpt_dir", str(out),
-            "--param_path", str(models / "lm"), *flags]  # fmt: skip
+    argv = [
+        "reward_model",
+        "--config",
+        str(ROOT / "recipes" / "tiny-reward-model.yaml"),
+        "--ckpt_dir",
+        str(out),
+        "--param_path",
+        str(models / "lm"),
+        *flags,
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1 and not out.exists()
@@ -215,16 +277,34 @@ def test_a_bad_margin_is_one_line_naming_the_record(models, tmp_path, capsys):
     data = tmp_path / "pairs.jsonl"
     data.write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c", "margin": "high"}) + "\n")
     out = tmp_path / "run"
-    argv = ["reward_model", "--config", str(ROOT / "recipes" / "tiny-reward-model.yaml"), "--ckpt_dir", str(out),
-            "--param_path", str(models / "lm"), "--data_root_path", str(data)]  # fmt: skip
+    argv = [
+        "reward_model",
+        "--config",
+        str(ROOT / "recipes" / "tiny-reward-model.yaml"),
+        "--ckpt_dir",
+        str(out),
+        "--param_path",
+        str(models / "lm"),
+        "--data_root_path",
+        str(data),
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert f"{data}:1: 'margin' must be a finite number" in err and not out.exists()
 
 
 def test_models_of_the_wrong_kind_are_refused_in_one_line(models, tmp_path, capsys):
-    online = ["grpo", "--config", str(ROOT / "recipes" / "tiny-grpo-online.yaml"), "--param_path", str(models / "lm"),
-              "--reward", "null", "--ckpt_dir", str(tmp_path / "run")]  # fmt: skip
+    online = [
+        "grpo",
+        "--config",
+        str(ROOT / "recipes" / "tiny-grpo-online.yaml"),
+        "--param_path",
+        str(models / "lm"),
+        "--reward",
+        "null",
+        "--ckpt_dir",
+        str(tmp_path / "run"),
+    ]
     small = tmp_path / "rm_small_vocabulary_no_tokenizer"  # its config alone is read before it is refused
     small.mkdir()
     config = json.loads((models / "rm" / "config.json").read_text())
@@ -232,11 +312,23 @@ def test_models_of_the_wrong_kind_are_refused_in_one_line(models, tmp_path, caps
     cases = [
         ([*online, "--reward_model", str(models / "lm")], "a language model, not a reward model"),
         ([*online, "--reward_model", str(small)], "holds no tokenizer of its own to read the rollouts with"),
-        (["sft", "--config", str(ROOT / "recipes" / "tiny-sft.yaml"), "--param_path", str(models / "rm"),
-          "--ckpt_dir", str(tmp_path / "run")], "(a score head, no LM head): it trains with reward_model, not sft"),
-        (["generate", "--param_path", str(models / "rm"), "--prompt", "hi"],
-         "a reward model (a score head, no LM head), which generate cannot run"),
-    ]  # fmt: skip
+        (
+            [
+                "sft",
+                "--config",
+                str(ROOT / "recipes" / "tiny-sft.yaml"),
+                "--param_path",
+                str(models / "rm"),
+                "--ckpt_dir",
+                str(tmp_path / "run"),
+            ],
+            "(a score head, no LM head): it trains with reward_model, not sft",
+        ),
+        (
+            ["generate", "--param_path", str(models / "rm"), "--prompt", "hi"],
+            "a reward model (a score head, no LM head), which generate cannot run",
+        ),
+    ]
     for argv, message in cases:
         assert main(argv) == 2
         err = capsys.readouterr().err.strip()
@@ -257,8 +349,31 @@ def test_a_classifier_of_two_labels_is_refused(models, tmp_path):
 def test_lora_online_dpo_ranked_by_a_reward_model_resumes_bit_exactly(models, tmp_path):
     """Rollouts are seeded by position and every step is a rollout boundary here (``rollout_interval`` 1), so the
     resumed run samples, scores and ranks what the first one did."""
-    common = ["dpo", "--config", str(ROOT / "recipes" / "tiny-online-dpo.yaml"), "--param_path", str(models / "lm"),
-              "--reward", "null", "--reward_model", str(models / "rm"), "--lora_r", "4", "--max_steps", "4",
-              "--ckpt_interval", "2", "--batch_per_device", "2", "--grad_accum_steps", "1", "--rollout_interval", "1",
-              "--rollout_max_tokens", "4", "--loggers", "[]"]  # fmt: skip
+    common = [
+        "dpo",
+        "--config",
+        str(ROOT / "recipes" / "tiny-online-dpo.yaml"),
+        "--param_path",
+        str(models / "lm"),
+        "--reward",
+        "null",
+        "--reward_model",
+        str(models / "rm"),
+        "--lora_r",
+        "4",
+        "--max_steps",
+        "4",
+        "--ckpt_interval",
+        "2",
+        "--batch_per_device",
+        "2",
+        "--grad_accum_steps",
+        "1",
+        "--rollout_interval",
+        "1",
+        "--rollout_max_tokens",
+        "4",
+        "--loggers",
+        "[]",
+    ]
     assert_resume_is_bit_exact(common, tmp_path)

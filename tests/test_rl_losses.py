@@ -45,8 +45,9 @@ def test_group_advantages():
 
 
 def grpo(logp, old, ref, mask, adv, eps=0.2, kl=0.0):
-    return grpo_loss(torch.tensor(logp), torch.tensor(old), torch.tensor(ref), torch.tensor(mask),
-                     torch.tensor(adv), eps, kl)  # fmt: skip
+    return grpo_loss(
+        torch.tensor(logp), torch.tensor(old), torch.tensor(ref), torch.tensor(mask), torch.tensor(adv), eps, kl
+    )
 
 
 def test_grpo_clipping_on_both_sides():
@@ -107,16 +108,25 @@ def test_dapo_step_is_one_token_mean_over_every_rank_and_micro_batch():
 
     def loss(i: int, kind: str, normaliser=None):
         advantages = grpo_advantages(batches[i]["rewards"], kind).flatten()
-        return grpo_loss(logprobs[i], old[i], ref[i], masks[i], advantages, 0.2, 0.05, kind, 0.28,
-                         tokens_per_micro_batch=normaliser)[0]  # fmt: skip
+        return grpo_loss(
+            logprobs[i], old[i], ref[i], masks[i], advantages, 0.2, 0.05, kind, 0.28, tokens_per_micro_batch=normaliser
+        )[0]
 
     accum, num_ranks = 2, 2
     step = sum(loss(i, "dapo", batches[i][TOKENS_PER_MICRO_BATCH]) / accum for i in range(4)) / num_ranks
     ours = torch.autograd.grad(step, logprobs)
     # The reference: bnpo's token mean, over the 4 micro-batches as one
-    everything = grpo_loss(torch.cat(logprobs), torch.cat(old), torch.cat(ref), torch.cat(masks),
-                           torch.cat([grpo_advantages(b["rewards"], "bnpo").flatten() for b in batches]), 0.2, 0.05,
-                           "bnpo", 0.28)[0]  # fmt: skip
+    everything = grpo_loss(
+        torch.cat(logprobs),
+        torch.cat(old),
+        torch.cat(ref),
+        torch.cat(masks),
+        torch.cat([grpo_advantages(b["rewards"], "bnpo").flatten() for b in batches]),
+        0.2,
+        0.05,
+        "bnpo",
+        0.28,
+    )[0]
     expected = torch.autograd.grad(everything, logprobs)
     assert step.item() == pytest.approx(everything.item(), abs=1e-6)
     for a, b in zip(ours, expected, strict=True):

@@ -141,10 +141,20 @@ def test_state_dict_is_astrai_layout_and_restores_the_schedule():
     rates(scheduler, 3)
     state = scheduler.state_dict()
     # The keys AstrAI's CosineScheduler saves (torch 2.13).
-    assert sorted(state) == sorted([
-        "_get_lr_called_within_step", "_is_initial", "_last_lr", "_step_count", "base_lrs", "last_epoch",
-        "lr_decay_steps", "min_rate", "total_steps", "warmup_steps",
-    ])  # fmt: skip
+    assert sorted(state) == sorted(
+        [
+            "_get_lr_called_within_step",
+            "_is_initial",
+            "_last_lr",
+            "_step_count",
+            "base_lrs",
+            "last_epoch",
+            "lr_decay_steps",
+            "min_rate",
+            "total_steps",
+            "warmup_steps",
+        ]
+    )
     other = build_scheduler(optimizer(), "cosine", total_steps=99, warmup_steps=9)
     other.load_state_dict(state)
     # The checkpoint's schedule wins, and the optimizer runs at the restored rate right away.

@@ -59,12 +59,15 @@ def test_commands_that_train_nothing_import_nothing_only_training_uses(tmp_path)
     torch.manual_seed(0)
     model = AutoRegressiveLM(ModelConfig.from_file(TINY_MODEL_DIR / "config.json"))
     files = {name: TINY_MODEL_DIR / name for name in ("tokenizer.json", "tokenizer_config.json")}
-    ckpt = save_checkpoint(tmp_path / "ckpt", model.state_dict(), model.config.to_dict(), files=files,
-                           meta={"train_type": "seq"})  # fmt: skip
+    ckpt = save_checkpoint(
+        tmp_path / "ckpt", model.state_dict(), model.config.to_dict(), files=files, meta={"train_type": "seq"}
+    )
     records = (SFT_DATA_DIR / "tasks.jsonl").read_text(encoding="utf-8").splitlines()[:4]
     (tmp_path / "chats.jsonl").write_text("\n".join(records) + "\n", encoding="utf-8")
-    (tmp_path / "chat.json").write_text('{"input": {"sections": [{"field": "messages", "action": "$role", '
-                                        '"template": true}]}, "mask": {"assistant": "train"}}')  # fmt: skip
+    (tmp_path / "chat.json").write_text(
+        '{"input": {"sections": [{"field": "messages", "action": "$role", '
+        '"template": true}]}, "mask": {"assistant": "train"}}'
+    )
     helps = [["--help"]] + [
         [command, "--help"] for command in ("evaluate", "generate", "chat", "export", "prepare", "plot")
     ]
@@ -72,9 +75,17 @@ def test_commands_that_train_nothing_import_nothing_only_training_uses(tmp_path)
         ["generate", "--param_path", str(ckpt), "--chat", "false", "--prompt", "In the", "--max_new_tokens", "2"],
         ["export", str(ckpt)],  # complete already: said, nothing written (it used to import Lightning to say so)
         ["export", str(ckpt), "--format", "hf", "--out", str(tmp_path / "hf")],
-        ["prepare", str(tmp_path / "chats.jsonl"), "-o", str(tmp_path / "shards"), "-c", str(tmp_path / "chat.json"),
-         "--tokenizer_path", "bundled:tiny"],
-    ]  # fmt: skip
+        [
+            "prepare",
+            str(tmp_path / "chats.jsonl"),
+            "-o",
+            str(tmp_path / "shards"),
+            "-c",
+            str(tmp_path / "chat.json"),
+            "--tokenizer_path",
+            "bundled:tiny",
+        ],
+    ]
     result = subprocess.run(
         [sys.executable, "-c", CHILD, json.dumps(FORBIDDEN), json.dumps(helps + work)],
         capture_output=True,

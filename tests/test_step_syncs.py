@@ -64,8 +64,20 @@ def reads_per_step(monkeypatch):
 
 
 def tiny(train_type: str, recipe: str, ckpt_dir: Path, *extra: str) -> list[str]:
-    return [train_type, "--config", str(ROOT / "recipes" / recipe), "--ckpt_dir", str(ckpt_dir), "--max_steps", "3",
-            "--window_size", "64", "--loggers", "[]", *extra]  # fmt: skip
+    return [
+        train_type,
+        "--config",
+        str(ROOT / "recipes" / recipe),
+        "--ckpt_dir",
+        str(ckpt_dir),
+        "--max_steps",
+        "3",
+        "--window_size",
+        "64",
+        "--loggers",
+        "[]",
+        *extra,
+    ]
 
 
 def test_a_step_reads_from_the_device_once(reads_per_step, tmp_path):

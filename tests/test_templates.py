@@ -90,8 +90,11 @@ def test_ordinary_templates_render_as_jinja_renders_them(huggingface):
     """Loops (``loop.*``, ``else``, filters, recursion), unpacking, literals, macros, ``caller``, block ``set``,
     ``{% filter %}``, operators: what the meter routes through its hooks renders as Jinja's own sandbox renders."""
     settings = {"trim_blocks": True, "lstrip_blocks": True} if huggingface else {}
-    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"},
-                {"role": "assistant", "content": "hi there"}]  # fmt: skip
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "hi there"},
+    ]
     for template in ORDINARY:
         expected = ImmutableSandboxedEnvironment(**settings).from_string(template).render(messages=messages)
         ours = render_template(compile_template(template, "t", huggingface), {"messages": messages}, "t")

@@ -102,8 +102,17 @@ self._marker, weight.__tensor_flatten__(), getattr(x, "_dataloader", x), "torcha
 
 
 def test_the_scan_finds_each_way_of_touching_a_private_name():
-    names = ["_pytree", "_utils", "_dump_snapshot", "_foreach_norm", "_record_memory_history", "_init_group",
-             "_orig_mod", "_pytree", "_grouped_mm"]  # fmt: skip
+    names = [
+        "_pytree",
+        "_utils",
+        "_dump_snapshot",
+        "_foreach_norm",
+        "_record_memory_history",
+        "_init_group",
+        "_orig_mod",
+        "_pytree",
+        "_grouped_mm",
+    ]
     assert private_uses(SCANNED) == list(enumerate(names, start=5))
 
 

@@ -27,11 +27,24 @@ pytestmark = pytest.mark.slow
 def base_args(ckpt_dir: Path, **overrides) -> TrainArgs:
     """3 optimizer steps of the bundled tiny model, with accumulation and clipping that is active (norms ~1-5)."""
     values = dict(
-        param_path="bundled:tiny", data_root_path="bundled:data/seq", train_type="seq", ckpt_dir=str(ckpt_dir),
-        window_size=32, batch_per_device=2, grad_accum_steps=2, max_steps=3, max_lr=2e-3, max_grad_norm=0.5,
-        warmup_ratio=0.0, num_workers=0, parallel_mode="none", optimizer="adamw", muon_ns_dtype="float32",
-        random_seed=11, ckpt_interval=1000,
-    )  # fmt: skip
+        param_path="bundled:tiny",
+        data_root_path="bundled:data/seq",
+        train_type="seq",
+        ckpt_dir=str(ckpt_dir),
+        window_size=32,
+        batch_per_device=2,
+        grad_accum_steps=2,
+        max_steps=3,
+        max_lr=2e-3,
+        max_grad_norm=0.5,
+        warmup_ratio=0.0,
+        num_workers=0,
+        parallel_mode="none",
+        optimizer="adamw",
+        muon_ns_dtype="float32",
+        random_seed=11,
+        ckpt_interval=1000,
+    )
     values.update(overrides)
     return TrainArgs(**values)
 
@@ -119,8 +132,9 @@ def write_hf_models(root: Path) -> None:
         from test_huggingface import CASES, build_hf, save_hf
     except pytest.skip.Exception:
         return
-    sizes = dict(vocab_size=json.loads((TINY_MODEL_DIR / "config.json").read_text())["vocab_size"],
-                 max_position_embeddings=256)  # fmt: skip
+    sizes = dict(
+        vocab_size=json.loads((TINY_MODEL_DIR / "config.json").read_text())["vocab_size"], max_position_embeddings=256
+    )
     save_hf(build_hf("Qwen3Config", head_dim=16, **sizes), root / "qwen3")
     save_hf(build_hf("Qwen2Config", **sizes), root / "qwen2")
     for model_type in ("qwen3_moe", "qwen2_moe", "olmo2", "phi3", "gemma2", "gemma3_text", "deepseek_v3"):
@@ -378,9 +392,28 @@ def test_astrai_fsdp_checkpoint_says_why_and_resumes_with_a_fresh_optimizer(tmp_
         del meta[key]  # now it reads as AstrAI's
     (checkpoint / "meta.json").write_text(json.dumps(meta))
     run_ranks(write_astrai_fsdp_optimizer, 1, str(checkpoint / "optimizer.pt"))
-    argv = ["seq", "--param_path", str(checkpoint), "--resume", "--data_root_path", "bundled:data/seq",
-            "--window_size", "32", "--batch_per_device", "2", "--grad_accum_steps", "2", "--parallel_mode", "none",
-            "--num_workers", "0", "--ckpt_dir", str(tmp_path / "next"), "--max_steps", "3"]  # fmt: skip
+    argv = [
+        "seq",
+        "--param_path",
+        str(checkpoint),
+        "--resume",
+        "--data_root_path",
+        "bundled:data/seq",
+        "--window_size",
+        "32",
+        "--batch_per_device",
+        "2",
+        "--grad_accum_steps",
+        "2",
+        "--parallel_mode",
+        "none",
+        "--num_workers",
+        "0",
+        "--ckpt_dir",
+        str(tmp_path / "next"),
+        "--max_steps",
+        "3",
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "optimizer.pt: holds sharded (DTensor) optimizer state" in err and "--resume_optimizer false" in err

@@ -13,10 +13,19 @@ from astrai_fabric.train import run
 
 def args(tmp_path, **overrides) -> TrainArgs:
     values = dict(
-        param_path="bundled:tiny", data_root_path="bundled:data/sft", train_type="sft", ckpt_dir=str(tmp_path),
-        window_size=32, batch_per_device=2, max_steps=3, max_lr=1e-3, num_workers=0, parallel_mode="none",
-        random_seed=1, ckpt_interval=1000,
-    )  # fmt: skip
+        param_path="bundled:tiny",
+        data_root_path="bundled:data/sft",
+        train_type="sft",
+        ckpt_dir=str(tmp_path),
+        window_size=32,
+        batch_per_device=2,
+        max_steps=3,
+        max_lr=1e-3,
+        num_workers=0,
+        parallel_mode="none",
+        random_seed=1,
+        ckpt_interval=1000,
+    )
     values.update(overrides)
     return TrainArgs(**values)
 
@@ -58,9 +67,28 @@ def test_validation_split_reports_val_loss(tmp_path):
 
 @pytest.mark.slow
 def test_compiled_run_saves_clean_keys(tmp_path):
-    command = [sys.executable, "-m", "astrai_fabric", "seq", "--param_path", "bundled:tiny", "--data_root_path",
-               "bundled:data/seq", "--ckpt_dir", str(tmp_path), "--parallel_mode", "none", "--num_workers", "0",
-               "--window_size", "16", "--max_steps", "2", "--compile", "default"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "astrai_fabric",
+        "seq",
+        "--param_path",
+        "bundled:tiny",
+        "--data_root_path",
+        "bundled:data/seq",
+        "--ckpt_dir",
+        str(tmp_path),
+        "--parallel_mode",
+        "none",
+        "--num_workers",
+        "0",
+        "--window_size",
+        "16",
+        "--max_steps",
+        "2",
+        "--compile",
+        "default",
+    ]
     result = subprocess.run(command, capture_output=True, text=True, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin"})
     assert result.returncode == 0, result.stderr[-3000:]
     keys = list(saved(tmp_path, 2))
@@ -77,8 +105,19 @@ def test_a_longer_resume_says_its_schedule_ends_early_and_can_rebuild_it(tmp_pat
 
     data = tmp_path / "verses.jsonl"  # 2 chapters: 65 windows of 32 tokens, 4 steps of 8 x 2 per epoch
     data.write_text("".join((SEQ_DATA_DIR / "kjv.jsonl").read_text().splitlines(keepends=True)[:2]))
-    base = ["seq", "--config", str(Path(__file__).parents[1] / "recipes" / "tiny-seq.yaml"), "--data_root_path",
-            str(data), "--window_size", "32", "--ckpt_dir", str(tmp_path / "run"), "--loggers", "[]"]  # fmt: skip
+    base = [
+        "seq",
+        "--config",
+        str(Path(__file__).parents[1] / "recipes" / "tiny-seq.yaml"),
+        "--data_root_path",
+        str(data),
+        "--window_size",
+        "32",
+        "--ckpt_dir",
+        str(tmp_path / "run"),
+        "--loggers",
+        "[]",
+    ]
     assert main([*base, "--stop_after_steps", "1"]) == 0  # the recipe's 3 epochs: a schedule of 12 steps
     assert main([*base, "--resume", "auto", "--n_epoch", "6", "--dry_run"]) == 0
     assert (

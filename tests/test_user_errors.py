@@ -49,8 +49,22 @@ def workspace(tmp_path_factory):
 
 
 def tiny(ckpt_dir, *extra) -> list[str]:
-    return ["seq", "--param_path", "bundled:tiny", "--data_root_path", "bundled:data/seq", "--window_size", "16",
-            "--parallel_mode", "none", "--num_workers", "0", "--ckpt_dir", str(ckpt_dir), *extra]  # fmt: skip
+    return [
+        "seq",
+        "--param_path",
+        "bundled:tiny",
+        "--data_root_path",
+        "bundled:data/seq",
+        "--window_size",
+        "16",
+        "--parallel_mode",
+        "none",
+        "--num_workers",
+        "0",
+        "--ckpt_dir",
+        str(ckpt_dir),
+        *extra,
+    ]
 
 
 def snapshot(root) -> dict[str, bytes]:
@@ -154,8 +168,12 @@ def test_a_full_disk_during_a_save_keeps_the_earlier_checkpoint(workspace, tmp_p
 @pytest.mark.slow
 def test_a_refusal_every_rank_raises_is_printed_once(workspace):
     # Rank 0 finds the later checkpoint and tells rank 1: both exit 2, one message (not one per rank).
-    command = [sys.executable, "-m", "astrai_fabric",
-               *tiny(workspace / "run", "--max_steps", "1", "--parallel_mode", "ddp", "--nprocs", "2")]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "astrai_fabric",
+        *tiny(workspace / "run", "--max_steps", "1", "--parallel_mode", "ddp", "--nprocs", "2"),
+    ]
     result = subprocess.run(command, capture_output=True, text=True, env={"OMP_NUM_THREADS": "1", "PATH": ""})
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.count("astrai-fabric: error:") == 1, result.stderr[-2000:]

@@ -166,8 +166,11 @@ def build_dpo(seq_records: list[dict[str, str]], num_records: int = 600, seed: i
 def build_kto(dpo_records: list[dict], seed: int = 19) -> list[dict]:
     """Unpaired preferences for kto (TRL's ``prompt``/``completion``/``label`` form): each dpo pair split into its
     chosen answer (desirable) and its rejected one (undesirable), shuffled so a pair's halves are rarely neighbours."""
-    records = [{"prompt": r["prompt"], "completion": r[side], "label": side == "chosen"}
-               for r in dpo_records for side in ("chosen", "rejected")]  # fmt: skip
+    records = [
+        {"prompt": r["prompt"], "completion": r[side], "label": side == "chosen"}
+        for r in dpo_records
+        for side in ("chosen", "rejected")
+    ]
     random.Random(seed).shuffle(records)
     return records
 

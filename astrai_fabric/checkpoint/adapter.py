@@ -55,12 +55,15 @@ def read_adapter(directory: str | Path) -> LoRAAdapter:
     tensors = dict(StoredStateDict.from_files([path / ADAPTER_FILE]))  # small: read whole
     odd = [k for k in tensors if not lora.is_adapter_key(k)]
     if odd or not tensors:
-        raise CheckpointError(f"{path / ADAPTER_FILE}: expected only <layer>.lora_A / <layer>.lora_B keys, got "
-                              f"{abbreviate(odd or ['nothing'])}")  # fmt: skip
+        raise CheckpointError(
+            f"{path / ADAPTER_FILE}: expected only <layer>.lora_A / <layer>.lora_B keys, got "
+            f"{abbreviate(odd or ['nothing'])}"
+        )
     ranks = {tuple(v.shape)[0 if k.endswith("lora_A") else 1] for k, v in tensors.items() if v.dim() == 2}
     if ranks != {spec.r} or any(v.dim() != 2 for v in tensors.values()):
-        raise CheckpointError(f"{path / ADAPTER_FILE}: adapter ranks {sorted(ranks)} do not match r={spec.r} of "
-                              f"{ADAPTER_CONFIG_FILE}")  # fmt: skip
+        raise CheckpointError(
+            f"{path / ADAPTER_FILE}: adapter ranks {sorted(ranks)} do not match r={spec.r} of {ADAPTER_CONFIG_FILE}"
+        )
     return LoRAAdapter(spec, tensors)
 
 

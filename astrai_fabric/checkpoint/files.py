@@ -174,9 +174,11 @@ def save_model_directory(
         size += nbytes
     staging = _new_staging(target)
     try:
-        names = [weights_name] if len(shards) == 1 else [
-            f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))
-        ]  # fmt: skip
+        names = (
+            [weights_name]
+            if len(shards) == 1
+            else [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+        )
         for name, shard in zip(names, shards, strict=True):
             save_file(shard, str(staging / name), metadata=dict(metadata) if metadata else None)
             _fsync(staging / name)
@@ -343,12 +345,16 @@ def read_weight_map(path: Path) -> tuple[Path, dict[str, str]]:
         raise CheckpointError(f"{index}: expected a non-empty 'weight_map' object")
     for key, name in weight_map.items():
         if not isinstance(name, str):
-            raise CheckpointError(f"{index}: 'weight_map' maps {key!r} to a {type(name).__name__}, expected the "
-                                  "file name of a shard beside the index")  # fmt: skip
+            raise CheckpointError(
+                f"{index}: 'weight_map' maps {key!r} to a {type(name).__name__}, expected the "
+                "file name of a shard beside the index"
+            )
         if name in ("", ".", "..") or any(c in name for c in "/\\\0"):
-            raise CheckpointError(f"{index}: 'weight_map' maps {key!r} to {name[:200]!r}, expected the file name "
-                                  "of a shard beside the index (no path: nothing is read from outside the model "
-                                  "directory)")  # fmt: skip
+            raise CheckpointError(
+                f"{index}: 'weight_map' maps {key!r} to {name[:200]!r}, expected the file name "
+                "of a shard beside the index (no path: nothing is read from outside the model "
+                "directory)"
+            )
     if os.path.lexists(path / WEIGHTS_FILE) and set(weight_map.values()) != {WEIGHTS_FILE}:
         raise CheckpointError(
             f"{index}: lists shards beside a {WEIGHTS_FILE}, so which file holds the model is ambiguous "
@@ -381,8 +387,10 @@ def inside(path: Path, name: str) -> Path:
     if root.parent.name == "snapshots" and repository.name.startswith("models--") and (repository / "blobs").is_dir():
         places.append(repository / "blobs")
     if not any(place in real.parents for place in places):
-        raise CheckpointError(f"{file}: links to {real}, outside the model directory; its files are read only "
-                              "from inside it: copy the file in instead of linking it")  # fmt: skip
+        raise CheckpointError(
+            f"{file}: links to {real}, outside the model directory; its files are read only "
+            "from inside it: copy the file in instead of linking it"
+        )
     if not real.is_file():
         raise CheckpointError(f"{file}: not a regular file" if real.exists() else f"{file}: file not found")
     return file
@@ -445,8 +453,10 @@ class StoredStateDict(Mapping[str, Tensor]):
                 with safe_open(str(file), framework="pt") as handle:  # validates the header against the file size
                     for key in handle.keys():
                         if key in entries:
-                            raise CheckpointError(f"{file}: holds {key!r}, which {entries[key].file.name} holds "
-                                                  "too; each tensor is stored once")  # fmt: skip
+                            raise CheckpointError(
+                                f"{file}: holds {key!r}, which {entries[key].file.name} holds "
+                                "too; each tensor is stored once"
+                            )
                         stored = handle.get_slice(key)
                         entries[key] = _Stored(file, key, tuple(stored.get_shape()), stored.get_dtype())
             except (SafetensorError, OSError, ValueError) as err:

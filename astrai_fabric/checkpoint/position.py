@@ -44,9 +44,10 @@ class RunPosition:
             found = sorted(value) if isinstance(value, dict) else type(value).__name__
             raise CheckpointError(f"{source}: {RESUME_KEY!r} must hold {names}, got {found}")
         wrong = [
-            f"{k}={v!r}" for k, v in value.items()
+            f"{k}={v!r}"
+            for k, v in value.items()
             if not isinstance(v, int) or isinstance(v, bool) or v < (1 if k == "world_size" else 0)
-        ]  # fmt: skip
+        ]
         if wrong:
             raise CheckpointError(f"{source}: {RESUME_KEY!r} needs non-negative integers, got {', '.join(wrong)}")
         return cls(**value)

@@ -119,10 +119,19 @@ def save_training_checkpoint(
     if keep:
         # A same-step save replaces an existing directory only after the new one is complete.
         save_checkpoint(
-            directory, weights, config, epoch=position.last_epoch, consumed_samples=position.consumed_samples,
-            meta=meta, extra=extra, files=files, overwrite=True, staging=staging, adapter=adapter,
+            directory,
+            weights,
+            config,
+            epoch=position.last_epoch,
+            consumed_samples=position.consumed_samples,
+            meta=meta,
+            extra=extra,
+            files=files,
+            overwrite=True,
+            staging=staging,
+            adapter=adapter,
             adapter_config=lora.adapter_config() if lora is not None else None,
-        )  # fmt: skip
+        )
     fabric.barrier()
 
 
@@ -162,14 +171,22 @@ def export_checkpoint(source: str | Path, target: str | Path, cast: Any = None) 
         dcp_to_torch_save(source / STATE_DIR, Path(scratch) / "state.pt")
         optimizer_state = _integer_state_keys(torch.load(Path(scratch) / "state.pt", weights_only=True)["optimizer"])
     meta = {k: v for k, v in ckpt.meta.items() if k not in (*RESERVED_META, SHARDED_KEY)}
-    names = [p.name for p in source.iterdir() if (p.is_file() or p.is_symlink()) and p.name not in CHECKPOINT_FILES
-             and p.suffix != ".pt"]  # fmt: skip
+    names = [
+        p.name
+        for p in source.iterdir()
+        if (p.is_file() or p.is_symlink()) and p.name not in CHECKPOINT_FILES and p.suffix != ".pt"
+    ]
     copied = files_inside(source, names)  # a link pointing out of the checkpoint is refused, never copied
     return save_checkpoint(
-        target, cast(ckpt.state_dict) if cast else ckpt.state_dict, ckpt.config, epoch=ckpt.epoch,
-        consumed_samples=ckpt.consumed_samples, meta=meta, extra={"optimizer": optimizer_state, **ckpt.extra},
+        target,
+        cast(ckpt.state_dict) if cast else ckpt.state_dict,
+        ckpt.config,
+        epoch=ckpt.epoch,
+        consumed_samples=ckpt.consumed_samples,
+        meta=meta,
+        extra={"optimizer": optimizer_state, **ckpt.extra},
         files=copied,
-    )  # fmt: skip
+    )
 
 
 def export_merged(source: str | Path, target: str | Path) -> Path:
@@ -255,8 +272,10 @@ def load_optimizer_state(optimizer: Optimizer, state: dict[str, Any], source: Pa
                 param = params[index]
                 for key, value in entry.items():
                     if isinstance(value, Tensor) and value.dim() > 0 and value.shape != param.shape:
-                        raise ValueError(f"state {key!r} of parameter {index} has shape {list(value.shape)}, the "
-                                         f"parameter {list(param.shape)}")  # fmt: skip
+                        raise ValueError(
+                            f"state {key!r} of parameter {index} has shape {list(value.shape)}, the "
+                            f"parameter {list(param.shape)}"
+                        )
                     if isinstance(value, Tensor) and isinstance(param, DTensor) and value.shape == param.shape:
                         value = value.to(device=param.device, dtype=param.dtype)
                         entry[key] = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)

@@ -142,11 +142,16 @@ def check_hf_names(state_dict: Mapping[str, Tensor], config: ModelConfig, model_
     weights = path / (WEIGHTS_INDEX_FILE if (path / WEIGHTS_INDEX_FILE).exists() else WEIGHTS_FILE)
     foreign = [k for k in state_dict if hf.import_targets(k, config) and not hf.is_hf_name(k)]
     if foreign:
-        raise CheckpointError(f"{weights}: {abbreviate(foreign)} are not tensor names of a Hugging Face "
-                              f"{model_type} model (transformers would not load them)")  # fmt: skip
+        raise CheckpointError(
+            f"{weights}: {abbreviate(foreign)} are not tensor names of a Hugging Face "
+            f"{model_type} model (transformers would not load them)"
+        )
     if skipped := hf.multi_token_prediction_layers(state_dict, config):
-        warnings.warn(f"{weights}: skipping layers {skipped}, {model_type}'s multi-token-prediction modules, which "
-                      "the causal LM never runs", stacklevel=3)  # fmt: skip
+        warnings.warn(
+            f"{weights}: skipping layers {skipped}, {model_type}'s multi-token-prediction modules, which "
+            "the causal LM never runs",
+            stacklevel=3,
+        )
     if not config.tied and not config.score_head and hf.our_key_to_hf(LM_HEAD_KEY) not in state_dict:
         raise CheckpointError(
             f"{weights}: no lm_head.weight, but {CONFIG_FILE} says tie_word_embeddings: false, so transformers "
@@ -315,8 +320,10 @@ def load_language_model(directory: str | Path, dtype: torch.dtype | None = None,
     """``load_model`` for what needs an LM head (generate, chat, evaluate): a reward model is refused in one line
     naming ``command``, before any tensor is read."""
     if Path(directory).is_dir() and read_model_config(directory).score_head:  # else load_model's own error
-        raise CheckpointError(f"{directory}: a reward model (a score head, no LM head), which {command} cannot run; "
-                              "it scores rollouts with --reward_model")  # fmt: skip
+        raise CheckpointError(
+            f"{directory}: a reward model (a score head, no LM head), which {command} cannot run; "
+            "it scores rollouts with --reward_model"
+        )
     return load_model(directory, dtype=dtype)
 
 

@@ -114,9 +114,15 @@ class EvaluateArgs:
             problems.append("evaluate needs a model: astrai-fabric evaluate SRC (a checkpoint, a run's ckpt_dir, ...)")
         if self.data_root_path is None and not self.tasks:
             problems.append("evaluate needs --data_root_path (perplexity) or --tasks (lm-evaluation-harness), or both")
-        positive = {"window_size": self.window_size, "stride": self.stride, "max_gen_toks": self.max_gen_toks,
-                    "limit": self.limit, "batch_size": self.batch_size, "nprocs": self.nprocs,
-                    "num_nodes": self.num_nodes}  # fmt: skip
+        positive = {
+            "window_size": self.window_size,
+            "stride": self.stride,
+            "max_gen_toks": self.max_gen_toks,
+            "limit": self.limit,
+            "batch_size": self.batch_size,
+            "nprocs": self.nprocs,
+            "num_nodes": self.num_nodes,
+        }
         problems += [
             f"{name} must be >= 1, got {value}" for name, value in positive.items() if value is not None and value < 1
         ]
@@ -149,13 +155,35 @@ class EvaluateArgs:
 
     def perplexity_settings(self) -> dict[str, Any]:
         """What decides a perplexity result (the data, how it is read and scored, precision), recorded with it."""
-        names = ("data_root_path", "train_type", "perplexity_unit", "window_size", "stride", "data_subset",
-                 "data_split", "data_format", "data_columns", "bootstrap_iters", "seed", "precision",
-                 "tokenizer_path")  # fmt: skip
+        names = (
+            "data_root_path",
+            "train_type",
+            "perplexity_unit",
+            "window_size",
+            "stride",
+            "data_subset",
+            "data_split",
+            "data_format",
+            "data_columns",
+            "bootstrap_iters",
+            "seed",
+            "precision",
+            "tokenizer_path",
+        )
         return {name: getattr(self, name) for name in names}
 
     def task_settings(self) -> dict[str, Any]:
         """What decides an lm-eval result, recorded with it."""
-        names = ("tasks", "num_fewshot", "limit", "apply_chat_template", "max_gen_toks", "log_samples",
-                 "include_path", "seed", "precision", "tokenizer_path")  # fmt: skip
+        names = (
+            "tasks",
+            "num_fewshot",
+            "limit",
+            "apply_chat_template",
+            "max_gen_toks",
+            "log_samples",
+            "include_path",
+            "seed",
+            "precision",
+            "tokenizer_path",
+        )
         return {name: getattr(self, name) for name in names}

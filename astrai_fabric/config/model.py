@@ -432,8 +432,10 @@ class ModelConfig:
                 problems.append("'qk_norm_over_projection' needs gqa attention with use_qk_norm")
             problems += self._window_problems()
             if self.rotary_dim is not None and (self.attn_type != "gqa" or self.rotary_dim > self.attention_head_dim):
-                problems.append(f"'rotary_dim' ({self.rotary_dim}) needs gqa attention and at most head_dim "
-                                f"({self.attention_head_dim}) per head")  # fmt: skip
+                problems.append(
+                    f"'rotary_dim' ({self.rotary_dim}) needs gqa attention and at most head_dim "
+                    f"({self.attention_head_dim}) per head"
+                )
             if self.shared_expert_gate and not (self.ffn_type == "moe" and self.n_shared_experts):
                 problems.append(
                     "'shared_expert_gate' needs shared experts to gate (ffn_type moe, n_shared_experts >= 1)"
@@ -441,8 +443,9 @@ class ModelConfig:
             if self.score_head and self.pad_token_id is None:
                 problems.append("'score_head' needs 'pad_token_id': the score is read at the last token before it")
             if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
-                problems.append(f"'pad_token_id' {self.pad_token_id} is not an id of the {self.vocab_size}-token "
-                                "vocabulary")  # fmt: skip
+                problems.append(
+                    f"'pad_token_id' {self.pad_token_id} is not an id of the {self.vocab_size}-token vocabulary"
+                )
             problems += self._value_problems()  # after the checks above: it divides by head counts
         if problems:
             raise ConfigError(f"{source}: cannot build a model: " + "; ".join(problems))
@@ -454,23 +457,33 @@ class ModelConfig:
         moe_options = ("score_correction_bias", "n_group", "topk_group", "routed_scaling_factor", "scoring_func")
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         set_away = [name for name in mla_options + moe_options if getattr(self, name) != defaults[name]]
-        problems = [f"{name!r} applies to mla attention only" for name in set_away
-                    if name in mla_options and self.attn_type != "mla"]  # fmt: skip
-        problems += [f"{name!r} applies to ffn_type moe only" for name in set_away
-                     if name in moe_options and self.ffn_type != "moe"]  # fmt: skip
+        problems = [
+            f"{name!r} applies to mla attention only"
+            for name in set_away
+            if name in mla_options and self.attn_type != "mla"
+        ]
+        problems += [
+            f"{name!r} applies to ffn_type moe only"
+            for name in set_away
+            if name in moe_options and self.ffn_type != "moe"
+        ]
         if not 0 < self.routed_scaling_factor < math.inf:
             problems.append(f"'routed_scaling_factor' must be a finite number > 0, got {self.routed_scaling_factor}")
         if self.ffn_type != "moe" or self.n_group < 1 or self.topk_group < 1:
             return problems  # group counts below 1 are reported as sizes
         experts, groups = self.n_routed_experts, self.n_group
         if experts % groups or self.topk_group > groups:
-            problems.append(f"n_group ({groups}) must divide n_routed_experts ({experts}) and be at least "
-                            f"topk_group ({self.topk_group})")  # fmt: skip
+            problems.append(
+                f"n_group ({groups}) must divide n_routed_experts ({experts}) and be at least "
+                f"topk_group ({self.topk_group})"
+            )
         elif groups > 1 and experts // groups < 2:
             problems.append(f"n_group ({groups}) leaves fewer than 2 experts per group; a group scores its best two")
         elif self.n_activated_experts > self.topk_group * (experts // groups):
-            problems.append(f"n_activated_experts ({self.n_activated_experts}) exceeds the experts of topk_group "
-                            f"({self.topk_group}) groups of {experts // groups}")  # fmt: skip
+            problems.append(
+                f"n_activated_experts ({self.n_activated_experts}) exceeds the experts of topk_group "
+                f"({self.topk_group}) groups of {experts // groups}"
+            )
         return problems
 
     def _window_problems(self) -> list[str]:
@@ -478,8 +491,10 @@ class ModelConfig:
         problems = []
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - set(LAYER_TYPES):
-                problems.append(f"'layer_types' must give one of {list(LAYER_TYPES)} for each of the "
-                                f"{self.num_hidden_layers} layers, got {self.layer_types}")  # fmt: skip
+                problems.append(
+                    f"'layer_types' must give one of {list(LAYER_TYPES)} for each of the "
+                    f"{self.num_hidden_layers} layers, got {self.layer_types}"
+                )
             elif "sliding_attention" in self.layer_types and self.sliding_window is None:
                 problems.append("'layer_types' has sliding_attention layers but 'sliding_window' is not set")
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -574,8 +589,9 @@ class ModelConfig:
             return [f"'rope_frequency_scaling' llama3 needs low_freq_factor < high_freq_factor, got {values[1:3]}"]
         if kind == "yarn":
             optional = {name: scaling[name] for name in YARN_OPTIONAL if scaling.get(name) is not None}
-            if not all(isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < math.inf
-                       for v in optional.values()):  # fmt: skip
+            if not all(
+                isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < math.inf for v in optional.values()
+            ):
                 return [f"'rope_frequency_scaling' yarn needs finite numbers >= 0 for {list(optional)}, got {optional}"]
             if not isinstance(scaling.get("truncate", True), bool):
                 return [f"'rope_frequency_scaling' yarn truncate must be true or false, got {scaling['truncate']!r}"]
@@ -586,11 +602,15 @@ class ModelConfig:
             for name in ("short_factor", "long_factor"):
                 value = scaling.get(name)
                 if not (isinstance(value, list) and len(value) == pairs and all(_positive(v) for v in value)):
-                    return [f"'rope_frequency_scaling' longrope needs {name}: {pairs} finite numbers > 0 (one per "
-                            f"rotated pair), got {value!r}"]  # fmt: skip
+                    return [
+                        f"'rope_frequency_scaling' longrope needs {name}: {pairs} finite numbers > 0 (one per "
+                        f"rotated pair), got {value!r}"
+                    ]
             if scaling.get("attention_factor") is not None and not _positive(scaling["attention_factor"]):
-                return [f"'rope_frequency_scaling' longrope attention_factor must be a finite number > 0, got "
-                        f"{scaling['attention_factor']!r}"]  # fmt: skip
+                return [
+                    f"'rope_frequency_scaling' longrope attention_factor must be a finite number > 0, got "
+                    f"{scaling['attention_factor']!r}"
+                ]
         return []
 
 

@@ -73,8 +73,10 @@ def read_dataset_config(data_root: Path, train_type: str) -> DatasetConfig | Non
     if not (data_root.is_dir() and path.is_file()) or (kind := detect_format(data_root)) == "bin":
         return None  # bin shards win, as in AstrAI
     if train_type == "kto":  # AstrAI has no kto: its records are read as they are
-        raise UserError(f"{path}: kto reads its records as they are (prompt, completion, label), with no "
-                        "dataset_config.json route (AstrAI has no kto); move the file away")  # fmt: skip
+        raise UserError(
+            f"{path}: kto reads its records as they are (prompt, completion, label), with no "
+            "dataset_config.json route (AstrAI has no kto); move the file away"
+        )
     raw = read_json_object(path, "the data directory's dataset config")
     source = str(path)
     check_keys(raw, GROUPS, source, "")
@@ -158,9 +160,13 @@ def _parse_sources(raw: Any, train_type: str, source: str) -> dict[str, Source]:
 
 
 def render_sections(
-    record: dict[str, Any], sections: list[Section], config: PipelineConfig, tokenizer: Tokenizer, where: str,
+    record: dict[str, Any],
+    sections: list[Section],
+    config: PipelineConfig,
+    tokenizer: Tokenizer,
+    where: str,
     top_level: bool = True,
-) -> tuple[list[int], list[int]] | None:  # fmt: skip
+) -> tuple[list[int], list[int]] | None:
     """One output's ``(ids, mask)``, as AstrAI's ``SectionRenderer.process_sections`` builds it, or None (empty)."""
     has_template = any(s.template for s in sections)
     is_text = not has_template and all(s.action == "train" for s in sections)
@@ -220,12 +226,23 @@ def render_list(
             continue
         for value in values:
             if section.template:
-                rendered = render_sections({"m": value}, [Section("m", section.action, True)], config, tokenizer,
-                                           where, top_level=False) if isinstance(value, list) else None  # fmt: skip
+                rendered = (
+                    render_sections(
+                        {"m": value}, [Section("m", section.action, True)], config, tokenizer, where, top_level=False
+                    )
+                    if isinstance(value, list)
+                    else None
+                )
             else:
                 plain = Section("t", section.action, False, False)
-                rendered = render_sections({"t": _text(value, section.field, where)}, [plain],
-                                           _no_filter(config), tokenizer, where, top_level=False)  # fmt: skip
+                rendered = render_sections(
+                    {"t": _text(value, section.field, where)},
+                    [plain],
+                    _no_filter(config),
+                    tokenizer,
+                    where,
+                    top_level=False,
+                )
             if rendered is not None:
                 outputs.append(rendered)
     return outputs or None
@@ -244,8 +261,10 @@ def _rewards(record: dict[str, Any], source: Source) -> Any:
 
 def render_pair(config: DatasetConfig, tokenizer: Tokenizer, record: dict[str, Any], where: str) -> Encoded | None:
     """A dpo pair: ``chosen`` and ``rejected`` whole, each with its own mask; None where AstrAI drops the record."""
-    rendered = [render_sections(record, config.sources[k].sections, config.pipeline, tokenizer, where)
-                for k in ("chosen", "rejected")]  # fmt: skip
+    rendered = [
+        render_sections(record, config.sources[k].sections, config.pipeline, tokenizer, where)
+        for k in ("chosen", "rejected")
+    ]
     if None in rendered:
         return None
     return Encoded([], [ids for ids, _ in rendered], [mask for _, mask in rendered])

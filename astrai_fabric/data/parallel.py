@@ -79,16 +79,20 @@ def _tokenise_in_worker(chunk: Chunk) -> list[Tokenised]:
 
 
 def tokenise_chunks(
-    chunks: Iterator[Chunk], config: PipelineConfig, tokenizer: Tokenizer, num_proc: int,
+    chunks: Iterator[Chunk],
+    config: PipelineConfig,
+    tokenizer: Tokenizer,
+    num_proc: int,
     data_columns: str | None = None,
-) -> Iterator[list[Tokenised]]:  # fmt: skip
+) -> Iterator[list[Tokenised]]:
     """Each chunk's results in input order, from ``num_proc`` processes (this one when 1), at most two chunks per
     process in flight (memory stays bounded however long ``chunks`` is); ``data_columns`` as ``--data_columns``."""
     if num_proc == 1:
         yield from map(_Tokeniser(config, tokenizer, data_columns), chunks)
         return
-    pool = ProcessPoolExecutor(num_proc, get_context("fork"), initializer=_start_worker,
-                               initargs=(config, tokenizer, data_columns))  # fmt: skip
+    pool = ProcessPoolExecutor(
+        num_proc, get_context("fork"), initializer=_start_worker, initargs=(config, tokenizer, data_columns)
+    )
     try:
         pending: deque = deque()
         for chunk in chunks:

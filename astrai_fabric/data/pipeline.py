@@ -81,10 +81,22 @@ class PipelineConfig:
         """``sections`` with the options of ``raw`` (every group but ``input``), each checked."""
         options: dict[str, Any] = {"sections": sections}
         for group, names in (
-            ("preprocessing", {"max_seq_len", "min_chars", "max_chars", "max_items", "batch_size", "packing_strategy",
-                               "max_packed_len", "truncation_mode", "append_eos"}),
+            (
+                "preprocessing",
+                {
+                    "max_seq_len",
+                    "min_chars",
+                    "max_chars",
+                    "max_items",
+                    "batch_size",
+                    "packing_strategy",
+                    "max_packed_len",
+                    "truncation_mode",
+                    "append_eos",
+                },
+            ),
             ("output", {"domain_key", "storage_format", "max_tokens_per_shard", "dtype", "position_ids_mode"}),
-        ):  # fmt: skip
+        ):
             values = raw.get(group, {})
             check_keys(values, names, source, f"{group}.")
             options.update({k: v for k, v in values.items() if k not in ("batch_size", "storage_format")})

@@ -140,8 +140,9 @@ def check_shape_flags(config: PipelineConfig, data_format: str, data_columns: st
     if train_type is None:
         if data_format != "auto" or data_columns is not None:
             fields = sorted({s.field for s in config.sections})
-            given = " and ".join(f"--{n}" for n, v in (("data_format", data_format != "auto"),
-                                                        ("data_columns", data_columns)) if v)  # fmt: skip
+            given = " and ".join(
+                f"--{n}" for n, v in (("data_format", data_format != "auto"), ("data_columns", data_columns)) if v
+            )
             raise UserError(
                 f"{given}: the pipeline (-c) reads the fields {fields} as they are; record shapes become a 'text' "
                 "section (seq) or a 'messages' template section (sft), so name that field in -c to use them"
@@ -181,8 +182,10 @@ def prepare(
     train_type = check_shape_flags(config, data_format, data_columns)
     inputs = open_inputs(inputs, subset, split)
     staging = staging_path(output)
-    identity = {**_identity(inputs, config, tokenizer), "shapes": {"data_format": data_format,
-                                                                   "data_columns": data_columns}}  # fmt: skip
+    identity = {
+        **_identity(inputs, config, tokenizer),
+        "shapes": {"data_format": data_format, "data_columns": data_columns},
+    }
     state = None
     if staging.exists():
         if not resume:
@@ -237,15 +240,21 @@ NO_SHAPE_FLAGS = {"data_format": "auto", "data_columns": None}
 
 
 def _check_identity(recorded: dict[str, Any], current: dict[str, Any], staging: Path) -> None:
-    changed = [what for key, what in (("pipeline", "pipeline (-c)"), ("tokenizer", "tokenizer")) if
-               recorded.get(key) != current[key]]  # fmt: skip
+    changed = [
+        what
+        for key, what in (("pipeline", "pipeline (-c)"), ("tokenizer", "tokenizer"))
+        if recorded.get(key) != current[key]
+    ]
     if recorded.get("shapes", NO_SHAPE_FLAGS) != current["shapes"]:
         changed.append("--data_format or --data_columns")
     if [f.get("path") for f in recorded.get("inputs", [])] != [f["path"] for f in current["inputs"]]:
         changed.append("list of inputs")
     elif recorded["inputs"] != current["inputs"]:
-        changed += [f"input {new['path']} (it changed since)" for old, new in zip(recorded["inputs"],
-                    current["inputs"], strict=True) if old != new]  # fmt: skip
+        changed += [
+            f"input {new['path']} (it changed since)"
+            for old, new in zip(recorded["inputs"], current["inputs"], strict=True)
+            if old != new
+        ]
     if changed:
         raise UserError(
             f"--resume: {staging} holds a prepare of a different {', '.join(changed)}; run that command again, or "
@@ -274,8 +283,14 @@ def _validate(inputs: list[Input], max_items: int | None, shaper: Shaper | None)
         if total + count == max_items:
             described = shaper.describe()
 
-    with tqdm(total=sum(i.size() for i in inputs), desc="checking", unit="B", unit_scale=True,
-              dynamic_ncols=True, disable=not sys.stderr.isatty()) as progress:  # fmt: skip
+    with tqdm(
+        total=sum(i.size() for i in inputs),
+        desc="checking",
+        unit="B",
+        unit_scale=True,
+        dynamic_ncols=True,
+        disable=not sys.stderr.isatty(),
+    ) as progress:
         done = 0
         for index, entry in enumerate(inputs):
             count, path = 0, entry.path
@@ -316,23 +331,38 @@ def _lines(
             for line_no, begin, end, text in jsonl_lines(path, offset, line):
                 if record >= limit:
                     return
-                yield (Position(record, index, begin, line_no), Position(record + 1, index, end, line_no + 1),
-                       f"{path}:{line_no}", text, shape)  # fmt: skip
+                yield (
+                    Position(record, index, begin, line_no),
+                    Position(record + 1, index, end, line_no + 1),
+                    f"{path}:{line_no}",
+                    text,
+                    shape,
+                )
                 record += 1
             continue
         part, row = (start.offset, start.line - 1) if index == start.file else (0, 0)
         for at, number, where, item in source.records(part, row):
             if record >= limit:
                 return
-            yield (Position(record, index, at, number + 1), Position(record + 1, index, at, number + 2), where, item,
-                   shapes.get(f"{index}:{at}"))  # fmt: skip
+            yield (
+                Position(record, index, at, number + 1),
+                Position(record + 1, index, at, number + 2),
+                where,
+                item,
+                shapes.get(f"{index}:{at}"),
+            )
             record += 1
 
 
 def _stream(
-    inputs: list[Input], staging: Path, state: StagingState, config: PipelineConfig, tokenizer: Tokenizer,
-    num_proc: int, data_columns: str | None = None,
-) -> None:  # fmt: skip
+    inputs: list[Input],
+    staging: Path,
+    state: StagingState,
+    config: PipelineConfig,
+    tokenizer: Tokenizer,
+    num_proc: int,
+    data_columns: str | None = None,
+) -> None:
     """Tokenise and write from where ``state`` says, updating it (and saving it after every finished shard)."""
     for shard in sorted((staging / SHARDS).glob("*/shard_*")):  # half-written by a killed run: written again
         if int(shard.name.removeprefix("shard_")) >= state.finished.get(shard.parent.name, 0):
@@ -345,8 +375,14 @@ def _stream(
     counts = state.counts
     dropped = Counter(counts["dropped"])
     chunks: deque[list[tuple[Position, Position]]] = deque()
-    progress = tqdm(total=state.num_records, initial=start.record, desc="tokenising", unit=" records",
-                    dynamic_ncols=True, disable=not sys.stderr.isatty())  # fmt: skip
+    progress = tqdm(
+        total=state.num_records,
+        initial=start.record,
+        desc="tokenising",
+        unit=" records",
+        dynamic_ncols=True,
+        disable=not sys.stderr.isatty(),
+    )
     started, first_tokens = time.perf_counter(), counts["tokens"]
     with progress:
         records = _chunks(inputs, start, state.num_records, state.shapes, chunks)
@@ -386,9 +422,12 @@ def _stream(
 
 
 def _chunks(
-    inputs: list[Input], start: Position, limit: int, shapes: dict[str, str],
+    inputs: list[Input],
+    start: Position,
+    limit: int,
+    shapes: dict[str, str],
     positions: deque[list[tuple[Position, Position]]],
-) -> Iterator[list[tuple[str, str | dict[str, Any], str | None]]]:  # fmt: skip
+) -> Iterator[list[tuple[str, str | dict[str, Any], str | None]]]:
     """``(where, JSONL line or record, shape)`` lists of about ``CHUNK_BYTES`` of text (a record's size is guessed from
     its text values); each one's positions are appended to ``positions``."""
     chunk: list[tuple[str, str | dict[str, Any], str | None]] = []

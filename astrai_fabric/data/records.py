@@ -148,8 +148,10 @@ class PreferenceDataset(Dataset):
 def _margin(record: dict[str, Any], where: str) -> float:
     margin = record.get("margin", 0.0)
     if isinstance(margin, bool) or not isinstance(margin, int | float) or not math.isfinite(margin):
-        raise UserError(f"{where}: 'margin' must be a finite number (how much chosen should outscore rejected), got "
-                        f"{json.dumps(margin)[:60]}")  # fmt: skip
+        raise UserError(
+            f"{where}: 'margin' must be a finite number (how much chosen should outscore rejected), got "
+            f"{json.dumps(margin)[:60]}"
+        )
     return float(margin)
 
 
@@ -182,8 +184,9 @@ class UnpairedDataset(Dataset):
             if missing:
                 raise UserError(f"{where}: a kto record needs {missing}, got keys {sorted(record)}")
             if not isinstance(record["label"], bool):
-                raise UserError(f"{where}: 'label' must be true (desirable) or false (undesirable), got "
-                                f"{record['label']!r}")  # fmt: skip
+                raise UserError(
+                    f"{where}: 'label' must be true (desirable) or false (undesirable), got {record['label']!r}"
+                )
             completion = as_text(record["completion"], where, "completion")
             encoded = encode(tokenizer, prompt_of(record, where), [completion], max_len, where)
             if not encoded.trains_every_response():

@@ -102,8 +102,10 @@ ALPACA_SEPARATOR = "\n\n"
 
 def _alpaca(record: dict[str, Any], columns: Columns, where: str) -> dict[str, Any]:
     system = _optional_text(record, columns, "system", where, "alpaca")
-    parts = [_text(record, columns, "instruction", where, "alpaca"), _optional_text(record, columns, "input", where,
-                                                                                   "alpaca")]  # fmt: skip
+    parts = [
+        _text(record, columns, "instruction", where, "alpaca"),
+        _optional_text(record, columns, "input", where, "alpaca"),
+    ]
     messages = [{"role": "system", "content": system}] if system else []
     messages += [
         {"role": "user", "content": ALPACA_SEPARATOR.join(part for part in parts if part)},
@@ -296,8 +298,9 @@ class Shaper:
     """Records of any shape of one train type → its canonical records, each source's shape detected from its first
     record (or forced by ``data_format``); call it once per record, in order (``prepare`` can too)."""
 
-    def __init__(self, train_type: str, data_format: str = "auto", data_columns: str | None = None,
-                 keep_unshaped: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self, train_type: str, data_format: str = "auto", data_columns: str | None = None, keep_unshaped: bool = False
+    ) -> None:
         self.train_type, self.data_format = train_type, data_format
         self.candidates = shapes_of(train_type, data_format)
         self.columns = parse_columns(data_columns)
@@ -364,8 +367,14 @@ class Shaper:
             names = (self.columns[name],) if name in self.columns else shape.aliases.get(name, (name,))
             return next((c for c in names if c in present), None)
 
-        shape = next((s for s in self.candidates if all(column(s, n) for n in s.required)
-                      and not any(column(s, n) for n in s.excludes)), None)  # fmt: skip
+        shape = next(
+            (
+                s
+                for s in self.candidates
+                if all(column(s, n) for n in s.required) and not any(column(s, n) for n in s.excludes)
+            ),
+            None,
+        )
         for name, allowed in COLUMN_KINDS[shape.name].items() if shape is not None else ():
             found = column(shape, name)
             if found is not None and kinds[found][0] not in allowed:
@@ -397,8 +406,11 @@ class Shaper:
             needs = str(names)
         others = [s for s in self.candidates if s is not shape]
         if guessed and others and len(missing) == len(shape.required):
-            needs += f" (or the columns of another {self.train_type} shape: " + "; ".join(
-                describe_columns(s) for s in others) + ")"  # fmt: skip
+            needs += (
+                f" (or the columns of another {self.train_type} shape: "
+                + "; ".join(describe_columns(s) for s in others)
+                + ")"
+            )
         elif not shape.canonical or len(self.candidates) > 1:
             needs += f" ({shape.name} shape)"
         unused = [str(key) for key in record if key not in found.values() and key not in names]

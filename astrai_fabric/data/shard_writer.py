@@ -156,8 +156,9 @@ class StagingState:
     """Per domain with an open shard: its first record. ``--resume`` reads again from the earliest of them."""
     next: Position = field(default_factory=Position)
     """The first record not yet read when the state was written."""
-    counts: dict[str, Any] = field(default_factory=lambda: {"read": 0, "kept": 0, "tokens": 0, "trained": 0,
-                                                             "dropped": {}})  # fmt: skip
+    counts: dict[str, Any] = field(
+        default_factory=lambda: {"read": 0, "kept": 0, "tokens": 0, "trained": 0, "dropped": {}}
+    )
     shapes: dict[str, str] = field(default_factory=dict)
     """``"INPUT:PART"`` (indexes) -> the record shape the checking pass found for that file, where its records are
     converted (``data/shapes.py``); kept here so that a resumed run converts them the same way, wherever it starts."""

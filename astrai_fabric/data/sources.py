@@ -46,8 +46,9 @@ def source_kind(path: Path, what: str = "data_root_path") -> str | None:
     directory mixing kinds is an error naming one file of each. Needs no ``datasets``."""
     if path.is_file():
         return SUFFIXES.get(path.suffix.lower())
-    if (path / "dataset_dict.json").is_file() or ((path / "state.json").is_file() and
-                                                   (path / "dataset_info.json").is_file()):  # fmt: skip
+    if (path / "dataset_dict.json").is_file() or (
+        (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
+    ):
         return "saved"
     found: dict[str, Path] = {}
     for file in sorted(data_files(path, (*SUFFIXES, ".jsonl"))):
@@ -132,12 +133,19 @@ def column_kinds(schema: Any) -> dict[str, tuple[str, str]]:
     def kind(data_type: Any) -> str:
         if pa.types.is_dictionary(data_type):  # pandas' categories: the values' kind
             return kind(data_type.value_type)
-        for name, test in (("string", pa.types.is_string), ("string", pa.types.is_large_string),
-                           ("list", pa.types.is_list), ("list", pa.types.is_large_list),
-                           ("list", pa.types.is_fixed_size_list), ("number", pa.types.is_integer),
-                           ("number", pa.types.is_floating), ("number", pa.types.is_decimal),
-                           ("bool", pa.types.is_boolean), ("struct", pa.types.is_struct),
-                           ("null", pa.types.is_null)):  # fmt: skip
+        for name, test in (
+            ("string", pa.types.is_string),
+            ("string", pa.types.is_large_string),
+            ("list", pa.types.is_list),
+            ("list", pa.types.is_large_list),
+            ("list", pa.types.is_fixed_size_list),
+            ("number", pa.types.is_integer),
+            ("number", pa.types.is_floating),
+            ("number", pa.types.is_decimal),
+            ("bool", pa.types.is_boolean),
+            ("struct", pa.types.is_struct),
+            ("null", pa.types.is_null),
+        ):
             if test(data_type):
                 return name
         return "other"
@@ -161,8 +169,9 @@ def _datasets(kind: str, name: str, what: str):
     return datasets
 
 
-def open_source(path: Path, kind: str, what: str = "data_root_path", subset: str | None = None,
-                split: str | None = None) -> Source:  # fmt: skip
+def open_source(
+    path: Path, kind: str, what: str = "data_root_path", subset: str | None = None, split: str | None = None
+) -> Source:
     """The source at ``path`` of ``kind`` (``data/storage.py``'s ``detect_format``), its subset and split chosen and
     checked (an unknown one lists those there); ``what`` names it in messages."""
     name = str(path)
@@ -213,8 +222,9 @@ def _parquet_rows(file: Path) -> int:
     return pyarrow.parquet.ParquetFile(file).metadata.num_rows
 
 
-def _directory(datasets, name: str, kind: str, directory: Path, what: str, subset: str | None,
-               split: str | None) -> Source:  # fmt: skip
+def _directory(
+    datasets, name: str, kind: str, directory: Path, what: str, subset: str | None, split: str | None
+) -> Source:
     """A directory of data files (a Hub snapshot too), read as ``datasets`` reads a dataset repository: its README's
     ``configs`` name the subsets, file names (``train-*``, ``test-*``, ...) the splits, and every file is ``train``
     when none says. Only data files count (``NOT_DATA`` is never read, whatever ``datasets`` would guess)."""
@@ -245,13 +255,16 @@ def _directory(datasets, name: str, kind: str, directory: Path, what: str, subse
     if reader not in SUFFIXES.values() or not splits:
         raise UserError(f"{what} {name}: no parquet, arrow, CSV or JSON data files found")
     chosen = _choose_split(splits, split, name, what)
-    parts = [_file_part(datasets, reader, file, f"{name}: {file.relative_to(directory)}" if hub else file)
-             for file in splits[chosen]]  # fmt: skip
+    parts = [
+        _file_part(datasets, reader, file, f"{name}: {file.relative_to(directory)}" if hub else file)
+        for file in splits[chosen]
+    ]
     return Source(name, reader if hub else kind, subset, chosen, parts)
 
 
-def _card_subset(datasets, name: str, directory: Path, what: str, subset: str | None, chosen: dataset_card.Subset,
-                 split: str | None) -> Source:  # fmt: skip
+def _card_subset(
+    datasets, name: str, directory: Path, what: str, subset: str | None, chosen: dataset_card.Subset, split: str | None
+) -> Source:
     """The subset ``chosen`` of a Hub snapshot, its files found by its card's patterns (``dataset_card.matching``)
     or, where it names only a ``data_dir``, by the file names there; not by ``datasets``, which resolves every
     subset's patterns and fails on those of the subsets not fetched."""
@@ -264,15 +277,18 @@ def _card_subset(datasets, name: str, directory: Path, what: str, subset: str | 
         located = set(wanted.values())
         splits = {str(key): sorted(f for f in map(Path, files) if f in located) for key, files in found.items()}
     else:
-        splits = {key: [wanted[n] for n in dataset_card.matching(patterns, wanted)]
-                  for key, patterns in chosen.splits.items()}  # fmt: skip
+        splits = {
+            key: [wanted[n] for n in dataset_card.matching(patterns, wanted)] for key, patterns in chosen.splits.items()
+        }
     splits = {key: files for key, files in splits.items() if files}
     readers = {SUFFIXES.get(file.suffix.lower(), "json") for files in splits.values() for file in files}
     if not splits:
         raise UserError(f"{what} {name}: subset {chosen.name!r} holds no parquet, arrow, CSV or JSON data files")
     if len(readers) > 1:
-        raise UserError(f"{what} {name}: subset {chosen.name!r} holds data files of several kinds "
-                        f"({', '.join(sorted(readers))}); datasets reads one kind per subset")  # fmt: skip
+        raise UserError(
+            f"{what} {name}: subset {chosen.name!r} holds data files of several kinds "
+            f"({', '.join(sorted(readers))}); datasets reads one kind per subset"
+        )
     reader = readers.pop()
     picked = _choose_split(splits, split, name, what)
     parts = [_file_part(datasets, reader, file, f"{name}: {file.relative_to(directory)}") for file in splits[picked]]

@@ -57,9 +57,12 @@ def detect_format(path: Path, what: str = "data_root_path") -> str:
 
 
 def read_records(
-    path: Path, what: str = "data_root_path", subset: str | None = None, split: str | None = None,
+    path: Path,
+    what: str = "data_root_path",
+    subset: str | None = None,
+    split: str | None = None,
     schema_check: Callable[[str, dict[str, tuple[str, str]]], None] | None = None,
-) -> list[Record]:  # fmt: skip
+) -> list[Record]:
     """Every record of the JSONL or ``datasets`` source at ``path`` (``read_jsonl``, ``data/sources.py``), with
     ``subset`` and ``split`` (``--data_subset``, ``--data_split``) chosen in a ``datasets`` source, whose files'
     schemas go to ``schema_check`` (``shapes.Shaper.check_schema``) before a row is read."""
@@ -115,8 +118,13 @@ def _shard_layout(meta_path: Path, key: str, info: Any) -> tuple[np.dtype, tuple
     if not isinstance(info, dict) or "shape" not in info or "dtype" not in info:
         raise UserError(f"{where} needs 'shape' and 'dtype', got {info!r}")
     shape = info["shape"]
-    if not (isinstance(shape, list) and len(shape) == 1 and isinstance(shape[0], int) and not isinstance(shape[0], bool)
-            and shape[0] >= 0):  # fmt: skip
+    if not (
+        isinstance(shape, list)
+        and len(shape) == 1
+        and isinstance(shape[0], int)
+        and not isinstance(shape[0], bool)
+        and shape[0] >= 0
+    ):
         raise UserError(f"{where}: 'shape' must be [length], one non-negative integer, got {shape!r}")
     kinds = "iu" if key in ID_KEYS else "biuf"
     try:

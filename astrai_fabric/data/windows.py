@@ -92,8 +92,9 @@ def build_windows(data: WindowData, start: DataStart) -> tuple[WindowDataset, st
         shapes = shaper.describe() and f"{shaper.describe()}, "
     else:
         check_not_shaped(data.data_format, data.data_columns, f"data_root_path {data_path} holds bin shards (tokens)")
-        dataset = load_window_dataset(data.train_type, data_path, window_size, data.stride, tokenizer, *sizes,
-                                      data.data_subset, data.data_split)  # fmt: skip
+        dataset = load_window_dataset(
+            data.train_type, data_path, window_size, data.stride, tokenizer, *sizes, data.data_subset, data.data_split
+        )
     summary = f"{shapes}windows of {window_size} tokens from {data_path} ({dataset.stream.num_tokens:,} tokens){note}"
     if tokenizer is None:
         summary += (

@@ -202,9 +202,11 @@ class AstraiFabricLM(TemplateLM):
         windows, owners = [], []
         for index, (text,) in enumerate(request.args for request in requests):
             rolling = lm_utils.get_rolling_token_windows(
-                token_list=self.tok_encode(text), prefix_token=self.prefix_token_id, max_seq_len=self.max_length,
+                token_list=self.tok_encode(text),
+                prefix_token=self.prefix_token_id,
+                max_seq_len=self.max_length,
                 context_len=1,
-            )  # fmt: skip
+            )
             for context, continuation in map(lm_utils.make_disjoint_window, rolling):
                 windows.append((None, context, continuation))
                 owners.append(index)
@@ -231,8 +233,10 @@ class AstraiFabricLM(TemplateLM):
             max_new_tokens = options.pop("max_gen_toks")
             context_limit = self.max_length - max_new_tokens
             if context_limit < 1:
-                raise UserError(f"max_gen_toks {max_new_tokens} leaves no room for a context in the model's "
-                                f"{self.max_length} positions")  # fmt: skip
+                raise UserError(
+                    f"max_gen_toks {max_new_tokens} leaves no room for a context in the model's "
+                    f"{self.max_length} positions"
+                )
             encoded = {i: self.tok_encode(requests[i].args[0])[-context_limit:] for i in members}
             members.sort(key=lambda i: -len(encoded[i]))
             for batch in _chunks(members, self.batch_size):
@@ -260,16 +264,25 @@ class AstraiFabricLM(TemplateLM):
             valid = torch.cat([valid, torch.ones_like(valid[:, :1])], dim=1)
             positions = torch.cat([positions, positions[:, -1:] + 1], dim=1)
             with torch.no_grad():
-                out = self.model(token[:, None], input_mask=valid[:, None, None, :], position_ids=positions[:, -1:],
-                                 kv_cache=cache)  # fmt: skip
+                out = self.model(
+                    token[:, None], input_mask=valid[:, None, None, :], position_ids=positions[:, -1:], kv_cache=cache
+                )
             return out.logits[:, -1]
 
         temperature = float(options.get("temperature", 0.0)) if options.get("do_sample") else 0.0
         rows: list[list[int]] = [[] for _ in contexts]
         stop_ids = [self.eot_token_id]
-        for token in sample_tokens(logits, feed, max_new_tokens, temperature=temperature,
-                                   top_k=int(options.get("top_k", 0) or 0), top_p=float(options.get("top_p", 1.0)),
-                                   stop_ids=stop_ids, pad_id=self.eot_token_id, generator=self.generator):  # fmt: skip
+        for token in sample_tokens(
+            logits,
+            feed,
+            max_new_tokens,
+            temperature=temperature,
+            top_k=int(options.get("top_k", 0) or 0),
+            top_p=float(options.get("top_p", 1.0)),
+            stop_ids=stop_ids,
+            pad_id=self.eot_token_id,
+            generator=self.generator,
+        ):
             for row, value in zip(rows, token.tolist(), strict=True):
                 if not row or row[-1] != self.eot_token_id:
                     row.append(value)
@@ -310,8 +323,10 @@ def tasks_index(tasks: list[str], include_path: str | None) -> Any:
     manager = task_manager(include_path)
     unknown = [task for task in tasks if not manager.match_tasks([task])]
     if unknown:
-        raise UserError(f"tasks: {', '.join(unknown)} not known to lm-eval {LM_EVAL_VERSION} (its registry, and "
-                        "--include_path where given; `python -m lm_eval ls tasks` lists them)")  # fmt: skip
+        raise UserError(
+            f"tasks: {', '.join(unknown)} not known to lm-eval {LM_EVAL_VERSION} (its registry, and "
+            "--include_path where given; `python -m lm_eval ls tasks` lists them)"
+        )
     return manager
 
 
@@ -325,11 +340,18 @@ def run_tasks(lm: AstraiFabricLM, tasks: list[str], options: dict[str, Any]) -> 
     manager = tasks_index(tasks, include_path)
     seed = options["seed"]
     output = lm_eval.simple_evaluate(
-        model=lm, tasks=tasks, num_fewshot=options.get("num_fewshot"), limit=options.get("limit"),
-        apply_chat_template=options.get("apply_chat_template", False), log_samples=options.get("log_samples", False),
-        task_manager=manager, fewshot_random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+        model=lm,
+        tasks=tasks,
+        num_fewshot=options.get("num_fewshot"),
+        limit=options.get("limit"),
+        apply_chat_template=options.get("apply_chat_template", False),
+        log_samples=options.get("log_samples", False),
+        task_manager=manager,
+        fewshot_random_seed=seed,
+        numpy_random_seed=seed,
+        torch_random_seed=seed,
         bootstrap_iters=100000,
-    )  # fmt: skip
+    )
     if output is None:  # lm-eval returns None on ranks other than 0
         return {}
     kept = {key: output[key] for key in ("results", "versions", "n-shot", "higher_is_better") if key in output}

@@ -61,10 +61,16 @@ def summarize(scores: Scores, bootstrap_iters: int, seed: int) -> dict[str, Any]
         raise UserError(f"perplexity: {scores.description} holds no scored token")
     loss = float(scores.nll_sums.sum() / total_tokens)
     if not math.isfinite(loss) or loss > LARGEST_LOSS:
-        raise UserError(f"perplexity: the mean loss on {scores.description} is {loss:g} nats per token; the model's "
-                        "weights or outputs are not finite (or of no use): nothing to report")  # fmt: skip
-    metrics: dict[str, Any] = {"loss": loss, "perplexity": math.exp(loss), "tokens": total_tokens,
-                               "units": len(scores.token_counts)}  # fmt: skip
+        raise UserError(
+            f"perplexity: the mean loss on {scores.description} is {loss:g} nats per token; the model's "
+            "weights or outputs are not finite (or of no use): nothing to report"
+        )
+    metrics: dict[str, Any] = {
+        "loss": loss,
+        "perplexity": math.exp(loss),
+        "tokens": total_tokens,
+        "units": len(scores.token_counts),
+    }
     if bootstrap_iters > 0:
         rng = np.random.default_rng(seed)
         count = len(scores.token_counts)
@@ -96,8 +102,13 @@ def _score_windows(model: nn.Module, tokenizer: Tokenizer | None, args: Evaluate
         batch = {key: torch.stack([s[key] for s in samples]).to(device) for key in samples[0]}
         with torch.no_grad():
             if chunk_size:  # the head fused with the loss, as training computes it: never the whole logits
-                out = forward_window(model, batch["input_ids"], batch.get("position_ids"),
-                                     nll_targets=batch["target_ids"], nll_chunk_size=chunk_size)  # fmt: skip
+                out = forward_window(
+                    model,
+                    batch["input_ids"],
+                    batch.get("position_ids"),
+                    nll_targets=batch["target_ids"],
+                    nll_chunk_size=chunk_size,
+                )
                 nll = out.token_nll
             else:
                 logits = forward_window(model, batch["input_ids"], batch.get("position_ids")).logits
@@ -144,8 +155,9 @@ def rolling_windows(num_tokens: int, window_size: int) -> Iterator[tuple[int, in
 def _score_records(model: nn.Module, tokenizer: Tokenizer | None, args: EvaluateArgs, progress: bool) -> Scores:
     data_path = assets.resolve(args.data_root_path)
     if tokenizer is None:
-        raise UserError(f"perplexity_unit records: data_root_path {data_path} is text and needs a tokenizer "
-                        "(--tokenizer_path)")  # fmt: skip
+        raise UserError(
+            f"perplexity_unit records: data_root_path {data_path} is text and needs a tokenizer (--tokenizer_path)"
+        )
     records = read_records(data_path, subset=args.data_subset, split=args.data_split)
     records, shaper = shape_records(records, "seq", args.data_format, args.data_columns)
     texts = []
@@ -157,11 +169,17 @@ def _score_records(model: nn.Module, tokenizer: Tokenizer | None, args: Evaluate
     encoded = tokenizer.encode_batch(texts)
     window_size = args.window_size or model.config.max_position_embeddings
     if window_size > model.config.max_position_embeddings:
-        raise UserError(f"window_size {window_size} exceeds the model's max_position_embeddings "
-                        f"{model.config.max_position_embeddings}: lower --window_size")  # fmt: skip
+        raise UserError(
+            f"window_size {window_size} exceeds the model's max_position_embeddings "
+            f"{model.config.max_position_embeddings}: lower --window_size"
+        )
     rank, world_size = evaluation_world()
-    pieces = [(row, *piece) for row, ids in enumerate(encoded) if row % world_size == rank  # the others': theirs
-              for piece in rolling_windows(len(ids), window_size)]  # fmt: skip
+    pieces = [
+        (row, *piece)
+        for row, ids in enumerate(encoded)
+        if row % world_size == rank  # the others': theirs
+        for piece in rolling_windows(len(ids), window_size)
+    ]
     nll_sums, token_counts = np.zeros(len(encoded)), np.zeros(len(encoded), dtype=np.int64)
     mine = range(rank, len(encoded), world_size)
     bar = tqdm(total=len(mine), unit="record", desc="perplexity", disable=not progress, dynamic_ncols=True)

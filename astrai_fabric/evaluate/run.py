@@ -68,28 +68,37 @@ def run_evaluate(args: EvaluateArgs) -> list[dict[str, Any]]:
 def evaluate_models(args: EvaluateArgs, device: torch.device) -> list[dict[str, Any]]:
     """The evaluation on this process (one of ``evaluation_world()``'s ranks, each scoring its share): rank 0 says
     what happens, decides what is done already, and stores and prints the results."""
-    output, targets, harness = _agreed(lambda: (
-        _checked_output(args.output),
-        evaluation_targets(args.param_path),
-        _harness() if args.tasks else None,  # a missing extra is said before any model loads
-    ), device)  # fmt: skip
+    output, targets, harness = _agreed(
+        lambda: (
+            _checked_output(args.output),
+            evaluation_targets(args.param_path),
+            _harness() if args.tasks else None,  # a missing extra is said before any model loads
+        ),
+        device,
+    )
     dtype = _dtype(args, device)
     rank, world_size = evaluation_world()
     say = print if rank == 0 else _silent
     jobs = job_settings(args, harness, device)
     what = " and ".join(
-        f"perplexity ({args.train_type}, {args.perplexity_unit}) on {args.data_root_path}" if kind == "perplexity"
+        f"perplexity ({args.train_type}, {args.perplexity_unit}) on {args.data_root_path}"
+        if kind == "perplexity"
         else f"lm-eval {harness.LM_EVAL_VERSION} tasks {', '.join(args.tasks)}"
         for kind, _ in jobs
-    )  # fmt: skip
+    )
     processes = f"{world_size} processes" if world_size > 1 else "1 process"
-    say(f"evaluate: {len(targets)} model(s) from {args.param_path}: {what}; {processes}, {device.type}, {dtype}",
-        flush=True)  # fmt: skip
+    say(
+        f"evaluate: {len(targets)} model(s) from {args.param_path}: {what}; {processes}, {device.type}, {dtype}",
+        flush=True,
+    )
     collected = []
     for number, target in enumerate(targets, start=1):
         say(f"[{number}/{len(targets)}] {target.shown}" + (f" (step {target.step})" if target.step else ""), flush=True)
-        found = _from_rank_zero({kind: read_result(result_path(target.directory, kind, settings))
-                                 for kind, settings in jobs} if rank == 0 else None)  # fmt: skip
+        found = _from_rank_zero(
+            {kind: read_result(result_path(target.directory, kind, settings)) for kind, settings in jobs}
+            if rank == 0
+            else None
+        )
         if target.stores_results and all(found.values()):
             say("  evaluated already with these settings: read from eval/", flush=True)
             results = list(found.values())
@@ -228,17 +237,31 @@ def _evaluate_target(
         else:
             if tokenizer is None:
                 raise UserError(f"tasks: {target.shown} holds no tokenizer (pass --tokenizer_path)")
-            lm = harness.AstraiFabricLM(model, tokenizer, batch_size=args.batch_size, max_gen_toks=args.max_gen_toks,
-                                        seed=args.seed, progress=progress)  # fmt: skip
+            lm = harness.AstraiFabricLM(
+                model,
+                tokenizer,
+                batch_size=args.batch_size,
+                max_gen_toks=args.max_gen_toks,
+                seed=args.seed,
+                progress=progress,
+            )
             output = harness.run_tasks(lm, args.tasks, args.task_settings())
             extra = {"lm_eval": output}
         result = {
-            "format": 1, "kind": kind, "source": target.shown, "step": target.step, "settings": settings,
-            "metrics": flat_metrics(kind, output), "seconds": round(time.perf_counter() - began, 3),
-            "versions": {"astrai_fabric": __version__, "torch": torch.__version__,
-                         **({"lm_eval": harness.LM_EVAL_VERSION} if kind == "tasks" else {})},
+            "format": 1,
+            "kind": kind,
+            "source": target.shown,
+            "step": target.step,
+            "settings": settings,
+            "metrics": flat_metrics(kind, output),
+            "seconds": round(time.perf_counter() - began, 3),
+            "versions": {
+                "astrai_fabric": __version__,
+                "torch": torch.__version__,
+                **({"lm_eval": harness.LM_EVAL_VERSION} if kind == "tasks" else {}),
+            },
             **extra,
-        }  # fmt: skip
+        }
         if target.stores_results and evaluation_world()[0] == 0:
             write_result(path, result)
             say(f"  stored: {path}", flush=True)
@@ -305,8 +328,9 @@ def _table(kind: str, metrics: dict[str, Any]) -> str:
             rows.append((task, metric, f"{value:.4f}", f"± {stderr:.4f}" if isinstance(stderr, float) else ""))
     widths = [max(len(row[i]) for row in [HEADER, *rows]) for i in range(4)]
     lines = [HEADER, *rows]
-    return "\n".join("  " + "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
-                     for line in lines)  # fmt: skip
+    return "\n".join(
+        "  " + "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip() for line in lines
+    )
 
 
 def _stderr_name(metric: str) -> str:

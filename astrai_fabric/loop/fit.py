@@ -71,8 +71,15 @@ def fit(
     state.model.train()
     done = args.budget_reached(position, first_step)
     while not done:
-        result = train_step(fabric, state=state, micro_batches=micro_batches, compute_loss=compute_loss, args=args,
-                            tools=tools, stop=stop)  # fmt: skip
+        result = train_step(
+            fabric,
+            state=state,
+            micro_batches=micro_batches,
+            compute_loss=compute_loss,
+            args=args,
+            tools=tools,
+            stop=stop,
+        )
         if result is None:  # the last epoch ran out
             break
         if result.stop_requested and stop is not None:
@@ -124,9 +131,12 @@ def _raise_nonfinite_update(
 
 
 def _epochs(
-    batches: Iterable[dict[str, Tensor]], sampler: ResumableSampler, position: RunPosition, args: LoopArgs,
+    batches: Iterable[dict[str, Tensor]],
+    sampler: ResumableSampler,
+    position: RunPosition,
+    args: LoopArgs,
     reporter: Reporter,
-) -> Iterator[dict[str, Tensor]]:  # fmt: skip
+) -> Iterator[dict[str, Tensor]]:
     """The micro-batches of the epochs left, one after another: an accumulation window may span two epochs."""
     while position.epoch < args.n_epoch:
         sampler.set_position(position.epoch, position.sample_index)
@@ -136,14 +146,26 @@ def _epochs(
 
 
 def _report(
-    fabric: Fabric, state: TrainState, result: StepResult, args: LoopArgs, reporter: Reporter,
-    val_loader: DataLoader | None, compute_loss: LossFn, first_step: int,
-) -> bool:  # fmt: skip
+    fabric: Fabric,
+    state: TrainState,
+    result: StepResult,
+    args: LoopArgs,
+    reporter: Reporter,
+    val_loader: DataLoader | None,
+    compute_loss: LossFn,
+    first_step: int,
+) -> bool:
     """Record, show and log the step just taken (validating when due); returns whether a checkpoint is due."""
     position = state.position
     step = position.optimizer_step
-    record = {"step": step, "epoch": position.epoch, "loss": result.loss, "lr": result.lr,
-              "grad_norm": result.grad_norm, **result.metrics}  # fmt: skip
+    record = {
+        "step": step,
+        "epoch": position.epoch,
+        "loss": result.loss,
+        "lr": result.lr,
+        "grad_norm": result.grad_norm,
+        **result.metrics,
+    }
     if result.grad_snr is not None:
         record["grad_snr"] = result.grad_snr
     reporter.throughput(record, result.num_tokens, result.num_samples)

@@ -141,10 +141,12 @@ def train_step(
     # non-finite (the mean of 0/1 flags is positive when one is 1).
     names = sorted(window_metrics)
     window = torch.stack([window_loss, *(window_metrics[n] for n in names)]) / args.grad_accum_steps
-    flags = torch.stack([
-        torch.tensor(float(stop is not None and stop.requested), device=fabric.device),
-        tools.unchecked_weights if tools.unchecked_weights is not None else torch.zeros((), device=fabric.device),
-    ])  # fmt: skip
+    flags = torch.stack(
+        [
+            torch.tensor(float(stop is not None and stop.requested), device=fabric.device),
+            tools.unchecked_weights if tools.unchecked_weights is not None else torch.zeros((), device=fabric.device),
+        ]
+    )
     tools.unchecked_weights = None
     reduced = fabric.all_reduce(torch.cat([window, flags]), reduce_op="mean")
     grads = by_device_mesh(p.grad for p in model.parameters() if p.grad is not None)
@@ -159,8 +161,9 @@ def train_step(
     means, (stop_flag, nonfinite_weights, norm, local_tokens) = numbers[:count], numbers[count : count + 4]
     num_tokens = int(local_tokens) * tools.num_dp_ranks
     position.num_tokens += num_tokens
-    result = StepResult(means[0], dict(zip(names, means[1:], strict=True)), norm, stop_flag > 0, num_tokens,
-                        num_samples)  # fmt: skip
+    result = StepResult(
+        means[0], dict(zip(names, means[1:], strict=True)), norm, stop_flag > 0, num_tokens, num_samples
+    )
     if nonfinite_weights > 0:
         result.nonfinite_update = position.optimizer_step
         return result

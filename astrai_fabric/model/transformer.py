@@ -148,8 +148,9 @@ class AutoRegressiveLM(nn.Module):
             config.rope_scaling,
             frequency_scaling=config.rope_frequency_scaling,
         )
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, config.neftune_alpha,
-                                      config.scale_embeddings)  # fmt: skip
+        self.embed_tokens = Embedding(
+            config.vocab_size, config.hidden_size, config.neftune_alpha, config.scale_embeddings
+        )
         self.layers = nn.ModuleList(DecoderBlock(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_unit_offset)
         if config.score_head:  # a reward model: a scalar head in the LM head's place (transformers' ``score``)

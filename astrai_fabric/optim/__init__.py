@@ -96,9 +96,15 @@ def build_optimizer(model: nn.Module, args: OptimArgs) -> Optimizer:
     ``adjust_lr_fn`` are Muon's, ``nora_*`` Nora's, ``mano_*`` Mano's (AstrAI gives Mano Muon's two, B17)."""
     if args.name == "muon_adamw":
         return MuonAdamW(
-            model.named_parameters(), args.lr, args.weight_decay, args.momentum, args.nesterov, args.ns_steps,
-            args.adjust_lr_fn, args.ns_dtype,
-        )  # fmt: skip
+            model.named_parameters(),
+            args.lr,
+            args.weight_decay,
+            args.momentum,
+            args.nesterov,
+            args.ns_steps,
+            args.adjust_lr_fn,
+            args.ns_dtype,
+        )
     if args.name == "nora_nadamw":
         return NoraNAdamW(
             model, args.lr, args.weight_decay, args.nora_lr, args.nora_weight_decay, args.nora_beta, args.nora_momentum

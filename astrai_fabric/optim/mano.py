@@ -51,8 +51,14 @@ class Mano(Optimizer):
         nesterov: bool = True,
         eps: float = MANO_EPS,
     ) -> None:
-        defaults = {"lr": lr, "weight_decay": weight_decay, "momentum": momentum, "nesterov": nesterov, "eps": eps,
-                    "steps": 0}  # fmt: skip
+        defaults = {
+            "lr": lr,
+            "weight_decay": weight_decay,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "eps": eps,
+            "steps": 0,
+        }
         super().__init__(params, defaults)
 
     @torch.no_grad()
@@ -85,9 +91,11 @@ class ManoAdamW(CompositeOptimizer):
         self, model: nn.Module, lr: float, weight_decay: float = 0.1, momentum: float = 0.95, nesterov: bool = True
     ) -> None:
         split = split_by_role(model)
-        mano = Mano(
-            split.matrices, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov
-        ) if split.matrices else None  # fmt: skip
+        mano = (
+            Mano(split.matrices, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov)
+            if split.matrices
+            else None
+        )
         groups = decay_groups(split, weight_decay)
         others = split.decay + split.no_decay
         adamw = AdamW(groups, lr=lr, betas=ADAMW_BETAS, **fused_if_possible(others)) if groups else None

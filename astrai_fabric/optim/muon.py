@@ -108,9 +108,15 @@ class MuonAdamW(CompositeOptimizer):
         matrices = [p for n, p in named if is_matrix_param(n, p)]
         others = [p for n, p in named if not is_matrix_param(n, p)]
         muon = MuonNS(
-            matrices, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
-            adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype,
-        )  # fmt: skip
+            matrices,
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_steps=ns_steps,
+            adjust_lr_fn=adjust_lr_fn,
+            ns_dtype=ns_dtype,
+        )
         adamw = AdamW([{"params": others, "weight_decay": 0.0}], lr=lr, betas=ADAMW_BETAS, **fused_if_possible(others))
         super().__init__({"muon": muon, "adamw": adamw})
 

@@ -52,8 +52,14 @@ class Nora(Optimizer):
         nesterov: bool = True,
         eps: float = NORA_EPS,
     ) -> None:
-        defaults = {"lr": lr, "weight_decay": weight_decay, "momentum": momentum, "beta": beta, "nesterov": nesterov,
-                    "eps": eps}  # fmt: skip
+        defaults = {
+            "lr": lr,
+            "weight_decay": weight_decay,
+            "momentum": momentum,
+            "beta": beta,
+            "nesterov": nesterov,
+            "eps": eps,
+        }
         super().__init__(params, defaults)
 
     @torch.no_grad()
@@ -126,8 +132,10 @@ class NoraNAdamW(CompositeOptimizer):
         nora_momentum: float = 0.95,
     ) -> None:
         split = split_by_role(model)
-        nora = Nora(
-            split.matrices, lr=nora_lr, weight_decay=nora_weight_decay, momentum=nora_momentum, beta=nora_beta
-        ) if split.matrices else None  # fmt: skip
+        nora = (
+            Nora(split.matrices, lr=nora_lr, weight_decay=nora_weight_decay, momentum=nora_momentum, beta=nora_beta)
+            if split.matrices
+            else None
+        )
         groups = decay_groups(split, weight_decay)
         super().__init__({"nora": nora, "nadamw": NAdamW(groups, lr=lr) if groups else None})

@@ -71,9 +71,15 @@ from astrai_fabric.train.start import Start
 def build_model(fabric: Fabric, start: Start, args: TrainArgs) -> nn.Module:
     """The trained model, handed to Fabric (which shards it under FSDP and casts it to the run's precision)."""
     config = dataclasses.replace(start.model_config, neftune_alpha=args.neftune_alpha)
-    model = initial_model(fabric, config, start.weights, args.random_seed, f"param_path {args.param_path}",
-                          quantize=args.quantize is not None,
-                          num_shards=Placement.of_fabric(fabric, args).num_shards)  # fmt: skip
+    model = initial_model(
+        fabric,
+        config,
+        start.weights,
+        args.random_seed,
+        f"param_path {args.param_path}",
+        quantize=args.quantize is not None,
+        num_shards=Placement.of_fabric(fabric, args).num_shards,
+    )
     adapter = None
     if (spec := lora_spec(args)) is not None:
         lora.inject(model, spec, args.random_seed)  # base frozen, adapters float32 (lora.py)
@@ -150,9 +156,16 @@ def build_schedule(optimizer: Any, args: ScheduleArgs, plan: StepPlan, resume: C
 
 
 def describe_run_plan(
-    fabric: Fabric, args: TrainArgs, start: Start, parameters: ParameterSummary, plan: StepPlan, scheduler: Any,
-    schedule_note: str | None, position: RunPosition, data: str,
-) -> str:  # fmt: skip
+    fabric: Fabric,
+    args: TrainArgs,
+    start: Start,
+    parameters: ParameterSummary,
+    plan: StepPlan,
+    scheduler: Any,
+    schedule_note: str | None,
+    position: RunPosition,
+    data: str,
+) -> str:
     """The plan this run prints before its first step: the dry run's lines (``plan.describe_plan``), told by the
     Fabric the run has (its ranks, strategy, device and precision: a Fabric built by the caller may differ from the
     flags)."""
@@ -169,10 +182,19 @@ def describe_run_plan(
     if fabric.device.type == "cpu":
         threads = describe_cpu_threads(torch.get_num_threads(), args.num_threads is not None)
     return describe_plan(
-        args, dry_run=False, processes=processes, start=start, parameters=parameters, data=data, steps=plan,
-        schedule=describe_schedule(args, scheduler), schedule_note=schedule_note,
-        loader=resolve_num_workers(args.num_workers, devices)[1], cpu_threads=threads, position=position,
-    )  # fmt: skip
+        args,
+        dry_run=False,
+        processes=processes,
+        start=start,
+        parameters=parameters,
+        data=data,
+        steps=plan,
+        schedule=describe_schedule(args, scheduler),
+        schedule_note=schedule_note,
+        loader=resolve_num_workers(args.num_workers, devices)[1],
+        cpu_threads=threads,
+        position=position,
+    )
 
 
 def loop_args(args: TrainArgs, *, dp_rank: int, fsdp: bool, live_batches: bool = False) -> LoopArgs:
@@ -180,14 +202,23 @@ def loop_args(args: TrainArgs, *, dp_rank: int, fsdp: bool, live_batches: bool =
     whether its strategy shards with FSDP (the loop itself never asks the strategy), and whether the batches are
     made by the live model (``check_weights_each_step``)."""
     return LoopArgs(
-        n_epoch=args.n_epoch, batch_per_device=args.batch_per_device, grad_accum_steps=args.grad_accum_steps,
-        max_steps=args.max_steps, stop_after_steps=args.stop_after_steps, max_tokens=args.max_tokens,
-        max_grad_norm=args.max_grad_norm, max_bad_steps=args.max_bad_steps, val_step=args.val_step,
+        n_epoch=args.n_epoch,
+        batch_per_device=args.batch_per_device,
+        grad_accum_steps=args.grad_accum_steps,
+        max_steps=args.max_steps,
+        stop_after_steps=args.stop_after_steps,
+        max_tokens=args.max_tokens,
+        max_grad_norm=args.max_grad_norm,
+        max_bad_steps=args.max_bad_steps,
+        val_step=args.val_step,
         ckpt_interval=args.ckpt_interval,
-        ckpt_dir=args.ckpt_dir, random_seed=args.random_seed, grad_snr="grad_snr" in args.metrics,
-        skip_sync=not (args.fsdp_sync_each_micro_batch and fsdp), dp_rank=dp_rank,
+        ckpt_dir=args.ckpt_dir,
+        random_seed=args.random_seed,
+        grad_snr="grad_snr" in args.metrics,
+        skip_sync=not (args.fsdp_sync_each_micro_batch and fsdp),
+        dp_rank=dp_rank,
         check_weights_each_step=live_batches,
-    )  # fmt: skip
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,21 +279,40 @@ def train_on(fabric: Fabric, args: TrainArgs, start: Start, task: TrainTask) -> 
         # A resumed run continues its checkpoint's metric history (AstrAI starts a new one at every resume).
         metric_log = MetricLog.resumed(args.metrics, start.resume.path if start.resume is not None else None)
         if start.resume is None:  # recorded once per run, at its start
-            metric_log.add("parameters", position.epoch, position.optimizer_step, position.consumed_samples,
-                           **parameters.counts())  # fmt: skip
+            metric_log.add(
+                "parameters", position.epoch, position.optimizer_step, position.consumed_samples, **parameters.counts()
+            )
         save = make_saver(fabric, model, optimizer, scheduler, start, args, metric_log, task.checkpoint_meta)
         reporter = Reporter(
-            fabric, plan, metric_log, first_step=position.optimizer_step + 1, last_step=plan.last_step(position),
+            fabric,
+            plan,
+            metric_log,
+            first_step=position.optimizer_step + 1,
+            last_step=plan.last_step(position),
             flops_per_token=flops_per_token(start.model_config, start.window_size),
-            peak_flops=peak_flops(fabric.device, precision_of(fabric), args.peak_flops), compiled=bool(args.compile),
-        )  # fmt: skip
+            peak_flops=peak_flops(fabric.device, precision_of(fabric), args.peak_flops),
+            compiled=bool(args.compile),
+        )
         try:
             with StopRequest() as stop:
-                loop_settings = loop_args(args, dp_rank=data_parallel(fabric).dp_rank, fsdp=is_fsdp(fabric),
-                                          live_batches=task.make_batches is not None)  # fmt: skip
-                history = fit(fabric, state=state, batches=batches, sampler=sampler, compute_loss=task.compute_loss,
-                              args=loop_settings, save=save, reporter=reporter, val_loader=val_loader,
-                              stop=stop)  # fmt: skip
+                loop_settings = loop_args(
+                    args,
+                    dp_rank=data_parallel(fabric).dp_rank,
+                    fsdp=is_fsdp(fabric),
+                    live_batches=task.make_batches is not None,
+                )
+                history = fit(
+                    fabric,
+                    state=state,
+                    batches=batches,
+                    sampler=sampler,
+                    compute_loss=task.compute_loss,
+                    args=loop_settings,
+                    save=save,
+                    reporter=reporter,
+                    val_loader=val_loader,
+                    stop=stop,
+                )
         finally:
             shut_down_workers(train_loader, val_loader)
             if profiler is not None:

@@ -56,8 +56,14 @@ class PreferenceArgs:
 
     @classmethod
     def from_args(cls, args: TrainArgs) -> PreferenceArgs:
-        return cls(args.dpo_loss, args.preference_beta, args.dpo_label_smoothing, args.simpo_gamma, args.cpo_alpha,
-                   args.orpo_beta)  # fmt: skip
+        return cls(
+            args.dpo_loss,
+            args.preference_beta,
+            args.dpo_label_smoothing,
+            args.simpo_gamma,
+            args.cpo_alpha,
+            args.orpo_beta,
+        )
 
 
 def dpo_batch_loss(
@@ -86,10 +92,23 @@ def dpo_batch_loss(
     tokens = trained.sum(dim=-1).view(-1, 2)
     chosen_rows = slice(0, None, 2)  # each pair's chosen sequence, then its rejected one
     chosen_nll = -(logprobs[chosen_rows] * trained[chosen_rows]).sum() / trained[chosen_rows].sum().clamp(min=1)
-    pairs = PairLogps(policy[:, 0], policy[:, 1], tokens[:, 0], tokens[:, 1], chosen_nll,
-                      *((ref[:, 0], ref[:, 1]) if ref is not None else ()))  # fmt: skip
-    loss, metrics = preference_loss(preference.kind, pairs, preference.beta, preference.label_smoothing,
-                                    preference.simpo_gamma, preference.cpo_alpha, preference.orpo_beta)  # fmt: skip
+    pairs = PairLogps(
+        policy[:, 0],
+        policy[:, 1],
+        tokens[:, 0],
+        tokens[:, 1],
+        chosen_nll,
+        *((ref[:, 0], ref[:, 1]) if ref is not None else ()),
+    )
+    loss, metrics = preference_loss(
+        preference.kind,
+        pairs,
+        preference.beta,
+        preference.label_smoothing,
+        preference.simpo_gamma,
+        preference.cpo_alpha,
+        preference.orpo_beta,
+    )
     loss, moe_metrics = with_moe_aux_loss(loss, out.aux_loss, out.router_stats, moe_aux_loss_coef)
     return loss, {**metrics, **moe_metrics}
 
@@ -137,8 +156,10 @@ def build_dataset(
         shapes = shaper.describe() and f"{shaper.describe()}, "
         if records and "chosen" not in records[0][1]:
             if train_type == "reward_model":
-                raise ConfigError(f"data_root_path {data_path}: records hold prompts without responses; a reward "
-                                  "model trains on preference pairs (prompt, chosen, rejected)")  # fmt: skip
+                raise ConfigError(
+                    f"data_root_path {data_path}: records hold prompts without responses; a reward "
+                    "model trains on preference pairs (prompt, chosen, rejected)"
+                )
             scorer = check_rollout_reward(args, start, data_path, "dpo")
             summary = f"{shapes}prompts from {data_path} (online: 2 samples each, ranked by {scorer})"
             return PromptDataset(records, tokenizer, window_size), summary
@@ -170,8 +191,13 @@ def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
     else:
         reference, reference_meta = reference_model(fabric, start, args)
         extra_meta = {"reference": reference_meta}
-    dpo = dict(reference=reference, beta=args.preference_beta, moe_aux_loss_coef=args.moe_aux_loss_coef,
-               loss_chunk_size=start.loss_chunk_size(args), preference=PreferenceArgs.from_args(args))  # fmt: skip
+    dpo = dict(
+        reference=reference,
+        beta=args.preference_beta,
+        moe_aux_loss_coef=args.moe_aux_loss_coef,
+        loss_chunk_size=start.loss_chunk_size(args),
+        preference=PreferenceArgs.from_args(args),
+    )
     if isinstance(dataset, PreferenceDataset):
         collate = partial(collate_preferences, pad_id=start.need_tokenizer("dpo").padding_id)
         task = TrainTask(dataset, summary, partial(dpo_batch_loss, **dpo), collate, checkpoint_meta=extra_meta)
@@ -179,8 +205,18 @@ def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
     reward = rollout_reward(fabric, args, start.need_tokenizer("dpo"))
 
     def rollouts(state: TrainState, loader: Any) -> Rollouts:  # the loop's seam, as online grpo's
-        return Rollouts(fabric, state.model, loader, start.need_tokenizer("dpo"), reward, args, start.window_size,
-                        state.position, start.loss_chunk_size(args), group_size=2)  # fmt: skip
+        return Rollouts(
+            fabric,
+            state.model,
+            loader,
+            start.need_tokenizer("dpo"),
+            reward,
+            args,
+            start.window_size,
+            state.position,
+            start.loss_chunk_size(args),
+            group_size=2,
+        )
 
     online_loss = partial(online_dpo_batch_loss, **dpo)
     task = TrainTask(dataset, summary, online_loss, collate_prompts, checkpoint_meta=extra_meta, make_batches=rollouts)

@@ -119,7 +119,7 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
             cpu_threads=threads,
             position=position,
             fetched=[line for line in uncached.values() if line],
-        )  # fmt: skip
+        )
     )
     if problems:
         print("cannot start:\n" + "\n".join(f"  - {item}" for item in problems))
@@ -133,8 +133,9 @@ def _schedule(args: TrainArgs, start: Start, plan: StepPlan) -> tuple[str, str |
     saved = start.resume.extra.get("scheduler") if start.resume is not None else None
     lrs = saved.get("base_lrs") if isinstance(saved, dict) else None
     groups = len(lrs) if isinstance(lrs, list) and lrs else 1
-    optimizer = torch.optim.SGD([{"params": [torch.zeros(1, requires_grad=True)]} for _ in range(groups)],
-                                lr=args.max_lr)  # fmt: skip
+    optimizer = torch.optim.SGD(
+        [{"params": [torch.zeros(1, requires_grad=True)]} for _ in range(groups)], lr=args.max_lr
+    )
     scheduler, note = build_schedule(optimizer, schedule_args(args), plan, start.resume)
     return describe_schedule(args, scheduler), note
 

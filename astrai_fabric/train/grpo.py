@@ -59,8 +59,14 @@ class GRPOLossArgs:
 
     @classmethod
     def from_args(cls, args: TrainArgs) -> GRPOLossArgs:
-        return cls(args.grpo_loss, args.grpo_clip_eps, args.grpo_clip_eps_high, args.grpo_kl_coef,
-                   args.grpo_scale_rewards, args.rollout_max_tokens)  # fmt: skip
+        return cls(
+            args.grpo_loss,
+            args.grpo_clip_eps,
+            args.grpo_clip_eps_high,
+            args.grpo_kl_coef,
+            args.grpo_scale_rewards,
+            args.rollout_max_tokens,
+        )
 
 
 def grpo_batch_loss(
@@ -84,9 +90,19 @@ def grpo_batch_loss(
     # The whole rollout's statistics, where online rollouts attached them (batch_statistics): dapo's and "batch"'s
     reward_std, tokens_per_micro_batch = batch.get(REWARD_STD), batch.get(TOKENS_PER_MICRO_BATCH)
     advantages = grpo_advantages(batch["rewards"], loss.kind, loss.scale_rewards, reward_std).flatten()
-    value, metrics = grpo_loss(logprobs, old, ref_logprobs, mask, advantages, loss.clip_eps, loss.kl_coef,
-                               loss.kind, loss.clip_eps_high, loss.max_response_tokens,
-                               tokens_per_micro_batch)  # fmt: skip
+    value, metrics = grpo_loss(
+        logprobs,
+        old,
+        ref_logprobs,
+        mask,
+        advantages,
+        loss.clip_eps,
+        loss.kl_coef,
+        loss.kind,
+        loss.clip_eps_high,
+        loss.max_response_tokens,
+        tokens_per_micro_batch,
+    )
     metrics["reward"] = batch["rewards"].mean()
     value, moe_metrics = with_moe_aux_loss(value, out.aux_loss, out.router_stats, moe_aux_loss_coef)
     return value, {**metrics, **moe_metrics}
@@ -145,10 +161,18 @@ class Rollouts:
     """
 
     def __init__(
-        self, fabric: Fabric, model: nn.Module, prompts: Any, tokenizer: Tokenizer, reward: Reward,
-        args: TrainArgs, window_size: int, position: RunPosition, loss_chunk_size: int = 0,
+        self,
+        fabric: Fabric,
+        model: nn.Module,
+        prompts: Any,
+        tokenizer: Tokenizer,
+        reward: Reward,
+        args: TrainArgs,
+        window_size: int,
+        position: RunPosition,
+        loss_chunk_size: int = 0,
         group_size: int | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.fabric, self.model, self.prompts, self.tokenizer, self.reward = fabric, model, prompts, tokenizer, reward
         self.args, self.window_size, self.position = args, window_size, position
         self.loss_chunk_size = loss_chunk_size  # the policy's log-probabilities as the loss computes them
@@ -179,10 +203,17 @@ class Rollouts:
         generator = seeded_generator(self.fabric.device, args.random_seed, "rollout", rank, step, index)
         self.model.eval()
         responses = generate(
-            self.model, prompts, max_new, temperature=args.rollout_temperature, top_k=args.rollout_top_k,
-            top_p=args.rollout_top_p, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.padding_id,
-            generator=generator, all_done=self._all_done,
-        )  # fmt: skip
+            self.model,
+            prompts,
+            max_new,
+            temperature=args.rollout_temperature,
+            top_k=args.rollout_top_k,
+            top_p=args.rollout_top_p,
+            stop_ids=tokenizer.stop_ids,
+            pad_id=tokenizer.padding_id,
+            generator=generator,
+            all_done=self._all_done,
+        )
         texts = [tokenizer.decode(r) for r in responses]
         prompt_texts = [tokenizer.decode(p) for p in batch["prompt_ids"]]
         grouped = [texts[i : i + group] for i in range(0, len(texts), group)]
@@ -283,10 +314,15 @@ def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
     start = resolve_start(fabric, args)
     dataset, summary = build_dataset(args, start)
     reference, reference_meta = reference_model(fabric, start, args)
-    compute_loss = partial(grpo_batch_loss, reference=reference, clip_eps=args.grpo_clip_eps,
-                           kl_coef=args.grpo_kl_coef, moe_aux_loss_coef=args.moe_aux_loss_coef,
-                           loss=GRPOLossArgs.from_args(args),
-                           loss_chunk_size=start.loss_chunk_size(args))  # fmt: skip
+    compute_loss = partial(
+        grpo_batch_loss,
+        reference=reference,
+        clip_eps=args.grpo_clip_eps,
+        kl_coef=args.grpo_kl_coef,
+        moe_aux_loss_coef=args.moe_aux_loss_coef,
+        loss=GRPOLossArgs.from_args(args),
+        loss_chunk_size=start.loss_chunk_size(args),
+    )
     meta = {"reference": reference_meta}
     if isinstance(dataset, GroupDataset):
         collate = partial(collate_groups, pad_id=start.need_tokenizer("grpo").padding_id)
@@ -295,8 +331,17 @@ def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
 
     def rollouts(state: TrainState, loader: Any) -> Rollouts:  # the loop's seam (loop/__init__.py)
         tokenizer = start.need_tokenizer("grpo")
-        return Rollouts(fabric, state.model, loader, tokenizer, reward, args, start.window_size, state.position,
-                        start.loss_chunk_size(args))  # fmt: skip
+        return Rollouts(
+            fabric,
+            state.model,
+            loader,
+            tokenizer,
+            reward,
+            args,
+            start.window_size,
+            state.position,
+            start.loss_chunk_size(args),
+        )
 
     task = TrainTask(dataset, summary, compute_loss, collate_prompts, checkpoint_meta=meta, make_batches=rollouts)
     return train_on(fabric, args, start, task)

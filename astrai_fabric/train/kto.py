@@ -91,10 +91,16 @@ def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
     start = resolve_start(fabric, args)
     dataset, summary = build_dataset(args, start)
     reference, reference_meta = reference_model(fabric, start, args)
-    compute_loss = partial(kto_batch_loss, reference=reference, baseline=kl_baseline(fabric), beta=args.preference_beta,
-                           desirable_weight=args.kto_desirable_weight, undesirable_weight=args.kto_undesirable_weight,
-                           moe_aux_loss_coef=args.moe_aux_loss_coef,
-                           loss_chunk_size=start.loss_chunk_size(args))  # fmt: skip
+    compute_loss = partial(
+        kto_batch_loss,
+        reference=reference,
+        baseline=kl_baseline(fabric),
+        beta=args.preference_beta,
+        desirable_weight=args.kto_desirable_weight,
+        undesirable_weight=args.kto_undesirable_weight,
+        moe_aux_loss_coef=args.moe_aux_loss_coef,
+        loss_chunk_size=start.loss_chunk_size(args),
+    )
     collate = partial(collate_unpaired, pad_id=start.need_tokenizer("kto").padding_id)
     task = TrainTask(dataset, summary, compute_loss, collate, checkpoint_meta={"reference": reference_meta})
     return train_on(fabric, args, start, task)

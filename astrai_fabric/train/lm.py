@@ -34,9 +34,15 @@ def lm_loss(
     before the forward, so the fused head takes its gradients there and recomputes no logits in the backward."""
     if loss_chunk_size:
         weights = token_nll_weights(batch["target_ids"], batch.get("loss_mask"))  # token_nll_loss's mean, B8 included
-        out = forward_window(model, batch["input_ids"], batch.get("position_ids"), nll_targets=batch["target_ids"],
-                             nll_chunk_size=loss_chunk_size, label_smoothing=label_smoothing,
-                             nll_weights=weights)  # fmt: skip
+        out = forward_window(
+            model,
+            batch["input_ids"],
+            batch.get("position_ids"),
+            nll_targets=batch["target_ids"],
+            nll_chunk_size=loss_chunk_size,
+            label_smoothing=label_smoothing,
+            nll_weights=weights,
+        )
         loss = out.nll_loss
     else:
         out = forward_window(model, batch["input_ids"], batch.get("position_ids"))  # sft's documents apart
@@ -54,6 +60,10 @@ def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
     """Train seq or sft on a launched Fabric; returns the per-step records (see ``loop.fit``)."""
     start = resolve_start(fabric, args)
     dataset, summary = build_dataset(args, start)
-    compute_loss = partial(lm_loss, label_smoothing=args.label_smoothing, moe_aux_loss_coef=args.moe_aux_loss_coef,
-                           loss_chunk_size=start.loss_chunk_size(args))  # fmt: skip
+    compute_loss = partial(
+        lm_loss,
+        label_smoothing=args.label_smoothing,
+        moe_aux_loss_coef=args.moe_aux_loss_coef,
+        loss_chunk_size=start.loss_chunk_size(args),
+    )
     return train_on(fabric, args, start, TrainTask(dataset, summary, compute_loss))

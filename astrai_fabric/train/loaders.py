@@ -53,8 +53,7 @@ class LoaderArgs:
 
     @classmethod
     def from_args(cls, args: TrainArgs) -> LoaderArgs:
-        return cls(args.batch_per_device, args.num_workers, args.pin_memory, args.persistent_workers,
-                   args.random_seed)  # fmt: skip
+        return cls(args.batch_per_device, args.num_workers, args.pin_memory, args.persistent_workers, args.random_seed)
 
 
 def make_loader(

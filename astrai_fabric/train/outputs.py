@@ -82,8 +82,16 @@ def refuse_to_overwrite(fabric: Fabric, ckpt_dir: str, step: int) -> None:
         raise raised_on_every_rank(CheckpointError(message), fabric.local_rank)
 
 
-def make_saver(fabric: Fabric, model: nn.Module, optimizer: Any, scheduler: Any, start: Start, args: TrainArgs,
-               metric_log: MetricLog, extra_meta: dict[str, Any] | None = None):  # fmt: skip
+def make_saver(
+    fabric: Fabric,
+    model: nn.Module,
+    optimizer: Any,
+    scheduler: Any,
+    start: Start,
+    args: TrainArgs,
+    metric_log: MetricLog,
+    extra_meta: dict[str, Any] | None = None,
+):
     """``save(position)`` writing ``{ckpt_dir}/epoch_{E}_step_{S}`` (all ranks call it; rank 0 writes) and
     returning its path; each checkpoint also gets the run's metric log so far."""
     config = dataclasses.replace(start.model_config, neftune_alpha=args.neftune_alpha).to_dict()
@@ -105,9 +113,19 @@ def make_saver(fabric: Fabric, model: nn.Module, optimizer: Any, scheduler: Any,
         if args.quantize is not None:  # which base weights the adapter was trained over in NF4, and from what dtype
             meta[QUANTIZATION_KEY] = quantization_entry(raw_model)
         save_training_checkpoint(
-            fabric, path, raw_model, optimizer.optimizer, scheduler, position, config, meta, files,
-            args.sharded_checkpoint, spec, args.lora_save_full,
-        )  # fmt: skip
+            fabric,
+            path,
+            raw_model,
+            optimizer.optimizer,
+            scheduler,
+            position,
+            config,
+            meta,
+            files,
+            args.sharded_checkpoint,
+            spec,
+            args.lora_save_full,
+        )
         if args.keep_last_k is not None and fabric.global_rank == 0:
             prune_checkpoints(args.ckpt_dir, args.keep_last_k)  # only now: the new checkpoint is complete
         return path

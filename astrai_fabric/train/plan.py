@@ -28,25 +28,50 @@ from astrai_fabric.train.start import Start
 def step_plan(args: TrainArgs, num_samples: int, num_dp_ranks: int) -> StepPlan:
     """The step plan of a run of ``args`` over ``num_samples`` training samples on ``num_dp_ranks`` ranks (the run
     and its dry run both build it here)."""
-    return StepPlan(num_samples, num_dp_ranks, args.batch_per_device, args.grad_accum_steps, args.n_epoch,
-                    args.warmup_ratio, args.max_steps, args.stop_after_steps, args.grpo_num_iterations)  # fmt: skip
+    return StepPlan(
+        num_samples,
+        num_dp_ranks,
+        args.batch_per_device,
+        args.grad_accum_steps,
+        args.n_epoch,
+        args.warmup_ratio,
+        args.max_steps,
+        args.stop_after_steps,
+        args.grpo_num_iterations,
+    )
 
 
 def schedule_args(args: TrainArgs) -> ScheduleArgs:
     """The flags of ``args`` the learning-rate schedule reads."""
-    return ScheduleArgs(args.schedule_type, args.min_rate, args.cycle_length, args.t_mult, args.stable_steps,
-                        args.decay_steps, args.resume_schedule)  # fmt: skip
+    return ScheduleArgs(
+        args.schedule_type,
+        args.min_rate,
+        args.cycle_length,
+        args.t_mult,
+        args.stable_steps,
+        args.decay_steps,
+        args.resume_schedule,
+    )
 
 
 def optim_args(args: TrainArgs, device: torch.device) -> OptimArgs:
     """The flags of ``args`` the optimizer reads, its Newton-Schulz dtype resolved for ``device``."""
     return OptimArgs(
-        name=args.resolved_optimizer, lr=args.max_lr, weight_decay=args.weight_decay,
-        momentum=args.muon_momentum, nesterov=args.muon_nesterov, ns_steps=args.muon_ns_steps,
-        adjust_lr_fn=args.muon_adjust_lr, ns_dtype=resolve_ns_dtype(args.muon_ns_dtype, device),
-        nora_lr=args.nora_lr, nora_weight_decay=args.resolved_nora_weight_decay, nora_beta=args.nora_beta,
-        nora_momentum=args.nora_momentum, mano_momentum=args.mano_momentum, mano_nesterov=args.mano_nesterov,
-    )  # fmt: skip
+        name=args.resolved_optimizer,
+        lr=args.max_lr,
+        weight_decay=args.weight_decay,
+        momentum=args.muon_momentum,
+        nesterov=args.muon_nesterov,
+        ns_steps=args.muon_ns_steps,
+        adjust_lr_fn=args.muon_adjust_lr,
+        ns_dtype=resolve_ns_dtype(args.muon_ns_dtype, device),
+        nora_lr=args.nora_lr,
+        nora_weight_decay=args.resolved_nora_weight_decay,
+        nora_beta=args.nora_beta,
+        nora_momentum=args.nora_momentum,
+        mano_momentum=args.mano_momentum,
+        mano_nesterov=args.mano_nesterov,
+    )
 
 
 @dataclass(frozen=True)
@@ -77,9 +102,10 @@ class ParameterSummary:
     def counts(self) -> dict[str, int]:
         """The numbers ``metric.jsonl``'s ``parameters`` entry records."""
         return {
-            "trainable_parameters": self.trainable, "total_parameters": self.total,
+            "trainable_parameters": self.trainable,
+            "total_parameters": self.total,
             "optimizer_state_bytes": self.state_bytes,
-        }  # fmt: skip
+        }
 
 
 def summarize_parameters(model: nn.Module, args: TrainArgs, precision: str, num_shards: int = 1) -> ParameterSummary:
@@ -87,9 +113,12 @@ def summarize_parameters(model: nn.Module, args: TrainArgs, precision: str, num_
     ``precision``: the run's (the bytes a quantised weight would otherwise take)."""
     raw_model = getattr(model, "module", model)  # the module Fabric wraps
     optim_args = OptimArgs(
-        args.resolved_optimizer, args.max_lr, args.weight_decay, nora_lr=args.nora_lr,
+        args.resolved_optimizer,
+        args.max_lr,
+        args.weight_decay,
+        nora_lr=args.nora_lr,
         nora_weight_decay=args.resolved_nora_weight_decay,
-    )  # fmt: skip
+    )
     groups = ", ".join(
         f"{g.part} {len(g.params)} tensors (lr {g.lr:g}, decay {g.weight_decay:g})"
         for g in optimizer_groups(model, optim_args)
@@ -108,10 +137,14 @@ def summarize_parameters(model: nn.Module, args: TrainArgs, precision: str, num_
         float_bytes = 2 if precision in ("bf16-true", "16-true") else 4
         quantized = plan_quantization(raw_model, num_shards).describe(float_bytes)
     return ParameterSummary(
-        total=raw_model.num_parameters(), trainable=raw_model.num_parameters(trainable_only=True),
-        optimizer=args.resolved_optimizer, groups=groups,
-        state_bytes=optimizer_state_bytes(model, args.resolved_optimizer), lora=adapters, quantize=quantized,
-    )  # fmt: skip
+        total=raw_model.num_parameters(),
+        trainable=raw_model.num_parameters(trainable_only=True),
+        optimizer=args.resolved_optimizer,
+        groups=groups,
+        state_bytes=optimizer_state_bytes(model, args.resolved_optimizer),
+        lora=adapters,
+        quantize=quantized,
+    )
 
 
 def describe_data(args: TrainArgs, num_training_samples: int, summary: str, val_set: Sized | None) -> str:
@@ -239,11 +272,13 @@ def describe_plan(
     last_step = steps.last_step(position) if steps is not None else args.max_steps  # None: the dry run can't tell
     if profiling := describe_profiling(args.profile_step_range, args.ckpt_dir, last_step):  # warns of steps past it
         rows.append(("profiling", profiling))
-    rows.append((
-        "outputs",
-        f"{Path(args.ckpt_dir).resolve()}: epoch_E_step_S/ every {args.ckpt_interval} steps and at the end"
-        f"{', sharded state/' if args.sharded_checkpoint else ''}; recipe.yaml, logs/, plot.png",
-    ))  # fmt: skip
+    rows.append(
+        (
+            "outputs",
+            f"{Path(args.ckpt_dir).resolve()}: epoch_E_step_S/ every {args.ckpt_interval} steps and at the end"
+            f"{', sharded state/' if args.sharded_checkpoint else ''}; recipe.yaml, logs/, plot.png",
+        )
+    )
     title = f"plan for `astrai-fabric {args.train_type}`" + (
         " (dry run: nothing is trained or written)" if dry_run else ""
     )

@@ -77,8 +77,9 @@ def _check_resume_state(ckpt: Checkpoint) -> None:
         and isinstance(reference.get("param_path"), str | None)
         and isinstance(reference.get("random_seed"), int)
     ):
-        raise CheckpointError(f"{ckpt.path / 'meta.json'}: 'reference' must be {{param_path, random_seed}}, got "
-                              f"{reference!r}")  # fmt: skip
+        raise CheckpointError(
+            f"{ckpt.path / 'meta.json'}: 'reference' must be {{param_path, random_seed}}, got {reference!r}"
+        )
 
 
 def _check_resume_lora(ckpt: Checkpoint, args: TrainArgs) -> None:

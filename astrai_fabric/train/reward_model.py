@@ -67,7 +67,8 @@ def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
     """Train a reward model on a launched Fabric; returns the per-step records (see ``loop.fit``)."""
     start = resolve_start(fabric, args)
     pairs, summary = build_dataset(args, start)
-    compute_loss = partial(reward_model_batch_loss, center_coef=args.reward_center_coef,
-                           moe_aux_loss_coef=args.moe_aux_loss_coef)  # fmt: skip
+    compute_loss = partial(
+        reward_model_batch_loss, center_coef=args.reward_center_coef, moe_aux_loss_coef=args.moe_aux_loss_coef
+    )
     collate = partial(collate_margin_pairs, pad_id=start.model_config.pad_token_id)
     return train_on(fabric, args, start, TrainTask(pairs, summary, compute_loss, collate))

@@ -79,8 +79,9 @@ class Start:
         head has no vocabulary."""
         if self.model_config.score_head:
             return 0
-        return loss_chunk_positions(args.loss_chunk_size, self.model_config.vocab_size,
-                                    args.batch_per_device * self.window_size)  # fmt: skip
+        return loss_chunk_positions(
+            args.loss_chunk_size, self.model_config.vocab_size, args.batch_per_device * self.window_size
+        )
 
     def data_start(self) -> DataStart:
         """What the run's data reads of this start (``data.windows``: the windows of seq and sft)."""
@@ -232,8 +233,10 @@ def read_start(args: TrainArgs) -> Start:
         pad_token_id = tokenizer.padding_id if tokenizer is not None else 0
         model_config = reward_model_config(model_config, pad_token_id)
     elif model_config.score_head and args.train_type != "reward_model":
-        raise UserError(f"param_path {param_path}: a reward model (a score head, no LM head): it trains with "
-                        f"reward_model, not {args.train_type}")  # fmt: skip
+        raise UserError(
+            f"param_path {param_path}: a reward model (a score head, no LM head): it trains with "
+            f"reward_model, not {args.train_type}"
+        )
     resume = resume_checkpoint(args, param_path)
     lora_base = lora_digests = None
     if resume is not None:
@@ -295,8 +298,11 @@ def reference_model(fabric: Fabric, start: Start, args: TrainArgs) -> tuple[nn.M
     """
     if args.lora_r:
         fabric.print("reference model: the base weights (the trained network with its LoRA adapters off)")
-        return None, {"param_path": hub.recorded(start.lora_base), "random_seed": args.random_seed,
-                      "adapters_off": True}  # fmt: skip
+        return None, {
+            "param_path": hub.recorded(start.lora_base),
+            "random_seed": args.random_seed,
+            "adapters_off": True,
+        }
     if args.reference_path is not None:
         path, seed = hub.recorded(args.reference_path), args.random_seed  # a Hub id: org/name@commit
     elif start.resume is not None and "reference" in start.resume.meta:
