@@ -161,3 +161,48 @@ def test_prepare_loads_no_model_code_and_the_loop_no_strategy():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={"OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+COLLECTIONS = ("dict", "frozenset", "set", "tuple", "list")
+"""Calls that build a literal collection (``dict(a=1, ...)``): tables too."""
+
+
+def _statements(body: list[ast.stmt], scope: str) -> list[tuple[ast.stmt, str]]:
+    """Every statement with the kind of scope it stands in (module, class or function)."""
+    found = []
+    for node in body:
+        found.append((node, scope))
+        inner = {ast.ClassDef: "class", ast.FunctionDef: "function", ast.AsyncFunctionDef: "function"}
+        for field in ("body", "orelse", "finalbody"):
+            found += _statements(getattr(node, field, []), inner.get(type(node), scope))
+    return found
+
+
+def unformatted_non_tables(path: Path) -> list[int]:
+    """The lines of ``path`` that keep ruff's formatter out (``# fmt: skip``) on something other than a table: a
+    literal collection assigned at module or class level, or a decorator (``pytest.mark.parametrize``'s cases)."""
+    text = path.read_text()
+    statements = _statements(ast.parse(text).body, "module")
+    tables = set()
+    for node, scope in statements:
+        value = getattr(node, "value", None)
+        built = isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id in COLLECTIONS
+        collection = built or isinstance(value, ast.Dict | ast.List | ast.Tuple | ast.Set | ast.ListComp | ast.DictComp)
+        if isinstance(node, ast.Assign | ast.AnnAssign) and scope != "function" and collection:
+            tables.add(node.end_lineno)
+        tables.update(d.end_lineno for d in getattr(node, "decorator_list", []))
+    marked = [i for i, line in enumerate(text.splitlines(), start=1) if line.rstrip().endswith("# fmt: skip")]
+    return [i for i in marked if i not in tables]
+
+
+def test_ruff_decides_the_layout_except_in_tables():
+    roots = [PACKAGE, PACKAGE.parent / "tests", PACKAGE.parent / "bench", PACKAGE.parent / "tools"]
+    paths = [path for root in roots for path in root.rglob("*.py")]
+    found = {str(path.relative_to(PACKAGE.parent)): unformatted_non_tables(path) for path in paths}
+    assert {path: lines for path, lines in found.items() if lines} == {}
+
+
+def test_the_table_rule_finds_a_call_kept_from_the_formatter(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text('X = {"a": 1}  # fmt: skip\n\n\ndef f():\n    return max(1,\n               2)  # fmt: skip\n')
+    assert unformatted_non_tables(path) == [6]

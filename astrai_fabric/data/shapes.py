@@ -222,8 +222,11 @@ _KIND_WORDS = {STRING: "a string", LIST: "a list", TEXT_OR_MESSAGES: "a string o
 
 DATA_FORMATS = ("auto", *SHAPES)
 """``--data_format``'s values."""
-CANONICAL_FIELDS = {shape.train_type: shape.required[0] for shape in SHAPES.values() if shape.train_type in ("seq",
-                    "sft") and shape.canonical}  # fmt: skip
+CANONICAL_FIELDS = {
+    shape.train_type: shape.required[0]
+    for shape in SHAPES.values()
+    if shape.train_type in ("seq", "sft") and shape.canonical
+}
 """The one field seq and sft records are read by (``text``, ``messages``): every shape of theirs becomes it."""
 
 
