@@ -26,11 +26,12 @@ $(VENV)/.installed: pyproject.toml
 test: install
 	$(BIN)/python -m pytest -q
 
-# The fuzz tier for as long as asked: make fuzz FUZZ_SECONDS=600 (the default), or FUZZ_EXAMPLES=500 pairs of
-# examples per input kind; FUZZ_SEED=N repeats a run. `make test` runs its fixed-seed CI budget.
+# The fuzz tier for as long as asked: make fuzz FUZZ_SECONDS=600 (the default; each input kind gets its share, round
+# after round of fresh seeds), or FUZZ_EXAMPLES=500 pairs of examples per input kind; FUZZ_SEED=N repeats a run.
+# Each kind's rounds and examples are listed at the end (-rP). `make test` runs its fixed-seed CI budget.
 fuzz: install
 	HF_HUB_OFFLINE=1 FUZZ_SECONDS="$(or $(FUZZ_SECONDS),$(if $(FUZZ_EXAMPLES),,600))" FUZZ_EXAMPLES="$(FUZZ_EXAMPLES)" \
-		FUZZ_SEED="$(FUZZ_SEED)" $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_fuzz.py
+		FUZZ_SEED="$(FUZZ_SEED)" $(BIN)/python -m pytest -q -rP -p no:cacheprovider tests/test_fuzz.py
 
 # The main job: pretrain the bundled tiny model on CPU (about a minute); prints where the checkpoints went.
 train: install

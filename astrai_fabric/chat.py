@@ -15,12 +15,17 @@ one line; ``/reset`` starts a new one.
 ``/reset`` clears the conversation (the system message stays) and the cache; ``/exit`` or the end of input leaves
 (exit 0). Ctrl-C during a reply stops it (what was printed stays in the conversation) and returns to the prompt; at
 the prompt it leaves with exit 130. Sampling is ``generate.sample_tokens``, the loop ``generate`` runs.
+
+Each line of stdin is one message of at most ``--max_input_bytes`` bytes: a longer one is refused in one line and
+the chat goes on (a pipe is read in pieces of that size, so no line is held whole). Bytes that are not text in
+stdin's encoding are read as U+FFFD, said once: refusing them would end an interactive session.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from typing import BinaryIO
 
 import torch
 from torch import Tensor, nn
@@ -181,6 +186,81 @@ class ChatSession:
         return self._feed(token.tolist())
 
 
+class LineTooLong(Exception):
+    """A line of stdin over ``--max_input_bytes``, read through and dropped."""
+
+    def __init__(self, size_bytes: int) -> None:
+        super().__init__(size_bytes)
+        self.size_bytes = size_bytes
+
+
+def read_line(stream: BinaryIO, max_bytes: int) -> bytes | None:
+    """The next line of ``stream`` without its ``\\n``, or None at the end of input. At most ``max_bytes + 1``
+    bytes are asked for at a time, so a line over ``max_bytes`` is never held whole: it is read through piece by
+    piece and dropped, raising ``LineTooLong`` with its size."""
+    line = stream.readline(max_bytes + 1)
+    if not line:
+        return None
+    if line.endswith(b"\n"):
+        return line[:-1]
+    if len(line) <= max_bytes:  # the last line, without a line end
+        return line
+    size_bytes = len(line)
+    del line  # each piece is dropped before the next is read: readline holds about twice what it returns
+    while True:
+        piece = stream.readline(max_bytes + 1)
+        if not piece or piece.endswith(b"\n"):
+            raise LineTooLong(size_bytes + max(len(piece) - 1, 0))  # the last piece without its line end
+        size_bytes += len(piece)
+        del piece
+
+
+class Turns:
+    """The user's lines of stdin, as text: a terminal's through ``input()`` (with the line editor, ``readline``), a
+    pipe's through ``read_line`` in pieces of ``max_bytes``. Bytes that are not text in stdin's encoding are read as
+    U+FFFD (a refusal would end an interactive session), said once; a line over ``max_bytes`` is refused."""
+
+    def __init__(self, max_bytes: int, interactive: bool) -> None:
+        self.max_bytes, self.interactive = max_bytes, interactive
+        self.encoding = getattr(sys.stdin, "encoding", None) or "utf-8"
+        self.line_number = 0
+        self.said_replaced = False
+        if interactive and hasattr(sys.stdin, "reconfigure"):  # input() keeps undecodable bytes, to say so below
+            sys.stdin.reconfigure(errors="surrogateescape")
+
+    def next(self) -> str:
+        """The next line; ``EOFError`` at the end of input, ``UserError`` for a line over ``max_bytes`` (dropped:
+        the next call reads the line after it)."""
+        self.line_number += 1
+        if self.interactive:
+            raw = input(PROMPT).encode(self.encoding, "surrogateescape")
+            size_bytes = len(raw)
+        else:
+            try:
+                raw = read_line(sys.stdin.buffer, self.max_bytes)
+            except LineTooLong as err:
+                raw, size_bytes = b"", err.size_bytes
+            else:
+                if raw is None:
+                    raise EOFError
+                size_bytes = len(raw)
+        if size_bytes > self.max_bytes:
+            raise UserError(
+                f"input line {self.line_number} is {size_bytes:,} bytes, over chat's {self.max_bytes:,} "
+                "(--max_input_bytes): this message is skipped"
+            )
+        try:
+            return raw.decode(self.encoding)
+        except UnicodeDecodeError as err:
+            if not self.said_replaced:
+                self.said_replaced = True
+                say(
+                    f"input line {self.line_number} is not {self.encoding} text ({err.reason} at byte {err.start}): "
+                    "bytes that do not decode are read as U+FFFD, here and in any later line"
+                )
+            return raw.decode(self.encoding, "replace")
+
+
 def say(message: str) -> None:
     """A line for the user on stderr (not part of the replies on stdout)."""
     print(f"astrai-fabric: {message}", file=sys.stderr, flush=True)
@@ -208,13 +288,17 @@ def run_chat(args: ChatArgs) -> int:
 
             how = "its chat template" if session.conversation.templated else "plain continuation of the text"
             say(f"chat with {args.param_path} ({how}); {RESET} clears the conversation, {EXIT} or Ctrl-D leaves")
+        turns = Turns(args.max_input_bytes, interactive)
         while True:
             try:
-                line = input(PROMPT if interactive else "")
+                line = turns.next()
             except EOFError:
                 if interactive:
                     _write("\n")
                 return 0
+            except UserError as err:  # a line too long: skipped, and the chat goes on
+                print(f"astrai-fabric: error: {err}", file=sys.stderr, flush=True)
+                continue
             command = line.strip()
             if command == EXIT:
                 return 0

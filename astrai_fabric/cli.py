@@ -42,6 +42,7 @@ from astrai_fabric.data.prepare import PipelineConfig, check_shape_flags, prepar
 from astrai_fabric.errors import TrainingError, UserError, keep_traceback
 from astrai_fabric.export import DEFAULT_MAX_SHARD_SIZE, DTYPES, FORMATS, AlreadyComplete, export
 from astrai_fabric.generate import run_generate
+from astrai_fabric.regular_files import open_regular_file
 from astrai_fabric.tokenizer import Tokenizer
 
 TRAIN_COMMANDS = ("seq", "sft", "dpo", "kto", "grpo", "reward_model")
@@ -208,12 +209,22 @@ def _top_level_help() -> str:
 def _astrai_train_type(argv: list[str]) -> str | None:
     """The train type of an AstrAI-style command line, from ``--train_type`` or the ``--config`` file."""
     flags = _normalize(argv, TRAIN_FLAGS, check_choices=False)
-    for i, token in enumerate(flags):
+    for token in flags:
         if token.startswith("--train_type="):
             return token.split("=", 1)[1]
-        if token == "--config" and i + 1 < len(flags):
-            return _read_recipe(Path(flags[i + 1])).get("train_type")
-    return None
+    named: list[tuple[str, str]] = []  # (recipe, its train_type) of each recipe naming one: they must agree
+    for i, token in enumerate(flags[:-1]):
+        if token != "--config" or flags[i + 1].startswith("--"):  # no path: parse_train_args says so
+            continue
+        recipe = _read_recipe(Path(flags[i + 1]))
+        if "train_type" not in recipe:
+            continue
+        if problem := kind_problem(recipe["train_type"], str):
+            raise UserError(f"{flags[i + 1]}: train_type {problem}")
+        if named and recipe["train_type"] != named[0][1]:
+            raise UserError(f"{flags[i + 1]}: train_type {recipe['train_type']!r} contradicts {named[0][0]}'s")
+        named.append((flags[i + 1], recipe["train_type"]))
+    return named[0][1] if named else None
 
 
 # --- training commands -------------------------------------------------------------------------------------------
@@ -225,10 +236,14 @@ def build_train_parser(train_type: str) -> ArgumentParser:
         description=f"Train with train_type={train_type}. Every flag can also be a key of the --config recipe.",
         exit_on_error=False,
     )
-    parser.add_argument("--config", help="Recipe: a flat YAML of these flags (AstrAI's sectioned YAML works too).")
+    parser.add_argument(
+        "--config",
+        help="Recipe: a flat YAML of these flags (AstrAI's sectioned YAML works too). Repeat it to merge several in "
+        "order, a later file's keys over an earlier's; the flags given here win over every recipe.",
+    )
     # --print_config is taken out of the flags before parsing (jsonargparse reserves the name); listed for --help.
     parser.add_argument("--print_config", action="store_true", help="Print the resolved recipe and exit.")
-    parser.add_class_arguments(TrainArgs, nested_key=None, as_group=False, skip={"train_type"})
+    parser.add_class_arguments(TrainArgs, nested_key=None, as_group=False, skip={"train_type", "config"})
     return parser
 
 
@@ -246,13 +261,9 @@ def parse_train_args(train_type: str, argv: list[str]) -> tuple[TrainArgs, bool]
                 raise UserError(f"{token[2:]} contradicts the command {train_type!r}")
             continue
         flags.append(token)
-    base, recipe_path = None, None
-    if "--config" in flags:
-        i = flags.index("--config")
-        if i + 1 >= len(flags):
-            raise UserError("--config needs a recipe path")
-        recipe_path = Path(flags[i + 1])
-        del flags[i : i + 2]
+    recipe_paths = _take_recipe_paths(flags)
+    base, recipes = None, []
+    for recipe_path in recipe_paths:  # each on the one before: a later file's keys win (jsonargparse's, LitGPT's rule)
         recipe = _read_recipe(recipe_path)
         if refused := [key for key in COMMAND_LINE_ONLY if key in recipe]:
             raise UserError(f"{recipe_path}: {refused[0]} can only be given on the command line (a recipe is data)")
@@ -261,12 +272,27 @@ def parse_train_args(train_type: str, argv: list[str]) -> tuple[TrainArgs, bool]
             raise UserError(f"{recipe_path}: train_type {problem}")
         if TRAIN_TYPE_ALIASES.get(named, named) != train_type:
             raise UserError(f"{recipe_path}: train_type is not {train_type!r}, the command given")
-        base = _parse(parser, recipe, source=recipe_path)
-    namespace = _parse(parser, flags, namespace=base)
-    values = {k: v for k, v in namespace.as_dict().items() if k in TRAIN_FLAGS.names}
-    if recipe_path is not None and not print_config:  # --print_config prints what was given, to fill in
-        _check_recipe_kinds(recipe_path, recipe, values)
-    return TrainArgs(**values, train_type=train_type), print_config
+        base = _parse(parser, recipe, namespace=base, source=recipe_path)
+        recipes.append((recipe_path, recipe))
+    namespace = _parse(parser, flags, namespace=base)  # the command line's flags over every recipe
+    values = {k: v for k, v in namespace.as_dict().items() if k in TRAIN_FLAGS.names and k != "config"}
+    if not print_config:  # --print_config prints what was given, to fill in
+        for recipe_path, recipe in recipes:
+            _check_recipe_kinds(recipe_path, recipe, values)
+    return TrainArgs(**values, train_type=train_type, config=[str(path) for path in recipe_paths]), print_config
+
+
+def _take_recipe_paths(flags: list[str]) -> list[Path]:
+    """Every ``--config PATH`` of ``flags`` (normalized: ``-c`` and ``--config=PATH`` are ``--config PATH``), in
+    the order given, taken out of ``flags``."""
+    paths = []
+    while "--config" in flags:
+        i = flags.index("--config")
+        if i + 1 >= len(flags) or flags[i + 1].startswith("--"):
+            raise UserError("--config needs a recipe path")
+        paths.append(Path(flags[i + 1]))
+        del flags[i : i + 2]
+    return paths
 
 
 def _check_recipe_kinds(recipe_path: Path, recipe: dict[str, Any], values: dict[str, Any]) -> None:
@@ -405,7 +431,7 @@ def _parse(
     own), and ``--help`` exits with its status."""
     try:
         if isinstance(given, dict):
-            return parser.parse_object(given)
+            return parser.parse_object(given, namespace=namespace)
         return parser.parse_args(given, namespace=namespace)
     except SystemExit as exit_:  # --help
         raise SystemExit(exit_.code) from None
@@ -438,7 +464,9 @@ def prepare_command(argv: list[str]) -> int:
     inputs_help = "JSONL, parquet, arrow, CSV or JSON files, directories of them, save_to_disk directories, Hub ids."
     parser.add_argument("inputs", nargs="+", help=inputs_help)
     parser.add_argument("-o", "--output_dir", required=True, help="A new directory for the shards.")
-    parser.add_argument("-c", "--config", required=True, help="Pipeline JSON (AstrAI's PipelineConfig).")
+    parser.add_argument(
+        "-c", "--config", required=True, action="append", help="Pipeline JSON (AstrAI's PipelineConfig); one only."
+    )
     parser.add_argument("--tokenizer_path", help="Tokenizer directory; default: the config's tokenizer_path.")
     parser.add_argument("--batch_size", type=int, help="Accepted for AstrAI command lines; unused.")
     parser.add_argument("--num_proc", type=int, default=1, help="Tokenising processes (the output is the same).")
@@ -449,7 +477,9 @@ def prepare_command(argv: list[str]) -> int:
     parser.add_argument("--data_format", default="auto", help=shapes_help)
     parser.add_argument("--data_columns", help="field=column,...: a shape's field read from another column.")
     namespace = _parse(parser, argv)
-    config = PipelineConfig.from_file(Path(namespace.config))
+    if len(namespace.config) > 1:  # one pipeline per output directory: nothing to merge (argparse kept the last)
+        raise UserError(f"prepare takes one -c/--config, got {len(namespace.config)}: {', '.join(namespace.config)}")
+    config = PipelineConfig.from_file(Path(namespace.config[0]))
     check_shape_flags(config, namespace.data_format, namespace.data_columns)  # before a tokenizer is fetched
     tokenizer_path = namespace.tokenizer_path or config.tokenizer_path
     if tokenizer_path is None:
@@ -539,12 +569,12 @@ class _RecipeLoader(yaml.SafeLoader):
 
 def _read_recipe(path: Path) -> dict[str, Any]:
     """A recipe's keys, flat: AstrAI's sections merged, ``runtime`` dropped, aliases renamed, unknown keys refused."""
-    if not path.is_file():
-        raise UserError(f"--config {path}: file not found")
-    if path.stat().st_size > MAX_RECIPE_BYTES:
-        raise UserError(f"{path}: {path.stat().st_size:,} bytes; a recipe is a short YAML file (at most 1 MiB)")
+    with open_regular_file(path, name=f"--config {path}") as recipe:  # a FIFO, a device, a dangling link: refused
+        if recipe.size_bytes > MAX_RECIPE_BYTES:
+            raise UserError(f"{path}: {recipe.size_bytes:,} bytes; a recipe is a short YAML file (at most 1 MiB)")
+        text = recipe.read()
     try:
-        raw = yaml.load(path.read_bytes().decode("utf-8"), Loader=_RecipeLoader) or {}
+        raw = yaml.load(text.decode("utf-8"), Loader=_RecipeLoader) or {}
     except UnicodeDecodeError as err:
         raise UserError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
     except yaml.MarkedYAMLError as err:
@@ -578,6 +608,9 @@ def _normalize(argv: list[str], flags: Flags, check_choices: bool = True) -> lis
         i += 1
         if token == "-c":
             token = "--config"
+        if token.startswith("--config="):  # one token, as argparse also takes it
+            out += ["--config", token.removeprefix("--config=")]
+            continue
         if not token.startswith("--") or token in ("--config", "--print_config", "--help"):
             out.append(token)
             continue

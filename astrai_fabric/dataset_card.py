@@ -4,12 +4,13 @@ chosen subset's files (a repository such as HuggingFaceFW/fineweb holds terabyte
 ``data/sources.py`` to read those files from the snapshot (``datasets`` cannot: it resolves every subset's patterns
 and fails on the ones not fetched).
 
-The card is data from outside: parsed with YAML's safe loader, every field of every entry checked for its kind,
-counts and lengths bounded, and a pattern that is absolute or climbs out of the repository (``..``) refused; any of
-these is one line naming the card. The patterns mean what ``datasets`` makes of them (fsspec's glob): ``*`` and
-``?`` stay inside one folder, ``**`` crosses folders, ``[...]`` is a character class; ``data_dir`` is the folder they
-are relative to. The rule for no ``--data_subset`` is ``datasets``': the entry marked ``default: true``, else the
-only entry, else the one named ``default``.
+The card is data from outside: parsed with YAML's safe loader, what its aliases expand to bounded by its size
+(``yaml_values``: an alias bomb is refused before anything walks it), every field of every entry checked for its
+kind, counts and lengths bounded, values in messages cut short (``errors.brief``), and a pattern that is absolute
+or climbs out of the repository (``..``) refused; any of these is one line naming the card. The patterns mean what
+``datasets`` makes of them (fsspec's glob): ``*`` and ``?`` stay inside one folder, ``**`` crosses folders, ``[...]``
+is a character class; ``data_dir`` is the folder they are relative to. The rule for no ``--data_subset`` is
+``datasets``': the entry marked ``default: true``, else the only entry, else the one named ``default``.
 """
 
 from __future__ import annotations
@@ -20,11 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from astrai_fabric.errors import UserError
+from astrai_fabric.errors import UserError, brief, listed
 
 CARD = "README.md"
 MAX_HEADER_BYTES = 4 << 20
 """A card's YAML header; fineweb-2's, with its ~1,900 subsets, is about 300 KB."""
+MAX_VALUES = MAX_HEADER_BYTES
+"""Values in a card's header with its aliases expanded: no more than its bytes (as a header without aliases), so
+that walking it costs what reading it did (``yaml_values``)."""
 MAX_CONFIGS = 10_000
 MAX_PATTERNS = 100_000
 """Patterns in the whole card (each subset's, each split's)."""
@@ -56,9 +60,9 @@ def read_card(folder: Path) -> str | None:
         return file.read(MAX_HEADER_BYTES + 64).decode("utf-8", errors="replace")
 
 
-def subsets(card: str | None, where: str) -> list[Subset] | None:
-    """The card's ``configs``, checked; None where the card (or its header) has none. ``where`` names the card in
-    messages."""
+def header(card: str | None, where: str) -> dict | None:
+    """The card's YAML header as data (its size, and what its aliases expand to, bounded: ``yaml_values``); None
+    where the card has none. ``where`` names the card in messages."""
     if card is None:
         return None
     found = _HEADER.match(card)
@@ -70,16 +74,28 @@ def subsets(card: str | None, where: str) -> list[Subset] | None:
         raise UserError(f"{where}: its YAML header is larger than {MAX_HEADER_BYTES >> 20} MiB; not a dataset card")
     import yaml  # here: hub.py imports this module, and only a dataset card needs a YAML parser
 
-    try:  # the C loader where PyYAML has one (a large card parses in milliseconds), else the Python one; both safe
-        header = yaml.load(found.group(1), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # noqa: S506
+    from astrai_fabric import yaml_values
+
+    try:
+        data = yaml_values.load(found.group(1), MAX_VALUES)
+    except yaml_values.AliasExpansionError as err:
+        line = err.problem_mark.line + 2  # the card's line: its header starts after the opening ---
+        raise UserError(f"{where}: its YAML header's {err.problem} (line {line}); not a dataset card") from None
     except (yaml.YAMLError, RecursionError, ValueError) as err:
         reason = " ".join(str(err).split())[:200]
         raise UserError(f"{where}: its YAML header is not readable YAML ({reason})") from None
-    if header is None:
+    if data is not None and not isinstance(data, dict):
+        raise UserError(f"{where}: its YAML header is a {type(data).__name__}, expected a mapping")
+    return data
+
+
+def subsets(card: str | None, where: str) -> list[Subset] | None:
+    """The card's ``configs``, checked; None where the card (or its header) has none. ``where`` names the card in
+    messages."""
+    found = header(card, where)
+    if found is None:
         return None
-    if not isinstance(header, dict):
-        raise UserError(f"{where}: its YAML header is a {type(header).__name__}, expected a mapping")
-    configs = header.get("configs")
+    configs = found.get("configs")
     if configs is None or configs == []:  # datasets reads both as no subsets
         return None
     if not isinstance(configs, list) or not configs:
@@ -232,9 +248,9 @@ def _regex(pattern: str) -> str:
 
 
 def _kind(value: Any) -> str:
-    shown = repr(value)
-    return f"{type(value).__name__} {shown[:60]}{'...' if len(shown) > 60 else ''}"
+    """A value's type and a short look at it, bounded however large the value (``errors.brief``)."""
+    return f"{type(value).__name__} {brief(value)}"
 
 
 def _listed(names: Iterable[str]) -> str:
-    return ", ".join(repr(str(n)) for n in names) or "none"
+    return listed(names)

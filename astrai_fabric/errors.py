@@ -8,9 +8,11 @@ exits non-zero; library callers can catch it like any other exception. Internal 
 from __future__ import annotations
 
 import os
+import reprlib
 import socket
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 
@@ -53,3 +55,24 @@ def keep_traceback(text: str, directory: Path | None, kind: str, header: str) ->
             pass
     print(text, file=sys.stderr, end="")
     return None
+
+
+def brief(value: object, chars: int = 60) -> str:
+    """``value`` as a message shows it: its repr cut to about ``chars``, made from its first four items of its first
+    two levels only (``reprlib``), so a value of gigabytes, or one that YAML aliases expand without end, costs no
+    more to show than a small one. A message never formats a whole value read from outside."""
+    shower = reprlib.Repr()
+    shower.maxlevel = 2
+    shower.maxdict = shower.maxlist = shower.maxtuple = shower.maxset = shower.maxfrozenset = shower.maxdeque = 4
+    shower.maxstring = shower.maxlong = shower.maxother = chars
+    shown = shower.repr(value)
+    return shown if len(shown) <= chars else shown[:chars] + "..."
+
+
+def listed(names: Iterable[object], most: int = 20) -> str:
+    """``'a', 'b', ...`` for a message: the first ``most`` names (each cut short, ``brief``) and how many more;
+    ``none`` where there are none."""
+    names = list(names)
+    shown = ", ".join(brief(str(name)) for name in names[:most])
+    more = f" and {len(names) - most:,} more" if len(names) > most else ""
+    return shown + more if shown else "none"

@@ -43,7 +43,7 @@ from astrai_fabric.checkpoint import (
 from astrai_fabric.checkpoint.files import STATE_DIR, abbreviate, files_inside, read_json
 from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.errors import CheckpointError, ConfigError, UserError
-from astrai_fabric.quantize import QUANTIZATION_KEY
+from astrai_fabric.quantize import QUANTIZATION_KEY, QUANTIZE_FLAG
 from astrai_fabric.tokenizer import ASTRAI, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Tokenizer
 
 FORMATS = ("astrai", "hf", "peft")
@@ -118,7 +118,8 @@ def export(
 def _say_if_quantized(source: Path, format: str) -> None:
     """A QLoRA checkpoint's adapter was trained over the NF4 base: what an export of it computes, said once."""
     meta = read_json(source / META_FILE, what="the run's meta data") if (source / META_FILE).is_file() else {}
-    if QUANTIZATION_KEY not in meta or not (source / ADAPTER_FILE).is_file():
+    quantized = QUANTIZATION_KEY in meta or meta.get(QUANTIZE_FLAG) is not None  # peft needs no record: said anyway
+    if not quantized or not (source / ADAPTER_FILE).is_file():
         return
     if format == "peft":
         note = (
@@ -371,7 +372,7 @@ def _tokenizer_files(source: Path, config: ModelConfig) -> tuple[dict[str, str |
     files: dict[str, str | Path] = dict(files_inside(source, HF_TOKENIZER_FILES))
     tokenizer = Tokenizer.from_dir(source)  # checks both files: JSON objects, special tokens in the vocabulary
     config_path = source / TOKENIZER_CONFIG_FILE
-    raw = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+    raw = read_json(config_path, what="the tokenizer's config") if config_path.is_file() else {}  # a BOM is taken
     token_ids: dict[str, int | None] = {}
     if tokenizer.layout == ASTRAI:  # the loader's rule (a Hugging Face layout is copied as it is)
         written = hf.hf_tokenizer_config(raw, config.max_position_embeddings, str(config_path))

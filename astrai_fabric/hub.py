@@ -2,9 +2,10 @@
 standard cache (``HF_HUB_CACHE``, else ``HF_HOME/hub``), downloaded when online, read from the cache offline
 (``HF_HUB_OFFLINE=1``). Only what a run reads is fetched (``ALLOW_PATTERNS``), never pickled weights; a repository
 with nothing else is refused by name. A snapshot is recorded as ``org/name@commit`` (``recorded``), which resolves
-again anywhere, offline from the cache. A dataset repository (``--data_root_path``) is fetched card first, then
-only the data files of the subset and split chosen (``_dataset_allow``, from the card's ``configs``: a repository
-may hold terabytes across its subsets).
+again anywhere, offline from the cache. What the cache holds (refs, snapshots, their files) is checked to stay inside
+it and be what it claims before anything is read from it (``hub_cache``). A dataset repository
+(``--data_root_path``) is fetched card first, then only the data files of the subset and split chosen
+(``_dataset_allow``, from the card's ``configs``: a repository may hold terabytes across its subsets).
 
 The only module importing ``huggingface_hub``, and only inside the functions that reach the Hub: a command that
 names no Hub id never loads it. Its settings are read from the environment at each call (``HF_ENDPOINT``,
@@ -23,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from astrai_fabric import assets, dataset_card
+from astrai_fabric import assets, dataset_card, hub_cache
 from astrai_fabric.errors import UserError
 
 ALLOW_PATTERNS = (
@@ -50,11 +51,9 @@ PICKLED = (".bin", ".pth", ".pt", ".ckpt", ".pkl")
 NOT_WEIGHTS = ("training_args.bin",)
 ETAG_TIMEOUT_S = 10.0
 """Seconds one request to the Hub waits (huggingface_hub's default, for its metadata calls and ours)."""
-COMMIT = re.compile(r"[0-9a-f]{40}")
+COMMIT = hub_cache.COMMIT
 _NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?")
 """One part of a repository id, as the Hub allows it (``--`` and ``..`` refused apart)."""
-_REVISION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,254}")
-"""A branch, tag (``v1.0``, ``refs/pr/1``) or commit; never ``..`` (the cache's ``refs/REVISION`` is a path)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +78,7 @@ def looks_like_hub_id(text: Any) -> bool:
     if not isinstance(text, str) or text.startswith((assets.BUNDLED_PREFIX, "./", "../", "/", "~")):
         return False
     repo, at, revision = text.partition("@")
-    if at and not (_REVISION.fullmatch(revision) and ".." not in revision):
+    if at and not hub_cache.is_revision_name(revision):  # the cache's refs/REVISION is a path: never '..'
         return False
     parts = repo.split("/")
     return (
@@ -171,8 +170,16 @@ def pinned(
     need be; a dataset's ``subset`` and ``split`` only, ``snapshot``); anything else unchanged."""
     if path_or_id is None or not is_hub_id(path_or_id):
         return path_or_id
-    fetched = snapshot(HubId.parse(path_or_id), what, repo_type=repo_type, subset=subset, split=split)
-    return portable(fetched) or path_or_id
+    hub_id = HubId.parse(path_or_id)
+    return _pin(hub_id, snapshot(hub_id, what, repo_type=repo_type, subset=subset, split=split), what)
+
+
+def _pin(hub_id: HubId, folder: Path, what: str) -> str:
+    """``org/name@COMMIT`` of ``hub_id``'s snapshot ``folder`` (``snapshots/COMMIT``, checked by ``_cached`` or
+    ``snapshot``): what a run used, recorded by its commit, never by a branch that may move."""
+    if not COMMIT.fullmatch(folder.name):  # a bug if reached: every snapshot returned is checked to be one
+        raise UserError(f"{what} {hub_id}: {folder} is not a snapshot folder of the Hub cache (snapshots/COMMIT)")
+    return f"{hub_id.repo}@{folder.name}"
 
 
 HUB_FLAGS = {"param_path": "model", "tokenizer_path": "model", "reference_path": "model", "data_root_path": "dataset"}
@@ -224,7 +231,7 @@ def pin_cached_flags(
                 "fetches it first, so what it holds is not planned here"
             )
             continue
-        pinned_values[flag] = portable(folder) or value
+        pinned_values[flag] = _pin(hub_id, folder, flag)
     return pinned_values, uncached
 
 
@@ -263,10 +270,11 @@ def snapshot(
     pickled; a dataset: its card first, then the data files of ``subset`` (``--data_subset``; and of ``split``
     where the card names splits), ``_dataset_allow``). ``repo_type`` is ``model`` or ``dataset``."""
     where = f"{what} {hub_id}"
+    hub_cache.check_revision(hub_id.revision, where)  # before any request: the cache's refs/REVISION is a path
     if local_dir is None and (is_offline() or COMMIT.fullmatch(hub_id.revision)):
         try:
             return _cached(hub_id, repo_type, what, subset, split)
-        except _NotCached:
+        except _NotCached as missing:
             if is_offline():
                 get = f"`astrai-fabric download {hub_id}`" if repo_type == "model" else "the same command"
                 chosen = "".join(
@@ -276,7 +284,8 @@ def snapshot(
                 )
                 raise UserError(
                     f"{where}: not a directory here, and HF_HUB_OFFLINE=1 with no cached copy of the Hub {repo_type} "
-                    f"{hub_id}{chosen} in {cache_dir()}; get one with {get} while online, or unset HF_HUB_OFFLINE"
+                    f"{hub_id}{chosen} in {cache_dir()}{missing.detail}; get one with {get} while online, or unset "
+                    "HF_HUB_OFFLINE"
                 ) from None
     from huggingface_hub import HfApi, hf_hub_download, snapshot_download
 
@@ -307,21 +316,23 @@ def snapshot(
         card = None
         if dataset_card.CARD in names:
             try:
-                card = dataset_card.read_card(
-                    Path(
-                        hf_hub_download(
-                            hub_id.repo,
-                            dataset_card.CARD,
-                            repo_type=repo_type,
-                            revision=info.sha,
-                            cache_dir=cache_dir(),
-                            local_dir=local_dir,
-                            endpoint=_endpoint(),
-                            token=_token(),
-                            etag_timeout=ETAG_TIMEOUT_S,
-                        )
-                    ).parent
+                card_file = hf_hub_download(
+                    hub_id.repo,
+                    dataset_card.CARD,
+                    repo_type=repo_type,
+                    revision=info.sha,
+                    cache_dir=cache_dir(),
+                    local_dir=local_dir,
+                    endpoint=_endpoint(),
+                    token=_token(),
+                    etag_timeout=ETAG_TIMEOUT_S,
                 )
+            except Exception as err:
+                raise _user_error(err, hub_id, where, repo_type) from None
+            if local_dir is None:  # one already cached is returned as it is, wherever it leads
+                hub_cache.check_in_snapshot(Path(card_file), _repository(hub_id, repo_type, where), where)
+            try:
+                card = dataset_card.read_card(Path(card_file).parent)
             except Exception as err:
                 raise _user_error(err, hub_id, where, repo_type) from None
         allow = _dataset_allow(card, names, where, subset, split)
@@ -342,7 +353,13 @@ def snapshot(
         raise _user_error(err, hub_id, where, repo_type) from None
     if repo_type == "dataset" and Path(folder).name != info.sha:  # the files chosen by another commit's card
         raise UserError(f"{where}: the Hub repository moved to another commit while it was fetched; run again")
-    return Path(folder)
+    if local_dir is not None:
+        return Path(folder)
+    # Files already in the snapshot are kept as they are, wherever they lead: checked as offline.
+    checked = hub_cache.checked_snapshot(_repository(hub_id, repo_type, where), Path(folder).name, where)
+    if checked is None:
+        raise UserError(f"{where}: the download left no snapshot folder at {folder}; run again")
+    return checked
 
 
 def _dataset_allow(card: str | None, names: list[str], where: str, subset: str | None, split: str | None) -> list[str]:
@@ -385,7 +402,17 @@ def _patterns(repo_type: str) -> tuple[list[str], list[str] | None]:
 
 class _NotCached(UserError):
     """This machine's cache has no complete snapshot of what was asked (any other UserError of ``_cached`` is a
-    mistake in what was asked: a subset its cached card does not name, say)."""
+    mistake in what was asked, a subset its cached card does not name, or a cache refused by ``hub_cache``).
+    ``detail``: what is there instead, for the offline message (`` (its ref ... names ...)``), or nothing."""
+
+    def __init__(self, message: str, detail: str = "") -> None:
+        super().__init__(message)
+        self.detail = detail
+
+
+def _repository(hub_id: HubId, repo_type: str, where: str) -> Path:
+    """The cache's folder of ``hub_id``'s repository (``hub_cache.repository_folder``)."""
+    return hub_cache.repository_folder(cache_dir(), hub_id.repo, repo_type, where)
 
 
 def _cached(
@@ -396,10 +423,23 @@ def _cached(
     split: str | None = None,
 ) -> Path:
     """The cached snapshot of ``hub_id``, complete for what ``snapshot`` fetches (of a dataset: what its cached card
-    says ``subset`` and ``split`` need), without a request; ``_NotCached`` if there is none."""
+    says ``subset`` and ``split`` need), without a request; ``_NotCached`` if there is none. The ref and the
+    snapshot are read and checked here (``hub_cache``), and huggingface_hub is then asked for the commit they name:
+    it never joins a ref's contents onto a path itself."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
+    where = f"{what} {hub_id}"
+    folder = _repository(hub_id, repo_type, where)
+    commit = hub_id.revision
+    if not COMMIT.fullmatch(commit):
+        commit = hub_cache.read_ref(folder, hub_id.revision, where)
+        if commit is None:
+            raise _NotCached(f"{hub_id}: no cached snapshot (no ref {folder / 'refs' / hub_id.revision})")
+    if hub_cache.checked_snapshot(folder, commit, where) is None:
+        named = "" if commit == hub_id.revision else f"its ref {folder / 'refs' / hub_id.revision} names {commit}, but "
+        detail = f" ({named}the snapshot {folder / 'snapshots' / commit} is not there)"
+        raise _NotCached(f"{hub_id}: no cached snapshot{detail}", detail if named else "")
     allow, ignore = _patterns(repo_type)
 
     def cached(patterns: list[str]) -> Path:
@@ -408,7 +448,7 @@ def _cached(
                 snapshot_download(
                     hub_id.repo,
                     repo_type=repo_type,
-                    revision=hub_id.revision,
+                    revision=commit,
                     cache_dir=cache_dir(),
                     local_files_only=True,
                     allow_patterns=patterns,
@@ -420,9 +460,9 @@ def _cached(
 
     if repo_type != "dataset":
         return cached(allow)
-    folder = cached([dataset_card.CARD])  # the card first: it says which files the subset needs
-    names = _cached_names(hub_id, folder)
-    return cached(_dataset_allow(dataset_card.read_card(folder), names, f"{what} {hub_id}", subset, split))
+    card_folder = cached([dataset_card.CARD])  # the card first: it says which files the subset needs
+    names = _cached_names(HubId(hub_id.repo, commit), card_folder)
+    return cached(_dataset_allow(dataset_card.read_card(card_folder), names, where, subset, split))
 
 
 def _cached_names(hub_id: HubId, folder: Path) -> list[str]:

@@ -8,16 +8,19 @@ memory for a file too large to hold. Each is a bad file, not a bug, so each beco
 subclass naming the file. Readers where a bad file has a meaning of its own (the ckpt_dir lock record and
 manifest, prepare's staging state, a metric history line) catch the same two exceptions themselves. ``NaN`` and
 ``Infinity`` stay accepted: Python's own ``json.dumps`` writes them, and a ``meta.json`` AstrAI saved after a
-diverged step may hold one.
+diverged step may hold one. A file is read through ``regular_files`` (a FIFO, a device or a dangling link is
+refused by name, its size known before a byte is read).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from astrai_fabric.errors import UserError
+from astrai_fabric.regular_files import read_regular_file
 
 MAX_JSON_BYTES = 64 << 20
 """Metadata files are kilobytes (a large model's sharded index is about 100 KB); a file past this is not one."""
@@ -33,24 +36,21 @@ def parse_json(text: str | bytes, source: str, error: type[UserError] = UserErro
         raise error(f"{source}: not valid JSON (nested too deeply)") from None
 
 
-def read_json_file(path: Path, what: str, error: type[UserError] = UserError) -> Any:
-    """The value in the JSON file ``path``; missing, unreadable, oversized or malformed is an ``error`` naming it
-    and ``what`` the file should hold."""
-    if not path.is_file():
-        raise error(f"{path}: file not found (expected {what})")
-    try:
-        size = path.stat().st_size
-        if size > MAX_JSON_BYTES:
-            raise error(f"{path}: {size} bytes, too large for {what} (at most {MAX_JSON_BYTES >> 20} MiB)")
-        data = path.read_bytes()
-    except OSError as err:
-        raise error(f"{path}: cannot read it ({err.strerror or err})") from None
+def read_json_file(
+    path: Path, what: str, error: type[UserError] = UserError, within: Path | Sequence[Path] | None = None
+) -> Any:
+    """The value in the JSON file ``path``; missing, not a regular file, unreadable, oversized or malformed is an
+    ``error`` naming it and ``what`` the file should hold. ``within``: the directory of our own it was found in by
+    a scan, which it must resolve inside (``regular_files``)."""
+    data = read_regular_file(path, max_bytes=MAX_JSON_BYTES, what=what, within=within, error=error)
     return parse_json(data, str(path), error)
 
 
-def read_json_object(path: Path, what: str, error: type[UserError] = UserError) -> dict[str, Any]:
+def read_json_object(
+    path: Path, what: str, error: type[UserError] = UserError, within: Path | Sequence[Path] | None = None
+) -> dict[str, Any]:
     """``read_json_file`` for a file that must hold one JSON object."""
-    value = read_json_file(path, what, error)
+    value = read_json_file(path, what, error, within)
     if not isinstance(value, dict):
         raise error(f"{path}: expected a JSON object, got {type(value).__name__}")
     return value

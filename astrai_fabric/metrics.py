@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 import warnings
 from collections.abc import Iterable
@@ -23,6 +24,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from astrai_fabric.config.model import ModelConfig
+from astrai_fabric.errors import UserError
+from astrai_fabric.metric_entries import metric_entry_problem, metric_lines
 from astrai_fabric.model import count_parameters
 from astrai_fabric.torch_private import foreach_add_, foreach_norm, foreach_sub
 
@@ -40,20 +43,28 @@ class MetricLog:
     def resumed(cls, names: list[str], checkpoint_dir: Path | None) -> MetricLog:
         """The log of the checkpoint a run resumes from (empty for a fresh run or a checkpoint without one)."""
         path = checkpoint_dir / METRIC_FILE if checkpoint_dir is not None else None
-        if path is None or not path.is_file():
+        if path is None or not os.path.lexists(path):  # anything there (a FIFO, a link) is read, or refused by name
             return cls(names)
         entries = []
-        for line_no, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                entry = json.loads(line)
-            except (ValueError, RecursionError):
-                entry = None
-            if isinstance(entry, dict):
-                entries.append(entry)
-            else:
-                warnings.warn(f"{path}:{line_no}: not a JSON object; this metric history line is dropped", stacklevel=2)
+        try:
+            for line_no, line in metric_lines(path, within=checkpoint_dir):
+                try:
+                    entry = json.loads(line)
+                except (ValueError, RecursionError):
+                    entry = None
+                if not isinstance(entry, dict):
+                    warnings.warn(
+                        f"{path}:{line_no}: not a JSON object; this metric history line is dropped", stacklevel=2
+                    )
+                elif problem := metric_entry_problem(entry):  # what plot reads of it: the new history plots whole
+                    warnings.warn(
+                        f"{path}:{line_no}: not a metric entry ({problem}); this metric history line is dropped",
+                        stacklevel=2,
+                    )
+                else:
+                    entries.append(entry)
+        except UserError as err:  # the run has begun writing: it goes on, with the history it could read
+            warnings.warn(f"{err}; the metric history is carried on from the lines before it", stacklevel=2)
         return cls(names, entries)
 
     def add(self, kind: str, epoch: int, step: int, consumed_samples: int, **values: float) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 from astrai_fabric.errors import UserError
 from astrai_fabric.evaluate.results import CHECKPOINT_NAME, checkpoint_results
+from astrai_fabric.metric_entries import metric_entry_problem, metric_lines
 
 PLOT_FILE = "plot.png"
 METRIC_FILE = "metric.jsonl"
@@ -28,23 +29,21 @@ EVAL_SKIPPED = ("tokens", "units")
 
 def read_entries(run: Path) -> list[dict[str, Any]]:
     """The run's metric entries, merged over all its ``metric.jsonl`` files, one per (type, step), by step."""
-    files = [run] if run.is_file() else sorted(run.rglob(METRIC_FILE))
+    files = sorted(run.rglob(METRIC_FILE)) if run.is_dir() else [run] if run.is_symlink() or run.exists() else []
     if not files:
         if read_evaluations(run):
             return []
         raise UserError(f"{run}: no {METRIC_FILE} found (give a run's ckpt_dir, a checkpoint, or a metric.jsonl)")
     merged: dict[tuple[str, int], dict[str, Any]] = {}
     for file in files:
-        for number, line in enumerate(file.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
-            if not line.strip():
-                continue
+        for number, line in metric_lines(file, within=None if file == run else run):
             try:
                 entry = json.loads(line)
-                if not isinstance(entry["type"], str) or not isinstance(entry["step"], int):
-                    raise TypeError(f"type {entry['type']!r}, step {entry['step']!r}")
-                merged[(entry["type"], entry["step"])] = entry
-            except (ValueError, RecursionError, KeyError, TypeError) as err:  # ValueError: JSON, digits
+            except (ValueError, RecursionError) as err:  # ValueError: JSON, digits
                 raise UserError(f"{file}:{number}: not a metric entry ({err})") from None
+            if problem := metric_entry_problem(entry):
+                raise UserError(f"{file}:{number}: not a metric entry ({problem})")
+            merged[(entry["type"], entry["step"])] = entry
     return sorted(merged.values(), key=lambda e: e["step"])
 
 
@@ -62,7 +61,7 @@ def read_evaluations(run: Path) -> dict[str, list[tuple[int, float]]]:
         match = CHECKPOINT_NAME.match(checkpoint.name)
         if not match or not checkpoint.is_dir():
             continue
-        for result in checkpoint_results(checkpoint):
+        for result in checkpoint_results(checkpoint, "left out of the plot"):
             results.append((int(match[2]), result))
             if result.get("kind") == "perplexity":
                 data_paths.add(str(result.get("settings", {}).get("data_root_path")))
@@ -73,7 +72,7 @@ def read_evaluations(run: Path) -> dict[str, list[tuple[int, float]]]:
             else ""
         )
         for name, value in result["metrics"].items():
-            drawn = isinstance(value, int | float) and not isinstance(value, bool)
+            drawn = _is_number(value)
             if (
                 drawn
                 and name not in EVAL_SKIPPED
@@ -179,6 +178,11 @@ def _series(axis: Any, entries: list[dict[str, Any]], key: str, label: str, **st
 def _is_eval_loss(name: str) -> bool:
     """Perplexity's mean loss, drawn with the training loss it is comparable to."""
     return name == "loss" or name.startswith("loss (")
+
+
+def _is_number(value: object) -> bool:
+    """An int or a float; a bool (``true`` in a line) is no measure."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _plottable(value: float) -> bool:

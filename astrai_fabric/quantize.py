@@ -220,14 +220,39 @@ def read_quantization_entry(entry: Any, where: str) -> tuple[torch.dtype, tuple[
     expected = {"method": "nf4", "block_size": BLOCK_SIZE, "scaler_block_size": SCALER_BLOCK_SIZE}
     if wrong := [f"{k} {entry.get(k)!r} (expected {v!r})" for k, v in expected.items() if entry.get(k) != v]:
         raise CheckpointError(f"{where}: '{QUANTIZATION_KEY}' has " + ", ".join(wrong))
-    if entry.get("dtype") not in _DTYPES:
+    if not isinstance(entry.get("dtype"), str) or entry["dtype"] not in _DTYPES:
         raise CheckpointError(
             f"{where}: '{QUANTIZATION_KEY}' dtype must be one of {list(_DTYPES)}, got {entry.get('dtype')!r}"
         )
     keys = entry.get("keys")
     if not isinstance(keys, list) or not all(isinstance(k, str) and k.endswith(".weight") for k in keys):
         raise CheckpointError(f"{where}: '{QUANTIZATION_KEY}' keys must be a list of '<layer>.weight' names")
+    if not keys:  # a run quantises at least one weight (``quantization_entry``): an empty list is a damaged record
+        raise CheckpointError(
+            f"{where}: '{QUANTIZATION_KEY}' keys is empty, but a QLoRA run quantises its block linear weights; the "
+            "adapter would be merged into a base it was not trained over"
+        )
     return _DTYPES[entry["dtype"]], tuple(keys)
+
+
+QUANTIZE_FLAG = "quantize"
+"""``meta.json``'s copy of the run's ``--quantize`` flag (every flag is recorded there)."""
+
+
+def quantization_record(meta: Mapping[str, Any], where: str) -> Any:
+    """A checkpoint's ``QUANTIZATION_KEY`` record (None for an adapter trained over a base in its float dtype),
+    refused where it is missing but the run's own flag in ``meta`` (``QUANTIZE_FLAG``) says the base was NF4: the
+    adapter would be merged into (or resumed over) weights it was not trained over, and compute another model."""
+    flag = meta.get(QUANTIZE_FLAG)
+    if flag not in (None, "nf4"):
+        raise CheckpointError(f"{where}: '{QUANTIZE_FLAG}' must be null or 'nf4', got {flag!r}")
+    if flag is not None and QUANTIZATION_KEY not in meta:
+        raise CheckpointError(
+            f"{where}: '{QUANTIZE_FLAG}' is {flag!r} (the adapter was trained over the base quantised to NF4), but "
+            f"the '{QUANTIZATION_KEY}' record of which weights were quantised, and from which dtype, is missing; "
+            "restore it from another checkpoint of the same run"
+        )
+    return meta.get(QUANTIZATION_KEY)
 
 
 def round_trip(state_dict: Mapping[str, Tensor], entry: Any, where: str) -> dict[str, Tensor]:

@@ -73,6 +73,8 @@ class RewardModelScorer:
     def __init__(
         self, path: Path, device: torch.device, policy_tokenizer: Tokenizer | None, dtype: torch.dtype | None = None
     ) -> None:
+        self.name = f"model {path}"
+        """How messages name it: ``reward model PATH``."""
         self.model = load_model(path, dtype=dtype).to(device).eval().requires_grad_(False)
         self.pad_token_id = self.model.config.pad_token_id
         self.tokenizer = own_tokenizer(path, policy_tokenizer)

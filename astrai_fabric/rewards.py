@@ -183,11 +183,25 @@ def score(
                     "(an int or a float; not a bool, a string or None)"
                 )
             if not (abs(value) <= FLOAT32_MAX):  # NaN fails too; a Python int past float's range compares
-                raise ConfigError(
-                    f"reward {name} returned {_kind(value)} for response {j} of prompt {i}: rewards must be finite in "
-                    "float32 (|r| <= 3.4e38)"
-                )
+                raise ConfigError(_not_finite(name, value, i, j))
     return torch.tensor([[float(v) for v in row] for row in values], dtype=torch.float32)
+
+
+def check_finite(rewards: Tensor, name: str) -> Tensor:
+    """``rewards [B, G]`` a reward model computed (``reward_model.RewardModelScorer``), refused as a reward
+    function's result is (``score``) where one is not finite: NaN or infinite scores would rank pairs and weigh
+    advantages by nothing (every comparison with NaN is false) while the policy steps on them. Returns ``rewards``."""
+    if bad := (~torch.isfinite(rewards)).nonzero().tolist():
+        i, j = bad[0]
+        raise ConfigError(_not_finite(name, rewards[i, j].item(), i, j))
+    return rewards
+
+
+def _not_finite(name: str, value: Any, i: int, j: int) -> str:
+    return (
+        f"reward {name} returned {_kind(value)} for response {j} of prompt {i}: rewards must be finite in float32 "
+        "(|r| <= 3.4e38)"
+    )
 
 
 def _rows(values: Any) -> Any:

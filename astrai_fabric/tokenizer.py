@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import re
 import signal
 import threading
@@ -60,12 +61,15 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
 from astrai_fabric.errors import UserError
-from astrai_fabric.json_files import read_json_object
+from astrai_fabric.json_files import MAX_JSON_BYTES, read_json_object
+from astrai_fabric.regular_files import read_regular_file
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 """transformers 5 writes the default template here, beside tokenizer_config.json."""
+MAX_TOKENIZER_BYTES = 1 << 30
+"""A tokenizer.json is megabytes (Gemma 3's 262k-token vocabulary: 33 MB); a file past this is not one."""
 ASTRAI, HUGGING_FACE = "astrai", "huggingface"
 """The two tokenizer layouts (``Tokenizer.layout``)."""
 HF_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -125,8 +129,8 @@ class Tokenizer:
         try:
             return cls.from_dir(directory), None
         except UserError as err:
-            if (directory / TOKENIZER_FILE).exists():
-                raise  # there, but broken
+            if os.path.lexists(directory / TOKENIZER_FILE):
+                raise  # there, but broken (a FIFO, a link to nothing among them)
             return None, str(err)
 
     @classmethod
@@ -135,18 +139,19 @@ class Tokenizer:
         AstrAI's or Hugging Face's layout."""
         directory = Path(directory)
         path = directory / TOKENIZER_FILE
-        if not path.is_file():
+        if not os.path.lexists(path):
             raise UserError(
                 f"{path}: file not found (a tokenizer directory holds tokenizer.json and tokenizer_config.json; "
                 "point --tokenizer_path at one)"
             )
+        data = read_regular_file(path, max_bytes=MAX_TOKENIZER_BYTES, what="a tokenizers file")
         try:
-            tokenizer = HFTokenizer.from_file(str(path))
+            tokenizer = HFTokenizer.from_str(data.decode("utf-8"))
         except Exception as err:  # tokenizers raises a bare Exception for malformed files
             raise UserError(f"{path}: not a valid tokenizers file ({' '.join(str(err).split())[:200]})") from None
         config: dict[str, Any] = {}
         config_path = directory / TOKENIZER_CONFIG_FILE
-        if config_path.is_file():
+        if os.path.lexists(config_path):  # optional, but one there that is no file is refused by name
             config = read_json_object(config_path, "the tokenizer's config")
         if _checked_config(config, directory, config_path) == HUGGING_FACE:
             special_tokens, chat_template = _read_hf_config(config, directory, config_path, tokenizer)
@@ -179,7 +184,9 @@ class Tokenizer:
 
     def contents(self) -> dict[str, bytes]:
         """The bytes of ``files``, by name: two tokenizers with equal contents tokenise alike."""
-        return {name: path.read_bytes() for name, path in self.files.items()}
+        return {
+            name: read_regular_file(path, max_bytes=MAX_TOKENIZER_BYTES, what=name) for name, path in self.files.items()
+        }
 
     @property
     def vocab_size(self) -> int:
@@ -318,7 +325,7 @@ def _checked_config(config: dict[str, Any], directory: Path, config_path: Path) 
         if value is not None and not is_kind(value):
             raise UserError(f"{config_path}: {name!r} must {kind}, got {json.dumps(value)[:100]}")
     hf_keys = [key for key in HF_LAYOUT_KEYS if key in config]
-    if (directory / CHAT_TEMPLATE_FILE).is_file():
+    if os.path.lexists(directory / CHAT_TEMPLATE_FILE):
         hf_keys.append(CHAT_TEMPLATE_FILE)
     if "special_tokens" in config and hf_keys:
         raise UserError(
@@ -351,9 +358,10 @@ def _read_hf_config(
                 f"it id {tokenizer.token_to_id(value['content'])}"
             )
     jinja_path = directory / CHAT_TEMPLATE_FILE
-    if jinja_path.is_file():  # transformers: the file wins over an inline template
+    if os.path.lexists(jinja_path):  # transformers: the file wins over an inline template
+        source = read_regular_file(jinja_path, max_bytes=MAX_JSON_BYTES, what="a chat template")
         try:
-            return special_tokens, jinja_path.read_text(encoding="utf-8")
+            return special_tokens, source.decode("utf-8")
         except UnicodeDecodeError as err:
             raise UserError(f"{jinja_path}: not UTF-8 text ({err})") from None
     return special_tokens, _named_template(config.get("chat_template"), config_path)

@@ -14,6 +14,7 @@ import shutil
 import signal
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -109,8 +110,13 @@ def reference(model, tokenizer: Tokenizer, turns: list[str], templated: bool = T
     return replies
 
 
-def chat(argv: list[str], stdin: str, capsys, monkeypatch) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+def piped(text: str | bytes) -> io.TextIOWrapper:
+    """A stand-in for a piped stdin: bytes under a UTF-8 text layer, as Python opens a pipe."""
+    return io.TextIOWrapper(io.BytesIO(text.encode() if isinstance(text, str) else text), encoding="utf-8")
+
+
+def chat(argv: list[str], stdin: str | bytes, capsys, monkeypatch) -> tuple[int, str, str]:
+    monkeypatch.setattr(sys, "stdin", piped(stdin))
     code = main(["chat", *argv, "--temperature", "0", "--max_new_tokens", str(NEW_TOKENS)])
     out, err = capsys.readouterr()
     return code, out, err
@@ -211,6 +217,70 @@ def test_a_terminal_that_cannot_show_a_character_gets_a_replacement(monkeypatch)
     assert sys.stdout.buffer.getvalue() == b"h?llo"
 
 
+def test_stdin_bytes_that_are_not_utf8_read_as_replacements_said_once(work, capsys, monkeypatch):
+    turns = ["caf\ufffd", "hello", "\ufffd\ufffd ok"]  # a cut character, then two bytes no character starts with
+    expected = reference(load_model(work / "model").eval(), Tokenizer.from_dir(work / "model"), turns)
+    code, out, err = chat([str(work / "model")], b"caf\xc3\nhello\n\xff\xfe ok\n", capsys, monkeypatch)
+    assert (code, out) == (0, "".join(f"{reply}\n" for reply in expected))
+    assert err == (
+        "astrai-fabric: input line 1 is not utf-8 text (unexpected end of data at byte 3): bytes that do not decode "
+        "are read as U+FFFD, here and in any later line\n"
+    )
+
+
+def test_a_line_over_max_input_bytes_is_refused_in_one_line_and_the_chat_goes_on(work, capsys, monkeypatch):
+    turns = ["hello", "b" * 64]  # the 65-byte line between them is not in the conversation; 64 bytes are taken
+    expected = reference(load_model(work / "model").eval(), Tokenizer.from_dir(work / "model"), turns)
+    stdin = f"hello\n{'a' * 65}\n{'b' * 64}\n"
+    code, out, err = chat([str(work / "model"), "--max_input_bytes", "64"], stdin, capsys, monkeypatch)
+    assert (code, out) == (0, "".join(f"{reply}\n" for reply in expected))
+    assert err == (
+        "astrai-fabric: error: input line 2 is 65 bytes, over chat's 64 (--max_input_bytes): this message is skipped\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "stdin, lines",
+    [
+        (b"a" * 8 + b"\nnext\n", [b"a" * 8, b"next"]),
+        (b"a" * 8, [b"a" * 8]),  # the last line, without a line end
+        (b"a" * 9 + b"\nnext\n", [9, b"next"]),
+        (b"a" * 9, [9]),
+        (b"a" * 40 + b"\n\nnext", [40, b"", b"next"]),  # dropped over several pieces
+    ],
+)
+def test_read_line_takes_at_most_max_bytes_and_drops_a_longer_line(stdin, lines):
+    stream, read = io.BytesIO(stdin), []
+    while True:
+        try:
+            line = chat_module.read_line(stream, 8)
+        except chat_module.LineTooLong as err:
+            line = err.size_bytes
+        if line is None:
+            break
+        read.append(line)
+    assert read == lines
+
+
+def test_a_long_line_is_never_held_whole(tmp_path):
+    """Peak memory reading past a line of 16 MiB with a 64 KiB cap stays under three times the cap."""
+    max_bytes, path = 1 << 16, tmp_path / "stdin"
+    with path.open("wb") as file:
+        file.truncate(16 << 20)  # one line of 16 MiB of zero bytes, taking no disk space
+        file.seek(16 << 20)
+        file.write(b"\nnext\n")
+    with path.open("rb") as stream:
+        tracemalloc.start()
+        try:
+            with pytest.raises(chat_module.LineTooLong) as too_long:
+                chat_module.read_line(stream, max_bytes)
+            peak_bytes = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert too_long.value.size_bytes == 16 << 20 and chat_module.read_line(stream, max_bytes) == b"next"
+    assert peak_bytes < 3 * max_bytes, peak_bytes  # about 2x: readline joins the pieces it read
+
+
 def test_plain_continuation_without_a_chat_template(work, capsys, monkeypatch):
     model = load_model(work / "model").eval()
     expected = reference(model, Tokenizer.from_dir(work / "plain"), TURNS[:2], templated=False, system="Once")
@@ -279,6 +349,9 @@ def test_lora_checkpoints_and_huggingface_directories(work, capsys, monkeypatch)
         (["chat", "{w}/model", "--device_type", "gpu"], "chat: device_type must be cpu or cuda, got 'gpu'"),
         (["chat", "{w}/model", "--num_samples", "2"], "unknown flag --num_samples"),
         (["chat", "{w}/model", "--templat", "false"], "unknown flag --templat (did you mean"),
+        (["chat", "{w}/model", "--system", "caf\udce9"],  # how Python hands over a command line's byte 0xe9
+         "chat: system is not UTF-8 text (an undecodable byte at position 3)"),
+        (["chat", "{w}/model", "--max_input_bytes", "0"], "chat: need max_input_bytes >= 1, got 0"),
         (["chat", "{w}/model", "--tokenizer_path", "{w}/no_system", "--system", "Be brief."],
          "no_system/tokenizer_config.json: chat_template failed: raise_exception: System role not supported"),
         (["chat", "{w}/model", "--tokenizer_path", "{w}/empty"], "the conversation renders as no token"),
@@ -287,7 +360,7 @@ def test_lora_checkpoints_and_huggingface_directories(work, capsys, monkeypatch)
     ],
 )  # fmt: skip
 def test_mistakes_are_one_line_exit_2_before_a_reply(work, capsys, monkeypatch, argv, message):
-    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
+    monkeypatch.setattr(sys, "stdin", piped("hello\n"))
     assert main([part.replace("{w}", str(work)) for part in argv]) == 2
     out, err = capsys.readouterr()
     assert out == "" and len(err.splitlines()) == 1 and err.startswith("astrai-fabric: error: "), err
@@ -314,7 +387,10 @@ def read_until(fd: int, wanted: bytes, seconds: float = 60) -> bytes:
 
 
 def test_in_a_terminal_the_prompt_shows_and_the_reply_streams(work):
-    first = reference(load_model(work / "model").eval(), Tokenizer.from_dir(work / "model"), TURNS[:1])[0]
+    """Also what stdin's checks say in a terminal (through the line editor): a byte that is not UTF-8, then a line
+    over ``--max_input_bytes``; the session goes on after each."""
+    model, tokenizer = load_model(work / "model").eval(), Tokenizer.from_dir(work / "model")
+    first, second = reference(model, tokenizer, ["hello", "\ufffd"])
     argv = [
         sys.executable,
         "-m",
@@ -325,6 +401,8 @@ def test_in_a_terminal_the_prompt_shows_and_the_reply_streams(work):
         "0",
         "--max_new_tokens",
         str(NEW_TOKENS),
+        "--max_input_bytes",
+        "64",
     ]
     pid, terminal = pty.fork()  # the child's controlling terminal: Ctrl-C there is its SIGINT
     if pid == 0:
@@ -333,6 +411,8 @@ def test_in_a_terminal_the_prompt_shows_and_the_reply_streams(work):
             # A terminal user's Ctrl-C: a shell without job control starts background jobs (pytest here) with SIGINT
             # ignored, which exec keeps and which would keep Python from raising KeyboardInterrupt at all.
             signal.signal(signal.SIGINT, signal.SIG_DFL)
+            # stdin as a desktop's UTF-8 locale opens it (strict; Python keeps undecodable bytes only under C.UTF-8)
+            os.environ["PYTHONIOENCODING"] = "utf-8:strict"
             os.execv(sys.executable, argv)
         finally:
             os._exit(127)
@@ -343,6 +423,14 @@ def test_in_a_terminal_the_prompt_shows_and_the_reply_streams(work):
         os.write(terminal, b"hello\n")
         shown = read_until(terminal, b">>> ").decode().replace("\r\n", "\n")
         assert shown == f"hello\n{first}\n>>> "  # the echoed input, the reply, the next prompt
+        os.write(terminal, b"\xff\n")  # a byte that starts no UTF-8 character: said, and read as U+FFFD
+        shown = read_until(terminal, b">>> ").decode(errors="replace").replace("\r\n", "\n")
+        notice = "astrai-fabric: input line 2 is not utf-8 text (invalid start byte at byte 0): bytes that do not "
+        assert shown == f"\ufffd\n{notice}decode are read as U+FFFD, here and in any later line\n{second}\n>>> "
+        os.write(terminal, b"a" * 65 + b"\n")
+        shown = read_until(terminal, b">>> ").decode().replace("\r\n", "\n")
+        refusal = "astrai-fabric: error: input line 3 is 65 bytes, over chat's 64 (--max_input_bytes): this message"
+        assert shown == f"{'a' * 65}\n{refusal} is skipped\n>>> "
         time.sleep(0.5)  # let input() reach its wait: a SIGINT just before it is seen only at the next key (CPython)
         os.write(terminal, b"\x03")  # Ctrl-C at the prompt: leave
         deadline = time.monotonic() + 30

@@ -168,7 +168,7 @@ INDEX_HAZARDS = [
      f"{SHARD_2}: holds 'embed_tokens.weight', which {SHARD_1} holds too; each tensor is stored once"),
     ("beside-a-single-file", lambda m: save_file(load_file(m / SHARD_1), str(m / "model.safetensors")),
      "lists shards beside a model.safetensors, so which file holds the model is ambiguous"),
-    ("a-fifo", lambda m: ((m / SHARD_2).unlink(), os.mkfifo(m / SHARD_2)), f"{SHARD_2}: not a regular file"),
+    ("a-fifo", lambda m: ((m / SHARD_2).unlink(), os.mkfifo(m / SHARD_2)), f"{SHARD_2}: is a FIFO, not a file"),
     ("a-link-loop", lambda m: ((m / SHARD_2).unlink(), (m / SHARD_2).symlink_to(SHARD_2)),
      f"{SHARD_2}: a link that cannot be followed"),
 ]  # fmt: skip

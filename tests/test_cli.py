@@ -21,6 +21,28 @@ def test_flags_override_the_recipe(tmp_path):
     assert (args.batch_per_device, args.max_lr, args.train_type, print_config) == (4, 2e-4, "sft", False)
 
 
+def test_several_recipes_merge_in_order_and_flags_win_over_all(tmp_path, capsys):
+    base, paths = tmp_path / "base.yaml", tmp_path / "paths.yaml"
+    base.write_text(
+        "param_path: bundled:tiny\ndata_root_path: bundled:data/seq\nckpt_dir: first\nmax_lr: 1.0e-3\nn_epoch: 2\n"
+    )
+    paths.write_text(f"ckpt_dir: {tmp_path / 'second'}\nmax_lr: 2.0e-3\n")
+    args = parse_train_args("seq", ["--config", str(base), "-c", str(paths)])[0]
+    assert (args.ckpt_dir, args.max_lr, args.n_epoch) == (str(tmp_path / "second"), 2e-3, 2)  # the later file's keys
+    assert args.config == [str(base), str(paths)]
+    args = parse_train_args("seq", ["--max_lr", "3e-4", f"--config={paths}", "--config", str(base)])[0]
+    assert (args.ckpt_dir, args.max_lr) == ("first", 3e-4)  # reversed: the base wins; a flag, wherever it is, over all
+    assert main(["seq", "-c", str(base), "-c", str(paths), "--print_config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)  # the resolved recipe: one flat file, naming no recipe
+    assert (printed["ckpt_dir"], printed["max_lr"], printed["n_epoch"]) == (str(tmp_path / "second"), 2e-3, 2)
+    assert "config" not in printed
+    assert main(["seq", "-c", str(base), "-c", str(paths), "--max_steps", "1", "--dry_run"]) == 0
+    plan = capsys.readouterr().out.splitlines()
+    merged = "(merged in this order: a later file's keys win; flags over all)"
+    assert plan[1] == f"  recipes      {base}, then {paths} {merged}"
+    assert any(line.startswith(f"  outputs      {tmp_path / 'second'}:") for line in plan)
+
+
 def test_astrai_command_line_is_accepted_unchanged(tmp_path):
     recipe = tmp_path / "astrai.yaml"
     # AstrAI's sectioned YAML: sections only group keys; `runtime` belongs to AstrAI's Docker tooling.

@@ -341,6 +341,11 @@ BAD_CARDS = [
     ("configs: [{config_name: a, data_files: x.parquet}, {config_name: a, data_files: y.parquet}]",
      "README.md: configs names 'a' more than once"),
     ("configs: [unclosed", "README.md: its YAML header is not readable YAML ("),
+    ("x: &a0 [x, x, x, x, x, x, x, x, x, x]\n" + "".join(f"y{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]\n"
+     for i in range(1, 20)) + "configs: *a19", "README.md: its YAML header's aliases (*name) expand it to more than "
+     "4,194,304 values (line 8); not a dataset card"),
+    ("configs: &a [*a]", "README.md: its YAML header's alias *a is inside the value it names (line 2); not a "
+     "dataset card"),
     ("configs: [{config_name: a, data_files: elsewhere/*.parquet}]", "subset 'a' of its README.md names data files "
      "(elsewhere/*.parquet) that match no parquet, arrow, CSV or JSON file of the repository"),
 ]  # fmt: skip
@@ -442,3 +447,118 @@ def test_what_a_source_does_not_have_is_one_line(sources, tmp_path):
         with pytest.raises(UserError, match=re.escape(message)):
             read()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ab", "broken", "shards"]
+
+
+MEASURE = """import json, os, resource, sys, types
+from pathlib import Path
+package = types.ModuleType("astrai_fabric.data")  # record_size alone, without the package's torch-importing __init__
+package.__path__ = [str(Path(sys.argv[1]) / "astrai_fabric" / "data")]
+sys.modules["astrai_fabric.data"] = package
+import pyarrow.ipc, pyarrow.parquet
+from astrai_fabric.data import record_size
+from astrai_fabric.errors import UserError
+
+
+def read(kind, file):
+    if kind == "jsonl":
+        with open(file, "rb") as handle:
+            for _ in record_size.lines(handle, file):
+                pass
+    else:
+        record_size.check_file(Path(file), kind, file)
+
+
+found = {}
+for kind, file in json.loads(sys.argv[3]).items():
+    pipe, answer = os.pipe()
+    if os.fork() == 0:  # a child's peak starts at what it holds: the read's own peak is the difference
+        record_size.MAX_RECORD_BYTES = 0  # a first read of a small file loads what a read loads (code, kernels)
+        try:
+            read(kind, json.loads(sys.argv[4])[kind])
+        except UserError:
+            pass
+        record_size.MAX_RECORD_BYTES = int(sys.argv[2])
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        try:
+            read(kind, file)
+            message = "nothing refused"
+        except UserError as err:
+            message = str(err)
+        grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) << 10
+        os.write(answer, json.dumps([message, grown]).encode())
+        os._exit(0)
+    os.close(answer)
+    os.waitpid(-1, 0)
+    found[kind] = json.loads(os.read(pipe, 1 << 16))
+print(json.dumps(found))
+"""
+
+
+def test_a_record_past_the_limit_is_refused_having_held_a_small_multiple_of_the_limit(tmp_path):
+    """The multiple (record_size's docstring): one record 12x the limit, refused, the reading process's peak memory
+    growing by at most 3x the limit: about 2x for a JSONL line (read to the limit), 0.6x for CSV (a chunk at a time,
+    whatever the limit), none for arrow (memory-mapped, measured from its offsets) and 0.5x for parquet (its footer
+    alone). Read whole, it would be 12x or more."""
+    limit = 4 << 20
+    for name, text in (("d", "x" * (48 << 20)), ("small", "x")):  # small: each reader's first use, not measured
+        jsonl(tmp_path / f"{name}.jsonl", [{"text": "hello"}, {"text": text}])
+        jsonl(tmp_path / f"{name}.json", [{"text": "hello"}, {"text": text}])
+        (tmp_path / f"{name}.csv").write_text(f'text\nhello\n"{text}"\n')
+        arrow_file(tmp_path / f"{name}.arrow", [{"text": "hello"}, {"text": text}])
+        pa.parquet.write_table(pa.table({"text": [text]}), tmp_path / f"{name}.parquet")
+    del text
+    kinds = ("jsonl", "json", "csv", "arrow", "parquet")
+    files = {kind: str(tmp_path / f"d.{kind}") for kind in kinds}
+    small = {kind: str(tmp_path / f"small.{kind}") for kind in kinds}
+    done = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(ROOT), str(limit), json.dumps(files), json.dumps(small)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout)
+    expected = {
+        "jsonl": f"{files['jsonl']}:2: a line longer than 4 MiB",
+        "json": f"{files['json']}:2: a line longer than 4 MiB",
+        "csv": f"{files['csv']} row 1: a row longer than 8 MiB as written",
+        "arrow": f"{files['arrow']} row 1: a record of 50,331,648 bytes",
+        "parquet": f"{files['parquet']} row 0: 48 MiB per record",
+    }
+    for kind, (message, grown) in found.items():
+        assert message.startswith(expected[kind]), message
+        assert grown <= 3 * limit, f"{kind}: {grown / limit:.1f}x the limit"
+
+
+def test_a_row_group_larger_than_the_limit_is_read_a_batch_at_a_time(tmp_path, monkeypatch):
+    """Small records in one row group 24x the limit: read, none refused, and never the whole row group decoded at once
+    (what pyarrow holds while the records stream stays under a quarter of it; datasets' reader held all of it)."""
+    from astrai_fabric.data import record_size
+
+    monkeypatch.setattr(record_size, "MAX_RECORD_BYTES", 1 << 20)
+    rows = [f"{i:08d}" + "y" * 192 for i in range(120_000)]  # 200 bytes each: one row group of 24 MB
+    pa.parquet.write_table(pa.table({"text": rows}), tmp_path / "d.parquet", row_group_size=len(rows))
+    held = []
+    source = open_source(tmp_path / "d.parquet", "parquet")
+    read = [record["text"] for _, _, _, record in source.records() if held.append(pa.total_allocated_bytes()) is None]
+    assert read == rows
+    assert max(held) < len(rows) * 200 // 4, f"{max(held):,} bytes held"
+
+
+def test_a_message_shows_a_value_in_brief_however_large_it_is():
+    """A value read from outside, shown in an error: cut from its first items (errors.brief), never made whole
+    first; a card's field of the wrong kind, expanded by aliases to a million values, named in one short line."""
+    from astrai_fabric import dataset_card
+    from astrai_fabric.errors import brief
+
+    shared: list = ["x"]
+    for _ in range(7):  # 10^7 values, as YAML aliases build them (shared): a whole repr would be 50 MB
+        shared = [shared] * 10
+    assert len(brief(shared)) <= 63 and len(brief("x" * (10 << 20))) <= 63
+    header = "x: &a0 [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"y{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]\n" for i in range(1, 6)
+    )
+    with pytest.raises(UserError) as refused:
+        dataset_card.subsets(f"---\n{header}configs: [*a5]\n---\n", "README.md")
+    message = str(refused.value)
+    assert message.startswith("README.md: configs[0]: is list [[[...], [...]") and len(message) < 200, message

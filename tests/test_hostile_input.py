@@ -10,7 +10,9 @@ overwritten (a byte-for-byte snapshot of the workspace), and a hang guard (fault
 from __future__ import annotations
 
 import faulthandler
+import hashlib
 import json
+import os
 import re
 import shutil
 from collections.abc import Callable
@@ -25,6 +27,8 @@ from astrai_fabric import tokenizer as tokenizer_module
 from astrai_fabric.assets import TINY_MODEL_DIR
 from astrai_fabric.checkpoint.weights import host_memory_bytes
 from astrai_fabric.cli import main
+from astrai_fabric.data import record_size
+from astrai_fabric.metric_entries import MAX_LINE_BYTES
 
 TINY_CONFIG = json.loads((TINY_MODEL_DIR / "config.json").read_text())
 TINY_TOKENIZER_CONFIG = json.loads((TINY_MODEL_DIR / "tokenizer_config.json").read_text())
@@ -41,6 +45,8 @@ class Case:
     files: Files = field(default_factory=dict)
     """Files written into ``{c}`` before the snapshot: text, bytes, or ``make(path)``."""
     code: int = 2
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment variables set for the case (``{c}`` filled in), e.g. ``HF_HUB_CACHE``."""
 
 
 def seq(*extra: str, data: str = "bundled:data/seq", model: str = "bundled:tiny") -> list[str]:
@@ -245,8 +251,30 @@ def sparse(size: int) -> Callable[[Path], None]:
     return make
 
 
+def link_to(target: str) -> Callable[[Path], None]:
+    """A symbolic link to ``target`` (``/dev/zero``, or a name beside it that does not exist)."""
+    return lambda path: path.symlink_to(target)
+
+
+def replaced(name: str, make: Callable[[Path], None]) -> Callable[[Path], None]:
+    """A checkpoint change: its file ``name`` replaced by what ``make(path)`` puts there (a FIFO, a link)."""
+    return lambda ck: ((ck / name).unlink(), make(ck / name))
+
+
+def in_run(change: Callable[[Path], None]) -> Files:
+    """``out/epoch_0_step_1``: the workspace's 1-step checkpoint copied into the case's ckpt_dir (what ``--resume
+    auto`` finds), then ``change(ck)``."""
+
+    def make(path: Path) -> None:
+        shutil.copytree(path.parents[2] / "w" / "run" / "epoch_0_step_1", path)
+        change(path)
+
+    return {"out/epoch_0_step_1": make}
+
+
 OK_GROUP = {"prompt": "Say hi", "responses": ["hi", "hello"], "rewards": [1.0, 0.0]}
 RECIPE = "param_path: bundled:tiny\ndata_root_path: bundled:data/seq\nckpt_dir: {c}/out\n"
+TWO_RECIPES = ["seq", "--config", "{c}/a.yaml", "-c", "{c}/b.yaml"]
 
 
 def parquet_file(path: Path, columns: dict[str, list]) -> None:
@@ -260,6 +288,31 @@ def saved_dict(path: Path, splits: list[str]) -> None:
     datasets.DatasetDict(dict.fromkeys(splits, one)).save_to_disk(path)
 
 
+TABLE_RECORD_BYTES = 256 << 10
+"""The limit for one record while the table runs (``record_size.MAX_RECORD_BYTES``, 16 MiB, lowered): its cases past
+the limit are a few hundred KB, not tens of MB (and past the 200 KB of NESTED)."""
+PAST_THE_LIMIT = "x" * 300_000
+"""A text longer than ``TABLE_RECORD_BYTES``, shorter than twice it (CSV's limit for a row as written)."""
+
+
+def arrow_stream(path: Path, columns: dict[str, list]) -> None:
+    pa = pytest.importorskip("pyarrow")
+    table = pa.table(columns)
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+
+
+def saved_dataset(path: Path, columns: dict[str, list]) -> None:
+    pytest.importorskip("datasets").Dataset.from_dict(columns).save_to_disk(path)
+
+
+def alias_bomb(levels: int = 20) -> str:
+    """A card whose YAML header is ~1.4 KB and 10^levels values when its aliases are expanded."""
+    lists = "".join(f"  a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]\n" for i in range(1, levels))
+    configs = "configs:\n- config_name: a\n  data_files: '*.parquet'\n"
+    return f"---\n{configs}levels:\n  a0: &a0 [{', '.join('x' * 10)}]\n{lists}---\n"
+
+
 SUBSETS: Files = {
     "m/README.md": "---\nconfigs:\n- config_name: en\n  data_files: en/*.parquet\n- config_name: fr\n  data_files: "
     "fr/*.parquet\n---\n",
@@ -267,6 +320,123 @@ SUBSETS: Files = {
     "m/fr/train.parquet": lambda p: parquet_file(p, {"text": ["Au commencement"]}),
 }
 """A dataset repository laid out as on the Hub: two subsets named by its README's configs."""
+
+HUB_COMMIT = "0123456789abcdef0123456789abcdef01234567"
+"""The commit of the Hugging Face caches ``hub_cache`` lays out."""
+TINY_REPO = "{c}/home/hub/models--org--tiny"
+"""The tiny model's folder in that cache (``org/tiny``), as messages name it."""
+TINY_SNAPSHOT = f"{TINY_REPO}/snapshots/{HUB_COMMIT}"
+HUB_OFFLINE = {"HF_HUB_CACHE": "{c}/home/hub", "HF_HUB_OFFLINE": "1"}
+"""The Hub cases' environment: their cache, read without a request."""
+HUB_UNREACHABLE = {"HF_HUB_CACHE": "{c}/home/hub", "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"}
+"""Online, with a Hub that cannot be reached (nothing listens on port 9): the cache is the fallback."""
+HUB_TEXTS = b'{"text": "In the beginning God created the heaven and the earth"}\n' * 8
+
+
+def hub_cache(
+    ref: str | None = HUB_COMMIT, change: Callable[[Path], None] | None = None, dataset: bool = False
+) -> Files:
+    """``home/hub/``: a Hugging Face cache as huggingface_hub writes one, holding the tiny model as ``org/tiny`` (or,
+    ``dataset``, texts as the dataset ``org/texts``): each file a blob (``blobs/SHA256``) that
+    ``snapshots/HUB_COMMIT/NAME`` links to by ``../../blobs/SHA256``, ``refs/main`` holding ``ref`` (``{c}`` filled
+    in; None: no ref); then ``change(the repository's folder)``. Beside it, ``outside/m`` (a model) and
+    ``outside/d`` (texts): where a ref or a link out of the cache would lead."""
+    files = {"data/train.jsonl": HUB_TEXTS} if dataset else {p.name: p.read_bytes() for p in TINY_MODEL_DIR.iterdir()}
+
+    def make(home: Path) -> None:
+        folder = home / "hub" / ("datasets--org--texts" if dataset else "models--org--tiny")
+        (folder / "blobs").mkdir(parents=True)
+        (folder / "refs").mkdir()
+        for name, data in files.items():
+            blob = folder / "blobs" / hashlib.sha256(data).hexdigest()
+            blob.write_bytes(data)
+            link = folder / "snapshots" / HUB_COMMIT / name
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(os.path.relpath(blob, link.parent))
+        if ref is not None:
+            (folder / "refs" / "main").write_text(ref.replace("{c}", str(home.parent)))
+        if change is not None:
+            change(folder)
+
+    return {"home": make, **model_dir("outside/m"), "outside/d/train.jsonl": HUB_TEXTS}
+
+
+def in_snapshot(name: str, target: str) -> Callable[[Path], None]:
+    """A ``hub_cache`` change: the snapshot's ``name`` a link to ``target`` (``{hub}`` is the cache's folder)."""
+
+    def change(folder: Path) -> None:
+        link = folder / "snapshots" / HUB_COMMIT / name
+        link.unlink()
+        link.symlink_to(target.replace("{hub}", str(folder.parent)))
+
+    return change
+
+
+def other_repository_blob(folder: Path) -> None:
+    """A ``hub_cache`` change: tokenizer.json links to the same bytes in another repository's ``blobs/``."""
+    other = folder.parent / "models--org--other" / "blobs"
+    other.mkdir(parents=True)
+    link = folder / "snapshots" / HUB_COMMIT / "tokenizer.json"
+    (other / "tokenizer").write_bytes(link.read_bytes())
+    link.unlink()
+    link.symlink_to(os.path.relpath(other / "tokenizer", link.parent))
+
+
+def ref_folder_outside(folder: Path) -> None:
+    """A ``hub_cache`` change: ``refs/refs/`` (where huggingface_hub keeps ``refs/pr/1``) a link to ``outside/m``,
+    which holds ``pr/1`` naming the snapshot."""
+    outside = folder.parents[2] / "outside" / "m"
+    (outside / "pr").mkdir(parents=True)
+    (outside / "pr" / "1").write_text(HUB_COMMIT)
+    (folder / "refs" / "refs").symlink_to(outside)
+
+
+def moved_out(path_in_folder: str) -> Callable[[Path], None]:
+    """A ``hub_cache`` change: ``path_in_folder`` (``snapshots/COMMIT``, or ``.`` the repository's folder itself)
+    moved to ``outside/moved`` beside the cache and linked from where it was."""
+
+    def change(folder: Path) -> None:
+        inside = (folder / path_in_folder).resolve()
+        outside = folder.parents[2] / "outside" / "moved"
+        shutil.move(inside, outside)
+        inside.symlink_to(outside)
+
+    return change
+
+
+NF4_KEYS = [f"layers.{i}.attention.{name}.weight" for i in range(4) for name in ("q_proj", "o_proj")]
+"""The tiny model's weights NF4's blocks hold (``quantize.plan_quantization``: 128 x 128; the others do not fit)."""
+
+
+def qlora_checkpoint(**meta) -> Files:
+    """``ck/``: an adapter-only checkpoint over the workspace's 1-step checkpoint as a QLoRA run writes one (r 4,
+    the default targets, adapters of zeros, ``meta.json`` pointing at its base with ``quantize: nf4`` and the
+    quantization record), then ``meta`` applied to its ``meta.json`` (None deletes a key)."""
+    from safetensors.torch import load_file, save_file
+
+    from astrai_fabric.checkpoint.adapter import lora_base_entry, weight_digests
+    from astrai_fabric.lora import LoRASpec
+
+    def make(path: Path) -> None:
+        base = (path.parents[1] / "w" / "run" / "epoch_0_step_1").resolve()
+        shutil.copytree(base, path)
+        spec = LoRASpec(4)
+        adapter = {}
+        for key, weight in load_file(path / "model.safetensors").items():
+            if key.removesuffix(".weight").rpartition(".")[2] in spec.targets:
+                adapter[key.replace(".weight", ".lora_A")] = torch.zeros(spec.r, weight.shape[1])
+                adapter[key.replace(".weight", ".lora_B")] = torch.zeros(weight.shape[0], spec.r)
+        (path / "model.safetensors").unlink()
+        save_file(adapter, path / "adapter_model.safetensors")
+        (path / "adapter_config.json").write_text(json.dumps(spec.adapter_config()))
+        record = {"method": "nf4", "block_size": 64, "scaler_block_size": 256, "dtype": "float32", "keys": NF4_KEYS}
+        pointer = lora_base_entry(base, path, weight_digests(base))
+        values = {"lora_r": 4, "quantize": "nf4", "lora_base": pointer, "quantization": record, **meta}
+        written = {**json.loads((path / "meta.json").read_text()), **values}
+        (path / "meta.json").write_text(json.dumps({k: v for k, v in written.items() if v is not None}))
+
+    return {"ck": make}
+
 
 CASES = [
     # --- recipes and flags: the same checks for a value from YAML as from the command line ------------------------
@@ -315,6 +485,33 @@ CASES = [
     Case("flag-zero-clip", seq("--max_grad_norm", "0"), "max_grad_norm must be > 0, got 0.0"),
     Case("flag-top-p", grpo("--rollout_top_p", "1.5"), "rollout_top_p must be in (0, 1], got 1.5"),
     Case("flag-no-value", seq("--max_lr"), "max_lr"),
+    # --- round 4: several recipes merge in order; each file's mistakes name that file ------------------------------
+    Case("recipes-second-unknown-key", TWO_RECIPES, "{c}/b.yaml: unknown key(s) max_lrr (did you mean max_lr?)",
+         {"a.yaml": RECIPE, "b.yaml": "max_lrr: 1.0e-3\n"}),
+    Case("recipes-second-wrong-type", TWO_RECIPES, '{c}/b.yaml: Parser key "batch_per_device"',
+         {"a.yaml": RECIPE, "b.yaml": "batch_per_device: two\n"}),
+    Case("recipes-second-null", TWO_RECIPES, "{c}/b.yaml: n_epoch must be int, got null",
+         {"a.yaml": RECIPE, "b.yaml": "n_epoch: null\n"}),
+    Case("recipes-second-duplicate-key", TWO_RECIPES, "{c}/b.yaml: not valid YAML at line 2, column 1: duplicate key",
+         {"a.yaml": RECIPE, "b.yaml": "max_lr: 1.0e-3\nmax_lr: 2.0e-3\n"}),
+    Case("recipes-second-train-type", TWO_RECIPES, "{c}/b.yaml: train_type is not 'seq'",
+         {"a.yaml": RECIPE, "b.yaml": "train_type: dpo\n"}),
+    Case("recipes-second-trust-code", TWO_RECIPES, "{c}/b.yaml: trust_code can only be given on the command line",
+         {"a.yaml": RECIPE, "b.yaml": "trust_code: true\n"}),
+    Case("recipes-second-missing", TWO_RECIPES, "--config {c}/b.yaml: file not found", {"a.yaml": RECIPE}),
+    Case("recipe-names-a-recipe", ["seq", "--config", "{c}/a.yaml"],
+         "{c}/a.yaml: config can only be given on the command line",
+         {"a.yaml": RECIPE + "config: [{c}/b.yaml]\n", "b.yaml": "max_lr: 1.0e-3\n"}),
+    Case("config-without-a-path", ["seq", "--config"], "--config needs a recipe path"),
+    Case("config-before-a-flag", ["seq", "--config", "--max_lr", "1e-3"], "--config needs a recipe path"),
+    Case("astrai-recipes-disagree", ["-c", "{c}/a.yaml", "-c", "{c}/b.yaml"],
+         "{c}/b.yaml: train_type 'dpo' contradicts {c}/a.yaml's",
+         {"a.yaml": RECIPE + "train_type: seq\n", "b.yaml": "train_type: dpo\n"}),
+    Case("astrai-train-type-list", ["--config", "{c}/a.yaml"], "{c}/a.yaml: train_type must be str",
+         {"a.yaml": RECIPE + "train_type: [seq]\n"}),
+    Case("prepare-two-configs", ["prepare", "{c}/d.jsonl", "-o", "{c}/o", "-c", "{c}/p.json", "-c", "{c}/q.json",
+         "--tokenizer_path", "bundled:tiny"], "prepare takes one -c/--config, got 2: {c}/p.json, {c}/q.json",
+         {**jsonl({"text": "x"}, name="d.jsonl"), **TEXT_PIPELINE, "q.json": TEXT_PIPELINE["p.json"]}),
     # --- a recipe is data: code is opted into on the command line only ---------------------------------------------
     Case("reward-popen", ["grpo", "--config", "{c}/r.yaml"], "needs --trust_code on the command line",
          {"r.yaml": RECIPE.replace("seq", "grpo_online") + "reward: {class_path: subprocess.Popen, init_args: "
@@ -595,6 +792,8 @@ CASES = [
          {**jsonl({"text": "a"}), **TEXT_PIPELINE}),
     Case("prepare-malformed-last-record", prepare_argv(), "data.jsonl:3: not valid JSON",
          {**jsonl({"text": "a"}, {"text": "b"}, '{"text": "c"'), **TEXT_PIPELINE}),
+    Case("prepare-role-an-object", prepare_argv(), "no record was kept ({\"field 'messages': a message without a "
+         "role (a string)\": 1})", {**jsonl({"messages": [{"role": {"a": 1}, "content": "x"}]}), **CHAT_PIPELINE}),
     Case("prepare-float-sequence", prepare_argv(), "output.dtype.sequence must be an integer dtype",
          {**jsonl({"text": "a"}), "p.json": json.dumps({"input": {"sections": [{"field": "text", "action": "train"}]},
                                                        "output": {"dtype": {"sequence": "float32"}}})}),
@@ -638,11 +837,117 @@ CASES = [
     Case("plot-missing-dir", ["plot", "{w}/run", "-o", "{c}/no/plot.png"], "the directory {c}/no does not exist"),
     Case("plot-bad-entry", ["plot", "{c}/metric.jsonl"], "metric.jsonl:1: not a metric entry",
          {"metric.jsonl": '{"type": "step", "step": "one"}\n'}),
+    # --- round 4: what we wrote, read back checked: metric history, meta.json's QLoRA record ------------------------
+    Case("plot-step-bool", ["plot", "{c}/metric.jsonl"], "metric.jsonl:2: not a metric entry (step True, expected an "
+         "integer in [0, 2^63))", {"metric.jsonl": '{"type": "step", "step": 1}\n{"type": "step", "step": true}\n'}),
+    Case("plot-step-past-int64", ["plot", "{c}/metric.jsonl"], "metric.jsonl:1: not a metric entry (step 1000",
+         {"metric.jsonl": '{"type": "step", "step": 1' + "0" * 400 + "}\n"}),
+    Case("plot-type-a-path", ["plot", "{c}/metric.jsonl"], "metric.jsonl:1: not a metric entry (type '",
+         {"metric.jsonl": json.dumps({"type": "../" * 100 + "etc/passwd", "step": 1}) + "\n"}),
+    Case("qlora-record-missing", ["generate", "--param_path", "{c}/ck", "--prompt", "x", "--max_new_tokens", "1"],
+         "ck/meta.json: 'quantize' is 'nf4' (the adapter was trained over the base quantised to NF4), but the "
+         "'quantization' record of which weights were quantised, and from which dtype, is missing",
+         qlora_checkpoint(quantization=None)),
+    Case("qlora-record-emptied", ["generate", "--param_path", "{c}/ck", "--prompt", "x", "--max_new_tokens", "1"],
+         "ck/meta.json: 'quantization' keys is empty, but a QLoRA run quantises its block linear weights",
+         qlora_checkpoint(quantization={"method": "nf4", "block_size": 64, "scaler_block_size": 256,
+                                        "dtype": "float32", "keys": []})),
+    Case("qlora-dtype-an-object", ["generate", "--param_path", "{c}/ck", "--prompt", "x", "--max_new_tokens", "1"],
+         "ck/meta.json: 'quantization' dtype must be one of ['float32', 'bfloat16', 'float16'], got {'a': 1}",
+         qlora_checkpoint(quantization={"method": "nf4", "block_size": 64, "scaler_block_size": 256,
+                                        "dtype": {"a": 1}, "keys": NF4_KEYS})),
+    Case("lora-base-pointer-names-no-place", ["export", "{c}/ck", "--out", "{c}/o"],
+         "ck/meta.json: a LoRA checkpoint without merged weights needs 'lora_base' {path, absolute, sha256}",
+         qlora_checkpoint(quantize=None, quantization=None, lora_base={"sha256": {}})),
+    Case("qlora-flag-not-a-method", ["export", "{c}/ck", "--out", "{c}/o"],
+         "ck/meta.json: 'quantize' must be null or 'nf4', got ['nf4']", qlora_checkpoint(quantize=["nf4"])),
+    Case("qlora-resumed-without-quantize", seq("--resume", "{c}/ck", "--lora_r", "4", model="{w}/run/epoch_0_step_1"),
+         "ck holds an adapter trained over the base in NF4; resume it with --quantize nf4", qlora_checkpoint()),
+    Case("lora-resumed-with-quantize", seq("--resume", "{c}/ck", "--lora_r", "4", "--quantize", "nf4",
+                                               model="{w}/run/epoch_0_step_1"),
+         "ck holds an adapter trained over the base in its float dtype; resume it without --quantize",
+         qlora_checkpoint(quantize=None, quantization=None)),
     # --- JSON the parser itself cannot take: nesting past the recursion limit, a file too large to read ------------
     Case("config-nested", seq(model="{c}/m"), "config.json: not valid JSON (nested too deeply)",
          {**model_dir(), "m/config.json": NESTED}),
     Case("config-huge", seq(model="{c}/m"), "config.json: 67108865 bytes, too large for a model config.json",
          {**model_dir(), "m/config.json": sparse((64 << 20) + 1)}),
+    # --- round 4: every file opened as what it is (regular_files): a FIFO, a device, a link to nothing, a directory --
+    # Each refused by name before a byte is read (a FIFO would block the open, /dev/zero never end); links found by a
+    # scan (a checkpoint's *.pt) only within it; "file not found" only where nothing is.
+    Case("config-fifo", seq(model="{c}/m"), "m/config.json: is a FIFO, not a file (expected a model config.json)",
+         {**model_dir(), "m/config.json": os.mkfifo}),
+    Case("config-dev-zero", seq(model="{c}/m"), "m/config.json: links to /dev/zero, a character device, not a file",
+         {**model_dir(), "m/config.json": link_to("/dev/zero")}),
+    Case("config-dangling-link", seq(model="{c}/m"), "m/config.json: a link to gone.json, which does not exist",
+         {**model_dir(), "m/config.json": link_to("gone.json")}),
+    Case("config-a-directory", seq(model="{c}/m"), "m/config.json: is a directory, not a file",
+         {**model_dir(), "m/config.json": Path.mkdir}),
+    Case("meta-fifo", resume(), "ck/meta.json: is a FIFO, not a file (expected the run's meta data)",
+         checkpoint(replaced("meta.json", os.mkfifo))),
+    Case("meta-dev-zero", resume(), "ck/meta.json: links to /dev/zero, a character device, not a file",
+         checkpoint(replaced("meta.json", link_to("/dev/zero")))),
+    Case("meta-dangling-link", resume(), "ck/meta.json: a link to gone.json, which does not exist",
+         checkpoint(replaced("meta.json", link_to("gone.json")))),
+    Case("pt-fifo", resume(), "ck/rng.pt: is a FIFO, not a file", checkpoint(replaced("rng.pt", os.mkfifo))),
+    Case("pt-links-out", resume(), "ck/rng.pt: links to {c}/rng.pt, outside {c}/ck; its files are read only from",
+         {"rng.pt": lambda p: torch.save({}, p), **checkpoint(replaced("rng.pt", link_to("../rng.pt")))}),
+    Case("resume-auto-pt-fifo", seq("--resume", "auto"), "out/epoch_0_step_1/rng.pt: is a FIFO, not a file",
+         in_run(replaced("rng.pt", os.mkfifo))),
+    Case("resume-auto-pt-dev-zero", seq("--resume", "auto"),
+         "out/epoch_0_step_1/optimizer.pt: links to /dev/zero, a character device, not a file",
+         in_run(replaced("optimizer.pt", link_to("/dev/zero")))),
+    Case("resume-auto-pt-dangling-link", seq("--resume", "auto"),
+         "out/epoch_0_step_1/scheduler.pt: a link to gone.pt, which does not exist",
+         in_run(replaced("scheduler.pt", link_to("gone.pt")))),
+    Case("resume-auto-pt-links-out", seq("--resume", "auto"),
+         "out/epoch_0_step_1/rng.pt: links to {c}/rng.pt, outside {c}/out/epoch_0_step_1; its files are read only "
+         "from inside it", {"rng.pt": lambda p: torch.save({}, p),
+                            **in_run(replaced("rng.pt", link_to("../../rng.pt")))}),
+    Case("resume-auto-pt-a-directory", seq("--resume", "auto"), "epoch_0_step_1/extra.pt: is a directory, not a file",
+         in_run(lambda ck: (ck / "extra.pt").mkdir())),
+    Case("ckpt-dir-manifest-fifo", seq(), "out/.astrai_fabric.json: is a FIFO, not a file (expected astrai-fabric's",
+         {"out/.astrai_fabric.json": os.mkfifo}),
+    Case("tokenizer-fifo", seq("--tokenizer_path", "{c}/t"),
+         "t/tokenizer.json: is a FIFO, not a file (expected a tokenizers file)",
+         {**tokenizer_dir(), "t/tokenizer.json": os.mkfifo}),
+    Case("tokenizer-dev-zero", seq("--tokenizer_path", "{c}/t"),
+         "t/tokenizer.json: links to /dev/zero, a character device, not a file",
+         {**tokenizer_dir(), "t/tokenizer.json": link_to("/dev/zero")}),
+    Case("tokenizer-dangling-link", seq("--tokenizer_path", "{c}/t"),
+         "t/tokenizer.json: a link to gone.json, which does not exist",
+         {**tokenizer_dir(), "t/tokenizer.json": link_to("gone.json")}),
+    Case("tokenizer-config-fifo", seq("--tokenizer_path", "{c}/t"),
+         "t/tokenizer_config.json: is a FIFO, not a file (expected the tokenizer's config)",
+         {**tokenizer_dir(), "t/tokenizer_config.json": os.mkfifo}),
+    Case("hf-template-file-dev-zero", seq("--tokenizer_path", "{c}/t"),
+         "t/chat_template.jinja: links to /dev/zero, a character device, not a file",
+         {**hf_tokenizer(HF_EOS), "t/chat_template.jinja": link_to("/dev/zero")}),
+    Case("recipe-fifo", ["seq", "--config", "{c}/r.yaml"], "--config {c}/r.yaml: is a FIFO, not a file",
+         {"r.yaml": os.mkfifo}),
+    Case("recipe-dev-zero", ["seq", "--config", "{c}/r.yaml"],
+         "--config {c}/r.yaml: links to /dev/zero, a character device, not a file", {"r.yaml": link_to("/dev/zero")}),
+    Case("recipe-dangling-link", ["seq", "--config", "{c}/r.yaml"],
+         "--config {c}/r.yaml: a link to gone.yaml, which does not exist", {"r.yaml": link_to("gone.yaml")}),
+    Case("recipe-a-directory", ["seq", "--config", "{c}/r.yaml"], "--config {c}/r.yaml: is a directory, not a file",
+         {"r.yaml": Path.mkdir}),
+    Case("data-fifo", sft(data="{c}/data.jsonl"), "data_root_path {c}/data.jsonl: is a FIFO, not a file (expected "
+         "records or a folder of them)", {"data.jsonl": os.mkfifo}),
+    Case("data-dev-zero", sft(data="{c}/data.jsonl"),
+         "data_root_path {c}/data.jsonl: links to /dev/zero, a character device, not a file",
+         {"data.jsonl": link_to("/dev/zero")}),
+    Case("prepare-input-in-folder-fifo", ["prepare", "{c}/in", "-o", "{c}/o", "-c", "{c}/p.json", "--tokenizer_path",
+         "bundled:tiny"], "in/b.jsonl: is a FIFO, not a file (expected JSONL records)",
+         {"in/a.jsonl": '{"text": "a"}\n', "in/b.jsonl": os.mkfifo, **TEXT_PIPELINE}),
+    Case("plot-metric-fifo", ["plot", "{c}/run"], "run/epoch_0_step_1/metric.jsonl: is a FIFO, not a file (expected "
+         "a metric history)", {"run/epoch_0_step_1/metric.jsonl": os.mkfifo}),
+    Case("plot-metric-dev-zero", ["plot", "{c}/metric.jsonl"],
+         "metric.jsonl: links to /dev/zero, a character device, not a file", {"metric.jsonl": link_to("/dev/zero")}),
+    Case("plot-metric-links-out", ["plot", "{c}/run"], "run/metric.jsonl: links to {c}/metric.jsonl, outside {c}/run",
+         {"metric.jsonl": '{"type": "step", "step": 1}\n', "run/metric.jsonl": link_to("../metric.jsonl")}),
+    Case("plot-metric-line-too-long", ["plot", "{c}/metric.jsonl"],
+         "metric.jsonl:2: a line longer than 1,048,576 bytes, not a metric entry",
+         {"metric.jsonl": '{"type": "step", "step": 1}\n' + "x" * (2 << 20)}),
     Case("config-int-digits", seq(model="{c}/m"), "config.json: not valid JSON (Exceeds the limit (4300 digits)",
          {**model_dir(), "m/config.json": '{"vocab_size": ' + "9" * 5000 + "}"}),
     Case("config-int-past-int64", seq(model="{c}/m"), "'vocab_size' must fit in 64 bits (at most "
@@ -770,6 +1075,86 @@ CASES = [
          "'weight_map' maps 'embed_tokens.weight' to a list, expected the file name of a shard",
          checkpoint(lambda ck: ((ck / "model.safetensors").unlink(), (ck / "model.safetensors.index.json").write_text(
              json.dumps({"weight_map": {"embed_tokens.weight": ["model.safetensors"]}}))))),
+    # --- round 4: found by the fuzz tier (tests/test_fuzz.py's timed mode) ----------------------------------------
+    Case("hf-config-architectures-a-number", seq(model="{c}/h"),
+         "h/config.json: architectures 9007199254740993 is not supported: expected a list of transformers class names",
+         {"h/config.json": json.dumps({**{k: TINY_CONFIG[k] for k in (
+             "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "rope_theta", "tie_word_embeddings")},
+             "model_type": "llama", "architectures": 2**53 + 1, "id2label": {"0": "LABEL_0"}})}),
+    # --- round 4: the Hub cache's refs, revisions and snapshot files stay inside it (hub_cache.py) -------------------
+    # One resolver (hub._cached, hub.snapshot) serves every id: a model, tokenizer or reference flag, generate, chat,
+    # evaluate, export and download; a dataset reads its card first (its own path). Offline, then with a Hub that
+    # cannot be reached (the online fallback to the cache), and through an @commit (no ref read).
+    Case("hub-ref-dot-dot", seq(model="org/tiny"),
+         f"{TINY_REPO}/refs/main holds '../../../../outside/m', not a commit (expected 40 hex characters naming a "
+         f"folder of {TINY_REPO}/snapshots)", hub_cache("../../../../outside/m"), env=HUB_OFFLINE),
+    Case("hub-ref-dot-dot-hub-unreachable", seq(model="org/tiny"),
+         f"{TINY_REPO}/refs/main holds '../../../../outside/m', not a commit", hub_cache("../../../../outside/m"),
+         env=HUB_UNREACHABLE),
+    Case("hub-ref-absolute", seq(model="org/tiny"), f"{TINY_REPO}/refs/main holds '/", hub_cache("{c}/outside/m"),
+         env=HUB_OFFLINE),
+    Case("hub-ref-not-a-commit", seq(model="org/tiny"),
+         f"the Hub cache's ref {TINY_REPO}/refs/main holds 'main', not a commit", hub_cache("main"), env=HUB_OFFLINE),
+    Case("hub-ref-commit-and-newline", seq(model="org/tiny"), f"refs/main holds '{HUB_COMMIT}\\n', not a commit",
+         hub_cache(HUB_COMMIT + "\n"), env=HUB_OFFLINE),
+    Case("hub-ref-fifo", seq(model="org/tiny"), f"the Hub cache's ref {TINY_REPO}/refs/main is a FIFO, not a file",
+         hub_cache(None, lambda folder: os.mkfifo(folder / "refs" / "main")), env=HUB_OFFLINE),
+    Case("hub-ref-folder-a-link", seq(model="org/tiny@refs/pr/1"),
+         f"the Hub cache's ref {TINY_REPO}/refs/refs/pr/1 leads to {{c}}/outside/m/pr/1, outside {TINY_REPO}/refs",
+         hub_cache(change=ref_folder_outside), env=HUB_OFFLINE),
+    Case("hub-ref-folder-a-loop", seq(model="org/tiny@refs/pr/1"),
+         f"the Hub cache's ref {TINY_REPO}/refs/refs/pr/1 cannot be read (Too many levels of symbolic links)",
+         hub_cache(change=lambda folder: (folder / "refs" / "refs").symlink_to("refs")), env=HUB_OFFLINE),
+    Case("hub-ref-names-no-snapshot", seq(model="org/tiny"),
+         "HF_HUB_OFFLINE=1 with no cached copy of the Hub model org/tiny in {c}/home/hub "
+         f"(its ref {TINY_REPO}/refs/main names {'f' * 40}, but the snapshot {TINY_REPO}/snapshots/{'f' * 40} is "
+         "not there)", hub_cache("f" * 40), env=HUB_OFFLINE),
+    Case("hub-snapshot-file-to-etc-passwd", seq(model="org/tiny"),
+         "the Hub cache's "
+         f"snapshot file {TINY_SNAPSHOT}/config.json links to /etc/passwd, outside the repository's folder "
+         f"{TINY_REPO} (expected a link into {TINY_REPO}/blobs)",
+         hub_cache(change=in_snapshot("config.json", "/etc/passwd")), env=HUB_OFFLINE),
+    Case("hub-snapshot-file-to-another-repository", seq(model="org/tiny"),
+         "tokenizer.json links to {c}/home/hub/models--org--other/blobs/tokenizer, outside the repository's folder",
+         hub_cache(change=other_repository_blob), env=HUB_OFFLINE),
+    Case("hub-snapshot-file-out-hub-unreachable", seq(model="org/tiny"),
+         "config.json links to {c}/outside/m/config.json, outside",
+         hub_cache(change=in_snapshot("config.json", "{hub}/../../outside/m/config.json")), env=HUB_UNREACHABLE),
+    Case("hub-commit-snapshot-file-out", seq(model=f"org/tiny@{HUB_COMMIT}"),
+         f"param_path org/tiny@{HUB_COMMIT}: the Hub cache's snapshot file {TINY_SNAPSHOT}/config.json links to",
+         hub_cache(change=in_snapshot("config.json", "/etc/passwd")), env=HUB_OFFLINE),
+    Case("hub-snapshot-folder-a-link", seq(model="org/tiny"),
+         f"the Hub cache's snapshot {TINY_SNAPSHOT} is a link to {{c}}/outside/moved (expected a folder of {TINY_REPO}",
+         hub_cache(change=moved_out(f"snapshots/{HUB_COMMIT}")), env=HUB_OFFLINE),
+    Case("hub-repository-folder-a-link", seq(model="org/tiny"),
+         f"the Hub cache's folder {TINY_REPO} leads to {{c}}/outside/moved, outside the cache {{c}}/home/hub",
+         hub_cache(change=moved_out(".")), env=HUB_OFFLINE),
+    Case("hub-download-revision-dot-dot", ["download", "org/tiny", "--revision", "../../../../outside/m"],
+         "download org/tiny@../../../../outside/m: "
+         "revision '../../../../outside/m' is not a branch, tag or commit name", hub_cache(), env=HUB_OFFLINE),
+    Case("hub-download-revision-absolute", ["download", "org/tiny", "--revision", "{c}/outside/m"],
+         "download org/tiny@{c}/outside/m: revision '/", hub_cache(), env=HUB_OFFLINE),
+    Case("hub-download-ref-dot-dot", ["download", "org/tiny"], "download org/tiny: the Hub cache's ref",
+         hub_cache("../../../../outside/m"), env=HUB_OFFLINE),
+    Case("hub-dataset-ref-dot-dot", seq(data="org/texts"),
+         "data_root_path org/texts: the Hub cache's ref {c}/home/hub/datasets--org--texts/refs/main holds "
+         "'../../../../outside/d', not a commit", hub_cache("../../../../outside/d", dataset=True), env=HUB_OFFLINE),
+    Case("hub-dataset-snapshot-file-out", seq(data="org/texts"),
+         f"snapshots/{HUB_COMMIT}/data/train.jsonl links to {{c}}/outside/d/train.jsonl, outside the repository's "
+         "folder {c}/home/hub/datasets--org--texts",
+         hub_cache(change=in_snapshot("data/train.jsonl", "{hub}/../../outside/d/train.jsonl"), dataset=True),
+         env=HUB_OFFLINE),
+    Case("hub-tokenizer-ref-dot-dot", seq("--tokenizer_path", "org/tiny"),
+         "tokenizer_path org/tiny: the Hub cache's ref", hub_cache("../../../../outside/m"), env=HUB_OFFLINE),
+    Case("hub-generate-ref-dot-dot", ["generate", "--param_path", "org/tiny", "--prompt", "x"],
+         "param_path org/tiny: the Hub cache's ref", hub_cache("../../../../outside/m"), env=HUB_OFFLINE),
+    Case("hub-chat-ref-dot-dot", ["chat", "org/tiny"], "param_path org/tiny: the Hub cache's ref",
+         hub_cache("../../../../outside/m"), env=HUB_OFFLINE),
+    Case("hub-evaluate-ref-dot-dot", ["evaluate", "org/tiny", "--data_root_path", "{c}/outside/d/train.jsonl"],
+         "org/tiny: the Hub cache's ref", hub_cache("../../../../outside/m"), env=HUB_OFFLINE),
+    Case("hub-export-ref-dot-dot", ["export", "org/tiny", "--out", "{c}/exported"],
+         "export org/tiny: the Hub cache's ref", hub_cache("../../../../outside/m"), env=HUB_OFFLINE),
     # --- round 3: sizes bounded before work; one type check per field; whose fault ------------------------------
     # Counts that say how many modules a model has are bounded before any loop over them (these hung, building
     # per-layer lists and the meta-device model one layer at a time).
@@ -896,6 +1281,46 @@ CASES = [
     Case("prepare-parquet-corrupt", ["prepare", "{c}/d.parquet", "-o", "{c}/o", "-c", "{c}/p.json",
          "--tokenizer_path", "bundled:tiny"], "{c}/d.parquet: not a readable parquet file (",
          {"d.parquet": b"PAR1" + b"\0" * 64 + b"PAR1", **TEXT_PIPELINE}),
+    # --- round 4: one record bounded (record_size, TABLE_RECORD_BYTES here); a card's aliases bounded -------------
+    Case("record-jsonl-line-past-the-limit", sft(data="{c}/data.jsonl"),
+         "{c}/data.jsonl:2: a line longer than 256 KiB (the limit for one record, docs/data.md)",
+         jsonl({"messages": [{"role": "user", "content": "hi"}]},
+               {"messages": [{"role": "user", "content": PAST_THE_LIMIT}]})),
+    Case("record-csv-row-past-the-limit", seq(data="{c}/d.csv"),
+         "{c}/d.csv row 1: a row longer than 512 KiB as written, more than 256 KiB",
+         {"d.csv": f'text\nhello\n"{PAST_THE_LIMIT * 2}"\n'}),
+    Case("record-csv-cell-past-the-limit", sft(data="{c}/d.csv"),
+         "{c}/d.csv row 1: a record of 300,002 bytes, more than 256 KiB",
+         {"d.csv": f"instruction,output\nhi,ok\n{PAST_THE_LIMIT},ok\n"}),
+    Case("record-parquet-one-row-past-the-limit", seq(data="{c}/d.parquet"),
+         "{c}/d.parquet row 0: 293 KiB per record, more than 256 KiB",
+         {"d.parquet": lambda p: parquet_file(p, {"text": [PAST_THE_LIMIT]})}),
+    Case("record-parquet-row-group-past-the-limit", sft(data="{c}/d.parquet"),
+         "{c}/d.parquet row 1200: a record of 300,002 bytes, more than 256 KiB",
+         {"d.parquet": lambda p: parquet_file(p, {"instruction": ["hi"] * 1200 + [PAST_THE_LIMIT] + ["hi"] * 300,
+                                                  "output": ["ok"] * 1501})}),
+    Case("record-arrow-past-the-limit", seq(data="{c}/d.arrow"),
+         "{c}/d.arrow row 1: a record of 300,000 bytes, more than 256 KiB",
+         {"d.arrow": lambda p: arrow_stream(p, {"text": ["hello", PAST_THE_LIMIT]})}),
+    Case("record-saved-past-the-limit", seq(data="{c}/s"),
+         "{c}/s (train) row 1: a record of 300,000 bytes, more than 256 KiB",
+         {"s": lambda p: saved_dataset(p, {"text": ["hello", PAST_THE_LIMIT]})}),
+    Case("card-alias-bomb", seq(data="{c}/m"),
+         "data_root_path {c}/m: README.md: its YAML header's aliases (*name) expand it to more than 4,194,304 values "
+         "(line 12); not a dataset card",
+         {"m/README.md": alias_bomb(), "m/d.parquet": lambda p: parquet_file(p, {"text": ["hello"]})}),
+    Case("prepare-record-jsonl-line-past-the-limit", prepare_argv(),
+         "{c}/data.jsonl:1: a line longer than 256 KiB (the limit for one record",
+         {**jsonl({"text": PAST_THE_LIMIT}), **TEXT_PIPELINE}),
+    Case("prepare-record-parquet-row-group-past-the-limit", ["prepare", "{c}/d.parquet", "-o", "{c}/o", "-c",
+         "{c}/p.json", "--tokenizer_path", "bundled:tiny"],
+         "{c}/d.parquet row 1200: a record of 300,000 bytes, more than 256 KiB",
+         {"d.parquet": lambda p: parquet_file(p, {"text": ["hi"] * 1200 + [PAST_THE_LIMIT] + ["hi"] * 300}),
+          **TEXT_PIPELINE}),
+    Case("prepare-card-alias-bomb", ["prepare", "{c}/m", "-o", "{c}/o", "-c", "{c}/p.json", "--tokenizer_path",
+         "bundled:tiny"], "input {c}/m: README.md: its YAML header's aliases (*name) expand it to more than",
+         {"m/README.md": alias_bomb(), "m/d.parquet": lambda p: parquet_file(p, {"text": ["hello"]}),
+          **TEXT_PIPELINE}),
     # a column of the wrong kind, from the file's schema before any row is read (Shaper.check_schema)
     Case("parquet-text-column-of-numbers", seq(data="{c}/d.parquet"), "{c}/d.parquet: column 'text' is int64 in the "
          "file's schema, but the text shape reads it as a string", {"d.parquet": lambda p: parquet_file(
@@ -976,7 +1401,10 @@ def lay_out(case: Case, workspace: Path, tmp_path: Path) -> tuple[Path, dict[str
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.id)
 def test_hostile_input_gets_one_line(case, workspace, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(tokenizer_module, "RENDER_SECONDS", 0.5)  # the endless template: a short wait is enough
+    monkeypatch.setattr(record_size, "MAX_RECORD_BYTES", TABLE_RECORD_BYTES)
     here, fill, argv = lay_out(case, workspace, tmp_path)
+    for name, value in case.env.items():
+        monkeypatch.setenv(name, _fill(value, fill))
     before = snapshot(here), snapshot(workspace)
     code = main(argv)
     out, err = capsys.readouterr()
@@ -998,7 +1426,10 @@ def test_the_dry_run_refuses_what_the_run_refuses(case, workspace, tmp_path, cap
     run does (2), naming the same problem, as a line of its list or, for mistakes found before any plan can be
     made (a flag, a recipe), as the same one error line; and it writes nothing either."""
     monkeypatch.setattr(tokenizer_module, "RENDER_SECONDS", 0.5)
+    monkeypatch.setattr(record_size, "MAX_RECORD_BYTES", TABLE_RECORD_BYTES)
     here, fill, argv = lay_out(case, workspace, tmp_path)
+    for name, value in case.env.items():
+        monkeypatch.setenv(name, _fill(value, fill))
     before = snapshot(here), snapshot(workspace)
     code = main([*argv, "--dry_run"])
     out, err = capsys.readouterr()
@@ -1012,6 +1443,25 @@ def _fill(text: str, values: dict[str, str]) -> str:
     for key, value in values.items():
         text = text.replace(key, value)
     return text
+
+
+def test_a_hub_cache_as_huggingface_hub_writes_it_trains_offline_and_is_recorded_by_its_commit(
+    tmp_path, capsys, monkeypatch
+):
+    """The layout the ``hub-`` cases tamper with, untampered (``refs/main`` holding the commit, the snapshot's files
+    linking into ``../../blobs/``): a model and a dataset read from it offline, and what the run read recorded as
+    ``org/name@COMMIT``, never the branch."""
+    for files in (hub_cache(), hub_cache(dataset=True)):
+        files["home"](tmp_path / "home")
+    for name, value in HUB_OFFLINE.items():
+        monkeypatch.setenv(name, value.replace("{c}", str(tmp_path)))
+    argv = seq("--max_steps", "1", model="org/tiny", data="org/texts")
+    assert main([a.replace("{c}", str(tmp_path)) for a in argv]) == 0, capsys.readouterr().err[-2000:]
+    meta = json.loads((tmp_path / "out" / "epoch_0_step_1" / "meta.json").read_text())
+    recipe = (tmp_path / "out" / "recipe.yaml").read_text()
+    for flag, repo in (("param_path", "org/tiny"), ("data_root_path", "org/texts")):
+        assert meta[flag] == f"{repo}@{HUB_COMMIT}"
+        assert f"{flag}: {repo}@{HUB_COMMIT}\n" in recipe
 
 
 def test_a_printed_recipe_does_not_carry_the_trust_code_opt_in(tmp_path, capsys):
@@ -1063,15 +1513,180 @@ def test_data_that_trains_nothing_in_places_is_counted_at_start(tmp_path, capsys
 
 
 def test_a_malformed_metric_history_line_is_skipped_with_a_warning(workspace, tmp_path, capsys):
+    """Not JSON, or an object that is not a metric entry (its step a string: what plot reads of it), is dropped,
+    so the history the resumed run carries on plots whole; a line past ``MAX_LINE_BYTES`` ends what is read of it
+    (the run has begun writing by then: it goes on, saying so)."""
     run = tmp_path / "run"
     shutil.copytree(workspace / "run", run)
     with open(run / "epoch_0_step_1" / "metric.jsonl", "a") as file:
-        file.write("{not json\n")
+        file.write('{not json\n{"type": "step", "step": "two", "loss": 1.0}\n' + "x" * (MAX_LINE_BYTES + 1))
     argv = [a.replace("{c}/out", str(run)) for a in seq("--resume", "auto", "--max_steps", "2")]
-    with pytest.warns(UserWarning, match=r"metric.jsonl:\d+: not a JSON object; this metric history line is dropped"):
+    with pytest.warns(UserWarning) as caught:
         assert main(argv) == 0
+    dropped = [str(w.message) for w in caught if "this metric history line is dropped" in str(w.message)]
+    assert len(dropped) == 2 and "not a JSON object; this metric history line is dropped" in dropped[0], dropped
+    message = "not a metric entry (step 'two', expected an integer in [0, 2^63)); this metric history line is dropped"
+    assert re.search(r"metric.jsonl:\d+: ", dropped[1]) and message in dropped[1], dropped
+    cut = [
+        str(w.message) for w in caught if "the metric history is carried on from the lines before it" in str(w.message)
+    ]
+    assert (
+        len(cut) == 1
+        and "bytes, not a metric entry; the metric history is carried on from the lines before it" in cut[0]
+    ), cut
     entries = [json.loads(line) for line in (run / "epoch_0_step_2" / "metric.jsonl").read_text().splitlines()]
     assert [e["step"] for e in entries if e["type"] == "step"] == [1, 2]
+
+
+@pytest.fixture(scope="module")
+def evaluated(workspace, tmp_path_factory) -> Path:
+    """``run/``: a copy of the workspace's run, its checkpoint evaluated for perplexity with 95% intervals (in its
+    ``eval/``), beside a tasks result stored as evaluate stores one; ``held_out.jsonl``, the data evaluated."""
+    from astrai_fabric.evaluate.results import result_path, write_result
+
+    root = tmp_path_factory.mktemp("evaluated")
+    shutil.copytree(workspace / "run", root / "run")
+    texts = ("In the beginning God created", "the heaven and the earth.", "And the earth was without form")
+    (root / "held_out.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    assert main(evaluate_argv(root / "run", root / "held_out.jsonl")) == 0
+    checkpoint = root / "run" / "epoch_0_step_1"
+    settings = {"tasks": ["tiny_mc"]}
+    metrics = {"tiny_mc/acc": 0.5, "tiny_mc/acc_stderr": 0.25}
+    write_result(
+        result_path(checkpoint, "tasks", settings),
+        {"format": 1, "kind": "tasks", "source": str(checkpoint), "step": 1, "settings": settings, "metrics": metrics},
+    )
+    return root
+
+
+def evaluate_argv(run: Path, data: Path) -> list[str]:
+    return ["evaluate", str(run), "--data_root_path", str(data), "--window_size", "16", "--bootstrap_iters", "20"]
+
+
+def stored(run: Path, kind: str) -> Path:
+    (path,) = (run / "epoch_0_step_1" / "eval").glob(f"{kind}-*.json")
+    return path
+
+
+TAMPERED_RESULTS = [
+    ("perplexity", {"metrics__loss_ci95": 2.5}, "metric loss_ci95 2.5, expected a pair [low, high] of numbers in "
+     "[0, 700]"),
+    ("perplexity", {"kind": "../../../etc/passwd"}, "kind '../../../etc/passwd' where its name says 'perplexity'"),
+    ("perplexity", {"metrics__loss": float("nan")}, "a number that is not finite (nan)"),
+    ("perplexity", {"metrics__perplexity": float("inf")}, "a number that is not finite (inf)"),
+    ("perplexity", {"metrics__perplexity": 1e308}, "metric perplexity 1e+308, expected a number in [1, 1.014e+304]"),
+    ("perplexity", {"metrics__loss": -0.5}, "metric loss -0.5, expected a number in [0, 700]"),
+    ("perplexity", {"metrics__perplexity": 0.5}, "metric perplexity 0.5, expected a number in [1, "),
+    ("perplexity", {"metrics__loss_ci95": [3.0, 2.0]}, "metric loss_ci95 [3.0, 2.0], expected a pair [low, high]"),
+    ("perplexity", {"metrics__loss_ci95": [1.0, "2"]}, "metric loss_ci95 [1.0, '2'], expected a pair"),
+    ("perplexity", {"metrics__tokens": -1}, "metric tokens -1, expected a positive integer"),
+    ("perplexity", {"metrics__units": 2.5}, "metric units 2.5, expected a positive integer"),
+    ("perplexity", {"metrics__loss": None}, "metrics without loss"),
+    ("perplexity", {"metrics__bleu": 1.0}, "metrics ['bleu'] perplexity does not write"),
+    ("perplexity", {"metrics": "low"}, "metrics 'low', expected an object of numbers by name"),
+    ("perplexity", {"format": True}, "format True, expected 1"),
+    ("perplexity", {"settings__window_size": 8}, "settings that are not those its name's digest"),
+    ("perplexity", {"settings": None}, "settings that are not those its name's digest"),
+    ("perplexity", {"step": -1}, "step -1, expected a non-negative integer or null"),
+    ("perplexity", {"source": ["x"]}, "source ['x'], expected a path or Hub id"),
+    ("perplexity", {"source": json.loads("[" * 100 + "]" * 100)}, "nested more than 64 levels deep"),
+    ("tasks", {"metrics__tiny_mc/acc_stderr": -0.25}, "metric 'tiny_mc/acc_stderr' -0.25, expected a finite "
+     "number >= 0"),
+    ("tasks", {"metrics__tiny_mc/acc": "0.5"}, "metric 'tiny_mc/acc' '0.5', expected a finite number"),
+    ("tasks", {"metrics__tiny_mc/acc": True}, "metric 'tiny_mc/acc' True, expected a finite number"),
+    ("tasks", {"metrics__acc": 0.5}, "metric name 'acc', expected TASK/METRIC"),
+    ("tasks", {"metrics__tiny_mc/acc": 10**400}, "metric 'tiny_mc/acc' 1000"),
+    ("tasks", "{", "not valid JSON"),
+    ("tasks", "[1]", "expected a JSON object, got list"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("kind", "change", "problem"), TAMPERED_RESULTS)
+def test_a_stored_result_read_back_is_checked_field_by_field(evaluated, tmp_path, kind, change, problem):
+    """What evaluate stored, changed one field at a time: not read as a result (so not printed, drawn or written to
+    --output), one warning naming the file and what is wrong. The file as written reads back whole."""
+    from astrai_fabric.evaluate.results import read_result
+
+    path = tmp_path / stored(evaluated / "run", kind).name
+    written = json.loads(stored(evaluated / "run", kind).read_text())
+    path.write_text(json.dumps(written))
+    assert read_result(path, "evaluated again") == written
+    path.write_text(change if isinstance(change, str) else json.dumps(configured(written, **change)))
+    with pytest.warns(UserWarning) as caught:
+        assert read_result(path, "evaluated again") is None
+    (message,) = [str(w.message) for w in caught]
+    assert message.startswith(f"{path}: not a stored result of ours (") and message.endswith("); evaluated again")
+    assert problem in message and "\n" not in message
+
+
+def test_a_tampered_stored_result_is_evaluated_again_and_left_out_of_the_plot(evaluated, tmp_path, capsys):
+    from astrai_fabric.plot import read_evaluations
+
+    run = tmp_path / "run"
+    shutil.copytree(evaluated / "run", run)
+    path = stored(run, "perplexity")
+    written = json.loads(path.read_text())
+    path.write_text(json.dumps(configured(written, kind="/etc/passwd", metrics__loss_ci95=2.5)))
+    with pytest.warns(UserWarning) as caught:
+        drawn = read_evaluations(run)
+    problem = "kind '/etc/passwd' where its name says 'perplexity'"
+    assert [str(w.message) for w in caught] == [
+        f"{path}: not a stored result of ours ({problem}); left out of the plot"
+    ]
+    assert sorted(drawn) == ["tiny_mc/acc"]  # the tasks result beside it is drawn; the tampered one left out
+    argv = [*evaluate_argv(run, evaluated / "held_out.jsonl"), "--output", str(tmp_path / "results.json")]
+    with pytest.warns(
+        UserWarning, match=re.escape(f"{path}: not a stored result of ours ({problem}); evaluated again")
+    ):
+        assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err and f"stored: {path}" in out
+    again = json.loads(path.read_text())  # evaluated again and stored over it: the result first written
+    assert again["kind"] == "perplexity" and again["metrics"] == written["metrics"]
+    assert json.loads((tmp_path / "results.json").read_text())["results"][0]["metrics"] == written["metrics"]
+
+
+@pytest.mark.parametrize("train_type", ["grpo", "dpo"])
+def test_a_reward_model_scoring_nan_stops_online_training_in_one_line(tmp_path, capsys, train_type):
+    """A reward model whose score head is NaN (the user's model: its scores are values we compute from it) stops
+    online grpo and online dpo at the first rollout, as a reward function returning NaN does, before any step."""
+    from astrai_fabric.checkpoint import save_checkpoint
+    from astrai_fabric.config import ModelConfig
+    from astrai_fabric.model import AutoRegressiveLM
+    from astrai_fabric.reward_model import reward_model_config
+
+    config = reward_model_config(ModelConfig.from_dict({**TINY_CONFIG, "num_hidden_layers": 1}), 0)
+    model = AutoRegressiveLM(config)
+    torch.nn.init.constant_(model.score.weight, float("nan"))
+    files = {name: TINY_MODEL_DIR / name for name in ("tokenizer.json", "tokenizer_config.json")}
+    save_checkpoint(tmp_path / "rm", model.state_dict(), config.to_dict(), files=files)
+    flags = ["--reward_model", "{c}/rm", "--max_steps", "1", "--batch_per_device", "1", "--rollout_max_tokens", "2"]
+    if train_type == "grpo":
+        argv = grpo(*flags, "--group_size", "2", data="bundled:data/grpo_online")
+    else:
+        argv = dpo(*flags, "--window_size", "64", data="bundled:data/grpo_online")
+    assert main([_fill(arg, {"{c}": str(tmp_path)}) for arg in argv]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("astrai-fabric: error:")]
+    assert lines == [
+        f"astrai-fabric: error: reward model {tmp_path / 'rm'} returned float (nan) for response 0 of prompt 0: "
+        "rewards must be finite in float32 (|r| <= 3.4e38)"
+    ], err[-2000:]
+    assert "Traceback" not in err and not list((tmp_path / "out").glob("epoch_*"))
+
+
+def test_a_bom_before_tokenizer_config_is_taken_at_export_as_where_it_loads(workspace, tmp_path, capsys):
+    """A UTF-8 BOM before a checkpoint's ``tokenizer_config.json``: every reader of the package reads JSON as bytes
+    through ``json_files``, whose parser takes one (the tokenizer loads it), so ``export --format hf`` does too, and
+    writes the file without it, as from the same file without one."""
+    for name, bom in (("plain", b""), ("bom", b"\xef\xbb\xbf")):
+        shutil.copytree(workspace / "run" / "epoch_0_step_1", tmp_path / name)
+        config = tmp_path / name / "tokenizer_config.json"
+        config.write_bytes(bom + config.read_bytes())
+        assert main(["export", str(tmp_path / name), "--format", "hf", "--out", str(tmp_path / f"{name}_hf")]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+    written = [(tmp_path / f"{name}_hf" / "tokenizer_config.json").read_bytes() for name in ("plain", "bom")]
+    assert written[0] == written[1] and not written[1].startswith(b"\xef\xbb\xbf")
 
 
 def test_a_model_past_memory_is_in_the_dry_runs_list(tmp_path, capsys):

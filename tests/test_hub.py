@@ -20,6 +20,7 @@ from astrai_fabric.assets import TINY_MODEL_DIR
 from astrai_fabric.checkpoint import LORA_BASE_KEY, save_checkpoint
 from astrai_fabric.cli import main
 from astrai_fabric.config import ModelConfig
+from astrai_fabric.errors import UserError
 from astrai_fabric.export import export
 from astrai_fabric.model import AutoRegressiveLM
 
@@ -106,7 +107,8 @@ def test_download_then_offline_training_generate_and_export_from_an_id(stand_in,
         main(["generate", "--param_path", REPO, "--chat", "false", "--prompt", "In the", "--max_new_tokens", "2"]) == 0
     )
     capsys.readouterr()
-    monkeypatch.setattr("sys.stdin", io.StringIO("In the\n/exit\n"))  # chat reads its model the same way
+    stdin = io.TextIOWrapper(io.BytesIO(b"In the\n/exit\n"))  # chat reads bytes: sys.stdin.buffer
+    monkeypatch.setattr("sys.stdin", stdin)  # chat reads its model the same way
     assert main(["chat", REPO, "--template", "false", "--max_new_tokens", "2", "--temperature", "0"]) == 0
     assert capsys.readouterr().out.count("\n") == 1  # one reply, streamed, then its newline
     from astrai_fabric.lightning_module import AstraiLM  # the Lightning app reads ids as the CLI does
@@ -192,6 +194,37 @@ def test_a_revision_is_resolved_and_recorded_by_its_commit(stand_in, capsys):
     assert "download './org/tiny': expected a Hub model id" in error_line(capsys)
     assert main(["download", f"{REPO}@v1", "--revision", "v2"]) == 2
     assert "--revision v2 contradicts the @v1 it names" in error_line(capsys)
+
+
+def test_online_the_hub_rewrites_a_tampered_ref_but_a_snapshot_file_linking_out_is_refused(stand_in, capsys):
+    """Online, the branch's commit comes from the Hub (huggingface_hub writes it over whatever ``refs/main`` held);
+    the files already in the snapshot are kept as they are by huggingface_hub, so they are checked as offline: a
+    link out of the repository's folder is refused, the model's and a dataset card's (before the card is read)."""
+    assert main(["download", REPO]) == 0
+    folder = hub.cache_dir() / "models--org--tiny"
+    (folder / "refs" / "main").write_text("../../../../outside/m")
+    assert main(["download", REPO]) == 0
+    assert (folder / "refs" / "main").read_text() == stand_in.commit
+    config = folder / "snapshots" / stand_in.commit / "config.json"
+    outside = hub.cache_dir().parent / "outside.json"
+    outside.write_bytes(config.read_bytes())
+    config.unlink()
+    config.symlink_to(outside)
+    capsys.readouterr()
+    for argv in (["download", REPO], ["generate", "--param_path", REPO, "--prompt", "x"]):
+        assert main(argv) == 2
+        errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]  # download: progress too
+        assert len(errors) == 1 and f"{config} links to {outside}, outside the repository's folder" in errors[0]
+
+    card = "---\nconfigs:\n- config_name: default\n  data_files: data/*.jsonl\n---\n"
+    stand_in.add("org/texts", {"README.md": card.encode(), "data/a.jsonl": b'{"text": "a"}\n'}, repo_type="dataset")
+    texts = hub.HubId.parse("org/texts")
+    snapshot = hub.snapshot(texts, "data_root_path", repo_type="dataset")
+    outside.write_text("---\nconfigs: 3\n---\n")  # read, it would be refused for what it holds
+    (snapshot / "README.md").unlink()
+    (snapshot / "README.md").symlink_to(outside)
+    with pytest.raises(UserError, match=r"README\.md links to .*outside\.json, outside the repository's folder"):
+        hub.snapshot(texts, "data_root_path", repo_type="dataset")
 
 
 def test_hub_mistakes_are_one_line_each(stand_in, monkeypatch, model_files, capsys):

@@ -23,7 +23,8 @@ HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None  # the [te
 ENV = {"OMP_NUM_THREADS": "1", "PATH": str(Path(sys.executable).parent)}
 PLAIN_LINE = re.compile(
     r"^plan for `astrai-fabric (seq|sft|dpo|grpo)`$"
-    r"|^  (processes|model|tokenizer|data|batch|steps|this run|schedule|loader|cpu threads|training|outputs) +\S.+"
+    r"|^  (recipes?|processes|model|tokenizer|data|batch|steps|this run|schedule|loader|cpu threads|training|outputs)"
+    r" +\S.+"
     r"|^  parameters   [\d,]+ parameters(, [\d,]+ trainable \(\S+\))?; optimizer \w+: .+; state .+"
     r"|^step \d+/\d+ \| epoch \d+ \| loss [\d.]+ \| lr \S+ \| grad_norm [\d.]+ \| [\d,]+ tokens/s"
     r"( \| \w+ [-\d.]+)* \| eta \S+$"
@@ -90,6 +91,7 @@ def test_the_run_prints_the_plan_its_dry_run_prints(short_run, monkeypatch, caps
     assert "would overwrite" in dry.partition("cannot start:")[2]
     run_plan = plan_lines(stdout)
     assert [line.split()[0] for line in run_plan] == [
+        "recipe",
         "processes",
         "model",
         "parameters",

@@ -28,7 +28,7 @@ from astrai_fabric.checkpoint.files import (
     read_json,
     tensor_files,
 )
-from astrai_fabric.errors import CheckpointError
+from astrai_fabric.errors import CheckpointError, brief
 
 LORA_BASE_KEY = "lora_base"
 """``meta.json`` key of a LoRA checkpoint: where its base weights are (``path`` relative to the checkpoint,
@@ -139,10 +139,12 @@ def _base_entry(path: Path, meta: Mapping[str, Any]) -> dict[str, Any]:
         and isinstance(entry.get("sha256"), dict)
         and all(isinstance(entry.get(k), str | None) for k in ("path", "absolute", "hub"))
         and (entry.get("hub") is None or hub.looks_like_hub_id(entry["hub"]))
+        and any(entry.get(k) for k in ("path", "absolute", "hub"))
     ):
         raise CheckpointError(
             f"{path / META_FILE}: a LoRA checkpoint without merged weights needs '{LORA_BASE_KEY}' "
-            f"{{path, absolute, sha256}} (or {{hub: org/name@commit, sha256}}) naming its base weights, got {entry!r}"
+            f"{{path, absolute, sha256}} (or {{hub: org/name@commit, sha256}}) naming its base weights, got "
+            f"{brief(entry)}"
         )
     return entry
 
@@ -150,7 +152,7 @@ def _base_entry(path: Path, meta: Mapping[str, Any]) -> dict[str, Any]:
 def _pointed_base(path: Path, entry: Mapping[str, Any]) -> tuple[list[Path | str], Path | None]:
     """Where a pointer says the base is (relative to ``path``, then absolute, or a Hub snapshot: from the cache,
     else fetched), and the first that is a directory."""
-    candidates = [Path(entry[k]) if k == "absolute" else path / entry[k] for k in ("path", "absolute") if entry[k]]
+    candidates = [Path(entry[k]) if k == "absolute" else path / entry[k] for k in ("path", "absolute") if entry.get(k)]
     found = next((c for c in candidates if c.is_dir()), None)
     if found is None and entry.get("hub"):
         candidates.append(entry["hub"])

@@ -14,8 +14,9 @@ import zipfile
 from pathlib import Path
 
 from astrai_fabric.checkpoint.files import ADAPTER_FILE, CONFIG_FILE, META_FILE, WEIGHTS_FILE
-from astrai_fabric.errors import UserError
+from astrai_fabric.errors import CheckpointError, UserError
 from astrai_fabric.json_files import MAX_JSON_BYTES, read_json_file
+from astrai_fabric.regular_files import check_regular_file, open_regular_file
 
 CHECKPOINT_NAME = re.compile(r"^epoch_(\d+)_step_(\d+)$")
 
@@ -24,7 +25,8 @@ def find_latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
     """The complete ``epoch_E_step_S`` directory with the highest step under ``ckpt_dir``, or None.
 
     Staging directories are hidden (``.NAME.tmp-…``) and never match. A directory that is not complete and valid
-    (see ``checkpoint_problem``: damaged by something other than our atomic writes) is skipped with a warning.
+    (see ``checkpoint_problem``: damaged by something other than our atomic writes) is skipped with a warning; one
+    holding a FIFO, a device or a link out of it where a file goes is refused (``CheckpointError``).
     """
     for path in reversed(complete_checkpoints(ckpt_dir)):
         problem = checkpoint_problem(path)
@@ -58,32 +60,45 @@ def checkpoints_after(ckpt_dir: str | Path, step: int) -> list[Path]:
 
 def checkpoint_problem(path: Path) -> str | None:
     """Why ``path`` is not a whole checkpoint, or None. Cheap: JSON files parse, the safetensors header and the
-    ``.pt`` archives' directories are intact and the files as long as they say (no tensor is read)."""
+    ``.pt`` archives' directories are intact and the files as long as they say (no tensor is read).
+
+    A file there that is not a regular file inside the checkpoint (a FIFO, a device, a directory, a link to nothing
+    or out of the checkpoint) is no damage a save or a copy leaves: it is refused (``CheckpointError``, naming it),
+    never read or skipped; each file is opened as what it is (``regular_files``), so none can block or run on."""
+    names = [name for name in (META_FILE, CONFIG_FILE, WEIGHTS_FILE, ADAPTER_FILE) if os.path.lexists(path / name)]
+    archives = sorted(path.glob("*.pt"))
+    for file in [*(path / name for name in names), *archives]:
+        check_regular_file(file, within=path, error=CheckpointError)
     for name in (META_FILE, CONFIG_FILE):
         try:
-            if not isinstance(read_json_file(path / name, name), dict):
+            if not isinstance(read_json_file(path / name, name, within=path), dict):
                 return f"{name} is not a JSON object"
         except UserError as err:
             return str(err)
-    names = [name for name in (WEIGHTS_FILE, ADAPTER_FILE) if (path / name).is_file()] or [WEIGHTS_FILE]
-    for name in names:
-        weights = path / name
+    weight_names = [name for name in (WEIGHTS_FILE, ADAPTER_FILE) if name in names] or [WEIGHTS_FILE]
+    for name in weight_names:
         try:
-            with weights.open("rb") as file:
-                header_size = int.from_bytes(file.read(8), "little")
-                if 8 + header_size > weights.stat().st_size:  # read() would first allocate what the header claims
+            with open_regular_file(path / name, within=path, error=CheckpointError) as weights:
+                header_size = int.from_bytes(weights.file.read(8), "little")
+                if 8 + header_size > weights.size_bytes:  # read() would first allocate what the header claims
                     return f"{name} is truncated"
                 if header_size > MAX_JSON_BYTES:
                     return f"{name}: unreadable header (it claims {header_size} bytes)"
-                header = json.loads(file.read(header_size))
+                header = json.loads(weights.file.read(header_size))
             end = max((info["data_offsets"][1] for key, info in header.items() if key != "__metadata__"), default=0)
-            if weights.stat().st_size < 8 + header_size + end:
+            if weights.size_bytes < 8 + header_size + end:
                 return f"{name} is truncated"
+        except UserError as err:  # gone or replaced since the check above
+            return str(err)
         except (OSError, ValueError, KeyError, TypeError, RecursionError) as err:
             return f"{name}: unreadable header ({err})"
-    for file in sorted(path.glob("*.pt")):
-        if not zipfile.is_zipfile(file):
-            return f"{file.name} is truncated or not a torch archive"
+    for file in archives:
+        try:
+            with open_regular_file(file, within=path, error=CheckpointError) as archive:
+                if not zipfile.is_zipfile(archive.file):  # reads the archive's directory at its end, no more
+                    return f"{file.name} is truncated or not a torch archive"
+        except UserError as err:
+            return str(err)
     return None
 
 

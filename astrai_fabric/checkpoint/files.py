@@ -50,6 +50,7 @@ from astrai_fabric.checkpoint import hf
 from astrai_fabric.errors import CheckpointError
 from astrai_fabric.faults import crash_point
 from astrai_fabric.json_files import read_json_object
+from astrai_fabric.regular_files import check_regular_file, open_regular_file
 
 META_FILE = "meta.json"
 CONFIG_FILE = "config.json"
@@ -375,24 +376,14 @@ def inside(path: Path, name: str) -> Path:
     """``path / name``, a regular file inside ``path`` once links are followed: a link may point within the
     directory or, in the Hugging Face cache (``huggingface_hub``'s ``snapshots/REV/``), into the same repository's
     ``blobs/``; one pointing anywhere else is refused, so a model's files (its weights, the files an export copies)
-    never make us read outside it."""
+    never make us read outside it. A FIFO, a device or a link to nothing is refused by name (``regular_files``)."""
     file = path / name
-    try:
-        root, real = path.resolve(), file.resolve()
-    except (OSError, RuntimeError) as err:  # RuntimeError: a link loop (Path.resolve, Python < 3.13)
-        why = getattr(err, "strerror", None) or err
-        raise CheckpointError(f"{file}: a link that cannot be followed ({why})") from None
+    root = Path(os.path.realpath(path))
     places = [root]
     repository = root.parent.parent
     if root.parent.name == "snapshots" and repository.name.startswith("models--") and (repository / "blobs").is_dir():
         places.append(repository / "blobs")
-    if not any(place in real.parents for place in places):
-        raise CheckpointError(
-            f"{file}: links to {real}, outside the model directory; its files are read only "
-            "from inside it: copy the file in instead of linking it"
-        )
-    if not real.is_file():
-        raise CheckpointError(f"{file}: not a regular file" if real.exists() else f"{file}: file not found")
+    check_regular_file(file, within=places, within_name="the model directory", error=CheckpointError)
     return file
 
 
@@ -447,10 +438,11 @@ class StoredStateDict(Mapping[str, Tensor]):
         """The tensors of ``files``; a name stored in two of them is refused (which one holds it is ambiguous)."""
         entries: dict[str, _Stored] = {}
         for file in files:
-            if not file.is_file():
-                raise CheckpointError(f"{file}: file not found")
             try:
-                with safe_open(str(file), framework="pt") as handle:  # validates the header against the file size
+                with (
+                    open_regular_file(file, error=CheckpointError) as opened,
+                    safe_open(opened.reopenable_path, framework="pt") as handle,  # checks the header against the size
+                ):
                     for key in handle.keys():
                         if key in entries:
                             raise CheckpointError(
@@ -569,10 +561,12 @@ def _strip_wrapper_prefixes(state_dict: StoredStateDict, path: Path) -> StoredSt
     return state_dict
 
 
-def read_pt(file: Path) -> Any:
-    """A ``.pt`` file as plain data (``weights_only``): one that holds other Python objects is refused."""
+def read_pt(file: Path, within: Path | None = None) -> Any:
+    """A ``.pt`` file as plain data (``weights_only``): one that holds other Python objects is refused. Opened as
+    what it is (``regular_files``; ``within``: the directory a scan found it in, which it must resolve inside)."""
     try:
-        return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        with open_regular_file(file, within=within, error=CheckpointError) as opened:
+            return torch.load(opened.reopenable_path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as err:
         found = re.search(r"WeightsUnpickler error: ([^.\n]*?)(?: was not an allowed global|\.|$)", str(err), re.M)
         raise CheckpointError(

@@ -25,7 +25,9 @@ import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
-from astrai_fabric.errors import CheckpointError
+from astrai_fabric.errors import CheckpointError, UserError
+from astrai_fabric.json_files import MAX_JSON_BYTES
+from astrai_fabric.regular_files import open_regular_file, read_regular_file
 
 LOCK_FILE = ".astrai_fabric.lock"
 MANIFEST_FILE = ".astrai_fabric.json"
@@ -261,7 +263,10 @@ def _manifest_names(root: Path) -> set[str] | None:
     if not os.path.lexists(path):
         return None
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
+        # A FIFO or a device there is refused by name (reading one would wait, or never end).
+        manifest = json.loads(
+            read_regular_file(path, max_bytes=MAX_JSON_BYTES, what="astrai-fabric's manifest", error=CheckpointError)
+        )
         names = manifest["names"]
         if manifest.get("written_by") != "astrai-fabric" or not all(isinstance(n, str) for n in names):
             raise ValueError("not written by astrai-fabric")
@@ -275,7 +280,7 @@ def _manifest_names(root: Path) -> set[str] | None:
 
 def _starts_with(path: Path, header: str) -> bool:
     try:
-        with open(path, "rb") as file:
-            return file.read(len(header.encode())) == header.encode()
-    except OSError:
+        with open_regular_file(path) as opened:  # a FIFO there would block a plain open
+            return opened.file.read(len(header.encode())) == header.encode()
+    except (OSError, UserError):
         return False

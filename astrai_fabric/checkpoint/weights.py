@@ -40,7 +40,6 @@ from astrai_fabric.config.model import ModelConfig, read_config_json
 from astrai_fabric.errors import CheckpointError, ConfigError
 from astrai_fabric.model import AutoRegressiveLM
 from astrai_fabric.model.transformer import EMBED_KEY, LM_HEAD_KEY
-from astrai_fabric.quantize import QUANTIZATION_KEY
 from astrai_fabric.torch_private import local_shape_and_global_offset
 
 
@@ -98,13 +97,13 @@ def load_checkpoint(
         model_config = hf.model_config_from_hf(config, source=str(path / CONFIG_FILE))
         source = hf.HFSource(model_type=config["model_type"], config=config)
         config = model_config.to_dict()
-    meta = read_json(path / META_FILE, what="the run's meta data") if (path / META_FILE).exists() else {}
+    meta = read_json(path / META_FILE, what="the run's meta data") if os.path.lexists(path / META_FILE) else {}
     for key in ("epoch", "consumed_samples"):
         if key in meta and (not isinstance(meta[key], int) or isinstance(meta[key], bool) or meta[key] < 0):
             raise CheckpointError(f"{path / META_FILE}: {key!r} must be a non-negative integer, got {meta[key]!r}")
     extra = {}
     if load_extra:
-        extra = {f.stem: read_pt(f) for f in sorted(path.glob("*.pt")) if f.stem not in skip}
+        extra = {f.stem: read_pt(f, within=path) for f in sorted(path.glob("*.pt")) if f.stem not in skip}
     adapter = None
     if (path / ADAPTER_FILE).is_file():
         adapter = read_adapter(path)
@@ -113,8 +112,9 @@ def load_checkpoint(
     if adapter is not None and (not merge_lora or not (path / WEIGHTS_FILE).is_file()):
         state_dict = load_checkpoint(adapter.base, load_extra=False).state_dict
         if merge_lora:
-            if QUANTIZATION_KEY in meta:  # QLoRA: the adapter was trained over the base's NF4 form, so merge into that
-                state_dict = quantize.round_trip(state_dict, meta[QUANTIZATION_KEY], str(path / META_FILE))
+            record = quantize.quantization_record(meta, str(path / META_FILE))
+            if record is not None:  # QLoRA: the adapter was trained over the base's NF4 form, so merge into that
+                state_dict = quantize.round_trip(state_dict, record, str(path / META_FILE))
             state_dict = lora.merge_state_dict(state_dict, adapter.state_dict, adapter.spec.scaling)
     else:
         state_dict = read_weights(path)  # headers only: tensors are read where they go (``load_model_weights``)

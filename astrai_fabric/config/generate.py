@@ -48,6 +48,12 @@ class SamplingArgs:
             )
         if self.device_type not in (None, *DEVICE_TYPES):
             raise ConfigError(f"{command}: device_type must be cpu or cuda, got {self.device_type!r}")
+        try:  # Python keeps a command line's undecodable bytes as lone surrogates, which no tokenizer takes
+            (self.system or "").encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise ConfigError(
+                f"{command}: system is not UTF-8 text (an undecodable byte at position {err.start})"
+            ) from None
 
 
 @dataclass
@@ -74,13 +80,20 @@ class ChatArgs(SamplingArgs):
     """``astrai-fabric chat SRC``: talk with a model, turn by turn with its chat template (or continuing the running
     text), each reply streamed as it is sampled. ``/reset`` clears the conversation, ``/exit`` or the end of input
     (Ctrl-D) leaves; Ctrl-C stops a reply, and at the prompt leaves (exit 130). The KV cache is kept across turns
-    while the conversation, rendered again, starts with the tokens it holds."""
+    while the conversation, rendered again, starts with the tokens it holds. Each line of stdin is one message (at
+    most --max_input_bytes); bytes that are not UTF-8 text are read as U+FFFD, said once."""
 
     template: bool = True
     """Render the conversation with the tokenizer's chat template (false, or a tokenizer without one: plain
     continuation, each input appended on a new line to the running text)."""
+    max_input_bytes: int = 1 << 20
+    """The longest line chat reads from stdin (one message), in bytes: a longer one is refused with one line and the
+    chat goes on. A pipe is read in pieces of this size, so a line never holds more in memory (a terminal's line
+    editor holds what was typed)."""
 
     def validate(self, command: str = "chat") -> None:
         if self.param_path is None:
             raise ConfigError("chat needs a model: astrai-fabric chat SRC (a checkpoint or model directory)")
         super().validate(command)
+        if self.max_input_bytes < 1:
+            raise ConfigError(f"{command}: need max_input_bytes >= 1, got {self.max_input_bytes}")

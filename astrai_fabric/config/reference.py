@@ -28,7 +28,8 @@ HEADER = """\
 astrai_fabric/config/train.py, generate.py and evaluate.py; edit those, not this page. -->
 
 A recipe is a flat YAML file of the options below; every option is also a flag (`--name value`). Later wins:
-defaults, then the recipe (`--config`), then flags after it. Each bundled recipe opens with its exact command:
+defaults, then each recipe in the order given (`--config a.yaml --config b.yaml`: b's keys over a's), then the
+flags, wherever they stand on the command line. Each bundled recipe opens with its exact command:
 
 | recipe | what it runs |
 | --- | --- |
@@ -47,7 +48,8 @@ defaults, then the recipe (`--config`), then flags after it. Each bundled recipe
 | `recipes/sft-8gpu.yaml` | fine-tuning on one node of 8 GPUs, FSDP2, bf16 (paths are placeholders) |
 
 ```bash
-astrai-fabric sft --config recipes/tiny-sft.yaml --max_lr 1e-3 --no-pin_memory   # flags after the recipe win
+astrai-fabric sft --config recipes/tiny-sft.yaml --max_lr 1e-3 --no-pin_memory   # flags win over the recipe
+astrai-fabric sft --config recipes/tiny-sft.yaml --config my-paths.yaml         # my-paths.yaml's keys win
 astrai-fabric sft --config recipes/tiny-sft.yaml --print_config                 # the resolved recipe, as YAML
 astrai-fabric sft --config recipes/tiny-sft.yaml --dry_run                      # the plan, nothing trained
 ```

@@ -23,9 +23,9 @@ from astrai_fabric.config.train_checks import TrainChecks
 from astrai_fabric.data.shapes import DATA_FORMATS
 from astrai_fabric.errors import ConfigError
 
-COMMAND_LINE_ONLY = ("trust_code",)
+COMMAND_LINE_ONLY = ("trust_code", "config")
 """Flags a recipe may not set, and which resolved recipes leave out: a recipe file is data, never a way to opt into
-running code."""
+running code (nor to name other recipes: their order is the command line's)."""
 
 TrainType = Literal["seq", "sft", "dpo", "kto", "grpo", "reward_model"]
 ParallelMode = Literal["none", "ddp", "fsdp"]
@@ -64,6 +64,10 @@ class TrainArgs(TrainChecks):
     """Directory with tokenizer.json and tokenizer_config.json; default: ``param_path`` (AstrAI's rule)."""
     train_type: TrainType | None = None
     """AstrAI's ``--train_type``; the subcommand sets it, and a recipe that names another type is an error."""
+    config: list[str] = field(default_factory=list)
+    """The recipe files (``--config`` or ``-c``, repeatable): merged in the order given, a later file's keys over an
+    earlier's, and the flags on the command line over every recipe; the plan names each file. Command line only:
+    the resolved ``recipe.yaml`` is their one flat merge and leaves it out."""
     resume: bool | str = False
     """``true``: resume from ``param_path`` (a checkpoint, AstrAI's meaning); ``auto``: the newest checkpoint under
     ``ckpt_dir``, or a fresh start when there is none; a path: that checkpoint."""

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from astrai_fabric.data.storage import ID_KEYS
-from astrai_fabric.errors import UserError
+from astrai_fabric.errors import UserError, brief
 from astrai_fabric.json_files import read_json_object
 from astrai_fabric.tokenizer import Tokenizer
 
@@ -107,11 +107,11 @@ class PipelineConfig:
         config = cls(**options)
         problems = []
         if config.packing_strategy not in ("simple", "bfd", "bfd_split"):
-            problems.append(f"preprocessing.packing_strategy {config.packing_strategy!r} (simple, bfd, bfd_split)")
+            problems.append(f"preprocessing.packing_strategy {brief(config.packing_strategy)} (simple, bfd, bfd_split)")
         if config.truncation_mode not in ("keep_start", "keep_end"):
-            problems.append(f"preprocessing.truncation_mode {config.truncation_mode!r} (keep_start, keep_end)")
+            problems.append(f"preprocessing.truncation_mode {brief(config.truncation_mode)} (keep_start, keep_end)")
         if config.position_ids_mode not in ("doc_reset", "continuous", "none"):
-            problems.append(f"output.position_ids_mode {config.position_ids_mode!r} (doc_reset, continuous, none)")
+            problems.append(f"output.position_ids_mode {brief(config.position_ids_mode)} (doc_reset, continuous, none)")
         if raw.get("output", {}).get("storage_format", "bin") != "bin":
             problems.append("output.storage_format must be bin")
         if problems:
@@ -152,22 +152,22 @@ def _check_types(options: dict[str, Any], source: str) -> None:
         if (key != "max_items" or value is not None) and (
             not isinstance(value, int) or isinstance(value, bool) or value < least
         ):
-            raise UserError(f"{source}: {key} must be an integer >= {least}, got {value!r}")
+            raise UserError(f"{source}: {key} must be an integer >= {least}, got {brief(value)}")
     strings = {"packing_strategy", "truncation_mode", "position_ids_mode", "mask_default"}
     for key in strings | {"domain_key", "tokenizer_path"}:
         value = options.get(key, "")
         if not isinstance(value, str) and not (value is None and key not in strings):
-            raise UserError(f"{source}: {key} must be a string, got {value!r}")
+            raise UserError(f"{source}: {key} must be a string, got {brief(value)}")
     if not isinstance(options.get("append_eos", True), bool):
-        raise UserError(f"{source}: append_eos must be true or false, got {options['append_eos']!r}")
+        raise UserError(f"{source}: append_eos must be true or false, got {brief(options['append_eos'])}")
     mask = options.get("mask", {})
     if not isinstance(mask, dict) or not all(isinstance(k, str) and v in ("train", "mask") for k, v in mask.items()):
-        raise UserError(f'{source}: mask must map roles to "train" or "mask", got {mask!r}')
+        raise UserError(f'{source}: mask must map roles to "train" or "mask", got {brief(mask)}')
     if options.get("mask_default", "mask") not in ("train", "mask"):
-        raise UserError(f'{source}: mask_default must be "train" or "mask", got {options["mask_default"]!r}')
+        raise UserError(f'{source}: mask_default must be "train" or "mask", got {brief(options["mask_default"])}')
     dtype = options.get("dtype", {})
     if not isinstance(dtype, dict) or not all(isinstance(v, str) for v in dtype.values()):
-        raise UserError(f"{source}: output.dtype must map keys to dtype names, got {dtype!r}")
+        raise UserError(f"{source}: output.dtype must map keys to dtype names, got {brief(dtype)}")
     for key, name in dtype.items():  # the kinds the shard reader accepts (data/storage.py), found before writing
         kinds = "iu" if key in ID_KEYS else "biuf"
         try:
@@ -176,7 +176,7 @@ def _check_types(options: dict[str, Any], source: str) -> None:
             valid = False
         if not valid:
             expected = "an integer dtype" if kinds == "iu" else "a bool, integer or float dtype"
-            raise UserError(f"{source}: output.dtype.{key} must be {expected} (int32, int64, ...), got {name!r}")
+            raise UserError(f"{source}: output.dtype.{key} must be {expected} (int32, int64, ...), got {brief(name)}")
 
 
 def check_keys(values: Any, allowed: set[str], source: str, prefix: str) -> None:
@@ -210,8 +210,8 @@ def tokenize_record(
             if not isinstance(value, list) or not value:
                 continue
             for message in value:
-                if not isinstance(message, dict) or "role" not in message:
-                    return f"field {section.field!r}: a message without a role"
+                if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                    return f"field {section.field!r}: a message without a role (a string)"
                 action = (
                     config.mask.get(message["role"], config.mask_default)
                     if section.action == "$role"

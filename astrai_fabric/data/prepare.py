@@ -60,7 +60,8 @@ from astrai_fabric.data.sources import Source, open_source
 from astrai_fabric.data.storage import detect_format, jsonl_lines, parse_record
 from astrai_fabric.errors import TrainingError, UserError
 from astrai_fabric.faults import crash_point
-from astrai_fabric.tokenizer import Tokenizer
+from astrai_fabric.regular_files import read_regular_file
+from astrai_fabric.tokenizer import MAX_TOKENIZER_BYTES, Tokenizer
 
 __all__ = ["ACTIONS", "GROUPS", "Document", "PipelineConfig", "Section", "check_keys", "parse_sections", "prepare",
            "tokenize_record"]  # fmt: skip
@@ -231,7 +232,7 @@ def _identity(inputs: list[Input], config: PipelineConfig, tokenizer: Tokenizer)
     files = [entry.identity() for entry in inputs]
     digest = hashlib.sha256()
     for name, path in sorted(tokenizer.files.items()):
-        digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
+        digest.update(name.encode() + b"\0" + read_regular_file(path, max_bytes=MAX_TOKENIZER_BYTES, what=name) + b"\0")
     return {"inputs": files, "pipeline": config.fingerprint(), "tokenizer": digest.hexdigest()}
 
 

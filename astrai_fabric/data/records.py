@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from astrai_fabric.data.storage import Record
-from astrai_fabric.errors import UserError
+from astrai_fabric.errors import UserError, brief
 from astrai_fabric.tokenizer import Message, Tokenizer
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -34,7 +34,7 @@ def as_messages(value: Any, where: str, field: str) -> list[Message]:
         return [{"role": "user", "content": value}]
     if isinstance(value, list) and value and all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
         return value
-    raise UserError(f"{where}: {field!r} must be a string or a list of {{role, content}} messages, got {value!r}")
+    raise UserError(f"{where}: {field!r} must be a string or a list of {{role, content}} messages, got {brief(value)}")
 
 
 def as_text(value: Any, where: str, field: str) -> str:
@@ -43,13 +43,13 @@ def as_text(value: Any, where: str, field: str) -> str:
         return value
     if isinstance(value, list) and all(isinstance(m, dict) for m in value):
         return "".join(str(m.get("content", "")) for m in value)
-    raise UserError(f"{where}: {field!r} must be a string or a list of messages, got {value!r}")
+    raise UserError(f"{where}: {field!r} must be a string or a list of messages, got {brief(value)}")
 
 
 def prompt_of(record: dict[str, Any], where: str) -> list[Message]:
     value = record.get("prompt", record.get("input"))
     if value is None:
-        raise UserError(f"{where}: the record needs 'prompt' (or 'input'), got keys {sorted(record)}")
+        raise UserError(f"{where}: the record needs 'prompt' (or 'input'), got keys {brief(sorted(record))}")
     return as_messages(value, where, "prompt")
 
 
@@ -82,11 +82,11 @@ Render = Callable[[dict[str, Any], str], Any]
 def check_rewards(rewards: Any, num_responses: int, where: str) -> list[float]:
     """One number per response, finite in float32 (bools are not numbers here)."""
     if not isinstance(rewards, list) or len(rewards) != num_responses:
-        count = len(rewards) if isinstance(rewards, list) else rewards
+        count = len(rewards) if isinstance(rewards, list) else brief(rewards)
         raise UserError(f"{where}: 'rewards' must list one number per response: {count} for {num_responses}")
     numbers = all(isinstance(r, int | float) and not isinstance(r, bool) for r in rewards)
     if not numbers or not all(abs(r) <= FLOAT32_MAX for r in rewards):
-        raise UserError(f"{where}: 'rewards' must be numbers finite in float32 (|r| <= 3.4e38), got {rewards}")
+        raise UserError(f"{where}: 'rewards' must be numbers finite in float32 (|r| <= 3.4e38), got {brief(rewards)}")
     return [float(r) for r in rewards]
 
 
@@ -127,7 +127,7 @@ class PreferenceDataset(Dataset):
             else:
                 missing = [k for k in ("chosen", "rejected") if k not in record]
                 if missing:
-                    raise UserError(f"{where}: a dpo record needs {missing}, got keys {sorted(record)}")
+                    raise UserError(f"{where}: a dpo record needs {missing}, got keys {brief(sorted(record))}")
                 texts = [as_text(record[k], where, k) for k in ("chosen", "rejected")]
                 encoded = encode(tokenizer, prompt_of(record, where), texts, max_len, where)
             if not encoded.trains_every_response():
@@ -182,10 +182,10 @@ class UnpairedDataset(Dataset):
         for where, record in records:
             missing = [k for k in ("completion", "label") if k not in record]
             if missing:
-                raise UserError(f"{where}: a kto record needs {missing}, got keys {sorted(record)}")
+                raise UserError(f"{where}: a kto record needs {missing}, got keys {brief(sorted(record))}")
             if not isinstance(record["label"], bool):
                 raise UserError(
-                    f"{where}: 'label' must be true (desirable) or false (undesirable), got {record['label']!r}"
+                    f"{where}: 'label' must be true (desirable) or false (undesirable), got {brief(record['label'])}"
                 )
             completion = as_text(record["completion"], where, "completion")
             encoded = encode(tokenizer, prompt_of(record, where), [completion], max_len, where)
@@ -229,7 +229,9 @@ class GroupDataset(Dataset):
             else:
                 responses = record.get("responses")
                 if not isinstance(responses, list) or not responses:
-                    raise UserError(f"{where}: a grpo record needs a non-empty list 'responses', got {responses!r}")
+                    raise UserError(
+                        f"{where}: a grpo record needs a non-empty list 'responses', got {brief(responses)}"
+                    )
                 rewards = check_rewards(record.get("rewards"), len(responses), where)
                 texts = [as_text(r, where, "responses") for r in responses]
                 encoded = encode(tokenizer, prompt_of(record, where), texts, max_len, where)

@@ -8,7 +8,9 @@ another kind is one line naming it (``EXTRA``).
 
 A source is read part by part (one data file, or one saved split), each as a stream of row batches, so memory stays
 flat however large it is; a record is a plain dict of its columns (nothing here interprets them) with where it came
-from, ``"FILE row N"`` (rows counted from 0 in each file, as ``datasets`` and pandas count them). A Hub dataset id is
+from, ``"FILE row N"`` (rows counted from 0 in each file, as ``datasets`` and pandas count them). Each batch is
+measured in arrow before it becomes Python values, and each file looked at first as its kind allows, so that a
+record larger than ``record_size.MAX_RECORD_BYTES`` is refused, named, before it is read whole. A Hub dataset id is
 downloaded into the Hugging Face cache (``hub.snapshot``, as models are; ``HF_HUB_OFFLINE=1``: from the cache only)
 and then read from those local files, as a local directory is (its README's ``configs`` name the
 subsets; file names such as ``train-*``/``test-*`` the splits), never through ``datasets``' own Hub filesystem.
@@ -26,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from astrai_fabric import dataset_card, hub
-from astrai_fabric.errors import UserError
+from astrai_fabric.data import record_size
+from astrai_fabric.errors import UserError, listed
 
 EXTRA = "pip install 'astrai-fabric[datasets]'"
 SUFFIXES = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".json": "json"}
@@ -37,7 +40,7 @@ NOT_DATA = {
 }  # fmt: skip
 """JSON files that sit beside data (a model's, a tokenizer's, AstrAI's data config) and are never records."""
 BATCH_ROWS = 1024
-"""Rows read at a time from a part: a few MB of a typical text dataset."""
+"""Rows read at a time from a part (parquet's too, never a whole row group): a few MB of a typical text dataset."""
 
 
 def source_kind(path: Path, what: str = "data_root_path") -> str | None:
@@ -193,10 +196,12 @@ def open_source(
 
 def _file_part(datasets, kind: str, file: Path, label: str | Path) -> Part:
     def rows(start: int) -> Iterator[dict[str, list]]:
-        if kind == "parquet" and _parquet_rows(file) == 0:  # datasets' parquet reader fails on one without rows
-            return iter(())
+        record_size.check_file(file, kind, str(label))  # a record past the limit, found reading no more than it
+        if kind == "parquet":
+            return record_size.checked_rows(_parquet_batches(file, start), str(label), start)
         stream = datasets.load_dataset(kind, data_files=[str(file)], split="train", streaming=True)
-        return stream.skip(start).iter(batch_size=BATCH_ROWS) if start else stream.iter(batch_size=BATCH_ROWS)
+        stream = (stream.skip(start) if start else stream).with_format("arrow")  # measured before Python values
+        return record_size.checked_rows(stream.iter(batch_size=BATCH_ROWS), str(label), start)
 
     def schema() -> dict[str, tuple[str, str]] | None:
         import pyarrow as pa
@@ -216,10 +221,27 @@ def _file_part(datasets, kind: str, file: Path, label: str | Path) -> Part:
     return Part(str(label), rows, [file], schema)
 
 
-def _parquet_rows(file: Path) -> int:
+def _parquet_batches(file: Path, start: int) -> Iterator[Any]:
+    """A parquet file's rows from row ``start`` on, ``BATCH_ROWS`` at a time, by pyarrow's own reader: ``datasets``'
+    (pyarrow's dataset scanner) decodes a whole row group before its first batch, and row groups are often hundreds
+    of MB. The same columns and values as ``datasets`` reads (its reader casts to the features the file's schema
+    states: the types it has)."""
     import pyarrow.parquet  # datasets brings it
 
-    return pyarrow.parquet.ParquetFile(file).metadata.num_rows
+    parquet = pyarrow.parquet.ParquetFile(file)
+    groups, skip = [], start
+    for index in range(parquet.metadata.num_row_groups):
+        rows = parquet.metadata.row_group(index).num_rows
+        if groups or skip < rows:
+            groups.append(index)
+        else:
+            skip -= rows  # a whole row group before ``start``: not read
+    for batch in parquet.iter_batches(batch_size=BATCH_ROWS, row_groups=groups) if groups else ():
+        if skip >= batch.num_rows:
+            skip -= batch.num_rows
+            continue
+        yield batch.slice(skip) if skip else batch
+        skip = 0
 
 
 def _directory(
@@ -236,6 +258,8 @@ def _directory(
             if chosen.splits is not None or chosen.data_dir:
                 return _card_subset(datasets, name, directory, what, subset, chosen, split)
             subset = chosen.name  # an entry naming no files: datasets reads it, the whole layout fetched
+    else:  # datasets reads a local card's header too, and walks it: its size and aliases bounded first
+        dataset_card.header(dataset_card.read_card(directory), f"{what} {name}: {dataset_card.CARD}")
     subsets = _call(lambda: datasets.get_dataset_config_names(str(directory)), name)
     if subset is not None and subset not in subsets:
         raise UserError(f"--data_subset {subset!r}: {what} {name} has no such subset; it has {_listed(subsets)}")
@@ -311,8 +335,9 @@ def _saved(datasets, path: Path, what: str, subset: str | None, split: str | Non
         dataset = loaded
 
     def rows(start: int) -> Iterator[dict[str, list]]:
-        for begin in range(start, len(dataset), BATCH_ROWS):
-            yield dataset[begin : begin + BATCH_ROWS]
+        table = dataset.with_format("arrow")  # slices of the memory-mapped table: measured before Python values
+        slices = (table[begin : begin + BATCH_ROWS] for begin in range(start, len(dataset), BATCH_ROWS))
+        return record_size.checked_rows(slices, f"{name} ({chosen})", start)
 
     files = [Path(f["filename"]) for f in dataset.cache_files]
     schema = lambda: column_kinds(dataset.data.schema)  # noqa: E731 — the memory-mapped table's: no row read
@@ -332,7 +357,7 @@ def _choose_split(splits: dict[str, list[Path]], split: str | None, name: str, w
 
 
 def _listed(names) -> str:
-    return ", ".join(repr(str(n)) for n in names) or "none"
+    return listed(names)
 
 
 def _call(function: Callable[[], Any], name: str) -> Any:

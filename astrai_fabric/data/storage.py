@@ -14,10 +14,12 @@ from typing import Any
 
 import numpy as np
 
+from astrai_fabric.data import record_size
 from astrai_fabric.data.sources import open_source, source_kind
 from astrai_fabric.errors import UserError
 from astrai_fabric.hub import looks_like_hub_id
 from astrai_fabric.json_files import parse_json, read_json_file
+from astrai_fabric.regular_files import open_regular_file
 
 Record = tuple[str, dict[str, Any]]
 """A record with where it came from (``"file.jsonl:line"``, ``"file.parquet row N"``), for error messages."""
@@ -35,6 +37,9 @@ def detect_format(path: Path, what: str = "data_root_path") -> str:
         if looks_like_hub_id(str(path)):
             return "hub"
         raise UserError(f"{what} {path}: not found")
+    if not path.is_dir():  # a FIFO, a device or a socket is refused by name, not searched as a folder
+        with open_regular_file(path, name=f"{what} {path}", expected="records or a folder of them"):
+            pass
     if path.is_file():
         if path.suffix.lower() == ".jsonl":
             return "jsonl"
@@ -155,10 +160,12 @@ def read_jsonl(path: Path, what: str = "data_root_path") -> list[Record]:
 
 def jsonl_lines(file: Path, offset: int = 0, first_line: int = 1) -> Iterator[tuple[int, int, int, str]]:
     """``(line number, start byte, end byte, text)`` of each non-blank line of ``file``, from byte ``offset`` (line
-    ``first_line``); a line that is not UTF-8 is an error that names it."""
-    with open(file, "rb") as f:
+    ``first_line``); a line that is not UTF-8, or longer than one record may be (``record_size``, read no further),
+    is an error that names it."""
+    with open_regular_file(file, expected="JSONL records") as opened:
+        f = opened.file
         f.seek(offset)
-        for line_no, raw in enumerate(f, start=first_line):
+        for line_no, raw in record_size.lines(f, str(file), first_line):
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as err:

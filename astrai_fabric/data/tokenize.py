@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from astrai_fabric.data.storage import Record
-from astrai_fabric.errors import UserError
+from astrai_fabric.errors import UserError, brief
 from astrai_fabric.tokenizer import HUGGING_FACE, Message, Tokenizer
 
 TRAINED_ROLES = ("assistant",)
@@ -64,14 +64,16 @@ def tokenize_chats(records: list[Record], tokenizer: Tokenizer) -> dict[str, np.
     for where, record in records:
         messages = record.get("messages")
         if not isinstance(messages, list) or not messages:
-            raise UserError(f"{where}: an sft record needs a non-empty list 'messages', got keys {sorted(record)}")
+            raise UserError(
+                f"{where}: an sft record needs a non-empty list 'messages', got keys {brief(sorted(record))}"
+            )
         astrai_bos = tokenizer.bos_token_id is not None and tokenizer.layout != HUGGING_FACE
         ids, mask = ([tokenizer.bos_token_id], [0]) if astrai_bos else ([], [])
         for message in messages:
             if not isinstance(message, dict) or message.get("role") not in ROLES:
-                raise UserError(f"{where}: each message needs a role in {sorted(ROLES)}, got {message!r}")
+                raise UserError(f"{where}: each message needs a role in {sorted(ROLES)}, got {brief(message)}")
             if not isinstance(message.get("content"), str):
-                raise UserError(f"{where}: message content must be a string, got {message.get('content')!r}")
+                raise UserError(f"{where}: message content must be a string, got {brief(message.get('content'))}")
         for message, text in zip(messages, message_texts(tokenizer, messages, where), strict=True):
             encoded = tokenizer.encode(text, add_special_tokens=False)
             ids += encoded

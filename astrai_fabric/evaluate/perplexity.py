@@ -28,12 +28,10 @@ from astrai_fabric.data.shapes import shape_records
 from astrai_fabric.data.storage import read_records
 from astrai_fabric.data.windows import WindowData, build_windows, evaluation_start
 from astrai_fabric.errors import UserError
+from astrai_fabric.evaluate.results import LARGEST_LOSS
 from astrai_fabric.losses import loss_chunk_positions, token_logprobs
 from astrai_fabric.model import forward_window
 from astrai_fabric.tokenizer import Tokenizer
-
-LARGEST_LOSS = 700.0
-"""Nats per token past which ``exp`` leaves float64 (a uniform guess over a 151,936-token vocabulary is 11.9)."""
 
 
 @dataclass

@@ -42,6 +42,11 @@ class Target:
     """A checkpoint of ours or AstrAI's (meta.json) outside the Hub cache: results go into its ``eval/``."""
 
 
+UNUSABLE = "evaluated again"
+"""What ``evaluate`` does with a stored result that is not one of ours (``results.read_result``): a tampered or
+damaged file is no reason to stop; evaluating again is what it would do without one, and a checkpoint of a run
+stores the new result over it."""
+
 LAUNCHER_VARIABLES = ("LT_CLI_USED", "LOCAL_WORLD_SIZE", "SLURM_NTASKS")
 """Set by ``fabric run``, torchrun and SLURM: the processes may exist already, and Lightning's environments say how
 many (``strategy.resolve_topology``)."""
@@ -95,7 +100,7 @@ def evaluate_models(args: EvaluateArgs, device: torch.device) -> list[dict[str, 
     for number, target in enumerate(targets, start=1):
         say(f"[{number}/{len(targets)}] {target.shown}" + (f" (step {target.step})" if target.step else ""), flush=True)
         found = _from_rank_zero(
-            {kind: read_result(result_path(target.directory, kind, settings)) for kind, settings in jobs}
+            {kind: read_result(result_path(target.directory, kind, settings), UNUSABLE) for kind, settings in jobs}
             if rank == 0
             else None
         )

@@ -39,7 +39,7 @@ from astrai_fabric.losses import grpo_advantages, grpo_loss, with_moe_aux_loss
 from astrai_fabric.model import next_token_logprobs
 from astrai_fabric.randomness import seeded_generator
 from astrai_fabric.reward_model import RewardModelScorer, check_reward_model
-from astrai_fabric.rewards import Reward, load_reward, score
+from astrai_fabric.rewards import Reward, check_finite, load_reward, score
 from astrai_fabric.strategy import data_parallel
 from astrai_fabric.tokenizer import Tokenizer
 from astrai_fabric.train.common import TrainTask, train_on
@@ -218,14 +218,16 @@ class Rollouts:
         prompt_texts = [tokenizer.decode(p) for p in batch["prompt_ids"]]
         grouped = [texts[i : i + group] for i in range(0, len(texts), group)]
         rewards, refusal = None, None
-        if isinstance(self.reward, RewardModelScorer):
-            records = [record for record in batch["records"] for _ in range(group)]
-            rewards = self.reward(prompts, responses, records, texts).view(-1, group)
-        else:
-            try:
+        try:
+            if isinstance(self.reward, RewardModelScorer):  # the user's model: its scores checked as a function's
+                records = [record for record in batch["records"] for _ in range(group)]
+                rewards = check_finite(
+                    self.reward(prompts, responses, records, texts).view(-1, group), self.reward.name
+                )
+            else:
                 rewards = score(self.reward, prompt_texts, grouped, batch["records"], Path(args.ckpt_dir))
-            except UserError as err:  # the user's reward raised, or returned what is not a reward
-                refusal = err
+        except UserError as err:  # the user's reward raised, or returned what is not a reward
+            refusal = err
         if self.fabric.world_size > 1:  # every rank stops here, together
             raise_together(self.fabric, refusal, lambda n: f"the reward was refused on {n} other rank(s)")
         if refusal is not None:

@@ -211,6 +211,13 @@ def describe_processes(
     )
 
 
+def describe_recipes(paths: list[str]) -> str:
+    """The plan's ``recipe`` line: each ``--config`` file in the order merged (a later one's keys win)."""
+    if len(paths) == 1:
+        return paths[0]
+    return ", then ".join(paths) + " (merged in this order: a later file's keys win; flags over all)"
+
+
 def describe_plan(
     args: TrainArgs,
     *,
@@ -231,6 +238,8 @@ def describe_plan(
     (the dry run could not work it out: it lists why beneath). ``position``: where the run starts (default: the
     beginning); ``fetched``: the dry run's words for the Hub ids the run would download first."""
     rows: list[tuple[str, str]] = [("processes", processes), *(("hub", line) for line in fetched)]
+    if args.config:
+        rows.insert(0, ("recipes" if len(args.config) > 1 else "recipe", describe_recipes(args.config)))
     if start is not None:
         weights = start.weights.path if start.weights is not None else f"none: AstrAI's init, seed {args.random_seed}"
         rows.append(("model", f"{assets.resolve(args.param_path)}: weights {weights}"))

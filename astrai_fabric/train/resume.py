@@ -5,6 +5,7 @@ position it continues at (``start_position``: ours exactly, AstrAI's from its co
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from lightning.fabric import Fabric
@@ -15,6 +16,7 @@ from astrai_fabric.checkpoint.state import check_rng_state, restore_rng
 from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import CheckpointError
+from astrai_fabric.quantize import quantization_record, read_quantization_entry
 from astrai_fabric.schedule import StepPlan
 from astrai_fabric.train.models import lora_spec
 
@@ -30,7 +32,7 @@ def resume_checkpoint(args: TrainArgs, param_path: Path) -> Checkpoint | None:
             return None  # nothing saved yet: a fresh start from param_path
     else:
         path = Path(args.resume)
-    if not (path / "meta.json").is_file():
+    if not os.path.lexists(path / "meta.json"):  # one there that is no file is refused by name when read
         raise CheckpointError(
             f"--resume: {path} is not a training checkpoint (no meta.json); to start from its weights, pass it as "
             "--param_path without --resume"
@@ -103,6 +105,16 @@ def _check_resume_lora(ckpt: Checkpoint, args: TrainArgs) -> None:
         raise CheckpointError(
             f"--resume: {ckpt.path} holds an adapter with r={theirs[0]}, alpha={theirs[1]}, targets "
             f"{list(theirs[2])}; this run asks for r={ours[0]}, alpha={ours[1]}, targets {list(ours[2])}"
+        )
+    record = quantization_record(ckpt.meta, str(ckpt.path / "meta.json"))
+    if record is not None:
+        read_quantization_entry(record, str(ckpt.path / "meta.json"))
+    if (record is not None) != (args.quantize is not None):  # the adapter goes on over the base it was trained over
+        trained_over, resume_with = (
+            ("NF4", "with --quantize nf4") if record else ("its float dtype", "without --quantize")
+        )
+        raise CheckpointError(
+            f"--resume: {ckpt.path} holds an adapter trained over the base in {trained_over}; resume it {resume_with}"
         )
 
 

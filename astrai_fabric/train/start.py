@@ -6,6 +6,7 @@ needed). Also the frozen reference model of dpo/grpo (``reference_model``), rebu
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
@@ -199,7 +200,7 @@ def read_start(args: TrainArgs) -> Start:
     param_path = hub.resolve_model(args.param_path, "param_path")
     if not param_path.exists():
         raise UserError(f"param_path {param_path}: not found (expected a model or checkpoint directory)")
-    if not (param_path / CONFIG_FILE).is_file():
+    if not os.path.lexists(param_path / CONFIG_FILE):  # one there that is no file is refused by name when read
         raise UserError(f"param_path {param_path}: no config.json (expected a model or checkpoint directory)")
     model_config = read_model_config(param_path)  # AstrAI's config.json, or a Hugging Face one mapped
     model_config.check_buildable(source=str(param_path / CONFIG_FILE))

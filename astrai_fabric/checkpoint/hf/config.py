@@ -6,6 +6,7 @@ the fields all of them read, the refusal of what none computes, sliding windows,
 
 from __future__ import annotations
 
+import reprlib
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -188,6 +189,11 @@ def _score_head(read: Reader) -> dict[str, Any]:
     """A ``*ForSequenceClassification`` with one label is a reward model: a score head read at the last token before
     ``pad_token_id`` (transformers' rule); a causal LM's config gives nothing."""
     architectures = read.get("architectures") or []
+    if not isinstance(architectures, list):  # transformers writes a list; anything else was never one of its configs
+        raise ConfigError(
+            f"{read.source}: architectures {reprlib.repr(architectures)} is not supported: expected a list of "
+            "transformers class names; nothing was loaded"
+        )
     if not any(isinstance(name, str) and name.endswith("ForSequenceClassification") for name in architectures):
         return {}
     labels = read.get("id2label")
