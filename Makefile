@@ -12,14 +12,22 @@ else
 TORCH_REQ ?= torch==$(TORCH_VERSION)
 endif
 
-.PHONY: install test fuzz train bench docs lint format clean
+.PHONY: install install-train test fuzz train bench docs lint format clean
 
+# The whole stack: what training needs, then the extras and the test, eval and lint tools (`make test`).
 install: $(VENV)/.installed
 
-# torch first, then named again beside the extras: nothing they pull (peft, accelerate) may swap it for a CUDA build.
-$(VENV)/.installed: pyproject.toml
+# What training needs, and no more: torch and the package's own dependencies (`make train`, the first command).
+install-train: $(VENV)/.installed-train
+
+# torch first, then named again beside the package: nothing pulled later may swap it for a CUDA build.
+$(VENV)/.installed-train: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q "$(TORCH_REQ)" $(PIP_EXTRA)
+	$(BIN)/python -m pip install -q -e . "$(TORCH_REQ)" $(PIP_EXTRA)
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.installed-train
 	$(BIN)/python -m pip install -q -e ".[dev]" "$(TORCH_REQ)" $(PIP_EXTRA)
 	touch $@
 
@@ -34,7 +42,7 @@ fuzz: install
 		FUZZ_SEED="$(FUZZ_SEED)" $(BIN)/python -m pytest -q -rP -p no:cacheprovider tests/test_fuzz.py
 
 # The main job: pretrain the bundled tiny model on CPU (about a minute); prints where the checkpoints went.
-train: install
+train: install-train
 	$(BIN)/astrai-fabric seq --config recipes/tiny-seq.yaml
 
 # Each prints a table (docs/performance.md records them); bench/gpu_check.py is run by hand on a CUDA machine.

@@ -102,6 +102,8 @@ class ChatSession:
         leave the rest out)."""
         self.recomputed_turns = 0
         """Turns whose conversation was fed whole (no cache, or one that did not hold its start): for tests."""
+        self.cut_at_max_new_tokens = False
+        """The last reply ended at ``--max_new_tokens``, not at a stop token: it may be unfinished."""
 
     @property
     def cached_ids(self) -> list[int]:
@@ -158,11 +160,13 @@ class ChatSession:
         write("\n")
         text = "".join(pieces)
         self.conversation.add(user, text)
-        if not interrupted and len(sampled) == room and sampled[-1] not in stop_ids:
+        unended = not interrupted and bool(sampled) and sampled[-1] not in stop_ids
+        if unended and len(sampled) == room:
             say(
                 f"the reply stopped at the model's {self.max_positions} positions (max_position_embeddings): type "
                 f"{RESET} to start a new conversation"
             )
+        self.cut_at_max_new_tokens = unended and len(sampled) == budget < room
         return text
 
     def _prefill(self, ids: list[int], positions: int) -> Tensor:
@@ -304,11 +308,16 @@ def run_chat(args: ChatArgs) -> int:
                 return 0
             if command == RESET:
                 session.reset()
+                if interactive:  # piped input is a script, whose output stays the replies alone
+                    kept = " (the system message stays)" if args.system else ""
+                    say(f"a new conversation{kept}")
                 continue
             if not command:
                 continue
             try:
                 session.reply(line, _write)
+                if interactive and session.cut_at_max_new_tokens:
+                    say(f"(cut at --max_new_tokens {args.max_new_tokens}; the model had not finished this reply)")
             except UserError as err:  # this conversation only (a template refusing it): the chat goes on
                 print(f"astrai-fabric: error: {err}", file=sys.stderr, flush=True)
     except KeyboardInterrupt:

@@ -98,10 +98,22 @@ def check_output(output: Path) -> None:
 
 def plot_runs(runs: list[Path], output: Path) -> Path:
     """Write a PNG with one panel each for loss, learning rate and tokens/s; return its path."""
+    import matplotlib.pyplot as plt
+
+    figure = draw_runs(runs)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(output, dpi=110)
+    plt.close(figure)
+    return output
+
+
+def draw_runs(runs: list[Path]) -> Any:
+    """The figure ``plot_runs`` writes: a panel each for loss, learning rate, tokens/s and every evaluation."""
     import matplotlib  # ~3 s, only when a plot is written; the backend is chosen before pyplot loads
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     evaluations = {run: read_evaluations(run) for run in runs}
     eval_names = sorted({name for series in evaluations.values() for name in series if not _is_eval_loss(name)})
@@ -145,6 +157,7 @@ def plot_runs(runs: list[Path], output: Path) -> Path:
     for axis, title in titles:
         axis.set_title(title)
         axis.set_xlabel("optimizer step")
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no tick at step 1.5
         axis.grid(alpha=0.3)
         if axis.lines:
             axis.legend(fontsize="small")
@@ -152,10 +165,7 @@ def plot_runs(runs: list[Path], output: Path) -> Path:
             axis.text(0.5, 0.5, "not recorded", ha="center", va="center", transform=axis.transAxes)
     lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
     figure.tight_layout()
-    output.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(output, dpi=110)
-    plt.close(figure)
-    return output
+    return figure
 
 
 PLOTTABLE = 1e300

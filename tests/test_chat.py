@@ -388,9 +388,16 @@ def read_until(fd: int, wanted: bytes, seconds: float = 60) -> bytes:
 
 def test_in_a_terminal_the_prompt_shows_and_the_reply_streams(work):
     """Also what stdin's checks say in a terminal (through the line editor): a byte that is not UTF-8, then a line
-    over ``--max_input_bytes``; the session goes on after each."""
+    over ``--max_input_bytes``; the session goes on after each. A reply cut at ``--max_new_tokens`` says so, and
+    ``/reset`` says it started a new conversation (piped input stays the replies alone)."""
     model, tokenizer = load_model(work / "model").eval(), Tokenizer.from_dir(work / "model")
     first, second = reference(model, tokenizer, ["hello", "\ufffd"])
+    in_process, cut = session(work), []
+    for user in ("hello", "\ufffd"):  # whether each reply ended at the 10 tokens, not at a stop token
+        assert in_process.reply(user, lambda text: None) in (first, second)
+        cut.append(in_process.cut_at_max_new_tokens)
+    assert cut[0], "the test needs a first reply that the token budget cuts (seed 9's model: no stop token)"
+    note = f"astrai-fabric: (cut at --max_new_tokens {NEW_TOKENS}; the model had not finished this reply)\n"
     argv = [
         sys.executable,
         "-m",
@@ -422,15 +429,19 @@ def test_in_a_terminal_the_prompt_shows_and_the_reply_streams(work):
         assert b"/reset clears the conversation, /exit or Ctrl-D leaves" in banner
         os.write(terminal, b"hello\n")
         shown = read_until(terminal, b">>> ").decode().replace("\r\n", "\n")
-        assert shown == f"hello\n{first}\n>>> "  # the echoed input, the reply, the next prompt
+        assert shown == f"hello\n{first}\n{note}>>> "  # the echoed input, the reply, what cut it, the next prompt
         os.write(terminal, b"\xff\n")  # a byte that starts no UTF-8 character: said, and read as U+FFFD
         shown = read_until(terminal, b">>> ").decode(errors="replace").replace("\r\n", "\n")
         notice = "astrai-fabric: input line 2 is not utf-8 text (invalid start byte at byte 0): bytes that do not "
-        assert shown == f"\ufffd\n{notice}decode are read as U+FFFD, here and in any later line\n{second}\n>>> "
+        said = f"{notice}decode are read as U+FFFD, here and in any later line\n"
+        assert shown == f"\ufffd\n{said}{second}\n{note if cut[1] else ''}>>> "
         os.write(terminal, b"a" * 65 + b"\n")
         shown = read_until(terminal, b">>> ").decode().replace("\r\n", "\n")
         refusal = "astrai-fabric: error: input line 3 is 65 bytes, over chat's 64 (--max_input_bytes): this message"
         assert shown == f"{'a' * 65}\n{refusal} is skipped\n>>> "
+        os.write(terminal, b"/reset\n")
+        shown = read_until(terminal, b">>> ").decode().replace("\r\n", "\n")
+        assert shown == "/reset\nastrai-fabric: a new conversation\n>>> "
         time.sleep(0.5)  # let input() reach its wait: a SIGINT just before it is seen only at the next key (CPython)
         os.write(terminal, b"\x03")  # Ctrl-C at the prompt: leave
         deadline = time.monotonic() + 30

@@ -163,6 +163,21 @@ def test_every_run_ends_with_its_plot(short_run, tmp_path, capsys):
     assert "not found" in capsys.readouterr().err
 
 
+def test_the_step_axis_ticks_only_whole_steps(tmp_path):
+    """Two steps: matplotlib's own ticks would be 1.0, 1.2, ..., 2.0 (steps that do not exist)."""
+    from astrai_fabric.plot import draw_runs
+
+    history = tmp_path / "metric.jsonl"
+    entries = [{"type": "step", "step": s, "loss": 3.0 - s, "lr": 1e-3, "tokens_per_sec": 100.0} for s in (1, 2)]
+    history.write_text("".join(json.dumps(e) + "\n" for e in entries))
+    figure = draw_runs([history])
+    for axis in figure.axes[:3]:
+        low, high = axis.get_xlim()
+        ticks = [t for t in axis.get_xticks() if low <= t <= high]
+        assert ticks and all(float(t).is_integer() for t in ticks), (axis.get_title(), ticks)
+    figure.clear()
+
+
 @pytest.mark.parametrize("recipe", sorted(ROOT.glob("recipes/tiny-*.yaml")), ids=lambda p: p.name)
 def test_dry_run_of_each_tiny_recipe_writes_nothing(recipe, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # the recipes write under ./checkpoints
