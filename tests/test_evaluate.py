@@ -662,3 +662,18 @@ def test_tasks_without_the_eval_extra_name_it(work, tmp_path):
         result.stderr.strip()
         == "astrai-fabric: error: --tasks needs lm-evaluation-harness: pip install 'astrai-fabric[eval]'"
     )
+
+
+def test_the_documented_local_task_runs_as_evaluation_md_shows(work, tmp_path, capsys, monkeypatch):
+    """docs/examples/lm-eval-task: the task YAML and data evaluation.md walks through, run by its own command line
+    from the repository root (its data path is relative to it), offline; every record scored."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.chdir(Path(__file__).parents[1])
+    records = Path("docs/examples/lm-eval-task/capitals.jsonl").read_text().splitlines()
+    model = tmp_path / "model"
+    shutil.copytree(work / "model", model)
+    argv = ["evaluate", str(model), "--tasks", "capitals", "--include_path", "docs/examples/lm-eval-task"]
+    assert main([*argv, "--trust_code", "--log_samples", "--output", str(tmp_path / "r.json")]) == 0
+    assert re.search(r"capitals +acc +[01]\.\d+", capsys.readouterr().out)
+    (result,) = json.loads((tmp_path / "r.json").read_text())["results"]
+    assert len(result["lm_eval"]["samples"]["capitals"]) == len(records) == 6
