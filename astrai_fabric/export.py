@@ -5,9 +5,10 @@ optimizer state into ``optimizer.pt``, ``checkpoint.state.export_checkpoint``), 
 an AstrAI model directory, or casts a complete checkpoint to ``--dtype``. A model AstrAI's schema cannot express
 (q/k/v biases, q/k norm before RoPE, ``head_dim`` of its own, Hugging Face's RoPE scaling) is refused there: AstrAI
 would compute another function. ``--format hf`` writes what transformers' ``AutoModelForCausalLM`` and
-``AutoTokenizer`` load: the architecture the model came from (``meta.json``'s ``source``) or, for AstrAI's own
-models, the transformers class computing the same function (``hf.export_model_type``), or a one-line refusal naming
-what has no equivalent. Reading and writing stay in ``checkpoint.files``, the mapping in ``checkpoint.hf``.
+``AutoTokenizer`` load (``AutoModelForSequenceClassification`` for a reward model: the family's
+``*ForSequenceClassification``): the architecture the model came from (``meta.json``'s ``source``) or, for AstrAI's
+own models, the transformers class computing the same function (``hf.export_model_type``), or a one-line refusal
+naming what has no equivalent. Reading and writing stay in ``checkpoint.files``, the mapping in ``checkpoint.hf``.
 
 ``--out`` is checked before anything is read, for every format (``destination``): a new directory, or an empty one,
 whose parent this process may write, neither inside the directory exported nor holding it. Nothing there is ever

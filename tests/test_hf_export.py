@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -21,11 +22,19 @@ from astrai_oracle import needs_astrai, run_astrai  # noqa: E402
 from test_huggingface import CASES, LLAMA3, build_hf, max_diff, save_hf  # noqa: E402
 
 from astrai_fabric.assets import TINY_MODEL_DIR  # noqa: E402
-from astrai_fabric.checkpoint import hf, load_checkpoint, load_model, read_model_config, save_checkpoint  # noqa: E402
+from astrai_fabric.checkpoint import (  # noqa: E402
+    hf,
+    load_checkpoint,
+    load_model,
+    load_model_weights,
+    read_model_config,
+    save_checkpoint,
+)
 from astrai_fabric.cli import main  # noqa: E402
 from astrai_fabric.config import ModelConfig  # noqa: E402
 from astrai_fabric.config.model import EXTENDED_MODEL_TYPE  # noqa: E402
 from astrai_fabric.model import AutoRegressiveLM  # noqa: E402
+from astrai_fabric.reward_model import reward_model_config, reward_model_weights, sequence_scores  # noqa: E402
 from astrai_fabric.tokenizer import Tokenizer  # noqa: E402
 
 TOLERANCE = 1e-5
@@ -86,6 +95,64 @@ def test_a_huggingface_directory_exports_back_bit_for_bit(tmp_path, case):
         (source / "config.json").read_text()
     )
     assert read_model_config(tmp_path / "out") == read_model_config(source)
+
+
+SCORE_TOLERANCE = 2e-6
+"""Max score difference of a reward model from transformers' ``*ForSequenceClassification``, float32, relative to the
+largest score (scores of 4-8 here, where float32's spacing is 4.8e-7; observed at most 5e-7 of it)."""
+
+
+@pytest.mark.parametrize("case", list(FROM_HF))
+def test_a_reward_model_of_each_family_exports_to_its_sequence_classifier(tmp_path, case):
+    """What ``reward_model`` makes of a Hugging Face directory (``train/start.py``'s steps: ``reward_model_config``,
+    ``reward_model_weights``, ``hf.source_of`` for ``meta.json``), with a random score head, exported: the family's
+    ``*ForSequenceClassification``, whose scores of right-padded rows are ours. Reference: transformers' own class
+    over the export, float32, within ``SCORE_TOLERANCE`` of the largest score."""
+    config_class, fields = FROM_HF[case]
+    source = save_hf(build_hf(config_class, **fields), tmp_path / "source")
+    with warnings.catch_warnings():  # mistral_window: positions limited to its window, said on loading
+        warnings.simplefilter("ignore")
+        language_model = load_checkpoint(source, load_extra=False)
+    config = reward_model_config(language_model.model_config(), pad_token_id=0)
+    start = reward_model_weights(language_model, config)
+    model = AutoRegressiveLM(config)
+    load_model_weights(model, start.state_dict, source=source)
+    torch.manual_seed(0)
+    torch.nn.init.normal_(model.score.weight, std=0.5)
+    origin = hf.source_of(language_model.source, {}, config, "meta.json")
+    save_checkpoint(tmp_path / "rm", model.state_dict(), config.to_dict(), meta={hf.SOURCE_KEY: origin.to_meta()})
+    assert export(tmp_path / "rm", "--format", "hf", "--out", tmp_path / "out") == 0
+    theirs = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    assert type(theirs).__name__ == hf.sequence_classifier(language_model.source.model_type)
+    ids = torch.randint(1, 96, (3, 20), generator=torch.Generator().manual_seed(1))
+    ids[1, 12:], ids[2, 5:] = 0, 0  # right-padded
+    with torch.no_grad():
+        scores, _ = sequence_scores(model.eval(), ids)
+        reference = theirs.eval()(input_ids=ids).logits.squeeze(-1)
+    diff = (scores - reference).abs().max().item()
+    print(f"{case}: {type(theirs).__name__} scores {scores.tolist()}, max |diff| {diff:.1e}", file=sys.stderr)
+    assert scores.std() > 0.1 and diff <= SCORE_TOLERANCE * scores.abs().max(), (scores, reference)
+
+
+def test_a_reward_model_of_a_multimodal_model_is_its_language_models_classifier(tmp_path):
+    """A reward model started from a multimodal Gemma 3 holds its language model alone: its source is that
+    ``Gemma3TextForSequenceClassification``, and the multimodal record its run may carry reads as the same."""
+    vision = dict(
+        hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+    )
+    text = {**CASES["gemma3_text"][1], "vocab_size": 96, "hidden_size": 32, "intermediate_size": 40}
+    transformers.Gemma3Config(text_config=text, vision_config=vision).save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    with warnings.catch_warnings():  # the vision tower left out, said on loading
+        warnings.simplefilter("ignore")
+        config = reward_model_config(hf.model_config_from_hf(raw), pad_token_id=0)
+        described = hf.source_of(hf.HFSource(model_type="gemma3", config=raw), {}, config, "meta.json")
+        assert described.model_type == "gemma3_text"
+        assert described.architecture == "Gemma3TextForSequenceClassification"
+        assert hf.model_config_from_hf(described.config) == config
+        assert hf.source_of(None, {hf.SOURCE_KEY: described.to_meta()}, config, "meta.json") == described
+        multimodal_record = {hf.SOURCE_KEY: hf.HFSource(model_type="gemma3", config=raw).to_meta()}
+        assert hf.source_of(None, multimodal_record, config, "meta.json") == described
 
 
 class _no_warning:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import sys
 import warnings
 from pathlib import Path
 
@@ -35,6 +36,8 @@ from astrai_fabric.tokenizer import Tokenizer
 from astrai_fabric.train.reward_model import MarginPairs, collate_margin_pairs, reward_model_batch_loss
 
 transformers = pytest.importorskip("transformers")
+
+from test_huggingface import build_hf, save_hf  # noqa: E402
 
 ROOT = Path(__file__).parents[1]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -377,3 +380,136 @@ def test_lora_online_dpo_ranked_by_a_reward_model_resumes_bit_exactly(models, tm
         "[]",
     ]
     assert_resume_is_bit_exact(common, tmp_path)
+
+
+# --- SFT -> reward model -> transformers -> online grpo, from a Hugging Face model -----------------------------------
+
+SCORE_TOLERANCE = 2e-6
+"""Max abs score difference from transformers' ``*ForSequenceClassification`` over our export, float32 (issue 40)."""
+
+
+SHORT_RUN = "--window_size 32 --batch_per_device 2 --grad_accum_steps 1 --max_lr 1e-2 --parallel_mode none".split()
+"""lr 1e-2: a score head grown from zeros in a step or two scores rows apart."""
+
+
+def run_argv(train_type: str, param_path: Path, data: str, ckpt_dir: Path, steps: int = 2, *extra: str) -> list[str]:
+    """A short in-process CLI run of ``steps`` steps, checkpointed at the last."""
+    where = ["--param_path", str(param_path), "--data_root_path", data, "--ckpt_dir", str(ckpt_dir)]
+    steps_flags = ["--max_steps", str(steps), "--ckpt_interval", str(steps), "--num_workers", "0", "--loggers", "[]"]
+    return [train_type, *where, *steps_flags, *SHORT_RUN, *extra]
+
+
+@pytest.fixture(scope="module")
+def from_hf(tmp_path_factory) -> dict[str, Path]:
+    """The starting points of a reward model a user coming from transformers has: a random Qwen3 built with
+    transformers and saved with ``save_pretrained`` (the bundled tokenizer beside it, nothing downloaded), our sft
+    checkpoint of it (2 steps), a LoRA sft checkpoint of it (the adapter and a pointer to the base) and that one
+    merged by ``export --merge_lora``."""
+    root = tmp_path_factory.mktemp("from_hf")
+    vocab = read_model_config(assets.resolve("bundled:tiny")).vocab_size
+    base = save_hf(build_hf("Qwen3Config", vocab_size=vocab, head_dim=8, max_position_embeddings=256), root / "base")
+    for name in TOKENIZER_FILES:
+        shutil.copy(assets.resolve("bundled:tiny") / name, base / name)
+    assert main(run_argv("sft", base, "bundled:data/sft", root / "sft")) == 0
+    assert main(run_argv("sft", base, "bundled:data/sft", root / "lora", 2, "--lora_r", "4")) == 0
+    lora = root / "lora" / "epoch_0_step_2"
+    assert main(["export", str(lora), "--merge_lora", "--out", str(root / "merged")]) == 0
+    return {"hf_directory": base, "sft": root / "sft" / "epoch_0_step_2", "lora": lora, "merge_lora": root / "merged"}
+
+
+def assert_export_scores_as_ours(reward_model: Path, out: Path, architecture: str) -> None:
+    """``export --format hf`` of ``reward_model`` loads in transformers as ``architecture`` and scores right-padded
+    rows as ours does. Reference: transformers' ``AutoModelForSequenceClassification`` over that export (its score at
+    each row's last token that is not ``pad_token_id``), float32, within ``SCORE_TOLERANCE``."""
+    assert main(["export", str(reward_model), "--format", "hf", "--out", str(out)]) == 0
+    theirs = transformers.AutoModelForSequenceClassification.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(theirs).__name__ == architecture
+    ours = load_model(reward_model).float().eval()
+    pad = ours.config.pad_token_id
+    ids = torch.randint(0, ours.config.vocab_size, (4, 20), generator=torch.Generator().manual_seed(1))
+    ids[1, 12:], ids[2, 5:], ids[3, -1] = pad, pad, pad  # padded rows, and a last real token sharing the id
+    with torch.no_grad():
+        scores, _ = sequence_scores(ours, ids)
+        reference = theirs(input_ids=ids).logits.squeeze(-1)
+    diff = (scores - reference).abs().max().item()
+    print(f"{reward_model}: scores {scores.tolist()}, max |diff| from transformers {diff:.1e}", file=sys.stderr)
+    assert scores.std() > 1e-3, scores  # rows scored apart: the comparison can fail
+    assert diff <= SCORE_TOLERANCE, (scores, reference)
+
+
+def test_sft_of_a_huggingface_model_to_a_reward_model_to_transformers_to_online_grpo(from_hf, tmp_path, capsys):
+    """The SFT -> RM -> RL path of issue 40: the reward model's ``meta.json`` ``source`` is its family's classifier
+    (what its weights compute), so export writes ``Qwen3ForSequenceClassification``; online grpo from the sft
+    checkpoint is scored by the reward model's checkpoint and by its export alike."""
+    assert main(run_argv("reward_model", from_hf["sft"], "bundled:data/dpo", tmp_path / "rm")) == 0
+    rm = tmp_path / "rm" / "epoch_0_step_2"
+    source = json.loads((rm / "meta.json").read_text())["source"]
+    pad = read_model_config(rm).pad_token_id
+    assert source["architecture"] == "Qwen3ForSequenceClassification" and source["config"]["pad_token_id"] == pad
+    assert_export_scores_as_ours(rm, tmp_path / "rm_hf", "Qwen3ForSequenceClassification")
+    capsys.readouterr()
+    for name, reward_model in (("checkpoint", rm), ("export", tmp_path / "rm_hf")):
+        out = tmp_path / f"grpo_{name}"
+        recipe = ["--config", str(ROOT / "recipes" / "tiny-grpo-online.yaml"), "--param_path", str(from_hf["sft"])]
+        short = "--reward null --max_steps 1 --batch_per_device 2 --rollout_max_tokens 4 --loggers []".split()
+        argv = ["grpo", *recipe, *short, "--reward_model", str(reward_model), "--ckpt_dir", str(out)]
+        assert main(argv) == 0
+        assert f"scored by the reward model {reward_model}" in capsys.readouterr().out
+        assert (out / "epoch_0_step_1" / "model.safetensors").is_file()
+    # The record is still checked: a source whose padding is not the reward model's describes another model.
+    broken = tmp_path / "broken"
+    shutil.copytree(rm, broken)
+    meta = json.loads((broken / "meta.json").read_text())
+    meta["source"]["config"]["pad_token_id"] = pad + 1
+    (broken / "meta.json").write_text(json.dumps(meta))
+    assert main(["export", str(broken), "--format", "hf", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "'source' describes another model than config.json (they differ in ['pad_token_id'])" in err, err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("start", "architecture"),
+    [
+        ("hf_directory", "Qwen3ForSequenceClassification"),  # the transformers directory itself
+        ("lora", "Qwen3ForSequenceClassification"),  # a LoRA checkpoint: its adapter merged into the base on reading
+        ("merge_lora", "Qwen3ForSequenceClassification"),  # export --merge_lora's directory
+        ("astrai_layout", "LlamaForSequenceClassification"),  # AstrAI's layout: the class computing its function
+    ],
+)  # fmt: skip
+def test_a_reward_model_starts_from_any_checkpoint_and_exports_to_its_sequence_classifier(
+    from_hf, models, tmp_path, start, architecture
+):
+    param_path = models / "lm" if start == "astrai_layout" else from_hf[start]
+    assert main(run_argv("reward_model", param_path, "bundled:data/dpo", tmp_path / "rm", 1)) == 0
+    rm = tmp_path / "rm" / "epoch_0_step_1"
+    meta = json.loads((rm / "meta.json").read_text())
+    assert meta.get("source", {}).get("architecture") == (None if start == "astrai_layout" else architecture)
+    assert_export_scores_as_ours(rm, tmp_path / "rm_hf", architecture)
+
+
+HOSTILE_SOURCES = [
+    ("unknown_model_type", {"model_type": "foo", "config": {"model_type": "foo"}},
+     "'source' config: Hugging Face model_type 'foo' is not supported (unknown architecture)"),
+    ("model_type_a_list", {"model_type": ["x"], "config": {"model_type": ["x"]}},
+     "'source' must be {format: 'huggingface', model_type, architecture, config} with the config's own model_type"),
+    ("multimodal_without_text_config", {"model_type": "gemma3", "config": {"model_type": "gemma3", "text_config": 3}},
+     "'source' config: a multimodal gemma3 config needs a 'text_config' object"),
+    ("architectures_a_number", {"model_type": "llama", "config": {"model_type": "llama", "architectures": 3}},
+     "'source' config: architectures 3 is not supported: expected a list of transformers class names"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["lm", "rm"])
+@pytest.mark.parametrize(("value", "message"), [c[1:] for c in HOSTILE_SOURCES], ids=[c[0] for c in HOSTILE_SOURCES])
+def test_a_hostile_source_record_is_one_line_exit_2(models, tmp_path, capsys, kind, value, message):
+    """A language model's and a reward model's ``meta.json`` ``source`` (the reward model's read as its family's
+    classifier first) are refused alike, in one line, before anything is written."""
+    checkpoint = tmp_path / kind
+    shutil.copytree(models / kind, checkpoint)
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    meta["source"] = {"format": "huggingface", "architecture": "X", **value}
+    (checkpoint / "meta.json").write_text(json.dumps(meta))
+    assert main(["export", str(checkpoint), "--format", "hf", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and not (tmp_path / "out").exists(), err

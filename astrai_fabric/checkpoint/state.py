@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
+from astrai_fabric.checkpoint import hf
 from astrai_fabric.checkpoint.files import (
     CONFIG_FILE,
     META_FILE,
@@ -198,6 +199,9 @@ def export_merged(source: str | Path, target: str | Path) -> Path:
         raise CheckpointError(f"{source}: no adapter_model.safetensors: not a LoRA checkpoint (nothing to merge)")
     copied = files_inside(source, ("tokenizer.json", "tokenizer_config.json"))  # never a file outside it
     meta = {"merged_from": str(source.resolve()), "lora": ckpt.lora.spec.adapter_config()}
+    origin = hf.source_of(ckpt.source, ckpt.meta, ckpt.model_config(), str(source / META_FILE))
+    if origin is not None:  # the merged model is its base's architecture, which later runs and export follow
+        meta[hf.SOURCE_KEY] = origin.to_meta()
     return save_checkpoint(target, ckpt.state_dict, ckpt.config, meta=meta, files=copied)
 
 

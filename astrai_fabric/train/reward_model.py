@@ -2,11 +2,14 @@
 (``losses.reward_model_loss``, as TRL 1.16's ``RewardTrainer``). AstrAI has none.
 
 The network is the starting model's with a scalar ``score`` head in place of its LM head (``reward_model.py``): from a
-language model, the head starts at zeros, so every pair starts level (loss log 2). Data: the dpo pairs in any of their
-shapes, ``{"prompt"|"input", "chosen", "rejected"}`` and an optional ``margin`` per pair; each sequence (prompt then
-response) is scored at its last token. Checkpoints are our layout with ``score_head`` in ``config.json`` (a
-``model_type`` AstrAI refuses: its loader would drop the head); ``export --format hf`` writes the architecture's
-``*ForSequenceClassification``; ``--reward_model PATH`` scores online grpo's and dpo's rollouts with one.
+language model, the head starts at zeros, so every pair starts level (loss log 2). It starts from any model directory
+read here (AstrAI's layout, a Hugging Face directory, our checkpoint of one, a LoRA checkpoint merged); from a Hugging
+Face model its checkpoints' ``meta.json`` ``source`` is the family's classifier (``hf.HFSource.describing``).
+Data: the dpo pairs in any of their shapes, ``{"prompt"|"input", "chosen", "rejected"}`` and an optional ``margin``
+per pair; each sequence (prompt then response) is scored at its last token. Checkpoints are our layout with
+``score_head`` in ``config.json`` (a ``model_type`` AstrAI refuses: its loader would drop the head); ``export
+--format hf`` writes the architecture's ``*ForSequenceClassification``; ``--reward_model PATH`` scores online grpo's
+and dpo's rollouts with one.
 """
 
 from __future__ import annotations

@@ -51,19 +51,42 @@ def sequence_classifier(model_type: str) -> str:
 
 @dataclass(frozen=True)
 class HFSource:
-    """Where an imported model came from: enough to write the same architecture back (export)."""
+    """Where an imported model came from, as the model trained from it is: enough to write the same architecture
+    back (export)."""
 
     model_type: str
     config: dict[str, Any]
-    """The Hugging Face ``config.json`` as read."""
+    """The Hugging Face ``config.json`` as read, or for a reward model started from a language model, that config as
+    its family's classifier (``describing``)."""
 
     @property
     def architecture(self) -> str:
-        """The transformers class named in the config (``architectures``), else the model_type's."""
+        """The transformers class named in the config (``architectures``), else the model_type's (for a multimodal
+        one, its language model's: what is loaded and exported)."""
         named = self.config.get("architectures")
         if isinstance(named, list) and len(named) == 1 and isinstance(named[0], str):
             return named[0]
+        if self.model_type in MULTIMODAL:
+            return MULTIMODAL[self.model_type].architecture
         return ARCHITECTURES[self.model_type]
+
+    def describing(self, model_config: ModelConfig, where: str) -> HFSource:
+        """This source as the model ``model_config`` is. A reward model started from a language model (ours of a
+        Hugging Face one, or the directory itself) is that network with a score head and a padding id: its source is
+        the family's ``*ForSequenceClassification`` of one label padding with the reward model's id (a multimodal
+        checkpoint's language model alone), which is what its weights compute and what export writes. Otherwise
+        the source unchanged (a language model's, or a classifier's, checked against the model where read; as is
+        one of an unknown model_type or whose ``architectures`` is no list, which the mapping refuses)."""
+        known = isinstance(self.model_type, str) and (self.model_type in BY_MODEL_TYPE or self.model_type in MULTIMODAL)
+        malformed = not known or not isinstance(self.config.get("architectures", []), list)
+        if not model_config.score_head or malformed or _names_classifier(self.config):
+            return self
+        config = self.config
+        if self.model_type in MULTIMODAL:  # the reward model holds the language model alone
+            with warnings.catch_warnings():  # said when the checkpoint was imported
+                warnings.simplefilter("ignore")
+                config = language_model_config(config, where)
+        return HFSource(model_type=config["model_type"], config=_as_scored(dict(config), model_config))
 
     def to_meta(self) -> dict[str, Any]:
         """The ``meta.json`` entry (``SOURCE_KEY``) a checkpoint trained from this model carries."""
@@ -79,22 +102,26 @@ class HFSource:
         """A ``meta.json`` ``source`` entry, checked: a supported Hugging Face config whose mapping is the
         checkpoint's own model (else export would write another model's config around these weights)."""
         fits = isinstance(value, dict) and value.get("format") == "huggingface"
-        fits = fits and isinstance(value.get("config"), dict)
+        fits = fits and isinstance(value.get("config"), dict) and isinstance(value.get("model_type"), str)
         if not fits or value.get("model_type") != value["config"].get("model_type"):
             raise CheckpointError(
                 f"{where}: {SOURCE_KEY!r} must be {{format: 'huggingface', model_type, architecture, config}} with "
                 f"the config's own model_type, got {str(value)[:200]}"
             )
+        # A reward model read with the language model's source it starts from (an sft checkpoint's; a reward model's
+        # own from before sources described the model trained): compared, and kept, as the reward model it became.
+        label = f"{where} {SOURCE_KEY!r} config"
+        recorded = cls(model_type=value["model_type"], config=value["config"]).describing(model_config, label)
         with warnings.catch_warnings():  # unknown keys were reported when the model was imported
             warnings.simplefilter("ignore")
-            mapped = model_config_from_hf(value["config"], source=f"{where} {SOURCE_KEY!r} config")
+            mapped = model_config_from_hf(recorded.config, source=label)
         ours, theirs = _architecture_fields(model_config), _architecture_fields(mapped)
         if ours != theirs:
             differ = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
             raise CheckpointError(
                 f"{where}: {SOURCE_KEY!r} describes another model than config.json (they differ in {differ})"
             )
-        return cls(model_type=value["model_type"], config=value["config"])
+        return recorded
 
 
 def _architecture_fields(config: ModelConfig) -> dict[str, Any]:
@@ -104,10 +131,12 @@ def _architecture_fields(config: ModelConfig) -> dict[str, Any]:
 def source_of(
     imported: HFSource | None, meta: Mapping[str, Any], model_config: ModelConfig, where: str
 ) -> HFSource | None:
-    """The Hugging Face architecture a model directory stands for: the directory's own (``imported``, when it is a
-    Hugging Face directory), else the ``source`` its ``meta.json`` records (checked), else None."""
+    """The Hugging Face architecture of ``model_config``, the model a directory's weights become: the directory's own
+    (``imported``, when it is a Hugging Face directory), else the ``source`` its ``meta.json`` records (checked),
+    else None; either as ``model_config`` is (``HFSource.describing``: a reward model started from a language
+    model is its family's classifier)."""
     if imported is not None:
-        return imported
+        return imported.describing(model_config, where)
     if SOURCE_KEY in meta:
         return HFSource.from_meta(meta[SOURCE_KEY], model_config, where)
     return None
@@ -194,7 +223,7 @@ def _score_head(read: Reader) -> dict[str, Any]:
             f"{read.source}: architectures {reprlib.repr(architectures)} is not supported: expected a list of "
             "transformers class names; nothing was loaded"
         )
-    if not any(isinstance(name, str) and name.endswith("ForSequenceClassification") for name in architectures):
+    if not _names_classifier(read.raw):
         return {}
     labels = read.get("id2label")
     num_labels = len(labels) if isinstance(labels, dict) else read.get("num_labels", 2)  # transformers' default 2
@@ -208,6 +237,14 @@ def _score_head(read: Reader) -> dict[str, Any]:
             "a reward model reads its score at the last token before padding, which needs the padding id",
         )
     return dict(score_head=True, pad_token_id=pad_token_id)
+
+
+def _names_classifier(raw: Mapping[str, Any]) -> bool:
+    """Whether a config's ``architectures`` name a ``*ForSequenceClassification`` (a list: checked where read)."""
+    architectures = raw.get("architectures")
+    return isinstance(architectures, list) and any(
+        isinstance(name, str) and name.endswith("ForSequenceClassification") for name in architectures
+    )
 
 
 def _refuse_unmapped(read: Reader, kind: Family) -> None:
