@@ -18,9 +18,9 @@ from astrai_fabric.checkpoint import Checkpoint, load_model, read_model_config
 from astrai_fabric.checkpoint.files import StoredStateDict
 from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.data.records import encode, prompt_of
-from astrai_fabric.errors import UserError
+from astrai_fabric.errors import CheckpointError, UserError
 from astrai_fabric.model import ModelOutput
-from astrai_fabric.model.transformer import LM_HEAD_KEY
+from astrai_fabric.model.transformer import EMBED_KEY, LM_HEAD_KEY
 from astrai_fabric.tokenizer import Tokenizer
 
 SCORE_KEY = "score.weight"
@@ -34,8 +34,15 @@ def reward_model_config(config: ModelConfig, pad_token_id: int) -> ModelConfig:
 def reward_model_weights(weights: Checkpoint, config: ModelConfig) -> Checkpoint:
     """A language model's weights as the start of a reward model: its LM head left out, a score head of zeros (every
     pair starts level: the first loss is log 2). The other tensors stay in their files, read as the model is built."""
-    head = {SCORE_KEY: torch.zeros(1, config.hidden_size)}
     state = weights.state_dict
+    if EMBED_KEY in state:  # the head is made here, before the model is built and loading compares every shape
+        width = (state.shape(EMBED_KEY) if isinstance(state, StoredStateDict) else tuple(state[EMBED_KEY].shape))[-1]
+        if width != config.hidden_size:
+            raise CheckpointError(
+                f"{weights.path}: does not match the model built from its config.json: hidden_size "
+                f"{config.hidden_size}, but {EMBED_KEY} is {width} wide"
+            )
+    head = {SCORE_KEY: torch.zeros(1, config.hidden_size)}
     if isinstance(state, StoredStateDict):
         state = state.with_tensors(head, without=[LM_HEAD_KEY])
     else:

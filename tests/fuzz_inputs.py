@@ -271,7 +271,8 @@ def confused(value: Any) -> st.SearchStrategy:
             st.sampled_from(SIZES),
         ]
     elif isinstance(value, float):
-        options += [st.sampled_from([str(value), -value, value * 1e30, 0.0, round(value), math.nan])]
+        whole = [round(value)] if math.isfinite(value) else []  # an earlier edit may have made it inf or NaN
+        options += [st.sampled_from([str(value), -value, value * 1e30, 0.0, *whole, math.nan])]
     elif isinstance(value, str):
         options += [st.sampled_from([value * 2, value.upper(), value[:1], value + "\x00", " " + value, 7])]
     elif isinstance(value, list):

@@ -438,6 +438,17 @@ def qlora_checkpoint(**meta) -> Files:
     return {"ck": make}
 
 
+def widened_checkpoint(hidden_size: int) -> Files:
+    """``ck/``: the workspace's 1-step checkpoint whose config.json says ``hidden_size`` (its weights 128 wide)."""
+
+    def make(path: Path) -> None:
+        shutil.copytree(path.parents[1] / "w" / "run" / "epoch_0_step_1", path)
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config, "hidden_size": hidden_size}))
+
+    return {"ck": make}
+
+
 CASES = [
     # --- recipes and flags: the same checks for a value from YAML as from the command line ------------------------
     Case("yaml-duplicate-key", ["seq", "--config", "{c}/r.yaml"], "duplicate key 'max_lr'",
@@ -948,6 +959,15 @@ CASES = [
     Case("plot-metric-line-too-long", ["plot", "{c}/metric.jsonl"],
          "metric.jsonl:2: a line longer than 1,048,576 bytes, not a metric entry",
          {"metric.jsonl": '{"type": "step", "step": 1}\n' + "x" * (2 << 20)}),
+    # --- the hour of fuzzing (issue 39): what it found --------------------------------------------------------------
+    Case("config-rope-type-a-list", seq(model="{c}/m"), "'rope_frequency_scaling' rope_type must be one of",
+         model_dir(rope_frequency_scaling={"rope_type": [-8.2e127]})),
+    Case("reward-model-config-wider-than-weights", ["reward_model", *dpo(model="{c}/ck")[1:]],
+         "ck: does not match the model built from its config.json: hidden_size 2147483640, but embed_tokens.weight",
+         widened_checkpoint(2**31 - 8)),
+    Case("recipe-max-lr-infinite", ["dpo", "--config", "{c}/r.yaml"],
+         "{c}/r.yaml: invalid training arguments: max_lr must be a finite number, got inf",
+         {"r.yaml": RECIPE.replace("data/seq", "data/dpo") + "max_lr: !!float 1e400\n"}),
     Case("config-int-digits", seq(model="{c}/m"), "config.json: not valid JSON (Exceeds the limit (4300 digits)",
          {**model_dir(), "m/config.json": '{"vocab_size": ' + "9" * 5000 + "}"}),
     Case("config-int-past-int64", seq(model="{c}/m"), "'vocab_size' must fit in 64 bits (at most "

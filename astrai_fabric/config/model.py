@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from astrai_fabric.config.kinds import kind_problem, wants_float
-from astrai_fabric.errors import ConfigError
+from astrai_fabric.errors import ConfigError, brief
 from astrai_fabric.json_files import read_json_object
 
 MAX_SIZE = 2**31 - 1
@@ -577,8 +577,10 @@ class ModelConfig:
     def _rope_frequency_problems(self) -> list[str]:
         scaling = self.rope_frequency_scaling
         kind = scaling.get("rope_type")
-        if kind not in ROPE_FREQUENCY_TYPES:
-            return [f"'rope_frequency_scaling' rope_type must be one of {list(ROPE_FREQUENCY_TYPES)}, got {kind!r}"]
+        if not isinstance(kind, str) or kind not in ROPE_FREQUENCY_TYPES:
+            return [
+                f"'rope_frequency_scaling' rope_type must be one of {list(ROPE_FREQUENCY_TYPES)}, got {brief(kind)}"
+            ]
         if self.rope_scaling is not None:
             return ["'rope_scaling' and 'rope_frequency_scaling' cannot both be set"]
         names = ROPE_FREQUENCY_TYPES[kind]
