@@ -24,9 +24,11 @@ import dataclasses
 import difflib
 import json
 import os
+import re
 import sys
 import traceback
 import typing
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -34,16 +36,16 @@ import yaml
 from jsonargparse import ArgumentParser, set_parsing_settings
 
 from astrai_fabric import __version__, hub
-from astrai_fabric.config.evaluate import EvaluateArgs
+from astrai_fabric.config.aliases import ALIASES as OTHER_NAMES
+from astrai_fabric.config.aliases import NOT_TAKEN, WHOLE_NUMBERS, Alias, alias_problem, whole_number
 from astrai_fabric.config.generate import ChatArgs, GenerateArgs
 from astrai_fabric.config.kinds import kind_problem
-from astrai_fabric.config.train import COMMAND_LINE_ONLY, TrainArgs, resolved_recipe
-from astrai_fabric.data.prepare import PipelineConfig, check_shape_flags, prepare
+from astrai_fabric.config.train import COMMAND_LINE_ONLY, READ_BY, TrainArgs, resolved_recipe
 from astrai_fabric.errors import TrainingError, UserError, keep_traceback
-from astrai_fabric.export import DEFAULT_MAX_SHARD_SIZE, DTYPES, FORMATS, AlreadyComplete, export
-from astrai_fabric.generate import run_generate
 from astrai_fabric.regular_files import open_regular_file
-from astrai_fabric.tokenizer import Tokenizer
+
+# What this module imports is what a mistaken flag costs before it is refused: nothing here imports torch (a
+# second and a half of CPU, tests/test_startup.py); each command imports what it runs inside its function.
 
 TRAIN_COMMANDS = ("seq", "sft", "dpo", "kto", "grpo", "reward_model")
 OTHER_COMMANDS = ("evaluate", "generate", "chat", "export", "prepare", "plot", "download")
@@ -52,28 +54,41 @@ TRAIN_TYPE_ALIASES = {"online_grpo": "grpo", "online_dpo": "dpo"}
 """AstrAI's train types that are a mode of ours: grpo and dpo are online when their data holds prompts only."""
 ASTRAI_SECTIONS = ("model", "data", "parallel", "training", "ckpt", "log")
 IGNORED_SECTIONS = ("runtime",)
-ALIASES = {"devices": "nprocs", "dry-run": "dry_run"}
-"""Other spellings of a flag or recipe key → the field."""
+ALIASES = {name: alias.flag for name, alias in OTHER_NAMES.items()}
+"""Other projects' names of a training flag or recipe key → the field (``config.aliases``)."""
+ONE_OF = {"the warmup": ("warmup_steps", "warmup_ratio")}
+"""Flags that set one thing two ways: where a later recipe or the command line gives one, an earlier recipe's other
+is unset (``TrainArgs.validate`` refuses the two from one source)."""
 MAX_RECIPE_BYTES = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
 class Flags:
-    """The flags of one command, from its arguments dataclass: all names, the booleans, the repeatable lists."""
+    """The flags of one command, from its arguments dataclass: all names, the booleans, the repeatable lists, and
+    other projects' names for them (the training commands': ``config.aliases``; none for the others)."""
 
     names: frozenset[str]
     bools: frozenset[str]
     lists: frozenset[str]
+    aliases: dict[str, Alias] = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def of(cls, args_type: type) -> Flags:
+    def of(cls, args_type: type, aliases: dict[str, Alias] | None = None) -> Flags:
         hints = typing.get_type_hints(args_type)
         bools = {n for n, h in hints.items() if h is bool or bool in typing.get_args(h)}
         lists = {n for n, h in hints.items() if typing.get_origin(h) is list}
-        return cls(frozenset(hints), frozenset(bools), frozenset(lists))
+        return cls(frozenset(hints), frozenset(bools), frozenset(lists), dict(aliases or {}))
+
+    def field_of(self, name: str) -> str:
+        """The field ``name`` sets: itself, or the one it is another name of."""
+        return self.aliases[name].flag if name in self.aliases else name
+
+    def is_boolean(self, name: str) -> bool:
+        """Whether ``--name`` alone means true (and ``--no-name`` false)."""
+        return name in self.aliases and self.aliases[name].takes_bare or self.field_of(name) in self.bools
 
 
-TRAIN_FLAGS = Flags.of(TrainArgs)
+TRAIN_FLAGS = Flags.of(TrainArgs, OTHER_NAMES)
 
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
@@ -201,7 +216,8 @@ def _top_level_help() -> str:
         "  plot      loss, learning rate and throughput of one or more runs, as a PNG",
         "  download  a Hugging Face Hub model (org/name[@revision]) into the cache, for offline runs",
         "",
-        "`astrai-fabric COMMAND --help` lists every flag; `--print_config` prints the resolved recipe.",
+        "`astrai-fabric COMMAND --help` lists its flags (a train type's: those it reads and the common ones, then the",
+        "Hugging Face / TRL names taken for them); `--print_config` prints the resolved recipe.",
     ]
     return "\n".join(lines)
 
@@ -230,10 +246,16 @@ def _astrai_train_type(argv: list[str]) -> str | None:
 # --- training commands -------------------------------------------------------------------------------------------
 
 
-def build_train_parser(train_type: str) -> ArgumentParser:
+def build_train_parser(train_type: str, for_help: bool = False) -> ArgumentParser:
+    """The parser of ``train_type``'s flags (every flag: AstrAI's command line takes each for every train type);
+    ``for_help``: the one ``--help`` prints, listing the flags ``train_type`` reads and the other names it takes."""
+    hidden = {flag for flag, readers in READ_BY.items() if train_type not in readers} if for_help else set()
     parser = ArgumentParser(
         prog=f"astrai-fabric {train_type}",
-        description=f"Train with train_type={train_type}. Every flag can also be a key of the --config recipe.",
+        usage=f"astrai-fabric {train_type} [--config RECIPE.yaml ...] [--flag value ...]",  # not every flag again
+        description=f"Train with train_type={train_type}. Every flag can also be a key of the --config recipe."
+        + (" The flags only other train types read are accepted too (their --help lists them)." if hidden else ""),
+        epilog=_aliases_help(hidden) if for_help else None,
         exit_on_error=False,
     )
     parser.add_argument(
@@ -243,15 +265,31 @@ def build_train_parser(train_type: str) -> ArgumentParser:
     )
     # --print_config is taken out of the flags before parsing (jsonargparse reserves the name); listed for --help.
     parser.add_argument("--print_config", action="store_true", help="Print the resolved recipe and exit.")
-    parser.add_class_arguments(TrainArgs, nested_key=None, as_group=False, skip={"train_type", "config"})
+    parser.add_class_arguments(TrainArgs, nested_key=None, as_group=False, skip={"train_type", "config", *hidden})
     return parser
 
 
-def parse_train_args(train_type: str, argv: list[str]) -> tuple[TrainArgs, bool]:
-    """``TrainArgs`` from the recipe and the flags (flags win), and whether ``--print_config`` was given."""
-    parser = build_train_parser(train_type)
+def _aliases_help(hidden: set[str]) -> str:
+    """``--help``'s closing paragraph: the other projects' names taken for the flags listed."""
+    by_flag: dict[str, list[str]] = {}
+    for name, alias in OTHER_NAMES.items():
+        if alias.flag not in hidden:
+            by_flag.setdefault(alias.flag, []).append(f"--{name}")
+    names = "; ".join(f"{', '.join(others)} (--{flag})" for flag, others in by_flag.items())
+    return (
+        f"Other names taken, read as ours (docs/coming-from-trl.md says where meanings differ): {names}. A name "
+        "given with its other (or twice with different values) is refused."
+    )
+
+
+def parse_train_args(
+    train_type: str, argv: list[str], notes: list[str] | None = None, origins: dict[str, Path] | None = None
+) -> tuple[TrainArgs, bool]:
+    """``TrainArgs`` from the recipe and the flags (flags win), and whether ``--print_config`` was given; each other
+    project's name read as ours is said in ``notes``; ``origins`` gets the recipe each value a recipe set came from."""
+    parser = build_train_parser(train_type, for_help=any(token in ("--help", "-h") for token in argv))
     flags, print_config = [], False
-    for token in _normalize(argv, TRAIN_FLAGS):
+    for token in _normalize(argv, TRAIN_FLAGS, notes=notes):
         if token == "--print_config":
             print_config = True
             continue
@@ -264,7 +302,7 @@ def parse_train_args(train_type: str, argv: list[str]) -> tuple[TrainArgs, bool]
     recipe_paths = _take_recipe_paths(flags)
     base, recipes = None, []
     for recipe_path in recipe_paths:  # each on the one before: a later file's keys win (jsonargparse's, LitGPT's rule)
-        recipe = _read_recipe(recipe_path)
+        recipe = _read_recipe(recipe_path, notes)
         if refused := [key for key in COMMAND_LINE_ONLY if key in recipe]:
             raise UserError(f"{recipe_path}: {refused[0]} can only be given on the command line (a recipe is data)")
         named = recipe.pop("train_type", train_type)
@@ -272,14 +310,29 @@ def parse_train_args(train_type: str, argv: list[str]) -> tuple[TrainArgs, bool]
             raise UserError(f"{recipe_path}: train_type {problem}")
         if TRAIN_TYPE_ALIASES.get(named, named) != train_type:
             raise UserError(f"{recipe_path}: train_type is not {train_type!r}, the command given")
+        _give_way(base, [key for key, value in recipe.items() if value is not None])
         base = _parse(parser, recipe, namespace=base, source=recipe_path)
         recipes.append((recipe_path, recipe))
+    given = [token[2:].partition("=")[0] for token in flags if token.startswith("--") and not token.endswith("=null")]
+    _give_way(base, given)
     namespace = _parse(parser, flags, namespace=base)  # the command line's flags over every recipe
     values = {k: v for k, v in namespace.as_dict().items() if k in TRAIN_FLAGS.names and k != "config"}
     if not print_config:  # --print_config prints what was given, to fill in
         for recipe_path, recipe in recipes:
             _check_recipe_kinds(recipe_path, recipe, values)
+    if origins is not None:  # the last recipe that set a value the command line left alone
+        origins.update({key: path for path, recipe in recipes for key in recipe if key in values and key not in given})
     return TrainArgs(**values, train_type=train_type, config=[str(path) for path in recipe_paths]), print_config
+
+
+def _give_way(namespace: Any, given: Iterable[str]) -> None:
+    """Where a recipe or the command line gives one flag of a ``ONE_OF`` pair and not the other, the other is unset
+    in ``namespace`` (the earlier recipes'): ``--warmup_steps 5`` over a recipe's ``warmup_ratio`` replaces it."""
+    given = set(given)
+    for pair in ONE_OF.values():
+        for one, other in (pair, pair[::-1]):
+            if namespace is not None and one in given and other not in given:
+                namespace[other] = None
 
 
 def _take_recipe_paths(flags: list[str]) -> list[Path]:
@@ -310,11 +363,21 @@ def _check_recipe_kinds(recipe_path: Path, recipe: dict[str, Any], values: dict[
 
 def train_command(train_type: str, argv: list[str]) -> int:
     global _crash_log_dir
-    args, print_config = parse_train_args(train_type, argv)
+    notes: list[str] = []
+    origins: dict[str, Path] = {}
+    args, print_config = parse_train_args(train_type, argv, notes, origins)
     if print_config:  # what was given, to fill in: checked when it runs
         print(resolved_recipe(args), end="")
         return 0
-    args.validate()  # at the boundary, once: execute takes validated arguments
+    try:
+        args.validate()  # at the boundary, once: execute takes validated arguments
+    except UserError as err:  # a value a recipe gave is named with its file, as the parser's own refusals are
+        files = sorted({str(path) for key, path in origins.items() if re.search(rf"\b{key}\b", str(err))})
+        if not files:
+            raise
+        raise type(err)(f"{', '.join(files)}: {err}") from None
+    if notes and os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")) == "0":  # once per machine
+        print(f"astrai-fabric: read as ours: {'; '.join(notes)} (the plan uses our names)", file=sys.stderr)
     _crash_log_dir = Path(args.ckpt_dir)
     if not args.dry_run and os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")) == "0":
         # Hub ids fetched before any rank starts (a download outlasts --dist_timeout)
@@ -327,6 +390,7 @@ def train_command(train_type: str, argv: list[str]) -> int:
 
 
 def evaluate_command(argv: list[str]) -> int:
+    from astrai_fabric.config.evaluate import EvaluateArgs  # reads data/ (torch): only when evaluating
     from astrai_fabric.evaluate.run import run_evaluate  # torch and the model code: only when evaluating
 
     values = _parse_with_src(
@@ -342,17 +406,16 @@ def evaluate_command(argv: list[str]) -> int:
 
 
 def generate_command(argv: list[str]) -> int:
-
     parser = ArgumentParser(prog="astrai-fabric generate", description=GenerateArgs.__doc__, exit_on_error=False)
     parser.add_class_arguments(GenerateArgs, nested_key=None, as_group=False)
     namespace = _parse(parser, _normalize(argv, Flags.of(GenerateArgs)))
+    from astrai_fabric.generate import run_generate  # torch and the model code: once the flags are read
+
     run_generate(GenerateArgs(**namespace.as_dict()))
     return 0
 
 
 def chat_command(argv: list[str]) -> int:
-    from astrai_fabric.chat import run_chat
-
     values = _parse_with_src(
         "chat",
         ChatArgs,
@@ -360,6 +423,8 @@ def chat_command(argv: list[str]) -> int:
         "A checkpoint or model directory: ours or AstrAI's, a LoRA "
         "checkpoint (its adapter merged) or a Hugging Face directory.",
     )
+    from astrai_fabric.chat import run_chat  # torch and the model code: once the flags are read
+
     return run_chat(ChatArgs(**values))
 
 
@@ -374,6 +439,7 @@ def _parse_with_src(command: str, args_type: type, argv: list[str], src_help: st
 
 
 def export_command(argv: list[str]) -> int:
+    from astrai_fabric.export import DEFAULT_MAX_SHARD_SIZE, DTYPES, FORMATS, AlreadyComplete, export  # torch
 
     parser = ArgumentParser(
         prog="astrai-fabric export",
@@ -458,7 +524,6 @@ def _suggest_flags(parser: ArgumentParser, message: str) -> str:
 
 
 def prepare_command(argv: list[str]) -> int:
-
     description = "Tokenise records into AstrAI's bin shards for seq or sft (AstrAI's pipeline config)."
     parser = ArgumentParser(prog="astrai-fabric prepare", description=description, exit_on_error=False)
     inputs_help = "JSONL, parquet, arrow, CSV or JSON files, directories of them, save_to_disk directories, Hub ids."
@@ -477,6 +542,9 @@ def prepare_command(argv: list[str]) -> int:
     parser.add_argument("--data_format", default="auto", help=shapes_help)
     parser.add_argument("--data_columns", help="field=column,...: a shape's field read from another column.")
     namespace = _parse(parser, argv)
+    from astrai_fabric.data.prepare import PipelineConfig, check_shape_flags, prepare  # torch: once flags are read
+    from astrai_fabric.tokenizer import Tokenizer
+
     if len(namespace.config) > 1:  # one pipeline per output directory: nothing to merge (argparse kept the last)
         raise UserError(f"prepare takes one -c/--config, got {len(namespace.config)}: {', '.join(namespace.config)}")
     config = PipelineConfig.from_file(Path(namespace.config[0]))
@@ -515,9 +583,12 @@ def download_command(argv: list[str]) -> int:
     parser.add_argument("--revision", help="A branch, tag or commit; default: main.")
     parser.add_argument("--local_dir", help="Copy the files into this directory instead of the cache.")
     namespace = _parse(parser, argv)
-    folder = hub.download(namespace.repo_id, namespace.revision, namespace.local_dir)
-    source = hub.portable(folder)
-    print(f"downloaded {source or namespace.repo_id} -> {folder}")
+    folder, from_cache = hub.download(namespace.repo_id, namespace.revision, namespace.local_dir)
+    source = hub.portable(folder) or namespace.repo_id
+    if from_cache is not None:  # offline, say: nothing was asked of the Hub
+        print(f"found in the cache, nothing fetched ({from_cache}): {source} -> {folder}")
+    else:
+        print(f"downloaded {source} -> {folder}")
     return 0
 
 
@@ -567,8 +638,9 @@ class _RecipeLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def _read_recipe(path: Path) -> dict[str, Any]:
-    """A recipe's keys, flat: AstrAI's sections merged, ``runtime`` dropped, aliases renamed, unknown keys refused."""
+def _read_recipe(path: Path, notes: list[str] | None = None) -> dict[str, Any]:
+    """A recipe's keys, flat: AstrAI's sections merged, ``runtime`` dropped, other projects' names read as ours (each
+    said in ``notes``), unknown keys refused."""
     with open_regular_file(path, name=f"--config {path}") as recipe:  # a FIFO, a device, a dangling link: refused
         if recipe.size_bytes > MAX_RECIPE_BYTES:
             raise UserError(f"{path}: {recipe.size_bytes:,} bytes; a recipe is a short YAML file (at most 1 MiB)")
@@ -586,22 +658,43 @@ def _read_recipe(path: Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise UserError(f"{path}: expected a mapping of flags to values, got {type(raw).__name__}")
     flat: dict[str, Any] = {}
+    given: dict[str, tuple[str, Any]] = {}  # field -> the key and value it was given by
+    read_as: list[str] = []
     for key, value in raw.items():
         if key in IGNORED_SECTIONS:
             continue
         items = value.items() if key in ASTRAI_SECTIONS and isinstance(value, dict) else [(key, value)]
         for name, item in items:
-            flat[ALIASES.get(name, name)] = item
+            field = TRAIN_FLAGS.field_of(name)
+            earlier = given.get(field)
+            if earlier is not None and earlier != (name, item) and (name in ALIASES or earlier[0] != name):
+                if earlier[0] != name:
+                    raise UserError(f"{path}: {earlier[0]} and {name} both set {field}: give one")
+                raise UserError(f"{path}: {name} given twice, {_shown(earlier[1])} and {_shown(item)}: give one")
+            given[field] = (name, item)
+            flat[field] = _as_ours(name, item, TRAIN_FLAGS, f"{path}: ", _shown)
+            if name in ALIASES and OTHER_NAMES[name].origin != "AstrAI":
+                _note(read_as, name, field, _shown(item), _shown(flat[field]), False)
+    for what, pair in ONE_OF.items():
+        if all(flat.get(name) is not None for name in pair):  # a resolved recipe holds the unset one as null
+            raise UserError(f"{path}: {' and '.join(pair)} both set {what}: give one")
+    if read_as and notes is not None:
+        notes.append(f"{path}: {', '.join(read_as)}")
     unknown = [k for k in flat if k not in TRAIN_FLAGS.names]
     if unknown:
         raise UserError(f"{path}: unknown key(s) {', '.join(_with_suggestion(k, TRAIN_FLAGS) for k in unknown)}")
     return flat
 
 
-def _normalize(argv: list[str], flags: Flags, check_choices: bool = True) -> list[str]:
-    """AstrAI's spellings → ours: ``-c``, ``--no-X``, bare booleans, ``--dry-run``, repeated list flags."""
+def _normalize(argv: list[str], flags: Flags, check_choices: bool = True, notes: list[str] | None = None) -> list[str]:
+    """AstrAI's spellings → ours: ``-c``, ``--no-X``, bare booleans, ``--dry-run``, repeated list flags; other
+    projects' names (``flags.aliases``) → ours, with their values read as ours (each said in ``notes``). One flag
+    given by two of its names, or by one of them twice with different values, is refused (ours twice: the last
+    wins, as in AstrAI)."""
     out: list[str] = []
     lists: dict[str, list[str]] = {}
+    given: dict[str, tuple[str, str]] = {}  # field -> the name and value it was given by
+    read_as: list[str] = []
     i = 0
     while i < len(argv):
         token = argv[i]
@@ -614,41 +707,101 @@ def _normalize(argv: list[str], flags: Flags, check_choices: bool = True) -> lis
         if not token.startswith("--") or token in ("--config", "--print_config", "--help"):
             out.append(token)
             continue
-        name, has_value, value = token[2:].partition("=")
-        negated = name.startswith("no-") and ALIASES.get(name[3:], name[3:]) in flags.bools
-        name = ALIASES.get(name[3:] if negated else name, name[3:] if negated else name)
+        spelled, has_value, value = token[2:].partition("=")
+        negated = spelled.startswith("no-") and flags.is_boolean(spelled[3:])
+        name = spelled[3:] if negated else spelled
+        field = flags.field_of(name)
         if negated:
-            out.append(f"--{name}=false")
-            continue
-        if not has_value:
+            value = "false"
+        elif not has_value:
             bare = i >= len(argv) or argv[i].startswith("--")
-            if bare and name in flags.bools:
-                out.append(f"--{name}=true")
-                continue
-            if bare and check_choices and name not in flags.names:
+            if bare and flags.is_boolean(name):
+                value = "true"
+            elif bare and check_choices and field not in flags.names:
                 raise UserError(f"unknown flag {_with_suggestion(name, flags, '--')}")
-            if bare:
-                out.append(f"--{name}")  # let the parser say what is missing
+            elif bare:
+                out.append(f"--{field}")  # let the parser say what is missing
                 continue
-            value, i = argv[i], i + 1
-        if name in flags.lists and not value.startswith("["):
-            lists.setdefault(name, []).append(value)
-            continue
-        if check_choices and name not in flags.names:
+            else:
+                value, i = argv[i], i + 1
+        if check_choices and field not in flags.names:
             raise UserError(f"unknown flag {_with_suggestion(name, flags, '--')}")
-        out.append(f"--{name}={value}")
+        if field in given and (name, value) != given[field] and (name in flags.aliases or given[field][0] != name):
+            earlier, earlier_value = given[field]
+            raise UserError(
+                f"--{earlier} {earlier_value} and --{name} {value} both set --{field}: give one"
+                if earlier != name
+                else f"--{name} given twice, {earlier_value} and {value}: give one"
+            )
+        given[field] = (name, value)
+        ours = _as_ours(name, value, flags, "--", str)
+        if name in flags.aliases and flags.aliases[name].origin != "AstrAI":
+            _note(read_as, f"--{spelled}", f"--{field}", value, ours, flags.is_boolean(name))
+        value = ours
+        if field in flags.lists and not value.startswith("["):
+            lists.setdefault(field, []).append(value)
+            continue
+        out.append(f"--{field}={value}")
+    for what, pair in ONE_OF.items():
+        if all(name in given and given[name][1] != "null" for name in pair):
+            both = " and ".join(f"--{name} {given[name][1]}" for name in pair)
+            raise UserError(f"{both} both set {what}: give one")
+    if read_as and notes is not None:
+        notes.append(", ".join(read_as))
     out += [f"--{name}={json.dumps(values)}" for name, values in lists.items()]
     return out
 
 
+def _note(notes: list[str], theirs: str, ours: str, value: str, our_value: str, boolean: bool) -> None:
+    """Say in ``notes`` that ``theirs`` was read as ``ours``, the values shown where they differ (``--bf16`` as
+    ``--precision bf16-mixed``, ``--num_train_epochs 3.0`` as ``--n_epoch 3``); a boolean's is its spelling."""
+    same = str(our_value) == str(value)
+    if boolean and value == "false" and not theirs.startswith("--no-"):
+        theirs += " false"
+    elif not same and not boolean:
+        theirs += f" {value}"
+    if not same:
+        ours += f" {our_value}"
+    elif boolean and value == "false":
+        ours = ours.replace("--", "--no-", 1)
+    if (note := f"{theirs} as {ours}") not in notes:
+        notes.append(note)
+
+
+def _as_ours(name: str, value: Any, flags: Flags, prefix: str, shown: Callable[[Any], str]) -> Any:
+    """``value`` given to ``name`` (a flag's string, a recipe's YAML value) as our flag reads it: another project's
+    value spelled as ours, an integral ``3.0`` where ours counts in whole numbers; refused where the meanings part
+    (the message names it as ``prefix`` + ``name`` + its value ``shown``)."""
+    problem = None
+    if name in flags.aliases:
+        value, problem = alias_problem(name, value)
+    elif name in WHOLE_NUMBERS and name in flags.names:
+        value, problem = whole_number(value, WHOLE_NUMBERS[name])
+    if problem is not None:
+        raise UserError(f"{prefix}{name} {shown(value)}: {problem}")
+    return value
+
+
 def _with_suggestion(name: str, flags: Flags, prefix: str = "") -> str:
-    """``name`` and the closest of ``flags``, both spelled as the user wrote it: ``prefix`` ``--`` for a flag,
-    nothing for a recipe key."""
+    """``name`` with what to give instead, spelled as the user wrote it (``prefix`` ``--`` for a flag, nothing for a
+    recipe key): by meaning first (another project's name we do not take, ``config.aliases.NOT_TAKEN``), then by
+    spelling (the closest of the flags and their other names)."""
+    meanings = NOT_TAKEN if flags.aliases else {}  # the training flags' table
+    if name in meanings:
+        return f"{prefix}{name} ({meanings[name]})"
     if prefix and name.startswith("no-"):  # AstrAI's negation of a boolean flag: suggest a negation
-        close = [f"no-{n}" for n in difflib.get_close_matches(name[3:], flags.bools, n=1)]
+        booleans = [n for n in [*flags.bools, *flags.aliases] if flags.is_boolean(n)]
+        close = [f"no-{n}" for n in difflib.get_close_matches(name[3:], booleans, n=1)]
     else:
-        close = difflib.get_close_matches(name, flags.names, n=1)
+        close = difflib.get_close_matches(name, [*flags.names, *flags.aliases, *meanings], n=1)
+    if close and close[0] in meanings:
+        return f"{prefix}{name} (did you mean {prefix}{close[0]}? Not taken here: {meanings[close[0]]})"
     return f"{prefix}{name} (did you mean {prefix}{close[0]}?)" if close else f"{prefix}{name}"
+
+
+def _shown(value: Any) -> str:
+    """A recipe's value as YAML writes it, on one line (``true``, ``0.5``, ``linear``)."""
+    return yaml.safe_dump(value, default_flow_style=True, width=200).removesuffix("\n...\n").strip()
 
 
 def _clean(err: Exception) -> str:

@@ -241,9 +241,10 @@ def fetch(pin: str, flag: str, subset: str | None = None, split: str | None = No
     return snapshot(HubId.parse(pin), flag, repo_type=HUB_FLAGS[flag], subset=subset, split=split)
 
 
-def download(text: str, revision: str | None = None, local_dir: str | None = None) -> Path:
+def download(text: str, revision: str | None = None, local_dir: str | None = None) -> tuple[Path, str | None]:
     """``astrai-fabric download``: the snapshot of ``text`` (``org/name``, ``@revision`` or ``revision``) in the
-    cache, or copied into ``local_dir``, with huggingface_hub's progress bars."""
+    cache, or copied into ``local_dir``, with huggingface_hub's progress bars; and, where it was read from the cache
+    with nothing fetched, why (``_snapshot``), else None."""
     if not looks_like_hub_id(text):
         raise UserError(f"download {text!r}: expected a Hub model id, org/name or org/name@revision")
     hub_id = HubId.parse(text)
@@ -253,7 +254,7 @@ def download(text: str, revision: str | None = None, local_dir: str | None = Non
         hub_id = HubId(hub_id.repo, revision)
     if local_dir is not None and os.path.lexists(local_dir) and not Path(local_dir).is_dir():
         raise UserError(f"--local_dir {local_dir}: a file, not a directory")
-    return snapshot(hub_id, "download", local_dir=local_dir)
+    return _snapshot(hub_id, "download", "model", local_dir, None, None)
 
 
 def snapshot(
@@ -269,11 +270,20 @@ def snapshot(
     else fetched (a model: only ``ALLOW_PATTERNS``, after the repository's file list says its weights are not only
     pickled; a dataset: its card first, then the data files of ``subset`` (``--data_subset``; and of ``split``
     where the card names splits), ``_dataset_allow``). ``repo_type`` is ``model`` or ``dataset``."""
+    return _snapshot(hub_id, what, repo_type, local_dir, subset, split)[0]
+
+
+def _snapshot(
+    hub_id: HubId, what: str, repo_type: str, local_dir: str | None, subset: str | None, split: str | None
+) -> tuple[Path, str | None]:
+    """``snapshot``'s folder, and why it was read from the cache with nothing fetched (offline, a commit the cache
+    holds, the Hub out of reach), or None where the Hub was asked for what the cache lacked."""
     where = f"{what} {hub_id}"
     hub_cache.check_revision(hub_id.revision, where)  # before any request: the cache's refs/REVISION is a path
     if local_dir is None and (is_offline() or COMMIT.fullmatch(hub_id.revision)):
         try:
-            return _cached(hub_id, repo_type, what, subset, split)
+            why = "HF_HUB_OFFLINE=1" if is_offline() else f"the cache holds commit {hub_id.revision}"
+            return _cached(hub_id, repo_type, what, subset, split), why
         except _NotCached as missing:
             if is_offline():
                 get = f"`astrai-fabric download {hub_id}`" if repo_type == "model" else "the same command"
@@ -306,7 +316,7 @@ def snapshot(
             print(
                 f"astrai-fabric: the Hub cannot be reached ({_reason(err)}); using the cached {folder}", file=sys.stderr
             )
-            return folder
+            return folder, "the Hub cannot be reached"
         raise _user_error(err, hub_id, where, repo_type) from None
     if repo_type == "model":
         _refuse_pickled_only(info, hub_id, where)
@@ -354,12 +364,12 @@ def snapshot(
     if repo_type == "dataset" and Path(folder).name != info.sha:  # the files chosen by another commit's card
         raise UserError(f"{where}: the Hub repository moved to another commit while it was fetched; run again")
     if local_dir is not None:
-        return Path(folder)
+        return Path(folder), None
     # Files already in the snapshot are kept as they are, wherever they lead: checked as offline.
     checked = hub_cache.checked_snapshot(_repository(hub_id, repo_type, where), Path(folder).name, where)
     if checked is None:
         raise UserError(f"{where}: the download left no snapshot folder at {folder}; run again")
-    return checked
+    return checked, None
 
 
 def _dataset_allow(card: str | None, names: list[str], where: str, subset: str | None, split: str | None) -> list[str]:

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from astrai_fabric.checkpoint.position import RunPosition
 
 DEFAULT_MIN_RATE = 0.01
+DEFAULT_WARMUP_RATIO = 0.05
+"""``--warmup_ratio`` when neither it nor ``--warmup_steps`` is given (AstrAI's)."""
 
 
 @dataclass(frozen=True)
@@ -39,13 +41,17 @@ class StepPlan:
     batch_per_device: int
     grad_accum_steps: int
     n_epoch: int
-    warmup_ratio: float
+    warmup_ratio: float | None
+    """``--warmup_ratio``: the warmup's share of the schedule's steps; None: ``DEFAULT_WARMUP_RATIO``, unless
+    ``fixed_warmup_steps`` is given."""
     max_steps: int | None = None
     """``--max_steps``: the run's length in optimizer steps (it ends there, and the schedule is planned over it)."""
     stop_after_steps: int | None = None
     """``--stop_after_steps``: this run stops after this many steps of its own, the schedule untouched."""
     num_iterations: int = 1
     """Times each micro-batch is trained (online grpo's ``--grpo_num_iterations``; its repeats consume no samples)."""
+    fixed_warmup_steps: int | None = None
+    """``--warmup_steps``: the warmup's length in optimizer steps, instead of ``warmup_ratio``'s share."""
 
     @property
     def samples_per_rank(self) -> int:
@@ -80,7 +86,11 @@ class StepPlan:
 
     @property
     def warmup_steps(self) -> int:
-        return min(int(self.warmup_ratio * self.total_steps), self.total_steps)
+        """``fixed_warmup_steps``, or ``int(warmup_ratio x total_steps)`` (AstrAI's), at most ``total_steps``."""
+        if self.fixed_warmup_steps is not None:
+            return min(self.fixed_warmup_steps, self.total_steps)
+        ratio = DEFAULT_WARMUP_RATIO if self.warmup_ratio is None else self.warmup_ratio
+        return min(int(ratio * self.total_steps), self.total_steps)
 
     def last_step(self, start: RunPosition | None = None) -> int:
         """The optimizer step a run starting at ``start`` (default: the beginning) ends at: the whole accumulation

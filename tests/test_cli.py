@@ -408,3 +408,169 @@ def test_num_threads_is_set_by_the_command_line_only(tmp_path, monkeypatch, caps
         assert "  cpu threads  1 per rank\n" in capsys.readouterr().out
     finally:
         torch.set_num_threads(before)
+
+
+# --- other projects' flag names (config/aliases.py), suggestions by meaning, --help per train type ----------------
+
+
+def test_hugging_face_and_trl_names_are_read_as_ours(tmp_path):
+    """Each name of config.aliases sets our flag, with the value read as ours; in a flat recipe and in AstrAI's
+    sectioned one alike."""
+    argv = [
+        *("--learning_rate", "1e-3", "--max_seq_length", "64", "--model_name_or_path", "m", "--seed", "7"),
+        *("--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4", "--num_train_epochs", "3.0"),
+        *("--save_steps", "10", "--output_dir", "out", "--lr_scheduler_type", "cosine", "--bf16"),
+        *("--dataset_name", "d", "--dataset_train_split", "train", "--save_total_limit", "2", "--ddp_timeout", "60"),
+        *("--dataloader_num_workers", "0", "--no-dataloader_pin_memory", "--warmup_steps", "5.0"),
+    ]
+    args = parse_train_args("sft", argv)[0]
+    assert (args.max_lr, args.window_size, args.param_path, args.random_seed) == (1e-3, 64, "m", 7)
+    assert (args.batch_per_device, args.grad_accum_steps, args.n_epoch, args.ckpt_interval) == (2, 4, 3, 10)
+    assert (args.ckpt_dir, args.schedule_type, args.precision, args.data_root_path) == (
+        "out",
+        "cosine",
+        "bf16-mixed",
+        "d",
+    )
+    assert (args.data_split, args.keep_last_k, args.dist_timeout, args.num_workers) == ("train", 2, 60.0, 0)
+    assert (args.pin_memory, args.warmup_steps, args.warmup_ratio) == (False, 5, None)
+    assert parse_train_args("sft", ["--lr", "2e-4", "--bf16", "false", "--max_length", "32"])[0].max_lr == 2e-4
+    assert parse_train_args("sft", ["--bf16", "false"])[0].precision == "32-true"  # transformers' bf16=False: fp32
+    flat, sectioned = tmp_path / "flat.yaml", tmp_path / "sectioned.yaml"
+    flat.write_text("learning_rate: 2.0e-3\nnum_train_epochs: 2.0\nbf16: true\nmax_length: 48\n")
+    sectioned.write_text(
+        "model:\n  model_name_or_path: m\ndata:\n  max_seq_length: 32\n"
+        "training:\n  per_device_train_batch_size: 3\n  lr_scheduler_type: cosine\n  learning_rate: 5.0e-4\n"
+    )
+    args = parse_train_args("sft", ["-c", str(flat)])[0]
+    assert (args.max_lr, args.n_epoch, args.precision, args.window_size) == (2e-3, 2, "bf16-mixed", 48)
+    args = parse_train_args("sft", ["-c", str(sectioned)])[0]
+    assert (args.param_path, args.window_size, args.batch_per_device, args.max_lr) == ("m", 32, 3, 5e-4)
+    args = parse_train_args("sft", ["-c", str(flat), "--max_lr", "1e-4"])[0]  # ours on the command line wins
+    assert args.max_lr == 1e-4
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--learning_rate", "1", "--max_lr", "2"], "--learning_rate 1 and --max_lr 2 both set --max_lr: give one"),
+        (["--lr", "1e-3", "--learning_rate", "1e-3"], "--lr 1e-3 and --learning_rate 1e-3 both set --max_lr: give one"),
+        (["--bf16", "--precision", "32-true"], "--bf16 true and --precision 32-true both set --precision: give one"),
+        (["--lr", "1e-3", "--lr", "2e-4"], "--lr given twice, 1e-3 and 2e-4: give one"),
+        (["--warmup_steps", "3", "--warmup_ratio", "0.1"], "--warmup_ratio 0.1 both set the warmup: give one"),
+        (["--num_train_epochs", "0.5"], "--num_train_epochs 0.5: a fraction; ours runs whole epochs (--n_epoch); for"),
+        (["--save_steps", "0.25"], "--save_steps 0.25: a fraction; transformers reads a save_steps below 1 as a"),
+        (["--warmup_steps", "0.1"], "--warmup_steps 0.1: a fraction; transformers 5 reads a warmup_steps below 1"),
+        (["--lr_scheduler_type", "linear"], "linear: not one of ours: --schedule_type takes cosine (transformers'"),
+        (["--lr_scheduler_type", "constant"], "constant: not one of ours; --min_rate 1 keeps any schedule at --max_lr"),
+        (["--lr_scheduler_type", "warmup_stable_decay"], "ours; --schedule_type wsd: its decay is quadratic"),
+        (["--bf16", "maybe"], "--bf16 maybe: expected true or false (--precision bf16-mixed or 32-true"),
+        # by meaning first: another project's name we do not take, answered with ours
+        (["--logging_steps", "10"], "unknown flag --logging_steps (every optimizer step is logged (stdout, metric"),
+        (["--logging_dir", "x"], "unknown flag --logging_dir (logs are written under --ckpt_dir (ckpt_dir/logs))"),
+        (["--eval_steps", "5"], "unknown flag --eval_steps (--val_step, with --val_split holding out a fraction"),
+        (["--optim", "adamw_torch"], "unknown flag --optim (--optimizer adamw, muon_adamw (the default), nora_nadamw"),
+        (["--adam_beta2", "0.999"], "unknown flag --adam_beta2 (AdamW's betas are (0.9, 0.95) here, not a flag"),
+        (["--fp16"], "unknown flag --fp16 (float16 is not offered: --precision bf16-mixed (or --bf16) or 32-true)"),
+        # then by spelling, among our flags and the names we take
+        (["--logging_step", "10"], "--logging_step (did you mean --logging_steps? Not taken here: every optimizer"),
+        (["--learning_rat", "1e-3"], "unknown flag --learning_rat (did you mean --learning_rate?)"),
+        (["--no-bf1"], "unknown flag --no-bf1 (did you mean --no-bf16?)"),
+    ],
+)  # fmt: skip
+def test_other_names_mistakes_are_one_line(capsys, argv, message):
+    code, err = run_cli(["sft", *argv], capsys)
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("max_lr: 1.0e-3\nlearning_rate: 1.0e-3\n", "max_lr and learning_rate both set max_lr: give one"),
+        ("model:\n  lr: 1.0e-3\ntraining:\n  lr: 2.0e-3\n", "lr given twice, 0.001 and 0.002: give one"),
+        ("training:\n  num_train_epochs: 0.5\n", "num_train_epochs 0.5: a fraction; ours runs whole epochs"),
+        ("lr_scheduler_type: linear\n", "lr_scheduler_type linear: not one of ours: --schedule_type takes cosine"),
+        ("warmup_steps: 3\nwarmup_ratio: 0.1\n", "warmup_steps and warmup_ratio both set the warmup: give one"),
+        ("logging_dir: logs\n", "unknown key(s) logging_dir (logs are written under --ckpt_dir (ckpt_dir/logs))"),
+        ("learning_rat: 1\n", "unknown key(s) learning_rat (did you mean learning_rate?)"),
+    ],
+)  # fmt: skip
+def test_other_names_mistakes_in_a_recipe_name_the_file(tmp_path, capsys, content, message):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(content)
+    code, err = run_cli(["sft", "-c", str(recipe)], capsys)
+    assert code == 2 and err.startswith(f"astrai-fabric: error: {recipe}: ") and message in err, err
+
+
+def test_a_later_warmup_replaces_the_other_kind_and_the_plan_shows_our_names(tmp_path, capsys):
+    """--warmup_steps over a recipe's warmup_ratio replaces it (and the schedule takes it); other names are said
+    once, and the plan speaks ours."""
+    recipe = str(ROOT / "recipes" / "tiny-seq.yaml")  # warmup_ratio 0.05
+    argv = ["seq", "-c", recipe, "--learning_rate", "2e-3", "--warmup_steps", "3", "--max_steps", "20"]
+    assert parse_train_args("seq", argv[1:])[0].warmup_ratio is None
+    assert main([*argv, "--output_dir", str(tmp_path / "out"), "--dry_run"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1, captured.err
+    assert (
+        "read as ours: --learning_rate as --max_lr, --output_dir as --ckpt_dir (the plan uses our names)"
+        in captured.err
+    )
+    plan = captured.out
+    assert "optimizer steps over 3 epoch(s); max_steps 20: the schedule's 20, 3 of them warmup" in plan, plan
+    assert "schedule     cosine: 3 warmup steps, then decay over 17 to 0.01x, peak learning rate 0.002" in plan
+    assert f"  outputs      {tmp_path / 'out'}:" in plan
+
+
+def test_the_docs_list_every_name_taken_and_every_name_answered():
+    from astrai_fabric.config.aliases import ALIASES, NOT_TAKEN
+
+    page = (ROOT / "docs" / "coming-from-trl.md").read_text()
+    assert [name for name in [*ALIASES, *NOT_TAKEN] if f"`--{name}`" not in page] == []
+
+
+def test_each_train_type_s_help_lists_its_own_flags_and_the_names_taken(capsys):
+    text, flags = {}, {}
+    for train_type in ("sft", "dpo", "grpo"):
+        with pytest.raises(SystemExit) as exit_:
+            main([train_type, "--help"])
+        assert exit_.value.code == 0
+        text[train_type] = capsys.readouterr().out
+        flags[train_type] = set(re.findall(r"^  (--\w+)", text[train_type], flags=re.MULTILINE))  # the options listed
+    sft, dpo, grpo = flags["sft"], flags["dpo"], flags["grpo"]
+    assert {"--packing", "--max_lr", "--window_size"} <= sft and not {
+        "--dpo_beta",
+        "--grpo_kl_coef",
+        "--rollout_top_p",
+    } & sft
+    assert {"--dpo_beta", "--rollout_top_p", "--reward_model"} <= dpo and not {"--packing", "--grpo_kl_coef"} & dpo
+    assert {"--grpo_kl_coef", "--rollout_top_p"} <= grpo and not {"--dpo_beta", "--kto_beta", "--packing"} & grpo
+    assert all("--learning_rate, --lr (--max_lr)" in " ".join(shown.split()) for shown in text.values())
+    parse_train_args("sft", ["--dpo_beta", "0.2"])  # accepted all the same: AstrAI takes every flag everywhere
+
+
+def test_download_offline_says_it_found_the_model_in_the_cache(tmp_path, monkeypatch, capsys):
+    """Offline, download fetches nothing: it says so rather than 'downloaded'. The cache is laid out as
+    huggingface_hub writes one (blobs, a snapshot of links, refs/main); nothing is downloaded here."""
+    import hashlib
+    import os
+
+    from astrai_fabric.assets import TINY_MODEL_DIR
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repository = tmp_path / "hub" / "models--org--tiny"
+    (repository / "refs").mkdir(parents=True)
+    (repository / "refs" / "main").write_text(commit)
+    for path in TINY_MODEL_DIR.iterdir():
+        data = path.read_bytes()
+        blob = repository / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.parent.mkdir(exist_ok=True)
+        blob.write_bytes(data)
+        link = repository / "snapshots" / commit / path.name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["download", "org/tiny"]) == 0
+    out = capsys.readouterr().out
+    snapshot = repository / "snapshots" / commit
+    assert out == f"found in the cache, nothing fetched (HF_HUB_OFFLINE=1): org/tiny@{commit} -> {snapshot}\n", out

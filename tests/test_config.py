@@ -111,3 +111,35 @@ def test_optimizer_flags_are_checked_and_nora_decay_defaults_to_weight_decay():
         "nora_lr must be >= 0, got -0.001",
     ):
         assert message in str(raised.value)
+
+
+def test_warmup_is_given_one_way():
+    from astrai_fabric.config.train import TrainArgs
+
+    required = dict(param_path="bundled:tiny", data_root_path="bundled:data/seq")
+    TrainArgs(**required, warmup_steps=10).validate()
+    for given, message in (
+        (dict(warmup_steps=10, warmup_ratio=0.05), "warmup_steps 10 and warmup_ratio 0.05 both set the warmup: give"),
+        (dict(warmup_steps=-1), "warmup_steps must be >= 0, got -1"),
+        (dict(warmup_ratio=1.5), "warmup_ratio must be in [0, 1], got 1.5"),
+    ):
+        with pytest.raises(ConfigError) as raised:
+            TrainArgs(**required, **given).validate()
+        assert message in str(raised.value)
+
+
+def test_other_names_each_set_one_of_our_flags_and_shadow_none():
+    """config.aliases: each name another project uses sets a field of ours; none is a field itself (it would hide
+    ours), none both taken and answered as not taken; READ_BY names fields and train types."""
+    import dataclasses
+    import typing
+
+    from astrai_fabric.config.aliases import ALIASES, NOT_TAKEN, WHOLE_NUMBERS
+    from astrai_fabric.config.train import READ_BY, TrainArgs, TrainType
+
+    fields = {f.name for f in dataclasses.fields(TrainArgs)}
+    assert {name: alias.flag for name, alias in ALIASES.items() if alias.flag not in fields} == {}
+    assert sorted(fields & (set(ALIASES) | set(NOT_TAKEN))) == []
+    assert sorted(set(ALIASES) & set(NOT_TAKEN)) == [] and set(WHOLE_NUMBERS) <= fields
+    assert set(READ_BY) <= fields
+    assert {t for readers in READ_BY.values() for t in readers} <= set(typing.get_args(TrainType))

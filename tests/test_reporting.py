@@ -23,7 +23,8 @@ HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None  # the [te
 ENV = {"OMP_NUM_THREADS": "1", "PATH": str(Path(sys.executable).parent)}
 PLAIN_LINE = re.compile(
     r"^plan for `astrai-fabric (seq|sft|dpo|grpo)`$"
-    r"|^  (recipes?|processes|model|tokenizer|data|batch|steps|this run|schedule|loader|cpu threads|training|outputs)"
+    r"|^  (recipes?|processes|model|tokenizer|window|data|packing|batch|steps|this run|schedule|loader|cpu threads"
+    r"|training|preference|outputs)"
     r" +\S.+"
     r"|^  parameters   [\d,]+ parameters(, [\d,]+ trainable \(\S+\))?; optimizer \w+: .+; state .+"
     r"|^step \d+/\d+ \| epoch \d+ \| loss [\d.]+ \| lr \S+ \| grad_norm [\d.]+ \| [\d,]+ tokens/s"
@@ -97,6 +98,7 @@ def test_the_run_prints_the_plan_its_dry_run_prints(short_run, monkeypatch, caps
         "parameters",
         "tokenizer",
         "data",
+        "packing",
         "batch",
         "steps",
         "this",

@@ -31,6 +31,35 @@ def test_max_steps_plans_the_schedule_over_the_run():
     assert (longer.total_steps, longer.last_step()) == (24, 24)
 
 
+def test_warmup_steps_replace_the_ratio_up_to_the_schedule_s_length():
+    """``--warmup_steps`` (``fixed_warmup_steps``) is the warmup as given, capped at the schedule's steps; with
+    neither it nor a ratio, AstrAI's 0.05."""
+    assert StepPlan(1000, 4, 8, 4, 3, None, fixed_warmup_steps=5).warmup_steps == 5  # 24 steps
+    assert StepPlan(1000, 4, 8, 4, 3, None, max_steps=4, fixed_warmup_steps=5).warmup_steps == 4
+    assert StepPlan(1000, 4, 8, 4, 3, None, fixed_warmup_steps=0).warmup_steps == 0
+    assert StepPlan(10_000, 1, 1, 1, 1, None).warmup_steps == 500  # int(0.05 x 10,000)
+
+
+def test_cosine_with_min_rate_0_is_transformers_cosine():
+    """docs/training.md: ``--min_rate 0`` cosine is transformers' ``lr_scheduler_type cosine`` (linear warmup from 0,
+    cosine decay to 0), rate for rate at every optimizer step. The reference is transformers' own scheduler on the
+    same optimizer; both compute in float64, compared to 1e-12."""
+    transformers_optimization = pytest.importorskip("transformers.optimization")
+
+    def rates(make) -> list[float]:
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2e-3)
+        scheduler, seen = make(optimizer), []
+        for _ in range(12):
+            seen.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            scheduler.step()
+        return seen
+
+    ours = rates(lambda o: build_scheduler(o, "cosine", total_steps=12, warmup_steps=3, min_rate=0.0))
+    theirs = rates(lambda o: transformers_optimization.get_cosine_schedule_with_warmup(o, 3, 12))
+    assert ours == pytest.approx(theirs, abs=1e-12) and ours[0] == 0.0
+
+
 def counted_last_step(plan: StepPlan, epoch: int, sample_index: int, step: int) -> int:
     """The step a run from ``(epoch, sample_index, step)`` ends at, counted as the loop counts: every micro-batch
     of the epochs left, one window per ``grad_accum_steps`` of them (a window may span two epochs)."""

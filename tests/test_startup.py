@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -55,6 +56,19 @@ print(json.dumps(report))
 """
 
 
+def child_report(script: str, *arguments: object) -> Any:
+    """What ``script``, run in a fresh interpreter with ``arguments`` as JSON, printed as JSON on its last line."""
+    result = subprocess.run(
+        [sys.executable, "-c", script, *map(json.dumps, arguments)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.splitlines()[-1])
+
+
 def test_commands_that_train_nothing_import_nothing_only_training_uses(tmp_path):
     torch.manual_seed(0)
     model = AutoRegressiveLM(ModelConfig.from_file(TINY_MODEL_DIR / "config.json"))
@@ -86,15 +100,7 @@ def test_commands_that_train_nothing_import_nothing_only_training_uses(tmp_path)
             "bundled:tiny",
         ],
     ]
-    result = subprocess.run(
-        [sys.executable, "-c", CHILD, json.dumps(FORBIDDEN), json.dumps(helps + work)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.splitlines()[-1])
+    report = child_report(CHILD, FORBIDDEN, helps + work)
     assert {step: modules[:6] for step, modules in report.items() if modules} == {}
     assert (tmp_path / "hf" / "model.safetensors").is_file() and any((tmp_path / "shards").iterdir())
     assert not (Path(f"{ckpt}_full")).exists()
@@ -113,3 +119,44 @@ def test_evaluation_results_spell_checkpoint_names_as_runs_write_them():
     from astrai_fabric.evaluate import results
 
     assert results.CHECKPOINT_NAME.pattern == directory.CHECKPOINT_NAME.pattern
+
+
+MISTAKES_CHILD = """
+import contextlib, io, json, sys
+from astrai_fabric.cli import main
+report = []
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(argv)
+    report.append([code, err.getvalue().strip(), "torch" in sys.modules])
+print(json.dumps(report))
+"""
+
+
+def test_a_flag_or_recipe_mistake_is_refused_before_torch_is_imported(tmp_path):
+    """A mistake in the flags or a recipe (an unknown flag, another project's name given with ours, a value out of
+    range, a recipe's unknown key) exits 2 in a process that never imported torch: refused in a fraction of a second
+    rather than after torch's import (bench/startup.py's table)."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model:\n  param_path: m\ntraining:\n  learnig_rate: 1.0e-3\n")
+    mistakes = [
+        ["sft", "--learning_rat", "1e-3"],
+        ["sft", "--logging_dir", "x"],
+        ["sft", "--lr", "1e-3", "--max_lr", "2e-4"],
+        ["seq", "--param_path", "m", "--data_root_path", "d", "--warmup_ratio", "2"],
+        ["dpo", "-c", str(recipe)],
+    ]
+    report = child_report(MISTAKES_CHILD, mistakes)
+    assert [(code, torch_imported) for code, _, torch_imported in report] == [(2, False)] * len(mistakes), report
+    assert "warmup_ratio must be in [0, 1], got 2.0" in report[3][1] and "learnig_rate" in report[4][1]
+
+
+def test_what_the_flags_spell_out_to_stay_light_equals_its_source():
+    """config/ spells out two values rather than import their modules (data/ and torch) when flags are read."""
+    from astrai_fabric.config.train import DATA_FORMATS
+    from astrai_fabric.config.train_checks import FLOAT32_MAX
+    from astrai_fabric.data.shapes import DATA_FORMATS as SHAPES_DATA_FORMATS
+
+    assert DATA_FORMATS == SHAPES_DATA_FORMATS
+    assert FLOAT32_MAX == torch.finfo(torch.float32).max

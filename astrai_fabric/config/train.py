@@ -20,12 +20,46 @@ import yaml
 from astrai_fabric.config.kinds import kind_problem
 from astrai_fabric.config.lora import DEFAULT_TARGETS
 from astrai_fabric.config.train_checks import TrainChecks
-from astrai_fabric.data.shapes import DATA_FORMATS
 from astrai_fabric.errors import ConfigError
 
 COMMAND_LINE_ONLY = ("trust_code", "config")
 """Flags a recipe may not set, and which resolved recipes leave out: a recipe file is data, never a way to opt into
 running code (nor to name other recipes: their order is the command line's)."""
+READ_BY = {
+    "packing": ("sft",),
+    "label_smoothing": ("seq", "sft"),
+    "reference_path": ("dpo", "kto", "grpo"),
+    "dpo_beta": ("dpo", "kto"),
+    **dict.fromkeys(
+        ("simpo_beta", "cpo_beta", "dpo_loss", "dpo_label_smoothing", "simpo_gamma", "cpo_alpha", "orpo_beta"),
+        ("dpo",),
+    ),
+    **dict.fromkeys(("kto_beta", "kto_desirable_weight", "kto_undesirable_weight"), ("kto",)),
+    "reward_center_coef": ("reward_model",),
+    **dict.fromkeys(
+        (
+            "group_size", "grpo_clip_eps", "grpo_kl_coef", "grpo_loss", "grpo_clip_eps_high", "grpo_scale_rewards",
+            "grpo_num_iterations",
+        ),
+        ("grpo",),
+    ),
+    **dict.fromkeys(
+        (
+            "reward", "reward_model", "trust_code", "rollout_interval", "rollout_temperature", "rollout_top_k",
+            "rollout_top_p", "rollout_max_tokens",
+        ),
+        ("dpo", "grpo"),
+    ),
+}  # fmt: skip
+"""The flags only some train types read (online dpo samples and rewards rollouts as online grpo does), and those;
+every other flag is every train type's. ``COMMAND --help`` lists a train type's own and the common ones; the others
+are accepted everywhere (AstrAI's command line takes every flag for every train type)."""
+DATA_FORMATS = (
+    "auto", "text", "messages", "sharegpt", "alpaca", "prompt_completion", "preference", "implicit_preference",
+    "online_prompt", "unpaired", "groups", "prompt",
+)  # fmt: skip
+"""``--data_format``'s values, ``data.shapes.DATA_FORMATS`` spelled out (tests/test_startup.py holds them equal):
+reading the flags imports nothing of ``data/``, whose package imports torch."""
 
 TrainType = Literal["seq", "sft", "dpo", "kto", "grpo", "reward_model"]
 ParallelMode = Literal["none", "ddp", "fsdp"]
@@ -80,9 +114,18 @@ class TrainArgs(TrainChecks):
     run at the floor and the plan says so. ``false``: rebuild the schedule from this run's flags and length and
     continue it at the checkpoint's step."""
     window_size: int | None = None
-    """Tokens per training sample; default: the model's ``max_position_embeddings``."""
+    """Tokens per training sample (the positions the model reads); default: the model's
+    ``max_position_embeddings``, for a model from Hugging Face at most ``HF_DEFAULT_WINDOW`` 1024 (TRL's
+    ``max_length`` default: a Hub model's 32k-128k positions would not fit memory; the plan says so)."""
     stride: int | None = None
     """Tokens between the starts of consecutive windows; default: ``window_size`` (no overlap)."""
+    packing: bool = True
+    """sft: ``true`` (AstrAI's): the records run on as one token stream cut into windows of ``window_size``, a record
+    split where a window ends and the stream's tail after the last whole window left out; ``false``: one sample per
+    record (TRL's ``SFTTrainer(packing=False)``), its first ``window_size + 1`` tokens (``window_size`` positions
+    read, each predicting the next), padded to the longest of its micro-batch, a record with no trained token there
+    dropped. The plan counts what either mode cuts and leaves out. seq has windows only; dpo, kto, grpo and
+    reward_model train one sample per record already."""
     val_split: float | None = None
     """Fraction of samples held out for validation, in (0, 1); default: no validation."""
     val_step: int = 1000
@@ -147,8 +190,14 @@ class TrainArgs(TrainChecks):
     # --- learning-rate schedule ----------------------------------------------------------------------------------
     schedule_type: Literal["cosine", "sgdr", "wsd"] = "cosine"
     """Learning-rate schedule after warmup."""
-    warmup_ratio: float = 0.05
-    """Warmup steps as a fraction of total steps (floored)."""
+    warmup_ratio: float | None = None
+    """Warmup steps as a fraction of the schedule's steps (floored); default 0.05 (AstrAI's) unless ``warmup_steps``
+    is given (the two are exclusive)."""
+    warmup_steps: int | None = None
+    """Warmup length in optimizer steps (transformers' ``warmup_steps``), at most the schedule's steps, instead of
+    ``warmup_ratio``'s share; both in one recipe or on one command line is an error, and one given on the command line
+    (or in a later recipe) replaces the other from an earlier recipe. The warmup rises from ``min_rate x max_lr``
+    (AstrAI's rule; ``--min_rate 0`` rises from 0, as transformers' does)."""
     min_rate: float | None = None
     """Floor of the learning rate as a fraction of ``max_lr``; default 0.01 (AstrAI's); an explicit 0 is kept."""
     cycle_length: int | None = None
@@ -462,6 +511,17 @@ class TrainArgs(TrainChecks):
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+HF_DEFAULT_WINDOW = 1024
+"""The default window of a model from Hugging Face (its ``max_position_embeddings`` when smaller): TRL's default
+``max_length``, where a Hub model's own 32k-128k positions (Qwen3's 40,960) would not fit a micro-batch in memory."""
+
+
+def default_window_size(max_position_embeddings: int, hugging_face: bool) -> int:
+    """The window when ``--window_size`` is unset: AstrAI's ``max_position_embeddings``, capped at
+    ``HF_DEFAULT_WINDOW`` for a model from Hugging Face (``hugging_face``: its directory, or our checkpoint of one)."""
+    return min(max_position_embeddings, HF_DEFAULT_WINDOW) if hugging_face else max_position_embeddings
 
 
 RECIPE_FILE = "recipe.yaml"

@@ -1,6 +1,9 @@
 """The checks ``TrainArgs.validate`` runs after each value's kind, one per section of its fields (their ranges
 and their agreement with the other flags), each a list of one-line problems. A base class of ``TrainArgs``, which
 holds the fields they read: the flags and their docstrings in one module, what is wrong with them in this one.
+
+Nothing here imports torch where the defaults are checked (a mistaken flag is refused before torch loads,
+tests/test_startup.py): the checks of options that need another part import it when those options are given.
 """
 
 from __future__ import annotations
@@ -10,13 +13,11 @@ import math
 import re
 import warnings
 
-import torch
-
 from astrai_fabric.config.lora import TARGETS
-from astrai_fabric.data.shapes import settings_problems
-from astrai_fabric.losses import SMOOTHED
-from astrai_fabric.rewards import reward_spec_problem
 
+FLOAT32_MAX = 3.4028234663852886e38
+"""``torch.finfo(torch.float32).max`` (tests/test_startup.py holds them equal): a finite float past it is inf in the
+optimizer."""
 MAX_WORKERS, MAX_THREADS = 256, 1024
 """The most loader workers and CPU threads per rank a run may ask for (the largest machines have a few hundred
 CPUs)."""
@@ -36,7 +37,7 @@ OPTIONAL_POSITIVE = (
 )  # fmt: skip
 """Counts of at least 1, or None (unset)."""
 NON_NEGATIVE = (
-    "neftune_alpha", "moe_aux_loss_coef", "weight_decay", "warmup_ratio", "label_smoothing", "rollout_top_k",
+    "neftune_alpha", "moe_aux_loss_coef", "weight_decay", "label_smoothing", "rollout_top_k",
     "start_epoch", "start_samples", "max_lr", "max_bad_steps", "nora_lr",
 )  # fmt: skip
 """Amounts of at least 0."""
@@ -50,7 +51,7 @@ class TrainChecks:
     def _range_problems(self) -> list[str]:
         """The ranges many fields share: finite floats (in float32 too: a rate of 1e39 is inf in the optimizer),
         positive counts, non-negative amounts."""
-        largest = torch.finfo(torch.float32).max
+        largest = FLOAT32_MAX
         values = [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
         problems = [
             f"{name} must be a finite number, got {value}"
@@ -91,7 +92,27 @@ class TrainChecks:
         for name, most in (("num_workers", MAX_WORKERS), ("num_threads", MAX_THREADS)):
             if (getattr(self, name) or 0) > most:
                 problems.append(f"{name} must be at most {most}, got {getattr(self, name)}")
-        return problems + settings_problems(self.train_type, self.data_format, self.data_columns)
+        problems += self._packing_problems()
+        if self.data_format != "auto" or self.data_columns is not None:  # the defaults need no check (nor torch)
+            from astrai_fabric.data.shapes import settings_problems  # imports data/, and so torch
+
+            problems += settings_problems(self.train_type, self.data_format, self.data_columns)
+        return problems
+
+    def _packing_problems(self) -> list[str]:
+        """``packing false`` is sft's: seq has windows only, the others read one sample per record already."""
+        if self.packing:
+            return []
+        if self.train_type == "seq":
+            return ["packing false applies to sft: seq trains one token stream cut into windows, its only mode"]
+        if self.train_type not in (None, "sft"):
+            return [
+                f"packing false applies to sft: {self.train_type} trains one sample per record already (cut to "
+                "window_size); drop --packing"
+            ]
+        if self.stride is not None:
+            return ["stride applies to packed windows; packing false reads each record from its start: drop --stride"]
+        return []
 
     def _optimizer_problems(self) -> list[str]:
         problems = [
@@ -113,8 +134,14 @@ class TrainChecks:
             for name in ("stable_steps", "decay_steps")
             if getattr(self, name) is not None and getattr(self, name) < 0
         ]
-        if not 0 <= self.warmup_ratio <= 1:
+        if self.warmup_ratio is not None and not 0 <= self.warmup_ratio <= 1:
             problems.append(f"warmup_ratio must be in [0, 1], got {self.warmup_ratio}")
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            problems.append(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.warmup_steps is not None and self.warmup_ratio is not None:
+            problems.append(
+                f"warmup_steps {self.warmup_steps} and warmup_ratio {self.warmup_ratio} both set the warmup: give one"
+            )
         if self.min_rate is not None and not 0 <= self.min_rate <= 1:
             problems.append(f"min_rate must be in [0, 1], got {self.min_rate}")
         return problems
@@ -134,8 +161,11 @@ class TrainChecks:
             problems.append(f"rollout_top_p must be in (0, 1], got {self.rollout_top_p}")
         if self.rollout_temperature <= 0:
             problems.append(f"rollout_temperature must be > 0, got {self.rollout_temperature}")
-        if self.reward is not None and (problem := reward_spec_problem(self.reward, self.trust_code)):
-            problems.append(problem)
+        if self.reward is not None:
+            from astrai_fabric.rewards import reward_spec_problem  # imports torch: only when a reward is named
+
+            if problem := reward_spec_problem(self.reward, self.trust_code):
+                problems.append(problem)
         if self.reward is not None and self.reward_model is not None:
             problems.append("reward and reward_model both score rollouts: pass one of them")
         if self.grpo_clip_eps_high is not None and not self.grpo_clip_eps_high > 0:
@@ -184,9 +214,9 @@ class TrainChecks:
         problems = self._beta_problems()
         if not 0 <= self.dpo_label_smoothing < 0.5:
             problems.append(f"dpo_label_smoothing must be in [0, 0.5), got {self.dpo_label_smoothing}")
-        elif self.dpo_label_smoothing and self.dpo_loss not in SMOOTHED:
+        elif self.dpo_label_smoothing and self.dpo_loss not in (smoothed := _smoothed_losses()):
             problems.append(
-                f"dpo_label_smoothing applies to --dpo_loss {', '.join(SMOOTHED)}, not {self.dpo_loss} (which has no "
+                f"dpo_label_smoothing applies to --dpo_loss {', '.join(smoothed)}, not {self.dpo_loss} (which has no "
                 "smoothing term); drop it or choose one of those"
             )
         if not self.cpo_alpha >= 0:
@@ -265,3 +295,10 @@ class TrainChecks:
                     "optimizer state; drop --sharded_checkpoint"
                 )
         return problems
+
+
+def _smoothed_losses() -> tuple[str, ...]:
+    """``losses.SMOOTHED``, imported (with torch) only when ``dpo_label_smoothing`` is given."""
+    from astrai_fabric.losses import SMOOTHED
+
+    return SMOOTHED

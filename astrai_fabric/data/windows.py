@@ -16,7 +16,14 @@ from typing import Any
 
 from astrai_fabric import assets, hub
 from astrai_fabric.data.dataset_config import DatasetConfig, read_dataset_config, render_stream
-from astrai_fabric.data.datasets import TokenStream, WindowDataset, load_window_dataset, window_dataset
+from astrai_fabric.data.datasets import (
+    RecordDataset,
+    TokenStream,
+    WindowDataset,
+    bin_stream,
+    record_dataset,
+    window_dataset,
+)
 from astrai_fabric.data.shapes import Shaper, check_not_shaped, shape_records
 from astrai_fabric.data.storage import detect_format, read_records
 from astrai_fabric.data.tokenize import tokenize_chats, tokenize_text
@@ -36,11 +43,14 @@ class WindowData:
     data_split: str | None = None
     data_format: str = "auto"
     data_columns: str | None = None
+    packing: bool = True
+    """sft: windows over the records run together (AstrAI's); False: one sample per record (``RecordDataset``)."""
 
     @classmethod
     def of(cls, args: Any) -> WindowData:
-        """The fields of these names of ``args`` (``TrainArgs``, ``EvaluateArgs``)."""
-        return cls(**{field.name: getattr(args, field.name) for field in fields(cls)})
+        """The fields of these names of ``args`` (``TrainArgs``, ``EvaluateArgs``), the defaults for those it lacks
+        (evaluate reads windows: it has no ``packing``)."""
+        return cls(**{field.name: getattr(args, field.name) for field in fields(cls) if hasattr(args, field.name)})
 
 
 @dataclass
@@ -65,21 +75,22 @@ class DataStart:
         return self.tokenizer
 
 
-def build_windows(data: WindowData, start: DataStart) -> tuple[WindowDataset, str]:
-    """The windows of ``data`` and a one-line description of them (warnings on the lines after it)."""
+def build_windows(data: WindowData, start: DataStart) -> tuple[WindowDataset | RecordDataset, str]:
+    """The windows of ``data`` (sft with ``packing`` off: its records, ``RecordDataset``) and a one-line description
+    of them; on the lines after it, ``packing: ...`` (what the samples cut and leave out: ``describe_packing``) and
+    warnings."""
     window_size = start.window_size
     data_path = assets.resolve(data.data_root_path)
     kind = detect_format(data_path)
     shown = "JSONL" if kind == "jsonl" else kind
     tokenizer = start.need_tokenizer(f"{data.train_type} on {shown} data") if kind != "bin" else start.tokenizer
     sizes = (start.vocab_size, start.max_position_embeddings)
-    note, shapes = "", ""
+    note, shapes, shape_names = "", "", set()
     if start.dataset_config is not None:  # AstrAI's dataset_config.json route
         check_not_shaped(data.data_format, data.data_columns, f"{start.dataset_config.path} renders these records")
         records = read_records(data_path, subset=data.data_subset, split=data.data_split)  # JSONL or any source
         stream, dropped = render_stream(start.dataset_config, tokenizer, records)
         stream = TokenStream({k: [v] for k, v in stream.items()})
-        dataset = window_dataset(stream, data.train_type, data_path, window_size, data.stride, *sizes)
         reasons = ", ".join(f"{n} {reason}" for reason, n in dropped.items())
         note = f"; records rendered by {start.dataset_config.path}" + (f", dropped: {reasons}" if reasons else "")
     elif kind != "bin":  # records of any shape (data/shapes.py), tokenised as the canonical ones
@@ -88,25 +99,65 @@ def build_windows(data: WindowData, start: DataStart) -> tuple[WindowDataset, st
         records, shaper = shape_records(records, data.train_type, data.data_format, data.data_columns)
         tokenize = tokenize_chats if data.train_type == "sft" else tokenize_text
         stream = TokenStream({k: [v] for k, v in tokenize(records, tokenizer).items()})
-        dataset = window_dataset(stream, data.train_type, data_path, window_size, data.stride, *sizes)
         shapes = shaper.describe() and f"{shaper.describe()}, "
+        shape_names = {shape.name for shape, _ in shaper.sources.values()}
     else:
         check_not_shaped(data.data_format, data.data_columns, f"data_root_path {data_path} holds bin shards (tokens)")
-        dataset = load_window_dataset(
-            data.train_type, data_path, window_size, data.stride, tokenizer, *sizes, data.data_subset, data.data_split
-        )
-    summary = f"{shapes}windows of {window_size} tokens from {data_path} ({dataset.stream.num_tokens:,} tokens){note}"
+        stream = bin_stream(data_path, data.data_subset, data.data_split)
+    if data.packing or data.train_type != "sft":
+        dataset = window_dataset(stream, data.train_type, data_path, window_size, data.stride, *sizes)
+        samples = f"windows of {window_size} tokens"
+    else:
+        dataset = record_dataset(stream, data_path, window_size, *sizes)
+        samples = f"one per record, at most {window_size} positions each,"
+    summary = f"{shapes}{samples} from {data_path} ({stream.num_tokens:,} tokens){note}"
+    summary += f"\n{PACKING_LINE}{describe_packing(dataset, shape_names)}"
     if tokenizer is None:
         summary += (
             f"\nwarning: no tokenizer ({start.no_tokenizer.split(':')[0]} is missing): bin shards need none, so this "
             "run trains without one and its checkpoints carry none; generate and JSONL data need one (--tokenizer_path)"
         )
-    if dataset.num_untrained_windows:
+    if getattr(dataset, "num_untrained_windows", 0):
         summary += (
             f"\nwarning: {dataset.num_untrained_windows:,} of {len(dataset):,} windows hold no trained token "
             "(loss_mask 0 throughout): they count as samples but add nothing to the gradient"
         )
     return dataset, summary
+
+
+PACKING_LINE = "packing: "
+"""How the data summary's line saying what the samples cut and leave out begins (the plan shows it as a row)."""
+TRL_SHAPES = ("messages", "prompt_completion")
+"""Record shapes TRL's ``SFTTrainer`` reads, which it trains one record per sample by default."""
+
+
+def describe_packing(dataset: WindowDataset | RecordDataset, shape_names: set[str] = frozenset()) -> str:
+    """Which of sft's two modes runs and what its samples cut or leave out, counted (seq: its windows' tail);
+    ``shape_names``: the records' shapes (``data/shapes.py``), for the way to TRL's mode where they are its own."""
+    if isinstance(dataset, RecordDataset):
+        cut = (
+            f"{dataset.num_cut:,} cut after {dataset.window_size + 1} tokens ({dataset.tokens_past_cuts:,} tokens "
+            "past the cuts not read)"
+        )
+        dropped = f"{dataset.num_dropped:,} dropped (no trained token before the cut)" if dataset.num_dropped else ""
+        trained = f"the samples predict {dataset.num_trained_in_samples:,} of the {dataset.num_trained_tokens:,}"
+        return (
+            f"off: each record alone, padded to the longest of its micro-batch (TRL's SFTTrainer(packing=False)); of "
+            f"{dataset.num_records:,} records {cut}, {dropped or 'none dropped'}; {trained} "
+            "trained tokens"
+        )
+    left_over, trained = dataset.count_left_over()
+    tail = f"the last {left_over:,} tokens" if dataset.stride <= dataset.window_size else f"{left_over:,} tokens"
+    tail = f"{tail} ({trained:,} trained)" if trained is not None else tail
+    tail = f"{tail} fall in no window" if left_over else "no token is left out"
+    if dataset.train_type != "sft":
+        return f"on (seq: the stream cut into windows, its only mode); {tail}"
+    split, num_records = dataset.count_split_records()
+    way = "as TRL's SFTTrainer does by default" if shape_names & set(TRL_SHAPES) else "each record alone"
+    return (
+        f"on (AstrAI's sft: the records run on from one window into the next); {split:,} of {num_records:,} records "
+        f"not whole in one window; {tail}; --packing false trains one sample per record, {way}"
+    )
 
 
 def evaluation_start(

@@ -3,7 +3,8 @@ AstrAI's ``seq`` and ``sft`` strategies.
 
 ``seq`` attends causally across the whole window and trains every token. ``sft`` restarts positions and stops
 attention at document boundaries (from the stored position ids) and trains only the tokens its loss mask
-selects (assistant turns).
+selects (assistant turns). sft with ``--packing false`` trains one record per sample instead, padded per micro-batch
+(``data.datasets.RecordDataset``); the loss is the same mean over the micro-batch's trained tokens.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torch import Tensor, nn
 
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.data import WindowDataset
+from astrai_fabric.data.datasets import RecordDataset, collate_records
 from astrai_fabric.data.windows import WindowData, build_windows
 from astrai_fabric.losses import causal_lm_loss, token_nll_weights, with_moe_aux_loss
 from astrai_fabric.model import forward_window
@@ -50,9 +52,9 @@ def lm_loss(
     return with_moe_aux_loss(loss, out.aux_loss, out.router_stats, moe_aux_loss_coef)
 
 
-def build_dataset(args: TrainArgs, start: Start) -> tuple[WindowDataset, str]:
-    """The training windows and a one-line description of them (``data.windows.build_windows``, which evaluate's
-    perplexity reads held-out data with)."""
+def build_dataset(args: TrainArgs, start: Start) -> tuple[WindowDataset | RecordDataset, str]:
+    """The training windows (or records, ``--packing false``) and a description of them
+    (``data.windows.build_windows``, which evaluate's perplexity reads held-out data with)."""
     return build_windows(WindowData.of(args), start.data_start())
 
 
@@ -66,4 +68,5 @@ def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
         moe_aux_loss_coef=args.moe_aux_loss_coef,
         loss_chunk_size=start.loss_chunk_size(args),
     )
-    return train_on(fabric, args, start, TrainTask(dataset, summary, compute_loss))
+    collate = collate_records if isinstance(dataset, RecordDataset) else None  # records vary in length: padded
+    return train_on(fabric, args, start, TrainTask(dataset, summary, compute_loss, collate))

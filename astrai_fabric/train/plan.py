@@ -14,7 +14,8 @@ from torch import nn
 
 from astrai_fabric import assets, lora
 from astrai_fabric.checkpoint.position import RunPosition
-from astrai_fabric.config.train import TrainArgs
+from astrai_fabric.config.train import HF_DEFAULT_WINDOW, TrainArgs
+from astrai_fabric.data.windows import PACKING_LINE
 from astrai_fabric.losses import REFERENCE_FREE
 from astrai_fabric.model.ffn import describe_routing
 from astrai_fabric.optim import OptimArgs, optimizer_groups, optimizer_state_bytes, resolve_ns_dtype
@@ -38,6 +39,7 @@ def step_plan(args: TrainArgs, num_samples: int, num_dp_ranks: int) -> StepPlan:
         args.max_steps,
         args.stop_after_steps,
         args.grpo_num_iterations,
+        fixed_warmup_steps=args.warmup_steps,
     )
 
 
@@ -148,9 +150,78 @@ def summarize_parameters(model: nn.Module, args: TrainArgs, precision: str, num_
 
 
 def describe_data(args: TrainArgs, num_training_samples: int, summary: str, val_set: Sized | None) -> str:
-    """The plan's ``data`` line: the samples trained on, what they are, and those held out for validation."""
+    """The plan's ``data`` line: the samples trained on, what they are, and those held out for validation; the
+    summary's later lines (``packing: ...``, warnings) after it."""
     held_out = f", {len(val_set):,} held out for validation every {args.val_step} steps" if val_set else ""
-    return f"{num_training_samples:,} samples: {summary}{held_out}"
+    first, *rest = summary.split("\n")
+    return "\n".join([f"{num_training_samples:,} samples: {first}{held_out}", *rest])
+
+
+def _data_rows(data: str) -> list[tuple[str, str]]:
+    """The ``data`` row (warnings on the lines after it, as the summary has them) and the ``packing`` row, from
+    ``describe_data``'s text."""
+    first, *rest = data.split("\n")
+    packing = [line.removeprefix(PACKING_LINE) for line in rest if line.startswith(PACKING_LINE)]
+    others = [line for line in rest if not line.startswith(PACKING_LINE)]
+    return [("data", "\n".join([first, *others])), *(("packing", line) for line in packing)]
+
+
+def describe_window(args: TrainArgs, start: Start) -> str | None:
+    """The plan's ``window`` line where the default window is not the model's ``max_position_embeddings`` (a model
+    from Hugging Face: ``config.train.default_window_size``); None elsewhere."""
+    positions = start.model_config.max_position_embeddings
+    if args.window_size is not None or start.window_size is None or start.window_size >= positions:
+        return None
+    return (
+        f"{start.window_size} tokens: the model's max_position_embeddings {positions:,} capped at "
+        f"{HF_DEFAULT_WINDOW} for a model from Hugging Face (TRL's max_length default); --window_size sets it"
+    )
+
+
+def describe_preference(args: TrainArgs, start: Start | None) -> str | None:
+    """The plan's ``preference`` line of dpo and kto: the loss and its settings, the beta as read (and the flag it
+    was read from) and the frozen reference model; None for the other train types."""
+    if args.train_type == "dpo":
+        settings = {
+            "robust": f"label smoothing {args.dpo_label_smoothing:g}",
+            "simpo": f"gamma {args.simpo_gamma:g}, label smoothing {args.dpo_label_smoothing:g}",
+            "cpo": f"alpha {args.cpo_alpha:g}, label smoothing {args.dpo_label_smoothing:g}",
+            "orpo": f"lambda {args.orpo_beta:g}",
+        }.get(args.dpo_loss)
+        words = f"dpo loss {args.dpo_loss}" + (f" ({settings})" if settings else "")
+    elif args.train_type == "kto":
+        weights = f"desirable weight {args.kto_desirable_weight:g}, undesirable {args.kto_undesirable_weight:g}"
+        words = f"kto ({weights})"
+    else:
+        return None
+    if args.train_type == "kto" or args.dpo_loss != "orpo":  # orpo has no beta: its lambda is above
+        flag = args.beta_flag if getattr(args, args.beta_flag) is not None else "dpo_beta"
+        read = f"--{flag}" + (f", {args.beta_flag} unset" if flag != args.beta_flag else "")
+        words += f", beta {args.preference_beta:g} ({read})"
+    if args.train_type == "dpo" and args.dpo_loss in REFERENCE_FREE:
+        return f"{words}; no reference model (reference-free: chosen against rejected alone)"
+    return f"{words}; reference model: {describe_reference(args, start)}"
+
+
+def describe_reference(args: TrainArgs, start: Start | None) -> str:
+    """Where dpo's and kto's frozen reference comes from, by ``train.start.reference_model``'s rules (its meta.json
+    entry is what tests compare this with)."""
+    if args.lora_r:
+        base = start.lora_base if start is not None else args.param_path
+        return f"the base weights {base} (the trained network, its LoRA adapters off)"
+    if args.reference_path is not None:
+        return f"{args.reference_path} (--reference_path)"
+    if start is None:
+        return "the run's starting weights"
+    if start.resume is not None and "reference" in start.resume.meta:
+        recorded = start.resume.meta["reference"]
+        path = recorded.get("param_path") or f"AstrAI's init, seed {recorded.get('random_seed')}"
+        return f"{path} (where the run started: {start.resume.path.name}/meta.json records it)"
+    if start.resume is not None:
+        return f"the resumed policy {start.resume.path} (AstrAI's checkpoint records no reference: AstrAI's rule)"
+    if start.weights is not None:
+        return f"{start.weights.path} (the starting weights, frozen)"
+    return f"AstrAI's init, seed {args.random_seed} (the policy's starting point, frozen)"
 
 
 def describe_schedule(args: TrainArgs, scheduler: Any) -> str:
@@ -163,7 +234,6 @@ def describe_features(args: TrainArgs, loss_chunk_size: int = 0) -> str | None:
     HSDP's layout and profiling have lines of their own); None when all are at their defaults.
     ``loss_chunk_size``: the run's (``Start.loss_chunk_size``)."""
     on = [
-        _preference_loss(args) if args.train_type == "dpo" and args.dpo_loss != "sigmoid" else None,
         _reward_model_loss(args) if args.train_type == "reward_model" else None,
         f"NEFTune (alpha {args.neftune_alpha:g})" if args.neftune_alpha else None,
         f"label smoothing {args.label_smoothing:g}" if args.label_smoothing else None,
@@ -185,18 +255,6 @@ def describe_features(args: TrainArgs, loss_chunk_size: int = 0) -> str | None:
 def _reward_model_loss(args: TrainArgs) -> str:
     centred = f", centred (coef {args.reward_center_coef:g})" if args.reward_center_coef else ""
     return f"reward model: a score head read at each sequence's last token, Bradley-Terry loss{centred}"
-
-
-def _preference_loss(args: TrainArgs) -> str:
-    """dpo's loss when it is not DPO's sigmoid: its name, its own settings, and whether a reference model runs."""
-    settings = {
-        "robust": f"label smoothing {args.dpo_label_smoothing:g}",
-        "simpo": f"gamma {args.simpo_gamma:g}, label smoothing {args.dpo_label_smoothing:g}",
-        "cpo": f"alpha {args.cpo_alpha:g}, label smoothing {args.dpo_label_smoothing:g}",
-        "orpo": f"lambda {args.orpo_beta:g}",
-    }.get(args.dpo_loss)
-    words = f"dpo loss {args.dpo_loss}" + (f" ({settings})" if settings else "")
-    return words + ("; no reference model" if args.dpo_loss in REFERENCE_FREE else "")
 
 
 def describe_processes(
@@ -265,8 +323,12 @@ def describe_plan(
                     f"{steps.samples_per_rank} per rank"
                 )
             rows.append(("resume", where))
+    if start is not None and (window := describe_window(args, start)):
+        rows.append(("window", window))
     if data is not None:
-        rows.append(("data", data))
+        rows += _data_rows(data)
+    if preference := describe_preference(args, start):
+        rows.append(("preference", preference))
     if steps is not None:
         rows += steps.describe(position, args.max_tokens)
     if schedule is not None:

@@ -34,7 +34,7 @@ from astrai_fabric.checkpoint import (
 from astrai_fabric.checkpoint.adapter import check_resumed_base
 from astrai_fabric.checkpoint.ownership import check_writable
 from astrai_fabric.config.model import ModelConfig
-from astrai_fabric.config.train import TrainArgs
+from astrai_fabric.config.train import TrainArgs, default_window_size
 from astrai_fabric.data.dataset_config import DatasetConfig, read_dataset_config
 from astrai_fabric.data.storage import detect_format
 from astrai_fabric.data.windows import DataStart, data_tokenizer
@@ -71,8 +71,9 @@ class Start:
     """The Hugging Face architecture the model came from (a Hugging Face ``param_path``, or the ``source`` of the
     checkpoint started or resumed from): recorded in every checkpoint's ``meta.json`` for ``export --format hf``."""
     window_size: int | None = None
-    """Tokens per training sample: ``--window_size``, else the model's ``max_position_embeddings`` (resolved here
-    once; every train type's data and the throughput's FLOPs count use it)."""
+    """Tokens per training sample: ``--window_size``, else the model's ``max_position_embeddings``, capped for a
+    model from Hugging Face (``config.train.default_window_size``; resolved here once; every train type's data and
+    the throughput's FLOPs count use it)."""
 
     def loss_chunk_size(self, args: TrainArgs) -> int:
         """Positions per chunk of the fused head and loss for this run, 0 for the whole logits
@@ -273,7 +274,7 @@ def read_start(args: TrainArgs) -> Start:
         lora_base,
         lora_digests,
         source,
-        window_size=args.window_size or model_config.max_position_embeddings,
+        window_size=args.window_size or default_window_size(model_config.max_position_embeddings, source is not None),
     )
 
 
