@@ -36,6 +36,7 @@ import yaml
 from hypothesis import strategies as st
 
 from astrai_fabric.assets import TINY_MODEL_DIR, resolve
+from astrai_fabric.config.aliases import ALIASES, NOT_TAKEN
 from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.config.train import TrainArgs
 
@@ -743,7 +744,7 @@ def recipes(draw) -> Example:
     doc, edits = draw(
         edited(
             base,
-            TRAIN_KEYS + SECTIONS + ("devices", "dry-run", "train_type", "config"),
+            TRAIN_KEYS + SECTIONS + tuple(ALIASES) + tuple(NOT_TAKEN)[::4] + ("train_type", "config"),
             {s: TRAIN_KEYS[:40:3] for s in SECTIONS[:3]},
         )
     )
