@@ -4,6 +4,7 @@ when missing."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,7 +26,9 @@ def build_loggers(names: Sequence[str], ckpt_dir: str, config: dict[str, Any]) -
     loggers: list = []
     version = None
     if "csv" in names:
-        loggers.append(CSVLogger(ckpt_dir, name=LOG_DIR))
+        # Written when the Reporter flushes (every FLUSH_SECONDS, at checkpoints and at the end), not by step count:
+        # Lightning's every 100 steps is hours of a slow run lost to a crash, and a fraction of a step for a fast one.
+        loggers.append(CSVLogger(ckpt_dir, name=LOG_DIR, flush_logs_every_n_steps=sys.maxsize))
         version = loggers[-1].version  # the next free version_N
     if "tensorboard" in names:
         try:

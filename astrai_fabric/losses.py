@@ -38,23 +38,47 @@ def causal_lm_loss(
 
 
 CHUNKED_LOSS_ELEMENTS = 1 << 26
-"""Float32 logits of a micro-batch (positions x vocabulary) from which the loss is fused and chunked by default
-(256 MB; Qwen's 151,936-token vocabulary reaches it at 442 positions)."""
+"""Float32 logits of a micro-batch (positions x vocabulary) from which a loss whose backward recomputes the logits
+(dpo, kto, grpo with a trained head) is fused and chunked by default, for its memory (256 MB; Qwen's 151,936-token
+vocabulary reaches it at 442 positions): below it the recomputation makes it slower than the whole logits."""
 CHUNK_ELEMENTS = 1 << 23
 """Float32 logits in one chunk of the fused loss (32 MB): ``CHUNK_ELEMENTS // vocab`` positions at a time (55 at
 Qwen's vocabulary). Half of 64 MB took a trained head's fused head-plus-loss peak from 2.97x to 3.14x below the
 unfused one, its steps staying faster than unfused ones (bench/qlora_memory.py, docs/performance.md)."""
 
 
-def loss_chunk_positions(requested: int | None, vocab_size: int, positions_per_micro_batch: int) -> int:
+def loss_chunk_positions(
+    requested: int | None, vocab_size: int, positions_per_micro_batch: int, faster_fused: bool = False
+) -> int:
     """Positions per chunk of the fused head and loss (``head_token_nll``), 0 for the model's whole logits:
-    ``requested`` (``--loss_chunk_size``) where given, else chunked from ``CHUNKED_LOSS_ELEMENTS`` logits on, in
-    chunks of ``CHUNK_ELEMENTS``."""
+    ``requested`` (``--loss_chunk_size``) where given; else, in chunks of ``CHUNK_ELEMENTS``, at any size where
+    the fused head is the faster (``faster_fused``) and from ``CHUNKED_LOSS_ELEMENTS`` logits on otherwise, for
+    the memory.
+
+    Where it is the faster (``Start.fused_loss_is_faster``; bench/fused_loss.py, docs/performance.md): a loss whose
+    per-token weights are known before the forward (seq's and sft's mean: ``head_nll_loss`` takes the gradients in
+    the forward) on CPU, where it does the whole head's three matmuls and fewer passes over the logits, each chunk
+    in cache, and measured 1.1-1.4x faster than the whole logits and ``F.cross_entropy`` from 256 x 2,048 to
+    4,096 x 32,768 logits. A loss whose backward recomputes the logits (dpo, kto, grpo with a trained head) does a
+    fourth matmul and was slower below about 32 M logits. On CUDA, by count rather than measurement: the fused
+    head takes the weight's gradient as a float32 matmul (``addmm_`` into a float32 buffer), where a bf16 head's
+    plain backward runs it in bf16 at several times the FLOP/s, a third of the head's matmul work; the passes it
+    saves are memory-bound and worth less than that at a large hidden size. So CUDA keeps the threshold, the
+    choice for memory."""
     if requested is not None:
         return requested
-    if vocab_size * positions_per_micro_batch < CHUNKED_LOSS_ELEMENTS:
+    if not faster_fused and vocab_size * positions_per_micro_batch < CHUNKED_LOSS_ELEMENTS:
         return 0
     return max(1, CHUNK_ELEMENTS // vocab_size)
+
+
+def loss_chunk_reason(requested: int | None, faster_fused: bool) -> str:
+    """Why ``loss_chunk_positions`` fused the head and the loss, in the plan's words."""
+    if requested is not None:
+        return "--loss_chunk_size"
+    if faster_fused:
+        return "the default for a mean over tokens on CPU, where it is the faster at every size"
+    return f"the default from {CHUNKED_LOSS_ELEMENTS * 4 // 2**20} MB of float32 logits per micro-batch, for memory"
 
 
 def token_nll_loss(token_nll: Tensor, loss_mask: Tensor | None = None) -> Tensor:

@@ -108,7 +108,10 @@ class GradSNR:
 
     The loop folds a step's gradients in before it reads whether they are finite (``update_on_device``: nothing is
     read back, the step reads the totals with its other numbers and ``value`` makes the dB), so after a skipped
-    step, whose gradients were not finite, it starts the averages again (``restart``)."""
+    step, whose gradients were not finite, it starts the averages again (``restart``). The same pass gives the
+    step its gradient norm (``grad_norm``): each block's gradients are in cache for their norms, where
+    ``global_norm`` would read every gradient from memory once more, and the value is ``global_norm``'s to the
+    last bit (the same per-tensor norms, combined in the same order: tests/test_reporting.py)."""
 
     def __init__(self, beta: float = 0.999, eps: float = 1e-8) -> None:
         self.beta, self.eps = beta, eps
@@ -119,6 +122,8 @@ class GradSNR:
         self.blocks: list[list[int]] = []
         self.with_grads: list[int] = []
         """Which of the model's parameters (by position) the EMAs are of."""
+        self.grad_norm: Tensor | None = None
+        """The last update's gradient norm (``global_norm`` of the gradients it folded in), on the device."""
 
     @torch.no_grad()
     def update(self, model: nn.Module) -> float:
@@ -131,7 +136,8 @@ class GradSNR:
         for ``value`` once the step reads its numbers together (``loop.step``)."""
         parameters = list(model.parameters())
         with_grads = [i for i, p in enumerate(parameters) if p.grad is not None]
-        grads = [parameters[i].grad.detach().float() for i in with_grads]
+        grads_as_they_are = [parameters[i].grad.detach() for i in with_grads]
+        grads = [g.float() for g in grads_as_they_are]  # the same tensors where they are float32
         if self.first and with_grads != self.with_grads:
             warnings.warn(
                 "grad_snr: the parameters that have gradients changed; its averages start again here", stacklevel=3
@@ -139,22 +145,26 @@ class GradSNR:
             self.restart()
         first_norms: list[Tensor] = []
         delta_norms: list[Tensor] = []
+        grad_norms: list[Tensor] = []
         if not self.first:
             self.with_grads = with_grads
             self.first = [g.clone() for g in grads]
             self.blocks = _blocks(grads)
             for block in self.blocks:
+                grad_norms += foreach_norm([grads_as_they_are[i] for i in block])
                 first_norms += foreach_norm([self.first[i] for i in block])
         else:
             for block in self.blocks:
                 block_grads, block_first = [grads[i] for i in block], [self.first[i] for i in block]
+                grad_norms += foreach_norm([grads_as_they_are[i] for i in block])  # while the block is in cache
                 deltas = foreach_sub(block_grads, block_first)  # d = g - m
                 delta_norms += foreach_norm(deltas)
                 foreach_add_(block_first, deltas, alpha=1 - self.beta)  # m <- m + (1 - beta) d
                 first_norms += foreach_norm(block_first)
-        signal = _sum_of_squares(first_norms)
+        self.grad_norm = _norm_from_norms(grad_norms)
+        signal = _norm_from_norms(first_norms).double() ** 2
         if delta_norms:
-            self.noise = self.beta * (self.noise + (1 - self.beta) * _sum_of_squares(delta_norms))
+            self.noise = self.beta * (self.noise + (1 - self.beta) * _norm_from_norms(delta_norms).double() ** 2)
         else:
             self.noise = torch.zeros_like(signal)
         return torch.stack([signal, self.noise])
@@ -202,11 +212,12 @@ def global_norm(groups: dict[Any, list[Tensor]], norm_type: float = 2.0) -> Tens
     return _combined(per_mesh, norm_type)
 
 
-def _sum_of_squares(norms: list[Tensor]) -> Tensor:
-    """The sum of squares (float64) of all entries of the (possibly sharded) tensors whose per-tensor L2 ``norms``
-    these are (GradSNR's sums, from norms its foreach kernels computed already): one reduction per device mesh."""
+def _norm_from_norms(norms: list[Tensor]) -> Tensor:
+    """The L2 norm (float32) of all entries of the (possibly sharded) tensors whose per-tensor L2 ``norms`` these
+    are (GradSNR's, from norms its foreach kernels computed already): one reduction per device mesh, then
+    combined, as ``global_norm`` does (``torch.nn.utils.get_total_norm`` stacks the per-tensor norms the same way)."""
     per_mesh = [torch.linalg.vector_norm(torch.stack(group)) for group in by_device_mesh(norms).values()]
-    return _combined(per_mesh, 2.0).double() ** 2
+    return _combined(per_mesh, 2.0)
 
 
 def _combined(norms: list[Tensor], norm_type: float) -> Tensor:

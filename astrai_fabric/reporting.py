@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from lightning.fabric import Fabric
@@ -17,6 +18,10 @@ from tqdm import tqdm
 
 from astrai_fabric.metrics import MetricLog
 from astrai_fabric.schedule import StepPlan
+
+FLUSH_SECONDS = 30.0
+"""The loggers' buffers (the CSV file's rows) are written at least this often, at every checkpoint and at the end
+of a run: a crash loses at most this much of the log, and a step pays for a write only now and then."""
 
 SHOWN_METRICS = ("reward", "reward_accuracy", "reward_margin", "kl_loss", "val_loss")
 """Train-type metrics worth a place on the log line when a loss function reports them."""
@@ -49,7 +54,7 @@ class Reporter:
         self.history: list[dict[str, Any]] = []
         self.bar: tqdm | None = None
         self.bar_epoch = -1
-        self.started = self.window_start = time.perf_counter()
+        self.started = self.window_start = self.flushed = time.perf_counter()
 
     def throughput(self, record: dict[str, Any], tokens: int, samples: int) -> None:
         """Add tokens/s, samples/s (and MFU) of the window just trained to ``record``; call right after the
@@ -79,9 +84,22 @@ class Reporter:
             self.metric_log.add("validation", epoch, record["step"], consumed_samples, val_loss=record["val_loss"])
         self.metric_log.add_step(record, loss_metrics, epoch, consumed_samples)
         self._show(record, epoch, last)
+        if time.perf_counter() - self.flushed >= FLUSH_SECONDS:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write what the loggers buffer (the CSV logger's rows) now."""
+        for logger in self.fabric.loggers:
+            logger.save()
+        self.flushed = time.perf_counter()
 
     def epoch_end(self, epoch: int, step: int, consumed_samples: int) -> None:
         self.metric_log.add("epoch", epoch, step, consumed_samples)
+
+    def checkpoint_saved(self, path: Path) -> None:
+        """Say where a checkpoint went, and write the loggers' buffers with it: the log reaches the same step."""
+        self.flush()
+        self.message(f"checkpoint: {path}")
 
     def message(self, text: str) -> None:
         """A line for the user (a checkpoint was written, ...) that does not break the progress bar."""
@@ -94,8 +112,7 @@ class Reporter:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
-        for logger in self.fabric.loggers:
-            logger.save()  # flush what buffering loggers (CSV) hold; closing them is their owner's call
+        self.flush()  # closing the loggers is their owner's call
 
     def _show(self, record: dict[str, Any], epoch: int, last: bool) -> None:
         step, total = record["step"], self.last_step

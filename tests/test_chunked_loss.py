@@ -284,6 +284,19 @@ def test_each_train_type_trains_the_same_with_the_loss_fused(tmp_path, train_typ
                 assert mine[name] == pytest.approx(value, rel=1e-5, abs=1e-5), name
 
 
+@pytest.mark.parametrize(("train_type", "fused"), [("seq", True), ("sft", True), ("dpo", False), ("grpo", False)])
+def test_the_loss_is_fused_by_default_where_that_is_the_faster(tmp_path, train_type, fused, capsys):
+    """On CPU a mean over tokens (seq, sft) is fused at any size (bench/fused_loss.py: faster at every size
+    measured), and the plan says why; a loss whose backward recomputes the logits (dpo, grpo) only from 256 MB of
+    them (the bundled model's 2 x 32 x 512 logits are far below)."""
+    from astrai_fabric.train import run
+
+    run(run_args(tmp_path, train_type, dry_run=True))
+    out = capsys.readouterr().out
+    reason = "loss fused with the head, 4096 positions at a time (the default for a mean over tokens on CPU"
+    assert (reason in out) is fused and (("loss fused with the head" in out) is fused), out  # 2**23 / 2048
+
+
 @pytest.mark.parametrize("train_type", ["seq", "dpo", "grpo"])
 def test_no_train_types_step_holds_the_whole_logits_when_fused(train_type):
     """Each train type's loss and backward (the policy's and, for dpo/grpo, the reference's forward) under the

@@ -17,7 +17,7 @@ from astrai_fabric.model import (
     count_parameters,
     make_doc_boundary_mask,
 )
-from astrai_fabric.model.layers import apply_rotary_emb, rope_table
+from astrai_fabric.model.layers import apply_rotary_emb, rope_factors, rope_table
 from astrai_fabric.model.transformer import process_attention_mask
 
 
@@ -58,10 +58,22 @@ def test_rope_table_is_float64_angles_rounded_once_to_float32():
 def test_rope_rotates_adjacent_pairs():
     x = torch.tensor([1.0, 0.0, 0.0, 1.0]).view(1, 1, 1, 4)
     angle = math.pi / 2
-    rotary = torch.tensor([[math.cos(angle), math.sin(angle)], [1.0, 0.0]]).view(1, 1, 2, 2)
+    rotary = rope_factors(torch.tensor([[math.cos(angle), math.sin(angle)], [1.0, 0.0]]).view(1, 1, 2, 2))
     out = apply_rotary_emb(x, rotary).flatten()
     # pair (x0, x1) = (1, 0) turns by 90 degrees to (0, 1); pair (x2, x3) keeps angle 0.
     torch.testing.assert_close(out, torch.tensor([0.0, 1.0, 0.0, 1.0]), atol=1e-7, rtol=0)
+
+
+def test_rope_equals_the_pairwise_rotation_bit_for_bit():
+    """``apply_rotary_emb``'s ``x cos + swap(x) (-sin, sin)`` against the pairwise formula AstrAI's complex product
+    computes, ``(x0 cos - x1 sin, x0 sin + x1 cos)``, written out here: equal to the last bit."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 3, 8, generator=generator)
+    table = rope_table(dim=8, max_len=5, base=10000.0)[None].expand(2, -1, -1, -1)
+    cos, sin = table[..., 0].unsqueeze(-2), table[..., 1].unsqueeze(-2)
+    even, odd = x[..., 0::2], x[..., 1::2]
+    expected = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
+    assert torch.equal(apply_rotary_emb(x, rope_factors(table)), expected)
 
 
 def test_rope_table_stays_float32_when_the_model_is_cast_to_bf16(tiny_model):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from astrai_fabric.cli import main
-from astrai_fabric.metrics import GradSNR
+from astrai_fabric.metrics import GradSNR, by_device_mesh, global_norm
 
 ROOT = Path(__file__).parents[1]
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None  # the [tensorboard] extra (in [dev])
@@ -108,7 +108,8 @@ def test_the_run_prints_the_plan_its_dry_run_prints(short_run, monkeypatch, caps
         "training",
         "outputs",
     ]
-    assert "  training     NEFTune (alpha 1), gradient checkpointing" in run_plan
+    fused = "loss fused with the head, 4096 positions at a time (the default for a mean over tokens on CPU, where it is"
+    assert f"  training     NEFTune (alpha 1), {fused} the faster at every size), gradient checkpointing" in run_plan
     assert plan_lines(dry) == run_plan
 
 
@@ -290,6 +291,23 @@ def test_grad_snr_is_astrai_formula_in_float64():
         assert tracker.update(model) == pytest.approx(expected, rel=1e-6), step
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grad_snr_gives_the_gradient_norm_global_norm_gives(dtype, monkeypatch):
+    """The step takes its gradient norm from GradSNR's pass over the gradients (loop/step.py): equal to
+    ``global_norm``'s (torch's ``get_total_norm`` per mesh), bit for bit, in blocks smaller than a tensor and over
+    several, and for bf16 gradients (norms of the gradients as they are, not of GradSNR's float32 copies)."""
+    monkeypatch.setattr("astrai_fabric.metrics.BLOCK_NUMEL", 300)  # several blocks, and tensors larger than one
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.Linear(24, 8), torch.nn.Linear(8, 4)).to(dtype)
+    tracker = GradSNR()
+    for _ in range(3):
+        for p in model.parameters():
+            p.grad = torch.randn_like(p) * 3
+        tracker.update_on_device(model)
+        expected = global_norm(by_device_mesh(p.grad for p in model.parameters()))
+        assert torch.equal(tracker.grad_norm, expected)
+
+
 def test_grad_snr_starts_again_when_the_parameters_with_gradients_change():
     """A parameter that gets no gradient in some step (a user's model; ours give every parameter one) would shift
     every later EMA onto the wrong parameter: the tracker starts again, with a warning, and from there matches a
@@ -391,3 +409,44 @@ def test_the_progress_total_holds_across_stops_and_resumes(tmp_path, capsys):
     out = capsys.readouterr().out
     assert progress_totals(out)[1:] == (3, [(1, 3), (2, 3), (3, 3)])
     assert "max_steps 3: the schedule's 3, 0 of them warmup" in out and "decay over 3 to" in out
+
+
+def test_the_csv_log_is_written_every_flush_seconds_at_checkpoints_and_at_the_end(tmp_path, monkeypatch):
+    """The loggers' rows reach the disk by time (reporting.FLUSH_SECONDS), with every checkpoint and at the end: not
+    every step (a write per step), nor Lightning's every 100 steps (hours of a slow run lost to a crash)."""
+    import csv
+    from types import SimpleNamespace
+
+    from lightning.fabric import Fabric
+
+    from astrai_fabric import reporting
+    from astrai_fabric.loggers import build_loggers
+    from astrai_fabric.metrics import MetricLog
+    from astrai_fabric.schedule import StepPlan
+
+    now = [0.0]
+    monkeypatch.setattr(reporting, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    fabric = Fabric(accelerator="cpu", devices=1, loggers=build_loggers(["csv"], str(tmp_path), {}))
+    reporter = reporting.Reporter(fabric, StepPlan(400, 1, 1, 1, 1, 0.0), MetricLog([]), first_step=1)
+
+    def rows() -> list[str]:
+        files = list(tmp_path.glob("logs/version_*/metrics.csv"))
+        return [row["step"] for row in csv.DictReader(files[0].open())] if files else []
+
+    def steps(first: int, last: int, seconds_each: float) -> None:
+        for step in range(first, last + 1):
+            now[0] += seconds_each
+            record = {"step": step, "epoch": 0, "loss": 1.0, "lr": 1e-3, "grad_norm": 1.0}
+            reporter.throughput(record, tokens=64, samples=1)
+            reporter.step(record, [], 0, step)
+
+    steps(1, 150, 0.1)  # 15 s: past Lightning's 100 steps, short of FLUSH_SECONDS
+    assert rows() == []
+    steps(151, 160, 2.0)  # 35 s in: written at step 158, the first past 30 s
+    assert rows()[-1] == "158" and len(rows()) == 158
+    steps(161, 163, 0.1)
+    reporter.checkpoint_saved(tmp_path / "step_163")
+    assert rows()[-1] == "163"
+    steps(164, 165, 0.1)
+    reporter.close()
+    assert rows() == [str(step) for step in range(1, 166)]

@@ -65,7 +65,7 @@ def fit(
         nonlocal last_saved_step
         if not tools.weights_finite(fabric):
             _raise_nonfinite_update(fabric, args, reporter, position.optimizer_step, last_update)
-        reporter.message(f"checkpoint: {save(position)}")
+        reporter.checkpoint_saved(save(position))
         last_saved_step = position.optimizer_step
 
     state.model.train()

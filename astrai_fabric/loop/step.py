@@ -150,10 +150,10 @@ def train_step(
     tools.unchecked_weights = None
     reduced = fabric.all_reduce(torch.cat([window, flags]), reduce_op="mean")
     grads = by_device_mesh(p.grad for p in model.parameters() if p.grad is not None)
-    grad_norm = global_norm(grads)  # the same on every rank
     # GradSNR takes in the gradients before the step knows they are finite (unclipped, as AstrAI): a skipped step
-    # starts its averages again below.
+    # starts its averages again below. Its pass over the gradients gives their norm as well (the same value).
     snr = tools.grad_snr.update_on_device(model) if tools.grad_snr is not None else None
+    grad_norm = tools.grad_snr.grad_norm if tools.grad_snr is not None else global_norm(grads)  # same on all ranks
     # The step's one read from the device, in float64 (exact for the float32 values and the token count).
     numbers = [reduced.double(), grad_norm.double().reshape(1), window_tokens.double().reshape(1)]
     numbers = torch.cat([*numbers, *([snr] if snr is not None else [])]).tolist()

@@ -256,7 +256,8 @@ class RotaryEmbedding(nn.Module):
         return self
 
     def forward(self, batch_size: int, seq_len: int, position_ids: Tensor | None = None) -> Tensor:
-        """``[batch, seq, dim/2, 2]`` float32; ``position_ids=None`` means ``0..seq_len-1`` for every row.
+        """The rotation factors ``[batch, seq, 2, dim]`` float32 (``rope_factors``); ``position_ids=None`` means
+        ``0..seq_len-1`` for every row.
 
         Under a length-dependent scaling the frequencies are those of this forward's length, its largest position
         + 1 over the batch, as transformers' ``dynamic_rope_update`` takes it (read on the host: one sync)."""
@@ -269,17 +270,27 @@ class RotaryEmbedding(nn.Module):
                 table = self.freqs_cis_long
             elif length > self.switch_length:  # dynamic NTK: its base depends on the very length
                 table = rope_table(self.dim, length, self.base, self.frequency_scaling, length).to(table.device)
-        return table[position_ids].float()
+        return rope_factors(table[position_ids].float())
+
+
+def rope_factors(table: Tensor) -> Tensor:
+    """(cos, sin) pairs ``[..., dim/2, 2]`` as the factors ``apply_rotary_emb`` multiplies by, ``[..., 2, dim]``:
+    row 0 each pair's cos twice, row 1 ``(-sin, sin)``. Made once per forward (``RotaryEmbedding``) and shared by
+    every layer, so each layer's rotation is two products and a sum over ``x``, with no ``stack``."""
+    cos, sin = table.unbind(-1)
+    return torch.stack([cos.repeat_interleave(2, dim=-1), torch.stack([-sin, sin], dim=-1).flatten(-2)], dim=-2)
 
 
 def apply_rotary_emb(x: Tensor, rotary: Tensor) -> Tensor:
-    """Rotate adjacent pairs ``(2i, 2i+1)`` of ``x [batch, seq, heads, dim]`` (interleaved, GPT-J/Meta style).
+    """Rotate adjacent pairs ``(2i, 2i+1)`` of ``x [batch, seq, heads, dim]`` (interleaved, GPT-J/Meta style) by the
+    factors ``rotary [batch, seq, 2, dim]`` (``rope_factors``).
 
-    This is AstrAI's complex-pair rotation written with real arithmetic (same values, and friendlier to
-    ``torch.compile`` and DTensor); it is not Hugging Face's ``rotate_half``.
+    AstrAI's complex-pair rotation written with real arithmetic, ``x * cos + swap(x) * (-sin, sin)`` where ``swap``
+    exchanges each pair: the same float32 values as ``(x0 cos - x1 sin, x0 sin + x1 cos)`` bit for bit (a negated
+    product and the order of a two-term sum are exact), in three passes over ``x`` where the pairwise form took six
+    and a ``stack`` (bench/step_overhead.py --ops). It is not Hugging Face's ``rotate_half``.
     """
-    cos, sin = rotary[..., 0].unsqueeze(-2), rotary[..., 1].unsqueeze(-2)
-    pairs = x.float().unflatten(-1, (-1, 2))
-    even, odd = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1)
-    return rotated.flatten(-2).to(x.dtype)
+    cos, sin = rotary[..., 0, :].unsqueeze(-2), rotary[..., 1, :].unsqueeze(-2)
+    x_float = x.float()
+    swapped = x_float.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return (x_float * cos + swapped * sin).to(x.dtype)

@@ -16,7 +16,7 @@ from astrai_fabric import assets, lora
 from astrai_fabric.checkpoint.position import RunPosition
 from astrai_fabric.config.train import HF_DEFAULT_WINDOW, TrainArgs
 from astrai_fabric.data.windows import PACKING_LINE
-from astrai_fabric.losses import REFERENCE_FREE
+from astrai_fabric.losses import REFERENCE_FREE, loss_chunk_reason
 from astrai_fabric.model.ffn import describe_routing
 from astrai_fabric.optim import OptimArgs, optimizer_groups, optimizer_state_bytes, resolve_ns_dtype
 from astrai_fabric.profiling import describe_profiling
@@ -229,15 +229,17 @@ def describe_schedule(args: TrainArgs, scheduler: Any) -> str:
     return f"{scheduler.describe()}, peak learning rate {args.max_lr}"
 
 
-def describe_features(args: TrainArgs, loss_chunk_size: int = 0) -> str | None:
+def describe_features(args: TrainArgs, start: Start | None = None) -> str | None:
     """The plan's ``training`` line: each option on that changes how a step trains, stores or checkpoints (LoRA,
-    HSDP's layout and profiling have lines of their own); None when all are at their defaults.
-    ``loss_chunk_size``: the run's (``Start.loss_chunk_size``)."""
+    HSDP's layout and profiling have lines of their own), and the fused loss with why it was chosen
+    (``Start.loss_chunk_size``); None when all are at their defaults."""
+    loss_chunk_size = start.loss_chunk_size(args) if start is not None else 0
+    fused_why = loss_chunk_reason(args.loss_chunk_size, start.fused_loss_is_faster(args)) if loss_chunk_size else ""
     on = [
         _reward_model_loss(args) if args.train_type == "reward_model" else None,
         f"NEFTune (alpha {args.neftune_alpha:g})" if args.neftune_alpha else None,
         f"label smoothing {args.label_smoothing:g}" if args.label_smoothing else None,
-        f"loss fused with the head, {loss_chunk_size} positions at a time" if loss_chunk_size else None,
+        f"loss fused with the head, {loss_chunk_size} positions at a time ({fused_why})" if loss_chunk_size else None,
         "gradient checkpointing" if args.gradient_checkpointing else None,
         f"torch.compile ({args.compile})" if args.compile else None,
         "FSDP: gradients reduced each micro-batch" if args.fsdp_sync_each_micro_batch else None,
@@ -338,7 +340,7 @@ def describe_plan(
     rows.append(("loader", loader))
     if cpu_threads is not None:
         rows.append(("cpu threads", cpu_threads))
-    if features := describe_features(args, start.loss_chunk_size(args) if start is not None else 0):
+    if features := describe_features(args, start):
         rows.append(("training", features))
     last_step = steps.last_step(position) if steps is not None else args.max_steps  # None: the dry run can't tell
     if profiling := describe_profiling(args.profile_step_range, args.ckpt_dir, last_step):  # warns of steps past it
