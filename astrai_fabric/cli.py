@@ -118,6 +118,9 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
         print("astrai-fabric: interrupted; the checkpoints written so far are complete", file=sys.stderr)
         return 130
     except Exception as err:  # anything else is a bug of ours: one line, the traceback kept, exit (never hang)
+        if _out_of_memory(err):  # not a bug: the run needs more memory than the machine has
+            print(f"astrai-fabric: error: {OUT_OF_MEMORY} ({type(err).__name__})", file=sys.stderr)
+            return 1
         where = _keep_traceback(err)
         lines = [line.strip() for line in str(err).splitlines() if line.strip()]
         if any("Traceback" in line for line in lines):  # a loader worker's error carries its traceback as text
@@ -127,6 +130,20 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
             f"astrai-fabric: error: internal error, a bug: {type(err).__name__}: {summary} ({where})", file=sys.stderr
         )
         return 1
+
+
+OUT_OF_MEMORY = (
+    "out of memory: the run needs more than this machine has (the plan's parameters line counts the model and its "
+    "optimizer state); lower --batch_per_device or --window_size, turn on --gradient_checkpointing, shard with "
+    "--parallel_mode fsdp, or train a smaller model"
+)
+
+
+def _out_of_memory(err: Exception) -> bool:
+    """Whether ``err`` is an allocation that failed: Python's, torch's CPU allocator's or a device's."""
+    if isinstance(err, MemoryError) or type(err).__name__ == "OutOfMemoryError":  # torch's, without importing it
+        return True
+    return isinstance(err, RuntimeError) and "can't allocate memory" in str(err)
 
 
 def _print_error(err: Exception) -> None:

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from astrai_fabric.config.lora import DEFAULT_TARGETS, TARGETS
+from astrai_fabric.config.lora import DEFAULT_TARGETS, TARGETS, check_scaling
 from astrai_fabric.errors import CheckpointError, ConfigError
 from astrai_fabric.model.layers import Linear
 from astrai_fabric.quantize import dequantized
@@ -77,6 +77,8 @@ class LoRASpec:
             problems.append(f"'r' must be a positive integer, got {r!r}")
         if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not alpha > 0:
             problems.append(f"'alpha' must be a positive number, got {alpha!r}")
+        elif isinstance(r, int) and r >= 1 and (scaling_problem := check_scaling(alpha, r, "'alpha' / 'r'")):
+            problems.append(scaling_problem)
         if not isinstance(targets, list) or not targets or any(t not in TARGETS for t in targets):
             problems.append(f"'target_modules' must be a non-empty list of {list(TARGETS)}, got {targets!r}")
         dropout, init = raw.get("lora_dropout", 0.0), raw.get("init", "astrai")

@@ -306,3 +306,32 @@ def test_an_exception_mid_epoch_ends_every_process_with_workers_reaped(tmp_path,
         time.sleep(0.1)
     else:
         raise AssertionError("processes of the failed run are still alive")
+
+
+def test_running_out_of_memory_mid_run_is_one_line_not_a_bug(tmp_path):
+    """A model that builds but whose step does not fit (here: the address space capped at 1.6 GB, a 67M-parameter
+    model whose gradients and optimizer state pass it) ends with one line saying so and what to change, exit 1: not
+    "internal error, a bug" (what the fuzz tier met when two such runs shared the machine)."""
+    import resource
+
+    from astrai_fabric.assets import TINY_MODEL_DIR
+
+    model = tmp_path / "m"
+    model.mkdir()
+    for file in Path(TINY_MODEL_DIR).iterdir():
+        (model / file.name).write_bytes(file.read_bytes())
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "head_dim": 8192}))  # 67M parameters, 0.27 GB
+    cap = 1_600_000_000
+
+    def capped() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+
+    command = [*cli("--param_path", str(model), "--window_size", "16", "--max_steps", "1"), "--ckpt_dir"]
+    done = subprocess.run(
+        [*command, str(tmp_path / "out")], env=ENV, capture_output=True, text=True, timeout=300, preexec_fn=capped
+    )
+    assert done.returncode == 1, done.stderr
+    (line,) = [line for line in done.stderr.splitlines() if line.startswith("astrai-fabric: error:")]
+    assert line.startswith("astrai-fabric: error: out of memory: the run needs more than this machine has"), line
+    assert "internal error" not in done.stderr

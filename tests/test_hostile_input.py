@@ -408,10 +408,10 @@ NF4_KEYS = [f"layers.{i}.attention.{name}.weight" for i in range(4) for name in 
 """The tiny model's weights NF4's blocks hold (``quantize.plan_quantization``: 128 x 128; the others do not fit)."""
 
 
-def qlora_checkpoint(**meta) -> Files:
+def qlora_checkpoint(alpha: int = 32, **meta) -> Files:
     """``ck/``: an adapter-only checkpoint over the workspace's 1-step checkpoint as a QLoRA run writes one (r 4,
-    the default targets, adapters of zeros, ``meta.json`` pointing at its base with ``quantize: nf4`` and the
-    quantization record), then ``meta`` applied to its ``meta.json`` (None deletes a key)."""
+    ``alpha``, the default targets, adapters of zeros, ``meta.json`` pointing at its base with ``quantize: nf4`` and
+    the quantization record), then ``meta`` applied to its ``meta.json`` (None deletes a key)."""
     from safetensors.torch import load_file, save_file
 
     from astrai_fabric.checkpoint.adapter import lora_base_entry, weight_digests
@@ -420,7 +420,7 @@ def qlora_checkpoint(**meta) -> Files:
     def make(path: Path) -> None:
         base = (path.parents[1] / "w" / "run" / "epoch_0_step_1").resolve()
         shutil.copytree(base, path)
-        spec = LoRASpec(4)
+        spec = LoRASpec(4, alpha)
         adapter = {}
         for key, weight in load_file(path / "model.safetensors").items():
             if key.removesuffix(".weight").rpartition(".")[2] in spec.targets:
@@ -748,6 +748,9 @@ CASES = [
          jsonl({"messages": [{"role": "user", "content": ["x"]}]})),
     Case("jsonl-sft-no-assistant", sft(data="{c}/data.jsonl"), "holds a trained token",
          jsonl(*[{"messages": [{"role": "user", "content": "only a question " * 4}]}] * 8)),
+    # Found by the fuzz tier: a conversation longer than the model's positions was named "position_ids (part 0)".
+    Case("jsonl-sft-past-positions", sft(data="{c}/data.jsonl"), "data.jsonl: holds position_ids values in [0, ",
+         jsonl({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "an answer " * 600}]})),
     Case("jsonl-dpo-missing", dpo(data="{c}/data.jsonl"), "data.jsonl:1: a dpo record needs ['rejected']",
          jsonl({"prompt": "p", "chosen": "a"})),
     Case("jsonl-dpo-number", dpo(data="{c}/data.jsonl"), "'chosen' must be a string or a list of messages, got 5",
@@ -872,6 +875,12 @@ CASES = [
          qlora_checkpoint(quantize=None, quantization=None, lora_base={"sha256": {}})),
     Case("qlora-flag-not-a-method", ["export", "{c}/ck", "--out", "{c}/o"],
          "ck/meta.json: 'quantize' must be null or 'nf4', got ['nf4']", qlora_checkpoint(quantize=["nf4"])),
+    # Found by the fuzz tier: a scaling of 2**34 trained to a NaN gradient norm every step (exit 1).
+    Case("lora-adapter-scaling-past-bound", ["export", "{c}/ck", "--out", "{c}/o"],
+         "adapter_config.json: 'alpha' / 'r', the adapter's scaling, must be at most 4,096 (typical: 0.5 to 16), got "
+         "1.72e+10", qlora_checkpoint(alpha=2**36, quantize=None, quantization=None)),
+    Case("lora-scaling-flag-past-bound", sft("--lora_r", "4", "--lora_alpha", "100000"),
+         "lora_alpha / lora_r, the adapter's scaling, must be at most 4,096 (typical: 0.5 to 16), got 2.5e+04"),
     Case("qlora-resumed-without-quantize", seq("--resume", "{c}/ck", "--lora_r", "4", model="{w}/run/epoch_0_step_1"),
          "ck holds an adapter trained over the base in NF4; resume it with --quantize nf4", qlora_checkpoint()),
     Case("lora-resumed-with-quantize", seq("--resume", "{c}/ck", "--lora_r", "4", "--quantize", "nf4",

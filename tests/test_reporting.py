@@ -418,6 +418,7 @@ def test_the_csv_log_is_written_every_flush_seconds_at_checkpoints_and_at_the_en
     from types import SimpleNamespace
 
     from lightning.fabric import Fabric
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
 
     from astrai_fabric import reporting
     from astrai_fabric.loggers import build_loggers
@@ -426,6 +427,9 @@ def test_the_csv_log_is_written_every_flush_seconds_at_checkpoints_and_at_the_en
 
     now = [0.0]
     monkeypatch.setattr(reporting, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    # Rank 0, as a fresh process is: an earlier test in this process may have set another (Lightning's
+    # environments set the process-wide rank its loggers log on).
+    monkeypatch.setattr(rank_zero_only, "rank", 0)
     fabric = Fabric(accelerator="cpu", devices=1, loggers=build_loggers(["csv"], str(tmp_path), {}))
     reporter = reporting.Reporter(fabric, StepPlan(400, 1, 1, 1, 1, 0.0), MetricLog([]), first_step=1)
 

@@ -13,7 +13,7 @@ import math
 import re
 import warnings
 
-from astrai_fabric.config.lora import TARGETS
+from astrai_fabric.config.lora import TARGETS, check_scaling
 
 FLOAT32_MAX = 3.4028234663852886e38
 """``torch.finfo(torch.float32).max`` (tests/test_startup.py holds them equal): a finite float past it is inf in the
@@ -262,6 +262,8 @@ class TrainChecks:
             problems.append(f"lora_r must be >= 0 (0 = off), got {self.lora_r}")
         if self.lora_alpha <= 0:
             problems.append(f"lora_alpha must be positive, got {self.lora_alpha}")
+        elif self.lora_r > 0 and (scaling := check_scaling(self.lora_alpha, self.lora_r, "lora_alpha / lora_r")):
+            problems.append(scaling)
         if not 0 <= self.lora_dropout < 1:
             problems.append(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
         unknown = [t for t in self.lora_targets if t not in TARGETS]

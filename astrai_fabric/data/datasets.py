@@ -41,14 +41,17 @@ class TokenStream:
     def keys(self) -> list[str]:
         return list(self._segments)
 
-    def check_range(self, key: str, limit: int, expected: str) -> None:
-        """Every value of ``key`` in ``[0, limit)``: one vectorised min/max per shard, the culprit named."""
-        for index, segment in enumerate(self._segments[key]):
+    def check_range(self, key: str, limit: int, expected: str, source: Path) -> None:
+        """Every value of ``key`` in ``[0, limit)``: one vectorised min/max per shard, the culprit named (a shard's
+        file, else ``source``, the data the stream was read from)."""
+        segments = self._segments[key]
+        for index, segment in enumerate(segments):
             if not len(segment):
                 continue
             low, high = segment.min(), segment.max()
             if low < 0 or high >= limit:
-                where = getattr(segment, "filename", None) or f"{key} (part {index})"
+                part = f" (part {index})" if len(segments) > 1 else ""
+                where = getattr(segment, "filename", None) or f"data_root_path {source}{part}"
                 raise UserError(f"{where}: holds {key} values in [{low}, {high}]; {expected}")
 
     def read(self, key: str, begin: int, end: int) -> np.ndarray:
@@ -254,10 +257,14 @@ def check_stream(
     if missing:
         raise UserError(f"data_root_path {path}: {train_type} data needs keys {missing}; the shards hold {stream.keys}")
     if vocab_size is not None:
-        stream.check_range("sequence", vocab_size, f"token ids must be below the model's vocab_size {vocab_size:,}")
+        expected = f"token ids must be below the model's vocab_size {vocab_size:,}"
+        stream.check_range("sequence", vocab_size, expected, path)
     if max_positions is not None and train_type == "sft":  # seq never reads them (positions 0..window-1)
-        limit = f"position ids must be below the model's max_position_embeddings {max_positions:,}"
-        stream.check_range("position_ids", max_positions, limit)
+        expected = (
+            f"position ids must be below the model's max_position_embeddings {max_positions:,} (a conversation "
+            "longer than that: shorten it, or --packing false cuts each record at the window)"
+        )
+        stream.check_range("position_ids", max_positions, expected, path)
 
 
 def record_dataset(
