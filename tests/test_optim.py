@@ -72,6 +72,31 @@ def test_bfloat16_is_exactly_torch_muon():
             assert torch.equal(a, b), name
 
 
+def test_one_process_float32_step_is_the_loop_it_always_was():
+    """One process never takes the owners' path (issue 42): torch's Muon step with our Newton-Schulz, bit for bit."""
+    settings = dict(lr=0.02, weight_decay=0.1, momentum=0.95, adjust_lr_fn="match_rms_adamw")
+    sizes = ((12, 8), (8, 12))
+
+    def fixed(shape, seed):
+        return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+    params = [torch.nn.Parameter(fixed(s, i)) for i, s in enumerate(sizes)]
+    expected = [p.detach().clone() for p in params]
+    buffers = [torch.zeros_like(p) for p in params]
+    optimizer = MuonNS(params, ns_dtype=torch.float32, **settings)
+    assert optimizer.owner_plan() is None and optimizer.describe_layout().startswith("one process")
+    for step_index in range(2):
+        for index, (param, reference, buf) in enumerate(zip(params, expected, buffers, strict=True)):
+            grad = fixed(param.shape, 10 * step_index + index)
+            param.grad = grad
+            buf.lerp_(grad, 1 - 0.95)
+            update = newton_schulz(grad.lerp(buf, 0.95), (3.4445, -4.7750, 2.0315), 5, 1e-7, torch.float32)
+            reference.mul_(1 - 0.02 * 0.1).add_(update, alpha=-0.02 * 0.2 * max(param.shape) ** 0.5)
+        optimizer.step()
+    for param, reference in zip(params, expected, strict=True):
+        assert torch.equal(param.detach(), reference)
+
+
 def test_float32_iteration_is_closer_to_exact_arithmetic():
     grad = torch.randn(48, 24, generator=torch.Generator().manual_seed(0))
     coefficients = (3.4445, -4.7750, 2.0315)

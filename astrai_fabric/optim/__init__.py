@@ -64,6 +64,9 @@ class OptimArgs:
     nora_momentum: float = 0.95
     mano_momentum: float = 0.95
     mano_nesterov: bool = True
+    muon_spread_replicated: bool = False
+    """Under DDP, each matrix orthogonalised by one rank and the results all-gathered (``MuonNS``'s
+    ``spread_replicated``; off by default). FSDP's and HSDP's sharded matrices are spread regardless."""
 
 
 def optimizer_groups(model: nn.Module, args: OptimArgs) -> list[GroupPlan]:
@@ -104,6 +107,7 @@ def build_optimizer(model: nn.Module, args: OptimArgs) -> Optimizer:
             args.ns_steps,
             args.adjust_lr_fn,
             args.ns_dtype,
+            args.muon_spread_replicated,
         )
     if args.name == "nora_nadamw":
         return NoraNAdamW(

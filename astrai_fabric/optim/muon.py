@@ -5,23 +5,35 @@ everything else to AdamW (betas 0.9/0.95, no decay). ``optimizer.pt`` is ``{"muo
 
 Muon's Newton-Schulz iteration: torch runs it in bfloat16, which on CPUs without bf16 matrix units is ~37x
 slower than float32. ``MuonNS`` is ``torch.optim.Muon`` with the iteration's dtype as a per-instance setting; in
-bfloat16 it *is* torch's step, and torch's Muon is untouched for any other code in the process. Under FSDP the
-momentum-updated matrix is gathered once, orthogonalised whole, and sliced back to the local shard, so the update
-equals the single-process one.
+bfloat16 it *is* torch's step, and torch's Muon is untouched for any other code in the process.
+
+Across ranks (``optim.muon_owners``) each matrix is orthogonalised whole by one owner rank, on the same matrix one
+process would see, so the update equals the single-process one: under FSDP and HSDP the owner gathers only its
+matrices' shards and sends each rank its rows of the result; under DDP, when asked (``spread_replicated``), owners
+all-gather their results. Tensor-parallel matrices, and DDP's by default, are orthogonalised whole on every rank
+(the shards gathered first). ``MuonNS.describe_layout`` says which. One process runs the step it always did.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import AdamW, Muon
 
 from astrai_fabric.optim.composite import CompositeOptimizer, evaluate_closure, fused_if_possible, is_matrix_param
+from astrai_fabric.optim.muon_owners import OwnerPlan, exchange, local_rows, matrix_layout
 from astrai_fabric.torch_private import muon_init_group
+
+OWNER_ROUND_BYTES = 256 * 2**20
+"""The most bytes of whole matrices an owner rank assembles at once (``muon_owners.OwnerPlan.rounds``): one
+round (two all-to-alls) per step for models whose matrices fit, a few more rounds for larger ones, instead of each
+rank holding its whole share (~1/W of every matrix) at once. The old path held one matrix at a time."""
 
 ADAMW_BETAS = (0.9, 0.95)
 """AdamW's betas in ``muon_adamw`` and ``mano_adamw`` (torch's default second beta is 0.999)."""
@@ -49,14 +61,62 @@ def newton_schulz(matrix: Tensor, coefficients: tuple[float, float, float], step
 
 
 class MuonNS(Muon):
-    """``torch.optim.Muon`` whose Newton-Schulz iteration runs in ``ns_dtype`` (state and groups unchanged)."""
+    """``torch.optim.Muon`` whose Newton-Schulz iteration runs in ``ns_dtype`` (state and groups unchanged), once
+    per matrix across the ranks where the layout allows (see the module docstring).
 
-    def __init__(self, params: Iterable[Tensor], *, ns_dtype: torch.dtype = torch.bfloat16, **kwargs: Any) -> None:
+    ``spread_replicated`` (default False): under DDP (plain tensors on several ranks, every rank holding the same
+    matrices and gradients) each rank orthogonalises only the matrices it owns and one all-gather of the results
+    per step hands every rank all of them. It trades each rank's share ``(W - 1) / W`` of the iteration's FLOPs
+    (``muon_owners.newton_schulz_flops``, ~``30 n^3`` for an ``n x n`` matrix at 5 steps) for receiving the
+    same share of the matrices' bytes (``4 n^2`` in float32): ~``7.5 n`` FLOPs saved per byte received, which
+    pays where a rank's matrix throughput over its link bandwidth is below that (fast interconnects, large
+    matrices) and not over slow links, so it is off until a benchmark decides. It also applies to HSDP with one
+    shard per replica (a replicated DTensor). FSDP's and HSDP's sharded matrices are always spread: where rows
+    split evenly that costs no more communication than the gather it replaces.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor],
+        *,
+        ns_dtype: torch.dtype = torch.bfloat16,
+        spread_replicated: bool = False,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(params, **kwargs)
-        self.ns_dtype = ns_dtype  # an attribute, not a group key: optimizer.pt stays exactly torch's layout
+        # Attributes, not group keys: optimizer.pt stays exactly torch's layout.
+        self.ns_dtype = ns_dtype
+        self.spread_replicated = spread_replicated
+        self.owner_round_bytes: int | None = OWNER_ROUND_BYTES
+        self._owner_plan: tuple[tuple, OwnerPlan, dict[int, int]] | None = None
+
+    def owner_plan(self) -> OwnerPlan | None:
+        """Who orthogonalises which matrix (``muon_owners.OwnerPlan``, matrices in ``param_groups`` order), made
+        from the parameters' shapes and layouts once and kept while they stay; None in one process."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return None
+        params = [p for group in self.param_groups for p in group["params"]]
+        steps = [group["ns_steps"] for group in self.param_groups for _ in group["params"]]
+        world_size = dist.get_world_size()
+        key = (tuple(map(id, params)), tuple(steps), self.spread_replicated, world_size)
+        if self._owner_plan is None or self._owner_plan[0] != key:
+            layouts = [matrix_layout(p, world_size) for p in params]
+            plan = OwnerPlan.build(layouts, steps, world_size, dist.get_rank(), self.spread_replicated)
+            self._owner_plan = key, plan, {id(p): index for index, p in enumerate(params)}
+        return self._owner_plan[1]
+
+    def describe_layout(self) -> str:
+        """How the iteration is shared among the ranks, in one line for the plan (``OwnerPlan.describe``)."""
+        plan = self.owner_plan()
+        return "one process: it orthogonalises every matrix" if plan is None else plan.describe()
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
+        plan = self.owner_plan()
+        if plan is not None and plan.spreads_any:
+            loss = evaluate_closure(closure)
+            self._step_with_owners(plan)
+            return loss
         has_dtensor = any(isinstance(p, DTensor) for g in self.param_groups for p in g["params"])
         if self.ns_dtype == torch.bfloat16 and not has_dtensor:
             return super().step(closure)  # exactly torch's (and AstrAI's) update
@@ -64,20 +124,71 @@ class MuonNS(Muon):
         for group in self.param_groups:
             params, grads, buffers = [], [], []
             muon_init_group(self, group, params, grads, buffers)  # torch's: creates momentum buffers as torch does
-            lr, momentum = group["lr"], group["momentum"]
+            momentum = group["momentum"]
             for param, grad, buf in zip(params, grads, buffers, strict=True):
                 # Torch's Muon step, with the orthogonalisation below as the only change.
                 buf.lerp_(grad, 1 - momentum)
                 update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-                update = self._orthogonalise(update, group)
-                rows, cols = param.shape[:2]
-                if group["adjust_lr_fn"] == "match_rms_adamw":
-                    adjusted_lr = lr * 0.2 * max(rows, cols) ** 0.5
-                else:
-                    adjusted_lr = lr * max(1.0, rows / cols) ** 0.5
-                param.mul_(1 - lr * group["weight_decay"])
-                param.add_(update, alpha=-adjusted_lr)
+                self._apply(param, self._orthogonalise(update, group), group)
         return loss
+
+    def _step_with_owners(self, plan: OwnerPlan) -> None:
+        """Torch's step, the iteration run by each matrix's owner (``muon_owners.exchange``); matrices the plan
+        does not spread take ``_orthogonalise``'s path, after the exchange, in the same order on every rank."""
+        index_of = self._owner_plan[2]
+        work, group_of = [], {}
+        for group in self.param_groups:
+            params, grads, buffers = [], [], []
+            muon_init_group(self, group, params, grads, buffers)
+            momentum = group["momentum"]
+            for param, grad, buf in zip(params, grads, buffers, strict=True):
+                buf.lerp_(grad, 1 - momentum)  # momentum stays as torch keeps it: sharded or replicated
+                index = index_of[id(param)]
+                group_of[index] = group
+                update = None
+                if plan.needs_update(index):  # a replicated matrix another rank owns needs none here
+                    update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+                work.append((index, param, update))
+        if not work:
+            return
+        spread = [(index, param, update) for index, param, update in work if plan.owners[index] is not None]
+
+        def orthogonalise(index: int, whole: Tensor) -> Tensor:
+            group = group_of[index]
+            args = (group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
+            return newton_schulz(whole, *args).to(whole.dtype)
+
+        results = exchange(
+            plan,
+            [index for index, _, _ in spread],
+            {index: update for index, _, update in spread if update is not None},
+            {index: param for index, param, _ in spread},
+            orthogonalise,
+            local_rows(work[0][1]).device,
+            self.owner_round_bytes,
+        )
+        # The rate torch's step would have used where one process hands the step to torch (plain, bfloat16).
+        torch_rate = self.ns_dtype == torch.bfloat16 and not any(isinstance(p, DTensor) for _, p, _ in work)
+        for index, param, update in work:
+            group = group_of[index]
+            update = results[index] if index in results else self._orthogonalise(update, group)
+            self._apply(param, update, group, torch_rate)
+
+    def _apply(self, param: Tensor, update: Tensor, group: dict[str, Any], torch_rate: bool = False) -> None:
+        """Weight decay, then the orthogonalised update at Muon's adjusted learning rate (``torch_rate``: in
+        torch's arithmetic, for the steps ``step`` hands to torch in one process)."""
+        lr = group["lr"]
+        rows, cols = param.shape[:2]
+        if torch_rate:
+            # torch.optim.Muon's own expression (its ``_adjust_lr``), which may round one bit apart from ours below.
+            ratios = {"match_rms_adamw": 0.2 * math.sqrt(max(rows, cols)), "original": math.sqrt(max(1, rows / cols))}
+            adjusted_lr = lr * ratios.get(group["adjust_lr_fn"] or "original", 1.0)
+        elif group["adjust_lr_fn"] == "match_rms_adamw":
+            adjusted_lr = lr * 0.2 * max(rows, cols) ** 0.5
+        else:
+            adjusted_lr = lr * max(1.0, rows / cols) ** 0.5
+        param.mul_(1 - lr * group["weight_decay"])
+        param.add_(update, alpha=-adjusted_lr)
 
     def _orthogonalise(self, update: Tensor, group: dict[str, Any]) -> Tensor:
         args = (group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
@@ -103,6 +214,7 @@ class MuonAdamW(CompositeOptimizer):
         ns_steps: int = 5,
         adjust_lr_fn: str = "match_rms_adamw",
         ns_dtype: torch.dtype = torch.bfloat16,
+        spread_replicated: bool = False,
     ) -> None:
         named = [(n, p) for n, p in named_params if p.requires_grad]
         matrices = [p for n, p in named if is_matrix_param(n, p)]
@@ -116,6 +228,7 @@ class MuonAdamW(CompositeOptimizer):
             ns_steps=ns_steps,
             adjust_lr_fn=adjust_lr_fn,
             ns_dtype=ns_dtype,
+            spread_replicated=spread_replicated,
         )
         adamw = AdamW([{"params": others, "weight_decay": 0.0}], lr=lr, betas=ADAMW_BETAS, **fused_if_possible(others))
         super().__init__({"muon": muon, "adamw": adamw})
@@ -123,6 +236,10 @@ class MuonAdamW(CompositeOptimizer):
     @property
     def muon(self) -> MuonNS:
         return self.parts["muon"]
+
+    def describe_layout(self) -> str:
+        """How Muon's iteration is shared among the ranks (``MuonNS.describe_layout``)."""
+        return self.muon.describe_layout()
 
     @property
     def adamw(self) -> AdamW:
