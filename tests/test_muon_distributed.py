@@ -362,3 +362,22 @@ def test_two_ranks_orthogonalise_each_matrix_once_and_equal_one_process(tmp_path
     assert results["fully_shard"]["describe"] == "each matrix orthogonalised once, by one of 2 ranks"
     for ours, theirs in zip(results["fully_shard"]["params"], weights, strict=True):
         assert torch.equal(ours, theirs), (ours - theirs).abs().max()
+
+
+@pytest.mark.parametrize(
+    ("flags", "line"),
+    [
+        (["--parallel_mode", "fsdp"], "each matrix orthogonalised once, by one of 2 ranks (its owner gathers only"),
+        (["--parallel_mode", "ddp"], "every rank orthogonalises every matrix (replicated: --muon_spread_replicated"),
+        (["--parallel_mode", "ddp", "--muon_spread_replicated", "true"], "by one of 2 ranks (the results all-"),
+        (["--parallel_mode", "fsdp", "--tp_size", "2"], "every rank orthogonalises every matrix (tensor parallel)"),
+    ],
+)
+def test_the_plan_says_how_muon_shares_its_work_among_the_ranks(tmp_path, capsys, flags, line):
+    """The dry run's (and the run's: one renderer) ``muon`` line for each layout, from the flags alone."""
+    from astrai_fabric.cli import main
+
+    argv = ["seq", "--param_path", "bundled:tiny", "--data_root_path", "bundled:data/seq", "--window_size", "32"]
+    assert main([*argv, "--nprocs", "2", *flags, "--ckpt_dir", str(tmp_path / "out"), "--dry_run"]) == 0
+    (muon,) = [text for text in capsys.readouterr().out.splitlines() if text.startswith("  muon ")]
+    assert line in muon, muon

@@ -43,6 +43,23 @@ REPLICATED_OFF = "replicated on every rank: spread only with MuonNS(spread_repli
 TENSOR_PARALLEL = "tensor parallel"
 
 
+def planned_layout(
+    world_size: int, parallel_mode: str, tp_size: int | None, shards_per_replica: int, spread_replicated: bool
+) -> str | None:
+    """What ``OwnerPlan.describe`` will say of a run, from its flags alone (the plan prints it before any process
+    group exists, the dry run without one): None for one process. ``shards_per_replica``: FSDP's shard size (1
+    under DDP)."""
+    if world_size == 1:
+        return None
+    if (tp_size or 1) > 1:
+        return f"every rank orthogonalises every matrix ({TENSOR_PARALLEL})"
+    if parallel_mode == "fsdp" and shards_per_replica > 1:
+        return f"each matrix orthogonalised once, by one of {world_size} ranks (its owner gathers only its shards)"
+    if spread_replicated:
+        return f"each matrix orthogonalised once, by one of {world_size} ranks (the results all-gathered)"
+    return "every rank orthogonalises every matrix (replicated: --muon_spread_replicated spreads it)"
+
+
 def newton_schulz_flops(rows: int, cols: int, steps: int) -> int:
     """Matrix-multiply FLOPs of ``steps`` quintic Newton-Schulz iterations on a ``rows x cols`` matrix: with
     ``m = min``, ``n = max``, each iteration is ``X X^T`` (2 m^2 n), ``G G`` (2 m^3) and ``(...) X`` (2 m^2 n)."""

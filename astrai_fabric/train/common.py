@@ -34,6 +34,7 @@ from astrai_fabric.errors import CheckpointError, UserError
 from astrai_fabric.loop import LoopArgs, LossFn, TrainState, fit
 from astrai_fabric.metrics import MetricLog, flops_per_token, peak_flops
 from astrai_fabric.optim import build_optimizer
+from astrai_fabric.optim.muon_owners import planned_layout
 from astrai_fabric.plot import PLOT_FILE, plot_runs
 from astrai_fabric.preemption import StopRequest
 from astrai_fabric.profiling import StepProfiler
@@ -170,13 +171,15 @@ def describe_run_plan(
     Fabric the run has (its ranks, strategy, device and precision: a Fabric built by the caller may differ from the
     flags)."""
     world_size, devices = fabric.world_size, local_ranks(fabric)
-    layout = None
+    layout, shards = None, 1
     if is_fsdp(fabric) and world_size > 1:
         try:
-            layout = fsdp_layout(world_size, args.tp_size, args.fsdp_shard_size).describe()
+            fsdp = fsdp_layout(world_size, args.tp_size, args.fsdp_shard_size)
+            layout, shards = fsdp.describe(), fsdp.shards
         except UserError:  # a caller's own ModelParallelStrategy, laid out otherwise: its layout is not ours to say
             layout = None
     mode = "fsdp" if is_fsdp(fabric) else "ddp"
+    muon = planned_layout(world_size, mode, args.tp_size, shards, args.muon_spread_replicated)
     processes = describe_processes(world_size, devices, mode, layout, fabric.device.type, precision_of(fabric))
     threads = None
     if fabric.device.type == "cpu":
@@ -194,6 +197,7 @@ def describe_run_plan(
         loader=resolve_num_workers(args.num_workers, devices)[1],
         cpu_threads=threads,
         position=position,
+        muon=muon,
     )
 
 

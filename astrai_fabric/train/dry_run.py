@@ -12,6 +12,7 @@ from astrai_fabric.checkpoint.ownership import in_use_message, lock_holder, not_
 from astrai_fabric.config.train import RECIPE_FILE, RECIPE_HEADER, TrainArgs
 from astrai_fabric.errors import UserError
 from astrai_fabric.hub import HUB_FLAGS, looks_like_hub_id, pin_cached_flags
+from astrai_fabric.optim.muon_owners import planned_layout
 from astrai_fabric.schedule import StepPlan
 from astrai_fabric.strategy import (
     describe_cpu_threads,
@@ -44,12 +45,14 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
     """Print the plan; return 0 when the run could start, 2 (after listing what is missing or in the way) otherwise."""
     problems: list[str] = []
     topology = resolve_topology(args.nprocs, args.num_nodes)
-    layout = None
+    layout, shards = None, 1
     if args.parallel_mode == "fsdp" and topology.world_size > 1:
         try:
-            layout = fsdp_layout(topology.world_size, args.tp_size, args.fsdp_shard_size).describe()
+            fsdp = fsdp_layout(topology.world_size, args.tp_size, args.fsdp_shard_size)
+            layout, shards = fsdp.describe(), fsdp.shards
         except UserError as err:
             problems.append(str(err))
+    muon = planned_layout(topology.world_size, args.parallel_mode, args.tp_size, shards, args.muon_spread_replicated)
     accelerator = resolve_accelerator(args.device_type)
     precision = resolve_precision(args.precision, accelerator)
     processes = describe_processes(
@@ -119,6 +122,7 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
             cpu_threads=threads,
             position=position,
             fetched=[line for line in uncached.values() if line],
+            muon=muon,
         )
     )
     if problems:

@@ -73,6 +73,7 @@ def optim_args(args: TrainArgs, device: torch.device) -> OptimArgs:
         nora_momentum=args.nora_momentum,
         mano_momentum=args.mano_momentum,
         mano_nesterov=args.mano_nesterov,
+        muon_spread_replicated=args.muon_spread_replicated,
     )
 
 
@@ -293,10 +294,12 @@ def describe_plan(
     cpu_threads: str | None,
     position: RunPosition | None = None,
     fetched: list[str] = (),
+    muon: str | None = None,
 ) -> str:
     """The plan as printed: one labelled line per part, in the order a run goes. A part given as None is left out
     (the dry run could not work it out: it lists why beneath). ``position``: where the run starts (default: the
-    beginning); ``fetched``: the dry run's words for the Hub ids the run would download first."""
+    beginning); ``fetched``: the dry run's words for the Hub ids the run would download first; ``muon``: how Muon's
+    iteration is shared among several ranks (``optim.muon_owners.planned_layout``), shown with ``muon_adamw``."""
     rows: list[tuple[str, str]] = [("processes", processes), *(("hub", line) for line in fetched)]
     if args.config:
         rows.insert(0, ("recipes" if len(args.config) > 1 else "recipe", describe_recipes(args.config)))
@@ -307,6 +310,8 @@ def describe_plan(
             rows.append(("routing", routing))
     if parameters is not None:
         rows.append(("parameters", parameters.describe()))
+        if muon is not None and args.resolved_optimizer == "muon_adamw":
+            rows.append(("muon", muon))
         if parameters.lora is not None:
             rows.append(("lora", parameters.lora))
         if parameters.quantize is not None:
