@@ -46,9 +46,14 @@ def model_matrices(hidden: int, layers: int, intermediate: int) -> list[torch.Te
 
     heads = max(1, hidden // 64)
     config = ModelConfig(
-        vocab_size=256, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // 2), intermediate_size=intermediate, max_position_embeddings=16,
-    )  # fmt: skip
+        vocab_size=256,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        intermediate_size=intermediate,
+        max_position_embeddings=16,
+    )
     torch.manual_seed(0)
     model = AutoRegressiveLM(config)
     return [p.detach().clone() for n, p in model.named_parameters() if is_matrix_param(n, p)]

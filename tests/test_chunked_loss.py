@@ -286,9 +286,9 @@ def test_each_train_type_trains_the_same_with_the_loss_fused(tmp_path, train_typ
 
 @pytest.mark.parametrize(("train_type", "fused"), [("seq", True), ("sft", True), ("dpo", False), ("grpo", False)])
 def test_the_loss_is_fused_by_default_where_that_is_the_faster(tmp_path, train_type, fused, capsys):
-    """On CPU a mean over tokens (seq, sft) is fused at any size (bench/fused_loss.py: faster at every size
+    """On CPU a mean over tokens (seq, sft) is fused at any size (bench/fused_loss.py: never the slower at any size
     measured), and the plan says why; a loss whose backward recomputes the logits (dpo, grpo) only from 256 MB of
-    them (the bundled model's 2 x 32 x 512 logits are far below)."""
+    them (the bundled model's 2 x 32 x 2,048 logits are far below)."""
     from astrai_fabric.train import run
 
     run(run_args(tmp_path, train_type, dry_run=True))

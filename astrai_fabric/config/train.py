@@ -220,8 +220,8 @@ class TrainArgs(TrainChecks):
     loss_chunk_size: int | None = None
     """Fuse the head with the loss and compute both this many positions at a time (every train type), so a
     micro-batch's whole ``[positions, vocab]`` float32 logits never exist; the same gradients (float32 sums in
-    another order). 0: off. Default, in chunks of 32 MB of logits: on for seq and sft on CPU (the faster there at
-    every size measured), else where a micro-batch's logits would reach 256 MB."""
+    another order). 0: off. Default, in chunks of 32 MB of logits: on for seq and sft on CPU (never the slower there at
+    any size measured), else where a micro-batch's logits would reach 256 MB."""
     moe_aux_loss_coef: float = 0.01
     """Weight of the MoE load-balancing loss."""
     neftune_alpha: float = 0.0

@@ -89,9 +89,9 @@ class Start:
         )
 
     def fused_loss_is_faster(self, args: TrainArgs) -> bool:
-        """Whether the fused head and loss is the faster at any size for this run (``losses.loss_chunk_positions``):
-        a mean over tokens (seq, sft: per-token weights known before the forward) on CPU, where it was measured,
-        with linear logits (a soft-capped head makes the whole logits anyway)."""
+        """Whether the fused head and loss is never the slower, whatever the size, for this run
+        (``losses.loss_chunk_positions``): a mean over tokens (seq, sft: per-token weights known before the forward)
+        on CPU, where it was measured, with linear logits (a soft-capped head makes the whole logits anyway)."""
         weights_known = args.train_type in ("seq", "sft") and self.model_config.final_logit_softcapping is None
         return weights_known and resolve_accelerator(args.device_type) == "cpu"
 
