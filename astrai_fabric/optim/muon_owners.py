@@ -30,7 +30,7 @@ The pure parts (assignment, row blocks, what goes to whom) take no process group
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -229,39 +229,38 @@ class OwnerPlan:
         matrix owned in its replica, and every row block of its own matrices from the ranks of its replica. Both
         lists are ordered by peer, then matrix, as ``all_to_all_single`` lays out its segments."""
         key = ("gather", tuple(active))
-        if key in self.routes:
-            return self.routes[key]
-        sends, recvs = [], []
-        for peer in range(self.world_size):
-            for m in active:
-                layout, owner = self.layouts[m], self.owners[m]
-                if not isinstance(layout, MatrixLayout) or layout.shards == 1:
-                    continue
-                same_replica = layout.places[owner][0] == layout.places[self.rank][0] == layout.places[peer][0]
-                if owner == peer and same_replica:
-                    sends.append(Piece(m, layout.rows_of(self.rank), peer))
-                if owner == self.rank and same_replica:
-                    recvs.append(Piece(m, layout.rows_of(peer), peer))
-        self.routes[key] = sends, recvs
-        return sends, recvs
+        if key not in self.routes:
+            sends, recvs = [], []
+            for peer, m, layout, owner in self._sharded_by_peer(active):
+                if layout.places[owner][0] == layout.places[self.rank][0] == layout.places[peer][0]:  # one replica
+                    if owner == peer:
+                        sends.append(Piece(m, layout.rows_of(self.rank), peer))
+                    if owner == self.rank:
+                        recvs.append(Piece(m, layout.rows_of(peer), peer))
+            self.routes[key] = sends, recvs
+        return self.routes[key]
 
     def scatter_pieces(self, active: Sequence[int]) -> tuple[list[Piece], list[Piece]]:
         """What this rank sends and receives so every rank of every replica gets its rows of each result."""
         key = ("scatter", tuple(active))
-        if key in self.routes:
-            return self.routes[key]
-        sends, recvs = [], []
-        for peer in range(self.world_size):
-            for m in active:
-                layout, owner = self.layouts[m], self.owners[m]
-                if not isinstance(layout, MatrixLayout) or layout.shards == 1:
-                    continue
+        if key not in self.routes:
+            sends, recvs = [], []
+            for peer, m, layout, owner in self._sharded_by_peer(active):
                 if owner == self.rank:
                     sends.append(Piece(m, layout.rows_of(peer), peer))
                 if owner == peer:
                     recvs.append(Piece(m, layout.rows_of(self.rank), peer))
-        self.routes[key] = sends, recvs
-        return sends, recvs
+            self.routes[key] = sends, recvs
+        return self.routes[key]
+
+    def _sharded_by_peer(self, active: Sequence[int]) -> Iterator[tuple[int, int, MatrixLayout, int]]:
+        """``(peer, matrix, layout, owner)`` for every peer and every sharded matrix of ``active``, peer first: the
+        order ``all_to_all_single`` lays out its segments in."""
+        for peer in range(self.world_size):
+            for m in active:
+                layout = self.layouts[m]
+                if isinstance(layout, MatrixLayout) and layout.shards > 1:
+                    yield peer, m, layout, self.owners[m]
 
     def replicated_segments(self, active: Sequence[int]) -> tuple[int, dict[int, tuple[int, int]]]:
         """The all-gather of replicated results: each rank's segment length (the largest rank's results) and, per
