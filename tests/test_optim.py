@@ -22,6 +22,7 @@ from astrai_fabric.optim import (
     optimizer_groups,
     optimizer_state_bytes,
     resolve_ns_dtype,
+    resolve_spread_replicated,
 )
 
 
@@ -120,10 +121,13 @@ def test_our_dtype_never_changes_torch_muon_elsewhere():
     assert torch.equal(a, b)
 
 
-def test_auto_dtype_depends_on_the_device():
+def test_auto_settings_depend_on_the_device():
     assert resolve_ns_dtype("auto", torch.device("cpu")) == torch.float32
     assert resolve_ns_dtype("auto", torch.device("cuda", 0)) == torch.bfloat16
     assert resolve_ns_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+    # DDP's Muon spread: on where bench/muon_distributed.py measured it faster (CPU), off elsewhere unless asked.
+    assert resolve_spread_replicated(None, "cpu") and not resolve_spread_replicated(None, "cuda")
+    assert resolve_spread_replicated(True, "cuda") and not resolve_spread_replicated(False, "cpu")
 
 
 def test_adamw_decays_matrices_only():

@@ -173,11 +173,12 @@ class TrainArgs(TrainChecks):
     muon_ns_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """Dtype of Muon's Newton-Schulz iteration. ``bfloat16`` is AstrAI's (torch's) behaviour; ``auto`` picks
     ``float32`` on CPU, where bf16 matrix products are ~37x slower, and ``bfloat16`` on CUDA."""
-    muon_spread_replicated: bool = False
+    muon_spread_replicated: bool | None = None
     """Under DDP (and HSDP with one shard per replica): each matrix's Newton-Schulz iteration run by one rank and
-    the results all-gathered, instead of every rank running every matrix's. Off by default: it pays only where a
-    rank's link is fast next to its matrix throughput. FSDP's sharded matrices are always spread (no more traffic
-    than the gather it replaces); the plan's ``muon`` line says how a run shares the work."""
+    the results all-gathered, instead of every rank running every matrix's. It pays where a rank's link is fast
+    next to its matrix throughput; default: on for CPU processes (measured faster over gloo, docs/performance.md),
+    off on accelerators until measured there. FSDP's sharded matrices are always spread (no more traffic than the
+    gather it replaces); the plan's ``muon`` line says how a run shares the work."""
     nora_lr: float = 5e-3
     """``nora_nadamw``: peak learning rate of the Nora matrices (the schedule scales it as it scales ``max_lr``)."""
     nora_beta: float = 0.95

@@ -15,12 +15,13 @@ from torch.optim import AdamW, Optimizer
 from astrai_fabric.optim.composite import CompositeOptimizer, fused_if_possible, is_matrix_param, split_by_role
 from astrai_fabric.optim.mano import Mano, ManoAdamW
 from astrai_fabric.optim.muon import ADAMW_BETAS, MuonAdamW, MuonNS, newton_schulz, resolve_ns_dtype
+from astrai_fabric.optim.muon_owners import resolve_spread_replicated
 from astrai_fabric.optim.nora import NAdamW, Nora, NoraNAdamW
 
 __all__ = [
     "CompositeOptimizer", "Mano", "ManoAdamW", "MuonAdamW", "MuonNS", "NAdamW", "Nora", "NoraNAdamW", "OptimArgs",
     "build_optimizer", "is_matrix_param", "newton_schulz", "optimizer_groups", "optimizer_state_bytes",
-    "resolve_ns_dtype",
+    "resolve_ns_dtype", "resolve_spread_replicated",
 ]  # fmt: skip
 
 OPTIMIZERS = ("muon_adamw", "adamw", "nora_nadamw", "mano_adamw")
@@ -66,7 +67,8 @@ class OptimArgs:
     mano_nesterov: bool = True
     muon_spread_replicated: bool = False
     """Under DDP, each matrix orthogonalised by one rank and the results all-gathered (``MuonNS``'s
-    ``spread_replicated``; off by default). FSDP's and HSDP's sharded matrices are spread regardless."""
+    ``spread_replicated``; ``--muon_spread_replicated`` resolved by ``resolve_spread_replicated``). FSDP's and
+    HSDP's sharded matrices are spread regardless."""
 
 
 def optimizer_groups(model: nn.Module, args: OptimArgs) -> list[GroupPlan]:

@@ -4,13 +4,14 @@ whose reductions run along one dimension of a sharded (DTensor) matrix."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
 
 from astrai_fabric.errors import CheckpointError
@@ -89,24 +90,51 @@ def fused_if_possible(params: list[Tensor]) -> dict[str, bool]:
     return {"fused": True} if plain and floating else {}
 
 
-def along_dim(fn: Callable[[Tensor, Tensor], Tensor], dim: int, update: Tensor, param: Tensor) -> Tensor:
-    """``fn(update, param)`` for an ``fn`` whose reductions run along ``dim`` only, on plain tensors or DTensors.
+class AlongDim:
+    """Sums and norms along one dimension of a matrix whose rows or columns may be split across ranks: each rank
+    reduces its own block, then one all-reduce per mesh dimension that splits ``dim`` completes the sum, so a
+    sharded update equals the single-process one within float32 reduction order, with no matrix gathered.
 
-    A DTensor whose shards keep ``dim`` whole (FSDP's row shards for a row-wise update) computes on its local
-    shard, with no communication. One whose shards split ``dim`` is gathered whole, computed on every rank and
-    sliced back, so the update equals the single-process one (Muon's rule for its Newton-Schulz iteration).
+    With no ``groups`` (a plain tensor, or shards that keep ``dim`` whole) these are torch's own ``sum`` and
+    ``norm``, so one process computes exactly what it always did."""
+
+    def __init__(self, dim: int, groups: Sequence[dist.ProcessGroup] = ()) -> None:
+        self.dim = dim
+        self.groups = tuple(groups)
+
+    def sum(self, tensor: Tensor) -> Tensor:
+        total = tensor.sum(dim=self.dim, keepdim=True)
+        for group in self.groups:
+            dist.all_reduce(total, group=group)
+        return total
+
+    def norm(self, tensor: Tensor) -> Tensor:
+        if not self.groups:
+            return tensor.norm(dim=self.dim, keepdim=True)
+        return self.sum(tensor.square()).sqrt()
+
+
+def along_dim(fn: Callable[[Tensor, Tensor, AlongDim], Tensor], dim: int, update: Tensor, param: Tensor) -> Tensor:
+    """``fn(update, param, along)`` for an ``fn`` whose reductions along ``dim`` all go through ``along``
+    (``AlongDim``), on plain tensors or DTensors.
+
+    A DTensor computes on its local block; where its placements split ``dim`` (FSDP's row shards for a
+    column-wise update, tensor parallelism's column shards for a row-wise one) ``along`` all-reduces the partial
+    sums over those mesh dimensions: a vector per matrix crosses the ranks, where gathering the update and the
+    parameter whole on every rank (the earlier path) moved both matrices.
     """
     if not isinstance(update, DTensor):
-        return fn(update, param)
+        return fn(update, param, AlongDim(dim))
     mesh, placements = param.device_mesh, param.placements
     if update.placements != placements:
         update = update.redistribute(mesh, placements)
-    splits_dim = any(isinstance(p, Shard) and p.dim % param.dim() == dim % param.dim() for p in placements)
-    if not splits_dim:
-        local = fn(update.to_local(), param.to_local())
-        return DTensor.from_local(local, mesh, placements, shape=param.shape, stride=param.stride())
-    full = fn(update.full_tensor(), param.full_tensor())
-    return distribute_tensor(full, mesh, placements, src_data_rank=None)  # every rank holds it: no scatter
+    splits = [
+        mesh.get_group(mesh_dim)
+        for mesh_dim, placement in enumerate(placements)
+        if isinstance(placement, Shard) and placement.dim % param.dim() == dim % param.dim()
+    ]
+    local = fn(update.to_local(), param.to_local(), AlongDim(dim, splits))
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=param.shape, stride=param.stride())
 
 
 class CompositeOptimizer(Optimizer):

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from torch.optim import AdamW, Optimizer
 
 from astrai_fabric.optim.composite import (
+    AlongDim,
     CompositeOptimizer,
     along_dim,
     decay_groups,
@@ -33,10 +34,10 @@ from astrai_fabric.optim.muon import ADAMW_BETAS
 MANO_EPS = 1e-8
 
 
-def mano_direction(update: Tensor, param: Tensor, dim: int, eps: float = MANO_EPS) -> Tensor:
-    """``update`` minus its projection on ``param`` along ``dim``, normalised along ``dim`` (eps added)."""
-    tangent = update - (update * param).sum(dim=dim, keepdim=True) * param
-    return tangent / (tangent.norm(dim=dim, keepdim=True) + eps)
+def mano_direction(update: Tensor, param: Tensor, along: AlongDim, eps: float = MANO_EPS) -> Tensor:
+    """``update`` minus its projection on ``param`` along ``along.dim``, normalised along it (eps added)."""
+    tangent = update - along.sum(update * param) * param
+    return tangent / (along.norm(tangent) + eps)
 
 
 class Mano(Optimizer):
@@ -66,7 +67,7 @@ class Mano(Optimizer):
         loss = evaluate_closure(closure)
         for group in self.param_groups:
             lr, momentum, dim = group["lr"], group["momentum"], group["steps"] % 2
-            direction_of = partial(mano_direction, dim=dim, eps=group["eps"])
+            direction_of = partial(mano_direction, eps=group["eps"])
             for param in group["params"]:
                 if param.grad is None:
                     continue
@@ -75,7 +76,7 @@ class Mano(Optimizer):
                     state["momentum_buffer"] = torch.zeros_like(grad)
                 buffer = state["momentum_buffer"].mul_(momentum).add_(grad)
                 update = grad.add(buffer, alpha=momentum) if group["nesterov"] else buffer
-                direction = along_dim(direction_of, dim, update, param)  # FSDP's row shards split dim 0
+                direction = along_dim(direction_of, dim, update, param)  # dim 0's sums all-reduced under FSDP
                 param.mul_(1 - lr * group["weight_decay"])
                 param.add_(direction, alpha=-lr * 0.2 * param.shape[dim] ** 0.5)
             group["steps"] += 1

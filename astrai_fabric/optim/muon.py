@@ -9,9 +9,10 @@ bfloat16 it *is* torch's step, and torch's Muon is untouched for any other code 
 
 Across ranks (``optim.muon_owners``) each matrix is orthogonalised whole by one owner rank, on the same matrix one
 process would see, so the update equals the single-process one: under FSDP and HSDP the owner gathers only its
-matrices' shards and sends each rank its rows of the result; under DDP, when asked (``spread_replicated``), owners
-all-gather their results. Tensor-parallel matrices, and DDP's by default, are orthogonalised whole on every rank
-(the shards gathered first). ``MuonNS.describe_layout`` says which. One process runs the step it always did.
+matrices' shards and sends each rank its rows of the result; under DDP, when asked (``spread_replicated``; the
+CLI's default on CPU), owners all-gather their results. Tensor-parallel matrices, and DDP's otherwise, are
+orthogonalised whole on every rank (the shards gathered first). ``MuonNS.describe_layout`` says which. One process
+runs the step it always did.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ class MuonNS(Muon):
     (``muon_owners.newton_schulz_flops``, ~``30 n^3`` for an ``n x n`` matrix at 5 steps) for receiving the
     same share of the matrices' bytes (``4 n^2`` in float32): ~``7.5 n`` FLOPs saved per byte received, which
     pays where a rank's matrix throughput over its link bandwidth is below that (fast interconnects, large
-    matrices) and not over slow links, so it is off until a benchmark decides. It also applies to HSDP with one
+    matrices) and not over slow links; the CLI turns it on for CPU processes, where it measured faster
+    (``muon_owners.resolve_spread_replicated``). It also applies to HSDP with one
     shard per replica (a replicated DTensor). FSDP's and HSDP's sharded matrices are always spread: where rows
     split evenly that costs no more communication than the gather it replaces.
     """

@@ -20,23 +20,31 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from astrai_fabric.optim.composite import CompositeOptimizer, along_dim, decay_groups, evaluate_closure, split_by_role
+from astrai_fabric.optim.composite import (
+    AlongDim,
+    CompositeOptimizer,
+    along_dim,
+    decay_groups,
+    evaluate_closure,
+    split_by_role,
+)
 
 NORA_EPS = 1e-10
 NADAMW_BETAS = (0.9, 0.999)
 NADAMW_EPS = 1e-8
 
 
-def unit_rows(matrix: Tensor, eps: float) -> Tensor:
-    return matrix / matrix.norm(dim=-1, keepdim=True).clamp(min=eps)
+def unit_rows(matrix: Tensor, along: AlongDim, eps: float) -> Tensor:
+    return matrix / along.norm(matrix).clamp(min=eps)
 
 
-def nora_direction(update: Tensor, param: Tensor, eps: float = NORA_EPS) -> Tensor:
-    """Each row of ``update`` minus its component along the parameter's row, scaled to unit norm (in float32)."""
-    rows = unit_rows(param.float(), eps)
+def nora_direction(update: Tensor, param: Tensor, along: AlongDim, eps: float = NORA_EPS) -> Tensor:
+    """Each row of ``update`` minus its component along the parameter's row, scaled to unit norm (in float32);
+    ``along`` reduces along the rows (``AlongDim(-1)``)."""
+    rows = unit_rows(param.float(), along, eps)
     update32 = update.float()
-    tangent = update32 - (update32 * rows).sum(dim=-1, keepdim=True) * rows
-    return unit_rows(tangent, eps).to(update.dtype)
+    tangent = update32 - along.sum(update32 * rows) * rows
+    return unit_rows(tangent, along, eps).to(update.dtype)
 
 
 class Nora(Optimizer):
@@ -75,7 +83,7 @@ class Nora(Optimizer):
                     state["momentum_buffer"] = torch.zeros_like(grad)
                 buffer = state["momentum_buffer"].lerp_(grad, 1 - group["beta"])
                 update = grad.lerp(buffer, group["momentum"]) if group["nesterov"] else buffer
-                direction = along_dim(direction_of, -1, update, param)  # rows: whole under FSDP, split by TP
+                direction = along_dim(direction_of, -1, update, param)  # rows: whole under FSDP; TP's sums all-reduced
                 rows, cols = param.shape  # global shape for a DTensor
                 param.mul_(1 - lr * group["weight_decay"])
                 param.add_(direction, alpha=-lr * max(1.0, rows / cols) ** 0.5)

@@ -34,7 +34,7 @@ from astrai_fabric.errors import CheckpointError, UserError
 from astrai_fabric.loop import LoopArgs, LossFn, TrainState, fit
 from astrai_fabric.metrics import MetricLog, flops_per_token, peak_flops
 from astrai_fabric.optim import build_optimizer
-from astrai_fabric.optim.muon_owners import planned_layout
+from astrai_fabric.optim.muon_owners import planned_layout, resolve_spread_replicated
 from astrai_fabric.plot import PLOT_FILE, plot_runs
 from astrai_fabric.preemption import StopRequest
 from astrai_fabric.profiling import StepProfiler
@@ -179,7 +179,8 @@ def describe_run_plan(
         except UserError:  # a caller's own ModelParallelStrategy, laid out otherwise: its layout is not ours to say
             layout = None
     mode = "fsdp" if is_fsdp(fabric) else "ddp"
-    muon = planned_layout(world_size, mode, args.tp_size, shards, args.muon_spread_replicated)
+    spread = resolve_spread_replicated(args.muon_spread_replicated, fabric.device.type)
+    muon = planned_layout(world_size, mode, args.tp_size, shards, spread)
     processes = describe_processes(world_size, devices, mode, layout, fabric.device.type, precision_of(fabric))
     threads = None
     if fabric.device.type == "cpu":

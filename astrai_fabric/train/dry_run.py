@@ -12,7 +12,7 @@ from astrai_fabric.checkpoint.ownership import in_use_message, lock_holder, not_
 from astrai_fabric.config.train import RECIPE_FILE, RECIPE_HEADER, TrainArgs
 from astrai_fabric.errors import UserError
 from astrai_fabric.hub import HUB_FLAGS, looks_like_hub_id, pin_cached_flags
-from astrai_fabric.optim.muon_owners import planned_layout
+from astrai_fabric.optim.muon_owners import planned_layout, resolve_spread_replicated
 from astrai_fabric.schedule import StepPlan
 from astrai_fabric.strategy import (
     describe_cpu_threads,
@@ -52,8 +52,9 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
             layout, shards = fsdp.describe(), fsdp.shards
         except UserError as err:
             problems.append(str(err))
-    muon = planned_layout(topology.world_size, args.parallel_mode, args.tp_size, shards, args.muon_spread_replicated)
     accelerator = resolve_accelerator(args.device_type)
+    spread = resolve_spread_replicated(args.muon_spread_replicated, accelerator)
+    muon = planned_layout(topology.world_size, args.parallel_mode, args.tp_size, shards, spread)
     precision = resolve_precision(args.precision, accelerator)
     processes = describe_processes(
         topology.world_size, topology.devices, args.parallel_mode, layout, accelerator, precision

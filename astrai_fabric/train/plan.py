@@ -19,6 +19,7 @@ from astrai_fabric.data.windows import PACKING_LINE
 from astrai_fabric.losses import REFERENCE_FREE, loss_chunk_reason
 from astrai_fabric.model.ffn import describe_routing
 from astrai_fabric.optim import OptimArgs, optimizer_groups, optimizer_state_bytes, resolve_ns_dtype
+from astrai_fabric.optim.muon_owners import resolve_spread_replicated
 from astrai_fabric.profiling import describe_profiling
 from astrai_fabric.quantize import plan_quantization
 from astrai_fabric.schedule import ScheduleArgs, StepPlan
@@ -57,7 +58,8 @@ def schedule_args(args: TrainArgs) -> ScheduleArgs:
 
 
 def optim_args(args: TrainArgs, device: torch.device) -> OptimArgs:
-    """The flags of ``args`` the optimizer reads, its Newton-Schulz dtype resolved for ``device``."""
+    """The flags of ``args`` the optimizer reads, Muon's Newton-Schulz dtype and DDP spread resolved for
+    ``device``."""
     return OptimArgs(
         name=args.resolved_optimizer,
         lr=args.max_lr,
@@ -73,7 +75,7 @@ def optim_args(args: TrainArgs, device: torch.device) -> OptimArgs:
         nora_momentum=args.nora_momentum,
         mano_momentum=args.mano_momentum,
         mano_nesterov=args.mano_nesterov,
-        muon_spread_replicated=args.muon_spread_replicated,
+        muon_spread_replicated=resolve_spread_replicated(args.muon_spread_replicated, device.type),
     )
 
 
