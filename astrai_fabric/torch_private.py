@@ -28,6 +28,7 @@ PRIVATE_APIS = (
     "torch.cuda.memory._record_memory_history",
     "torch.cuda.memory._dump_snapshot",
     "torch.distributed.tensor._utils.compute_local_shape_and_global_offset",
+    "torch.distributed.tensor._utils._compute_local_shape_and_global_offset",
     "torch.optim.Muon._init_group",
     "torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model",
     "torch.utils.data.DataLoader._iterator",
@@ -90,6 +91,19 @@ def local_shape_and_global_offset(shape: Sequence[int], mesh: Any, placements: S
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     return compute_local_shape_and_global_offset(shape, mesh, placements)
+
+
+def mesh_block(
+    shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int], placements: Sequence[Any]
+) -> tuple[Any, Any]:
+    """``torch.distributed.tensor._utils._compute_local_shape_and_global_offset``: ``local_shape_and_global_offset``
+    for any coordinate of a mesh, not only this rank's, and without a process group, so every rank derives where
+    every other rank's part of a matrix lies from shapes alone (``optim.muon_owners.layout_from_mesh``: Muon's
+    owners gather exactly those parts). The public function computes only the calling rank's; this is what it
+    calls. Imported on use: see the module docstring."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    return _compute_local_shape_and_global_offset(shape, mesh_shape, list(coordinate), placements)
 
 
 def muon_init_group(optimizer: torch.optim.Muon, group: dict[str, Any], params: list, grads: list, bufs: list) -> None:

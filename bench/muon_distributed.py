@@ -9,7 +9,7 @@ fixed, so the optimizer step is all there is). Sides: ``before`` forces the old 
 orthogonalises every matrix: the bench makes ``matrix_layout`` refuse every matrix), ``after`` is this tree's
 (FSDP spread always; DDP with ``spread_replicated=True``, which ``MuonNS`` leaves off by default).
 
-Per rank it counts the matrix FLOPs spent inside ``newton_schulz`` (a counting wrapper installed by this script,
+Per rank it counts the matrix FLOPs spent inside ``newton_schulz`` (a counting wrapper installed by this script;
 FLOPs from the shapes passed in: ``muon_owners.newton_schulz_flops``), the largest rank's count against one
 process's, and the peak bytes of whole matrices a rank holds at once for the iteration (before: the largest one,
 gathered one at a time; after, FSDP: the ones it owns in one round, assembled together, ``--round_mib`` capping a
@@ -17,6 +17,12 @@ round; DDP holds every matrix whole anyway).
 The optimizer step's median wall time (the slowest rank's) is measured only for ``--time_ranks``: 4 ranks on 2
 cores oversubscribe, so there the iteration is replaced by a stub that only counts (its numbers are FLOPs only).
 Targets (issue 42): per-rank work <= 0.55x of one process's at 2 ranks, <= 0.3x at 4.
+
+    .venv/bin/python bench/muon_distributed.py --stack [--repeats 15]
+
+instead times what an owner does with many small matrices of one shape (MoE experts): ``newton_schulz`` on each
+against ``newton_schulz`` on all of them stacked, by turns, medians, for a few expert counts and shapes, and
+says how far the stacked result is from the one-by-one one (float32).
 """
 
 from __future__ import annotations
@@ -87,7 +93,8 @@ def measure(mode: str, side: str, settings: dict, timed: bool) -> dict:
     flops, plain_ns, plain_layout = [0], muon.newton_schulz, muon.matrix_layout
 
     def counted(matrix, coefficients, steps, eps, dtype):
-        flops[0] += newton_schulz_flops(matrix.shape[0], matrix.shape[1], steps)
+        count = len(matrix) if matrix.dim() == 3 else 1  # a stack of matrices, or one
+        flops[0] += count * newton_schulz_flops(matrix.shape[-2], matrix.shape[-1], steps)
         return plain_ns(matrix, coefficients, steps, eps, dtype) if timed else matrix.to(dtype)
 
     muon.newton_schulz = counted
@@ -140,6 +147,36 @@ def worker(world: int, settings: dict, timed: bool, out: str) -> None:
     dist.destroy_process_group()
 
 
+STACK_CASES = [(8, 64, 128), (64, 64, 128), (32, 128, 256), (32, 128, 512), (64, 256, 512), (16, 768, 2048)]
+"""(matrices, rows, columns): small ones and MoE experts' sizes (Qwen3-30B-A3B: 128 experts of 768 x 2048)."""
+
+
+def stack_table(repeats: int) -> None:
+    """``newton_schulz`` one by one against stacked (one thread, float32, 5 steps)."""
+    from astrai_fabric.optim.muon import newton_schulz
+
+    args = ((3.4445, -4.7750, 2.0315), 5, 1e-7, torch.float32)
+    print(
+        f"{'matrices':>8} {'shape':>11} {'one by one ms':>14} {'stacked ms':>11} {'speed-up':>9} {'max rel diff':>13}"
+    )
+    for count, rows, cols in STACK_CASES:
+        matrices = torch.randn(count, rows, cols, generator=torch.Generator().manual_seed(count))
+        sides = {
+            "one": lambda m=matrices: torch.stack([newton_schulz(x, *args) for x in m]),
+            "stacked": lambda m=matrices: newton_schulz(m, *args),
+        }
+        times = {side: [] for side in sides}
+        for repeat in range(repeats + 1):
+            for side in sides if repeat % 2 else reversed(list(sides)):  # alternate which side goes first
+                start = time.perf_counter()
+                sides[side]()
+                if repeat:  # the first round warms up
+                    times[side].append(time.perf_counter() - start)
+        one, stacked = (statistics.median(times[side]) * 1e3 for side in sides)
+        diff = ((sides["stacked"]() - sides["one"]()).abs().max() / sides["one"]().abs().max()).item()
+        print(f"{count:>8} {f'{rows}x{cols}':>11} {one:>14.2f} {stacked:>11.2f} {one / stacked:>8.2f}x {diff:>13.1e}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", default="1,2,4", help="world sizes to count FLOPs for")
@@ -149,7 +186,13 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--intermediate", type=int, default=704)
     parser.add_argument("--round_mib", type=float, help="MuonNS.owner_round_bytes in MiB (default: the library's)")
+    parser.add_argument("--stack", action="store_true", help="time stacked Newton-Schulz on many small matrices")
+    parser.add_argument("--repeats", type=int, default=15, help="--stack: timed rounds per case")
     args = parser.parse_args()
+    if args.stack:
+        torch.set_num_threads(1)
+        stack_table(args.repeats)
+        return
     settings = dict(hidden=args.hidden, layers=args.layers, intermediate=args.intermediate, steps=args.steps)
     settings["round_mib"] = args.round_mib
     timed_worlds = {int(w) for w in args.time_ranks.split(",") if w}

@@ -1,30 +1,39 @@
-"""Muon's Newton-Schulz once per matrix across ranks (issue 42, ``optim.muon_owners``): the owner table, the routes
-simulated over grids no spawn here could afford (HSDP 2 x 2, 8 ranks for 3 matrices), and one spawn of 2 gloo ranks
-stepping FSDP, HSDP and DDP layouts against one process, bit for bit, counting each rank's iterations; Mano and
-Nora in the same spawn, their sharded sums all-reduced, against one process to float32 rounding."""
+"""Muon's Newton-Schulz once per matrix across ranks (issue 42, ``optim.muon_owners``): the owner table, the layouts
+and routes simulated over meshes no spawn here could afford (HSDP 2 x 4, FSDP x TP, 8 ranks for 3 matrices), and
+one spawn of 2 gloo ranks stepping FSDP, HSDP, DDP and tensor-parallel layouts against one process, bit for bit,
+counting each rank's iterations; Mano and Nora in the same spawn, their sharded sums all-reduced, against one
+process to float32 rounding. The 4-rank layouts (FSDP, HSDP 2 x 2, DDP, FSDP x TP on a real tensor-parallel model)
+run inside tests/test_training_distributed.py's 4-rank spawn, which pays for its processes already."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
 from spawn import run_ranks
+from torch.distributed.tensor import Replicate, Shard
 
 from astrai_fabric.optim import MuonNS
 from astrai_fabric.optim.muon_owners import (
     REPLICATED_OFF,
-    TENSOR_PARALLEL,
+    SUB_MESH,
     MatrixLayout,
     OwnerPlan,
     assemble,
     assign_owners,
+    block_slices,
+    layout_from_mesh,
+    matrix_layout,
     newton_schulz_flops,
     pack,
     unpack,
 )
 
 NS_STEPS = 5
-SHAPES = [(48, 16), (16, 48), (33, 20), (7, 5), (40, 24), (24, 40), (3, 40), (1, 6), (29, 17)]
-"""Uneven row counts on 2 ranks (33, 7, 3, 29, and 1: one rank's block empty); 2 ranks split the FLOPs 50/50."""
+SHAPES = [(48, 16), (16, 48), (33, 20), (7, 5), (40, 24), (24, 40), (3, 40), (1, 6), (29, 17), *[(12, 8)] * 4]
+"""Uneven row counts on 2 ranks (33, 7, 3, 29, and 1: one rank's block empty), and four small matrices of one shape
+(experts: an owner orthogonalises those it has as one stack); 2 ranks split the FLOPs 50/50."""
 STEPS = 3
 SETTINGS = dict(lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
 
@@ -48,12 +57,12 @@ def test_more_ranks_than_matrices_leaves_ranks_idle():
     costs = [newton_schulz_flops(*shape, NS_STEPS) for shape in ((5, 3), (2, 7), (4, 4))]
     owners = assign_owners(costs, 8)
     assert len(set(owners)) == 3  # five ranks own nothing
-    simulate_sharded([(5, 3), (2, 7), (4, 4)], grid=(tuple(range(8)),))  # rows < ranks: most blocks empty
+    simulate([(5, 3), (2, 7), (4, 4)], "fsdp8")  # rows < ranks: most blocks empty
 
 
 def test_rounds_bound_what_an_owner_holds_at_once():
     world, cap = 2, 4 * 40 * 24  # bytes: one (40, 24) float32 matrix
-    layouts = [MatrixLayout(shape, torch.float32, (tuple(range(world)),)) for shape in [*SHAPES, (64, 64)]]
+    layouts = [grid_layout(shape, ((0, 1),)) for shape in [*SHAPES, (64, 64)]]
     plan = OwnerPlan.build(layouts, [NS_STEPS] * len(layouts), world, 0, replicated=False)
     active = list(range(len(layouts)))
     rounds = plan.rounds(active, cap)
@@ -66,7 +75,34 @@ def test_rounds_bound_what_an_owner_holds_at_once():
     assert plan.rounds(active, None) == [active]
 
 
-# --- the routes, simulated ---------------------------------------------------------------------------------------
+# --- layouts and routes, simulated -------------------------------------------------------------------------------
+
+MESHES = {
+    # name: (the mesh's global ranks by coordinate, placements per mesh dimension)
+    "fsdp2": ([0, 1], [Shard(0)]),
+    "fsdp4": ([0, 1, 2, 3], [Shard(0)]),
+    "fsdp8": (list(range(8)), [Shard(0)]),
+    "hsdp2x2": ([[0, 1], [2, 3]], [Replicate(), Shard(0)]),
+    "hsdp2x2_strided": ([[0, 2], [1, 3]], [Replicate(), Shard(0)]),  # a replica's ranks not consecutive
+    "hsdp2x4": ([[0, 1, 2, 3], [4, 5, 6, 7]], [Replicate(), Shard(0)]),
+    "fsdp2_x_tp2_rowwise": ([[0, 1], [2, 3]], [Shard(0), Shard(1)]),  # FSDP over a row-wise split: 2 x 2 tiles
+    "fsdp2_x_tp2_colwise": ([[0, 1], [2, 3]], [Shard(0), Shard(0)]),  # both split rows: 4 row blocks
+    "hsdp2x2_x_tp2": ([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], [Replicate(), Shard(0), Shard(1)]),
+    "tp2_columns": ([0, 1], [Shard(1)]),  # tensor parallelism's row-wise layers alone
+    "ddp3": ([0, 1, 2], [Replicate()]),  # every rank whole: a replicated DTensor, as DDP's plain tensors
+}
+
+
+def mesh_layout(shape: tuple[int, int], name: str) -> MatrixLayout:
+    ranks, placements = MESHES[name]
+    layout = layout_from_mesh(shape, torch.float32, torch.tensor(ranks), placements)
+    assert isinstance(layout, MatrixLayout), layout
+    return layout
+
+
+def grid_layout(shape: tuple[int, int], grid: tuple[tuple[int, ...], ...]) -> MatrixLayout:
+    """``grid[replica][shard]``: the rank holding that shard's rows (FSDP: one replica)."""
+    return layout_from_mesh(shape, torch.float32, torch.tensor(grid), [Replicate(), Shard(0)])
 
 
 def orthogonalised(whole: torch.Tensor, index: int) -> torch.Tensor:
@@ -74,15 +110,50 @@ def orthogonalised(whole: torch.Tensor, index: int) -> torch.Tensor:
     return whole * 2 + index
 
 
-def simulate_sharded(shapes: list[tuple[int, int]], grid: tuple[tuple[int, ...], ...]) -> list[int]:
-    """Both all-to-alls of a step over every rank of ``grid``, in one process: each owner must hold exactly its
-    matrices whole, and every rank its rows of each result. Returns the elements each rank received from others."""
-    world = sum(len(row) for row in grid)
-    layouts = [MatrixLayout(shape, torch.float32, grid) for shape in shapes]
-    plans = [OwnerPlan.build(layouts, [NS_STEPS] * len(shapes), world, rank, replicated=False) for rank in range(world)]
+def test_rectangles_are_where_torch_puts_each_rank_s_part():
+    # torch's own split (distribute_tensor's chunks, computed here without a process group) against the layout.
+    whole = torch.arange(33 * 20, dtype=torch.float32).view(33, 20)
+    for name, (ranks, placements) in MESHES.items():
+        ranks = torch.tensor(ranks)
+        layout = mesh_layout((33, 20), name)
+        for coordinate in itertools.product(*(range(n) for n in ranks.shape)):
+            local = whole
+            for mesh_dim, placement in enumerate(placements):
+                if isinstance(placement, Shard):  # torch.chunk's pieces; past the last one, empty
+                    chunks = local.chunk(ranks.shape[mesh_dim], placement.dim) + (local.narrow(placement.dim, 0, 0),)
+                    local = chunks[min(coordinate[mesh_dim], len(chunks) - 1)]
+            r0, r1, c0, c1 = layout.blocks[int(ranks[coordinate])]
+            if local.numel():
+                assert torch.equal(local, whole[r0:r1, c0:c1]), (name, coordinate)
+            else:
+                assert (r1 - r0) * (c1 - c0) == 0, (name, coordinate)
+
+
+def test_rectangles_that_interleave_are_refused():
+    # A strided shard whose rows interleave (torch's own example: S(0) then a strided S(0) with split factor 2 on a
+    # 2 x 2 mesh gives rows [0, 2] and [1, 3] per rank): no rectangle describes a rank's part, so no owner is chosen.
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    placements = [Shard(0), _StridedShard(0, split_factor=2)]
+    refused = layout_from_mesh((8, 4), torch.float32, torch.tensor([[0, 1], [2, 3]]), placements)
+    assert isinstance(refused, str) and "not a grid of rectangles" in refused, refused
+    assert not OwnerPlan.build([refused], [NS_STEPS], 4, 0, replicated=True).spreads_any
+
+
+def simulate(shapes: list[tuple[int, int]], name: str) -> list[int]:
+    """Both all-to-alls of a step over every rank of mesh ``name``, in one process: each owner must hold exactly
+    its matrices whole, and every rank its rectangle of each result. Returns the elements each rank received."""
+    layouts = [mesh_layout(shape, name) for shape in shapes]
+    world = len(layouts[0].blocks)
+    plans = [OwnerPlan.build(layouts, [NS_STEPS] * len(shapes), world, rank, replicated=True) for rank in range(world)]
     wholes = [torch.randn(shape, generator=torch.Generator().manual_seed(i)) for i, shape in enumerate(shapes)]
     active = list(range(len(shapes)))
     received = [0] * world
+    assert len({plan.moves_rectangles(active) for plan in plans}) == 1  # every rank calls the gather, or none does
+
+    def own(rank, m):
+        r0, r1, c0, c1 = layouts[m].blocks[rank]
+        return wholes[m][r0:r1, c0:c1]
 
     def all_to_all(pieces, source):
         """Each rank's sends, delivered: rank r's receive buffer is every peer's segment for r, in peer order."""
@@ -96,59 +167,56 @@ def simulate_sharded(shapes: list[tuple[int, int]], grid: tuple[tuple[int, ...],
             recvs = getattr(plans[rank], pieces)(active)[1]
             sizes = plans[rank].split_sizes(recvs)
             assert sizes == [segments[peer][rank].numel() for peer in range(world)]
-            received[rank] += sum(size for peer, size in enumerate(sizes) if peer != rank)
-            out.append(unpack(plans[rank], recvs, torch.cat([segments[peer][rank] for peer in range(world)])))
+            assert sizes[rank] == 0  # nothing to itself: its own rectangle stays where it is
+            received[rank] += sum(sizes)
+            out.append(unpack(recvs, torch.cat([segments[peer][rank] for peer in range(world)])))
         return out
 
-    def local(rank, piece):
-        start, stop = layouts[piece.matrix].rows_of(rank)
-        return wholes[piece.matrix][start:stop]
-
-    gathered = all_to_all("gather_pieces", local)
+    gathered = all_to_all("gather_pieces", lambda rank, piece: own(rank, piece.matrix))
     results = {}
     for rank in range(world):
+        owned = [m for m in active if plans[rank].owners[m] == rank]
         recvs = plans[rank].gather_pieces(active)[1]
-        held = assemble(plans[rank], recvs, gathered[rank])
-        assert sorted(held) == [m for m in active if plans[rank].owners[m] == rank]  # its own matrices only
+        assert {piece.matrix for piece in recvs} <= set(owned)  # its own matrices only
+        held = assemble(plans[rank], owned, recvs, gathered[rank], lambda m, rank=rank: own(rank, m))
         for m, whole in held.items():
             assert torch.equal(whole, wholes[m])
             results[m] = orthogonalised(whole, m)
-    returned = all_to_all("scatter_pieces", lambda rank, piece: results[piece.matrix][slice(*piece.rows)])
+    returned = all_to_all("scatter_pieces", lambda rank, piece: results[piece.matrix][block_slices(piece.block)])
     for rank in range(world):
         recvs = plans[rank].scatter_pieces(active)[1]
-        assert sorted(piece.matrix for piece in recvs) == active  # one block of every matrix
-        for piece, rows in zip(recvs, returned[rank], strict=True):
-            assert piece.rows == layouts[piece.matrix].rows_of(rank)
-            assert torch.equal(rows, orthogonalised(wholes[piece.matrix], piece.matrix)[slice(*piece.rows)])
+        assert sorted(piece.matrix for piece in recvs) == [m for m in active if plans[rank].owners[m] != rank]
+        for piece, block in zip(recvs, returned[rank], strict=True):
+            assert piece.block == layouts[piece.matrix].blocks[rank]
+            assert torch.equal(block, orthogonalised(wholes[piece.matrix], piece.matrix)[block_slices(piece.block)])
     return received
 
 
-def gathered_today(shapes: list[tuple[int, int]], grid: tuple[tuple[int, ...], ...]) -> list[int]:
-    """Elements each rank receives when every rank all-gathers every matrix over its replica (the old path)."""
-    world = sum(len(row) for row in grid)
-    layouts = [MatrixLayout(shape, torch.float32, grid) for shape in shapes]
-    received = []
-    for rank in range(world):
-        received.append(sum(lay.shape[0] * lay.shape[1] - lay.numel(lay.rows_of(rank)) for lay in layouts))
-    return received
+def gathered_today(shapes: list[tuple[int, int]], name: str) -> list[int]:
+    """Elements each rank receives when every rank gathers every matrix whole (the old path)."""
+    layouts = [mesh_layout(shape, name) for shape in shapes]
+    return [
+        sum(
+            lay.shape[0] * lay.shape[1] - (r1 - r0) * (c1 - c0)
+            for lay in layouts
+            for r0, r1, c0, c1 in [lay.blocks[rank]]
+        )
+        for rank in range(len(layouts[0].blocks))
+    ]
 
 
-@pytest.mark.parametrize(
-    "grid",
-    [((0, 1),), ((0, 1, 2, 3),), ((0, 1), (2, 3)), ((0, 2), (1, 3)), ((0, 1, 2, 3), (4, 5, 6, 7))],
-    ids=["fsdp2", "fsdp4", "hsdp2x2", "hsdp2x2_strided", "hsdp2x4"],
-)
-def test_owners_get_their_matrices_whole_and_every_rank_its_rows(grid):
+@pytest.mark.parametrize("name", [name for name in MESHES if name != "ddp3"])
+def test_owners_get_their_matrices_whole_and_every_rank_its_part(name):
     shapes = [*SHAPES, (96, 64), (64, 96)]
-    received = simulate_sharded(shapes, grid)
-    # The communication this replaces: every rank gathering every matrix over its replica. Where rows split evenly
-    # it is never less over the world (equal at 2 shards); uneven blocks can cost an owner holding the short block
-    # one row more per matrix, each way, per replica.
-    replicas = len(grid)
-    slack = sum(2 * replicas * cols for _, cols in shapes)
-    assert sum(received) <= sum(gathered_today(shapes, grid)) + slack
+    received = simulate(shapes, name)
+    # The communication this replaces: every rank gathering every matrix whole. Where blocks split evenly it is
+    # never less over the world (equal at 2 ranks); uneven blocks can cost an owner holding a short block one row
+    # (or column) more per matrix, each way, per replica.
+    world = len(mesh_layout(shapes[0], name).blocks)
+    slack = sum(2 * world * max(shape) for shape in shapes)
+    assert sum(received) <= sum(gathered_today(shapes, name)) + slack
     even = [(64, 48), (32, 96), (128, 128), (8, 16), (16, 8)]
-    assert sum(simulate_sharded(even, grid)) <= sum(gathered_today(even, grid))
+    assert sum(simulate(even, name)) <= sum(gathered_today(even, name))
 
 
 def test_every_rank_joins_every_collective_even_owning_nothing(monkeypatch):
@@ -163,52 +231,46 @@ def test_every_rank_joins_every_collective_even_owning_nothing(monkeypatch):
         output.zero_()
 
     monkeypatch.setattr(owners.dist, "all_to_all_single", all_to_all_single)
-    grid = ((0, 1), (2, 3))
-    layouts = [MatrixLayout((6, 4), torch.float32, grid)]
+    layouts = [mesh_layout((6, 4), "hsdp2x2")]
     for rank in range(4):
         plan = OwnerPlan.build(layouts, [NS_STEPS], 4, rank, replicated=False)
-        start, stop = layouts[0].rows_of(rank)
-        update = torch.zeros(stop - start, 4)
-        out = owners.exchange(plan, [0], {0: update}, {0: update}, lambda m, w: w, torch.device("cpu"))
-        assert tuple(out[0].shape) == (stop - start, 4)
+        r0, r1, c0, c1 = layouts[0].blocks[rank]
+        update = torch.zeros(r1 - r0, c1 - c0)
+        out = owners.exchange(plan, [0], {0: update}, {0: update}, lambda wholes: wholes, torch.device("cpu"))
+        assert tuple(out[0].shape) == (r1 - r0, 4)
     assert calls == [0, 0, 1, 1, 2, 2, 3, 3]
 
 
-def test_replicated_results_are_all_gathered_once():
-    world, shapes = 3, SHAPES
-    grid = tuple((rank,) for rank in range(world))  # DDP: every rank a replica of one shard
-    layouts = [MatrixLayout(shape, torch.float32, grid) for shape in shapes]
+def test_replicated_results_go_to_every_rank_once():
+    # DDP: every rank holds every matrix whole, so owners need nothing (no gather on any rank) and each result goes
+    # to every other rank: an all-gather's bytes, (W - 1) / W of the matrices per rank.
+    shapes, world = SHAPES, 3
+    received = simulate(shapes, "ddp3")
+    total = sum(rows * cols for rows, cols in shapes)
+    layouts = [mesh_layout(shape, "ddp3") for shape in shapes]
     plans = [OwnerPlan.build(layouts, [NS_STEPS] * len(shapes), world, rank, replicated=True) for rank in range(world)]
-    wholes = [torch.randn(shape, generator=torch.Generator().manual_seed(i)) for i, shape in enumerate(shapes)]
-    active = list(range(len(shapes)))
-    segment, where = plans[0].replicated_segments(active)
-    assert all(plan.replicated_segments(active) == (segment, where) for plan in plans)
-    assert plans[0].gather_pieces(active) == ([], [])  # nothing to gather: every rank holds every matrix
-    flat = torch.zeros(world, segment)
-    for m, (owner, offset) in where.items():
-        assert plans[owner].orthogonalised_here(m) and sum(p.orthogonalised_here(m) for p in plans) == 1
-        flat[owner, offset : offset + wholes[m].numel()] = orthogonalised(wholes[m], m).reshape(-1)
-    for m, (owner, offset) in where.items():
-        start = owner * segment + offset
-        assert torch.equal(
-            flat.reshape(-1)[start : start + wholes[m].numel()].view(shapes[m]), orthogonalised(wholes[m], m)
-        )
+    assert not plans[0].moves_rectangles(range(len(shapes))) and plans[0].gather_pieces(range(len(shapes))) == ([], [])
+    for rank, plan in enumerate(plans):
+        owned = sum(rows * cols for m, (rows, cols) in enumerate(shapes) if plan.owners[m] == rank)
+        assert received[rank] == total - owned
+    for m in range(len(shapes)):
+        assert sum(plan.orthogonalised_here(m) for plan in plans) == 1
+        assert [plan.needs_update(m) for plan in plans] == [plan.orthogonalised_here(m) for plan in plans]
     off = OwnerPlan.build(layouts, [NS_STEPS] * len(shapes), world, 0, replicated=False)
     assert not off.spreads_any and off.describe() == f"every rank orthogonalises every matrix ({REPLICATED_OFF})"
 
 
 def test_plan_says_which_path_each_matrix_takes():
-    grid = ((0, 1),)
-    spread = MatrixLayout((8, 4), torch.float32, grid)
+    spread = grid_layout((8, 4), ((0, 1),))
     assert OwnerPlan.build([spread] * 3, [5] * 3, 2, 0, False).describe() == (
         "each matrix orthogonalised once, by one of 2 ranks"
     )
-    mixed = OwnerPlan.build([spread, TENSOR_PARALLEL, spread], [5] * 3, 2, 0, False)
+    mixed = OwnerPlan.build([spread, SUB_MESH, spread], [5] * 3, 2, 0, False)
     assert mixed.describe() == (
-        "2 of 3 matrices orthogonalised once, by one of 2 ranks; the other 1 by every rank (tensor parallel)"
+        f"2 of 3 matrices orthogonalised once, by one of 2 ranks; the other 1 by every rank ({SUB_MESH})"
     )
-    assert OwnerPlan.build([TENSOR_PARALLEL], [5], 2, 0, False).describe() == (
-        "every rank orthogonalises every matrix (tensor parallel)"
+    assert OwnerPlan.build([SUB_MESH], [5], 2, 0, False).describe() == (
+        f"every rank orthogonalises every matrix ({SUB_MESH})"
     )
     assert MuonNS([torch.nn.Parameter(torch.zeros(4, 4))], lr=0.1).describe_layout() == (
         "one process: it orthogonalises every matrix"
@@ -243,9 +305,16 @@ LAYOUTS = {
     "ddp_bfloat16": (None, None, None, True, torch.bfloat16),  # against torch's own Muon
     "ddp_default": (None, None, None, False, torch.float32),
     "columns": ((2,), ("tensor_parallel",), "C", False, torch.float32),  # tensor parallelism's row-wise split
+    "refused": ((2,), None, "S", False, torch.float32),  # no layout accepted: every rank gathers every matrix
     "fsdp_rounds": ((2,), None, "S", False, torch.float32),
     "ddp_rounds": (None, None, None, True, torch.float32),
 }
+FOUR_RANK_LAYOUTS = {
+    "fsdp4": ((4,), None, "S", False, torch.float32),
+    "hsdp_2x2": ((2, 2), ("replicate", "shard"), "RS", False, torch.float32),  # owners in both replicas
+    "ddp4": (None, None, None, True, torch.float32),
+}
+"""Stepped in tests/test_training_distributed.py's 4-rank spawn (``fsdp_tp_worker``), with FSDP x TP."""
 ROUND_BYTES = {"fsdp_rounds": 2048, "ddp_rounds": 2048}
 """Layouts stepped in rounds of at most this many bytes of whole matrices per owner (one round by default)."""
 
@@ -258,7 +327,7 @@ def step_layout(name: str) -> dict:
 
     import astrai_fabric.optim.muon as muon
 
-    mesh_shape, names, placements, spread, ns_dtype = LAYOUTS[name]
+    mesh_shape, names, placements, spread, ns_dtype = (LAYOUTS | FOUR_RANK_LAYOUTS)[name]
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names) if mesh_shape else None
     chosen = {"S": [Shard(0)], "RS": [Replicate(), Shard(0)], "C": [Shard(1)]}.get(placements)
 
@@ -267,31 +336,36 @@ def step_layout(name: str) -> dict:
 
     params = [torch.nn.Parameter(place(initial(i, shape))) for i, shape in enumerate(SHAPES)]
     optimizer = MuonNS(params, ns_dtype=ns_dtype, spread_replicated=spread, **SETTINGS)
+    if name == "refused":  # the path for layouts no owner can take (a mesh over part of the ranks, ...)
+        muon.matrix_layout = lambda param, world_size: SUB_MESH
     if name in ROUND_BYTES:
         optimizer.owner_round_bytes = ROUND_BYTES[name]
         assert len(optimizer.owner_plan().rounds(range(len(SHAPES)), ROUND_BYTES[name])) > 2
-    calls, flops = [], []
+    calls, flops, stacked = [], [], []
     plain = muon.newton_schulz
 
     def counted(matrix, *args):
-        calls.append(tuple(matrix.shape))
-        flops.append(newton_schulz_flops(*matrix.shape, NS_STEPS))
+        count = len(matrix) if matrix.dim() == 3 else 1  # a stack of matrices, or one
+        stacked.append(count if matrix.dim() == 3 else 0)
+        calls.extend([tuple(matrix.shape[-2:])] * count)
+        flops.extend([newton_schulz_flops(*matrix.shape[-2:], NS_STEPS)] * count)
         return plain(matrix, *args)
 
     muon.newton_schulz = counted
     try:
         take_steps(optimizer, params, place)
     finally:
-        muon.newton_schulz = plain
+        muon.newton_schulz, muon.matrix_layout = plain, matrix_layout
     state = optimizer.state_dict()["state"]
     assert all(set(entry) == {"momentum_buffer"} for entry in state.values())  # torch's layout
     buffers = [entry["momentum_buffer"] for entry in state.values()]
-    if mesh and chosen[-1] == Shard(0):  # momentum stays sharded as the parameter is
+    if mesh:  # momentum stays sharded as the parameter is
         assert [tuple(b.to_local().shape) for b in buffers] == [tuple(p.to_local().shape) for p in params]
     return {
         "params": [(p.full_tensor() if mesh else p).detach().clone() for p in params],
         "calls": len(calls),
         "flops": sum(flops),
+        "stacked": sum(stacked),
         "describe": optimizer.describe_layout(),
     }
 
@@ -372,11 +446,46 @@ def two_rank_worker(out: str) -> None:
         results |= {f"{kind}_{layout}": step_row_optimizer(kind, layout) for layout in ROW_LAYOUTS}
     optimizer, weights = real_fsdp_model(2, sharded=True)
     results["fully_shard"] = {"params": weights, "describe": optimizer.describe_layout()}
-    everyone = [None] * 2
-    dist.all_gather_object(everyone, {name: (r.get("calls"), r.get("flops")) for name, r in results.items()})
+    save_with_counts(results, out)
+    dist.destroy_process_group()
+
+
+def save_with_counts(results: dict, out: str) -> None:
+    """Rank 0 saves ``results`` with every rank's Newton-Schulz calls and FLOPs per entry."""
+    import torch.distributed as dist
+
+    everyone = [None] * dist.get_world_size()
+    counts = {name: (r.get("calls"), r.get("flops"), r.get("stacked")) for name, r in results.items()}
+    dist.all_gather_object(everyone, counts)
     if dist.get_rank() == 0:
         torch.save({"results": results, "counts": everyone}, out)
-    dist.destroy_process_group()
+
+
+def check_layouts(layouts: dict, results: dict, counts: list[dict]) -> None:
+    """Each layout's parameters equal one process's bit for bit (the same whole matrices reach the same iteration,
+    not merely within reduction order), and each spread matrix is orthogonalised once per step, the FLOPs balanced
+    over the ranks (greedily: no rank above an even share by more than the largest matrix)."""
+    reference = one_process(torch.float32)
+    costs = [newton_schulz_flops(*shape, NS_STEPS) for shape in SHAPES]
+    world_size = len(counts)
+    for name, (*_, ns_dtype) in layouts.items():
+        expected = one_process(ns_dtype, torch_muon=True) if ns_dtype == torch.bfloat16 else reference
+        for index, (ours, theirs) in enumerate(zip(results[name]["params"], expected, strict=True)):
+            assert torch.equal(ours, theirs), (name, index, (ours - theirs).abs().max())
+        calls = [counts[rank][name][0] for rank in range(world_size)]
+        flops = [counts[rank][name][1] for rank in range(world_size)]
+        if name in ("ddp_default", "refused"):  # not spread: every rank runs every iteration, as before
+            assert calls == [STEPS * len(SHAPES)] * world_size, (name, calls)
+            assert results[name]["describe"].startswith("every rank orthogonalises every matrix"), name
+            continue
+        assert sum(calls) == STEPS * len(SHAPES), (name, calls)  # each matrix exactly once per step
+        assert sum(flops) == STEPS * sum(costs), (name, flops)
+        assert max(flops) <= STEPS * (sum(costs) / world_size + max(costs)), (name, flops)
+        assert results[name]["describe"] == f"each matrix orthogonalised once, by one of {world_size} ranks", name
+        stacked = [counts[rank][name][2] for rank in range(world_size)]
+        assert sum(stacked) > 0, (name, stacked)  # owners stack their small matrices of one shape
+    if world_size == 2:  # SHAPES split 50/50 on 2 ranks
+        assert all(0.45 <= counts[r][n][1] / (STEPS * sum(costs)) <= 0.55 for n in ("fsdp", "ddp") for r in range(2))
 
 
 def one_process(ns_dtype: torch.dtype, torch_muon: bool = False) -> list[torch.Tensor]:
@@ -392,23 +501,8 @@ def test_two_ranks_orthogonalise_each_matrix_once_and_equal_one_process(tmp_path
     run_ranks(two_rank_worker, 2, str(tmp_path / "out.pt"))
     saved = torch.load(tmp_path / "out.pt", weights_only=False)
     results, counts = saved["results"], saved["counts"]
-    reference = one_process(torch.float32)
-    total_flops = STEPS * sum(newton_schulz_flops(*shape, NS_STEPS) for shape in SHAPES)
-    for name, (*_, ns_dtype) in LAYOUTS.items():
-        expected = one_process(ns_dtype, torch_muon=True) if ns_dtype == torch.bfloat16 else reference
-        for index, (ours, theirs) in enumerate(zip(results[name]["params"], expected, strict=True)):
-            # The same whole matrices reach the same iteration: bit for bit, not merely within reduction order.
-            assert torch.equal(ours, theirs), (name, index, (ours - theirs).abs().max())
-        calls = [counts[rank][name][0] for rank in range(2)]
-        flops = [counts[rank][name][1] for rank in range(2)]
-        if name in ("ddp_default", "columns"):  # not spread: every rank runs every iteration, as before
-            assert calls == [STEPS * len(SHAPES)] * 2, (name, calls)
-            assert results[name]["describe"].startswith("every rank orthogonalises every matrix"), name
-            continue
-        assert sum(calls) == STEPS * len(SHAPES), (name, calls)  # each matrix exactly once per step
-        assert sum(flops) == total_flops and all(0.45 <= f / total_flops <= 0.55 for f in flops), (name, flops)
-        assert results[name]["describe"] == "each matrix orthogonalised once, by one of 2 ranks", name
-    assert "tensor parallel" in results["columns"]["describe"]
+    check_layouts(LAYOUTS, results, counts)
+    assert SUB_MESH in results["refused"]["describe"]
     assert REPLICATED_OFF in results["ddp_default"]["describe"]
     # FSDP2's own layout (fully_shard), trained by backward passes: the same as one process.
     _, weights = real_fsdp_model(2, sharded=False)
@@ -427,10 +521,109 @@ def test_two_ranks_orthogonalise_each_matrix_once_and_equal_one_process(tmp_path
             splits = layout == "columns" or kind == "mano"  # Nora's rows stay whole on FSDP's row shards
             assert (run["all_reduces"] > 0) == splits, (kind, layout, run["all_reduces"])
             for index, (ours, theirs, before) in enumerate(zip(run["params"], reference, start, strict=True)):
-                update, expected = ours - before, theirs - before
-                rounding = STEPS * torch.finfo(torch.float32).eps * theirs.abs().max().item()
-                atol = 1e-6 * expected.abs().max().item() + rounding
-                torch.testing.assert_close(update, expected, rtol=0, atol=atol, msg=f"{kind} {layout} {index}")
+                assert_updates_close(ours, theirs, before, f"{kind} {layout} {index}")
+
+
+def assert_updates_close(ours: torch.Tensor, theirs: torch.Tensor, before: torch.Tensor, what: str) -> None:
+    """``ours`` and ``theirs``, both stepped from ``before``, moved alike to 1e-6 of the largest entry of the
+    reference's update, plus the float32 rounding of the parameters that each step adds."""
+    update, expected = ours - before, theirs - before
+    rounding = STEPS * torch.finfo(torch.float32).eps * theirs.abs().max().item()
+    atol = 1e-6 * expected.abs().max().item() + rounding
+    torch.testing.assert_close(update, expected, rtol=0, atol=atol, msg=what)
+
+
+# --- FSDP over tensor parallelism: 4 real ranks, inside tests/test_training_distributed.py's 4-rank spawn -----------
+
+FSDP_TP_OPTIMIZERS = ("muon", "mano", "nora")
+
+
+def fsdp_tp_model(sharded: bool):
+    """The tiny model with an MLP of 26 (13 rows per tensor-parallel rank, 7 and 6 per FSDP shard), laid out as
+    ``--parallel_mode fsdp --tp_size 2`` on 4 ranks lays it out (``parallelize`` on a 2 x 2 mesh) when ``sharded``."""
+    from conftest import tiny_config
+
+    from astrai_fabric.model import AutoRegressiveLM
+    from astrai_fabric.parallelize import parallelize
+
+    torch.manual_seed(7)
+    model = AutoRegressiveLM(tiny_config(intermediate_size=26))
+    if sharded:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        parallelize(model, init_device_mesh("cpu", (2, 2), mesh_dim_names=("data_parallel", "tensor_parallel")))
+    return model
+
+
+def step_fsdp_tp(kind: str, sharded: bool) -> dict:
+    """``STEPS`` steps of ``kind`` over the model's matrices (Muon's split by name, Mano's and Nora's by role), each
+    gradient a fixed function of its parameter computed elementwise (so it lies where the parameter does)."""
+    from astrai_fabric.optim import Mano, Nora, is_matrix_param
+    from astrai_fabric.optim.composite import split_by_role
+
+    model = fsdp_tp_model(sharded)
+    if kind == "muon":
+        params = [p for n, p in model.named_parameters() if is_matrix_param(n, p)]
+        optimizer = MuonNS(params, ns_dtype=torch.float32, **SETTINGS)
+    else:
+        params = split_by_role(model).matrices
+        optimizer = {"mano": Mano, "nora": Nora}[kind](params, **ROW_OPTIMIZERS[kind])
+    for step in range(STEPS):
+        for index, param in enumerate(params):
+            scale, shift = 1.3 + step, float(index)
+            param.grad = on_each_block(lambda block, a=scale, b=shift: torch.sin(block * a + b), param.detach())
+        optimizer.step()
+    full = [(p.full_tensor() if sharded else p).detach().clone() for p in params]
+    placements = sorted({type(p).__name__ for param in params for p in getattr(param, "placements", ())})
+    describe = optimizer.describe_layout() if kind == "muon" else None
+    position = {id(p): i for i, p in enumerate(model.parameters())}
+    indices = [position[id(p)] for p in params]  # where each stepped matrix sits in model.parameters()
+    return {"params": full, "placements": placements, "describe": describe, "indices": indices}
+
+
+def on_each_block(function, tensor: torch.Tensor) -> torch.Tensor:
+    """An elementwise ``function`` of ``tensor``, computed on each rank's block of a DTensor and placed as it was."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor):
+        return function(tensor)
+    mesh, placements = tensor.device_mesh, tensor.placements
+    local = function(tensor.to_local())
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=tensor.shape, stride=tensor.stride())
+
+
+def fsdp_tp_worker(out: str) -> None:
+    """Each optimizer stepped on the 4-rank FSDP x TP layout, and Muon on ``FOUR_RANK_LAYOUTS``; rank 0 saves the
+    results (the process group is the caller's)."""
+    import torch.distributed as dist
+
+    results = {kind: step_fsdp_tp(kind, sharded=True) for kind in FSDP_TP_OPTIMIZERS}
+    results |= {name: step_layout(name) for name in FOUR_RANK_LAYOUTS}
+    assert dist.get_world_size() == 4
+    save_with_counts(results, out)
+
+
+def check_fsdp_tp_optimizers(out: str) -> None:
+    """Against one process: Muon bit for bit (each matrix orthogonalised whole by its owner) on FSDP x TP and
+    ``FOUR_RANK_LAYOUTS``, Mano's and Nora's updates to 1e-6 (their sums all-reduced over both mesh dimensions
+    where both split a dimension)."""
+    saved = torch.load(out, weights_only=False)
+    results = saved["results"]
+    check_layouts(FOUR_RANK_LAYOUTS, results, saved["counts"])
+    # FSDP2's strided shard over tensor parallelism's column split (rows split twice) is among the layouts.
+    assert "_StridedShard" in results["muon"]["placements"], results["muon"]["placements"]
+    assert results["muon"]["describe"] == "each matrix orthogonalised once, by one of 4 ranks"
+    start = [p.detach() for p in fsdp_tp_model(sharded=False).parameters()]
+    for kind in FSDP_TP_OPTIMIZERS:
+        run = step_fsdp_tp(kind, sharded=False)
+        starts = [start[i] for i in run["indices"]]
+        for index, (ours, theirs, before) in enumerate(
+            zip(results[kind]["params"], run["params"], starts, strict=True)
+        ):
+            if kind == "muon":
+                assert torch.equal(ours, theirs), (index, (ours - theirs).abs().max())
+            else:
+                assert_updates_close(ours, theirs, before, f"{kind} {index}")
 
 
 @pytest.mark.parametrize(
@@ -440,7 +633,7 @@ def test_two_ranks_orthogonalise_each_matrix_once_and_equal_one_process(tmp_path
         (["--parallel_mode", "ddp"], "by one of 2 ranks (the results all-gathered)"),  # CPU's default: spread
         (["--parallel_mode", "ddp", "--muon_spread_replicated", "false"], "every rank orthogonalises every matrix (r"),
         (["--parallel_mode", "ddp", "--device_type", "cpu", "--muon_spread_replicated", "true"], "(the results all-"),
-        (["--parallel_mode", "fsdp", "--tp_size", "2"], "every rank orthogonalises every matrix (tensor parallel)"),
+        (["--parallel_mode", "fsdp", "--tp_size", "2"], "by one of 2 ranks (its owner gathers only its shards)"),
     ],
 )
 def test_the_plan_says_how_muon_shares_its_work_among_the_ranks(tmp_path, capsys, flags, line):

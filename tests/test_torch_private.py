@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
 from torch.utils.data import DataLoader
 
 from astrai_fabric import torch_private
@@ -153,6 +154,14 @@ def check_local_shape() -> None:
     assert parameters[:3] == ["global_shape", "mesh", "placements"], parameters
 
 
+def check_mesh_block() -> None:
+    # Where rank (1, 0) of a 2 x 2 mesh holds its part of a 4 x 6 matrix split by rows, then by columns.
+    size, offset = torch_private.mesh_block((4, 6), (2, 2), (1, 0), [Shard(0), Shard(1)])
+    assert (tuple(size), tuple(offset)) == ((2, 3), (2, 0))
+    size, offset = torch_private.mesh_block((4, 6), (2, 2), (0, 1), [Replicate(), Shard(0)])
+    assert (tuple(size), tuple(offset)) == ((2, 6), (2, 0))
+
+
 def check_muon_init_group() -> None:
     param = nn.Parameter(torch.ones(2, 2))
     param.grad = torch.full((2, 2), 2.0)
@@ -198,6 +207,7 @@ CHECKS = {
     "torch.cuda.memory._record_memory_history": check_record_memory_history,
     "torch.cuda.memory._dump_snapshot": check_dump_snapshot,
     "torch.distributed.tensor._utils.compute_local_shape_and_global_offset": check_local_shape,
+    "torch.distributed.tensor._utils._compute_local_shape_and_global_offset": check_mesh_block,
     "torch.optim.Muon._init_group": check_muon_init_group,
     "torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model": check_ddp_ignore,
     "torch.utils.data.DataLoader._iterator": check_loader_workers,

@@ -291,14 +291,20 @@ def test_tensor_parallel_matches_one_process(two_rank_runs, tmp_path, name):
 
 
 def tp_and_fsdp_worker(root: str) -> None:
+    from test_muon_distributed import fsdp_tp_worker
+
     history = run(base_args(Path(root), nprocs=4, batch_per_device=1, **TP2))
     if os.environ["RANK"] == "0":
         (Path(root) / "history.json").write_text(json.dumps(history))
+    fsdp_tp_worker(str(Path(root) / "optimizers.pt"))  # the 4 processes, once more: Muon, Mano and Nora alone
 
 
 def test_tensor_parallel_with_fsdp_on_four_ranks(tmp_path):
     # 4 processes on 2 cores: a 2 x 2 mesh (data x tensor), 1 sample per data-parallel rank.
+    from test_muon_distributed import check_fsdp_tp_optimizers
+
     run_ranks(tp_and_fsdp_worker, 4, str(tmp_path / "four"))
+    check_fsdp_tp_optimizers(str(tmp_path / "four" / "optimizers.pt"))
     reference = run(base_args(tmp_path / "one", optimizer="muon_adamw"))
     history = json.loads((tmp_path / "four" / "history.json").read_text())
     assert [r["loss"] for r in history] == pytest.approx([r["loss"] for r in reference], abs=1e-5)

@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Placement
 from torch.optim import Optimizer
 
 from astrai_fabric.errors import CheckpointError
@@ -114,6 +114,17 @@ class AlongDim:
         return self.sum(tensor.square()).sqrt()
 
 
+def mesh_dims_splitting(placements: Sequence[Placement], dim: int, ndim: int) -> list[int]:
+    """The mesh dimensions whose placements split tensor dimension ``dim``: ``Shard(dim)`` and the strided shard
+    FSDP2 lays over tensor parallelism's (torch's ``_StridedShard``, which is not a ``Shard`` and answers False to
+    ``is_shard``; both carry the ``dim`` they split, ``Replicate`` and ``Partial`` none)."""
+    return [
+        mesh_dim
+        for mesh_dim, placement in enumerate(placements)
+        if getattr(placement, "dim", None) is not None and placement.dim % ndim == dim % ndim
+    ]
+
+
 def along_dim(fn: Callable[[Tensor, Tensor, AlongDim], Tensor], dim: int, update: Tensor, param: Tensor) -> Tensor:
     """``fn(update, param, along)`` for an ``fn`` whose reductions along ``dim`` all go through ``along``
     (``AlongDim``), on plain tensors or DTensors.
@@ -128,12 +139,8 @@ def along_dim(fn: Callable[[Tensor, Tensor, AlongDim], Tensor], dim: int, update
     mesh, placements = param.device_mesh, param.placements
     if update.placements != placements:
         update = update.redistribute(mesh, placements)
-    splits = [
-        mesh.get_group(mesh_dim)
-        for mesh_dim, placement in enumerate(placements)
-        if isinstance(placement, Shard) and placement.dim % param.dim() == dim % param.dim()
-    ]
-    local = fn(update.to_local(), param.to_local(), AlongDim(dim, splits))
+    groups = [mesh.get_group(mesh_dim) for mesh_dim in mesh_dims_splitting(placements, dim, param.dim())]
+    local = fn(update.to_local(), param.to_local(), AlongDim(dim, groups))
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=param.shape, stride=param.stride())
 
 

@@ -8,11 +8,11 @@ slower than float32. ``MuonNS`` is ``torch.optim.Muon`` with the iteration's dty
 bfloat16 it *is* torch's step, and torch's Muon is untouched for any other code in the process.
 
 Across ranks (``optim.muon_owners``) each matrix is orthogonalised whole by one owner rank, on the same matrix one
-process would see, so the update equals the single-process one: under FSDP and HSDP the owner gathers only its
-matrices' shards and sends each rank its rows of the result; under DDP, when asked (``spread_replicated``; the
-CLI's default on CPU), owners all-gather their results. Tensor-parallel matrices, and DDP's otherwise, are
-orthogonalised whole on every rank (the shards gathered first). ``MuonNS.describe_layout`` says which. One process
-runs the step it always did.
+process would see, so the update equals the single-process one: for sharded matrices (FSDP, HSDP, FSDP over
+tensor parallelism) the owner gathers only its matrices' pieces and sends each rank its piece of the result; under
+DDP, when asked (``spread_replicated``; the CLI's default on CPU), owners send every rank their results. Matrices
+no owner can take (DDP's otherwise, a mesh over part of the ranks) are orthogonalised whole on every rank (the
+shards gathered first). ``MuonNS.describe_layout`` says which. One process runs the step it always did.
 """
 
 from __future__ import annotations
@@ -28,13 +28,20 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import AdamW, Muon
 
 from astrai_fabric.optim.composite import CompositeOptimizer, evaluate_closure, fused_if_possible, is_matrix_param
-from astrai_fabric.optim.muon_owners import OwnerPlan, exchange, local_rows, matrix_layout
+from astrai_fabric.optim.muon_owners import OwnerPlan, exchange, local_block, matrix_layout
 from astrai_fabric.torch_private import muon_init_group
 
 OWNER_ROUND_BYTES = 256 * 2**20
 """The most bytes of whole matrices an owner rank assembles at once (``muon_owners.OwnerPlan.rounds``): one
 round (two all-to-alls) per step for models whose matrices fit, a few more rounds for larger ones, instead of each
 rank holding its whole share (~1/W of every matrix) at once. The old path held one matrix at a time."""
+
+STACK_MAX_NUMEL = 2**13
+"""The largest matrix (elements) an owner stacks with others of its shape for one batched Newton-Schulz
+(``newton_schulz`` on a stack); larger ones run alone. Measured on CPU, one thread (``bench/muon_distributed.py
+--stack``, docs/performance.md): stacks of 64 x 128 matrices ran 1.1-1.5x faster, from 128 x 256 up (MoE experts'
+sizes included) 0.8-0.9x, results bit-identical either way. Not measured on a GPU, where batched products should
+win at larger sizes too."""
 
 ADAMW_BETAS = (0.9, 0.95)
 """AdamW's betas in ``muon_adamw`` and ``mano_adamw`` (torch's default second beta is 0.999)."""
@@ -48,17 +55,24 @@ def resolve_ns_dtype(ns_dtype: str, device: torch.device) -> torch.dtype:
 
 
 def newton_schulz(matrix: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float, dtype) -> Tensor:
-    """Quintic Newton-Schulz orthogonalisation (Muon), torch's algorithm with the working ``dtype`` a parameter."""
+    """Quintic Newton-Schulz orthogonalisation (Muon), torch's algorithm with the working ``dtype`` a parameter.
+
+    ``matrix`` may also be a stack of same-shape matrices (``[count, rows, cols]``), each orthogonalised alone with
+    batched products: an owner's many small matrices (MoE experts) then cost one kernel and one Python pass per
+    product instead of one per matrix. A single matrix takes torch's own operations."""
     a, b, c = coefficients
     x = matrix.to(dtype)
-    transposed = matrix.size(0) > matrix.size(1)
+    stacked = matrix.dim() == 3
+    transposed = matrix.size(-2) > matrix.size(-1)
     if transposed:
-        x = x.T
-    x = x / x.norm().clamp(min=eps)  # spectral norm at most 1
+        x = x.mT
+    norm = x.norm(dim=(-2, -1), keepdim=True) if stacked else x.norm()
+    x = x / norm.clamp(min=eps)  # spectral norm at most 1
+    product = torch.baddbmm if stacked else torch.addmm
     for _ in range(steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.T if transposed else x
+        gram = x @ x.mT
+        x = product(x, product(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.mT if transposed else x
 
 
 class MuonNS(Muon):
@@ -66,15 +80,15 @@ class MuonNS(Muon):
     per matrix across the ranks where the layout allows (see the module docstring).
 
     ``spread_replicated`` (default False): under DDP (plain tensors on several ranks, every rank holding the same
-    matrices and gradients) each rank orthogonalises only the matrices it owns and one all-gather of the results
-    per step hands every rank all of them. It trades each rank's share ``(W - 1) / W`` of the iteration's FLOPs
-    (``muon_owners.newton_schulz_flops``, ~``30 n^3`` for an ``n x n`` matrix at 5 steps) for receiving the
-    same share of the matrices' bytes (``4 n^2`` in float32): ~``7.5 n`` FLOPs saved per byte received, which
-    pays where a rank's matrix throughput over its link bandwidth is below that (fast interconnects, large
-    matrices) and not over slow links; the CLI turns it on for CPU processes, where it measured faster
-    (``muon_owners.resolve_spread_replicated``). It also applies to HSDP with one
-    shard per replica (a replicated DTensor). FSDP's and HSDP's sharded matrices are always spread: where rows
-    split evenly that costs no more communication than the gather it replaces.
+    matrices and gradients) each rank orthogonalises only the matrices it owns and sends them to every other rank
+    (one all-to-all per step: an all-gather's bytes). It trades each rank's share ``(W - 1) / W`` of the
+    iteration's FLOPs (``muon_owners.newton_schulz_flops``, ~``30 n^3`` for an ``n x n`` matrix at 5 steps) for
+    receiving the same share of the matrices' bytes (``4 n^2`` in float32): ~``7.5 n`` FLOPs saved per byte
+    received, which pays where a rank's matrix throughput over its link bandwidth is below that (fast
+    interconnects, large matrices) and not over slow links; the CLI turns it on for CPU processes, where it
+    measured faster (``muon_owners.resolve_spread_replicated``). It also applies to HSDP with one shard per
+    replica (a replicated DTensor). Sharded matrices are always spread: where they split evenly that costs no more
+    communication than the gather it replaces.
     """
 
     def __init__(
@@ -155,10 +169,23 @@ class MuonNS(Muon):
             return
         spread = [(index, param, update) for index, param, update in work if plan.owners[index] is not None]
 
-        def orthogonalise(index: int, whole: Tensor) -> Tensor:
-            group = group_of[index]
-            args = (group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
-            return newton_schulz(whole, *args).to(whole.dtype)
+        def orthogonalise(wholes: dict[int, Tensor]) -> dict[int, Tensor]:
+            """The matrices this rank owns, orthogonalised: small ones of one shape and settings stacked
+            (``newton_schulz`` on a stack), any other alone as one process does it."""
+            batches: dict[tuple, list[int]] = {}
+            for index, whole in wholes.items():
+                group = group_of[index]
+                settings = (tuple(group["ns_coefficients"]), group["ns_steps"], group["eps"], self.ns_dtype)
+                stackable = whole.numel() <= STACK_MAX_NUMEL
+                batches.setdefault((tuple(whole.shape), whole.dtype, settings, stackable), []).append(index)
+            done = {}
+            for (_, dtype, settings, stackable), indices in batches.items():
+                if stackable and len(indices) > 1:
+                    stacked = newton_schulz(torch.stack([wholes[i] for i in indices]), *settings).to(dtype)
+                    done |= dict(zip(indices, stacked.unbind(), strict=True))
+                else:
+                    done |= {i: newton_schulz(wholes[i], *settings).to(dtype) for i in indices}
+            return done
 
         results = exchange(
             plan,
@@ -166,7 +193,7 @@ class MuonNS(Muon):
             {index: update for index, _, update in spread if update is not None},
             {index: param for index, param, _ in spread},
             orthogonalise,
-            local_rows(work[0][1]).device,
+            local_block(work[0][1]).device,
             self.owner_round_bytes,
         )
         # The rate torch's step would have used where one process hands the step to torch (plain, bfloat16).

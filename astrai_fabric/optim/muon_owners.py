@@ -1,46 +1,54 @@
 """Muon's Newton-Schulz done once per matrix across the ranks: which rank owns which matrix, and the collectives
-that bring an owner its matrices' row blocks and take the results back (``optim.muon.MuonNS`` uses it; issue 42).
+that bring an owner its matrices' pieces and take the results back (``optim.muon.MuonNS`` uses it; issue 42).
 
 Why: the iteration needs the whole matrix, so under FSDP every rank used to gather every matrix and orthogonalise
-all of them, and under DDP every rank orthogonalised every matrix too: each rank did one process's whole work.
-Here each matrix gets one owner among all the world's ranks (replicas included), chosen by a greedy balance of the
-iteration's FLOPs (``assign_owners``), computed from shapes alone, so every rank derives the same table.
+all of them, and under DDP and tensor parallelism every rank orthogonalised every matrix too: each rank did one
+process's whole work. Here each matrix gets one owner among all the world's ranks (replicas included), chosen by a
+greedy balance of the iteration's FLOPs (``assign_owners``), computed from shapes alone, so every rank derives the
+same table.
 
-How a matrix is held (``MatrixLayout``): the world's ranks as a grid of replicas x shards, each shard a block of
-rows (DTensor's ``Shard(0)``, torch.chunk's sizes). FSDP is one replica of W shards, HSDP R replicas of S shards,
-DDP (plain tensors) W replicas of one shard. A step is then:
+How a matrix is held (``MatrixLayout``): each rank holds one rectangle of it, and the distinct rectangles tile it
+as a grid. DDP's plain tensors are one rectangle, the whole, held by every rank; FSDP's ``Shard(0)`` a column of
+row blocks; HSDP the same row blocks on each replica; FSDP over tensor parallelism (a 2-D mesh) row blocks within
+the tensor-parallel split of rows or columns. Where torch places each rank's rectangle comes from the DTensor's
+mesh and placements (``layout_from_mesh``). A step is then, per round:
 
-- sharded matrices (S > 1): one ``all_to_all_single`` brings each owner the row blocks of its matrices from the
-  ranks of its own replica; the owner orthogonalises each whole matrix; a second ``all_to_all_single`` sends each
-  rank of every replica its rows of the result (in rounds that cap the whole matrices an owner holds at once,
-  ``OwnerPlan.rounds``: one round per step unless a rank's share is large). Per rank and step, with rows that
-  split evenly and balanced owners, that receives about ``2 (W - 1) / W**2`` of the matrices' bytes for FSDP (the
-  all-gather it replaces received ``(W - 1) / W``: equal at 2 ranks, less above) and ``(W + S - 2) / (S W)`` for
-  HSDP against ``(S - 1) / S`` (never more when S >= 2). Uneven row blocks can cost an owner holding a short block
-  a row per matrix more;
-- replicated matrices (S = 1; DDP): each owner orthogonalises its own, and one ``all_gather_single`` over a flat
-  buffer (each rank's results padded to the largest rank's) hands every rank every result. That communication is
-  new (DDP needed none), so ``MuonNS`` does it only when asked (``spread_replicated``).
+- one ``all_to_all_single`` brings each owner one copy of every rectangle of its matrices that it does not hold
+  itself, each from the holder nearest after it in rank order (so replicas share the sending); the owner
+  orthogonalises each whole matrix. Under DDP every owner already holds its matrices whole and this collective is
+  skipped;
+- a second ``all_to_all_single`` sends every other rank its rectangle of each result (the whole matrix under DDP:
+  an all-gather of the results, which DDP did not need before, so ``MuonNS`` does it only when asked,
+  ``spread_replicated``).
 
-Anything else (tensor-parallel placements, a mesh that is not the whole world, two sharded mesh dimensions) is not
-spread: its ``MatrixLayout`` is a reason string, and ``MuonNS`` runs the gather-everywhere path for it.
+Per rank and step, with blocks that split evenly and balanced owners, a sharded layout receives about
+``2 (W - 1) / W**2`` of the matrices' bytes for FSDP against the ``(W - 1) / W`` of the all-gather it replaces
+(equal at 2 ranks, less above), and no more for HSDP or FSDP x TP. Rounds cap the whole matrices an owner holds at
+once (``OwnerPlan.rounds``: one round per step unless a rank's share is large).
 
-The pure parts (assignment, row blocks, what goes to whom) take no process group, so tests can simulate any grid.
+Anything else (a mesh over part of the ranks, a ``Partial`` placement, rectangles that do not tile) is not spread:
+its ``MatrixLayout`` is a reason string, and ``MuonNS`` runs the gather-everywhere path for it.
+
+The pure parts (layouts from a mesh's ranks, assignment, what goes to whom) take no process group, so tests can
+simulate any grid.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement
+
+from astrai_fabric.torch_private import mesh_block
 
 REPLICATED_OFF = "replicated on every rank: spread only with MuonNS(spread_replicated=True), at one all-gather's cost"
-TENSOR_PARALLEL = "tensor parallel"
+SUB_MESH = "a mesh over part of the ranks"
 
 
 def planned_layout(
@@ -48,13 +56,16 @@ def planned_layout(
 ) -> str | None:
     """What ``OwnerPlan.describe`` will say of a run, from its flags alone (the plan prints it before any process
     group exists, the dry run without one): None for one process. ``shards_per_replica``: FSDP's shard size (1
-    under DDP)."""
+    under DDP); ``tp_size``: tensor parallelism's, whose split the same owners undo (its mesh is FSDP's, every
+    rank's)."""
     if world_size == 1:
         return None
-    if (tp_size or 1) > 1:
-        return f"every rank orthogonalises every matrix ({TENSOR_PARALLEL})"
+    once = f"each matrix orthogonalised once, by one of {world_size} ranks (its owner gathers only its shards)"
+    if parallel_mode == "fsdp" and (tp_size or 1) > 1:
+        # Matrices tensor parallelism keeps whole live on FSDP's mesh alone, a mesh over part of the ranks.
+        return f"{once}; any that tensor parallelism keeps whole (MoE experts, MLA's latent projections) by every rank"
     if parallel_mode == "fsdp" and shards_per_replica > 1:
-        return f"each matrix orthogonalised once, by one of {world_size} ranks (its owner gathers only its shards)"
+        return once
     if spread_replicated:
         return f"each matrix orthogonalised once, by one of {world_size} ranks (the results all-gathered)"
     return "every rank orthogonalises every matrix (replicated: --muon_spread_replicated true spreads it)"
@@ -62,7 +73,7 @@ def planned_layout(
 
 def resolve_spread_replicated(spread_replicated: bool | None, device_type: str) -> bool:
     """``--muon_spread_replicated``: None → on for CPU processes, where ``bench/muon_distributed.py`` measured the
-    spread DDP step faster (215 against 346 ms on 2 gloo ranks), off elsewhere until a benchmark there decides."""
+    spread DDP step faster (173 against 278 ms on 2 gloo ranks), off elsewhere until a benchmark there decides."""
     return device_type == "cpu" if spread_replicated is None else spread_replicated
 
 
@@ -85,64 +96,93 @@ def assign_owners(costs: Sequence[float], world_size: int) -> tuple[int, ...]:
     return tuple(owners)
 
 
-def shard_rows(rows: int, shards: int, index: int) -> tuple[int, int]:
-    """Rows ``[start, stop)`` of shard ``index`` of ``shards`` along dim 0, as DTensor's ``Shard(0)`` splits them
-    (torch.chunk's sizes: ``ceil(rows / shards)`` each, the last ones short or empty)."""
-    size = -(-rows // shards)
-    start = min(index * size, rows)
-    return start, min(start + size, rows)
+Block = tuple[int, int, int, int]
+"""Rows ``[r0, r1)`` and columns ``[c0, c1)`` of a matrix: what one rank holds of it."""
+
+
+def block_numel(block: Block) -> int:
+    return (block[1] - block[0]) * (block[3] - block[2])
 
 
 @dataclass(frozen=True)
 class MatrixLayout:
-    """How the world holds one matrix: ``grid[replica][shard]`` is the global rank holding that shard's rows."""
+    """How the world holds one matrix: ``blocks[rank]``, the rectangle of it that rank holds. Ranks holding the
+    same rectangle are replicas of it; the distinct non-empty rectangles tile the matrix (``layout_from_mesh``
+    checks)."""
 
     shape: tuple[int, int]
     dtype: torch.dtype
-    grid: tuple[tuple[int, ...], ...]
-    places: dict[int, tuple[int, int]] = field(init=False, repr=False, compare=False)
+    blocks: tuple[Block, ...]
+    holders: dict[Block, tuple[int, ...]] = field(init=False, repr=False, compare=False)
+    """Each distinct non-empty rectangle and the ranks holding it, rectangles in (row, column) order."""
 
     def __post_init__(self) -> None:
-        places = {rank: (r, s) for r, row in enumerate(self.grid) for s, rank in enumerate(row)}
-        object.__setattr__(self, "places", places)
+        holders: dict[Block, list[int]] = {}
+        for rank, block in enumerate(self.blocks):
+            if block_numel(block):
+                holders.setdefault(block, []).append(rank)
+        object.__setattr__(self, "holders", {block: tuple(holders[block]) for block in sorted(holders)})
 
     @property
-    def shards(self) -> int:
-        return len(self.grid[0])
+    def replicated(self) -> bool:
+        """Every rank holds the matrix whole (DDP's plain tensors, HSDP with one shard per replica)."""
+        return tuple(self.holders) == (self.whole,) and len(self.holders[self.whole]) == len(self.blocks)
 
-    def rows_of(self, rank: int) -> tuple[int, int]:
-        """The rows ``rank`` holds."""
-        return shard_rows(self.shape[0], self.shards, self.places[rank][1])
+    @property
+    def whole(self) -> Block:
+        return 0, self.shape[0], 0, self.shape[1]
 
-    def numel(self, rows: tuple[int, int]) -> int:
-        return (rows[1] - rows[0]) * self.shape[1]
+    def source(self, block: Block, owner: int) -> int:
+        """The holder of ``block`` that sends it to ``owner``: the owner itself where it holds it, else the next
+        holder after it in rank order (so a replicated block's sends spread over its replicas, one per owner)."""
+        world_size = len(self.blocks)
+        return min(self.holders[block], key=lambda rank: (rank - owner) % world_size)
+
+
+def layout_from_mesh(
+    shape: tuple[int, int], dtype: torch.dtype, mesh_ranks: Tensor, placements: Sequence[Placement]
+) -> MatrixLayout | str:
+    """The ``MatrixLayout`` of a ``shape`` DTensor with ``placements`` over a mesh whose global ranks, by
+    coordinate, are ``mesh_ranks`` (covering every rank of the world), or why it has none: each rank's rectangle
+    as torch's distributed checkpointing computes it (``torch_private.mesh_block``: ``Shard`` and FSDP2's strided
+    shard over tensor parallelism alike), accepted only when the distinct rectangles form a grid that tiles the
+    matrix (rows split one way, columns another; a strided shard whose rows interleave would not)."""
+    if any(getattr(p, "dim", None) is None and not p.is_replicate() for p in placements):
+        return f"placements {tuple(placements)}"
+    blocks: list[Block | None] = [None] * mesh_ranks.numel()
+    for coordinate in itertools.product(*(range(size) for size in mesh_ranks.shape)):
+        size, offset = mesh_block(shape, tuple(mesh_ranks.shape), coordinate, placements)
+        blocks[int(mesh_ranks[coordinate])] = (offset[0], offset[0] + size[0], offset[1], offset[1] + size[1])
+    layout = MatrixLayout(shape, dtype, tuple(blocks))
+    rows = sorted({(b[0], b[1]) for b in layout.holders})
+    cols = sorted({(b[2], b[3]) for b in layout.holders})
+    tiles = (
+        len(layout.holders) == len(rows) * len(cols)
+        and all(a[1] == b[0] for a, b in itertools.pairwise(rows))
+        and all(a[1] == b[0] for a, b in itertools.pairwise(cols))
+        and (rows[0][0], rows[-1][1], cols[0][0], cols[-1][1]) == layout.whole
+    )
+    return layout if tiles else f"placements {tuple(placements)}: not a grid of rectangles"
 
 
 def matrix_layout(param: Tensor, world_size: int) -> MatrixLayout | str:
     """``param``'s ``MatrixLayout`` over ``world_size`` ranks, or why it cannot have one. Plain tensors are taken
-    as replicated on every rank (DDP's promise); a DTensor qualifies when its mesh holds every rank and each
-    placement is ``Replicate`` or ``Shard(0)``, at most one of them sharded."""
+    as replicated on every rank (DDP's promise); a DTensor qualifies when its mesh holds every rank
+    (``layout_from_mesh``)."""
     shape, dtype = (int(param.shape[0]), int(param.shape[1])), param.dtype
     if not isinstance(param, DTensor):
-        return MatrixLayout(shape, dtype, tuple((rank,) for rank in range(world_size)))
-    mesh, placements = param.device_mesh, param.placements
-    ranks = mesh.mesh
+        return MatrixLayout(shape, dtype, ((0, shape[0], 0, shape[1]),) * world_size)
+    ranks = param.device_mesh.mesh
     if sorted(ranks.flatten().tolist()) != list(range(world_size)):
-        return TENSOR_PARALLEL  # a sub-mesh: the other ranks (tensor parallelism's) hold copies it cannot see
-    sharded = [d for d, p in enumerate(placements) if type(p) is Shard and p.dim == 0]
-    replicated = [d for d, p in enumerate(placements) if type(p) is Replicate]
-    if len(sharded) > 1 or len(sharded) + len(replicated) != len(placements):
-        names = mesh.mesh_dim_names or ()
-        return TENSOR_PARALLEL if "tensor_parallel" in names else f"placements {tuple(placements)}"
-    grid = ranks.permute(*replicated, *sharded).reshape(-1, ranks.size(sharded[0]) if sharded else 1)
-    return MatrixLayout(shape, dtype, tuple(tuple(row) for row in grid.tolist()))
+        return SUB_MESH  # the other ranks hold copies this mesh cannot reach
+    return layout_from_mesh(shape, dtype, ranks, param.placements)
 
 
 class Piece(NamedTuple):
-    """Rows of one matrix travelling between this rank and ``peer``."""
+    """A rectangle of one matrix travelling between this rank and ``peer``."""
 
     matrix: int
-    rows: tuple[int, int]
+    block: Block
     peer: int
 
 
@@ -155,7 +195,8 @@ class OwnerPlan:
     world_size: int
     rank: int
     routes: dict[tuple, tuple] = field(default_factory=dict, init=False, repr=False, compare=False)
-    """``gather_pieces``, ``scatter_pieces`` and ``replicated_segments`` by their arguments: the same every step."""
+    """What ``gather_pieces``, ``scatter_pieces``, ``moves_rectangles`` and ``needs_update`` worked out, by their
+    arguments: the same every step."""
 
     @classmethod
     def build(
@@ -164,7 +205,7 @@ class OwnerPlan:
         """Owners for the layouts that can be spread (replicated ones only when ``replicated``), balanced by
         ``newton_schulz_flops`` with each matrix's ``steps``."""
         layouts = [
-            REPLICATED_OFF if isinstance(lay, MatrixLayout) and lay.shards == 1 and not replicated else lay
+            REPLICATED_OFF if isinstance(lay, MatrixLayout) and lay.replicated and not replicated else lay
             for lay in layouts
         ]
         spread = [i for i, lay in enumerate(layouts) if isinstance(lay, MatrixLayout)]
@@ -183,10 +224,15 @@ class OwnerPlan:
         return self.owners[index] in (None, self.rank)
 
     def needs_update(self, index: int) -> bool:
-        """Whether this rank must compute matrix ``index``'s momentum update: it holds part of a sharded matrix
-        (its owner needs it), or orthogonalises the matrix itself."""
-        layout = self.layouts[index]
-        return self.orthogonalised_here(index) or (isinstance(layout, MatrixLayout) and layout.shards > 1)
+        """Whether this rank must compute matrix ``index``'s momentum update: it orthogonalises the matrix, or sends
+        its owner a rectangle of it."""
+        if self.orthogonalised_here(index):
+            return True
+        key = ("needs", index)
+        if key not in self.routes:
+            layout, owner = self.layouts[index], self.owners[index]
+            self.routes[key] = any(layout.source(block, owner) == self.rank for block in layout.holders)
+        return self.routes[key]
 
     def describe(self) -> str:
         """One line for the plan: which path each matrix takes."""
@@ -213,7 +259,7 @@ class OwnerPlan:
         used: dict[int, int] = {}
         for m in active:
             layout, owner = self.layouts[m], self.owners[m]
-            size = layout.numel((0, layout.shape[0])) * layout.dtype.itemsize
+            size = block_numel(layout.whole) * layout.dtype.itemsize
             if owner not in batches or (batches[owner][-1] and used[owner] + size > round_bytes):
                 batches.setdefault(owner, []).append([])
                 used[owner] = 0
@@ -222,109 +268,108 @@ class OwnerPlan:
         count = max((len(b) for b in batches.values()), default=0)
         return [sorted(m for b in batches.values() if k < len(b) for m in b[k]) for k in range(count)]
 
-    def owned_flops(self, steps: Sequence[int]) -> list[int]:
-        """Newton-Schulz FLOPs each rank runs per step under this plan."""
-        flops = [0] * self.world_size
-        for index, layout in enumerate(self.layouts):
-            if isinstance(layout, MatrixLayout):
-                flops[self.owners[index]] += newton_schulz_flops(*layout.shape, steps[index])
-        return flops
-
     def gather_pieces(self, active: Sequence[int]) -> tuple[list[Piece], list[Piece]]:
-        """What this rank sends and receives so each owner holds its sharded matrices whole: its row block of each
-        matrix owned in its replica, and every row block of its own matrices from the ranks of its replica. Both
-        lists are ordered by peer, then matrix, as ``all_to_all_single`` lays out its segments."""
+        """What this rank sends and receives so each owner holds its matrices whole: one copy of every distinct
+        rectangle the owner does not hold, from its ``MatrixLayout.source``. Both lists are ordered by peer, then
+        matrix and rectangle, as ``all_to_all_single`` lays out its segments."""
         key = ("gather", tuple(active))
         if key not in self.routes:
             sends, recvs = [], []
-            for peer, m, layout, owner in self._sharded_by_peer(active):
-                if layout.places[owner][0] == layout.places[self.rank][0] == layout.places[peer][0]:  # one replica
-                    if owner == peer:
-                        sends.append(Piece(m, layout.rows_of(self.rank), peer))
+            for m in active:
+                layout, owner = self.layouts[m], self.owners[m]
+                for block in layout.holders:
+                    source = layout.source(block, owner)
+                    if source == owner:
+                        continue  # the owner's own rectangle: taken where it lies
+                    if source == self.rank:
+                        sends.append(Piece(m, block, owner))
                     if owner == self.rank:
-                        recvs.append(Piece(m, layout.rows_of(peer), peer))
-            self.routes[key] = sends, recvs
+                        recvs.append(Piece(m, block, source))
+            self.routes[key] = by_peer(sends), by_peer(recvs)
         return self.routes[key]
 
     def scatter_pieces(self, active: Sequence[int]) -> tuple[list[Piece], list[Piece]]:
-        """What this rank sends and receives so every rank of every replica gets its rows of each result."""
+        """What this rank sends and receives so every other rank gets its rectangle of each result (the whole
+        matrix, for a replicated one: the all-gather of DDP's results)."""
         key = ("scatter", tuple(active))
         if key not in self.routes:
             sends, recvs = [], []
-            for peer, m, layout, owner in self._sharded_by_peer(active):
+            for m in active:
+                layout, owner = self.layouts[m], self.owners[m]
                 if owner == self.rank:
-                    sends.append(Piece(m, layout.rows_of(peer), peer))
-                if owner == peer:
-                    recvs.append(Piece(m, layout.rows_of(self.rank), peer))
-            self.routes[key] = sends, recvs
+                    sends += [Piece(m, block, peer) for peer, block in enumerate(layout.blocks) if peer != owner]
+                elif owner is not None:
+                    recvs.append(Piece(m, layout.blocks[self.rank], owner))
+            self.routes[key] = by_peer(sends), by_peer(recvs)
         return self.routes[key]
 
-    def _sharded_by_peer(self, active: Sequence[int]) -> Iterator[tuple[int, int, MatrixLayout, int]]:
-        """``(peer, matrix, layout, owner)`` for every peer and every sharded matrix of ``active``, peer first: the
-        order ``all_to_all_single`` lays out its segments in."""
-        for peer in range(self.world_size):
-            for m in active:
-                layout = self.layouts[m]
-                if isinstance(layout, MatrixLayout) and layout.shards > 1:
-                    yield peer, m, layout, self.owners[m]
-
-    def replicated_segments(self, active: Sequence[int]) -> tuple[int, dict[int, tuple[int, int]]]:
-        """The all-gather of replicated results: each rank's segment length (the largest rank's results) and, per
-        matrix, its owner and offset inside the owner's segment."""
-        key = ("replicated", tuple(active))
-        if key in self.routes:
-            return self.routes[key]
-        used, where = [0] * self.world_size, {}
-        for m in active:
-            layout, owner = self.layouts[m], self.owners[m]
-            if isinstance(layout, MatrixLayout) and layout.shards == 1:
-                where[m] = (owner, used[owner])
-                used[owner] += layout.numel((0, layout.shape[0]))
-        self.routes[key] = max(used), where
-        return max(used), where
+    def moves_rectangles(self, active: Sequence[int]) -> bool:
+        """Whether any owner lacks a rectangle of the matrices it owns in ``active`` (every rank answers alike)."""
+        key = ("moves", tuple(active))
+        if key not in self.routes:
+            self.routes[key] = any(
+                self.layouts[m].source(block, self.owners[m]) != self.owners[m]
+                for m in active
+                for block in self.layouts[m].holders
+            )
+        return self.routes[key]
 
     def split_sizes(self, pieces: Sequence[Piece]) -> list[int]:
         """Elements per peer, for ``all_to_all_single``."""
         sizes = [0] * self.world_size
         for piece in pieces:
-            sizes[piece.peer] += self.layouts[piece.matrix].numel(piece.rows)
+            sizes[piece.peer] += block_numel(piece.block)
         return sizes
 
 
-def unpack(plan: OwnerPlan, pieces: Sequence[Piece], flat: Tensor) -> list[Tensor]:
-    """``flat`` cut into ``pieces`` (views), each shaped as its rows."""
+def by_peer(pieces: list[Piece]) -> list[Piece]:
+    """``pieces`` grouped by peer, in order within each (a stable sort): ``all_to_all_single``'s segments."""
+    return sorted(pieces, key=lambda piece: piece.peer)
+
+
+def unpack(pieces: Sequence[Piece], flat: Tensor) -> list[Tensor]:
+    """``flat`` cut into ``pieces`` (views), each shaped as its rectangle."""
     out, offset = [], 0
     for piece in pieces:
-        layout = plan.layouts[piece.matrix]
-        size = layout.numel(piece.rows)
-        out.append(flat[offset : offset + size].view(piece.rows[1] - piece.rows[0], layout.shape[1]))
-        offset += size
+        r0, r1, c0, c1 = piece.block
+        out.append(flat[offset : offset + block_numel(piece.block)].view(r1 - r0, c1 - c0))
+        offset += block_numel(piece.block)
     return out
 
 
 def pack(
     pieces: Sequence[Piece], source: Callable[[Piece], Tensor], dtype: torch.dtype, device: torch.device
 ) -> Tensor:
-    """The flat send buffer: each piece's rows (``source``) in order."""
+    """The flat send buffer: each piece's rectangle (``source``) in order."""
     parts = [source(piece).reshape(-1).to(dtype) for piece in pieces]
     return torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=device)
 
 
-def assemble(plan: OwnerPlan, recvs: Sequence[Piece], blocks: Sequence[Tensor]) -> dict[int, Tensor]:
-    """Each owned matrix whole, from its received row blocks."""
-    by_matrix: dict[int, list[tuple[int, Tensor]]] = {}
+def assemble(plan: OwnerPlan, owned: Sequence[int], recvs: Sequence[Piece], blocks: Sequence[Tensor], local) -> dict:
+    """Each matrix of ``owned`` whole: this rank's own rectangle (``local(index)``) and the received ones. A matrix
+    this rank holds whole (a replicated one) is its own update, not a copy."""
+    received: dict[int, list[tuple[Block, Tensor]]] = {}
     for piece, block in zip(recvs, blocks, strict=True):
-        by_matrix.setdefault(piece.matrix, []).append((piece.rows[0], block))
-    return {m: torch.cat([block for _, block in sorted(parts, key=lambda p: p[0])]) for m, parts in by_matrix.items()}
+        received.setdefault(piece.matrix, []).append((piece.block, block))
+    wholes = {}
+    for m in owned:
+        layout, own = plan.layouts[m], plan.layouts[m].blocks[plan.rank]
+        if own == layout.whole:
+            wholes[m] = local(m)
+            continue
+        whole = wholes[m] = local(m).new_empty(layout.shape)
+        for rectangle, block in [(own, local(m)), *received.get(m, [])]:
+            whole[block_slices(rectangle)] = block
+    return wholes
 
 
-def local_rows(update: Tensor) -> Tensor:
-    """This rank's rows of an update: a DTensor's local shard, or a plain tensor whole."""
+def local_block(update: Tensor) -> Tensor:
+    """This rank's rectangle of an update: a DTensor's local shard, or a plain tensor whole."""
     return update.to_local() if isinstance(update, DTensor) else update
 
 
 def like(result: Tensor, param: Tensor) -> Tensor:
-    """``result`` (this rank's rows) as ``param`` holds it: a DTensor with its mesh and placements, or plain."""
+    """``result`` (this rank's rectangle) as ``param`` holds it: a DTensor with its mesh and placements, or plain."""
     if not isinstance(param, DTensor):
         return result
     return DTensor.from_local(
@@ -337,66 +382,59 @@ def exchange(
     active: Sequence[int],
     updates: dict[int, Tensor],
     params: dict[int, Tensor],
-    orthogonalise: Callable[[int, Tensor], Tensor],
+    orthogonalise: Callable[[dict[int, Tensor]], dict[int, Tensor]],
     device: torch.device,
     round_bytes: int | None = None,
 ) -> dict[int, Tensor]:
     """The spread matrices' orthogonalised updates, each shaped and placed as its parameter.
 
     ``active``: the spread matrices stepped now (every rank passes the same list); ``updates``: this rank's
-    momentum updates of those it ``needs_update``; ``orthogonalise(index, whole)``: the iteration, run here on the
-    matrices this rank owns; ``round_bytes``: the most bytes of whole matrices an owner holds at once
-    (``OwnerPlan.rounds``). Collectives per dtype and round: two ``all_to_all_single`` for sharded matrices, one
-    ``all_gather_single`` for replicated ones, each skipped (on every rank alike) when no matrix needs it."""
+    momentum updates of those it ``needs_update``; ``orthogonalise(wholes)``: the iteration over the matrices this
+    rank owns in a round, by index; ``round_bytes``: the most bytes of whole matrices an owner holds at once
+    (``OwnerPlan.rounds``). Collectives per dtype and round: an ``all_to_all_single`` bringing owners their
+    rectangles (skipped, on every rank alike, where every owner holds its matrices whole: DDP) and one returning
+    each rank its rectangles of the results."""
     results: dict[int, Tensor] = {}
     for dtype in sorted({plan.layouts[m].dtype for m in active}, key=str):  # one flat buffer per dtype
         chosen = [m for m in active if plan.layouts[m].dtype == dtype]
         for batch in plan.rounds(chosen, round_bytes):
-            results |= _exchange_sharded(plan, batch, updates, params, orthogonalise, dtype, device)
-            results |= _exchange_replicated(plan, batch, updates, params, orthogonalise, dtype, device)
+            results |= _exchange_round(plan, batch, updates, params, orthogonalise, dtype, device)
     return results
 
 
-def _exchange_sharded(plan, active, updates, params, orthogonalise, dtype, device) -> dict[int, Tensor]:
-    if not any(plan.layouts[m].shards > 1 for m in active):  # decided alike on every rank: all call, or none
-        return {}
-    sends, recvs = plan.gather_pieces(active)
-    for m in active:
-        if m in updates and plan.layouts[m].shards > 1:
-            rows = plan.layouts[m].rows_of(plan.rank)
-            expected = (rows[1] - rows[0], plan.layouts[m].shape[1])
-            assert tuple(local_rows(updates[m]).shape) == expected, (m, expected, tuple(updates[m].shape))
-    flat_in = pack(sends, lambda piece: local_rows(updates[piece.matrix]), dtype, device)
+def _all_to_all(plan: OwnerPlan, sends, recvs, source: Callable[[Piece], Tensor], dtype, device) -> list[Tensor]:
+    """One ``all_to_all_single`` of ``sends`` (each piece's rectangle from ``source``) into ``recvs``' views."""
+    flat_in = pack(sends, source, dtype, device)
     flat_out = torch.empty(sum(plan.split_sizes(recvs)), dtype=dtype, device=device)
     dist.all_to_all_single(flat_out, flat_in, plan.split_sizes(recvs), plan.split_sizes(sends))
-    del flat_in
-    wholes = assemble(plan, recvs, unpack(plan, recvs, flat_out))
-    del flat_out
-    done = {m: orthogonalise(m, whole).to(dtype) for m, whole in wholes.items()}
+    return unpack(recvs, flat_out)
+
+
+def _exchange_round(plan, active, updates, params, orthogonalise, dtype, device) -> dict[int, Tensor]:
+    def local(m: int) -> Tensor:
+        block = local_block(updates[m])
+        r0, r1, c0, c1 = plan.layouts[m].blocks[plan.rank]
+        assert tuple(block.shape) == (r1 - r0, c1 - c0), (m, plan.layouts[m].blocks[plan.rank], tuple(block.shape))
+        return block
+
+    owned = [m for m in active if plan.owners[m] == plan.rank]
+    sends, recvs = plan.gather_pieces(active)
+    received = []
+    if plan.moves_rectangles(active):  # the same answer on every rank: all call, or none
+        received = _all_to_all(plan, sends, recvs, lambda piece: local(piece.matrix), dtype, device)
+    wholes = assemble(plan, owned, recvs, received, local)
+    del received  # views of the receive buffer: freed before the iterations run
+    done = {m: result.to(dtype) for m, result in orthogonalise(wholes).items()}
     del wholes
     sends, recvs = plan.scatter_pieces(active)
-    flat_in = pack(sends, lambda piece: done[piece.matrix][piece.rows[0] : piece.rows[1]], dtype, device)
-    flat_out = torch.empty(sum(plan.split_sizes(recvs)), dtype=dtype, device=device)
-    dist.all_to_all_single(flat_out, flat_in, plan.split_sizes(recvs), plan.split_sizes(sends))
-    blocks = unpack(plan, recvs, flat_out)
-    return {piece.matrix: like(rows, params[piece.matrix]) for piece, rows in zip(recvs, blocks, strict=True)}
-
-
-def _exchange_replicated(plan, active, updates, params, orthogonalise, dtype, device) -> dict[int, Tensor]:
-    segment, where = plan.replicated_segments(active)
-    if not where:
-        return {}
-    owned = [m for m in where if where[m][0] == plan.rank]
-    flat_in = torch.zeros(segment, dtype=dtype, device=device)
+    returned = _all_to_all(
+        plan, sends, recvs, lambda piece: done[piece.matrix][block_slices(piece.block)], dtype, device
+    )
+    results = {piece.matrix: like(block, params[piece.matrix]) for piece, block in zip(recvs, returned, strict=True)}
     for m in owned:
-        offset, size = where[m][1], plan.layouts[m].numel((0, plan.layouts[m].shape[0]))
-        flat_in[offset : offset + size] = orthogonalise(m, local_rows(updates[m])).to(dtype).reshape(-1)
-    flat_out = torch.empty(segment * plan.world_size, dtype=dtype, device=device)
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-    all_gather(flat_out, flat_in)
-    results = {}
-    for m, (owner, offset) in where.items():
-        start = owner * segment + offset
-        whole = flat_out[start : start + plan.layouts[m].numel((0, plan.layouts[m].shape[0]))]
-        results[m] = like(whole.view(plan.layouts[m].shape), params[m])
+        results[m] = like(done[m][block_slices(plan.layouts[m].blocks[plan.rank])], params[m])
     return results
+
+
+def block_slices(block: Block) -> tuple[slice, slice]:
+    return slice(block[0], block[1]), slice(block[2], block[3])
