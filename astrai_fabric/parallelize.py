@@ -1,9 +1,9 @@
 """Model parallelism for ``ModelParallelStrategy``: tensor parallelism, then FSDP2. The only ``fully_shard`` importer.
 
-Fabric's mesh has two axes, ``data_parallel`` x ``tensor_parallel``. With ``fsdp_shard_size`` S below the
-data-parallel size D, the model gets a mesh of three instead, ``replicate`` (D/S) x ``shard`` (S) x
-``tensor_parallel``, and FSDP2 shards over ``shard`` and replicates over ``replicate`` (HSDP, torch's
-``fully_shard`` on a 2-D mesh). On the tensor axis (``--tp_size``) each decoder block's attention splits its heads
+The meshes come from ``mesh.build_meshes`` (one layout for every dimension): FSDP2 shards over the data ranks
+(``fsdp_shard_size`` of them, times the context ranks) and replicates over the rest (HSDP, torch's ``fully_shard``
+on a 2-D mesh); with ``cp_size`` the attention modules exchange sequence for heads over the context group
+(``model.context_parallel``). On the tensor axis (``--tp_size``) each decoder block's attention splits its heads
 (q/k/v, the gate, MLA's ``kv_b_proj`` column-wise; ``o_proj`` row-wise) and the dense MLP splits its width
 (``up``/``gate`` column-wise, ``down`` row-wise); embeddings, norms, the head and MoE experts stay whole (the
 per-head q/k norms too, their gradients summed over the ranks' heads, and MLA's shared RoPE key head, each rank
@@ -11,18 +11,13 @@ taking its heads' share and the backward pass summing all of theirs). On the dat
 FSDP unit, and so is the root: it holds the embedding, final norm and ``lm_head``, so a tied embedding stays one
 parameter (AstrAI shards ``embed_tokens`` and ``lm_head`` apart and unties them, B4), and every parameter is a
 DTensor: torch's gradient clipping refuses plain tensors and DTensors mixed.
-
-The HSDP mesh is a new ``init_device_mesh`` over the same ranks in the same row-major order as Fabric's (which
-builds its own the same way), so a rank's data-parallel index ``replica * S + shard`` is the one Fabric's sampler
-arguments report. Unflattening Fabric's ``data_parallel`` axis (``DeviceMesh._unflatten``, torch 2.13) would keep
-one root mesh, but it is private and missing from older torch versions this package supports (>= 2.9).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -34,7 +29,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 from astrai_fabric.errors import ConfigError
+from astrai_fabric.mesh import build_meshes, mesh_layout
 from astrai_fabric.model.attention import MLA
+from astrai_fabric.model.context_parallel import check_context_parallel, enable_context_parallel
 from astrai_fabric.model.ffn import MLP
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -48,6 +45,7 @@ def parallelize(
     reduce_dtype: str | None = None,
     cpu_offload: bool = False,
     fsdp_shard_size: int | None = None,
+    cp_size: int | None = None,
 ) -> nn.Module:
     """Apply tensor parallelism and FSDP2 to ``model`` (called by Fabric in ``setup_module``).
 
@@ -55,13 +53,19 @@ def parallelize(
     more all-gather in backward; AstrAI keeps them, False); ``param_dtype``/``reduce_dtype`` set FSDP2's
     mixed-precision policy (e.g. bfloat16 compute with float32 gradient reduction over float32 master weights);
     ``cpu_offload`` keeps sharded parameters, gradients and optimizer state in CPU memory; ``fsdp_shard_size``:
-    ranks each parameter is sharded over (default: all data-parallel ranks), replicated over the rest (HSDP).
+    data ranks each parameter is sharded over (default: all data-parallel ranks), replicated over the rest (HSDP);
+    ``cp_size``: ranks of a context group, each holding 1/cp of every window's tokens (``model.context_parallel``),
+    FSDP sharding over them too.
     """
-    fsdp_mesh, tp_mesh = split_mesh(device_mesh, fsdp_shard_size)
-    if tp_mesh.size() > 1:
-        apply_tensor_parallel(model, tp_mesh)
+    layout = mesh_layout(device_mesh.size(), device_mesh["tensor_parallel"].size(), fsdp_shard_size, cp_size)
+    meshes = build_meshes(device_mesh, layout)
+    if meshes.tensor.size() > 1:
+        apply_tensor_parallel(model, meshes.tensor)
+    if meshes.context is not None:
+        check_context_parallel(model.config, layout.cp, layout.tp)
+        enable_context_parallel(model, meshes.context.get_group())
     options = dict(
-        mesh=fsdp_mesh,
+        mesh=meshes.fsdp,
         reshard_after_forward=reshard_after_forward,
         mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES.get(param_dtype), reduce_dtype=DTYPES.get(reduce_dtype)),
         offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
@@ -70,29 +74,6 @@ def parallelize(
         fully_shard(block, **options)
     fully_shard(model, **options)
     return model
-
-
-FSDP_DIMS = ("replicate", "shard")
-"""HSDP's mesh axes, outer to inner: a parameter is replicated over the first and sharded over the second."""
-
-
-def split_mesh(device_mesh: DeviceMesh, fsdp_shard_size: int | None) -> tuple[DeviceMesh, DeviceMesh]:
-    """FSDP's mesh and the tensor-parallel one. Fabric's own axes when every data-parallel rank holds one shard
-    (``fsdp_shard_size`` None or D); otherwise those of a new ``(replicate, shard, tensor_parallel)`` mesh over
-    the same ranks, ``data_parallel`` split into D/S replicas of S shards (collective: every rank must call it)."""
-    data_parallel = device_mesh["data_parallel"].size()
-    if fsdp_shard_size is None or fsdp_shard_size == data_parallel:
-        return device_mesh["data_parallel"], device_mesh["tensor_parallel"]
-    if data_parallel % fsdp_shard_size:
-        raise ConfigError(f"fsdp_shard_size {fsdp_shard_size} must divide the data-parallel size {data_parallel}")
-    shape = (data_parallel // fsdp_shard_size, fsdp_shard_size, device_mesh["tensor_parallel"].size())
-    mesh = init_device_mesh(device_mesh.device_type, shape, mesh_dim_names=(*FSDP_DIMS, "tensor_parallel"))
-    # Row-major like Fabric's, so a rank has the same place in both: its data-parallel index (the sampler's) is
-    # replica * S + shard, and its tensor-parallel group, which must read the same samples, is Fabric's.
-    replica, shard = (mesh[name].get_local_rank() for name in FSDP_DIMS)
-    assert replica * fsdp_shard_size + shard == device_mesh["data_parallel"].get_local_rank()
-    assert mesh["tensor_parallel"].get_local_rank() == device_mesh["tensor_parallel"].get_local_rank()
-    return mesh[FSDP_DIMS], mesh["tensor_parallel"]
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:

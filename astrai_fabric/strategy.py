@@ -5,7 +5,7 @@
 - ``fsdp`` → ``ModelParallelStrategy`` running ``parallelize`` (FSDP2 ``fully_shard`` on every decoder block and
   the root), with explicit mesh sizes (Lightning's ``"auto"`` would put every rank on the tensor axis of one node,
   leaving FSDP a data mesh of one rank and every rank all the data); ``--fsdp_shard_size`` below the data-parallel
-  size makes it HSDP (``FSDPLayout``).
+  size makes it HSDP, ``--cp_size`` adds context parallelism (``mesh.MeshLayout``).
 
 Any mode with a world of one process trains on a single device; ``astrai-fabric evaluate`` gets DDP's process group
 and launcher only (``evaluation_fabric``). Launching: the CLI launches ``nprocs`` local
@@ -30,6 +30,7 @@ from torch import nn
 
 from astrai_fabric.errors import ConfigError
 from astrai_fabric.loggers import build_loggers
+from astrai_fabric.mesh import mesh_layout
 from astrai_fabric.parallelize import parallelize
 
 
@@ -76,37 +77,6 @@ def resolve_topology(nprocs: int = 1, num_nodes: int = 1) -> Topology:
             stacklevel=2,
         )
     return topology
-
-
-@dataclass(frozen=True)
-class FSDPLayout:
-    """How FSDP's ranks are arranged: ``replicas`` groups of ``shards`` ranks, each rank a group of ``tp`` for
-    tensor parallelism. One replica is plain FSDP; more is HSDP (sharded inside a group, replicated across)."""
-
-    replicas: int
-    shards: int
-    tp: int = 1
-
-    def describe(self) -> str:
-        """``2 replica(s) x 2 shard(s) x 2 tensor-parallel``, for the plan."""
-        tp = f" x {self.tp} tensor-parallel" if self.tp > 1 else ""
-        return f"{self.replicas} replica(s) x {self.shards} shard(s){tp}"
-
-
-def fsdp_layout(world_size: int, tp_size: int | None, fsdp_shard_size: int | None) -> FSDPLayout:
-    """The layout ``--tp_size`` and ``--fsdp_shard_size`` ask of ``world_size`` ranks, checked (None: the
-    default, 1 and every data-parallel rank)."""
-    tp_size = tp_size or 1
-    if world_size % tp_size:
-        raise ConfigError(f"tp_size {tp_size} must divide the world size {world_size}")
-    data_parallel_size = world_size // tp_size
-    shards = fsdp_shard_size or data_parallel_size
-    if data_parallel_size % shards:
-        raise ConfigError(
-            f"fsdp_shard_size {shards} must divide the data-parallel size {data_parallel_size} (world size "
-            f"{world_size} / tp_size {tp_size}); the ranks per node is the usual choice"
-        )
-    return FSDPLayout(data_parallel_size // shards, shards, tp_size)
 
 
 def resolve_accelerator(device_type: str | None) -> str:
@@ -191,6 +161,7 @@ class FabricArgs:
     backend: str | None
     dist_timeout: float
     tp_size: int | None
+    cp_size: int | None
     fsdp_shard_size: int | None
     fsdp_reshard_after_forward: bool
     fsdp_param_dtype: str | None
@@ -209,7 +180,9 @@ def build_fabric(args: FabricArgs, topology: Topology) -> Fabric:
     world_size = topology.world_size
     if world_size == 1 and (args.tp_size or 1) > 1:
         raise ConfigError(f"tp_size {args.tp_size} needs at least {args.tp_size} processes (--nprocs)")
-    layout = fsdp_layout(world_size, args.tp_size, args.fsdp_shard_size) if args.parallel_mode == "fsdp" else None
+    layout = None
+    if args.parallel_mode == "fsdp":
+        layout = mesh_layout(world_size, args.tp_size, args.fsdp_shard_size, args.cp_size)
     if world_size == 1:
         strategy = "auto"
     elif args.parallel_mode == "none":
@@ -233,11 +206,12 @@ def build_fabric(args: FabricArgs, topology: Topology) -> Fabric:
             reduce_dtype=args.fsdp_reduce_dtype,
             cpu_offload=args.fsdp_cpu_offload,
             fsdp_shard_size=layout.shards,
+            cp_size=layout.cp,
         )
         strategy = ModelParallelStrategy(
             parallelize_fn=partial(parallelize, **knobs),
             # explicit: Lightning's "auto" would put every rank on TP
-            data_parallel_size=layout.replicas * layout.shards,
+            data_parallel_size=layout.num_dp_ranks * layout.cp,
             tensor_parallel_size=layout.tp,
             process_group_backend=args.backend,
             timeout=timedelta(seconds=args.dist_timeout),
@@ -274,9 +248,25 @@ def setup_frozen(fabric: Fabric, module: nn.Module) -> nn.Module:
     to wrap a module with nothing to train, and has nothing to synchronise)."""
     module = fabric.strategy.precision.convert_module(module.requires_grad_(False).eval())
     if is_fsdp(fabric):
-        shard_size = fsdp_shard_size_of(fabric)
-        return parallelize(module, fabric.strategy.device_mesh, reshard_after_forward=True, fsdp_shard_size=shard_size)
+        layout = dict(fsdp_shard_size=fsdp_shard_size_of(fabric), cp_size=cp_size_of(fabric))
+        return parallelize(module, fabric.strategy.device_mesh, reshard_after_forward=True, **layout)
     return fabric.to_device(module)
+
+
+def _our_parallelize(fabric: Fabric) -> dict[str, Any] | None:
+    """The keywords of the Fabric's ``parallelize_fn`` when it is ours (a partial of ``parallelize``), else None:
+    a function of the user's own, whose layout only it knows."""
+    # Lightning keeps the function private (pinned <2.7); a partial of ours is the only kind we can read.
+    function = getattr(fabric.strategy, "_parallelize_fn", None)
+    if not (is_fsdp(fabric) and isinstance(function, partial) and function.func is parallelize):
+        return None
+    return function.keywords
+
+
+def cp_size_of(fabric: Fabric) -> int:
+    """The context-parallel size the Fabric's ``parallelize`` applies (1 for any other strategy)."""
+    keywords = _our_parallelize(fabric) if fabric.world_size > 1 else None
+    return (keywords or {}).get("cp_size") or 1
 
 
 def fsdp_shard_size_of(fabric: Fabric) -> int | None:
@@ -285,11 +275,10 @@ def fsdp_shard_size_of(fabric: Fabric) -> int | None:
     strategy, or a ``parallelize_fn`` of the user's own (whose layout only it knows)."""
     if fabric.world_size == 1:
         return 1
-    # Lightning keeps the function private (pinned <2.7); a partial of ours is the only kind we can read.
-    function = getattr(fabric.strategy, "_parallelize_fn", None)
-    if not (is_fsdp(fabric) and isinstance(function, partial) and function.func is parallelize):
+    keywords = _our_parallelize(fabric)
+    if keywords is None:
         return None
-    return function.keywords.get("fsdp_shard_size") or data_parallel(fabric).num_dp_ranks
+    return keywords.get("fsdp_shard_size") or data_parallel(fabric).num_dp_ranks
 
 
 def check_fsdp_shard_size(fabric: Fabric, fsdp_shard_size: int | None) -> None:
@@ -306,18 +295,22 @@ def check_fsdp_shard_size(fabric: Fabric, fsdp_shard_size: int | None) -> None:
 
 
 class DataParallel(NamedTuple):
-    """This rank's place on the data axis: the ranks of one tensor-parallel group train on the same samples."""
+    """This rank's place on the data axis: the ranks of one tensor-parallel or context group train on the same
+    samples."""
 
     dp_rank: int
     """This rank's index among the data-parallel ranks."""
     num_dp_ranks: int
-    """Data-parallel ranks: the ones that consume different samples (the world size over ``tp_size``)."""
+    """Data-parallel ranks: the ones that consume different samples (the world size over ``tp_size`` x
+    ``cp_size``)."""
 
 
 def data_parallel(fabric: Fabric) -> DataParallel:
-    """Where this rank sits on the data axis (``DataParallel``)."""
+    """Where this rank sits on the data axis (``DataParallel``). Lightning's sampler arguments count the context
+    ranks as data ranks (its mesh's ``data_parallel`` axis holds them, ``mesh`` module): they are divided out."""
     kwargs = getattr(fabric.strategy, "distributed_sampler_kwargs", None) or {"rank": 0, "num_replicas": 1}
-    return DataParallel(kwargs["rank"], kwargs["num_replicas"])
+    cp_size = cp_size_of(fabric)
+    return DataParallel(kwargs["rank"] // cp_size, kwargs["num_replicas"] // cp_size)
 
 
 def set_cpu_threads(num_threads: int | None) -> None:

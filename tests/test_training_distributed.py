@@ -87,6 +87,11 @@ TP2 = dict(parallel_mode="fsdp", tp_size=2, optimizer="muon_adamw")
 TP_RUNS = {"tp2": TP2, "tp2_loss_fused": dict(TP2, loss_chunk_size=7)}  # the head stays whole on the tensor axis
 RESUME = dict(max_steps=6, ckpt_interval=3, optimizer="muon_adamw")
 SFT = dict(train_type="sft", data_root_path="bundled:data/sft")
+# Context parallelism over both ranks (one data-parallel rank: each takes the single process's batch): seq with the
+# fused loss (CPU's default) and Muon, sft's packed documents (masks at their boundaries, prompt tokens untrained)
+# with the logits path.
+CP2 = dict(parallel_mode="fsdp", cp_size=2, optimizer="muon_adamw")
+CP_RUNS = {"cp2_seq": CP2, "cp2_sft": dict(CP2, **SFT, loss_chunk_size=0)}
 # Hugging Face directories (built with transformers in the fixture): Qwen3 (q/k norm before RoPE, heads x head_dim
 # != hidden) under FSDP, Qwen2 (q/k/v biases) under tensor parallelism, and the MoE families with their routers'
 # aux loss under FSDP: Qwen2-MoE (gated shared expert, a dense layer between MoE layers) and Qwen3-MoE, which also
@@ -161,6 +166,10 @@ def two_rank_worker(root: str) -> None:
         (root / "bf16_compute.json").write_text(json.dumps(history))
     # Tensor parallelism over both ranks: one data-parallel rank, so each rank takes the single process's batch.
     for name, overrides in TP_RUNS.items():
+        history = run(base_args(root / name, nprocs=2, **overrides))
+        if os.environ["RANK"] == "0":
+            (root / f"{name}.json").write_text(json.dumps(history))
+    for name, overrides in CP_RUNS.items():
         history = run(base_args(root / name, nprocs=2, **overrides))
         if os.environ["RANK"] == "0":
             (root / f"{name}.json").write_text(json.dumps(history))
@@ -290,12 +299,26 @@ def test_tensor_parallel_matches_one_process(two_rank_runs, tmp_path, name):
     assert_weights_close(weights(two_rank_runs / name, 3), weights(tmp_path, 3), atol=1e-5)
 
 
+@pytest.mark.parametrize("name", list(CP_RUNS))
+def test_context_parallel_matches_one_process(two_rank_runs, tmp_path, name):
+    overrides = {key: value for key, value in CP_RUNS[name].items() if key not in ("parallel_mode", "cp_size")}
+    reference = run(base_args(tmp_path, **overrides))
+    history = json.loads((two_rank_runs / f"{name}.json").read_text())
+    assert [r["loss"] for r in history] == pytest.approx([r["loss"] for r in reference], rel=1e-5)
+    assert [r["grad_norm"] for r in history] == pytest.approx([r["grad_norm"] for r in reference], rel=5e-5)
+    assert_weights_close(weights(two_rank_runs / name, 3), weights(tmp_path, 3), atol=1e-5)
+
+
 def tp_and_fsdp_worker(root: str) -> None:
     from test_muon_distributed import fsdp_tp_worker
 
     history = run(base_args(Path(root), nprocs=4, batch_per_device=1, **TP2))
     if os.environ["RANK"] == "0":
         (Path(root) / "history.json").write_text(json.dumps(history))
+    # FSDP over 2 data ranks x 2 context ranks: sft's packed documents, 1 sample per data rank.
+    history = run(base_args(Path(root) / "cp", nprocs=4, batch_per_device=1, **CP_RUNS["cp2_sft"]))
+    if os.environ["RANK"] == "0":
+        (Path(root) / "cp.json").write_text(json.dumps(history))
     fsdp_tp_worker(str(Path(root) / "optimizers.pt"))  # the 4 processes, once more: Muon, Mano and Nora alone
 
 
@@ -309,6 +332,13 @@ def test_tensor_parallel_with_fsdp_on_four_ranks(tmp_path):
     history = json.loads((tmp_path / "four" / "history.json").read_text())
     assert [r["loss"] for r in history] == pytest.approx([r["loss"] for r in reference], abs=1e-5)
     assert_weights_close(weights(tmp_path / "four", 3), weights(tmp_path / "one", 3), atol=1e-5)
+    # FSDP 2 x context 2 against one process taking the same 1-sample micro-batches in sequence (sft averages
+    # per-micro-batch token means): 2 data ranks x 2 accumulation = 4.
+    sft = {key: value for key, value in CP_RUNS["cp2_sft"].items() if key not in ("parallel_mode", "cp_size")}
+    reference = run(base_args(tmp_path / "cp_one", batch_per_device=1, grad_accum_steps=4, **sft))
+    history = json.loads((tmp_path / "four" / "cp.json").read_text())
+    assert [r["loss"] for r in history] == pytest.approx([r["loss"] for r in reference], rel=1e-5)
+    assert_weights_close(weights(tmp_path / "four" / "cp", 3), weights(tmp_path / "cp_one", 3), atol=1e-5)
 
 
 def test_online_grpo_runs_on_two_fsdp_ranks(two_rank_runs):

@@ -120,7 +120,7 @@ CASES = [
      "fsdp_shard_size needs parallel_mode fsdp"),
     (tiny("{w}/new", "--fsdp_shard_size", "0", "--parallel_mode", "fsdp"), "fsdp_shard_size must be positive, got 0"),
     (tiny("{w}/new", "--parallel_mode", "fsdp", "--nprocs", "4", "--fsdp_shard_size", "3"),
-     "fsdp_shard_size 3 must divide the data-parallel size 4 (world size 4 / tp_size 1)"),
+     "fsdp_shard_size 3 must divide the data-parallel size 4 (world size 4)"),
     # bundled: names are read wherever a model is; the tiny model has no weights, which is said in one line
     (["export", "bundled:tiny"], "assets/tiny: has no weights (no model.safetensors or model.safetensors.index.json"),
     (["export", "bundled:tiny", "--format", "hf", "--out", "{w}/new"], "assets/tiny: has no weights"),

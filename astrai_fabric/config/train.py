@@ -368,6 +368,12 @@ class TrainArgs(TrainChecks):
     tp_size: int | None = None
     """Tensor-parallel degree (AstrAI accepts and discards it): attention heads and MLP width are split over groups
     of this many ranks (parallel_mode fsdp), and the world size must be a multiple of it."""
+    cp_size: int | None = None
+    """Context-parallel degree (parallel_mode fsdp): each rank of a group of this many holds 1/cp_size of every
+    window's positions, attention trading positions for heads by all-to-all (DeepSpeed-Ulysses), so activation
+    memory per rank falls with it for long windows. It must divide the world size (with ``tp_size``), the attention
+    heads per tensor-parallel rank and the window; the group's ranks read the same samples, and FSDP shards over them
+    too. seq and sft only for now (docs/distributed.md)."""
     fsdp_reshard_after_forward: bool = False
     """FSDP: free each block's gathered parameters after its forward (less memory, one more all-gather in backward);
     AstrAI keeps them (false)."""
@@ -382,7 +388,8 @@ class TrainArgs(TrainChecks):
     fsdp_shard_size: int | None = None
     """FSDP: ranks each parameter is sharded over, the other data-parallel ranks holding replicas of those shards
     (HSDP), so that between shard groups only one gradient all-reduce per step travels; it must divide the
-    data-parallel size (world size / ``tp_size``). Default: all data-parallel ranks (plain FSDP). Across nodes the
+    data-parallel size (world size / ``tp_size`` / ``cp_size``: context ranks are not counted, FSDP shards over them
+    as well). Default: all data-parallel ranks (plain FSDP). Across nodes the
     ranks per node is the usual choice (docs/distributed.md)."""
     sharded_checkpoint: bool = False
     """FSDP: save the resume state with torch distributed checkpoint, each rank writing its shard into the

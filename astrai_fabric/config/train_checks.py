@@ -33,7 +33,7 @@ POSITIVE = (
 """Counts of at least 1."""
 OPTIONAL_POSITIVE = (
     "window_size", "stride", "max_steps", "stop_after_steps", "max_tokens", "tp_size", "cycle_length",
-    "keep_last_k", "num_threads", "fsdp_shard_size",
+    "keep_last_k", "num_threads", "fsdp_shard_size", "cp_size",
 )  # fmt: skip
 """Counts of at least 1, or None (unset)."""
 NON_NEGATIVE = (
@@ -41,6 +41,8 @@ NON_NEGATIVE = (
     "start_epoch", "start_samples", "max_lr", "max_bad_steps", "nora_lr",
 )  # fmt: skip
 """Amounts of at least 0."""
+CONTEXT_PARALLEL_TYPES = ("seq", "sft")
+"""The train types ``--cp_size`` applies to: fixed windows that split evenly over the group."""
 SPELLED = {"nprocs": "nprocs (devices)"}
 """A field's name in messages where users also spell it another way (the CLI's aliases: ``--devices``)."""
 
@@ -187,12 +189,44 @@ class TrainChecks:
             problems.append(f"dist_timeout must be > 0, got {self.dist_timeout}")
         if (self.tp_size or 1) > 1 and self.parallel_mode != "fsdp":
             problems.append(f"tp_size {self.tp_size} needs parallel_mode fsdp (the 2-D mesh), got {self.parallel_mode}")
+        problems += self._context_parallel_problems()
         if self.fsdp_shard_size is not None and self.parallel_mode != "fsdp":
             problems.append(f"fsdp_shard_size needs parallel_mode fsdp, got {self.parallel_mode}")
         if self.sharded_checkpoint and self.parallel_mode != "fsdp":
             problems.append(f"sharded_checkpoint needs parallel_mode fsdp, got {self.parallel_mode}")
         if self.device_type not in (None, "cpu", "cuda"):
             problems.append(f"device_type must be cpu or cuda, got {self.device_type!r}")
+        return problems
+
+    def _context_parallel_problems(self) -> list[str]:
+        """``--cp_size``: with FSDP, for seq and sft, on windows it splits (the model's heads are checked where the
+        model is known: ``model.context_parallel.check_context_parallel``)."""
+        cp_size = self.cp_size or 1
+        if cp_size == 1:
+            return []
+        if self.parallel_mode != "fsdp":
+            return [
+                f"cp_size {cp_size} needs parallel_mode fsdp (FSDP shards over the context ranks), got "
+                f"{self.parallel_mode}: use --parallel_mode fsdp"
+            ]
+        problems = []
+        if self.train_type not in (None, *CONTEXT_PARALLEL_TYPES):
+            problems.append(
+                f"cp_size {cp_size}: context parallelism trains {' and '.join(CONTEXT_PARALLEL_TYPES)} for now, "
+                f"not {self.train_type}"
+            )
+        if self.train_type == "sft" and not self.packing:
+            problems.append(
+                f"cp_size {cp_size} with packing false: one sample per record pads to lengths the group cannot "
+                "split evenly; keep packing on (the default) for context parallelism"
+            )
+        if self.window_size is not None and self.window_size % cp_size:
+            problems.append(f"cp_size {cp_size} must divide window_size {self.window_size} (each rank's share)")
+        if self.neftune_alpha:
+            problems.append(
+                f"cp_size {cp_size} with neftune_alpha: NEFTune scales its noise by the sequence length, and each "
+                "rank would see its positions' length only"
+            )
         return problems
 
     def _output_problems(self) -> list[str]:

@@ -14,17 +14,28 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from astrai_fabric.config.model import ModelConfig
+from astrai_fabric.model.context_parallel import ContextGroup, heads_to_seq, repeat_kv_for, seq_to_heads
 from astrai_fabric.model.kv_cache import KVCache
 from astrai_fabric.model.layers import Linear, RMSNorm, apply_rotary_emb, yarn_mscale
 
 
 def sdpa(
-    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, scale: float | None = None, softcap: float | None = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    context: ContextGroup | None = None,
 ) -> Tensor:
     """``q``/``k [B,S,H|K,D]``, ``v [B,S,K,Dv]`` → ``[B,S,H*Dv]``; causal exactly when no mask is given (AstrAI);
     ``scale`` multiplies ``q.k`` before the softmax, None meaning ``1/sqrt(D)``; ``softcap`` c caps the scaled scores
     to ``c * tanh(scores / c)`` before the mask (Gemma 2), which torch's fused kernels cannot, so only then are the
-    scores materialised."""
+    scores materialised. With a ``context`` group, ``S`` is this rank's positions and ``attn_mask`` the whole
+    window's: the heads are traded for positions around the attention (``model.context_parallel``)."""
+    if context is not None:
+        k, v = repeat_kv_for(k, v, q.size(2), context)
+        q, k, v = (seq_to_heads(t, context) for t in (q, k, v))
     n_rep = q.size(2) // k.size(2)
     if n_rep > 1:  # AstrAI's repeat_kv: each key/value head serves n_rep consecutive query heads
         k = k.repeat_interleave(n_rep, dim=2)
@@ -34,7 +45,8 @@ def sdpa(
         out = F.scaled_dot_product_attention(q, k, v, attn_mask, is_causal=attn_mask is None, scale=scale)
     else:
         out = _softcapped_attention(q, k, v, attn_mask, q.size(-1) ** -0.5 if scale is None else scale, softcap)
-    return out.transpose(1, 2).flatten(2)
+    out = out.transpose(1, 2)
+    return (out if context is None else heads_to_seq(out, context)).flatten(2)
 
 
 def _softcapped_attention(
@@ -86,6 +98,7 @@ class GQA(nn.Module):
         self.q_norm = RMSNorm(q_norm_dim, config.rms_norm_eps, offset) if config.use_qk_norm else None
         self.k_norm = RMSNorm(k_norm_dim, config.rms_norm_eps, offset) if config.use_qk_norm else None
         self.gate = Linear(dim, width) if config.use_gated_attention else None
+        self.context_parallel: ContextGroup | None = None  # set by parallelize (``--cp_size``)
 
     def forward(self, x: Tensor, rotary: Tensor, attn_mask: Tensor | None, kv_cache: KVCache | None = None) -> Tensor:
         # Heads counted from the tensors, not the config: tensor parallelism leaves each rank a slice of them.
@@ -99,7 +112,8 @@ class GQA(nn.Module):
             q, k = self._qk_norm(q), self._qk_norm(k, key=True)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_id, k, v)
-        out = sdpa(q, k, v, attn_mask, self.scale, self.softcap)
+        context = self.context_parallel if kv_cache is None else None  # generation: every position on each rank
+        out = sdpa(q, k, v, attn_mask, self.scale, self.softcap, context)
         if self.gate is not None:
             out = out * torch.sigmoid(self.gate(x))
         return self.o_proj(out)
@@ -158,6 +172,7 @@ class MLA(nn.Module):
         self.o_proj = Linear(width, dim, init_std=0.02 / (2 * config.num_hidden_layers) ** 0.5)
         self.gate = Linear(dim, width) if config.use_gated_attention else None
         self.softmax_scale = _softmax_scale(config)
+        self.context_parallel: ContextGroup | None = None  # set by parallelize (``--cp_size``)
 
     def forward(self, x: Tensor, rotary: Tensor, attn_mask: Tensor | None, kv_cache: KVCache | None = None) -> Tensor:
         q = self.q_proj(x if self.q_a_proj is None else self.q_a_norm(self.q_a_proj(x)))
@@ -179,7 +194,8 @@ class MLA(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if kv_cache is not None:  # caches the full keys and values (not the latent), simple and exact
             k, v = kv_cache.update(self.layer_id, k, v)
-        out = sdpa(q, k, v, attn_mask, self.softmax_scale)
+        context = self.context_parallel if kv_cache is None else None
+        out = sdpa(q, k, v, attn_mask, self.softmax_scale, context=context)
         if self.gate is not None:
             out = out * torch.sigmoid(self.gate(x))
         return self.o_proj(out)

@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.losses import token_logprobs
 from astrai_fabric.model.attention import GQA, MLA
+from astrai_fabric.model.context_parallel import ContextGroup, gather_output
 from astrai_fabric.model.ffn import MLP, DeepSeekMoE
 from astrai_fabric.model.head import LanguageHead, ModelOutput, TokenLoss
 from astrai_fabric.model.kv_cache import KVCache
@@ -165,6 +166,7 @@ class AutoRegressiveLM(nn.Module):
                 config.rope_dim, config.max_position_embeddings, config.rope_local_theta
             )
         self.gradient_checkpointing = False  # recompute each block in the backward pass (less memory)
+        self.context_parallel: ContextGroup | None = None  # set by parallelize (``--cp_size``)
         # Same traversal as AstrAI's `self.apply(_init_weights)`, hence the same random stream per seed.
         self.apply(_reset)
         if config.score_head:  # every pair starts level (loss log 2), on any sharding: transformers draws N(0, 0.02)
@@ -199,6 +201,11 @@ class AutoRegressiveLM(nn.Module):
         (``losses.head_nll_loss``: no logits recomputed in the backward); ``token_nll`` is then detached.
         """
         hidden_states, aux_loss, router_stats = self.trunk(input_ids, input_mask, position_ids, kv_cache)
+        context = self.context_parallel if kv_cache is None else None
+        if context is not None:  # the trunk kept this rank's positions: the head and its loss take the same
+            mine = context.positions(input_ids.size(1))
+            nll_targets = None if nll_targets is None else nll_targets[:, mine]
+            nll_weights = None if nll_weights is None else nll_weights[:, mine]
         fused = nll_targets is not None and nll_chunk_size > 0
         if self.config.score_head:  # a reward model: one score per position (``reward_model.sequence_scores``)
             if nll_targets is not None:
@@ -207,6 +214,8 @@ class AutoRegressiveLM(nn.Module):
         else:
             loss = TokenLoss(nll_targets, nll_chunk_size, label_smoothing, nll_weights) if fused else None
             output = self.head(hidden_states, loss)
+        if context is not None:
+            output = gather_output(output, context)
         return dataclasses.replace(output, aux_loss=aux_loss, router_stats=router_stats)
 
     @property
@@ -222,7 +231,9 @@ class AutoRegressiveLM(nn.Module):
         kv_cache: KVCache | None = None,
     ) -> tuple[Tensor, Tensor | None, list[dict[str, Tensor]] | None]:
         """Everything before the head: ``(hidden_states [B,S,H]`` after the final norm, the MoE layers' mean
-        ``aux_loss`` and their ``router_stats``; both None without MoE layers). See ``forward``."""
+        ``aux_loss`` and their ``router_stats``; both None without MoE layers). See ``forward``. Under context
+        parallelism (without a cache) the hidden states are this rank's positions only, ``S / cp`` of them, the
+        masks and RoPE positions the whole window's (``model.context_parallel``)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
         batch, seq_len = input_ids.shape
@@ -242,7 +253,9 @@ class AutoRegressiveLM(nn.Module):
                     f"longrope: this generation crosses original_max_position_embeddings {switch}, where the cached "
                     "keys' frequencies (short factors) no longer apply; generate without a KV cache to go past it"
                 )
-        x = self.embed_tokens(input_ids)
+        context = self.context_parallel if kv_cache is None else None
+        mine = slice(None) if context is None else context.positions(seq_len)
+        x = self.embed_tokens(input_ids[:, mine])
         rotary = self.rotary_embedding(batch, seq_len, position_ids)
         attn_mask = process_attention_mask(input_mask)
         # Sliding-window layers (Gemma, ``layer_types``): the same mask cut to the window, their own RoPE if any.
@@ -252,6 +265,7 @@ class AutoRegressiveLM(nn.Module):
         if self.config.sliding_window is not None:
             past = kv_cache.length if kv_cache is not None else 0
             window_mask = sliding_window_mask(attn_mask, self.config.sliding_window, seq_len, past, input_ids.device)
+        rotary, local_rotary = rotary[:, mine], local_rotary[:, mine]
         aux_losses, router_stats = [], []
         recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for i, layer in enumerate(self.layers):

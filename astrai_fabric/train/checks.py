@@ -16,11 +16,13 @@ from astrai_fabric.checkpoint.state import STATE_DIR, load_optimizer_state
 from astrai_fabric.checkpoint.weights import host_memory_bytes
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import CheckpointError, UserError
+from astrai_fabric.mesh import mesh_layout
 from astrai_fabric.model import count_parameters, rope_table_bytes
+from astrai_fabric.model.context_parallel import check_context_parallel
 from astrai_fabric.optim import build_optimizer
 from astrai_fabric.quantize import BYTES_PER_WEIGHT, plan_quantization
 from astrai_fabric.schedule import StepPlan
-from astrai_fabric.strategy import Topology, fsdp_layout, is_fsdp, local_ranks, precision_of
+from astrai_fabric.strategy import Topology, is_fsdp, local_ranks, precision_of
 from astrai_fabric.train.models import meta_model
 from astrai_fabric.train.plan import optim_args
 from astrai_fabric.train.resume import check_position
@@ -44,8 +46,8 @@ class Placement:
         shards = 1
         if is_fsdp(fabric) and fabric.world_size > 1:
             try:
-                layout = fsdp_layout(fabric.world_size, args.tp_size, args.fsdp_shard_size)
-                shards = layout.shards * layout.tp
+                layout = mesh_layout(fabric.world_size, args.tp_size, args.fsdp_shard_size, args.cp_size)
+                shards = layout.num_fsdp_shards * layout.tp
             except UserError:  # a caller's own ModelParallelStrategy, laid out otherwise: at least as sharded
                 shards = 1
         return cls(fabric.device.type, precision_of(fabric), local_ranks(fabric), shards)
@@ -55,8 +57,8 @@ class Placement:
         shards = 1
         if args.parallel_mode == "fsdp" and topology.world_size > 1:
             try:
-                layout = fsdp_layout(topology.world_size, args.tp_size, args.fsdp_shard_size)
-                shards = layout.shards * layout.tp
+                layout = mesh_layout(topology.world_size, args.tp_size, args.fsdp_shard_size, args.cp_size)
+                shards = layout.num_fsdp_shards * layout.tp
             except UserError:  # the dry run lists the layout's own problem
                 shards = 1
         return cls(accelerator, precision, topology.devices, shards)
@@ -71,12 +73,29 @@ def preflight(args: TrainArgs, start: Start, plan: StepPlan, placement: Placemen
     except UserError as err:
         problems.append(str(err))
     problems += _memory_problems(args, start, placement)
+    problems += _context_parallel_problems(args, start)
     if start.resume is not None:
         try:
             check_position(start.resume, plan)
             _check_optimizer_state(args, start)
         except UserError as err:
             problems.append(str(err))
+    return problems
+
+
+def _context_parallel_problems(args: TrainArgs, start: Start) -> list[str]:
+    """``--cp_size`` against the model's heads and layers and the window the run resolved (the flags alone are
+    checked in ``TrainArgs``)."""
+    cp_size = args.cp_size or 1
+    if cp_size == 1 or args.parallel_mode != "fsdp":
+        return []
+    problems = []
+    try:
+        check_context_parallel(start.model_config, cp_size, args.tp_size or 1)
+    except UserError as err:
+        problems.append(str(err))
+    if args.window_size is None and start.window_size % cp_size:
+        problems.append(f"cp_size {cp_size} must divide the window ({start.window_size}, the model's default)")
     return problems
 
 

@@ -32,6 +32,7 @@ from astrai_fabric.checkpoint.state import STATE_DIR, load_optimizer_state, load
 from astrai_fabric.config.train import RECIPE_FILE, TrainArgs, resolved_recipe
 from astrai_fabric.errors import CheckpointError, UserError
 from astrai_fabric.loop import LoopArgs, LossFn, TrainState, fit
+from astrai_fabric.mesh import mesh_layout
 from astrai_fabric.metrics import MetricLog, flops_per_token, peak_flops
 from astrai_fabric.optim import build_optimizer
 from astrai_fabric.optim.muon_owners import planned_layout, resolve_spread_replicated
@@ -43,7 +44,6 @@ from astrai_fabric.schedule import ScheduleArgs, StepPlan
 from astrai_fabric.strategy import (
     data_parallel,
     describe_cpu_threads,
-    fsdp_layout,
     is_fsdp,
     local_ranks,
     precision_of,
@@ -174,8 +174,8 @@ def describe_run_plan(
     layout, shards = None, 1
     if is_fsdp(fabric) and world_size > 1:
         try:
-            fsdp = fsdp_layout(world_size, args.tp_size, args.fsdp_shard_size)
-            layout, shards = fsdp.describe(), fsdp.shards
+            fsdp = mesh_layout(world_size, args.tp_size, args.fsdp_shard_size, args.cp_size)
+            layout, shards = fsdp.describe(), fsdp.num_fsdp_shards
         except UserError:  # a caller's own ModelParallelStrategy, laid out otherwise: its layout is not ours to say
             layout = None
     mode = "fsdp" if is_fsdp(fabric) else "ddp"

@@ -12,11 +12,11 @@ from astrai_fabric.checkpoint.ownership import in_use_message, lock_holder, not_
 from astrai_fabric.config.train import RECIPE_FILE, RECIPE_HEADER, TrainArgs
 from astrai_fabric.errors import UserError
 from astrai_fabric.hub import HUB_FLAGS, looks_like_hub_id, pin_cached_flags
+from astrai_fabric.mesh import mesh_layout
 from astrai_fabric.optim.muon_owners import planned_layout, resolve_spread_replicated
 from astrai_fabric.schedule import StepPlan
 from astrai_fabric.strategy import (
     describe_cpu_threads,
-    fsdp_layout,
     planned_cpu_threads,
     resolve_accelerator,
     resolve_num_workers,
@@ -45,11 +45,11 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
     """Print the plan; return 0 when the run could start, 2 (after listing what is missing or in the way) otherwise."""
     problems: list[str] = []
     topology = resolve_topology(args.nprocs, args.num_nodes)
-    layout, shards = None, 1
+    layout, shards, num_dp_ranks = None, 1, topology.world_size
     if args.parallel_mode == "fsdp" and topology.world_size > 1:
         try:
-            fsdp = fsdp_layout(topology.world_size, args.tp_size, args.fsdp_shard_size)
-            layout, shards = fsdp.describe(), fsdp.shards
+            fsdp = mesh_layout(topology.world_size, args.tp_size, args.fsdp_shard_size, args.cp_size)
+            layout, shards, num_dp_ranks = fsdp.describe(), fsdp.num_fsdp_shards, fsdp.num_dp_ranks
         except UserError as err:
             problems.append(str(err))
     accelerator = resolve_accelerator(args.device_type)
@@ -91,7 +91,7 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
     if dataset is not None:
         train_set, val_set = split_validation(dataset, args.val_split, args.random_seed)
         data = describe_data(args, len(train_set), summary, val_set)
-        plan = step_plan(args, len(train_set), topology.world_size // (args.tp_size or 1))
+        plan = step_plan(args, len(train_set), num_dp_ranks)
         problems += preflight(args, start, plan, Placement.of_flags(args, topology, accelerator, precision))
         try:
             plan.check()

@@ -17,6 +17,7 @@ from astrai_fabric.checkpoint.position import RunPosition
 from astrai_fabric.config.train import HF_DEFAULT_WINDOW, TrainArgs
 from astrai_fabric.data.windows import PACKING_LINE
 from astrai_fabric.losses import REFERENCE_FREE, loss_chunk_reason
+from astrai_fabric.model.context_parallel import describe_context_parallel
 from astrai_fabric.model.ffn import describe_routing
 from astrai_fabric.optim import OptimArgs, optimizer_groups, optimizer_state_bytes, resolve_ns_dtype
 from astrai_fabric.optim.muon_owners import resolve_spread_replicated
@@ -310,6 +311,8 @@ def describe_plan(
         rows.append(("model", f"{assets.resolve(args.param_path)}: weights {weights}"))
         if routing := describe_routing(start.model_config):
             rows.append(("routing", routing))
+        if (args.cp_size or 1) > 1:
+            rows.append(("context", describe_context_parallel(start.model_config, args.cp_size, args.tp_size or 1)))
     if parameters is not None:
         rows.append(("parameters", parameters.describe()))
         if muon is not None and args.resolved_optimizer == "muon_adamw":

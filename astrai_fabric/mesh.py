@@ -1,0 +1,131 @@
+"""The device mesh: one layout for every parallel dimension, and the one place that builds meshes from it.
+
+Dimensions, outer to inner in torchtitan's order: data replicate (HSDP's replicas), data shard (FSDP's shards),
+context (``--cp_size``), tensor (``--tp_size``); pipeline stages will go outside them all. A rank's place is
+row-major over them, ``rank = ((replica * shards + shard) * cp + context) * tp + tensor``, which is also the order
+of Lightning's own 2-D mesh (``data_parallel`` x ``tensor_parallel``, ``data_parallel`` being replicas x shards x
+cp for it), so a rank keeps its place in both.
+
+Who uses which dimension:
+
+- FSDP shards each parameter over shard x context and replicates it over replicate, as torchtitan does: the ranks
+  of one context group hold different shards, not copies, and their gradients are averaged with the rest;
+- tensor parallelism splits heads and widths over tensor;
+- the context group exchanges sequence for heads inside attention (``model.context_parallel``);
+- the sampler: the data-parallel rank is ``replica * shards + shard`` of ``replicas * shards``; the ranks of one
+  context or tensor group read the same samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from astrai_fabric.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class MeshLayout:
+    """The sizes of the mesh's dimensions. One replica is plain FSDP, more is HSDP; DDP and one process have no
+    mesh of ours (their layout is ``replicas`` = world size of one shard each, for the sampler's arithmetic)."""
+
+    replicas: int
+    """Groups holding the same shards (HSDP); 1 for plain FSDP."""
+    shards: int
+    """Data ranks each parameter is sharded over (``--fsdp_shard_size``), context ranks not counted."""
+    cp: int = 1
+    """Ranks of a context group: each holds 1/cp of every window's tokens (``--cp_size``)."""
+    tp: int = 1
+    """Ranks of a tensor-parallel group (``--tp_size``)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.replicas * self.shards * self.cp * self.tp
+
+    @property
+    def num_dp_ranks(self) -> int:
+        """Ranks that read different samples."""
+        return self.replicas * self.shards
+
+    @property
+    def num_fsdp_shards(self) -> int:
+        """Ranks one parameter's FSDP shards are spread over: data shards x context."""
+        return self.shards * self.cp
+
+    def dp_rank(self, rank: int) -> int:
+        """``rank``'s index among the data-parallel ranks (the sampler's)."""
+        return rank // (self.cp * self.tp)
+
+    def describe(self) -> str:
+        """``2 replica(s) x 2 shard(s) x 2 context x 2 tensor-parallel``, for the plan (a dimension of 1 left out,
+        except replicas and shards); with context parallelism, FSDP's group as shard x cp."""
+        text = f"{self.replicas} replica(s) x {self.shards} shard(s)"
+        if self.cp > 1:
+            text += f" x {self.cp} context"
+        if self.tp > 1:
+            text += f" x {self.tp} tensor-parallel"
+        if self.cp > 1:
+            text += f"; FSDP shards over {self.shards} x {self.cp} = {self.num_fsdp_shards} rank(s)"
+        return text
+
+
+def mesh_layout(
+    world_size: int, tp_size: int | None = None, fsdp_shard_size: int | None = None, cp_size: int | None = None
+) -> MeshLayout:
+    """The layout ``--tp_size``, ``--cp_size`` and ``--fsdp_shard_size`` ask of ``world_size`` ranks under FSDP,
+    checked: one line naming the sizes that do not divide (None: the default, 1 for tp and cp, every data rank for
+    the shard size)."""
+    tp_size, cp_size = tp_size or 1, cp_size or 1
+    if world_size % (tp_size * cp_size):
+        named = " x ".join(f"{name} {size}" for name, size in (("cp_size", cp_size), ("tp_size", tp_size)) if size > 1)
+        raise ConfigError(f"{named} must divide the world size {world_size}")
+    data_ranks = world_size // (tp_size * cp_size)
+    shards = fsdp_shard_size or data_ranks
+    if data_ranks % shards:
+        others = "".join(f" / {name} {size}" for name, size in (("cp_size", cp_size), ("tp_size", tp_size)) if size > 1)
+        raise ConfigError(
+            f"fsdp_shard_size {shards} must divide the data-parallel size {data_ranks} (world size {world_size}"
+            f"{others}); the ranks per node is the usual choice"
+        )
+    return MeshLayout(data_ranks // shards, shards, cp_size, tp_size)
+
+
+class Meshes(NamedTuple):
+    """What ``parallelize`` applies each dimension over."""
+
+    fsdp: DeviceMesh
+    """1-D over shard x context, or 2-D (replicate, shard x context): HSDP."""
+    tensor: DeviceMesh
+    context: DeviceMesh | None
+    """None without context parallelism."""
+
+
+REPLICATE, SHARD, CONTEXT, TENSOR = "replicate", "shard", "context", "tensor_parallel"
+
+
+def build_meshes(lightning_mesh: DeviceMesh, layout: MeshLayout) -> Meshes:
+    """The meshes of ``layout`` (``mesh_layout`` of the same sizes) over the ranks of Lightning's mesh
+    (``data_parallel`` x ``tensor_parallel``): its
+    own axes when they already are plain FSDP's and tensor parallelism's, else new meshes over the same ranks in the
+    same row-major order (collective: every rank must call it). Context parallelism gets a mesh of its own whose
+    middle axis is the context group; FSDP's is ``(replicate, shard x context, tensor)``, so that FSDP and tensor
+    parallelism share one root mesh, as FSDP2 requires of 2-D parameters. (``DeviceMesh._flatten`` would give one
+    root for all, but it is private.)"""
+    if layout.replicas == 1 and layout.cp == 1:
+        return Meshes(lightning_mesh["data_parallel"], lightning_mesh["tensor_parallel"], None)
+    device_type = lightning_mesh.device_type
+    shape = (layout.replicas, layout.num_fsdp_shards, layout.tp)
+    fsdp_tp = init_device_mesh(device_type, shape, mesh_dim_names=(REPLICATE, SHARD, TENSOR))
+    fsdp = fsdp_tp[SHARD] if layout.replicas == 1 else fsdp_tp[(REPLICATE, SHARD)]
+    context = None
+    if layout.cp > 1:
+        shape = (layout.num_dp_ranks, layout.cp, layout.tp)
+        context = init_device_mesh(device_type, shape, mesh_dim_names=("data", CONTEXT, TENSOR))[CONTEXT]
+    # Row-major like Lightning's: a rank's data-parallel index there is replica * shards * cp + the FSDP index.
+    assert fsdp_tp[REPLICATE].get_local_rank() * layout.num_fsdp_shards + fsdp_tp[SHARD].get_local_rank() == (
+        lightning_mesh["data_parallel"].get_local_rank()
+    )
+    assert fsdp_tp[TENSOR].get_local_rank() == lightning_mesh["tensor_parallel"].get_local_rank()
+    return Meshes(fsdp, fsdp_tp[TENSOR], context)

@@ -1,0 +1,204 @@
+"""Context parallelism (``--cp_size``, ``model/context_parallel.py``) and the one mesh (``mesh.py``).
+
+The reference for every equality is one process running the same model on the same batch: 2 gloo ranks with
+``cp_size 2`` (each holding half of every window's positions, attention trading them for heads) must give its loss
+and gradients to float32 rounding (1e-5 relative), for the attention variants whose masks and heads differ:
+grouped KV heads split over the group, a single KV head repeated first, sliding windows with soft-capping and
+Gemma's layout, and MLA with DeepSeek-V3's shared RoPE key; with document boundaries (sft's packed windows).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_config
+from spawn import run_ranks
+
+from astrai_fabric.config.train import TrainArgs
+from astrai_fabric.errors import ConfigError
+from astrai_fabric.mesh import MeshLayout, mesh_layout
+from astrai_fabric.model import AutoRegressiveLM
+from astrai_fabric.model.context_parallel import check_context_parallel, describe_context_parallel
+from astrai_fabric.model.transformer import forward_window
+
+# --- the layout ---------------------------------------------------------------------------------------------------
+
+
+def test_the_layout_orders_dimensions_as_torchtitan_and_counts_data_ranks_apart():
+    layout = mesh_layout(16, tp_size=2, fsdp_shard_size=2, cp_size=2)
+    assert layout == MeshLayout(replicas=2, shards=2, cp=2, tp=2)
+    assert layout.describe() == (
+        "2 replica(s) x 2 shard(s) x 2 context x 2 tensor-parallel; FSDP shards over 2 x 2 = 4 rank(s)"
+    )
+    assert (layout.num_dp_ranks, layout.num_fsdp_shards, layout.world_size) == (4, 4, 16)
+    # Row-major over (replica, shard, context, tensor): ranks 0-3 are data rank 0, its 2 context x 2 tensor ranks.
+    assert [layout.dp_rank(rank) for rank in range(16)] == [r // 4 for r in range(16)]
+    assert mesh_layout(4).describe() == "1 replica(s) x 4 shard(s)"
+
+
+@pytest.mark.parametrize(
+    ("sizes", "message"),
+    [
+        ((8, 2, None, 3), "cp_size 3 x tp_size 2 must divide the world size 8"),
+        ((8, None, None, 3), "cp_size 3 must divide the world size 8"),
+        ((8, None, 3, 2), "fsdp_shard_size 3 must divide the data-parallel size 4 (world size 8 / cp_size 2)"),
+    ],
+)
+def test_sizes_that_do_not_divide_are_named(sizes, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        mesh_layout(*sizes)
+
+
+def test_models_the_group_cannot_split_are_refused_in_one_line():
+    check_context_parallel(tiny_config(), 2)  # 4 heads, 2 KV heads: both split
+    check_context_parallel(tiny_config(num_key_value_heads=1), 4)  # 1 KV head: repeated, said in the plan
+    assert "the KV heads repeated to 1 per rank" not in describe_context_parallel(tiny_config(), 2)
+    assert "the KV heads repeated to 1" in describe_context_parallel(tiny_config(num_key_value_heads=1), 4)
+    with pytest.raises(ConfigError, match=r"cp_size 4 must divide the attention heads per tensor-parallel rank \(2"):
+        check_context_parallel(tiny_config(), 4, tp_size=2)
+    moe = tiny_config(ffn_type="moe", n_routed_experts=4, n_activated_experts=2, moe_intermediate_size=8)
+    with pytest.raises(ConfigError, match="cp_size 2 with MoE layers"):
+        check_context_parallel(moe, 2)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (dict(parallel_mode="ddp"), "cp_size 2 needs parallel_mode fsdp"),
+        (dict(train_type="dpo"), "context parallelism trains seq and sft for now, not dpo"),
+        (dict(window_size=33), "cp_size 2 must divide window_size 33"),
+        (dict(train_type="sft", packing=False), "cp_size 2 with packing false"),
+        (dict(neftune_alpha=5.0), "cp_size 2 with neftune_alpha"),
+    ],
+)
+def test_flags_context_parallelism_cannot_take_are_refused(flags, message):
+    values = dict(train_type="seq", parallel_mode="fsdp", cp_size=2) | flags
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        TrainArgs(**values).validate()
+
+
+# --- 2 ranks against one process ---------------------------------------------------------------------------------
+
+CONFIGS = {
+    "grouped_kv": dict(),
+    "one_kv_head": dict(num_key_value_heads=1),
+    "gemma_sliding_softcap": dict(
+        norm_placement="sandwich",
+        query_pre_attn_scalar=10,
+        sliding_window=5,
+        layer_types=["sliding_attention", "full_attention"],
+        attn_logit_softcapping=20.0,
+        final_logit_softcapping=15.0,
+        rope_local_theta=1000.0,
+    ),
+    "mla_shared_rope_key": dict(
+        attn_type="mla",
+        kv_lora_rank=8,
+        q_lora_rank=12,
+        qk_nope_head_dim=4,
+        qk_rope_head_dim=4,
+        v_head_dim=6,
+        mla_shared_rope_key=True,
+    ),
+}
+POSITIONS = torch.tensor([list(range(6)) + list(range(10)), list(range(16))])
+"""Two windows of 16: the first packs two documents (attention stops at the boundary), the second one."""
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 32, (2, 16), generator=generator)
+    targets = torch.randint(0, 32, (2, 16), generator=generator)
+    weights = (torch.rand(2, 16, generator=generator) > 0.3).float()
+    return ids, targets, weights / weights.sum()
+
+
+def losses_and_grads(model: torch.nn.Module) -> dict:
+    """The logits path's and the fused head's losses on ``batch()`` (document masks on), and the gradients of
+    their sum, each parameter whole."""
+    ids, targets, weights = batch()
+    logits = forward_window(model, ids, POSITIONS).logits.float()
+    per_token = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+    plain = (per_token * weights.flatten()).sum()
+    fused = forward_window(model, ids, POSITIONS, nll_targets=targets, nll_chunk_size=8, nll_weights=weights)
+    (plain + fused.nll_loss).backward()
+    grads = {}
+    for name, param in model.named_parameters():
+        grad = param.grad
+        grads[name] = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().clone()
+    return {"plain": plain.detach(), "fused": fused.nll_loss.detach(), "token_nll": fused.token_nll, "grads": grads}
+
+
+def build(name: str) -> AutoRegressiveLM:
+    torch.manual_seed(11)
+    return AutoRegressiveLM(tiny_config(**CONFIGS[name]))
+
+
+def context_parallel_worker(out: str) -> None:
+    """Each config under ``parallelize(cp_size=2)`` on 2 ranks (FSDP over the context group); rank 0 saves."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from astrai_fabric.parallelize import parallelize
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    results = {}
+    for name in CONFIGS:
+        model = parallelize(build(name), mesh, cp_size=2)
+        assert model.context_parallel is not None and model.context_parallel.size == 2
+        results[name] = losses_and_grads(model)
+    if dist.get_rank() == 0:
+        torch.save(results, out)
+    dist.destroy_process_group()
+
+
+def test_two_context_ranks_equal_one_process(tmp_path):
+    run_ranks(context_parallel_worker, 2, str(tmp_path / "cp.pt"))
+    results = torch.load(tmp_path / "cp.pt", weights_only=False)
+    for name in CONFIGS:
+        ours, reference = results[name], losses_and_grads(build(name))
+        for key in ("plain", "fused", "token_nll"):
+            torch.testing.assert_close(ours[key], reference[key], rtol=1e-5, atol=1e-6, msg=f"{name} {key}")
+        for param, grad in reference["grads"].items():
+            scale = grad.abs().max().item()
+            torch.testing.assert_close(
+                ours["grads"][param], grad, rtol=0, atol=1e-5 * scale + 1e-8, msg=f"{name} {param}"
+            )
+
+
+# --- the command line ---------------------------------------------------------------------------------------------
+
+TINY_SEQ = ["seq", "--param_path", "bundled:tiny", "--data_root_path", "bundled:data/seq", "--window_size", "32"]
+
+
+def test_the_dry_run_prints_the_mesh_and_how_attention_splits(tmp_path, capsys):
+    from astrai_fabric.cli import main
+
+    flags = ["--nprocs", "8", "--parallel_mode", "fsdp", "--cp_size", "2", "--fsdp_shard_size", "2"]
+    assert main([*TINY_SEQ, *flags, "--ckpt_dir", str(tmp_path / "out"), "--dry_run"]) == 0
+    out = capsys.readouterr().out
+    assert "parallel_mode fsdp (2 replica(s) x 2 shard(s) x 2 context; FSDP shards over 2 x 2 = 4 rank(s))" in out
+    assert "context      context parallel over 2 ranks" in out and "(2 query head(s) and 1 KV head(s) per rank)" in out
+    assert "4 rank(s) x 1 per device" in out  # 8 ranks, 4 of them data-parallel
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--nprocs", "8", "--cp_size", "8"], "cp_size 8 must divide the attention heads per tensor-parallel rank (4"),
+        (["--nprocs", "2", "--cp_size", "4"], "cp_size 4 must divide the world size 2"),
+    ],
+)
+def test_layouts_that_cannot_run_exit_2_in_one_line(tmp_path, capsys, flags, message):
+    from astrai_fabric.cli import main
+
+    argv = [*TINY_SEQ, "--parallel_mode", "fsdp", *flags, "--ckpt_dir", str(tmp_path / "out")]
+    for dry in (["--dry_run"], []):  # the dry run lists it; the run refuses before it launches or writes
+        if not dry and "heads" in message:
+            continue  # the run meets the heads in its ranks' preflight: 8 processes here for one line
+        assert main([*argv, *dry]) == 2
+        captured = capsys.readouterr()
+        assert message in (captured.out if dry else captured.err)
+        assert not (tmp_path / "out").exists()
