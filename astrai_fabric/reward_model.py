@@ -42,7 +42,9 @@ def reward_model_weights(weights: Checkpoint, config: ModelConfig) -> Checkpoint
                 f"{weights.path}: does not match the model built from its config.json: hidden_size "
                 f"{config.hidden_size}, but {EMBED_KEY} is {width} wide"
             )
-    head = {SCORE_KEY: torch.zeros(1, config.hidden_size)}
+    # A view of one zero: nothing the size of the config's width is allocated before the plan has checked memory
+    # (loading copies it into the built head).
+    head = {SCORE_KEY: torch.zeros(1, 1).expand(1, config.hidden_size)}
     if isinstance(state, StoredStateDict):
         state = state.with_tensors(head, without=[LM_HEAD_KEY])
     else:

@@ -67,6 +67,13 @@ CHAT = (
 GENERATE = ["generate", "--prompt", "hi", "--max_new_tokens", "2", "--chat", "false", "--param_path"]
 STEP = {"type": "step", "epoch": 0, "step": 1, "consumed_samples": 1, "loss": 7.7, "lr": 3e-06, "tokens_per_sec": 99.0}
 
+WIDE_HF_CONFIG = {
+    **{k: v for k, v in hf_config().items() if k not in ("model_type", "hidden_act")},
+    "hidden_size": 2**31 - 1,
+    "pad_token_id": 2,
+}
+"""The shrunk example as found: no ``model_type`` (read by its ``architectures``), a width past the weights'."""
+
 CASES = {
     "sft-message-role-list": (
         Example("sft jsonl", train("sft", "--dry_run", data="{x}/data.jsonl"), {},
@@ -113,6 +120,15 @@ CASES = {
                 {"r.yaml": b"param_path: '{w}/tiny'\ndata_root_path: '{w}/seq.jsonl'\ndevices: 0\n"},
                 culprits=("r.yaml", "devices")),
         (),  # fixed: a range error names the field as users also spell it (config.train_checks.SPELLED)
+    ),
+    "reward-model-hf-config-wide-score-head": (
+        Example("hf config.json", ["reward_model", "--param_path", "{x}/hf", "--data_root_path", "{w}/dpo.jsonl",
+                "--window_size", "16", "--parallel_mode", "none", "--num_workers", "0", "--loggers", "[]",
+                "--ckpt_dir", "{x}/out", "--dry_run"], {"hf": "hf"},
+                {"hf/config.json": json.dumps(WIDE_HF_CONFIG).encode()},
+                culprits=("config.json", "hidden_size", "hf")),
+        (),  # fixed: the new score head is a view of one zero until loading copies it (reward_model_weights), so
+        # the dry run reaches its memory count instead of allocating 8 GiB of zeros first (exit 1 under the cap)
     ),
 }  # fmt: skip
 

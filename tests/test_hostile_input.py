@@ -873,6 +873,12 @@ CASES = [
     Case("lora-base-pointer-names-no-place", ["export", "{c}/ck", "--out", "{c}/o"],
          "ck/meta.json: a LoRA checkpoint without merged weights needs 'lora_base' {path, absolute, sha256}",
          qlora_checkpoint(quantize=None, quantization=None, lora_base={"sha256": {}})),
+    # Found by the fuzz tier's hour (2026-12-05): a base pointer naming a directory without weights was reported as
+    # that directory alone ("/: no model.safetensors ..."), not as the pointer that leads there.
+    Case("lora-base-pointer-to-a-directory-without-weights", ["export", "{c}/ck", "--format", "hf", "--out", "{c}/o"],
+         "ck/meta.json: 'lora_base' points at /: no model.safetensors, model.safetensors.index.json or "
+         "adapter_model.safetensors (expected weights)",
+         qlora_checkpoint(lora_base={"path": None, "absolute": "/", "sha256": {}})),
     Case("qlora-flag-not-a-method", ["export", "{c}/ck", "--out", "{c}/o"],
          "ck/meta.json: 'quantize' must be null or 'nf4', got ['nf4']", qlora_checkpoint(quantize=["nf4"])),
     # Found by the fuzz tier: a scaling of 2**34 trained to a NaN gradient norm every step (exit 1).

@@ -122,7 +122,10 @@ def resolve_lora_base(path: Path, meta: Mapping[str, Any]) -> Path:
             "put the base model back there, or resume from a checkpoint written with --lora_save_full"
         )
     _refuse_a_loop(path, found)
-    digests = weight_digests(found)
+    try:
+        digests = weight_digests(found)
+    except CheckpointError as err:  # the base the pointer names holds no weights: name the pointer, not only it
+        raise CheckpointError(f"{path / META_FILE}: '{LORA_BASE_KEY}' points at {err}") from None
     if digests != entry["sha256"]:
         differ = sorted(k for k in {*digests, *entry["sha256"]} if digests.get(k) != entry["sha256"].get(k))
         raise CheckpointError(
