@@ -294,6 +294,20 @@ def check_fsdp_shard_size(fabric: Fabric, fsdp_shard_size: int | None) -> None:
     )
 
 
+def check_cp_size(fabric: Fabric, cp_size: int | None) -> None:
+    """Refuse ``--cp_size`` other than what a Fabric built elsewhere applies (its ``parallelize_fn``): the flag
+    also decides the plan and the checks, which would then describe another run."""
+    applied = cp_size_of(fabric)
+    if (cp_size or 1) == applied:
+        return
+    raise ConfigError(
+        f"cp_size {cp_size or 1}: the Fabric given to train() decides context parallelism, and its "
+        f"{type(fabric.strategy).__name__} applies cp_size {applied}; build it with "
+        "ModelParallelStrategy(parallelize_fn=partial(astrai_fabric.parallelize.parallelize, "
+        f"cp_size={cp_size or 1}), data_parallel_size=..., ...) or pass --cp_size {applied}"
+    )
+
+
 class DataParallel(NamedTuple):
     """This rank's place on the data axis: the ranks of one tensor-parallel or context group train on the same
     samples."""

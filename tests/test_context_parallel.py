@@ -4,7 +4,8 @@ The reference for every equality is one process running the same model on the sa
 ``cp_size 2`` (each holding half of every window's positions, attention trading them for heads) must give its loss
 and gradients to float32 rounding (1e-5 relative), for the attention variants whose masks and heads differ:
 grouped KV heads split over the group, a single KV head repeated first, sliding windows with soft-capping and
-Gemma's layout, and MLA with DeepSeek-V3's shared RoPE key; with document boundaries (sft's packed windows).
+Gemma's layout, and MLA with DeepSeek-V3's shared RoPE key; with document boundaries (sft's packed windows), and
+on lengths the group does not split (the model pads them), causal and with a padding mask.
 """
 
 from __future__ import annotations
@@ -65,9 +66,7 @@ def test_models_the_group_cannot_split_are_refused_in_one_line():
     ("flags", "message"),
     [
         (dict(parallel_mode="ddp"), "cp_size 2 needs parallel_mode fsdp"),
-        (dict(train_type="dpo"), "context parallelism trains seq and sft for now, not dpo"),
         (dict(window_size=33), "cp_size 2 must divide window_size 33"),
-        (dict(train_type="sft", packing=False), "cp_size 2 with packing false"),
         (dict(neftune_alpha=5.0), "cp_size 2 with neftune_alpha"),
     ],
 )
@@ -114,19 +113,28 @@ def batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def losses_and_grads(model: torch.nn.Module) -> dict:
-    """The logits path's and the fused head's losses on ``batch()`` (document masks on), and the gradients of
-    their sum, each parameter whole."""
+    """The logits path's and the fused head's losses on ``batch()`` (document masks on), the logits path's on 15
+    of its positions with AstrAI's causal default (padded to 16 under context parallelism) and on 13 with a padding
+    mask, and the gradients of their sum, each parameter whole."""
     ids, targets, weights = batch()
     logits = forward_window(model, ids, POSITIONS).logits.float()
-    per_token = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
-    plain = (per_token * weights.flatten()).sum()
+    plain = weighted_nll(logits, targets, weights)
     fused = forward_window(model, ids, POSITIONS, nll_targets=targets, nll_chunk_size=8, nll_weights=weights)
-    (plain + fused.nll_loss).backward()
+    odd = weighted_nll(model(ids[:, :15]).logits.float(), targets[:, :15], weights[:, :15])
+    keys = torch.arange(13) < torch.tensor([[13], [9]])  # a 2-D padding mask (AstrAI: bidirectional over the kept)
+    padded = weighted_nll(model(ids[:, :13], input_mask=keys).logits.float(), targets[:, :13], weights[:, :13] * keys)
+    (plain + fused.nll_loss + odd + padded).backward()
     grads = {}
     for name, param in model.named_parameters():
         grad = param.grad
         grads[name] = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().clone()
-    return {"plain": plain.detach(), "fused": fused.nll_loss.detach(), "token_nll": fused.token_nll, "grads": grads}
+    losses = {"plain": plain, "fused": fused.nll_loss, "odd": odd, "padded": padded}
+    return {**{key: loss.detach() for key, loss in losses.items()}, "token_nll": fused.token_nll, "grads": grads}
+
+
+def weighted_nll(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    per_token = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+    return (per_token * weights.flatten()).sum()
 
 
 def build(name: str) -> AutoRegressiveLM:
@@ -153,12 +161,37 @@ def context_parallel_worker(out: str) -> None:
     dist.destroy_process_group()
 
 
+def tensor_and_context_parallel_worker(out: str) -> None:
+    """Run inside tests/test_training_distributed.py's 4-rank spawn (its process group): each config on a 2 x 2
+    mesh, tensor parallelism inside each context group's ranks, FSDP over the context group; rank 0 saves."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from astrai_fabric.parallelize import parallelize
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    results = {name: losses_and_grads(parallelize(build(name), mesh, cp_size=2)) for name in TENSOR_PARALLEL_CONFIGS}
+    if dist.get_rank() == 0:
+        torch.save(results, out)
+
+
+TENSOR_PARALLEL_CONFIGS = [name for name in CONFIGS if name != "one_kv_head"]
+"""The configs tensor parallelism splits (one KV head does not split over 2 ranks); under it each rank's one KV
+head of ``grouped_kv`` is repeated for the context group."""
+
+
 def test_two_context_ranks_equal_one_process(tmp_path):
     run_ranks(context_parallel_worker, 2, str(tmp_path / "cp.pt"))
-    results = torch.load(tmp_path / "cp.pt", weights_only=False)
-    for name in CONFIGS:
+    assert list(torch.load(tmp_path / "cp.pt", weights_only=False)) == list(CONFIGS)
+    check_against_one_process(str(tmp_path / "cp.pt"))
+
+
+def check_against_one_process(out: str) -> None:
+    """Each config's losses and gradients in ``out`` against one process's (1e-5 of the largest gradient)."""
+    results = torch.load(out, weights_only=False)
+    for name in results:
         ours, reference = results[name], losses_and_grads(build(name))
-        for key in ("plain", "fused", "token_nll"):
+        for key in ("plain", "fused", "odd", "padded", "token_nll"):
             torch.testing.assert_close(ours[key], reference[key], rtol=1e-5, atol=1e-6, msg=f"{name} {key}")
         for param, grad in reference["grads"].items():
             scale = grad.abs().max().item()
@@ -202,3 +235,26 @@ def test_layouts_that_cannot_run_exit_2_in_one_line(tmp_path, capsys, flags, mes
         captured = capsys.readouterr()
         assert message in (captured.out if dry else captured.err)
         assert not (tmp_path / "out").exists()
+
+
+def test_a_fabric_built_elsewhere_decides_context_parallelism():
+    """``train(fabric, args)``: ``--cp_size`` must be what the Fabric's own ``parallelize_fn`` applies."""
+    from functools import partial
+
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import ModelParallelStrategy
+
+    from astrai_fabric.parallelize import parallelize
+    from astrai_fabric.strategy import check_cp_size, cp_size_of
+
+    def fabric(**keywords) -> Fabric:
+        strategy = ModelParallelStrategy(partial(parallelize, **keywords), data_parallel_size=4, tensor_parallel_size=1)
+        return Fabric(accelerator="cpu", devices=4, strategy=strategy)
+
+    assert cp_size_of(fabric(cp_size=2)) == 2 and cp_size_of(fabric()) == 1
+    check_cp_size(fabric(cp_size=2), 2)
+    check_cp_size(fabric(), None)
+    with pytest.raises(ConfigError, match="cp_size 2: the Fabric given to train.. decides context parallelism"):
+        check_cp_size(fabric(), 2)
+    with pytest.raises(ConfigError, match="applies cp_size 2; .* or pass --cp_size 2"):
+        check_cp_size(fabric(cp_size=2), None)

@@ -372,8 +372,8 @@ class TrainArgs(TrainChecks):
     """Context-parallel degree (parallel_mode fsdp): each rank of a group of this many holds 1/cp_size of every
     window's positions, attention trading positions for heads by all-to-all (DeepSpeed-Ulysses), so activation
     memory per rank falls with it for long windows. It must divide the world size (with ``tp_size``), the attention
-    heads per tensor-parallel rank and the window; the group's ranks read the same samples, and FSDP shards over them
-    too. seq and sft only for now (docs/distributed.md)."""
+    heads per tensor-parallel rank and the window (samples padded to their batch's longest are padded on to a
+    multiple of it); the group's ranks read the same samples, and FSDP shards over them too (docs/distributed.md)."""
     fsdp_reshard_after_forward: bool = False
     """FSDP: free each block's gathered parameters after its forward (less memory, one more all-gather in backward);
     AstrAI keeps them (false)."""

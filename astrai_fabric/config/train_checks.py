@@ -41,8 +41,6 @@ NON_NEGATIVE = (
     "start_epoch", "start_samples", "max_lr", "max_bad_steps", "nora_lr",
 )  # fmt: skip
 """Amounts of at least 0."""
-CONTEXT_PARALLEL_TYPES = ("seq", "sft")
-"""The train types ``--cp_size`` applies to: fixed windows that split evenly over the group."""
 SPELLED = {"nprocs": "nprocs (devices)"}
 """A field's name in messages where users also spell it another way (the CLI's aliases: ``--devices``)."""
 
@@ -199,8 +197,9 @@ class TrainChecks:
         return problems
 
     def _context_parallel_problems(self) -> list[str]:
-        """``--cp_size``: with FSDP, for seq and sft, on windows it splits (the model's heads are checked where the
-        model is known: ``model.context_parallel.check_context_parallel``)."""
+        """``--cp_size``: with FSDP, on windows it splits (samples padded to their batch's longest are padded on to
+        a length it splits: ``model.context_parallel.pad_window``; the model's heads are checked where the model is
+        known: ``check_context_parallel``)."""
         cp_size = self.cp_size or 1
         if cp_size == 1:
             return []
@@ -210,16 +209,6 @@ class TrainChecks:
                 f"{self.parallel_mode}: use --parallel_mode fsdp"
             ]
         problems = []
-        if self.train_type not in (None, *CONTEXT_PARALLEL_TYPES):
-            problems.append(
-                f"cp_size {cp_size}: context parallelism trains {' and '.join(CONTEXT_PARALLEL_TYPES)} for now, "
-                f"not {self.train_type}"
-            )
-        if self.train_type == "sft" and not self.packing:
-            problems.append(
-                f"cp_size {cp_size} with packing false: one sample per record pads to lengths the group cannot "
-                "split evenly; keep packing on (the default) for context parallelism"
-            )
         if self.window_size is not None and self.window_size % cp_size:
             problems.append(f"cp_size {cp_size} must divide window_size {self.window_size} (each rank's share)")
         if self.neftune_alpha:

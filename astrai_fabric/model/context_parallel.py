@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from astrai_fabric.config.model import ModelConfig
@@ -116,14 +117,61 @@ def repeat_kv_for(k: Tensor, v: Tensor, query_heads: int, context: ContextGroup)
     return k.repeat_interleave(repeats, dim=2), v.repeat_interleave(repeats, dim=2)
 
 
-def gather_output(output, context: ContextGroup):  # noqa: ANN001, ANN201 - a ModelOutput (head.py imports us not)
-    """``output`` with its per-position tensors gathered over the group and its loss sum all-reduced (see the
-    module docstring); the hidden states stay this rank's positions."""
+def pad_window(
+    context: ContextGroup,
+    input_ids: Tensor,
+    input_mask: Tensor | None,
+    position_ids: Tensor | None,
+    nll_targets: Tensor | None,
+    nll_weights: Tensor | None,
+) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
+    """The forward's inputs right-padded to a length the group splits evenly (samples padded to their batch's
+    longest: dpo, kto, reward models, sft without packing): ids 0, positions repeating the last one (so the RoPE
+    table is never read past the window), untrained (weight 0), masked from every real query (a 4-D mask, as
+    ``process_attention_mask`` makes them, gets padded keys that no real position attends, and padded queries that
+    attend to themselves alone; without a mask attention is causal, and padding after the last real token is
+    unseen).
+    ``gather_output`` cuts the outputs back."""
+    extra = -input_ids.size(1) % context.size
+    if extra == 0:
+        return input_ids, input_mask, position_ids, nll_targets, nll_weights
+    length = input_ids.size(1)
+    if position_ids is None:
+        position_ids = torch.arange(length, device=input_ids.device).expand(input_ids.size(0), -1)
+    position_ids = torch.cat([position_ids, position_ids[:, -1:].expand(-1, extra)], dim=1)
+    input_ids = F.pad(input_ids, (0, extra))
+    nll_targets = None if nll_targets is None else F.pad(nll_targets, (0, extra))
+    nll_weights = None if nll_weights is None else F.pad(nll_weights, (0, extra))
+    if input_mask is not None:
+        input_mask = _pad_mask(input_mask, extra)
+    return input_ids, input_mask, position_ids, nll_targets, nll_weights
+
+
+def _pad_mask(mask: Tensor, extra: int) -> Tensor:
+    """A 4-D mask with ``extra`` padded keys no real query attends and ``extra`` padded queries attending to
+    themselves only. A mask over keys alone (``[B, 1, 1, S]``) is made whole first: a padded query under it would
+    see only the real keys, which a sliding window can take all away, and a query with no key gives NaN, which the
+    next layer's products carry into the real positions (a weight of 0 times NaN)."""
+    blocked = False if mask.dtype == torch.bool else float("-inf")
+    length = mask.size(-1)
+    mask = mask.expand(*mask.shape[:-2], length, length)
+    padded = F.pad(mask, (0, extra, 0, extra), value=blocked)
+    diagonal = torch.arange(length, length + extra, device=mask.device)
+    padded[..., diagonal, diagonal] = True if mask.dtype == torch.bool else 0.0
+    return padded
+
+
+def gather_output(output, context: ContextGroup, length: int):  # noqa: ANN001, ANN201 - a ModelOutput
+    """``output`` with its per-position tensors gathered over the group (the first ``length`` positions: what
+    ``pad_window`` added is cut) and its loss sum all-reduced (see the module docstring); the hidden states stay
+    this rank's positions."""
     gathered = {
         name: _GatherPositions.apply(getattr(output, name), context.group)
         for name in ("logits", "scores", "token_nll")
         if getattr(output, name) is not None
     }
+    if any(tensor.size(1) != length for tensor in gathered.values()):  # a copy, not a view: FSDP hooks the outputs
+        gathered = {name: tensor[:, :length].clone() for name, tensor in gathered.items()}
     if output.nll_loss is not None:
         gathered["nll_loss"] = _SumOver.apply(output.nll_loss, context.group)
     return dataclasses.replace(output, **gathered)

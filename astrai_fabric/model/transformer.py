@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.losses import token_logprobs
 from astrai_fabric.model.attention import GQA, MLA
-from astrai_fabric.model.context_parallel import ContextGroup, gather_output
+from astrai_fabric.model.context_parallel import ContextGroup, gather_output, pad_window
 from astrai_fabric.model.ffn import MLP, DeepSeekMoE
 from astrai_fabric.model.head import LanguageHead, ModelOutput, TokenLoss
 from astrai_fabric.model.kv_cache import KVCache
@@ -199,13 +199,21 @@ class AutoRegressiveLM(nn.Module):
         ``[B,S,V]``. With ``nll_weights [B,S]`` as well (the loss's per-token weights, ``losses.token_nll_weights``),
         also ``nll_loss``, ``sum(nll_weights * token_nll)``, whose gradients the fused head takes in its forward
         (``losses.head_nll_loss``: no logits recomputed in the backward); ``token_nll`` is then detached.
+
+        Under context parallelism (``model.context_parallel``, without a cache) each rank runs its share of the
+        positions, a window the group does not split padded first (``pad_window``); the outputs are the whole
+        window's (gathered, the padding cut), except ``hidden_states``: this rank's positions.
         """
-        hidden_states, aux_loss, router_stats = self.trunk(input_ids, input_mask, position_ids, kv_cache)
         context = self.context_parallel if kv_cache is None else None
-        if context is not None:  # the trunk kept this rank's positions: the head and its loss take the same
+        length = input_ids.size(1)
+        if context is not None:  # a length the group splits; the trunk keeps this rank's positions, the head too
+            input_ids, input_mask, position_ids, nll_targets, nll_weights = pad_window(
+                context, input_ids, process_attention_mask(input_mask), position_ids, nll_targets, nll_weights
+            )
             mine = context.positions(input_ids.size(1))
             nll_targets = None if nll_targets is None else nll_targets[:, mine]
             nll_weights = None if nll_weights is None else nll_weights[:, mine]
+        hidden_states, aux_loss, router_stats = self.trunk(input_ids, input_mask, position_ids, kv_cache)
         fused = nll_targets is not None and nll_chunk_size > 0
         if self.config.score_head:  # a reward model: one score per position (``reward_model.sequence_scores``)
             if nll_targets is not None:
@@ -215,7 +223,7 @@ class AutoRegressiveLM(nn.Module):
             loss = TokenLoss(nll_targets, nll_chunk_size, label_smoothing, nll_weights) if fused else None
             output = self.head(hidden_states, loss)
         if context is not None:
-            output = gather_output(output, context)
+            output = gather_output(output, context, length)
         return dataclasses.replace(output, aux_loss=aux_loss, router_stats=router_stats)
 
     @property

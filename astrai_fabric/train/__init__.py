@@ -25,6 +25,7 @@ from astrai_fabric.loggers import closing_loggers
 from astrai_fabric.strategy import (
     FabricArgs,
     build_fabric,
+    check_cp_size,
     check_fsdp_shard_size,
     resolve_topology,
     set_cpu_threads,
@@ -67,10 +68,11 @@ def train(fabric: Fabric, args: TrainArgs) -> list[dict]:
     are, and nothing is launched. The flags that choose those (``parallel_mode``, ``nprocs``, ``num_nodes``,
     ``device_type``, ``backend``, ``precision``, ``tp_size``, ``fsdp_*``) are then ignored, except
     ``fsdp_sync_each_micro_batch``: the loop honours it when the Fabric's strategy is ``ModelParallelStrategy``;
-    and ``fsdp_shard_size``, refused unless the strategy shards that way. Returns the per-step records of
+    and ``fsdp_shard_size`` and ``cp_size``, refused unless the strategy applies them. Returns the per-step records of
     ``loop.fit``; every rank must call it."""
     args.validate()
     check_fsdp_shard_size(fabric, args.fsdp_shard_size)
+    check_cp_size(fabric, args.cp_size)
     return _train(fabric, args)
 
 

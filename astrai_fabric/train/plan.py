@@ -312,7 +312,10 @@ def describe_plan(
         if routing := describe_routing(start.model_config):
             rows.append(("routing", routing))
         if (args.cp_size or 1) > 1:
-            rows.append(("context", describe_context_parallel(start.model_config, args.cp_size, args.tp_size or 1)))
+            context = describe_context_parallel(start.model_config, args.cp_size, args.tp_size or 1)
+            if args.train_type != "seq" and not (args.train_type == "sft" and args.packing):
+                context += f"; samples padded to a multiple of {args.cp_size} positions (untrained, unseen)"
+            rows.append(("context", context))
     if parameters is not None:
         rows.append(("parameters", parameters.describe()))
         if muon is not None and args.resolved_optimizer == "muon_adamw":
