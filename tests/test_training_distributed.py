@@ -184,6 +184,10 @@ def two_rank_worker(root: str) -> None:
         history = run(base_args(root / name, nprocs=2, **overrides))
         if os.environ["RANK"] == "0":
             (root / f"{name}.json").write_text(json.dumps(history))
+    # A sharded checkpoint written under context parallelism (resumed on one process by the test), and online grpo:
+    # rollouts sampled with a KV cache (every position on each rank), trained on with the positions split.
+    run(base_args(root / "cp2_sharded", nprocs=2, **dict(CP2, **RESUME), sharded_checkpoint=True))
+    run(base_args(root / "cp2_grpo_online", nprocs=2, batch_per_device=1, **dict(CP2, **ONLINE)))
     # Hugging Face directories, after the runs above have warmed up FSDP's and DTensor's caches.
     for name, overrides in HF_RUNS.items():
         if (root / hf_model_type(name)).is_dir():
@@ -320,6 +324,15 @@ def test_context_parallel_matches_one_process(two_rank_runs, tmp_path, name):
     assert [r["grad_norm"] for r in history] == pytest.approx([r["grad_norm"] for r in reference], rel=5e-5)
     atol = 5e-5 if name == "cp2_reward_model" else 1e-5  # its zero-initialised head: see RL_RUNS' reward model
     assert_weights_close(weights(two_rank_runs / name, 3), weights(tmp_path, 3), atol=atol)
+
+
+def test_context_parallel_sharded_state_resumes_on_one_process_and_online_grpo_runs(two_rank_runs, tmp_path):
+    sharded = two_rank_runs / "cp2_sharded" / "epoch_0_step_3"
+    assert (sharded / "state" / ".metadata").is_file()
+    history = run(base_args(tmp_path, **RESUME, resume=str(sharded)))  # cp 1: DCP reshards the state
+    assert [r["step"] for r in history] == [4, 5, 6]
+    assert_weights_close(weights(tmp_path, 6), weights(two_rank_runs / "cp2_sharded", 6), atol=1e-5)
+    assert (two_rank_runs / "cp2_grpo_online" / "epoch_0_step_2" / "model.safetensors").is_file()
 
 
 def tp_and_fsdp_worker(root: str) -> None:
