@@ -126,8 +126,9 @@ def main() -> None:
     cps = [int(c) for c in args.cps.split(",")]
     timed_cps = {int(c) for c in args.time_cps.split(",")}
     print(f"one window of {args.window} tokens, hidden {args.hidden}, {args.layers} layers, float32, one thread/rank")
-    print(f"{'cp':>3} {'checkpointing':>13} {'activation MiB/rank':>20} {'x cp 1':>7} {'all-to-all MiB':>15} "
-          f"{'step ms':>9} {'loss':>9}")  # fmt: skip
+    columns = ("cp", "checkpointing", "activation MiB/rank", "x cp 1", "all-to-all MiB", "step ms", "loss")
+    widths = (3, 13, 20, 7, 15, 9, 9)
+    print(" ".join(f"{name:>{width}}" for name, width in zip(columns, widths, strict=True)))
     for checkpointing in (False, True):
         baseline = None
         for cp in cps:

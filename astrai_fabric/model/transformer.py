@@ -205,8 +205,8 @@ class AutoRegressiveLM(nn.Module):
         window's (gathered, the padding cut), except ``hidden_states``: this rank's positions.
         """
         context = self.context_parallel if kv_cache is None else None
-        length = input_ids.size(1)
         if context is not None:  # a length the group splits; the trunk keeps this rank's positions, the head too
+            length = input_ids.size(-1)
             input_ids, input_mask, position_ids, nll_targets, nll_weights = pad_window(
                 context, input_ids, process_attention_mask(input_mask), position_ids, nll_targets, nll_weights
             )
