@@ -35,6 +35,7 @@ PRIVATE_APIS = (
     "torch.utils.data.dataloader._MultiProcessingDataLoaderIter._shutdown_workers",
     "torch._dynamo.eval_frame.OptimizedModule._orig_mod",
     "torch.utils._pytree",
+    "torch._grouped_mm",
 )
 """Every private torch name used here, by its path (an attribute set in ``__init__`` named after its class)."""
 
@@ -111,6 +112,28 @@ def muon_init_group(optimizer: torch.optim.Muon, group: dict[str, Any], params: 
     buffers, creating missing buffers exactly as torch's step does, so ``optim.muon.MuonNS``'s own step keeps
     ``optimizer.pt`` torch's (every torch optimizer's step starts with its ``_init_group``)."""
     optimizer._init_group(group, params, grads, bufs)
+
+
+def grouped_mm(inputs: Tensor, weights: Tensor, ends: Tensor) -> Tensor:
+    """``torch._grouped_mm``: ``inputs [N, K]``'s rows in consecutive groups, group ``g`` ending at row ``ends[g]``
+    (int32, on the inputs' device; a group may be empty), each multiplied by ``weights[g] [K, M]``, in one call:
+    ``[N, M]``. A mixture of experts' tokens sorted by expert against the experts' stacked weights, without the host
+    reading where each group ends (``model.ffn.run_experts``). Torch has no public grouped matmul. Its CPU kernel
+    takes float32, bfloat16 and float16, and wants the row strides of both operands and of the output in multiples
+    of 16 bytes (``grouped_mm_fits``); its backward fails on an expanded gradient (``y.sum().backward()`` gives one),
+    so the output's gradient is made contiguous first."""
+    outputs = torch._grouped_mm(inputs, weights, offs=ends)
+    if outputs.requires_grad:
+        outputs.register_hook(Tensor.contiguous)
+    return outputs
+
+
+def grouped_mm_fits(dtype: torch.dtype, *dims: int) -> bool:
+    """Whether ``grouped_mm`` takes operands of ``dtype`` whose rows are ``dims`` elements long (its kernel's
+    16-byte stride rule, measured in torch 2.13: a 5-wide float32 row is refused)."""
+    return dtype in (torch.float32, torch.bfloat16, torch.float16) and all(
+        dim * dtype.itemsize % 16 == 0 for dim in dims
+    )
 
 
 def hide_from_ddp(model: nn.Module, names: list[str]) -> None:

@@ -199,6 +199,19 @@ def check_pytree_logger() -> None:
     assert module.log.name == torch_private.PYTREE_LOGGER
 
 
+def check_grouped_mm() -> None:
+    # Rows 0-1 times the first matrix, row 2 the second, none the third; the backward with an expanded gradient.
+    inputs = torch.arange(12.0).view(3, 4).requires_grad_()
+    weights = torch.stack([torch.eye(4), 2 * torch.eye(4), torch.eye(4)])
+    outputs = torch_private.grouped_mm(inputs, weights, torch.tensor([2, 3, 3], dtype=torch.int32))
+    assert outputs.tolist() == [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0], [16.0, 18.0, 20.0, 22.0]]
+    outputs.sum().backward()
+    assert inputs.grad.tolist() == [[1.0] * 4, [1.0] * 4, [2.0] * 4]
+    assert torch_private.grouped_mm_fits(torch.float32, 4, 8) and not torch_private.grouped_mm_fits(torch.float32, 6)
+    with pytest.raises(RuntimeError, match="16 bytes"):
+        torch_private.grouped_mm(torch.ones(2, 6), torch.ones(1, 6, 4), torch.tensor([2], dtype=torch.int32))
+
+
 CHECKS = {
     "torch._foreach_norm": check_foreach,
     "torch._foreach_sub": check_foreach,
@@ -214,6 +227,7 @@ CHECKS = {
     "torch.utils.data.dataloader._MultiProcessingDataLoaderIter._shutdown_workers": check_loader_workers,
     "torch._dynamo.eval_frame.OptimizedModule._orig_mod": check_uncompiled,
     "torch.utils._pytree": check_pytree_logger,
+    "torch._grouped_mm": check_grouped_mm,
 }
 """One check per wrapped API: it exists in the installed torch, takes our arguments and does what we use it for."""
 

@@ -6,12 +6,14 @@ Both return ``(hidden_states, aux_loss, router_stats)``; the dense MLP's last tw
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from astrai_fabric import torch_private
 from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.model.layers import Linear
 
@@ -76,6 +78,9 @@ class DeepSeekMoE(nn.Module):
         # A buffer: it is never trained by gradients (topk's choice has none), yet it is part of the weights.
         bias = torch.zeros(self.n_routed) if config.score_correction_bias else None
         self.register_buffer("score_correction_bias", bias)
+        self.grouped: bool | None = None
+        """How the routed experts run (``run_experts``): None together off the CPU where they can, True together,
+        False one by one."""
 
     def reset_parameters(self) -> None:
         if self.score_correction_bias is not None:
@@ -127,18 +132,67 @@ class DeepSeekMoE(nn.Module):
             aux_loss = self.n_routed * (load * balance.float().mean(dim=0)).sum()
             stats = {"probs": balance.detach(), "topk_indices": experts}
 
-        # Grouped dispatch: sort (token, slot) pairs by expert so each expert reads one contiguous slice.
+        # Dispatch: sort the (token, slot) pairs by expert, so each expert's inputs are one contiguous slice.
         sorted_experts, order = torch.sort(experts.reshape(-1))
         slot_inputs = tokens.repeat_interleave(self.top_k, dim=0)[order]
-        slot_weights = weights.reshape(-1, 1)[order]
-        ends = torch.bincount(sorted_experts, minlength=self.n_routed).cumsum(0).tolist()
-        out = torch.zeros_like(tokens)
-        start = 0
-        for expert, end in zip(self.routed_experts, ends, strict=True):
-            expert_out = expert(slot_inputs[start:end])[0] * slot_weights[start:end]
-            out.index_add_(0, order[start:end] // self.top_k, expert_out)
-            start = end
+        # Counted by scatter: CUDA's bincount reads its input's maximum back to the host first.
+        counts = torch.zeros(self.n_routed, dtype=torch.long, device=tokens.device)
+        counts.index_add_(0, sorted_experts, torch.ones_like(sorted_experts))
+        slot_outputs = (
+            run_experts(self.routed_experts, slot_inputs, counts, self.grouped) * weights.reshape(-1, 1)[order]
+        )
+        out = torch.zeros_like(tokens).index_add_(0, order // self.top_k, slot_outputs)
         return out, aux_loss, stats
+
+
+def run_experts(experts: Sequence[MLP], inputs: Tensor, counts: Tensor, grouped: bool | None = None) -> Tensor:
+    """The experts on their inputs, ``inputs [N, H]`` sorted by expert, ``counts[e]`` rows for ``experts[e]``.
+
+    Two ways, the same values: every expert on its slice in turn (one host read of the counts, three matmuls per
+    expert), or all together (``grouped``): each projection's weights stacked over the experts, one grouped matmul
+    (``torch_private.grouped_mm``) that finds the slices on the device, so nothing waits for the host. The
+    parameters stay one 2-D tensor per expert projection (the checkpoint's, LoRA's and Muon's unit): the stacks are
+    made in the forward, their gradients flowing back to each expert's weight.
+
+    On the CPU the host read costs nothing and the stacking does (bench/moe.py: the loop was the faster there at 16
+    and 128 experts), so ``grouped`` None computes together only off the CPU, and only where it fits
+    (``grouped_experts_fit``: plain ``Linear`` projections, not LoRA's or NF4); True insists, False never does.
+    """
+    fits = grouped_experts_fit(experts, inputs.dtype)
+    if grouped and not fits:
+        raise ValueError("these experts cannot be computed as one grouped matmul (see model.ffn.grouped_experts_fit)")
+    if grouped is None:
+        grouped = fits and inputs.device.type != "cpu"
+    if not grouped:
+        outputs, start = [], 0
+        for expert, end in zip(experts, counts.cumsum(0).tolist(), strict=True):
+            outputs.append(expert(inputs[start:end])[0])
+            start = end
+        return torch.cat(outputs)
+    ends = counts.cumsum(0).to(torch.int32)
+
+    def project(name: str, x: Tensor) -> Tensor:
+        return torch_private.grouped_mm(
+            x, torch.stack([getattr(e, name).weight for e in experts]).transpose(1, 2), ends
+        )
+
+    gate = project("gate", inputs)
+    gate = F.gelu(gate, approximate="tanh") if experts[0].gelu else F.silu(gate)
+    return project("down", project("up", inputs) * gate)
+
+
+def grouped_experts_fit(experts: Sequence[MLP], dtype: torch.dtype) -> bool:
+    """Whether ``run_experts`` can compute ``experts`` on inputs of ``dtype`` together: each projection a plain
+    ``Linear`` without bias whose weight is a local tensor (FSDP's unsharded one; not a DTensor, not NF4), one
+    activation, and widths the grouped kernel takes."""
+    projections = [p for e in experts for p in (e.up, e.gate, e.down)]
+    if not projections or any(type(p) is not Linear or p.bias is not None for p in projections):
+        return False
+    if any(type(p.weight) not in (Tensor, nn.Parameter) or p.weight.dtype != dtype for p in projections):
+        return False
+    hidden, width = experts[0].up.in_features, experts[0].up.out_features
+    same = all((e.up.in_features, e.up.out_features, e.gelu) == (hidden, width, experts[0].gelu) for e in experts)
+    return same and torch_private.grouped_mm_fits(dtype, hidden, width)
 
 
 def describe_routing(config: ModelConfig) -> str | None:
