@@ -12,6 +12,9 @@ Who uses which dimension:
   of one context group hold different shards, not copies, and their gradients are averaged with the rest;
 - tensor parallelism splits heads and widths over tensor;
 - the context group exchanges sequence for heads inside attention (``model.context_parallel``);
+- expert parallelism (``--ep_size``) deals each MoE layer's routed experts out over ep consecutive ranks of the
+  data shards (as torchtitan carves its expert ranks from the data ranks), and FSDP shards the experts over what is
+  left, shards / ep, replicated over replicate: ``rank``'s shard index is ``expert_shard * ep + expert``;
 - the sampler: the data-parallel rank is ``replica * shards + shard`` of ``replicas * shards``; the ranks of one
   context or tensor group read the same samples.
 """
@@ -39,6 +42,9 @@ class MeshLayout:
     """Ranks of a context group: each holds 1/cp of every window's tokens (``--cp_size``)."""
     tp: int = 1
     """Ranks of a tensor-parallel group (``--tp_size``)."""
+    ep: int = 1
+    """Ranks of an expert group, carved from the data shards: each holds 1/ep of the routed experts
+    (``--ep_size``)."""
 
     @property
     def world_size(self) -> int:
@@ -54,6 +60,11 @@ class MeshLayout:
         """Ranks one parameter's FSDP shards are spread over: data shards x context."""
         return self.shards * self.cp
 
+    @property
+    def num_expert_shards(self) -> int:
+        """Ranks one expert's FSDP shards are spread over: the data shards an expert group leaves."""
+        return self.shards // self.ep
+
     def dp_rank(self, rank: int) -> int:
         """``rank``'s index among the data-parallel ranks (the sampler's)."""
         return rank // (self.cp * self.tp)
@@ -68,15 +79,21 @@ class MeshLayout:
             text += f" x {self.tp} tensor-parallel"
         if self.cp > 1:
             text += f"; FSDP shards over {self.shards} x {self.cp} = {self.num_fsdp_shards} rank(s)"
+        if self.ep > 1:
+            text += f"; experts over {self.ep} expert-parallel x {self.num_expert_shards} FSDP shard(s)"
         return text
 
 
 def mesh_layout(
-    world_size: int, tp_size: int | None = None, fsdp_shard_size: int | None = None, cp_size: int | None = None
+    world_size: int,
+    tp_size: int | None = None,
+    fsdp_shard_size: int | None = None,
+    cp_size: int | None = None,
+    ep_size: int | None = None,
 ) -> MeshLayout:
-    """The layout ``--tp_size``, ``--cp_size`` and ``--fsdp_shard_size`` ask of ``world_size`` ranks under FSDP,
-    checked: one line naming the sizes that do not divide (None: the default, 1 for tp and cp, every data rank for
-    the shard size)."""
+    """The layout ``--tp_size``, ``--cp_size``, ``--fsdp_shard_size`` and ``--ep_size`` ask of ``world_size`` ranks
+    under FSDP, checked: one line naming the sizes that do not divide (None: the default, 1 for tp, cp and ep,
+    every data rank for the shard size)."""
     tp_size, cp_size = tp_size or 1, cp_size or 1
     if world_size % (tp_size * cp_size):
         named = " x ".join(f"{name} {size}" for name, size in (("cp_size", cp_size), ("tp_size", tp_size)) if size > 1)
@@ -89,7 +106,21 @@ def mesh_layout(
             f"fsdp_shard_size {shards} must divide the data-parallel size {data_ranks} (world size {world_size}"
             f"{others}); the ranks per node is the usual choice"
         )
-    return MeshLayout(data_ranks // shards, shards, cp_size, tp_size)
+    ep_size = ep_size or 1
+    if ep_size > 1 and (tp_size > 1 or cp_size > 1):
+        named = " and ".join(
+            f"{name} {size}" for name, size in (("tp_size", tp_size), ("cp_size", cp_size)) if size > 1
+        )
+        raise ConfigError(
+            f"ep_size {ep_size} with {named}: expert parallelism takes its ranks from the data shards alone here; "
+            "drop one of them"
+        )
+    if shards % ep_size:
+        raise ConfigError(
+            f"ep_size {ep_size} must divide the FSDP shards ({shards}: fsdp_shard_size, or the data-parallel size "
+            f"{data_ranks}); expert ranks are carved from them"
+        )
+    return MeshLayout(data_ranks // shards, shards, cp_size, tp_size, ep_size)
 
 
 class Meshes(NamedTuple):
@@ -100,9 +131,15 @@ class Meshes(NamedTuple):
     tensor: DeviceMesh
     context: DeviceMesh | None
     """None without context parallelism."""
+    experts: DeviceMesh | None = None
+    """What FSDP shards the routed experts over: 1-D over the expert shards, or 2-D (replicate, expert shard);
+    None without expert parallelism."""
+    expert_group: DeviceMesh | None = None
+    """The expert group's ranks (``model.expert_parallel``); None without expert parallelism."""
 
 
 REPLICATE, SHARD, CONTEXT, TENSOR = "replicate", "shard", "context", "tensor_parallel"
+EXPERT_SHARD, EXPERT = "expert_shard", "expert"
 
 
 def build_meshes(lightning_mesh: DeviceMesh, layout: MeshLayout) -> Meshes:
@@ -113,8 +150,16 @@ def build_meshes(lightning_mesh: DeviceMesh, layout: MeshLayout) -> Meshes:
     middle axis is the context group; FSDP's is ``(replicate, shard x context, tensor)``, so that FSDP and tensor
     parallelism share one root mesh, as FSDP2 requires of 2-D parameters. (``DeviceMesh._flatten`` would give one
     root for all, but it is private.)"""
+    experts = expert_group = None
+    if layout.ep > 1:  # without tensor and context parallelism (``mesh_layout``): a shard is a rank
+        shape = (layout.replicas, layout.num_expert_shards, layout.ep)
+        expert_mesh = init_device_mesh(
+            lightning_mesh.device_type, shape, mesh_dim_names=(REPLICATE, EXPERT_SHARD, EXPERT)
+        )
+        experts = expert_mesh[EXPERT_SHARD] if layout.replicas == 1 else expert_mesh[(REPLICATE, EXPERT_SHARD)]
+        expert_group = expert_mesh[EXPERT]
     if layout.replicas == 1 and layout.cp == 1:
-        return Meshes(lightning_mesh["data_parallel"], lightning_mesh["tensor_parallel"], None)
+        return Meshes(lightning_mesh["data_parallel"], lightning_mesh["tensor_parallel"], None, experts, expert_group)
     device_type = lightning_mesh.device_type
     shape = (layout.replicas, layout.num_fsdp_shards, layout.tp)
     fsdp_tp = init_device_mesh(device_type, shape, mesh_dim_names=(REPLICATE, SHARD, TENSOR))
@@ -128,4 +173,4 @@ def build_meshes(lightning_mesh: DeviceMesh, layout: MeshLayout) -> Meshes:
         lightning_mesh["data_parallel"].get_local_rank()
     )
     assert fsdp_tp[TENSOR].get_local_rank() == lightning_mesh["tensor_parallel"].get_local_rank()
-    return Meshes(fsdp, fsdp_tp[TENSOR], context)
+    return Meshes(fsdp, fsdp_tp[TENSOR], context, experts, expert_group)

@@ -15,7 +15,7 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.errors import UserError
 from astrai_fabric.metric_entries import metric_entry_problem, metric_lines
 from astrai_fabric.model import count_parameters
+from astrai_fabric.model.expert_parallel import expert_meshes
 from astrai_fabric.torch_private import foreach_add_, foreach_norm, foreach_sub
 
 METRIC_FILE = "metric.jsonl"
@@ -161,10 +162,12 @@ class GradSNR:
                 delta_norms += foreach_norm(deltas)
                 foreach_add_(block_first, deltas, alpha=1 - self.beta)  # m <- m + (1 - beta) d
                 first_norms += foreach_norm(block_first)
-        self.grad_norm = _norm_from_norms(grad_norms)
-        signal = _norm_from_norms(first_norms).double() ** 2
+        summed_over = expert_meshes(model)  # expert parallelism: a rank's norms are of its own experts
+        self.grad_norm = _norm_from_norms(grad_norms, summed_over)
+        signal = _norm_from_norms(first_norms, summed_over).double() ** 2
         if delta_norms:
-            self.noise = self.beta * (self.noise + (1 - self.beta) * _norm_from_norms(delta_norms).double() ** 2)
+            delta = _norm_from_norms(delta_norms, summed_over).double() ** 2
+            self.noise = self.beta * (self.noise + (1 - self.beta) * delta)
         else:
             self.noise = torch.zeros_like(signal)
         return torch.stack([signal, self.noise])
@@ -203,28 +206,48 @@ def by_device_mesh(tensors: Iterable[Tensor]) -> dict[Any, list[Tensor]]:
     return groups
 
 
-def global_norm(groups: dict[Any, list[Tensor]], norm_type: float = 2.0) -> Tensor:
+def global_norm(
+    groups: dict[Any, list[Tensor]], norm_type: float = 2.0, summed_over: Mapping[Any, Any] | None = None
+) -> Tensor:
     """The ``norm_type`` norm of every entry of ``groups`` (``by_device_mesh``), the same on every rank, as a
     float32 scalar on the gradients' device (nothing read back): each mesh's norm on its own (one reduction per
     mesh; torch refuses one norm over two meshes), then those norms combined in float32. With one mesh (every
-    strategy but tensor parallelism) that is the mesh's norm exactly."""
-    per_mesh = [torch.nn.utils.get_total_norm(group, norm_type=norm_type) for group in groups.values()]
-    return _combined(per_mesh, norm_type)
+    strategy but tensor and expert parallelism) that is the mesh's norm exactly. ``summed_over``: meshes whose
+    tensors are this rank's part of a larger set, by the process group holding the rest (expert parallelism's
+    experts, ``expert_parallel.expert_meshes``): their norm is combined over that group as well."""
+    per_mesh = {mesh: torch.nn.utils.get_total_norm(group, norm_type=norm_type) for mesh, group in groups.items()}
+    return _combined(per_mesh, norm_type, summed_over)
 
 
-def _norm_from_norms(norms: list[Tensor]) -> Tensor:
+def _norm_from_norms(norms: list[Tensor], summed_over: Mapping[Any, Any] | None = None) -> Tensor:
     """The L2 norm (float32) of all entries of the (possibly sharded) tensors whose per-tensor L2 ``norms`` these
     are (GradSNR's, from norms its foreach kernels computed already): one reduction per device mesh, then
     combined, as ``global_norm`` does (``torch.nn.utils.get_total_norm`` stacks the per-tensor norms the same way)."""
-    per_mesh = [torch.linalg.vector_norm(torch.stack(group)) for group in by_device_mesh(norms).values()]
-    return _combined(per_mesh, 2.0)
+    per_mesh = {mesh: torch.linalg.vector_norm(torch.stack(group)) for mesh, group in by_device_mesh(norms).items()}
+    return _combined(per_mesh, 2.0, summed_over)
 
 
-def _combined(norms: list[Tensor], norm_type: float) -> Tensor:
-    """The norm of disjoint parts from each part's norm: each made whole (a DTensor's ``full_tensor``, one
-    reduction), then combined in float32."""
-    whole = [norm.full_tensor() if isinstance(norm, DTensor) else norm for norm in norms]
-    return torch.linalg.vector_norm(torch.stack([n.float().to(whole[0].device) for n in whole]), ord=norm_type)
+def _combined(norms: dict[Any, Tensor], norm_type: float, summed_over: Mapping[Any, Any] | None) -> Tensor:
+    """The norm of disjoint parts from each part's norm, by mesh: each made whole (a DTensor's ``full_tensor``, one
+    reduction), over ``summed_over``'s group too where it names the mesh, then combined in float32."""
+    whole = []
+    for mesh, norm in norms.items():
+        norm = (norm.full_tensor() if isinstance(norm, DTensor) else norm).float()
+        if summed_over and mesh in summed_over:
+            norm = _over_group(norm, norm_type, summed_over[mesh])
+        whole.append(norm)
+    return torch.linalg.vector_norm(torch.stack([n.to(whole[0].device) for n in whole]), ord=norm_type)
+
+
+def _over_group(norm: Tensor, norm_type: float, group: Any) -> Tensor:
+    """The norm over every rank of ``group`` from each rank's ``norm`` of its own part."""
+    if math.isinf(norm_type):
+        total = norm.clone()
+        torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.MAX, group=group)
+        return total
+    total = norm.pow(norm_type)
+    torch.distributed.all_reduce(total, group=group)
+    return total.pow(1 / norm_type)
 
 
 def flops_per_token(config: ModelConfig, seq_len: int) -> float:

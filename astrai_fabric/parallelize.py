@@ -3,14 +3,16 @@
 The meshes come from ``mesh.build_meshes`` (one layout for every dimension): FSDP2 shards over the data ranks
 (``fsdp_shard_size`` of them, times the context ranks) and replicates over the rest (HSDP, torch's ``fully_shard``
 on a 2-D mesh); with ``cp_size`` the attention modules exchange sequence for heads over the context group
-(``model.context_parallel``). On the tensor axis (``--tp_size``) each decoder block's attention splits its heads
-(q/k/v, the gate, MLA's ``kv_b_proj`` column-wise; ``o_proj`` row-wise) and the dense MLP splits its width
-(``up``/``gate`` column-wise, ``down`` row-wise); embeddings, norms, the head and MoE experts stay whole (the
-per-head q/k norms too, their gradients summed over the ranks' heads, and MLA's shared RoPE key head, each rank
-taking its heads' share and the backward pass summing all of theirs). On the data axis every decoder block is an
-FSDP unit, and so is the root: it holds the embedding, final norm and ``lm_head``, so a tied embedding stays one
-parameter (AstrAI shards ``embed_tokens`` and ``lm_head`` apart and unties them, B4), and every parameter is a
-DTensor: torch's gradient clipping refuses plain tensors and DTensors mixed.
+(``model.context_parallel``); with ``ep_size`` each MoE layer's routed experts are dealt out over an expert group
+(``model.expert_parallel``), FSDP sharding them over the data shards left. On the tensor axis (``--tp_size``) each
+decoder block's attention splits its heads (q/k/v, the gate, MLA's ``kv_b_proj`` column-wise; ``o_proj``
+row-wise) and the dense MLP splits its width (``up``/``gate`` column-wise, ``down`` row-wise); embeddings, norms,
+the head and MoE experts stay whole (the per-head q/k norms too, their gradients summed over the ranks' heads, and
+MLA's shared RoPE key head, each rank taking its heads' share and the backward pass summing all of theirs). On the
+data axis every decoder block is an FSDP unit (its routed experts one of their own under expert parallelism), and
+so is the root: it holds the embedding, final norm and ``lm_head``, so a tied embedding stays one parameter (AstrAI
+shards ``embed_tokens`` and ``lm_head`` apart and unties them, B4), and every parameter is a DTensor: torch's
+gradient clipping refuses plain tensors and DTensors mixed.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from astrai_fabric.errors import ConfigError
 from astrai_fabric.mesh import build_meshes, mesh_layout
 from astrai_fabric.model.attention import MLA
 from astrai_fabric.model.context_parallel import check_context_parallel, enable_context_parallel
+from astrai_fabric.model.expert_parallel import check_expert_parallel, shard_experts
 from astrai_fabric.model.ffn import MLP
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -46,6 +49,7 @@ def parallelize(
     cpu_offload: bool = False,
     fsdp_shard_size: int | None = None,
     cp_size: int | None = None,
+    ep_size: int | None = None,
 ) -> nn.Module:
     """Apply tensor parallelism and FSDP2 to ``model`` (called by Fabric in ``setup_module``).
 
@@ -55,15 +59,20 @@ def parallelize(
     ``cpu_offload`` keeps sharded parameters, gradients and optimizer state in CPU memory; ``fsdp_shard_size``:
     data ranks each parameter is sharded over (default: all data-parallel ranks), replicated over the rest (HSDP);
     ``cp_size``: ranks of a context group, each holding 1/cp of every window's tokens (``model.context_parallel``),
-    FSDP sharding over them too.
+    FSDP sharding over them too; ``ep_size``: ranks of an expert group, each holding 1/ep of every MoE layer's routed
+    experts (``model.expert_parallel``), which FSDP shards over the data shards the groups leave.
     """
-    layout = mesh_layout(device_mesh.size(), device_mesh["tensor_parallel"].size(), fsdp_shard_size, cp_size)
+    tp_size = device_mesh["tensor_parallel"].size()
+    layout = mesh_layout(device_mesh.size(), tp_size, fsdp_shard_size, cp_size, ep_size)
     meshes = build_meshes(device_mesh, layout)
     if meshes.tensor.size() > 1:
         apply_tensor_parallel(model, meshes.tensor)
     if meshes.context is not None:
         check_context_parallel(model.config, layout.cp, layout.tp)
         enable_context_parallel(model, meshes.context.get_group())
+    if meshes.expert_group is not None:
+        check_expert_parallel(model.config, layout.ep)
+        shard_experts(model, meshes.expert_group.get_group())
     options = dict(
         mesh=meshes.fsdp,
         reshard_after_forward=reshard_after_forward,
@@ -71,6 +80,12 @@ def parallelize(
         offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     )
     for block in model.decoder_blocks:
+        if meshes.experts is not None and hasattr(block.mlp, "routed_experts"):
+            # Each expert rank's experts over the shards its group leaves; the gradient averaged over every data
+            # rank, as the rest of the model's is (the mesh's own average would divide by its size alone, and the
+            # experts already hold the sum over their group's tokens).
+            fully_shard(block.mlp.routed_experts, **options | dict(mesh=meshes.experts))
+            block.mlp.routed_experts.set_gradient_divide_factor(layout.num_dp_ranks)
         fully_shard(block, **options)
     fully_shard(model, **options)
     return model

@@ -5,7 +5,7 @@
 - ``fsdp`` → ``ModelParallelStrategy`` running ``parallelize`` (FSDP2 ``fully_shard`` on every decoder block and
   the root), with explicit mesh sizes (Lightning's ``"auto"`` would put every rank on the tensor axis of one node,
   leaving FSDP a data mesh of one rank and every rank all the data); ``--fsdp_shard_size`` below the data-parallel
-  size makes it HSDP, ``--cp_size`` adds context parallelism (``mesh.MeshLayout``).
+  size makes it HSDP, ``--cp_size`` adds context parallelism, ``--ep_size`` expert parallelism (``mesh.MeshLayout``).
 
 Any mode with a world of one process trains on a single device; ``astrai-fabric evaluate`` gets DDP's process group
 and launcher only (``evaluation_fabric``). Launching: the CLI launches ``nprocs`` local
@@ -162,6 +162,7 @@ class FabricArgs:
     dist_timeout: float
     tp_size: int | None
     cp_size: int | None
+    ep_size: int | None
     fsdp_shard_size: int | None
     fsdp_reshard_after_forward: bool
     fsdp_param_dtype: str | None
@@ -182,7 +183,7 @@ def build_fabric(args: FabricArgs, topology: Topology) -> Fabric:
         raise ConfigError(f"tp_size {args.tp_size} needs at least {args.tp_size} processes (--nprocs)")
     layout = None
     if args.parallel_mode == "fsdp":
-        layout = mesh_layout(world_size, args.tp_size, args.fsdp_shard_size, args.cp_size)
+        layout = mesh_layout(world_size, args.tp_size, args.fsdp_shard_size, args.cp_size, args.ep_size)
     if world_size == 1:
         strategy = "auto"
     elif args.parallel_mode == "none":
@@ -207,6 +208,7 @@ def build_fabric(args: FabricArgs, topology: Topology) -> Fabric:
             cpu_offload=args.fsdp_cpu_offload,
             fsdp_shard_size=layout.shards,
             cp_size=layout.cp,
+            ep_size=layout.ep,
         )
         strategy = ModelParallelStrategy(
             parallelize_fn=partial(parallelize, **knobs),
@@ -248,7 +250,9 @@ def setup_frozen(fabric: Fabric, module: nn.Module) -> nn.Module:
     to wrap a module with nothing to train, and has nothing to synchronise)."""
     module = fabric.strategy.precision.convert_module(module.requires_grad_(False).eval())
     if is_fsdp(fabric):
-        layout = dict(fsdp_shard_size=fsdp_shard_size_of(fabric), cp_size=cp_size_of(fabric))
+        layout = dict(
+            fsdp_shard_size=fsdp_shard_size_of(fabric), cp_size=cp_size_of(fabric), ep_size=ep_size_of(fabric)
+        )
         return parallelize(module, fabric.strategy.device_mesh, reshard_after_forward=True, **layout)
     return fabric.to_device(module)
 
@@ -265,8 +269,17 @@ def _our_parallelize(fabric: Fabric) -> dict[str, Any] | None:
 
 def cp_size_of(fabric: Fabric) -> int:
     """The context-parallel size the Fabric's ``parallelize`` applies (1 for any other strategy)."""
+    return _size_of(fabric, "cp_size")
+
+
+def ep_size_of(fabric: Fabric) -> int:
+    """The expert-parallel size the Fabric's ``parallelize`` applies (1 for any other strategy)."""
+    return _size_of(fabric, "ep_size")
+
+
+def _size_of(fabric: Fabric, name: str) -> int:
     keywords = _our_parallelize(fabric) if fabric.world_size > 1 else None
-    return (keywords or {}).get("cp_size") or 1
+    return (keywords or {}).get(name) or 1
 
 
 def fsdp_shard_size_of(fabric: Fabric) -> int | None:
@@ -297,14 +310,23 @@ def check_fsdp_shard_size(fabric: Fabric, fsdp_shard_size: int | None) -> None:
 def check_cp_size(fabric: Fabric, cp_size: int | None) -> None:
     """Refuse ``--cp_size`` other than what a Fabric built elsewhere applies (its ``parallelize_fn``): the flag
     also decides the plan and the checks, which would then describe another run."""
-    applied = cp_size_of(fabric)
-    if (cp_size or 1) == applied:
+    _check_size(fabric, "cp_size", cp_size, "context parallelism")
+
+
+def check_ep_size(fabric: Fabric, ep_size: int | None) -> None:
+    """Refuse ``--ep_size`` other than what a Fabric built elsewhere applies, as ``check_cp_size`` does."""
+    _check_size(fabric, "ep_size", ep_size, "expert parallelism")
+
+
+def _check_size(fabric: Fabric, name: str, size: int | None, what: str) -> None:
+    applied = _size_of(fabric, name)
+    if (size or 1) == applied:
         return
     raise ConfigError(
-        f"cp_size {cp_size or 1}: the Fabric given to train() decides context parallelism, and its "
-        f"{type(fabric.strategy).__name__} applies cp_size {applied}; build it with "
+        f"{name} {size or 1}: the Fabric given to train() decides {what}, and its "
+        f"{type(fabric.strategy).__name__} applies {name} {applied}; build it with "
         "ModelParallelStrategy(parallelize_fn=partial(astrai_fabric.parallelize.parallelize, "
-        f"cp_size={cp_size or 1}), data_parallel_size=..., ...) or pass --cp_size {applied}"
+        f"{name}={size or 1}), data_parallel_size=..., ...) or pass --{name} {applied}"
     )
 
 

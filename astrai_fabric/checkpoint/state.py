@@ -38,6 +38,7 @@ from astrai_fabric.checkpoint.files import (
     save_checkpoint,
     staging_dir,
 )
+from astrai_fabric.checkpoint.gather import gather_full, gather_optimizer_state, gather_weights
 from astrai_fabric.checkpoint.position import RESUME_KEY, RunPosition
 from astrai_fabric.checkpoint.weights import Checkpoint, load_checkpoint, load_model_weights, weights_source
 from astrai_fabric.errors import CheckpointError
@@ -47,23 +48,6 @@ SHARDED_KEY = "optimizer_state"
 SHARDED_NOTE = "sharded in state/ (torch distributed checkpoint); `astrai-fabric export` writes optimizer.pt"
 """``meta.json`` says where the optimizer state is when ``optimizer.pt`` is left out."""
 CHECKPOINT_FILES = (META_FILE, CONFIG_FILE, WEIGHTS_FILE)
-
-
-def gather_full(obj: Any, keep: bool) -> Any:
-    """``obj`` with every tensor replaced by a full CPU copy (``keep``) or dropped (other ranks).
-
-    Collective when ``obj`` holds DTensors: every rank must call it with the same structure.
-    """
-    if isinstance(obj, DTensor):
-        full = obj.full_tensor()
-        return full.cpu() if keep else None
-    if isinstance(obj, Tensor):
-        return obj.detach().cpu() if keep else None
-    if isinstance(obj, dict):
-        return {k: gather_full(v, keep) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(gather_full(v, keep) for v in obj)
-    return obj
 
 
 def optimizer_parts(optimizer: Optimizer) -> dict[str | None, Optimizer | None]:
@@ -97,7 +81,7 @@ def save_training_checkpoint(
     keep = fabric.global_rank == 0
     adapter = None
     if lora is None:
-        weights = gather_full(model.state_dict(), keep)
+        weights = gather_weights(model, keep)
     else:
         state = model.state_dict()
         adapter = gather_full(adapter_state_dict(state), keep)
@@ -116,7 +100,7 @@ def save_training_checkpoint(
             dcp.save({"optimizer": optimizer.state_dict()}, checkpoint_id=staging / STATE_DIR)
         meta[SHARDED_KEY] = SHARDED_NOTE
     else:
-        extra = {"optimizer": gather_full(optimizer.state_dict(), keep), **extra}
+        extra = {"optimizer": gather_optimizer_state(optimizer, optimizer_parts(optimizer), model, keep), **extra}
     if keep:
         # A same-step save replaces an existing directory only after the new one is complete.
         save_checkpoint(

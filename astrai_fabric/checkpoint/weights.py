@@ -39,6 +39,7 @@ from astrai_fabric.checkpoint.files import (
 from astrai_fabric.config.model import ModelConfig, read_config_json
 from astrai_fabric.errors import CheckpointError, ConfigError
 from astrai_fabric.model import AutoRegressiveLM
+from astrai_fabric.model.expert_parallel import held_elsewhere
 from astrai_fabric.model.transformer import EMBED_KEY, LM_HEAD_KEY
 from astrai_fabric.torch_private import local_shape_and_global_offset
 
@@ -210,7 +211,8 @@ def load_model_weights(
             )
         del shapes[LM_HEAD_KEY]
     targets = model.state_dict(keep_vars=True)
-    expected = {k: tuple(v.shape) for k, v in targets.items()}
+    elsewhere = held_elsewhere(model)  # expert parallelism: checked here, read by the ranks that hold them
+    expected = {k: tuple(v.shape) for k, v in targets.items()} | elsewhere
     problems = []
     missing = [k for k in expected if k not in shapes]
     if missing and not (missing == [LM_HEAD_KEY] and EMBED_KEY in shapes):  # AstrAI clones the embedding
@@ -228,7 +230,9 @@ def load_model_weights(
     if problems:
         raise CheckpointError(f"{source}: does not match the model built from its config.json: " + "; ".join(problems))
     if assign or any(t.is_meta for t in targets.values()):
-        loaded = {k: adapter[k] if k in adapter else _read_whole(state_dict, k, dtype) for k in shapes}
+        loaded = {
+            k: adapter[k] if k in adapter else _read_whole(state_dict, k, dtype) for k in shapes if k not in elsewhere
+        }
         model.load_state_dict(loaded, strict=True, assign=True)
         return
     with torch.no_grad():

@@ -374,6 +374,12 @@ class TrainArgs(TrainChecks):
     memory per rank falls with it for long windows. It must divide the world size (with ``tp_size``), the attention
     heads per tensor-parallel rank and the window (samples padded to their batch's longest are padded on to a
     multiple of it); the group's ranks read the same samples, and FSDP shards over them too (docs/distributed.md)."""
+    ep_size: int | None = None
+    """Expert-parallel degree (parallel_mode fsdp, MoE models): each rank of a group of this many consecutive data
+    ranks holds 1/ep_size of every MoE layer's routed experts, tokens travelling to their experts' ranks by
+    all-to-all, and FSDP shards the experts over the data shards left (``fsdp_shard_size`` / ep_size). It must divide
+    the routed experts and the FSDP shards; not with ``tp_size``, ``cp_size``, LoRA or ``sharded_checkpoint``
+    (docs/distributed.md)."""
     fsdp_reshard_after_forward: bool = False
     """FSDP: free each block's gathered parameters after its forward (less memory, one more all-gather in backward);
     AstrAI keeps them (false)."""

@@ -33,7 +33,7 @@ POSITIVE = (
 """Counts of at least 1."""
 OPTIONAL_POSITIVE = (
     "window_size", "stride", "max_steps", "stop_after_steps", "max_tokens", "tp_size", "cycle_length",
-    "keep_last_k", "num_threads", "fsdp_shard_size", "cp_size",
+    "keep_last_k", "num_threads", "fsdp_shard_size", "cp_size", "ep_size",
 )  # fmt: skip
 """Counts of at least 1, or None (unset)."""
 NON_NEGATIVE = (
@@ -188,6 +188,7 @@ class TrainChecks:
         if (self.tp_size or 1) > 1 and self.parallel_mode != "fsdp":
             problems.append(f"tp_size {self.tp_size} needs parallel_mode fsdp (the 2-D mesh), got {self.parallel_mode}")
         problems += self._context_parallel_problems()
+        problems += self._expert_parallel_problems()
         if self.fsdp_shard_size is not None and self.parallel_mode != "fsdp":
             problems.append(f"fsdp_shard_size needs parallel_mode fsdp, got {self.parallel_mode}")
         if self.sharded_checkpoint and self.parallel_mode != "fsdp":
@@ -217,6 +218,24 @@ class TrainChecks:
                 "rank would see its positions' length only"
             )
         return problems
+
+    def _expert_parallel_problems(self) -> list[str]:
+        """``--ep_size``: with FSDP, on a full model whose resume state is gathered (the model's experts are checked
+        where it is known: ``check_expert_parallel``; the ranks by ``mesh.mesh_layout``)."""
+        ep_size = self.ep_size or 1
+        if ep_size == 1:
+            return []
+        if self.parallel_mode != "fsdp":
+            return [
+                f"ep_size {ep_size} needs parallel_mode fsdp (FSDP shards the experts over the data ranks an "
+                f"expert group leaves), got {self.parallel_mode}: use --parallel_mode fsdp"
+            ]
+        unsupported = [
+            name for name, on in (("lora_r", self.lora_r), ("sharded_checkpoint", self.sharded_checkpoint)) if on
+        ]
+        if unsupported:
+            return [f"ep_size {ep_size} with {' and '.join(unsupported)} is not supported yet: drop one of them"]
+        return []
 
     def _output_problems(self) -> list[str]:
         """Checkpoints, metrics, logging, profiling, resuming."""

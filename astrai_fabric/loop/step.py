@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from astrai_fabric.accumulation import GradientState, backward_sync
 from astrai_fabric.loop.state import REUSED, LoopArgs, LossFn, TrainState
 from astrai_fabric.metrics import GradSNR, by_device_mesh, global_norm
+from astrai_fabric.model.expert_parallel import expert_meshes
 from astrai_fabric.preemption import StopRequest
 from astrai_fabric.quantize import is_quantized
 from astrai_fabric.randomness import ModuleNoise
@@ -153,7 +154,10 @@ def train_step(
     # GradSNR takes in the gradients before the step knows they are finite (unclipped, as AstrAI): a skipped step
     # starts its averages again below. Its pass over the gradients gives their norm as well (the same value).
     snr = tools.grad_snr.update_on_device(model) if tools.grad_snr is not None else None
-    grad_norm = tools.grad_snr.grad_norm if tools.grad_snr is not None else global_norm(grads)  # same on all ranks
+    if tools.grad_snr is not None:
+        grad_norm = tools.grad_snr.grad_norm
+    else:  # the same on all ranks
+        grad_norm = global_norm(grads, summed_over=expert_meshes(model))
     # The step's one read from the device, in float64 (exact for the float32 values and the token count).
     numbers = [reduced.double(), grad_norm.double().reshape(1), window_tokens.double().reshape(1)]
     numbers = torch.cat([*numbers, *([snr] if snr is not None else [])]).tolist()

@@ -5,8 +5,10 @@ Both return ``(hidden_states, aux_loss, router_stats)``; the dense MLP's last tw
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
+from itertools import accumulate
 
 import torch
 import torch.nn as nn
@@ -15,6 +17,7 @@ from torch import Tensor
 
 from astrai_fabric import torch_private
 from astrai_fabric.config.model import ModelConfig
+from astrai_fabric.model.expert_parallel import ExpertGroup, exchange_and_run
 from astrai_fabric.model.layers import Linear
 
 RouterStats = dict[str, Tensor]
@@ -70,7 +73,7 @@ class DeepSeekMoE(nn.Module):
         down_init_std = 0.02 / (2 * config.num_hidden_layers * scale) ** 0.5
         self.router = Linear(dim, self.n_routed)
         self.shared_experts = nn.ModuleList(MLP(dim, shared_dim, down_init_std) for _ in range(self.n_shared))
-        self.routed_experts = nn.ModuleList(MLP(dim, routed_dim, down_init_std) for _ in range(self.n_routed))
+        self.routed_experts = RoutedExperts({j: MLP(dim, routed_dim, down_init_std) for j in range(self.n_routed)})
         # Only when on: AstrAI's models have no such parameter and draw their initial weights exactly as before.
         self.shared_expert_gate = Linear(dim, 1) if config.shared_expert_gate else None
         self.scoring_func, self.routed_scaling_factor = config.scoring_func, config.routed_scaling_factor
@@ -78,6 +81,7 @@ class DeepSeekMoE(nn.Module):
         # A buffer: it is never trained by gradients (topk's choice has none), yet it is part of the weights.
         bias = torch.zeros(self.n_routed) if config.score_correction_bias else None
         self.register_buffer("score_correction_bias", bias)
+        self.expert_parallel: ExpertGroup | None = None  # set by parallelize (``--ep_size``)
         self.grouped: bool | None = None
         """How the routed experts run (``run_experts``): None together off the CPU where they can, True together,
         False one by one."""
@@ -138,15 +142,38 @@ class DeepSeekMoE(nn.Module):
         # Counted by scatter: CUDA's bincount reads its input's maximum back to the host first.
         counts = torch.zeros(self.n_routed, dtype=torch.long, device=tokens.device)
         counts.index_add_(0, sorted_experts, torch.ones_like(sorted_experts))
-        slot_outputs = (
-            run_experts(self.routed_experts, slot_inputs, counts, self.grouped) * weights.reshape(-1, 1)[order]
-        )
+        if self.expert_parallel is None:
+            slot_outputs = self.routed_experts(slot_inputs, counts, self.grouped)
+        else:  # the pairs go to the ranks holding their experts and come back (``expert_parallel``)
+            run = functools.partial(self.routed_experts, grouped=self.grouped)
+            slot_outputs = exchange_and_run(self.expert_parallel, run, slot_inputs, counts)
+        slot_outputs = slot_outputs * weights.reshape(-1, 1)[order]
         out = torch.zeros_like(tokens).index_add_(0, order // self.top_k, slot_outputs)
         return out, aux_loss, stats
 
 
-def run_experts(experts: Sequence[MLP], inputs: Tensor, counts: Tensor, grouped: bool | None = None) -> Tensor:
-    """The experts on their inputs, ``inputs [N, H]`` sorted by expert, ``counts[e]`` rows for ``experts[e]``.
+class RoutedExperts(nn.ModuleDict):
+    """A layer's routed experts keyed by their index among all of the layer's (``routed_experts.{j}``, the names a
+    list would give): every one, or under expert parallelism this rank's (``keep``). Called on inputs sorted by
+    expert, it runs them (``run_experts``): a module of its own so that FSDP can gather an expert rank's experts
+    apart from the rest of the layer."""
+
+    def __init__(self, experts: dict[int, MLP]) -> None:
+        super().__init__({str(j): expert for j, expert in experts.items()})
+
+    def forward(self, inputs: Tensor, counts: Tensor | Sequence[int], grouped: bool | None = None) -> Tensor:
+        return run_experts(list(self.values()), inputs, counts, grouped)
+
+    def keep(self, indices: Sequence[int]) -> RoutedExperts:
+        """The experts of ``indices`` alone, under the same names."""
+        return RoutedExperts({j: self[str(j)] for j in indices})
+
+
+def run_experts(
+    experts: Sequence[MLP], inputs: Tensor, counts: Tensor | Sequence[int], grouped: bool | None = None
+) -> Tensor:
+    """The experts on their inputs, ``inputs [N, H]`` sorted by expert, ``counts[e]`` rows for ``experts[e]``
+    (a tensor, or the host's numbers where it has read them already: expert parallelism's exchange).
 
     Two ways, the same values: every expert on its slice in turn (one host read of the counts, three matmuls per
     expert), or all together (``grouped``): each projection's weights stacked over the experts, one grouped matmul
@@ -165,10 +192,13 @@ def run_experts(experts: Sequence[MLP], inputs: Tensor, counts: Tensor, grouped:
         grouped = fits and inputs.device.type != "cpu"
     if not grouped:
         outputs, start = [], 0
-        for expert, end in zip(experts, counts.cumsum(0).tolist(), strict=True):
+        ends = counts.cumsum(0).tolist() if isinstance(counts, Tensor) else accumulate(counts)
+        for expert, end in zip(experts, ends, strict=True):
             outputs.append(expert(inputs[start:end])[0])
             start = end
         return torch.cat(outputs)
+    if not isinstance(counts, Tensor):
+        counts = torch.tensor(counts, device=inputs.device)
     ends = counts.cumsum(0).to(torch.int32)
 
     def project(name: str, x: Tensor) -> Tensor:

@@ -19,6 +19,7 @@ from astrai_fabric.errors import CheckpointError, UserError
 from astrai_fabric.mesh import mesh_layout
 from astrai_fabric.model import count_parameters, rope_table_bytes
 from astrai_fabric.model.context_parallel import check_context_parallel
+from astrai_fabric.model.expert_parallel import check_expert_parallel
 from astrai_fabric.optim import build_optimizer
 from astrai_fabric.quantize import BYTES_PER_WEIGHT, plan_quantization
 from astrai_fabric.schedule import StepPlan
@@ -46,7 +47,7 @@ class Placement:
         shards = 1
         if is_fsdp(fabric) and fabric.world_size > 1:
             try:
-                layout = mesh_layout(fabric.world_size, args.tp_size, args.fsdp_shard_size, args.cp_size)
+                layout = mesh_layout(fabric.world_size, args.tp_size, args.fsdp_shard_size, args.cp_size, args.ep_size)
                 shards = layout.num_fsdp_shards * layout.tp
             except UserError:  # a caller's own ModelParallelStrategy, laid out otherwise: at least as sharded
                 shards = 1
@@ -57,7 +58,9 @@ class Placement:
         shards = 1
         if args.parallel_mode == "fsdp" and topology.world_size > 1:
             try:
-                layout = mesh_layout(topology.world_size, args.tp_size, args.fsdp_shard_size, args.cp_size)
+                layout = mesh_layout(
+                    topology.world_size, args.tp_size, args.fsdp_shard_size, args.cp_size, args.ep_size
+                )
                 shards = layout.num_fsdp_shards * layout.tp
             except UserError:  # the dry run lists the layout's own problem
                 shards = 1
@@ -74,6 +77,11 @@ def preflight(args: TrainArgs, start: Start, plan: StepPlan, placement: Placemen
         problems.append(str(err))
     problems += _memory_problems(args, start, placement)
     problems += _context_parallel_problems(args, start)
+    if (args.ep_size or 1) > 1 and args.parallel_mode == "fsdp":
+        try:
+            check_expert_parallel(start.model_config, args.ep_size)
+        except UserError as err:
+            problems.append(str(err))
     if start.resume is not None:
         try:
             check_position(start.resume, plan)

@@ -26,9 +26,15 @@ from astrai_fabric.checkpoint import (
     find_latest_checkpoint,
     remove_stale_staging,
 )
+from astrai_fabric.checkpoint.gather import local_optimizer_state
 from astrai_fabric.checkpoint.ownership import record_written
 from astrai_fabric.checkpoint.position import RunPosition
-from astrai_fabric.checkpoint.state import STATE_DIR, load_optimizer_state, load_sharded_optimizer_state
+from astrai_fabric.checkpoint.state import (
+    STATE_DIR,
+    load_optimizer_state,
+    load_sharded_optimizer_state,
+    optimizer_parts,
+)
 from astrai_fabric.config.train import RECIPE_FILE, TrainArgs, resolved_recipe
 from astrai_fabric.errors import CheckpointError, UserError
 from astrai_fabric.loop import LoopArgs, LossFn, TrainState, fit
@@ -112,7 +118,9 @@ def build_optimizer_and_schedule(fabric: Fabric, model: nn.Module, start: Start,
         if (start.resume.path / STATE_DIR).is_dir():
             load_sharded_optimizer_state(optimizer, start.resume.path / STATE_DIR)
         else:
-            load_optimizer_state(optimizer, start.resume.extra["optimizer"], start.resume.path / "optimizer.pt")
+            source = start.resume.path / "optimizer.pt"
+            state = local_optimizer_state(start.resume.extra["optimizer"], optimizer_parts(optimizer), model, source)
+            load_optimizer_state(optimizer, state, source)
     elif start.resume is not None:
         fabric.print("optimizer: starting fresh (--resume_optimizer false)")
     optimizer = fabric.setup_optimizers(optimizer)  # after loading: Fabric copies the optimizer's param groups
@@ -174,7 +182,7 @@ def describe_run_plan(
     layout, shards = None, 1
     if is_fsdp(fabric) and world_size > 1:
         try:
-            fsdp = mesh_layout(world_size, args.tp_size, args.fsdp_shard_size, args.cp_size)
+            fsdp = mesh_layout(world_size, args.tp_size, args.fsdp_shard_size, args.cp_size, args.ep_size)
             layout, shards = fsdp.describe(), fsdp.num_fsdp_shards
         except UserError:  # a caller's own ModelParallelStrategy, laid out otherwise: its layout is not ours to say
             layout = None

@@ -48,7 +48,7 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
     layout, shards, num_dp_ranks = None, 1, topology.world_size
     if args.parallel_mode == "fsdp" and topology.world_size > 1:
         try:
-            fsdp = mesh_layout(topology.world_size, args.tp_size, args.fsdp_shard_size, args.cp_size)
+            fsdp = mesh_layout(topology.world_size, args.tp_size, args.fsdp_shard_size, args.cp_size, args.ep_size)
             layout, shards, num_dp_ranks = fsdp.describe(), fsdp.num_fsdp_shards, fsdp.num_dp_ranks
         except UserError as err:
             problems.append(str(err))

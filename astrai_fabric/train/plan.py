@@ -18,6 +18,7 @@ from astrai_fabric.config.train import HF_DEFAULT_WINDOW, TrainArgs
 from astrai_fabric.data.windows import PACKING_LINE
 from astrai_fabric.losses import REFERENCE_FREE, loss_chunk_reason
 from astrai_fabric.model.context_parallel import describe_context_parallel
+from astrai_fabric.model.expert_parallel import describe_expert_parallel
 from astrai_fabric.model.ffn import describe_routing
 from astrai_fabric.optim import OptimArgs, optimizer_groups, optimizer_state_bytes, resolve_ns_dtype
 from astrai_fabric.optim.muon_owners import resolve_spread_replicated
@@ -316,6 +317,8 @@ def describe_plan(
             if args.train_type != "seq" and not (args.train_type == "sft" and args.packing):
                 context += f"; samples padded to a multiple of {args.cp_size} positions (untrained, unseen)"
             rows.append(("context", context))
+        if (args.ep_size or 1) > 1 and start.model_config.num_moe_layers:
+            rows.append(("experts", describe_expert_parallel(start.model_config, args.ep_size)))
     if parameters is not None:
         rows.append(("parameters", parameters.describe()))
         if muon is not None and args.resolved_optimizer == "muon_adamw":
