@@ -72,6 +72,11 @@ def parallelize(
         enable_context_parallel(model, meshes.context.get_group())
     if meshes.expert_group is not None:
         check_expert_parallel(model.config, layout.ep)
+        if reduce_dtype == "float16" and layout.num_expert_shards == 1:
+            raise ConfigError(
+                f"ep_size {layout.ep} with fsdp_reduce_dtype float16 where each expert is on one rank: torch "
+                f"{torch.__version__.split('+')[0]} would divide its gradient twice; reduce in bfloat16 or float32"
+            )
         shard_experts(model, meshes.expert_group.get_group())
     options = dict(
         mesh=meshes.fsdp,
@@ -83,9 +88,16 @@ def parallelize(
         if meshes.experts is not None and hasattr(block.mlp, "routed_experts"):
             # Each expert rank's experts over the shards its group leaves; the gradient averaged over every data
             # rank, as the rest of the model's is (the mesh's own average would divide by its size alone, and the
-            # experts already hold the sum over their group's tokens).
-            fully_shard(block.mlp.routed_experts, **options | dict(mesh=meshes.experts))
-            block.mlp.routed_experts.set_gradient_divide_factor(layout.num_dp_ranks)
+            # experts already hold the sum over their group's tokens). FSDP reduces with a pre-multiplied sum
+            # for a factor of its own, which gloo lacks: there it sums, then divides. Not where an expert has one
+            # shard: torch 2.13 then divides in place of the reduce-scatter and again after a plain sum (its
+            # ``foreach_reduce``), which is why float16 reductions, always summed plainly, are refused there.
+            experts = block.mlp.routed_experts
+            fully_shard(experts, **options | dict(mesh=meshes.experts))
+            experts.set_gradient_divide_factor(layout.num_dp_ranks)
+            experts.set_force_sum_reduction_for_comms(
+                meshes.experts.device_type == "cpu" and layout.num_expert_shards > 1
+            )
         fully_shard(block, **options)
     fully_shard(model, **options)
     return model

@@ -4,12 +4,21 @@ read), and expert parallelism. The references are the experts run one by one in 
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import tiny_config
 from torch.overrides import TorchFunctionMode
 
+from astrai_fabric.assets import TINY_MODEL_DIR
+from astrai_fabric.config.train import TrainArgs
+from astrai_fabric.errors import ConfigError
 from astrai_fabric.lora import LoRASpec, inject
+from astrai_fabric.mesh import MeshLayout, mesh_layout
+from astrai_fabric.model.expert_parallel import check_expert_parallel
 from astrai_fabric.model.ffn import DeepSeekMoE, grouped_experts_fit, run_experts
 from astrai_fabric.model.transformer import AutoRegressiveLM
 
@@ -186,3 +195,146 @@ def test_two_expert_ranks_equal_one_process(tmp_path):
             torch.testing.assert_close(
                 ours["grads"][param], grad, rtol=0, atol=1e-5 * scale + 1e-8, msg=f"{name} {param}"
             )
+
+
+FOUR_RANK_LAYOUTS = {
+    "ep4": dict(ep_size=4),
+    "ep2_fsdp2": dict(ep_size=2),
+    "hsdp2_ep2": dict(ep_size=2, fsdp_shard_size=2),
+}
+"""On 4 ranks: one expert rank per data rank (each expert on one rank, its gradient divided where the reduction is
+skipped), expert groups of 2 with each expert sharded over 2 ranks, and HSDP's 2 replicas of 2 shards, each an
+expert group (the experts replicated over the replicas)."""
+
+
+def quarters() -> list[torch.Tensor]:
+    ids = torch.randint(0, 32, (4, 12), generator=torch.Generator().manual_seed(2))
+    return list(ids.split(1))
+
+
+def four_rank_expert_worker(out: str) -> None:
+    """Run inside tests/test_training_distributed.py's 4-rank spawn (its process group): Mixtral's routing under
+    each of ``FOUR_RANK_LAYOUTS``, each rank a quarter of the batch; rank 0 saves as ``expert_parallel_worker``."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from astrai_fabric.parallelize import parallelize
+
+    mesh = init_device_mesh("cpu", (4, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    results = {}
+    for name, layout in FOUR_RANK_LAYOUTS.items():
+        model = parallelize(family_model("mixtral"), mesh, **layout)
+        half_loss(model, quarters()[dist.get_rank()]).backward()
+        grads = [None] * 4
+        dist.all_gather_object(grads, whole_gradients(model))
+        results[name] = {key: value for part in grads for key, value in part.items()}
+    if dist.get_rank() == 0:
+        torch.save(results, out)
+
+
+def check_four_ranks_against_one_process(out: str) -> None:
+    model = family_model("mixtral")
+    (sum(half_loss(model, ids) for ids in quarters()) / 4).backward()
+    reference = whole_gradients(model)
+    for name, grads in torch.load(out, weights_only=False).items():
+        assert sorted(grads) == sorted(reference), name
+        for param, grad in reference.items():
+            scale = grad.abs().max().item()
+            torch.testing.assert_close(grads[param], grad, rtol=0, atol=1e-5 * scale + 1e-8, msg=f"{name} {param}")
+
+
+# --- layouts, flags and the command line ----------------------------------------------------------------------------
+
+
+def test_expert_ranks_are_carved_from_the_data_shards():
+    layout = mesh_layout(8, fsdp_shard_size=4, ep_size=2)
+    assert layout == MeshLayout(replicas=2, shards=4, ep=2) and layout.num_expert_shards == 2
+    assert layout.describe() == "2 replica(s) x 4 shard(s); experts over 2 expert-parallel x 2 FSDP shard(s)"
+    assert (layout.num_dp_ranks, layout.world_size) == (8, 8)  # expert ranks read different samples
+
+
+@pytest.mark.parametrize(
+    ("sizes", "message"),
+    [
+        (dict(world_size=8, fsdp_shard_size=2, ep_size=4), "ep_size 4 must divide the FSDP shards (2: fsdp_shard_size"),
+        (dict(world_size=4, tp_size=2, ep_size=2), "ep_size 2 with tp_size 2: expert parallelism takes its ranks"),
+        (dict(world_size=4, cp_size=2, ep_size=2), "ep_size 2 with cp_size 2"),
+    ],
+)
+def test_expert_layouts_that_do_not_fit_are_named(sizes, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        mesh_layout(**sizes)
+
+
+def test_models_expert_parallelism_cannot_deal_out_are_refused_in_one_line():
+    check_expert_parallel(moe_config(), 4)
+    with pytest.raises(ConfigError, match="ep_size 2 deals out MoE experts, but the model is dense"):
+        check_expert_parallel(tiny_config(), 2)
+    with pytest.raises(ConfigError, match="but every layer is in mlp_only_layers"):
+        check_expert_parallel(moe_config(mlp_only_layers=[0, 1]), 2)
+    with pytest.raises(ConfigError, match=re.escape("ep_size 3 must divide n_routed_experts (8)")):
+        check_expert_parallel(moe_config(), 3)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (dict(parallel_mode="ddp"), "ep_size 2 needs parallel_mode fsdp"),
+        (dict(lora_r=4), "ep_size 2 with lora_r is not supported yet"),
+        (dict(sharded_checkpoint=True), "ep_size 2 with sharded_checkpoint is not supported yet"),
+        (dict(ep_size=0), "ep_size must be"),
+    ],
+)
+def test_flags_expert_parallelism_cannot_take_are_refused(flags, message):
+    values = dict(train_type="seq", parallel_mode="fsdp", ep_size=2) | flags
+    with pytest.raises(ConfigError, match=message):
+        TrainArgs(**values).validate()
+
+
+def moe_directory(root: Path, **fields) -> str:
+    """The bundled tiny model's config made MoE (8 experts, top-2; no weights: AstrAI's init), for the CLI."""
+    config = json.loads((TINY_MODEL_DIR / "config.json").read_text())
+    values = dict(ffn_type="moe", n_routed_experts=8, n_shared_experts=1, n_activated_experts=2)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(config | values | fields))
+    return str(root)
+
+
+def test_the_dry_run_prints_how_the_experts_are_dealt_out(tmp_path, capsys):
+    from astrai_fabric.cli import main
+
+    argv = ["seq", "--param_path", moe_directory(tmp_path / "moe"), "--tokenizer_path", "bundled:tiny"]
+    argv += ["--data_root_path", "bundled:data/seq", "--window_size", "32", "--ckpt_dir", str(tmp_path / "out")]
+    flags = ["--nprocs", "8", "--parallel_mode", "fsdp", "--ep_size", "4", "--fsdp_shard_size", "4"]
+    assert main([*argv, *flags, "--dry_run"]) == 0
+    out = capsys.readouterr().out
+    assert "(2 replica(s) x 4 shard(s); experts over 4 expert-parallel x 1 FSDP shard(s))" in out
+    assert "experts      expert parallel over 4 ranks: each holds 2 of the 8 routed experts" in out
+    assert "8 rank(s) x 1 per device" in out
+    for more, message in (
+        (["--nprocs", "8", "--ep_size", "3"], "ep_size 3 must divide the FSDP shards (8"),
+        (["--nprocs", "2", "--ep_size", "2", "--param_path", "bundled:tiny"], "but the model is dense"),
+    ):
+        assert main([*argv, "--parallel_mode", "fsdp", *more, "--dry_run"]) == 2
+        assert message in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_fabric_built_elsewhere_decides_expert_parallelism():
+    """``train(fabric, args)``: ``--ep_size`` must be what the Fabric's own ``parallelize_fn`` applies."""
+    from functools import partial
+
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import ModelParallelStrategy
+
+    from astrai_fabric.parallelize import parallelize
+    from astrai_fabric.strategy import check_ep_size, ep_size_of
+
+    def fabric(**keywords) -> Fabric:
+        strategy = ModelParallelStrategy(partial(parallelize, **keywords), data_parallel_size=4, tensor_parallel_size=1)
+        return Fabric(accelerator="cpu", devices=4, strategy=strategy)
+
+    assert ep_size_of(fabric(ep_size=2)) == 2 and ep_size_of(fabric()) == 1
+    check_ep_size(fabric(ep_size=2), 2)
+    with pytest.raises(ConfigError, match="ep_size 2: the Fabric given to train.. decides expert parallelism"):
+        check_ep_size(fabric(), 2)

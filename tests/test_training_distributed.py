@@ -117,18 +117,32 @@ CP_RUNS = {
 # sequence (as RL_RUNS do).
 FSDP_HF = dict(parallel_mode="fsdp", batch_per_device=1, grad_accum_steps=1)
 TP2_HF = dict(parallel_mode="fsdp", tp_size=2, batch_per_device=1, grad_accum_steps=1)
+# Expert parallelism over both ranks (each holds half of every MoE layer's experts) for each MoE family: Mixtral,
+# Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 (sigmoid group-limited routing); each rank's balance loss its own, as under
+# FSDP alone, so the single process takes the same 1-sample micro-batches in sequence.
+EP2_HF = dict(FSDP_HF, ep_size=2)
 HF_RUNS = {"hf_qwen3_fsdp": FSDP_HF, "hf_qwen2_tp2": TP2_HF, "hf_qwen2_moe_fsdp": FSDP_HF,
            "hf_qwen3_moe_fsdp": FSDP_HF, "hf_qwen3_moe_tp2": TP2_HF, "hf_olmo2_fsdp": FSDP_HF,
            "hf_phi3_fsdp": FSDP_HF, "hf_phi3_tp2": TP2_HF, "hf_gemma2_tp2": TP2_HF,
            "hf_gemma3_text_fsdp": FSDP_HF, "hf_deepseek_v3_fsdp": FSDP_HF,
-           "hf_deepseek_v3_tp2": TP2_HF}  # fmt: skip
+           "hf_deepseek_v3_tp2": TP2_HF, "hf_mixtral_ep2": EP2_HF, "hf_qwen2_moe_ep2": EP2_HF,
+           "hf_qwen3_moe_ep2": EP2_HF, "hf_deepseek_v3_ep2": EP2_HF}  # fmt: skip
 HF_REFERENCES = {"fsdp": dict(batch_per_device=1, grad_accum_steps=2),
-                 "tp2": dict(batch_per_device=1, grad_accum_steps=1)}  # fmt: skip
+                 "tp2": dict(batch_per_device=1, grad_accum_steps=1),
+                 "ep2": dict(batch_per_device=1, grad_accum_steps=2)}  # fmt: skip
+EP_TRAIN_TYPES = ("seq", "dpo")
+"""The other train types under expert parallelism (Qwen3-MoE; sft is among ``HF_RUNS``)."""
+EP_RESUME = dict(EP2_HF, grad_accum_steps=2, max_steps=4, ckpt_interval=2, optimizer="muon_adamw")
+"""An expert-parallel run whose step-2 checkpoint is resumed at ep 1 (one process) and ep 4 (4 ranks): 4 samples a
+step in each layout; Muon orthogonalises each rank's experts, the rest spread over the ranks."""
 """The single process's batches for a 2-rank run, by its layout (the run's name ends with it)."""
-HF_WEIGHT_ATOL = {"hf_deepseek_v3_tp2": 5e-5}
+HF_WEIGHT_ATOL = {"hf_deepseek_v3_tp2": 5e-5, "hf_deepseek_v3_ep2": 5e-5}
 """Runs whose weights after 2 AdamW steps may differ by more than 1e-5 (the losses agree to 1e-7): measured 1.9e-5
 on one DeepSeek-V3 expert weight whose two gradients nearly cancel in Adam's first moment (an update of 2.5e-4
-where its tensor's are 2.7e-3), so the all-reduced attention output's last bits move it by 8%."""
+where its tensor's are 2.7e-3), so the all-reduced attention output's last bits move it by 8%; under expert
+parallelism 2.6e-5 on one of layer 2's kv_a_proj weights whose first gradient is 1.4e-9 (its tensor's median
+7e-4): Adam's first update, g / (|g| + 1e-8), turns the last bits of so small a gradient into 1% of a step (the
+gradient norms agree to 5e-7)."""
 
 
 def hf_model_type(name: str) -> str:
@@ -138,12 +152,19 @@ def hf_model_type(name: str) -> str:
 
 def hf_args(root: Path, name: str, ckpt_dir: Path, **overrides) -> TrainArgs:
     model = root / hf_model_type(name)
-    return base_args(ckpt_dir, **SFT, param_path=str(model), tokenizer_path="bundled:tiny", max_steps=2, **overrides)
+    return base_args(
+        ckpt_dir, **SFT | dict(param_path=str(model), tokenizer_path="bundled:tiny", max_steps=2) | overrides
+    )
+
+
+def ep_train_type(train_type: str) -> dict:
+    """A 2-rank expert-parallel run of ``train_type`` (``EP_TRAIN_TYPES``)."""
+    return dict(EP2_HF, train_type=train_type, data_root_path=f"bundled:data/{train_type}")
 
 
 def write_hf_models(root: Path) -> None:
-    """Tiny random Qwen3, Qwen2, Qwen3-MoE, Qwen2-MoE, OLMo 2, Phi-3, Gemma 2, Gemma 3 and DeepSeek-V3 directories,
-    as transformers saves them (skipped without transformers)."""
+    """Tiny random Qwen3, Qwen2, Qwen3-MoE, Qwen2-MoE, Mixtral, OLMo 2, Phi-3, Gemma 2, Gemma 3 and DeepSeek-V3
+    directories, as transformers saves them (skipped without transformers)."""
     try:
         from test_huggingface import CASES, build_hf, save_hf
     except pytest.skip.Exception:
@@ -153,7 +174,7 @@ def write_hf_models(root: Path) -> None:
     )
     save_hf(build_hf("Qwen3Config", head_dim=16, **sizes), root / "qwen3")
     save_hf(build_hf("Qwen2Config", **sizes), root / "qwen2")
-    for model_type in ("qwen3_moe", "qwen2_moe", "olmo2", "phi3", "gemma2", "gemma3_text", "deepseek_v3"):
+    for model_type in ("qwen3_moe", "qwen2_moe", "mixtral", "olmo2", "phi3", "gemma2", "gemma3_text", "deepseek_v3"):
         config_class, fields, _, _ = CASES[model_type]
         save_hf(build_hf(config_class, **fields, **sizes), root / model_type)
 
@@ -194,6 +215,14 @@ def two_rank_worker(root: str) -> None:
             history = run(hf_args(root, name, root / name, nprocs=2, **overrides))
             if os.environ["RANK"] == "0":
                 (root / f"{name}.json").write_text(json.dumps(history))
+    if (root / "qwen3_moe").is_dir():  # expert parallelism: the other train types, and a checkpoint to resume
+        for train_type in EP_TRAIN_TYPES:
+            history = run(
+                hf_args(root, "hf_qwen3_moe_ep2", root / f"ep2_{train_type}", nprocs=2, **ep_train_type(train_type))
+            )
+            if os.environ["RANK"] == "0":
+                (root / f"ep2_{train_type}.json").write_text(json.dumps(history))
+        run(hf_args(root, "hf_qwen3_moe_ep2", root / "ep2_resume", nprocs=2, **EP_RESUME))
     # Ranks sample different prompts, stop at different lengths, and must still run the same forward passes.
     run(base_args(root / "fsdp_grpo_online", nprocs=2, batch_per_device=1, parallel_mode="fsdp", **ONLINE))
     # DAPO's normaliser and the batch-scaled rewards gather the whole rollout over both ranks; 2 passes per rollout.
@@ -296,6 +325,46 @@ def test_two_ranks_train_a_huggingface_model_as_one_process(two_rank_runs, tmp_p
     assert json.loads((saved / "meta.json").read_text())["source"]["model_type"] == hf_model_type(name)
 
 
+@pytest.mark.parametrize("train_type", EP_TRAIN_TYPES)
+def test_expert_parallel_seq_and_dpo_match_one_process(two_rank_runs, tmp_path, train_type):
+    if not (two_rank_runs / f"ep2_{train_type}.json").exists():
+        pytest.skip("transformers is not installed (the test extra)")
+    overrides = dict(ep_train_type(train_type), **HF_REFERENCES["ep2"], parallel_mode="none", ep_size=None)
+    reference = run(hf_args(two_rank_runs, "hf_qwen3_moe_ep2", tmp_path, nprocs=1, **overrides))
+    history = json.loads((two_rank_runs / f"ep2_{train_type}.json").read_text())
+    for key in ("loss", "moe_aux_loss", "reward_accuracy"):
+        if key in reference[0]:
+            assert [r[key] for r in history] == pytest.approx([r[key] for r in reference], abs=1e-5), key
+    assert_weights_close(weights(two_rank_runs / f"ep2_{train_type}", 2), weights(tmp_path, 2), atol=1e-5)
+
+
+def test_an_expert_parallel_checkpoint_is_one_processs_and_resumes_on_one_process(two_rank_runs, tmp_path):
+    written = two_rank_runs / "ep2_resume"
+    if not written.is_dir():
+        pytest.skip("transformers is not installed (the test extra)")
+    one_process = dict(EP_RESUME, nprocs=1, parallel_mode="none", ep_size=None, grad_accum_steps=4)
+    run(hf_args(two_rank_runs, "hf_qwen3_moe_ep2", tmp_path / "whole", **one_process))
+    # Gathered from both ranks' experts, optimizer.pt is numbered and filled as one process's.
+    ours = torch.load(written / "epoch_0_step_2" / "optimizer.pt", weights_only=True)
+    theirs = torch.load(tmp_path / "whole" / "epoch_0_step_2" / "optimizer.pt", weights_only=True)
+    for part in ("muon", "adamw"):
+        # AdamW is fused over plain tensors only (``optim.composite.fused_if_possible``): FSDP's are DTensors.
+        groups = [
+            [{k: v for k, v in g.items() if k != "fused"} for g in o[part]["param_groups"]] for o in (ours, theirs)
+        ]
+        assert groups[0] == groups[1]
+        assert ours[part]["state"].keys() == theirs[part]["state"].keys()
+        for index, entry in theirs[part]["state"].items():
+            for key, value in entry.items():
+                torch.testing.assert_close(ours[part]["state"][index][key], value, atol=1e-6, rtol=0)
+    history = run(
+        hf_args(two_rank_runs, "hf_qwen3_moe_ep2", tmp_path, **one_process, resume=str(written / "epoch_0_step_2"))
+    )
+    assert [r["step"] for r in history] == [3, 4]
+    assert_weights_close(weights(tmp_path, 4), weights(written, 4), atol=1e-5)
+    assert_weights_close(weights(tmp_path / "whole", 4), weights(written, 4), atol=1e-5)
+
+
 def test_fsdp_mixed_precision_computes_in_bf16_over_float32_weights(two_rank_runs, tmp_path):
     reference = run(base_args(tmp_path, optimizer="adamw"))
     history = json.loads((two_rank_runs / "bf16_compute.json").read_text())
@@ -335,8 +404,15 @@ def test_context_parallel_sharded_state_resumes_on_one_process_and_online_grpo_r
     assert (two_rank_runs / "cp2_grpo_online" / "epoch_0_step_2" / "model.safetensors").is_file()
 
 
-def tp_and_fsdp_worker(root: str) -> None:
+def tp_and_fsdp_worker(root: str, hf_root: str) -> None:
     from test_muon_distributed import fsdp_tp_worker
+
+    if (Path(hf_root) / "qwen3_moe").is_dir():
+        # Experts over 2 expert ranks x 2 FSDP shards (1 sample per data rank), and the 2-rank expert-parallel
+        # checkpoint resumed with each of the 4 ranks holding one expert (4 samples a step, as it was written).
+        run(hf_args(Path(hf_root), "hf_qwen3_moe_ep2", Path(root) / "ep2x2", nprocs=4, **EP2_HF))
+        ep4 = dict(EP_RESUME, ep_size=4, grad_accum_steps=1, resume=f"{hf_root}/ep2_resume/epoch_0_step_2")
+        run(hf_args(Path(hf_root), "hf_qwen3_moe_ep2", Path(root) / "ep4_resumed", nprocs=4, **ep4))
 
     history = run(base_args(Path(root), nprocs=4, batch_per_device=1, **TP2))
     if os.environ["RANK"] == "0":
@@ -349,17 +425,29 @@ def tp_and_fsdp_worker(root: str) -> None:
     from test_context_parallel import tensor_and_context_parallel_worker
 
     tensor_and_context_parallel_worker(str(Path(root) / "tp_cp.pt"))  # and tensor x context parallelism
+    from test_expert_parallel import four_rank_expert_worker
+
+    four_rank_expert_worker(str(Path(root) / "experts.pt"))  # and expert parallelism's layouts, model alone
 
 
-def test_tensor_parallel_with_fsdp_on_four_ranks(tmp_path):
+def test_tensor_parallel_with_fsdp_on_four_ranks(two_rank_runs, tmp_path):
     # 4 processes on 2 cores: a 2 x 2 mesh (data x tensor), 1 sample per data-parallel rank.
     from test_muon_distributed import check_fsdp_tp_optimizers
 
-    run_ranks(tp_and_fsdp_worker, 4, str(tmp_path / "four"))
+    run_ranks(tp_and_fsdp_worker, 4, str(tmp_path / "four"), str(two_rank_runs))
+    if (two_rank_runs / "ep2_resume").is_dir():  # expert parallelism 2 x FSDP 2, and ep 4 resuming ep 2
+        one = dict(EP2_HF, nprocs=1, parallel_mode="none", ep_size=None, grad_accum_steps=4)
+        run(hf_args(two_rank_runs, "hf_qwen3_moe_ep2", tmp_path / "ep_one", **one))
+        assert_weights_close(weights(tmp_path / "four" / "ep2x2", 2), weights(tmp_path / "ep_one", 2), atol=1e-5)
+        written = two_rank_runs / "ep2_resume"
+        assert_weights_close(weights(tmp_path / "four" / "ep4_resumed", 4), weights(written, 4), atol=1e-5)
     check_fsdp_tp_optimizers(str(tmp_path / "four" / "optimizers.pt"))
     from test_context_parallel import check_against_one_process
 
     check_against_one_process(str(tmp_path / "four" / "tp_cp.pt"))  # tensor 2 x context 2: one process's gradients
+    from test_expert_parallel import check_four_ranks_against_one_process
+
+    check_four_ranks_against_one_process(str(tmp_path / "four" / "experts.pt"))
     reference = run(base_args(tmp_path / "one", optimizer="muon_adamw"))
     history = json.loads((tmp_path / "four" / "history.json").read_text())
     assert [r["loss"] for r in history] == pytest.approx([r["loss"] for r in reference], abs=1e-5)
