@@ -6,6 +6,7 @@ a checkpoint save/load round trip. Prints tokens/s, MFU and peak memory. Not par
     python bench/gpu_check.py --smoke         # the same path on CPU with the tiny model: checks the script itself
     python bench/gpu_check.py --qlora         # instead: full / LoRA / QLoRA x chunked loss, bench/qlora_memory.py
     python bench/gpu_check.py --qlora --smoke # that comparison on CPU with a tiny shape: checks it
+    python bench/gpu_check.py --moe           # instead: bench/moe.py's MoE layer, experts one by one vs together
 
 Model: hidden 2048, 20 layers, 16/8 heads, SwiGLU 5632, vocabulary 32000 (1.0B parameters), windows of 1024
 tokens from the bundled corpus (its tiny tokenizer uses the first 2048 ids), 4 per GPU, muon_adamw, bf16-true,
@@ -53,6 +54,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, 3 steps: check the script itself")
     parser.add_argument("--qlora", action="store_true", help="Instead: full / LoRA / QLoRA x chunked loss memory")
     parser.add_argument("--qlora_precision", default="32-true", help="--qlora's precision (bf16-true, say)")
+    parser.add_argument("--moe", action="store_true", help="Instead: MoE experts one by one against together")
     options = parser.parse_args()
     if not options.smoke and not torch.cuda.is_available():
         raise SystemExit("gpu_check: no CUDA device visible (use --smoke to check the script on CPU)")
@@ -62,6 +64,11 @@ def main() -> None:
 
         device = ["--device", "cpu", "--smoke"] if options.smoke else ["--device", "cuda"]
         qlora_memory([*device, "--precision", options.qlora_precision])
+        return
+    if options.moe:  # bench/moe.py's layer table on this device, in bfloat16 (float32 on CPU for --smoke)
+        from moe import layer_part
+
+        layer_part(3 if options.smoke else 20, *(("cpu", torch.float32) if options.smoke else ("cuda", torch.bfloat16)))
         return
     # The launcher re-runs this script for the other local ranks: they must find the same folder (environment).
     os.environ.setdefault("GPU_CHECK_OUT", options.out or tempfile.mkdtemp(prefix="gpu_check_"))
