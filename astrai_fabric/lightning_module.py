@@ -25,7 +25,7 @@ from astrai_fabric.checkpoint import (
     read_model_config,
     save_checkpoint,
 )
-from astrai_fabric.checkpoint.gather import gather_weights
+from astrai_fabric.checkpoint.gather import gather_state
 from astrai_fabric.data import load_window_dataset
 from astrai_fabric.model import AutoRegressiveLM
 from astrai_fabric.optim import OptimArgs, build_optimizer, resolve_ns_dtype
@@ -116,7 +116,7 @@ class AstraiLM(L.LightningModule):
         """Write the weights as an AstrAI checkpoint directory (with the tokenizer files); every rank must call it
         (sharded weights are gathered), rank 0 writes."""
         directory = Path(directory)
-        weights = gather_weights(self.model, keep=self.global_rank == 0)
+        weights = gather_state(self.model, self.model.state_dict(), keep=self.global_rank == 0)
         if self.global_rank == 0:
             meta = {"train_type": self.hparams.train_type, "lightning_module": dict(self.hparams)}
             files = dict(self.tokenizer.files)

@@ -132,6 +132,8 @@ HF_REFERENCES = {"fsdp": dict(batch_per_device=1, grad_accum_steps=2),
                  "ep2": dict(batch_per_device=1, grad_accum_steps=2)}  # fmt: skip
 EP_TRAIN_TYPES = ("seq", "dpo")
 """The other train types under expert parallelism (Qwen3-MoE; sft is among ``HF_RUNS``)."""
+EP_LORA = dict(EP2_HF, lora_r=4, lora_targets=["up", "gate", "down", "q_proj"])
+"""LoRA under expert parallelism: adapters on every expert's projections travel with their expert."""
 EP_RESUME = dict(EP2_HF, grad_accum_steps=2, max_steps=4, ckpt_interval=2, optimizer="muon_adamw")
 """An expert-parallel run whose step-2 checkpoint is resumed at ep 1 (one process) and ep 4 (4 ranks): 4 samples a
 step in each layout; Muon orthogonalises each rank's experts, the rest spread over the ranks."""
@@ -223,6 +225,7 @@ def two_rank_worker(root: str) -> None:
             if os.environ["RANK"] == "0":
                 (root / f"ep2_{train_type}.json").write_text(json.dumps(history))
         run(hf_args(root, "hf_qwen3_moe_ep2", root / "ep2_resume", nprocs=2, **EP_RESUME))
+        run(hf_args(root, "hf_qwen3_moe_ep2", root / "ep2_lora", nprocs=2, **EP_LORA))
     # Ranks sample different prompts, stop at different lengths, and must still run the same forward passes.
     run(base_args(root / "fsdp_grpo_online", nprocs=2, batch_per_device=1, parallel_mode="fsdp", **ONLINE))
     # DAPO's normaliser and the batch-scaled rewards gather the whole rollout over both ranks; 2 passes per rollout.
@@ -336,6 +339,17 @@ def test_expert_parallel_seq_and_dpo_match_one_process(two_rank_runs, tmp_path, 
         if key in reference[0]:
             assert [r[key] for r in history] == pytest.approx([r[key] for r in reference], abs=1e-5), key
     assert_weights_close(weights(two_rank_runs / f"ep2_{train_type}", 2), weights(tmp_path, 2), atol=1e-5)
+
+
+def test_expert_parallel_lora_matches_one_process(two_rank_runs, tmp_path):
+    if not (two_rank_runs / "ep2_lora").is_dir():
+        pytest.skip("transformers is not installed (the test extra)")
+    one = dict(EP_LORA, **HF_REFERENCES["ep2"], nprocs=1, parallel_mode="none", ep_size=None)
+    run(hf_args(two_rank_runs, "hf_qwen3_moe_ep2", tmp_path, **one))
+    (ours,), (theirs,) = (two_rank_runs / "ep2_lora").glob("epoch_*_step_2"), tmp_path.glob("epoch_*_step_2")
+    adapters = load_file(ours / "adapter_model.safetensors")
+    assert sum(".routed_experts." in key for key in adapters) == 4 * 3 * 2  # every expert's, both ranks'
+    assert_weights_close(adapters, load_file(theirs / "adapter_model.safetensors"), atol=1e-5)
 
 
 def test_an_expert_parallel_checkpoint_is_one_processs_and_resumes_on_one_process(two_rank_runs, tmp_path):

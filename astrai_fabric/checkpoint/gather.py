@@ -97,21 +97,21 @@ def _experts_of(model: nn.Module) -> _Experts | None:
     return None if layer is None else _Experts(layer.expert_parallel, layer.n_routed)
 
 
-def gather_weights(model: nn.Module, keep: bool) -> dict[str, Any]:
-    """``model``'s whole ``state_dict`` on the rank that ``keep``s it (rank 0; the others get None values), every
-    tensor full on the CPU (``gather_full``, collective) and every expert's included."""
-    state = model.state_dict()
+def gather_state(model: nn.Module, state: dict[str, Any], keep: bool) -> dict[str, Any]:
+    """``state`` (``model``'s ``state_dict``, or part of it: the adapters, the base) whole on the rank that
+    ``keep``s it (rank 0; the others get None values), every tensor full on the CPU (collective) and every expert's
+    included, in the whole model's order."""
     experts = _experts_of(model)
     if experts is None:
         return gather_full(state, keep)
     own = [name for name in state if EXPERT.match(name)]
-    weights = gather_full({name: value for name, value in state.items() if name not in own}, keep)
+    whole = gather_full({name: value for name, value in state.items() if name not in own}, keep)
     gathered = experts.gather([(name, state[name]) for name in own], keep)
     if not keep:
-        return weights
+        return whole
     for name, parts in gathered.items():
-        weights |= {experts.rename(name, rank): tensor for rank, tensor in enumerate(parts)}
-    return {name: weights[name] for name in experts.whole_order(list(state))}
+        whole |= {experts.rename(name, rank): tensor for rank, tensor in enumerate(parts)}
+    return {name: whole[name] for name in experts.whole_order(list(state))}
 
 
 def gather_optimizer_state(

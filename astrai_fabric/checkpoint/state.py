@@ -38,7 +38,7 @@ from astrai_fabric.checkpoint.files import (
     save_checkpoint,
     staging_dir,
 )
-from astrai_fabric.checkpoint.gather import gather_full, gather_optimizer_state, gather_weights
+from astrai_fabric.checkpoint.gather import gather_optimizer_state, gather_state
 from astrai_fabric.checkpoint.position import RESUME_KEY, RunPosition
 from astrai_fabric.checkpoint.weights import Checkpoint, load_checkpoint, load_model_weights, weights_source
 from astrai_fabric.errors import CheckpointError
@@ -80,14 +80,14 @@ def save_training_checkpoint(
     """
     keep = fabric.global_rank == 0
     adapter = None
+    state = model.state_dict()
     if lora is None:
-        weights = gather_weights(model, keep)
+        weights = gather_state(model, state, keep)
     else:
-        state = model.state_dict()
-        adapter = gather_full(adapter_state_dict(state), keep)
+        adapter = gather_state(model, adapter_state_dict(state), keep)
         weights = None
         if lora_save_full:
-            base = gather_full(base_state_dict(state), keep)
+            base = gather_state(model, base_state_dict(state), keep)
             weights = merge_state_dict(base, adapter, lora.scaling) if keep else None
     rng = _gather_rng_states(fabric.world_size)
     extra = {"scheduler": scheduler.state_dict(), "rng": {"torch": rng}}

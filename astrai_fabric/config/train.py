@@ -378,7 +378,7 @@ class TrainArgs(TrainChecks):
     """Expert-parallel degree (parallel_mode fsdp, MoE models): each rank of a group of this many consecutive data
     ranks holds 1/ep_size of every MoE layer's routed experts, tokens travelling to their experts' ranks by
     all-to-all, and FSDP shards the experts over the data shards left (``fsdp_shard_size`` / ep_size). It must divide
-    the routed experts and the FSDP shards; not with ``tp_size``, ``cp_size``, LoRA or ``sharded_checkpoint``
+    the routed experts and the FSDP shards; not with ``tp_size``, ``cp_size``, ``quantize`` or ``sharded_checkpoint``
     (docs/distributed.md)."""
     fsdp_reshard_after_forward: bool = False
     """FSDP: free each block's gathered parameters after its forward (less memory, one more all-gather in backward);

@@ -231,7 +231,7 @@ class TrainChecks:
                 f"expert group leaves), got {self.parallel_mode}: use --parallel_mode fsdp"
             ]
         unsupported = [
-            name for name, on in (("lora_r", self.lora_r), ("sharded_checkpoint", self.sharded_checkpoint)) if on
+            name for name, on in (("quantize", self.quantize), ("sharded_checkpoint", self.sharded_checkpoint)) if on
         ]
         if unsupported:
             return [f"ep_size {ep_size} with {' and '.join(unsupported)} is not supported yet: drop one of them"]
