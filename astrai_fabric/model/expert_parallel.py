@@ -14,7 +14,7 @@ so an expert's gradient sums every rank's tokens routed to it.
 The parameters stay one 2-D tensor per expert projection, named as in the whole model (``routed_experts.{j}``,
 ``j`` the expert's index among all of them, ``ffn.RoutedExperts``): a rank's layer keeps its own under those names,
 so its ``state_dict`` names are the whole model's, those of the other ranks' experts left out
-(``checkpoint.expert_state`` gathers and deals them).
+(``checkpoint.gather`` brings them together and deals them out).
 """
 
 from __future__ import annotations
@@ -45,13 +45,8 @@ class ExpertGroup:
 
     def owned(self, num_experts: int) -> range:
         """The indices of the experts this rank holds (a contiguous block of ``num_experts / size``)."""
-        return owned_experts(num_experts, self.size, self.rank)
-
-
-def owned_experts(num_experts: int, ep_size: int, ep_rank: int) -> range:
-    """The experts rank ``ep_rank`` of an expert group of ``ep_size`` holds."""
-    per_rank = num_experts // ep_size
-    return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
+        per_rank = num_experts // self.size
+        return range(self.rank * per_rank, (self.rank + 1) * per_rank)
 
 
 def check_expert_parallel(config: ModelConfig, ep_size: int) -> None:
