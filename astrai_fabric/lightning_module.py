@@ -27,6 +27,7 @@ from astrai_fabric.checkpoint import (
 )
 from astrai_fabric.checkpoint.gather import gather_state
 from astrai_fabric.data import load_window_dataset
+from astrai_fabric.losses import moe_load_metrics
 from astrai_fabric.model import AutoRegressiveLM
 from astrai_fabric.optim import OptimArgs, build_optimizer, resolve_ns_dtype
 from astrai_fabric.schedule import build_scheduler
@@ -76,6 +77,7 @@ class AstraiLM(L.LightningModule):
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         loss, metrics = self._loss(batch)
+        metrics = moe_load_metrics(metrics)  # this micro-batch's load, as AstrAI logs it
         self.log("train_loss", loss, prog_bar=True)
         self.log_dict({f"train_{k}": v for k, v in metrics.items()})
         return loss

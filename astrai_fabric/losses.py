@@ -106,20 +106,38 @@ def with_moe_aux_loss(
 
 
 def moe_diagnostics(router_stats: list[dict[str, Tensor]]) -> dict[str, Tensor]:
-    """AstrAI's routing diagnostics, averaged over MoE layers: router entropy, fraction of experts given no
-    token, and the mean and largest load relative to an even split."""
-    per_layer = []
+    """AstrAI's router entropy (averaged over MoE layers) and ``expert_tokens`` ``[num_moe_layers, num_experts]``:
+    how many of the micro-batch's tokens chose each expert, which ``moe_load_metrics`` turns into the load."""
+    if not router_stats:
+        return {}
+    entropies, counts = [], []
     for stats in router_stats:
         probs, chosen = stats["probs"].float(), stats["topk_indices"]
-        counts = F.one_hot(chosen, probs.size(-1)).sum(dim=(0, 1)).float()
-        load = counts / counts.mean().clamp(min=1.0)
-        entropy = -(probs * probs.clamp_min(1e-8).log()).sum(dim=-1).mean()
-        per_layer.append(torch.stack([entropy, (counts == 0).float().mean(), (load - 1).abs().mean(), load.max()]))
-    if not per_layer:
-        return {}
-    means = torch.stack(per_layer).mean(dim=0)
-    names = ("router_entropy", "dead_expert_fraction", "load_imbalance_mean", "load_imbalance_max")
-    return dict(zip(names, means, strict=True))
+        counts.append(F.one_hot(chosen, probs.size(-1)).sum(dim=(0, 1)).float())
+        entropies.append(-(probs * probs.clamp_min(1e-8).log()).sum(dim=-1).mean())
+    return {"router_entropy": torch.stack(entropies).mean(), EXPERT_TOKENS: torch.stack(counts)}
+
+
+EXPERT_TOKENS = "expert_tokens"
+"""The metric holding each MoE layer's tokens per expert: not logged; ``moe_load_metrics`` replaces it."""
+
+
+def moe_load_metrics(metrics: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``metrics`` with ``expert_tokens`` replaced by AstrAI's load diagnostics, averaged over MoE layers: the
+    fraction of experts given no token, and the mean and largest load relative to an even split.
+
+    ``train_step`` passes the counts averaged over a window's micro-batches and every rank, so the load is the
+    model's over the whole step (under expert parallelism, what each expert received from every rank); AstrAI's
+    are one micro-batch's on one rank. The values are unchanged by the averaging: AstrAI's ratios of counts (with
+    its mean clamped at 1 token, which the average keeps at one micro-batch's scale)."""
+    if EXPERT_TOKENS not in metrics:
+        return metrics
+    metrics = dict(metrics)
+    counts = metrics.pop(EXPERT_TOKENS)
+    load = counts / counts.mean(dim=-1, keepdim=True).clamp(min=1.0)
+    per_layer = torch.stack([(counts == 0).float().mean(-1), (load - 1).abs().mean(-1), load.amax(-1)], dim=-1)
+    names = ("dead_expert_fraction", "load_imbalance_mean", "load_imbalance_max")
+    return metrics | dict(zip(names, per_layer.mean(dim=0), strict=True))
 
 
 def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:

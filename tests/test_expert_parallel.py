@@ -113,6 +113,47 @@ def test_where_the_grouped_kernel_does_not_fit_the_experts_run_one_by_one():
     assert run_experts(odd, torch.randn(2, 32), counts).shape == (2, 32)  # None: one by one
 
 
+def test_the_logged_expert_load_is_the_whole_windows():
+    """The load metrics come from the experts' token counts summed over a step's micro-batches (and, by the same
+    all-reduce, its ranks): the model's load over the step, not an average of each micro-batch's (AstrAI logs one
+    micro-batch's). Here each micro-batch of 3 tokens (top-2 of 8 experts) leaves most experts idle, the window less."""
+    from lightning.fabric import Fabric
+
+    from astrai_fabric.checkpoint.position import RunPosition
+    from astrai_fabric.loop.state import TrainState
+    from astrai_fabric.loop.step import StepTools, train_step
+    from astrai_fabric.losses import moe_load_metrics
+    from astrai_fabric.train.common import loop_args
+    from astrai_fabric.train.lm import lm_loss
+
+    torch.manual_seed(0)
+    model = AutoRegressiveLM(moe_config()).train()
+    ids = torch.randint(0, 32, (2, 1, 4), generator=torch.Generator().manual_seed(3))
+    batches = [{"input_ids": i[:, :-1], "target_ids": i[:, 1:]} for i in ids]
+    counts = [lm_loss(model, batch, 0.0, 0.01)[1]["expert_tokens"] for batch in batches]  # at the step's weights
+    window = moe_load_metrics({"expert_tokens": sum(counts) / 2})
+    each = [moe_load_metrics({"expert_tokens": c}) for c in counts]
+    fabric = Fabric(accelerator="cpu", devices=1)
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    train_args = TrainArgs(param_path="bundled:tiny", ckpt_dir=".", batch_per_device=1, grad_accum_steps=2)
+    args = loop_args(train_args, dp_rank=0, fsdp=False)
+    result = train_step(
+        fabric,
+        state=TrainState(model, optimizer, scheduler, RunPosition(world_size=1)),
+        micro_batches=iter(batches),
+        compute_loss=lambda m, b: lm_loss(m, b, 0.0, 0.01),
+        args=args,
+        tools=StepTools.for_run(fabric, model, args, num_dp_ranks=1),
+    )
+    assert "expert_tokens" not in result.metrics
+    for name in ("dead_expert_fraction", "load_imbalance_mean", "load_imbalance_max"):
+        assert result.metrics[name] == pytest.approx(window[name].item(), abs=1e-6), name
+    averaged = (each[0]["dead_expert_fraction"] + each[1]["dead_expert_fraction"]).item() / 2
+    assert result.metrics["dead_expert_fraction"] < averaged  # what averaging each micro-batch's would log
+
+
 # --- expert parallelism: the model on 2 ranks against one process -------------------------------------------------
 
 FAMILIES = {

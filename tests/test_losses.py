@@ -53,11 +53,14 @@ def test_moe_aux_loss_is_added_with_its_coefficient():
 
 
 def test_moe_diagnostics_hand_computed():
-    from astrai_fabric.losses import moe_diagnostics
+    from astrai_fabric.losses import moe_diagnostics, moe_load_metrics
 
     # 2 tokens, 4 experts, top-1: both go to expert 0 -> counts (2, 0, 0, 0); AstrAI divides by max(mean, 1) = 1
     probs = torch.tensor([[0.5, 0.5, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
-    stats = moe_diagnostics([{"probs": probs, "topk_indices": torch.tensor([[0], [0]])}])
+    counted = moe_diagnostics([{"probs": probs, "topk_indices": torch.tensor([[0], [0]])}])
+    assert counted["expert_tokens"].tolist() == [[2.0, 0.0, 0.0, 0.0]]
+    stats = moe_load_metrics(counted)
+    assert "expert_tokens" not in stats
     assert stats["router_entropy"].item() == pytest.approx(math.log(2) / 2, abs=1e-6)
     assert stats["dead_expert_fraction"].item() == 0.75
     assert stats["load_imbalance_max"].item() == 2.0

@@ -335,7 +335,7 @@ def test_expert_parallel_seq_and_dpo_match_one_process(two_rank_runs, tmp_path, 
     overrides = dict(ep_train_type(train_type), **HF_REFERENCES["ep2"], parallel_mode="none", ep_size=None)
     reference = run(hf_args(two_rank_runs, "hf_qwen3_moe_ep2", tmp_path, nprocs=1, **overrides))
     history = json.loads((two_rank_runs / f"ep2_{train_type}.json").read_text())
-    for key in ("loss", "moe_aux_loss", "reward_accuracy"):
+    for key in ("loss", "moe_aux_loss", "reward_accuracy", "load_imbalance_max", "dead_expert_fraction"):
         if key in reference[0]:
             assert [r[key] for r in history] == pytest.approx([r[key] for r in reference], abs=1e-5), key
     assert_weights_close(weights(two_rank_runs / f"ep2_{train_type}", 2), weights(tmp_path, 2), atol=1e-5)

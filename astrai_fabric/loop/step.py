@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from astrai_fabric.accumulation import GradientState, backward_sync
 from astrai_fabric.loop.state import REUSED, LoopArgs, LossFn, TrainState
+from astrai_fabric.losses import moe_load_metrics
 from astrai_fabric.metrics import GradSNR, by_device_mesh, global_norm
 from astrai_fabric.model.expert_parallel import expert_meshes
 from astrai_fabric.preemption import StopRequest
@@ -140,8 +141,8 @@ def train_step(
     # One collective: the window's means over its micro-batches and all ranks, whether any rank was asked to stop
     # (a signal to one rank stops all after this same step), and whether the last update left any rank's weights
     # non-finite (the mean of 0/1 flags is positive when one is 1).
-    names = sorted(window_metrics)
-    window = torch.stack([window_loss, *(window_metrics[n] for n in names)]) / args.grad_accum_steps
+    parts = [window_loss, *(window_metrics[n] for n in sorted(window_metrics))]  # a metric may be a tensor
+    window = torch.cat([p.reshape(-1) for p in parts])
     flags = torch.stack(
         [
             torch.tensor(float(stop is not None and stop.requested), device=fabric.device),
@@ -149,7 +150,12 @@ def train_step(
         ]
     )
     tools.unchecked_weights = None
-    reduced = fabric.all_reduce(torch.cat([window, flags]), reduce_op="mean")
+    reduced = fabric.all_reduce(torch.cat([window / args.grad_accum_steps, flags]), reduce_op="mean")
+    # The means back in their shapes; the experts' load from the window's counts on every rank, not one rank's.
+    loss_mean, *metric_means, flags = reduced.split([p.numel() for p in parts] + [len(flags)])
+    metrics = {n: m.view_as(p) for n, m, p in zip(sorted(window_metrics), metric_means, parts[1:], strict=True)}
+    metrics = moe_load_metrics(metrics)
+    names = sorted(metrics)
     grads = by_device_mesh(p.grad for p in model.parameters() if p.grad is not None)
     # GradSNR takes in the gradients before the step knows they are finite (unclipped, as AstrAI): a skipped step
     # starts its averages again below. Its pass over the gradients gives their norm as well (the same value).
@@ -159,7 +165,8 @@ def train_step(
     else:  # the same on all ranks
         grad_norm = global_norm(grads, summed_over=expert_meshes(model))
     # The step's one read from the device, in float64 (exact for the float32 values and the token count).
-    numbers = [reduced.double(), grad_norm.double().reshape(1), window_tokens.double().reshape(1)]
+    means = torch.cat([loss_mean, *(metrics[n].reshape(1) for n in names), flags])
+    numbers = [means.double(), grad_norm.double().reshape(1), window_tokens.double().reshape(1)]
     numbers = torch.cat([*numbers, *([snr] if snr is not None else [])]).tolist()
     count = len(names) + 1
     means, (stop_flag, nonfinite_weights, norm, local_tokens) = numbers[:count], numbers[count : count + 4]
