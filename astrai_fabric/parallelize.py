@@ -34,8 +34,9 @@ from astrai_fabric.errors import ConfigError
 from astrai_fabric.mesh import build_meshes, mesh_layout
 from astrai_fabric.model.attention import MLA
 from astrai_fabric.model.context_parallel import check_context_parallel, enable_context_parallel
-from astrai_fabric.model.expert_parallel import check_expert_parallel, shard_experts
+from astrai_fabric.model.expert_parallel import check_expert_parallel, moe_layers, shard_experts
 from astrai_fabric.model.ffn import MLP
+from astrai_fabric.quantize import is_quantized
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -84,6 +85,14 @@ def parallelize(
         mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES.get(param_dtype), reduce_dtype=DTYPES.get(reduce_dtype)),
         offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     )
+    # QLoRA's 4-bit experts stay whole on their expert rank, outside FSDP: torch 2.13 cannot gather an NF4 tensor
+    # over a one-rank shard group (its single-rank path copies one all-gather input, torchao's gather has three),
+    # and frozen, they need no gradient reduction. Each rank holds 1/ep of them, at an eighth of float32's bytes.
+    frozen_experts = {
+        p for layer in moe_layers(model) if meshes.experts is not None for p in layer.routed_experts.parameters()
+        if is_quantized(p)
+    }  # fmt: skip
+    options["ignored_params"] = frozen_experts or None
     for block in model.decoder_blocks:
         if meshes.experts is not None and hasattr(block.mlp, "routed_experts"):
             # Each expert rank's experts over the shards its group leaves; the gradient averaged over every data

@@ -97,6 +97,14 @@ def _experts_of(model: nn.Module) -> _Experts | None:
     return None if layer is None else _Experts(layer.expert_parallel, layer.n_routed)
 
 
+def whole_names(model: nn.Module, names: list[str]) -> list[str]:
+    """``names`` (of ``model``'s tensors) as the whole model names them: under expert parallelism every rank's experts
+    in place of this rank's, in the whole model's order (no communication: every rank's block has the same names
+    but for the expert index); as they are otherwise."""
+    experts = _experts_of(model)
+    return names if experts is None else experts.whole_order(names)
+
+
 def gather_state(model: nn.Module, state: dict[str, Any], keep: bool) -> dict[str, Any]:
     """``state`` (``model``'s ``state_dict``, or part of it: the adapters, the base) whole on the rank that
     ``keep``s it (rank 0; the others get None values), every tensor full on the CPU (collective) and every expert's

@@ -21,6 +21,7 @@ from astrai_fabric.checkpoint import (
     lora_base_entry,
     prune_checkpoints,
 )
+from astrai_fabric.checkpoint.gather import whole_names
 from astrai_fabric.checkpoint.ownership import check_owned, lock_ckpt_dir
 from astrai_fabric.checkpoint.position import RunPosition
 from astrai_fabric.checkpoint.state import save_training_checkpoint
@@ -111,7 +112,8 @@ def make_saver(
         if spec is not None:  # a pointer to the base weights, relative to this checkpoint, instead of a copy
             meta[LORA_BASE_KEY] = lora_base_entry(start.lora_base, path, start.lora_digests)
         if args.quantize is not None:  # which base weights the adapter was trained over in NF4, and from what dtype
-            meta[QUANTIZATION_KEY] = quantization_entry(raw_model)
+            entry = quantization_entry(raw_model)  # this rank's NF4 weights: under --ep_size, every rank's experts'
+            meta[QUANTIZATION_KEY] = entry | {"keys": whole_names(raw_model, entry["keys"])}
         save_training_checkpoint(
             fabric,
             path,
