@@ -18,6 +18,7 @@ from spawn import run_ranks
 
 from astrai_fabric.assets import TINY_MODEL_DIR
 from astrai_fabric.checkpoint import load_checkpoint
+from astrai_fabric.cli import main
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.train import run
 
@@ -225,6 +226,7 @@ def two_rank_worker(root: str) -> None:
             if os.environ["RANK"] == "0":
                 (root / f"ep2_{train_type}.json").write_text(json.dumps(history))
         run(hf_args(root, "hf_qwen3_moe_ep2", root / "ep2_resume", nprocs=2, **EP_RESUME))
+        run(hf_args(root, "hf_qwen3_moe_ep2", root / "ep2_sharded", nprocs=2, **EP_RESUME, sharded_checkpoint=True))
         run(hf_args(root, "hf_qwen3_moe_ep2", root / "ep2_lora", nprocs=2, **EP_LORA))
     # Ranks sample different prompts, stop at different lengths, and must still run the same forward passes.
     run(base_args(root / "fsdp_grpo_online", nprocs=2, batch_per_device=1, parallel_mode="fsdp", **ONLINE))
@@ -379,6 +381,27 @@ def test_an_expert_parallel_checkpoint_is_one_processs_and_resumes_on_one_proces
     assert_weights_close(weights(tmp_path / "whole", 4), weights(written, 4), atol=1e-5)
 
 
+def test_a_sharded_expert_parallel_checkpoint_is_one_processs_state_and_resumes_on_one_process(two_rank_runs, tmp_path):
+    """Each rank writes its own experts' optimizer entries numbered as the whole model's: exported, ``state/`` is the
+    gathered ``optimizer.pt`` of the same run unsharded (bit for bit), and one process resumes it to that run's
+    weights (1e-5)."""
+    sharded, gathered = two_rank_runs / "ep2_sharded", two_rank_runs / "ep2_resume"
+    if not sharded.is_dir():
+        pytest.skip("transformers is not installed (the test extra)")
+    assert main(["export", str(sharded / "epoch_0_step_2"), "--out", str(tmp_path / "exported")]) == 0
+    ours = torch.load(tmp_path / "exported" / "optimizer.pt", weights_only=True)
+    theirs = torch.load(gathered / "epoch_0_step_2" / "optimizer.pt", weights_only=True)
+    for part in ("muon", "adamw"):
+        assert ours[part]["param_groups"] == theirs[part]["param_groups"]
+        assert ours[part]["state"].keys() == theirs[part]["state"].keys()
+        for index, entry in theirs[part]["state"].items():
+            assert all(torch.equal(ours[part]["state"][index][key], value) for key, value in entry.items())
+    one_process = dict(EP_RESUME, nprocs=1, parallel_mode="none", ep_size=None, grad_accum_steps=4)
+    resume = str(sharded / "epoch_0_step_2")
+    run(hf_args(two_rank_runs, "hf_qwen3_moe_ep2", tmp_path / "resumed", **one_process, resume=resume))
+    assert_weights_close(weights(tmp_path / "resumed", 4), weights(gathered, 4), atol=1e-5)
+
+
 def test_fsdp_mixed_precision_computes_in_bf16_over_float32_weights(two_rank_runs, tmp_path):
     reference = run(base_args(tmp_path, optimizer="adamw"))
     history = json.loads((two_rank_runs / "bf16_compute.json").read_text())
@@ -427,6 +450,9 @@ def tp_and_fsdp_worker(root: str, hf_root: str) -> None:
         run(hf_args(Path(hf_root), "hf_qwen3_moe_ep2", Path(root) / "ep2x2", nprocs=4, **EP2_HF))
         ep4 = dict(EP_RESUME, ep_size=4, grad_accum_steps=1, resume=f"{hf_root}/ep2_resume/epoch_0_step_2")
         run(hf_args(Path(hf_root), "hf_qwen3_moe_ep2", Path(root) / "ep4_resumed", nprocs=4, **ep4))
+        # The sharded one too: each rank reads its expert's entries, resharded by torch distributed checkpoint.
+        ep4["resume"] = f"{hf_root}/ep2_sharded/epoch_0_step_2"
+        run(hf_args(Path(hf_root), "hf_qwen3_moe_ep2", Path(root) / "ep4_from_sharded", nprocs=4, **ep4))
 
     history = run(base_args(Path(root), nprocs=4, batch_per_device=1, **TP2))
     if os.environ["RANK"] == "0":
@@ -455,6 +481,7 @@ def test_tensor_parallel_with_fsdp_on_four_ranks(two_rank_runs, tmp_path):
         assert_weights_close(weights(tmp_path / "four" / "ep2x2", 2), weights(tmp_path / "ep_one", 2), atol=1e-5)
         written = two_rank_runs / "ep2_resume"
         assert_weights_close(weights(tmp_path / "four" / "ep4_resumed", 4), weights(written, 4), atol=1e-5)
+        assert_weights_close(weights(tmp_path / "four" / "ep4_from_sharded", 4), weights(written, 4), atol=1e-5)
     check_fsdp_tp_optimizers(str(tmp_path / "four" / "optimizers.pt"))
     from test_context_parallel import check_against_one_process
 

@@ -138,6 +138,25 @@ def gather_optimizer_state(
     return whole[None] if None in whole else whole
 
 
+def numbered_as_whole(optimizer: Optimizer, parts: dict[str | None, Optimizer | None], model: nn.Module) -> Any:
+    """``optimizer.state_dict()`` with this rank's entries numbered as the whole model's parameters and each group
+    listing all of them, nothing gathered: what each rank writes into a sharded checkpoint, so that ranks holding
+    different experts write different entries, and the files read whole are one process's state
+    (``local_optimizer_state`` takes it back). As it is without expert parallelism."""
+    experts = _experts_of(model)
+    if experts is None:
+        return optimizer.state_dict()
+    names = {id(p): name for name, p in model.named_parameters()}
+    whole = {}
+    for part_name, part in parts.items():
+        if part is not None:
+            saved = part.state_dict()
+            local = [names[id(p)] for group in part.param_groups for p in group["params"]]
+            part = _renumbered(part, saved, {local[i]: entry for i, entry in saved["state"].items()}, names, experts)
+        whole[part_name] = part
+    return whole[None] if None in whole else whole
+
+
 def local_optimizer_state(state: Any, parts: dict[str | None, Optimizer | None], model: nn.Module, source: Any) -> Any:
     """A whole optimizer state (``optimizer.pt``) cut to this rank's parameters and numbered as its optimizer
     numbers them (as it is without expert parallelism). ``source`` names the file in errors; what else does not
@@ -171,6 +190,12 @@ def _gather_part(part: Optimizer, names: dict, experts: _Experts, keep: bool) ->
         for rank in range(experts.group.size):
             entry = {k: gathered[(i, k)][rank] if isinstance(v, Tensor) else v for k, v in saved["state"][i].items()}
             entries[experts.rename(local[i], rank)] = entry
+    return _renumbered(part, saved, entries, names, experts)
+
+
+def _renumbered(part: Optimizer, saved: dict, entries: dict[str, Any], names: dict, experts: _Experts) -> dict:
+    """``entries`` (optimizer state by parameter name) numbered as the whole model's parameters, in ``saved``'s
+    groups each listing the whole model's parameters."""
     groups, state, start = [], {}, 0
     for group, saved_group in zip(part.param_groups, saved["param_groups"], strict=True):
         order = experts.whole_order([names[id(p)] for p in group["params"]])

@@ -38,7 +38,12 @@ from astrai_fabric.checkpoint.files import (
     save_checkpoint,
     staging_dir,
 )
-from astrai_fabric.checkpoint.gather import gather_optimizer_state, gather_state
+from astrai_fabric.checkpoint.gather import (
+    gather_optimizer_state,
+    gather_state,
+    local_optimizer_state,
+    numbered_as_whole,
+)
 from astrai_fabric.checkpoint.position import RESUME_KEY, RunPosition
 from astrai_fabric.checkpoint.weights import Checkpoint, load_checkpoint, load_model_weights, weights_source
 from astrai_fabric.errors import CheckpointError
@@ -97,7 +102,8 @@ def save_training_checkpoint(
         staging = Path(fabric.broadcast(str(staging_dir(directory)) if keep else None))
         with warnings.catch_warnings():  # one process writing a sharded state is fine too
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save({"optimizer": optimizer.state_dict()}, checkpoint_id=staging / STATE_DIR)
+            state_dict = numbered_as_whole(optimizer, optimizer_parts(optimizer), model)
+            dcp.save({"optimizer": state_dict}, checkpoint_id=staging / STATE_DIR)
         meta[SHARDED_KEY] = SHARDED_NOTE
     else:
         extra = {"optimizer": gather_optimizer_state(optimizer, optimizer_parts(optimizer), model, keep), **extra}
@@ -135,14 +141,17 @@ def initialize_optimizer_state(optimizer: Optimizer) -> None:
         group["lr"] = rate
 
 
-def load_sharded_optimizer_state(optimizer: Optimizer, state_dir: Path) -> None:
-    """Each rank reads its shard of ``state/`` (resharded by torch distributed checkpoint to this run's layout)."""
+def load_sharded_optimizer_state(optimizer: Optimizer, state_dir: Path, model: nn.Module) -> None:
+    """Each rank reads its shard of ``state/`` (resharded by torch distributed checkpoint to this run's layout;
+    under expert parallelism its own experts' entries, numbered as the whole model's: ``numbered_as_whole``)."""
     initialize_optimizer_state(optimizer)
-    template = {"optimizer": optimizer.state_dict()}
+    parts = optimizer_parts(optimizer)
+    template = {"optimizer": numbered_as_whole(optimizer, parts, model)}
     with warnings.catch_warnings():  # one process reading a sharded state is intended here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(template, checkpoint_id=state_dir)
-    optimizer.load_state_dict(_integer_state_keys(template["optimizer"]))
+    state = _integer_state_keys(template["optimizer"])
+    optimizer.load_state_dict(local_optimizer_state(state, parts, model, state_dir))
 
 
 def export_checkpoint(source: str | Path, target: str | Path, cast: Any = None) -> Path:

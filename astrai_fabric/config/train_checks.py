@@ -220,8 +220,8 @@ class TrainChecks:
         return problems
 
     def _expert_parallel_problems(self) -> list[str]:
-        """``--ep_size``: with FSDP, on a full model whose resume state is gathered (the model's experts are checked
-        where it is known: ``check_expert_parallel``; the ranks by ``mesh.mesh_layout``)."""
+        """``--ep_size``: with FSDP (the model's experts are checked where it is known: ``check_expert_parallel``;
+        the ranks by ``mesh.mesh_layout``)."""
         ep_size = self.ep_size or 1
         if ep_size == 1:
             return []
@@ -230,8 +230,6 @@ class TrainChecks:
                 f"ep_size {ep_size} needs parallel_mode fsdp (FSDP shards the experts over the data ranks an "
                 f"expert group leaves), got {self.parallel_mode}: use --parallel_mode fsdp"
             ]
-        if self.sharded_checkpoint:
-            return [f"ep_size {ep_size} with sharded_checkpoint is not supported yet: drop one of them"]
         return []
 
     def _output_problems(self) -> list[str]:

@@ -116,7 +116,7 @@ def build_optimizer_and_schedule(fabric: Fabric, model: nn.Module, start: Start,
     optimizer = build_optimizer(model, optim_args(args, fabric.device))
     if start.resume is not None and args.resume_optimizer:  # its optimizer.pt fits: checked by the preflight
         if (start.resume.path / STATE_DIR).is_dir():
-            load_sharded_optimizer_state(optimizer, start.resume.path / STATE_DIR)
+            load_sharded_optimizer_state(optimizer, start.resume.path / STATE_DIR, model)
         else:
             source = start.resume.path / "optimizer.pt"
             state = local_optimizer_state(start.resume.extra["optimizer"], optimizer_parts(optimizer), model, source)
