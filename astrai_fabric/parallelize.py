@@ -88,11 +88,9 @@ def parallelize(
     # QLoRA's 4-bit experts stay whole on their expert rank, outside FSDP: torch 2.13 cannot gather an NF4 tensor
     # over a one-rank shard group (its single-rank path copies one all-gather input, torchao's gather has three),
     # and frozen, they need no gradient reduction. Each rank holds 1/ep of them, at an eighth of float32's bytes.
-    frozen_experts = {
-        p for layer in moe_layers(model) if meshes.experts is not None for p in layer.routed_experts.parameters()
-        if is_quantized(p)
-    }  # fmt: skip
-    options["ignored_params"] = frozen_experts or None
+    if meshes.experts is not None:
+        frozen = {p for layer in moe_layers(model) for p in layer.routed_experts.parameters() if is_quantized(p)}
+        options["ignored_params"] = frozen or None
     for block in model.decoder_blocks:
         if meshes.experts is not None and hasattr(block.mlp, "routed_experts"):
             # Each expert rank's experts over the shards its group leaves; the gradient averaged over every data

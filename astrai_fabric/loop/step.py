@@ -141,7 +141,8 @@ def train_step(
     # One collective: the window's means over its micro-batches and all ranks, whether any rank was asked to stop
     # (a signal to one rank stops all after this same step), and whether the last update left any rank's weights
     # non-finite (the mean of 0/1 flags is positive when one is 1).
-    parts = [window_loss, *(window_metrics[n] for n in sorted(window_metrics))]  # a metric may be a tensor
+    metric_names = sorted(window_metrics)
+    parts = [window_loss, *(window_metrics[n] for n in metric_names)]  # a metric may be a tensor
     window = torch.cat([p.reshape(-1) for p in parts])
     flags = torch.stack(
         [
@@ -153,7 +154,7 @@ def train_step(
     reduced = fabric.all_reduce(torch.cat([window / args.grad_accum_steps, flags]), reduce_op="mean")
     # The means back in their shapes; the experts' load from the window's counts on every rank, not one rank's.
     loss_mean, *metric_means, flags = reduced.split([p.numel() for p in parts] + [len(flags)])
-    metrics = {n: m.view_as(p) for n, m, p in zip(sorted(window_metrics), metric_means, parts[1:], strict=True)}
+    metrics = {n: m.view_as(p) for n, m, p in zip(metric_names, metric_means, parts[1:], strict=True)}
     metrics = moe_load_metrics(metrics)
     names = sorted(metrics)
     grads = by_device_mesh(p.grad for p in model.parameters() if p.grad is not None)
