@@ -259,7 +259,7 @@ def test_sharded_state_resumes_with_nadamws_integer_step(tmp_path):
     optimizer = run_ours(model, "nora_nadamw", steps=2)
     dcp.save({"optimizer": optimizer.state_dict()}, checkpoint_id=tmp_path / "state")
     resumed = build_optimizer(model, OptimArgs("nora_nadamw", **ORACLE_SETTINGS["nora_nadamw"]))
-    load_sharded_optimizer_state(resumed, tmp_path / "state")
+    load_sharded_optimizer_state(resumed, tmp_path / "state", model)
     assert resumed.state_dict()["nadamw"]["state"][0]["step"] == 2
     assert_close_state(resumed.state_dict(), optimizer.state_dict())
 

@@ -210,6 +210,10 @@ def step_dir(run_dir: Path, step: int) -> Path:
     return path
 
 
+def last_metrics(run_dir: Path) -> dict:
+    return json.loads((step_dir(run_dir, 3) / "metric.jsonl").read_text().splitlines()[-1])
+
+
 def expected_model_state(base: Path, checkpoint: Path) -> dict[str, torch.Tensor]:
     """The trained model, from torchao's own functions: each quantised weight through ``to_nf4`` (64, 256) and back,
     then ``W + B A * alpha / r`` in float32."""
@@ -296,8 +300,7 @@ def test_expert_parallel_qlora_matches_one_process_and_resumes_there(runs):
     clipping to 0.05, is small enough for Adam's eps to let the last bits of the two layouts' sums show), the
     quantization record naming every rank's experts as one process's does; the ep 2 checkpoint resumes on one
     process to the ep 2 run's adapters (1e-6) and loads as any QLoRA checkpoint."""
-    ep2, one = (json.loads((step_dir(runs / name, 3) / "metric.jsonl").read_text().splitlines()[-1]) for name in
-                ("moe_ep2", "moe_none"))  # fmt: skip
+    ep2, one = (last_metrics(runs / name) for name in ("moe_ep2", "moe_none"))
     assert ep2["loss"] == pytest.approx(one["loss"], abs=1e-6)
     ours, reference = (load_file(step_dir(runs / n, 3) / "adapter_model.safetensors") for n in ("moe_ep2", "moe_none"))
     assert sorted(ours) == sorted(reference) and sum(".routed_experts." in key for key in ours) == 2 * 4 * 2 * 2
