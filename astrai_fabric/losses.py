@@ -110,12 +110,8 @@ def moe_diagnostics(router_stats: list[dict[str, Tensor]]) -> dict[str, Tensor]:
     how many of the micro-batch's tokens chose each expert, which ``moe_load_metrics`` turns into the load."""
     if not router_stats:
         return {}
-    entropies, counts = [], []
-    for stats in router_stats:
-        probs, chosen = stats["probs"].float(), stats["topk_indices"]
-        counts.append(F.one_hot(chosen, probs.size(-1)).sum(dim=(0, 1)).float())
-        entropies.append(-(probs * probs.clamp_min(1e-8).log()).sum(dim=-1).mean())
-    return {"router_entropy": torch.stack(entropies).mean(), EXPERT_TOKENS: torch.stack(counts)}
+    entropy = torch.stack([stats["entropy"] for stats in router_stats]).mean()
+    return {"router_entropy": entropy, EXPERT_TOKENS: torch.stack([stats[EXPERT_TOKENS] for stats in router_stats])}
 
 
 EXPERT_TOKENS = "expert_tokens"

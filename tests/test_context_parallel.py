@@ -4,7 +4,8 @@ The reference for every equality is one process running the same model on the sa
 ``cp_size 2`` (each holding half of every window's positions, attention trading them for heads) must give its loss
 and gradients to float32 rounding (1e-5 relative), for the attention variants whose masks and heads differ:
 grouped KV heads split over the group, a single KV head repeated first, sliding windows with soft-capping and
-Gemma's layout, and MLA with DeepSeek-V3's shared RoPE key; with document boundaries (sft's packed windows), and
+Gemma's layout, MLA with DeepSeek-V3's shared RoPE key, and MoE layers (their balance loss and routing statistics
+the whole window's); with document boundaries (sft's packed windows), and
 on lengths the group does not split (the model pads them), causal and with a padding mask.
 """
 
@@ -57,9 +58,6 @@ def test_models_the_group_cannot_split_are_refused_in_one_line():
     assert "the KV heads repeated to 1" in describe_context_parallel(tiny_config(num_key_value_heads=1), 4)
     with pytest.raises(ConfigError, match=r"cp_size 4 must divide the attention heads per tensor-parallel rank \(2"):
         check_context_parallel(tiny_config(), 4, tp_size=2)
-    moe = tiny_config(ffn_type="moe", n_routed_experts=4, n_activated_experts=2, moe_intermediate_size=8)
-    with pytest.raises(ConfigError, match="cp_size 2 with MoE layers"):
-        check_context_parallel(moe, 2)
 
 
 @pytest.mark.parametrize(
@@ -99,6 +97,8 @@ CONFIGS = {
         v_head_dim=6,
         mla_shared_rope_key=True,
     ),
+    # The balance loss and routing statistics over the group's positions (not the padding the model adds).
+    "moe": dict(ffn_type="moe", n_routed_experts=4, n_activated_experts=2, n_shared_experts=1, moe_intermediate_size=8),
 }
 POSITIONS = torch.tensor([list(range(6)) + list(range(10)), list(range(16))])
 """Two windows of 16: the first packs two documents (attention stops at the boundary), the second one."""
@@ -117,19 +117,28 @@ def losses_and_grads(model: torch.nn.Module) -> dict:
     of its positions with AstrAI's causal default (padded to 16 under context parallelism) and on 13 with a padding
     mask, and the gradients of their sum, each parameter whole."""
     ids, targets, weights = batch()
-    logits = forward_window(model, ids, POSITIONS).logits.float()
-    plain = weighted_nll(logits, targets, weights)
+    whole = forward_window(model, ids, POSITIONS)
+    plain = weighted_nll(whole.logits.float(), targets, weights)
     fused = forward_window(model, ids, POSITIONS, nll_targets=targets, nll_chunk_size=8, nll_weights=weights)
-    odd = weighted_nll(model(ids[:, :15]).logits.float(), targets[:, :15], weights[:, :15])
+    short = model(ids[:, :15])
+    odd = weighted_nll(short.logits.float(), targets[:, :15], weights[:, :15])
     keys = torch.arange(13) < torch.tensor([[13], [9]])  # a 2-D padding mask (AstrAI: bidirectional over the kept)
-    padded = weighted_nll(model(ids[:, :13], input_mask=keys).logits.float(), targets[:, :13], weights[:, :13] * keys)
-    (plain + fused.nll_loss + odd + padded).backward()
+    masked = model(ids[:, :13], input_mask=keys)
+    padded = weighted_nll(masked.logits.float(), targets[:, :13], weights[:, :13] * keys)
+    total = plain + fused.nll_loss + odd + padded
+    moe = {}
+    if whole.aux_loss is not None:  # each forward's balance loss in the gradients; its statistics compared
+        for name, out in (("whole", whole), ("odd", short), ("padded", masked)):
+            total = total + out.aux_loss
+            moe[f"aux_{name}"] = out.aux_loss.detach()
+            moe[f"stats_{name}"] = [{key: value.detach() for key, value in s.items()} for s in out.router_stats]
+    total.backward()
     grads = {}
     for name, param in model.named_parameters():
         grad = param.grad
         grads[name] = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().clone()
     losses = {"plain": plain, "fused": fused.nll_loss, "odd": odd, "padded": padded}
-    return {**{key: loss.detach() for key, loss in losses.items()}, "token_nll": fused.token_nll, "grads": grads}
+    return {**{key: loss.detach() for key, loss in losses.items()}, "token_nll": fused.token_nll, "grads": grads, **moe}
 
 
 def weighted_nll(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -191,8 +200,10 @@ def check_against_one_process(out: str) -> None:
     results = torch.load(out, weights_only=False)
     for name in results:
         ours, reference = results[name], losses_and_grads(build(name))
-        for key in ("plain", "fused", "odd", "padded", "token_nll"):
+        for key in ("plain", "fused", "odd", "padded", "token_nll", *(k for k in reference if k.startswith("aux"))):
             torch.testing.assert_close(ours[key], reference[key], rtol=1e-5, atol=1e-6, msg=f"{name} {key}")
+        for key in (k for k in reference if k.startswith("stats")):  # counts exact, the entropy to rounding
+            torch.testing.assert_close(ours[key], reference[key], rtol=1e-5, atol=0, msg=f"{name} {key}")
         for param, grad in reference["grads"].items():
             scale = grad.abs().max().item()
             torch.testing.assert_close(

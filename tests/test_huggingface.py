@@ -372,7 +372,10 @@ def test_deepseek_v3_is_ours_its_sigmoid_router_trains_and_lora_names_its_target
     model = AutoRegressiveLM(config).train()
     out = model(tokens(2, 8))
     assert len(out["router_stats"]) == config.num_moe_layers == 2
-    assert all(torch.allclose(stats["probs"].sum(dim=-1), torch.ones(16)) for stats in out["router_stats"])
+    moe = model.layers[1].mlp
+    scores, _ = moe.route(moe.router(torch.randn(16, config.hidden_size)), torch.float32)
+    assert torch.allclose(moe.balance_probs(scores, scores).sum(dim=-1), torch.ones(16))  # a distribution per token
+    assert all(stats["expert_tokens"].sum() == 16 * config.n_activated_experts for stats in out["router_stats"])
     loss, metrics = with_moe_aux_loss(out.logits.float().mean(), out.aux_loss, out.router_stats, coef=0.01)
     assert 0 < metrics["moe_aux_loss"] < math.inf
     assert metrics["expert_tokens"].shape == (config.num_moe_layers, config.n_routed_experts)

@@ -57,7 +57,8 @@ def test_moe_diagnostics_hand_computed():
 
     # 2 tokens, 4 experts, top-1: both go to expert 0 -> counts (2, 0, 0, 0); AstrAI divides by max(mean, 1) = 1
     probs = torch.tensor([[0.5, 0.5, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
-    counted = moe_diagnostics([{"probs": probs, "topk_indices": torch.tensor([[0], [0]])}])
+    entropy = -(probs * probs.clamp_min(1e-8).log()).sum(dim=-1).mean()
+    counted = moe_diagnostics([{"expert_tokens": torch.tensor([2.0, 0.0, 0.0, 0.0]), "entropy": entropy}])
     assert counted["expert_tokens"].tolist() == [[2.0, 0.0, 0.0, 0.0]]
     stats = moe_load_metrics(counted)
     assert "expert_tokens" not in stats

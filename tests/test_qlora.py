@@ -193,6 +193,12 @@ def two_rank_worker(base: str) -> None:
     run(qlora_args(wide, "wide_fsdp", parallel_mode="fsdp", nprocs=2, batch_per_device=1, max_steps=3))
     # Expert parallelism: each rank holds 2 of the 4 experts of each MoE layer, in 4 bits, and their adapters.
     run(qlora_args(Path(base).parent / "wide_moe", "moe_ep2", **MOE_RUN, parallel_mode="fsdp", ep_size=2, nprocs=2))
+    # Context parallelism: each rank holds half of every window's positions; the FSDP shards (over the context
+    # group) as under wide_fsdp. One data rank, so each takes the single process's batches; the MoE model's balance
+    # loss and routing statistics are the whole window's (the group's sums).
+    run(qlora_args(wide, "wide_cp2", parallel_mode="fsdp", cp_size=2, nprocs=2, max_steps=3))
+    cp2 = dict(MOE_RUN, grad_accum_steps=4, parallel_mode="fsdp", cp_size=2, nprocs=2)
+    run(qlora_args(Path(base).parent / "wide_moe", "moe_cp2", **cp2))
 
 
 @pytest.fixture(scope="module")
@@ -277,9 +283,9 @@ def test_resume_is_bit_exact(runs, base):
     assert [h["loss"] for h in history] == [h["loss"] for h in uninterrupted[2:]]
 
 
-@pytest.mark.parametrize(("mode", "step"), [("ddp", 4), ("wide_fsdp", 3)])
-def test_two_ddp_or_fsdp_ranks_match_one_process(runs, mode, step):
-    reference_run = "none" if mode == "ddp" else "wide_none"
+@pytest.mark.parametrize(("mode", "step"), [("ddp", 4), ("wide_fsdp", 3), ("wide_cp2", 3), ("moe_cp2", 3)])
+def test_two_ddp_fsdp_or_context_ranks_match_one_process(runs, mode, step):
+    reference_run = {"ddp": "none", "moe_cp2": "moe_none"}.get(mode, "wide_none")
     ours, reference = (
         load_file(step_dir(runs / name, step) / "adapter_model.safetensors") for name in (mode, reference_run)
     )
@@ -290,8 +296,12 @@ def test_two_ddp_or_fsdp_ranks_match_one_process(runs, mode, step):
         meta["quantization"]
         == json.loads((step_dir(runs / reference_run, step) / "meta.json").read_text())["quantization"]
     )
-    if mode == "wide_fsdp":  # every block weight in 4 bits, k and v too
+    if mode in ("wide_fsdp", "wide_cp2"):  # every block weight in 4 bits, k and v too
         assert len(meta["quantization"]["keys"]) == 14
+    if mode == "moe_cp2":  # the balance loss over the whole window: one process's
+        ours, reference = last_metrics(runs / mode), last_metrics(runs / reference_run)
+        for key in ("loss", "moe_aux_loss", "router_entropy", "load_imbalance_max"):
+            assert ours[key] == pytest.approx(reference[key], abs=1e-6), key
 
 
 def test_expert_parallel_qlora_matches_one_process_and_resumes_there(runs):

@@ -122,15 +122,19 @@ TP2_HF = dict(parallel_mode="fsdp", tp_size=2, batch_per_device=1, grad_accum_st
 # Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 (sigmoid group-limited routing); each rank's balance loss its own, as under
 # FSDP alone, so the single process takes the same 1-sample micro-batches in sequence.
 EP2_HF = dict(FSDP_HF, ep_size=2)
+# Context parallelism on an MoE family: the balance loss and routing statistics are the whole window's (summed over
+# the context group), so the single process takes the same batches (one data rank).
+CP2_HF = dict(FSDP_HF, cp_size=2)
 HF_RUNS = {"hf_qwen3_fsdp": FSDP_HF, "hf_qwen2_tp2": TP2_HF, "hf_qwen2_moe_fsdp": FSDP_HF,
            "hf_qwen3_moe_fsdp": FSDP_HF, "hf_qwen3_moe_tp2": TP2_HF, "hf_olmo2_fsdp": FSDP_HF,
            "hf_phi3_fsdp": FSDP_HF, "hf_phi3_tp2": TP2_HF, "hf_gemma2_tp2": TP2_HF,
            "hf_gemma3_text_fsdp": FSDP_HF, "hf_deepseek_v3_fsdp": FSDP_HF,
            "hf_deepseek_v3_tp2": TP2_HF, "hf_mixtral_ep2": EP2_HF, "hf_qwen2_moe_ep2": EP2_HF,
-           "hf_qwen3_moe_ep2": EP2_HF, "hf_deepseek_v3_ep2": EP2_HF}  # fmt: skip
+           "hf_qwen3_moe_ep2": EP2_HF, "hf_deepseek_v3_ep2": EP2_HF, "hf_qwen3_moe_cp2": CP2_HF}  # fmt: skip
 HF_REFERENCES = {"fsdp": dict(batch_per_device=1, grad_accum_steps=2),
                  "tp2": dict(batch_per_device=1, grad_accum_steps=1),
-                 "ep2": dict(batch_per_device=1, grad_accum_steps=2)}  # fmt: skip
+                 "ep2": dict(batch_per_device=1, grad_accum_steps=2),
+                 "cp2": dict(batch_per_device=1, grad_accum_steps=1)}  # fmt: skip
 EP_TRAIN_TYPES = ("seq", "dpo")
 """The other train types under expert parallelism (Qwen3-MoE; sft is among ``HF_RUNS``)."""
 EP_LORA = dict(EP2_HF, lora_r=4, lora_targets=["up", "gate", "down", "q_proj"])

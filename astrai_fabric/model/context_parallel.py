@@ -65,17 +65,12 @@ def enable_context_parallel(model: nn.Module, group: dist.ProcessGroup) -> None:
 
 def check_context_parallel(config: ModelConfig, cp_size: int, tp_size: int = 1) -> None:
     """Refuse, in one line, a model that ``cp_size`` cannot split: heads per tensor-parallel rank that do not split
-    over the group, MoE layers (their routing statistics would be each rank's positions only), NEFTune."""
+    over the group, NEFTune."""
     heads = config.num_attention_heads // tp_size
     if heads % cp_size:
         raise ConfigError(
             f"cp_size {cp_size} must divide the attention heads per tensor-parallel rank ({heads}: "
             f"num_attention_heads {config.num_attention_heads} / tp_size {tp_size})"
-        )
-    if any(config.ffn_type_of_layer(i) != "mlp" for i in range(config.num_hidden_layers)):
-        raise ConfigError(
-            f"cp_size {cp_size} with MoE layers: their routing statistics and balance loss would see one rank's "
-            "positions only; train MoE models without --cp_size"
         )
     if config.neftune_alpha:
         raise ConfigError(
@@ -175,6 +170,12 @@ def gather_output(output, context: ContextGroup, length: int):  # noqa: ANN001, 
     if output.nll_loss is not None:
         gathered["nll_loss"] = _SumOver.apply(output.nll_loss, context.group)
     return dataclasses.replace(output, **gathered)
+
+
+def sum_over_group(x: Tensor, context: ContextGroup) -> Tensor:
+    """``x`` summed over the group, on every rank; the backward sums the gradients as ``gather_output``'s do (an
+    MoE layer's balance-loss sums: ``DeepSeekMoE``)."""
+    return _SumOver.apply(x, context.group)
 
 
 def _all_to_all(x: Tensor, group: dist.ProcessGroup, scatter_dim: int, gather_dim: int) -> Tensor:

@@ -17,11 +17,14 @@ from torch import Tensor
 
 from astrai_fabric import torch_private
 from astrai_fabric.config.model import ModelConfig
+from astrai_fabric.model.context_parallel import ContextGroup, sum_over_group
 from astrai_fabric.model.expert_parallel import ExpertGroup, exchange_and_run
 from astrai_fabric.model.layers import Linear
 
 RouterStats = dict[str, Tensor]
-"""Per-layer routing diagnostics: ``probs [tokens, experts]`` (detached) and ``topk_indices [tokens, k]``."""
+"""Per-layer routing diagnostics, detached: ``expert_tokens [experts]``, the (token, slot) pairs each expert was
+given, and ``entropy``, the mean entropy of the tokens' balance distributions (``DeepSeekMoE.balance_probs``); over
+the context group's positions under context parallelism."""
 
 
 class MLP(nn.Module):
@@ -35,7 +38,8 @@ class MLP(nn.Module):
         self.down = Linear(ffn_dim, dim, init_std=down_init_std)
         self.gelu = activation == "gelu_pytorch_tanh"
 
-    def forward(self, x: Tensor) -> tuple[Tensor, None, None]:
+    def forward(self, x: Tensor, real_positions: int | None = None) -> tuple[Tensor, None, None]:
+        """``real_positions``: read by ``DeepSeekMoE`` alone (a decoder block calls either alike)."""
         gate = self.gate(x)
         gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
         return self.down(self.up(x) * gate), None, None
@@ -82,6 +86,7 @@ class DeepSeekMoE(nn.Module):
         bias = torch.zeros(self.n_routed) if config.score_correction_bias else None
         self.register_buffer("score_correction_bias", bias)
         self.expert_parallel: ExpertGroup | None = None  # set by parallelize (``--ep_size``)
+        self.context_parallel: ContextGroup | None = None  # set by parallelize (``--cp_size``)
         self.grouped: bool | None = None
         """How the routed experts run (``run_experts``): None together off the CPU where they can, True together,
         False one by one."""
@@ -90,10 +95,15 @@ class DeepSeekMoE(nn.Module):
         if self.score_correction_bias is not None:
             nn.init.zeros_(self.score_correction_bias)
 
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor | None, RouterStats | None]:
+    def forward(self, x: Tensor, real_positions: int | None = None) -> tuple[Tensor, Tensor | None, RouterStats | None]:
+        """``x [B, S, H]``; ``real_positions``: under context parallelism, how many of this rank's ``S`` positions
+        are the window's (the rest ``pad_window``'s padding, left out of the routing statistics); None: all."""
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
-        routed, aux_loss, stats = self._routed(tokens, with_aux=self.training and torch.is_grad_enabled())
+        real = None
+        if real_positions is not None and real_positions < shape[1]:
+            real = (torch.arange(shape[1], device=x.device) < real_positions).expand(shape[0], -1).reshape(-1)
+        routed, aux_loss, stats = self._routed(tokens, real, with_aux=self.training and torch.is_grad_enabled())
         if self.n_shared:
             shared = sum(expert(tokens)[0] for expert in self.shared_experts) / self.n_shared
             if self.shared_expert_gate is not None:
@@ -118,7 +128,14 @@ class DeepSeekMoE(nn.Module):
             choice = grouped.masked_fill(outside.unsqueeze(-1), -math.inf).flatten(-2)
         return scores, choice
 
-    def _routed(self, tokens: Tensor, with_aux: bool) -> tuple[Tensor, Tensor | None, RouterStats | None]:
+    def balance_probs(self, scores: Tensor, probs: Tensor) -> Tensor:
+        """A distribution over the experts per token, for the balance loss and the entropy: softmax's own
+        (``probs``), or the sigmoid ``scores`` normalised."""
+        return probs if self.scoring_func == "softmax" else (scores / scores.sum(-1, keepdim=True)).to(probs)
+
+    def _routed(
+        self, tokens: Tensor, real: Tensor | None, with_aux: bool
+    ) -> tuple[Tensor, Tensor | None, RouterStats | None]:
         scores, choice = self.route(self.router(tokens), tokens.dtype)
         probs = scores.to(tokens.dtype)
         experts = torch.topk(choice, self.top_k, dim=-1, sorted=False).indices
@@ -128,20 +145,15 @@ class DeepSeekMoE(nn.Module):
         if self.routed_scaling_factor != 1.0:
             weights = weights * self.routed_scaling_factor
 
-        aux_loss = stats = None
-        if with_aux:
-            # A distribution over the experts per token: softmax's own, or the sigmoid scores normalised.
-            balance = probs if self.scoring_func == "softmax" else (scores / scores.sum(-1, keepdim=True)).to(probs)
-            load = F.one_hot(experts, num_classes=self.n_routed).float().mean(dim=(0, 1))
-            aux_loss = self.n_routed * (load * balance.float().mean(dim=0)).sum()
-            stats = {"probs": balance.detach(), "topk_indices": experts}
-
         # Dispatch: sort the (token, slot) pairs by expert, so each expert's inputs are one contiguous slice.
         sorted_experts, order = torch.sort(experts.reshape(-1))
         slot_inputs = tokens.repeat_interleave(self.top_k, dim=0)[order]
         # Counted by scatter: CUDA's bincount reads its input's maximum back to the host first.
         counts = torch.zeros(self.n_routed, dtype=torch.long, device=tokens.device)
         counts.index_add_(0, sorted_experts, torch.ones_like(sorted_experts))
+        aux_loss = stats = None
+        if with_aux:
+            aux_loss, stats = self._balance(self.balance_probs(scores, probs), experts, counts, real)
         if self.expert_parallel is None:
             slot_outputs = self.routed_experts(slot_inputs, counts, self.grouped)
         else:  # the pairs go to the ranks holding their experts and come back (``expert_parallel``)
@@ -150,6 +162,25 @@ class DeepSeekMoE(nn.Module):
         slot_outputs = slot_outputs * weights.reshape(-1, 1)[order]
         out = torch.zeros_like(tokens).index_add_(0, order // self.top_k, slot_outputs)
         return out, aux_loss, stats
+
+    def _balance(
+        self, balance: Tensor, experts: Tensor, counts: Tensor, real: Tensor | None
+    ) -> tuple[Tensor, RouterStats]:
+        """The balance loss, ``E * sum_e(counts_e / (tokens * k) * mean balance prob of e)``, and the statistics.
+        Under context parallelism the sums are the group's (one all-reduce, its backward one more), so every rank
+        computes one process's loss over the whole window; ``pad_window``'s padding (``real`` False) is left out."""
+        if real is not None:
+            balance, experts = balance[real], experts[real]
+            counts = torch.zeros_like(counts).index_add_(0, experts.reshape(-1), torch.ones_like(experts.reshape(-1)))
+        entropy = -(balance.detach().float() * balance.detach().float().clamp_min(1e-8).log()).sum()
+        num_tokens = torch.tensor([balance.size(0)], dtype=torch.float32, device=balance.device)
+        sums = torch.cat([balance.float().sum(dim=0), counts.float(), entropy[None], num_tokens])
+        if self.context_parallel is not None:
+            sums = sum_over_group(sums, self.context_parallel)
+        prob_sums, counts, (entropy, num_tokens) = sums.split([self.n_routed, self.n_routed, 2])
+        load = counts.detach() / (num_tokens * self.top_k)
+        aux_loss = self.n_routed * (load * prob_sums / num_tokens).sum()
+        return aux_loss, {"expert_tokens": counts.detach(), "entropy": entropy.detach() / num_tokens}
 
 
 class RoutedExperts(nn.ModuleDict):

@@ -54,10 +54,17 @@ class DecoderBlock(nn.Module):
         self.mlp_output_norm = _norm_or_identity(config, outputs)
 
     def forward(
-        self, x: Tensor, rotary: Tensor, attn_mask: Tensor | None, kv_cache: KVCache | None = None
+        self,
+        x: Tensor,
+        rotary: Tensor,
+        attn_mask: Tensor | None,
+        kv_cache: KVCache | None = None,
+        real_positions: int | None = None,
     ) -> tuple[Tensor, Tensor | None, Any]:
+        """``real_positions``: under context parallelism, how many of ``x``'s positions are the window's, for an MoE
+        layer's routing statistics (``DeepSeekMoE.forward``)."""
         x = x + self.attention_output_norm(self.attention(self.input_norm(x), rotary, attn_mask, kv_cache))
-        mlp_out, aux_loss, router_stats = self.mlp(self.post_attention_norm(x))
+        mlp_out, aux_loss, router_stats = self.mlp(self.post_attention_norm(x), real_positions)
         return x + self.mlp_output_norm(mlp_out), aux_loss, router_stats
 
 
@@ -213,7 +220,9 @@ class AutoRegressiveLM(nn.Module):
             mine = context.positions(input_ids.size(1))
             nll_targets = None if nll_targets is None else nll_targets[:, mine]
             nll_weights = None if nll_weights is None else nll_weights[:, mine]
-        hidden_states, aux_loss, router_stats = self.trunk(input_ids, input_mask, position_ids, kv_cache)
+        hidden_states, aux_loss, router_stats = self.trunk(
+            input_ids, input_mask, position_ids, kv_cache, num_positions=None if context is None else length
+        )
         fused = nll_targets is not None and nll_chunk_size > 0
         if self.config.score_head:  # a reward model: one score per position (``reward_model.sequence_scores``)
             if nll_targets is not None:
@@ -237,11 +246,14 @@ class AutoRegressiveLM(nn.Module):
         input_mask: Tensor | None = None,
         position_ids: Tensor | None = None,
         kv_cache: KVCache | None = None,
+        *,
+        num_positions: int | None = None,
     ) -> tuple[Tensor, Tensor | None, list[dict[str, Tensor]] | None]:
         """Everything before the head: ``(hidden_states [B,S,H]`` after the final norm, the MoE layers' mean
         ``aux_loss`` and their ``router_stats``; both None without MoE layers). See ``forward``. Under context
         parallelism (without a cache) the hidden states are this rank's positions only, ``S / cp`` of them, the
-        masks and RoPE positions the whole window's (``model.context_parallel``)."""
+        masks and RoPE positions the whole window's (``model.context_parallel``); ``num_positions``, the window's
+        length before ``pad_window``, keeps the padding out of the MoE layers' routing statistics."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
         batch, seq_len = input_ids.shape
@@ -274,15 +286,20 @@ class AutoRegressiveLM(nn.Module):
             past = kv_cache.length if kv_cache is not None else 0
             window_mask = sliding_window_mask(attn_mask, self.config.sliding_window, seq_len, past, input_ids.device)
         rotary, local_rotary = rotary[:, mine], local_rotary[:, mine]
+        real_positions = None
+        if context is not None and num_positions is not None:
+            real_positions = min(max(num_positions - mine.start, 0), mine.stop - mine.start)
         aux_losses, router_stats = [], []
         recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for i, layer in enumerate(self.layers):
             sliding = self.config.sliding_layer(i)
             layer_rotary, layer_mask = (local_rotary, window_mask) if sliding else (rotary, attn_mask)
             if recompute:  # keep only the block's input; recompute its activations in the backward pass
-                x, aux_loss, stats = checkpoint(layer, x, layer_rotary, layer_mask, use_reentrant=False)
+                x, aux_loss, stats = checkpoint(
+                    layer, x, layer_rotary, layer_mask, None, real_positions, use_reentrant=False
+                )
             else:
-                x, aux_loss, stats = layer(x, layer_rotary, layer_mask, kv_cache)
+                x, aux_loss, stats = layer(x, layer_rotary, layer_mask, kv_cache, real_positions)
             if stats is not None:
                 aux_losses.append(aux_loss)
                 router_stats.append(stats)
