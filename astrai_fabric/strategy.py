@@ -79,13 +79,19 @@ def resolve_topology(nprocs: int = 1, num_nodes: int = 1) -> Topology:
     return topology
 
 
-def resolve_accelerator(device_type: str | None) -> str:
-    """``--device_type``, else what ``fabric run --accelerator`` chose, else cuda when available."""
+def planned_accelerator(device_type: str | None) -> str:
+    """``--device_type``, else what ``fabric run --accelerator`` chose, else cuda when available; a plan may name a
+    device this machine lacks (``--dry_run`` plans clusters), a run may not (``resolve_accelerator``)."""
     launcher_choice = {"gpu": "cuda", "cuda": "cuda", "cpu": "cpu"}.get(os.environ.get("LT_ACCELERATOR", ""))
-    device_type = device_type or launcher_choice
-    if device_type == "cuda" and not torch.cuda.is_available():
+    return device_type or launcher_choice or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_accelerator(device_type: str | None) -> str:
+    """The run's device kind (``planned_accelerator``), refused when this machine has none of it."""
+    accelerator = planned_accelerator(device_type)
+    if accelerator == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device_type cuda: no CUDA device is available here (use --device_type cpu)")
-    return device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    return accelerator
 
 
 def resolve_precision(precision: str, accelerator: str) -> str:

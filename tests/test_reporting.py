@@ -24,8 +24,9 @@ ENV = {"OMP_NUM_THREADS": "1", "PATH": str(Path(sys.executable).parent)}
 PLAIN_LINE = re.compile(
     r"^plan for `astrai-fabric (seq|sft|dpo|grpo)`$"
     r"|^  (recipes?|processes|model|tokenizer|window|data|packing|batch|steps|this run|schedule|loader|cpu threads"
-    r"|training|preference|outputs)"
+    r"|training|preference|outputs|memory)"
     r" +\S.+"
+    r"|^ {15}\S.+"  # a part's later lines
     r"|^  parameters   [\d,]+ parameters(, [\d,]+ trainable \(\S+\))?; optimizer \w+: .+; state .+"
     r"|^step \d+/\d+ \| epoch \d+ \| loss [\d.]+ \| lr \S+ \| grad_norm [\d.]+ \| [\d,]+ tokens/s"
     r"( \| \w+ [-\d.]+)* \| eta \S+$"
@@ -91,11 +92,12 @@ def test_the_run_prints_the_plan_its_dry_run_prints(short_run, monkeypatch, caps
     dry = capsys.readouterr().out
     assert "would overwrite" in dry.partition("cannot start:")[2]
     run_plan = plan_lines(stdout)
-    assert [line.split()[0] for line in run_plan] == [
+    assert [line.split()[0] for line in run_plan if not line.startswith(" " * 15)] == [
         "recipe",
         "processes",
         "model",
         "parameters",
+        "memory",
         "tokenizer",
         "data",
         "packing",

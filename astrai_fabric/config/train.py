@@ -346,7 +346,13 @@ class TrainArgs(TrainChecks):
     """Machines in the run (with ``fabric run``/torchrun/SLURM, or ``NODE_RANK`` + ``MASTER_ADDR``); under those
     launchers the environment decides, and a value given that differs only warns."""
     device_type: str | None = None
-    """``cuda`` or ``cpu``; default: cuda when available (AstrAI's default is always cuda)."""
+    """``cuda`` or ``cpu``; default: cuda when available (AstrAI's default is always cuda). ``--dry_run`` plans for
+    it even where this machine has none."""
+    device_memory: str | None = None
+    """Each device's memory for the plan's footprint (``--dry_run`` and the preflight's warning): an amount with its
+    unit (``80GB`` = 80 x 10^9 bytes, ``141GiB`` = 141 x 2^30) or a device's name (``h100``, ``h200``, ``a100``,
+    ``a100-40gb``, ``l40s``, ``b200``, ``mi300x``); default: the CUDA device's own when there is one, else none (the
+    footprint is printed without a verdict)."""
     backend: Literal["gloo", "nccl"] | None = None
     """Process-group backend; default: nccl on CUDA, gloo on CPU (AstrAI: always nccl)."""
     precision: Precision = "auto"

@@ -13,7 +13,9 @@ import math
 import re
 import warnings
 
+from astrai_fabric.config.devices import parse_device_memory
 from astrai_fabric.config.lora import TARGETS, check_scaling
+from astrai_fabric.errors import ConfigError
 
 FLOAT32_MAX = 3.4028234663852886e38
 """``torch.finfo(torch.float32).max`` (tests/test_startup.py holds them equal): a finite float past it is inf in the
@@ -195,6 +197,11 @@ class TrainChecks:
             problems.append(f"sharded_checkpoint needs parallel_mode fsdp, got {self.parallel_mode}")
         if self.device_type not in (None, "cpu", "cuda"):
             problems.append(f"device_type must be cpu or cuda, got {self.device_type!r}")
+        if self.device_memory is not None:
+            try:
+                parse_device_memory(self.device_memory)
+            except ConfigError as err:
+                problems.append(str(err))
         return problems
 
     def _context_parallel_problems(self) -> list[str]:

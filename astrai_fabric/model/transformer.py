@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -340,9 +341,32 @@ class AutoRegressiveLM(nn.Module):
         return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
 
 
-def count_parameters(config: ModelConfig) -> int:
-    """``AutoRegressiveLM(config).num_parameters()`` from the config alone, without building a layer (a config's
-    sizes are checked against memory before anything is built; tests/test_model.py holds the two equal)."""
+@dataclass(frozen=True)
+class ParameterCounts:
+    """A model's parameters by how the parallel layouts split them (``parameter_counts``)."""
+
+    embeddings: int
+    """The embedding, an untied LM head, a reward model's score head: whole on the tensor axis."""
+    attention: int
+    """Every layer's attention (projections, biases, q/k norms): split by tensor parallelism."""
+    dense_mlp: int
+    """The dense layers' MLPs: split by tensor parallelism."""
+    routed_experts: int
+    """The MoE layers' routed experts: dealt out by expert parallelism, whole on the tensor axis."""
+    moe_other: int
+    """The MoE layers' routers, shared experts and shared-expert gates."""
+    norms: int
+    """The blocks' norms and the final one."""
+
+    @property
+    def total(self) -> int:
+        return self.embeddings + self.attention + self.dense_mlp + self.routed_experts + self.moe_other + self.norms
+
+
+def parameter_counts(config: ModelConfig) -> ParameterCounts:
+    """``AutoRegressiveLM(config)``'s parameters from the config alone, without building a layer (a config's sizes
+    are checked against memory before anything is built, and the footprint plans clusters from them;
+    tests/test_model.py holds the total equal to the built model's)."""
     config.check_buildable()
     dim, layers, heads = config.hidden_size, config.num_hidden_layers, config.num_attention_heads
     kv_heads, head_dim = config.num_key_value_heads or heads, config.attention_head_dim
@@ -361,19 +385,30 @@ def count_parameters(config: ModelConfig) -> int:
     if config.use_qk_norm:
         attention += width + kv_heads * head_dim if config.qk_norm_over_projection else 2 * head_dim
     mlp = 3 * dim * config.intermediate_size if config.intermediate_size else 0
-    moe = 0
+    routed = moe_other = 0
     if config.num_moe_layers:
-        routed = config.moe_intermediate_size or config.intermediate_size
-        shared = config.shared_expert_intermediate_size or config.intermediate_size
-        moe = dim * config.n_routed_experts + 3 * dim * (
-            config.n_routed_experts * routed + config.n_shared_experts * shared
-        )
-        moe += dim if config.shared_expert_gate else 0
+        routed_dim = config.moe_intermediate_size or config.intermediate_size
+        shared_dim = config.shared_expert_intermediate_size or config.intermediate_size
+        routed = 3 * dim * config.n_routed_experts * routed_dim
+        moe_other = dim * config.n_routed_experts + 3 * dim * config.n_shared_experts * shared_dim
+        moe_other += dim if config.shared_expert_gate else 0
     norms = dim * (4 if config.norm_placement == "sandwich" else 2)
-    blocks = layers * (attention + norms) + (layers - config.num_moe_layers) * mlp + config.num_moe_layers * moe
     embeddings = config.vocab_size * dim * (1 if config.tied or config.score_head else 2)
     embeddings += dim if config.score_head else 0
-    return embeddings + blocks + dim
+    moe_layers = config.num_moe_layers
+    return ParameterCounts(
+        embeddings=embeddings,
+        attention=layers * attention,
+        dense_mlp=(layers - moe_layers) * mlp,
+        routed_experts=moe_layers * routed,
+        moe_other=moe_layers * moe_other,
+        norms=layers * norms + dim,
+    )
+
+
+def count_parameters(config: ModelConfig) -> int:
+    """``AutoRegressiveLM(config).num_parameters()`` from the config alone (``parameter_counts``)."""
+    return parameter_counts(config).total
 
 
 def rope_table_bytes(config: ModelConfig) -> int:

@@ -7,6 +7,7 @@ files are read happen where they are read, for both alike (``start.read_start``,
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,7 @@ from astrai_fabric.optim import build_optimizer
 from astrai_fabric.quantize import BYTES_PER_WEIGHT, plan_quantization
 from astrai_fabric.schedule import StepPlan
 from astrai_fabric.strategy import Topology, is_fsdp, local_ranks, precision_of
+from astrai_fabric.train.footprint_plan import human_bytes, plan_cluster
 from astrai_fabric.train.models import meta_model
 from astrai_fabric.train.plan import optim_args
 from astrai_fabric.train.resume import check_position
@@ -41,6 +43,7 @@ class Placement:
     num_shards: int
     """Ranks one copy of the model is sharded over (FSDP's shards x tensor parallelism); 1 when each rank holds it
     whole."""
+    world_size: int = 1
 
     @classmethod
     def of_fabric(cls, fabric: Fabric, args: TrainArgs) -> Placement:
@@ -51,7 +54,7 @@ class Placement:
                 shards = layout.num_fsdp_shards * layout.tp
             except UserError:  # a caller's own ModelParallelStrategy, laid out otherwise: at least as sharded
                 shards = 1
-        return cls(fabric.device.type, precision_of(fabric), local_ranks(fabric), shards)
+        return cls(fabric.device.type, precision_of(fabric), local_ranks(fabric), shards, fabric.world_size)
 
     @classmethod
     def of_flags(cls, args: TrainArgs, topology: Topology, accelerator: str, precision: str) -> Placement:
@@ -64,7 +67,7 @@ class Placement:
                 shards = layout.num_fsdp_shards * layout.tp
             except UserError:  # the dry run lists the layout's own problem
                 shards = 1
-        return cls(accelerator, precision, topology.devices, shards)
+        return cls(accelerator, precision, topology.devices, shards, topology.world_size)
 
 
 def preflight(args: TrainArgs, start: Start, plan: StepPlan, placement: Placement) -> list[str]:
@@ -76,6 +79,7 @@ def preflight(args: TrainArgs, start: Start, plan: StepPlan, placement: Placemen
     except UserError as err:
         problems.append(str(err))
     problems += _memory_problems(args, start, placement)
+    problems += _footprint_problems(args, start, placement)
     problems += _context_parallel_problems(args, start)
     if (args.ep_size or 1) > 1 and args.parallel_mode == "fsdp":
         try:
@@ -107,6 +111,34 @@ def _context_parallel_problems(args: TrainArgs, start: Start) -> list[str]:
     return problems
 
 
+def _footprint_problems(args: TrainArgs, start: Start, placement: Placement) -> list[str]:
+    """Each device's memory against the run's footprint (``train.footprint_plan``), when it is known (a CUDA device,
+    or ``--device_memory``): refused when the model states alone are over it (they are counted to 1%), a warning
+    when the whole estimate is (the activations' estimate may run high; ``--dry_run`` shows the figures)."""
+    if placement.accelerator != "cuda" and args.device_memory is None:
+        return []
+    topology = Topology(placement.num_local_ranks, max(1, placement.world_size // placement.num_local_ranks), False)
+    cluster = plan_cluster(
+        args, start.model_config, start.window_size, start.loss_chunk_size(args), topology, placement.precision
+    )
+    if cluster is None or cluster.fits in (None, True):
+        return []
+    states, memory = human_bytes(cluster.footprint.model_states), human_bytes(cluster.device_memory)
+    if cluster.clearly_over:
+        return [
+            f"param_path {args.param_path}: parameters, gradients and optimizer state alone take {states} per rank "
+            f"in this layout, over each device's {memory}; --dry_run shows the footprint and what to change"
+        ]
+    if not args.dry_run:
+        total = human_bytes(cluster.footprint.total)
+        warnings.warn(
+            f"the footprint estimate, {total} per rank, is over each device's {memory}; --dry_run shows it and "
+            "what to change",
+            stacklevel=2,
+        )
+    return []
+
+
 def _memory_problems(args: TrainArgs, start: Start, placement: Placement) -> list[str]:
     """Whether each process on a machine can hold its part of the model, counted from the config (nothing is built:
     ``model.count_parameters``). Parameters and the RoPE table alone: the optimizer state, gradients and
@@ -129,9 +161,9 @@ def _memory_problems(args: TrainArgs, start: Start, placement: Placement) -> lis
         quantized = plan_quantization(meta_model(config, args), placement.num_shards).num_quantized
         weight_bytes -= int(quantized * (bytes_per_parameter - BYTES_PER_WEIGHT))
     per_rank = (weight_bytes + adapters * 4) // shards + rope_table_bytes(config)
+    if placement.accelerator == "cuda" and not torch.cuda.is_available():
+        return []  # a dry run planning for machines elsewhere: their memory is not this one's
     if shards > 1 and placement.accelerator == "cuda":
-        if not torch.cuda.is_available():
-            return []
         memory, ranks, where = torch.cuda.get_device_properties(0).total_memory, 1, "each GPU"
     else:
         memory, ranks, where = host_memory_bytes(), placement.num_local_ranks, "this machine"

@@ -48,6 +48,7 @@ from astrai_fabric.profiling import StepProfiler
 from astrai_fabric.reporting import Reporter
 from astrai_fabric.schedule import ScheduleArgs, StepPlan
 from astrai_fabric.strategy import (
+    Topology,
     data_parallel,
     describe_cpu_threads,
     is_fsdp,
@@ -57,6 +58,7 @@ from astrai_fabric.strategy import (
 )
 from astrai_fabric.torch_private import uncompiled
 from astrai_fabric.train.checks import Placement, preflight
+from astrai_fabric.train.footprint_plan import plan_cluster
 from astrai_fabric.train.loaders import LoaderArgs, make_loader, shut_down_workers, split_validation
 from astrai_fabric.train.models import initial_model, load_sharded_weights, lora_spec
 from astrai_fabric.train.outputs import hold_ckpt_dir, make_saver, refuse_to_overwrite, written_names
@@ -207,6 +209,14 @@ def describe_run_plan(
         cpu_threads=threads,
         position=position,
         muon=muon,
+        cluster=plan_cluster(
+            args,
+            start.model_config,
+            start.window_size,
+            start.loss_chunk_size(args),
+            Topology(devices, world_size // devices, False),
+            precision_of(fabric),
+        ),
     )
 
 

@@ -17,14 +17,15 @@ from astrai_fabric.optim.muon_owners import planned_layout, resolve_spread_repli
 from astrai_fabric.schedule import StepPlan
 from astrai_fabric.strategy import (
     describe_cpu_threads,
+    planned_accelerator,
     planned_cpu_threads,
-    resolve_accelerator,
     resolve_num_workers,
     resolve_precision,
     resolve_topology,
 )
 from astrai_fabric.train.checks import Placement, preflight
 from astrai_fabric.train.common import build_schedule
+from astrai_fabric.train.footprint_plan import plan_cluster
 from astrai_fabric.train.loaders import split_validation
 from astrai_fabric.train.models import meta_model
 from astrai_fabric.train.outputs import written_names
@@ -52,7 +53,7 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
             layout, shards, num_dp_ranks = fsdp.describe(), fsdp.num_fsdp_shards, fsdp.num_dp_ranks
         except UserError as err:
             problems.append(str(err))
-    accelerator = resolve_accelerator(args.device_type)
+    accelerator = planned_accelerator(args.device_type)  # a plan may be for devices this machine lacks
     spread = resolve_spread_replicated(args.muon_spread_replicated, accelerator)
     muon = planned_layout(topology.world_size, args.parallel_mode, args.tp_size, shards, spread)
     precision = resolve_precision(args.precision, accelerator)
@@ -60,7 +61,7 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
         topology.world_size, topology.devices, args.parallel_mode, layout, accelerator, precision
     )
     problems += _ckpt_dir_problems(args)
-    start = dataset = parameters = data = plan = schedule = note = position = None
+    start = dataset = parameters = data = plan = schedule = note = position = cluster = None
     try:  # a dry run downloads nothing: ids in the cache are read from it, the others only named in the plan
         pinned, uncached = pin_cached_flags(hub_values(args), args.data_subset, args.data_split)
         set_values(args, pinned)
@@ -78,6 +79,9 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
     if start is not None:
         num_shards = Placement.of_flags(args, topology, accelerator, precision).num_shards
         parameters = summarize_parameters(meta_model(start.model_config, args), args, precision, num_shards)
+        cluster = plan_cluster(
+            args, start.model_config, start.window_size, start.loss_chunk_size(args), topology, precision
+        )
         if start.resume is None and (later := checkpoints_after(args.ckpt_dir, 0)):
             problems.append(
                 f"ckpt_dir {args.ckpt_dir}: holds {len(later)} checkpoint(s) this fresh run would overwrite "
@@ -124,6 +128,7 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
             position=position,
             fetched=[line for line in uncached.values() if line],
             muon=muon,
+            cluster=cluster,
         )
     )
     if problems:

@@ -25,6 +25,7 @@ from astrai_fabric.optim.muon_owners import resolve_spread_replicated
 from astrai_fabric.profiling import describe_profiling
 from astrai_fabric.quantize import plan_quantization
 from astrai_fabric.schedule import ScheduleArgs, StepPlan
+from astrai_fabric.train.footprint_plan import ClusterPlan, describe_comms, describe_memory
 from astrai_fabric.train.models import lora_spec
 from astrai_fabric.train.start import Start
 
@@ -299,11 +300,13 @@ def describe_plan(
     position: RunPosition | None = None,
     fetched: list[str] = (),
     muon: str | None = None,
+    cluster: ClusterPlan | None = None,
 ) -> str:
     """The plan as printed: one labelled line per part, in the order a run goes. A part given as None is left out
     (the dry run could not work it out: it lists why beneath). ``position``: where the run starts (default: the
     beginning); ``fetched``: the dry run's words for the Hub ids the run would download first; ``muon``: how Muon's
-    iteration is shared among several ranks (``optim.muon_owners.planned_layout``), shown with ``muon_adamw``."""
+    iteration is shared among several ranks (``optim.muon_owners.planned_layout``), shown with ``muon_adamw``;
+    ``cluster``: the footprint per rank and the communication per step (``train.footprint_plan``)."""
     rows: list[tuple[str, str]] = [("processes", processes), *(("hub", line) for line in fetched)]
     if args.config:
         rows.insert(0, ("recipes" if len(args.config) > 1 else "recipe", describe_recipes(args.config)))
@@ -327,6 +330,10 @@ def describe_plan(
             rows.append(("lora", parameters.lora))
         if parameters.quantize is not None:
             rows.append(("quantize", parameters.quantize))
+    if cluster is not None:
+        for label, text in (("memory", describe_memory(cluster)), ("comms", describe_comms(cluster))):
+            lines = text.split("\n") if text else []
+            rows += [(label if i == 0 else "", line) for i, line in enumerate(lines)]
     if start is not None:
         if start.tokenizer is not None:
             tokenizer = f"{start.tokenizer.directory} ({start.tokenizer.vocab_size:,} ids)"

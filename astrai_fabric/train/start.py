@@ -41,7 +41,7 @@ from astrai_fabric.data.windows import DataStart, data_tokenizer
 from astrai_fabric.errors import ConfigError, UserError, raised_on_every_rank
 from astrai_fabric.losses import loss_chunk_positions
 from astrai_fabric.reward_model import reward_model_config, reward_model_weights
-from astrai_fabric.strategy import is_fsdp, resolve_accelerator, setup_frozen
+from astrai_fabric.strategy import is_fsdp, planned_accelerator, setup_frozen
 from astrai_fabric.tokenizer import Tokenizer
 from astrai_fabric.train.models import initial_model, load_sharded_weights, meta_model
 from astrai_fabric.train.resume import check_resume, resume_checkpoint
@@ -93,7 +93,7 @@ class Start:
         (``losses.loss_chunk_positions``): a mean over tokens (seq, sft: per-token weights known before the forward)
         on CPU, where it was measured, with linear logits (a soft-capped head makes the whole logits anyway)."""
         weights_known = args.train_type in ("seq", "sft") and self.model_config.final_logit_softcapping is None
-        return weights_known and resolve_accelerator(args.device_type) == "cpu"
+        return weights_known and planned_accelerator(args.device_type) == "cpu"
 
     def data_start(self) -> DataStart:
         """What the run's data reads of this start (``data.windows``: the windows of seq and sft)."""

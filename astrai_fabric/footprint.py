@@ -1,0 +1,359 @@
+"""A training step's memory and communication per rank, as arithmetic over the model config and the layout.
+
+Nothing is built and no device is asked: a 405B-parameter plan is a few hundred multiplications, so ``--dry_run``
+plans a cluster this machine is not (``--device_type cuda --nprocs 8 --num_nodes 16 --device_memory 141GiB``) and
+the preflight warns with the same figures. What each figure counts:
+
+- **model states**, as each rank holds them between steps: parameters and gradients in the parameters' dtype,
+  sharded as the layout shards them (FSDP over shard x context, tensor parallelism splitting attention and the dense
+  MLPs, expert parallelism dealing out the routed experts), and the optimizer's state: one buffer per entry of the
+  matrices Muon, Nora or Mano update, AdamW's two for the rest (``optim.STATE_BUFFERS``);
+- **gathered parameters**: FSDP's unsharded blocks in the compute dtype, all of them at the end of the forward
+  when blocks stay gathered (``--fsdp_reshard_after_forward false``, AstrAI's), else two blocks (one computing, one
+  prefetched);
+- **activations**: what autograd saves for the backward of one micro-batch, counted from what our modules save
+  (``block_saved_elements``: each RMSNorm its input, normalised input and output, attention its query, repeated
+  keys and values and output, the SwiGLU MLP four of its width, an MoE layer its router and each slot's expert
+  activations), or with ``--gradient_checkpointing`` each block's input plus one block's recomputation;
+- **head and loss**: the logits and their float32 log-softmax, or with the fused loss one chunk of them.
+
+Communication per optimizer step and rank, by collective: the bytes each rank hands the collective (an all-gather's
+output, a reduce-scatter's input, an all-reduce's tensor, an all-to-all's input), which are exact, and the bytes a
+ring or pairwise exchange puts on the rank's link, ``(n - 1) / n`` of them (twice for an all-reduce), on the
+intra-node link when the group fits in a node (groups are consecutive ranks inside their outer dimensions).
+
+Checked against runs here: ``tests/test_footprint.py`` (model states and activations measured in one process) and
+``bench/footprint.py`` (live tensor bytes and the bytes through each collective at 1, 2 and 4 gloo ranks);
+docs/performance.md has the table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from astrai_fabric.config.model import ModelConfig
+from astrai_fabric.mesh import MeshLayout
+from astrai_fabric.model.transformer import ParameterCounts, parameter_counts
+from astrai_fabric.optim import STATE_BUFFERS
+
+MATRIX_PARTS = {"muon_adamw": "muon", "nora_nadamw": "nora", "mano_adamw": "mano", "adamw": "adamw"}
+"""The part of each ``--optimizer`` that updates the blocks' matrices; the rest is AdamW's (or NAdamW's, alike)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a run's ranks are: the mesh (``mesh.MeshLayout``; DDP's and one process's ``replicas`` = world size)
+    and how many ranks share a node."""
+
+    parallel_mode: str
+    """``--parallel_mode``: none, ddp or fsdp."""
+    mesh: MeshLayout
+    ranks_per_node: int
+    """Ranks sharing a node's links (``--nprocs``)."""
+
+    @property
+    def fsdp(self) -> bool:
+        return self.parallel_mode == "fsdp" and self.mesh.world_size > 1
+
+    def link(self, group_span: int) -> str:
+        """The link a group of consecutive ranks ``group_span`` wide crosses."""
+        return "intra-node" if group_span <= self.ranks_per_node else "inter-node"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one optimizer step of a run computes, as the footprint reads it (``train.footprint_plan.plan_cluster``
+    takes it from the flags)."""
+
+    sequences_per_micro_batch: int
+    """Sequences in one rank's forward (a preference pair counts two; a frozen reference model is not counted)."""
+    window: int
+    """Positions per sequence."""
+    grad_accum_steps: int
+    """Micro-batches per optimizer step."""
+    param_bytes: int
+    """Bytes per parameter as stored (and per gradient and optimizer state entry)."""
+    compute_bytes: int
+    """Bytes per activation element."""
+    gather_bytes: int
+    """Bytes per parameter as FSDP gathers it (``--fsdp_param_dtype``, else the parameters' own)."""
+    reduce_bytes: int
+    """Bytes per gradient element in the reduction (``--fsdp_reduce_dtype``, else the gathered parameters')."""
+    optimizer: str
+    """``--optimizer``, resolved (``MATRIX_PARTS``)."""
+    gradient_checkpointing: bool = False
+    """``--gradient_checkpointing``: each block's activations recomputed in the backward."""
+    loss_chunk_size: int = 0
+    """Positions per chunk of the fused head and loss; 0: the whole logits."""
+    reshard_after_forward: bool = False
+    """``--fsdp_reshard_after_forward``: each block's gathered parameters freed after its forward."""
+    sync_each_micro_batch: bool = False
+    """``--fsdp_sync_each_micro_batch``: gradients reduce-scattered after every micro-batch."""
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One kind of collective in a step, for one rank."""
+
+    name: str
+    """What it is for and its kind: ``FSDP all-gather``, ``CP all-to-all``, ..."""
+    group_size: int
+    """Ranks in its group."""
+    link: str
+    """``intra-node`` or ``inter-node``: the slowest link the group crosses."""
+    handed_bytes: int
+    """Bytes this rank hands the collective per optimizer step (see the module docstring)."""
+    all_reduce: bool = False
+    """An all-reduce moves its bytes twice (reduce-scatter then all-gather)."""
+
+    @property
+    def link_bytes(self) -> int:
+        """Bytes on this rank's link per step: ``(n - 1) / n`` of what it hands over, twice for an all-reduce."""
+        share = (self.group_size - 1) / self.group_size
+        return int(self.handed_bytes * share * (2 if self.all_reduce else 1))
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Bytes per rank (``total``: at its peak) and communication per step (``collectives``)."""
+
+    parameters: int
+    """This rank's parameters as stored (its FSDP shards, its tensor-parallel share, its experts)."""
+    gradients: int
+    """Their gradients, in the parameters' dtype."""
+    optimizer_state: int
+    """The optimizer's buffers for this rank's parameters."""
+    buffers: int
+    """The RoPE tables (float32, every rank whole)."""
+    gradient_buckets: int
+    """DDP's: torch's DDP reduces the gradients through buckets of its own (``gradient_as_bucket_view`` off,
+    Fabric's default), alive from the first step on."""
+    gathered_parameters: int
+    """FSDP's unsharded parameters at the forward's end (``gathered_bytes``)."""
+    activations: int
+    """What one micro-batch's forward saves for its backward in the blocks (``activation_bytes``)."""
+    head_and_loss: int
+    """The logits and their log-softmax, and the gradient the loss sends back into them."""
+    gradients_in_forward: bool
+    """Whether the gradients exist while a forward runs (accumulating over micro-batches): else they are made as the
+    backward frees the activations, and the peak holds one or the other."""
+    collectives: list[Collective] = field(default_factory=list)
+    """Each collective of one optimizer step (``step_collectives``)."""
+
+    @property
+    def model_states(self) -> int:
+        return self.parameters + self.gradients + self.optimizer_state
+
+    @property
+    def total(self) -> int:
+        fixed = self.parameters + self.optimizer_state + self.buffers + self.gradient_buckets
+        fixed += self.gathered_parameters
+        forward = self.activations + self.head_and_loss
+        if self.gradients_in_forward:
+            return fixed + self.gradients + forward
+        return fixed + max(forward, self.gradients)
+
+
+def block_saved_elements(config: ModelConfig, moe_layer: bool, tp: int = 1) -> float:
+    """Elements autograd saves per position in one decoder block's forward (one tensor-parallel rank's).
+
+    Counted from our modules on the eager path (tests/test_footprint.py measures them): each input RMSNorm saves its
+    input, its normalised input and its output (3 x hidden + 1), an output norm (``sandwich``: Gemma) all but its
+    output, which only the residual sum reads; attention its query, its keys and values repeated to the query heads
+    and its output (``o_proj`` reads the same storage) and log-sum-exp (SDPA); a SwiGLU MLP its gate,
+    ``silu(gate)``, up and their product (4 x width); an MoE layer its router's probabilities, each slot's copy of
+    the hidden state, each routed expert's MLP over its slots, the shared experts' and the combine.
+    """
+    hidden = config.hidden_size
+    heads = config.num_attention_heads // tp
+    if config.attn_type == "mla":
+        query = heads * config.attention_head_dim
+        value = heads * (config.v_head_dim or config.attention_head_dim)
+        latent = 3 * config.kv_lora_rank + 1 + (3 * config.q_lora_rank + 1 if config.q_lora_rank else 0)
+        attention = 2 * query + 2 * value + heads + latent
+    else:
+        width = heads * config.attention_head_dim
+        attention = 4 * width + heads
+    norms = 2 * (3 * hidden + 1)
+    if config.norm_placement == "sandwich":  # an output norm's output goes to the residual sum, which saves nothing
+        norms += 2 * (2 * hidden + 1)
+    if config.use_qk_norm:
+        attention += 2 * 2 * heads * config.attention_head_dim
+    if not moe_layer:
+        return norms + attention + 4 * config.intermediate_size / tp
+    k, experts = config.n_activated_experts, config.n_routed_experts
+    routed = config.moe_intermediate_size or config.intermediate_size
+    shared = config.shared_expert_intermediate_size or config.intermediate_size
+    router = 2 * experts + 2 * k
+    mlp = k * (hidden + 4 * routed + 1) + config.n_shared_experts * 4 * shared + 2 * hidden
+    return norms + attention + router + mlp
+
+
+def model_state_bytes(counts: ParameterCounts, layout: Layout, workload: Workload) -> tuple[int, int, int]:
+    """``(parameters, gradients, optimizer state)`` bytes of one rank between steps."""
+    mesh = layout.mesh
+    matrices = counts.attention + counts.dense_mlp + counts.routed_experts + counts.moe_other
+    local = counts.total
+    if layout.fsdp:
+        shards, tp = mesh.num_fsdp_shards, mesh.tp
+        # Experts whole on the tensor axis: expert parallelism deals them over ep of the shards, FSDP the rest.
+        split = (counts.attention + counts.dense_mlp) / (shards * tp)
+        matrices = split + (counts.routed_experts + counts.moe_other) / shards
+        local = split + (counts.routed_experts + counts.moe_other + counts.embeddings + counts.norms) / shards
+    buffers = STATE_BUFFERS[MATRIX_PARTS[workload.optimizer]] * matrices + 2 * (local - matrices)
+    parameters = int(local * workload.param_bytes)
+    return parameters, parameters, int(buffers * workload.param_bytes)
+
+
+def activation_bytes(config: ModelConfig, layout: Layout, workload: Workload) -> tuple[int, int]:
+    """``(activations, head and loss)`` bytes of one rank's micro-batch: what its forward saves for the backward,
+    and the logits with the loss's gradient into them. Under context parallelism a rank's blocks hold its share of
+    the positions, its head the whole window's logits (gathered) unless the loss is fused."""
+    mesh = layout.mesh
+    positions = workload.sequences_per_micro_batch * workload.window // mesh.cp
+    moe_layers = config.num_moe_layers
+    dense = block_saved_elements(config, False, mesh.tp)
+    moe = block_saved_elements(config, True, mesh.tp) if moe_layers else 0.0
+    per_position = (config.num_hidden_layers - moe_layers) * dense + moe_layers * moe
+    if workload.gradient_checkpointing:  # each block's input, and one block recomputed in the backward
+        per_position = config.num_hidden_layers * config.hidden_size + max(dense, moe)
+    per_position += 3 * config.hidden_size + 1  # the final norm
+    rotary = positions * 2 * config.rope_dim * 4  # float32 (cos, sin) at every position, shared by the blocks
+    activations = int(positions * per_position * workload.compute_bytes) + rotary
+    if workload.loss_chunk_size:
+        head_positions = min(positions, workload.loss_chunk_size)
+    else:
+        head_positions = positions * mesh.cp
+    # The logits in the compute dtype and their float32 log-softmax (a float32 copy first when they are not), then
+    # the loss's float32 gradients into both, alive together.
+    logit_bytes = workload.compute_bytes + 4 + (4 if workload.compute_bytes != 4 else 0) + 2 * 4
+    return activations, int(head_positions * config.vocab_size * logit_bytes)
+
+
+def gathered_bytes(counts: ParameterCounts, config: ModelConfig, layout: Layout, workload: Workload) -> int:
+    """FSDP's unsharded parameters at the end of the forward: every block's when they stay gathered, else two
+    blocks' (one computing, one prefetched); the root's (embeddings, head, final norm) in both."""
+    if not layout.fsdp or layout.mesh.num_fsdp_shards == 1:
+        return 0
+    mesh = layout.mesh
+    per_block = (unsharded_parameters(counts, mesh) - counts.embeddings - config.hidden_size) / config.num_hidden_layers
+    gathered_blocks = 2 if workload.reshard_after_forward else config.num_hidden_layers
+    return int((gathered_blocks * per_block + counts.embeddings + config.hidden_size) * workload.gather_bytes)
+
+
+def unsharded_parameters(counts: ParameterCounts, mesh: MeshLayout, experts_gathered: bool = True) -> float:
+    """The parameters FSDP gathers on one rank: a tensor-parallel rank's share of attention and the dense MLPs, the
+    rest whole, and a rank's own experts unless ``experts_gathered`` is False (under expert parallelism they pass
+    through a group of their own, the expert shards, or none)."""
+    experts = counts.routed_experts / mesh.ep if experts_gathered else 0
+    whole = counts.embeddings + counts.moe_other + counts.norms
+    return (counts.attention + counts.dense_mlp) / mesh.tp + whole + experts
+
+
+def footprint(config: ModelConfig, layout: Layout, workload: Workload) -> Footprint:
+    """One rank's memory at its peak and its communication per step."""
+    counts = parameter_counts(config)
+    parameters, gradients, optimizer_state = model_state_bytes(counts, layout, workload)
+    activations, head_and_loss = activation_bytes(config, layout, workload)
+    positions = workload.sequences_per_micro_batch * workload.window // layout.mesh.cp
+    tables = 2 if config.rope_local_theta is not None else 1
+    buckets = gradients if layout.parallel_mode == "ddp" and layout.mesh.world_size > 1 else 0
+    return Footprint(
+        parameters,
+        gradients,
+        optimizer_state,
+        tables * config.max_position_embeddings * config.rope_dim * 4,
+        buckets,
+        gathered_bytes(counts, config, layout, workload),
+        activations,
+        head_and_loss,
+        workload.grad_accum_steps > 1,
+        step_collectives(config, counts, layout, workload, positions),
+    )
+
+
+def tp_all_reduces(config: ModelConfig, forward_passes: int = 1) -> int:
+    """All-reduces of a ``[positions, hidden]`` activation per micro-batch under tensor parallelism: in each
+    forward, one per row-parallel output (o_proj, a dense MLP's down: an MoE layer's experts are whole); in the
+    backward, one per column-parallel linear's input gradient (q, k, v, the attention gate; MLA's q_proj and
+    kv_b_proj; a dense MLP's gate and up)."""
+    moe_layers, layers = config.num_moe_layers, config.num_hidden_layers
+    dense_layers = layers - moe_layers
+    if config.attn_type == "mla":
+        column = 2
+    else:
+        column = 3 + (1 if config.use_gated_attention else 0)
+    forward = layers + dense_layers
+    backward = layers * column + dense_layers * 2
+    return forward_passes * forward + backward
+
+
+def step_collectives(
+    config: ModelConfig, counts: ParameterCounts, layout: Layout, workload: Workload, positions: int
+) -> list[Collective]:
+    """Each collective of one optimizer step, for one rank (``positions``: its positions per micro-batch)."""
+    mesh, micro = layout.mesh, workload.grad_accum_steps
+    found = []
+    if layout.parallel_mode == "ddp" and mesh.world_size > 1:
+        grads = counts.total * workload.reduce_bytes
+        found.append(Collective("DDP all-reduce", mesh.world_size, layout.link(mesh.world_size), grads, True))
+    if layout.fsdp and mesh.num_fsdp_shards > 1:
+        shards, span = mesh.num_fsdp_shards, mesh.num_fsdp_shards * mesh.tp
+        gathers = micro * (2 if workload.reshard_after_forward else 1)
+        reductions = micro if workload.sync_each_micro_batch else 1
+        # A rank's experts have a group of their own: the expert shards (shards / ep), when there are several.
+        groups = [("FSDP", shards, span, unsharded_parameters(counts, mesh, experts_gathered=mesh.ep == 1))]
+        if mesh.ep > 1 and mesh.num_expert_shards > 1:
+            groups.append(("FSDP (experts)", mesh.num_expert_shards, span, counts.routed_experts / mesh.ep))
+        for name, size, group_span, unsharded in groups:
+            link = layout.link(group_span)
+            gathered, reduced = gathers * unsharded * workload.gather_bytes, reductions * unsharded
+            found += [
+                Collective(f"{name} all-gather", size, link, int(gathered)),
+                Collective(f"{name} reduce-scatter", size, link, int(reduced * workload.reduce_bytes)),
+            ]
+        if mesh.replicas > 1:
+            replicated = int(reductions * unsharded_parameters(counts, mesh) / shards * workload.reduce_bytes)
+            link = layout.link(span * mesh.replicas)
+            found.append(Collective("HSDP all-reduce", mesh.replicas, link, replicated, True))
+    activation = positions * config.hidden_size * workload.compute_bytes
+    layers = micro * config.num_hidden_layers
+    if mesh.tp > 1:
+        passes = 2 if workload.gradient_checkpointing else 1
+        found.append(
+            Collective(
+                "TP all-reduce",
+                mesh.tp,
+                layout.link(mesh.tp),
+                micro * tp_all_reduces(config, passes) * activation,
+                True,
+            )
+        )
+    if mesh.cp > 1:
+        link = layout.link(mesh.cp * mesh.tp)
+        # q, k, v and the output traded for heads and back, in the forward and the backward (and the recomputed
+        # forward); keys and values keep their heads where those split over the group, else are repeated first
+        heads = config.num_attention_heads // mesh.tp
+        kv_heads = (config.num_key_value_heads or config.num_attention_heads) // mesh.tp
+        kv_heads = kv_heads if kv_heads % mesh.cp == 0 else heads
+        value_dim = config.v_head_dim or config.attention_head_dim
+        width = heads * config.attention_head_dim + kv_heads * (config.attention_head_dim + value_dim)
+        width += heads * value_dim
+        passes = 3 if workload.gradient_checkpointing else 2
+        handed = layers * passes * positions * width * workload.compute_bytes
+        found.append(Collective("CP all-to-all", mesh.cp, link, handed))
+        # the head's output gathered over the group, and its gradient summed back: the logits, or the fused loss's
+        # float32 token losses (whose gradient reaches the head inside the fused forward)
+        window = positions * mesh.cp
+        if workload.loss_chunk_size:
+            found.append(Collective("CP all-gather (token losses)", mesh.cp, link, micro * window * 4))
+        else:
+            logits = micro * window * config.vocab_size * workload.compute_bytes
+            found += [
+                Collective("CP all-gather (logits)", mesh.cp, link, logits),
+                Collective("CP all-reduce (logits' gradient)", mesh.cp, link, logits, True),
+            ]
+    if mesh.ep > 1 and config.num_moe_layers:  # each slot's hidden state out and back, forward and backward
+        handed = micro * config.num_moe_layers * 4 * config.n_activated_experts * activation
+        found.append(Collective("EP all-to-all", mesh.ep, layout.link(mesh.ep * mesh.cp * mesh.tp), handed))
+    return found

@@ -1,0 +1,223 @@
+"""The footprint's figures (``astrai_fabric/footprint.py``) against what one training step holds and sends (issue 45).
+
+    .venv/bin/python bench/footprint.py [--layouts one,ddp2,...] [--window 128]
+
+Each layout runs a small decoder (4 heads, 2 KV heads, hidden 256, 2 layers, vocabulary 4,096; the MoE layout 4
+routed experts, top 2, and a shared one) on gloo ranks, one thread each, built as a run builds it
+(``parallelize`` for FSDP, HSDP, tensor, context and expert parallelism; torch's DDP for ddp), through two steps
+(forward, loss, backward, AdamW), the second measured:
+
+- live bytes per rank at the step's peak, by kind, from torch's ``MemTracker`` (a dispatch mode that follows every
+  storage; not RSS): parameters, gradients, optimizer state, and everything else (activations, the head and loss,
+  gathered parameters and temporaries), against the plan's same figures;
+- bytes handed to each kind of collective per step (an all-gather's output, a reduce-scatter's input, an
+  all-reduce's tensor, an all-to-all's input), counted where every collective passes, torch's dispatcher
+  (``c10d`` and ``_c10d_functional`` ops); all-reduces of fewer than 64 bytes are the step's scalars (the loss
+  and gradient norm), left out.
+
+4-rank layouts are counted, not timed (2 cores). The table goes in docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+
+import torch  # noqa: E402
+from spawn import run_ranks  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+LAYOUTS = {
+    "one": dict(ranks=1, mode="none"),
+    "ddp2": dict(ranks=2, mode="ddp"),
+    "fsdp2": dict(ranks=2, mode="fsdp"),
+    "cp2": dict(ranks=2, mode="fsdp", cp=2),
+    "ep2_moe": dict(ranks=2, mode="fsdp", ep=2, moe=True),
+    "hsdp2x2": dict(ranks=4, mode="fsdp", shard=2),
+    "fsdp2_tp2": dict(ranks=4, mode="fsdp", tp=2),
+    "fsdp2_cp2": dict(ranks=4, mode="fsdp", cp=2),
+}
+SMALL_ALL_REDUCE = 64
+"""All-reduces this small are the step's scalars (the loss, the gradient norm), not in the plan."""
+
+
+def config(moe: bool):
+    from astrai_fabric.config import ModelConfig
+
+    values = dict(
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
+    if moe:
+        values |= dict(
+            ffn_type="moe", n_routed_experts=4, n_activated_experts=2, n_shared_experts=1, moe_intermediate_size=128
+        )
+    return ModelConfig(**values)
+
+
+class Collectives(TorchDispatchMode):
+    """Bytes handed to each kind of collective (see the module docstring)."""
+
+    KINDS = {"allgather": "all-gather", "all_gather": "all-gather", "reduce_scatter": "reduce-scatter",
+             "allreduce": "all-reduce", "all_reduce": "all-reduce", "alltoall": "all-to-all",
+             "all_to_all": "all-to-all"}  # fmt: skip
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        name = str(func)
+        if "c10d" in name:
+            kind = next((k for key, k in self.KINDS.items() if key in name), None)
+            if kind is not None:
+                handed = self._handed(kind, name, args)
+                if not (kind == "all-reduce" and handed < SMALL_ALL_REDUCE):
+                    self.bytes[kind] = self.bytes.get(kind, 0) + handed
+        return func(*args, **(kwargs or {}))
+
+    @staticmethod
+    def _handed(kind: str, name: str, args: tuple) -> int:
+        def size(value) -> int:  # noqa: ANN001
+            if isinstance(value, torch.Tensor):
+                return value.numel() * value.element_size()
+            if isinstance(value, list | tuple):
+                return sum(size(item) for item in value)
+            return 0
+
+        if "_c10d_functional" in name:  # (input, ..., group size for an all-gather)
+            return size(args[0]) * (args[1] if kind == "all-gather" else 1)
+        if kind == "all-reduce":
+            return size(args[0])
+        if kind == "all-gather":  # (outputs, input)
+            return size(args[0])
+        return size(args[1])  # reduce-scatter and all-to-all: (outputs, inputs)
+
+
+def worker(name: str, window: int, out: str) -> None:
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from astrai_fabric.model import AutoRegressiveLM
+    from astrai_fabric.parallelize import parallelize
+
+    layout = LAYOUTS[name]
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = AutoRegressiveLM(config(layout.get("moe", False))).train()
+    ranks = dist.get_world_size()
+    if layout["mode"] == "fsdp":
+        tp = layout.get("tp", 1)
+        mesh = init_device_mesh("cpu", (ranks // tp, tp), mesh_dim_names=("data_parallel", "tensor_parallel"))
+        model = parallelize(
+            model, mesh, fsdp_shard_size=layout.get("shard"), cp_size=layout.get("cp"), ep_size=layout.get("ep")
+        )
+    elif layout["mode"] == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    ids = torch.randint(0, 4096, (2, window + 1), generator=torch.Generator().manual_seed(dist.get_rank()))
+
+    def step() -> None:
+        out = model(ids[:, :-1])
+        loss = F.cross_entropy(out.logits.flatten(0, 1).float(), ids[:, 1:].flatten())
+        if out.aux_loss is not None:
+            loss = loss + 0.01 * out.aux_loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()
+    tracker, collectives = MemTracker(), Collectives()
+    tracker.track_external(model, optimizer)
+    with tracker, collectives:
+        step()
+    peak = {
+        str(kind).split(".")[-1]: value
+        for kind, value in tracker.get_tracker_snapshot("peak")[torch.device("cpu")].items()
+    }
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(dict(peak=peak, collectives=collectives.bytes)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--window", type=int, default=128)
+    options = parser.parse_args()
+    print("| layout | kind | planned MiB | measured MiB | planned / measured |")
+    print("|---|---|---:|---:|---:|")
+    with tempfile.TemporaryDirectory() as scratch:
+        for name in options.layouts.split(","):
+            out = Path(scratch) / f"{name}.json"
+            ranks = LAYOUTS[name]["ranks"]
+            if ranks == 1:
+                import os
+
+                os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29561", RANK="0", WORLD_SIZE="1")
+                worker(name, options.window, str(out))
+                import torch.distributed as dist
+
+                dist.destroy_process_group()
+            else:
+                run_ranks(worker, ranks, name, options.window, str(out))
+            measured = json.loads(out.read_text())
+            for kind, planned, found in compare(name, options.window, measured):
+                ratio = planned / found if found else float("nan")
+                print(f"| {name} | {kind} | {planned / 2**20:,.3f} | {found / 2**20:,.3f} | {ratio:.3f} |")
+
+
+def compare(name: str, window: int, measured: dict) -> list[tuple[str, int, int]]:
+    """``(kind, planned bytes, measured bytes)`` for each figure the plan gives."""
+    from astrai_fabric.footprint import Layout, Workload, footprint
+    from astrai_fabric.mesh import MeshLayout, mesh_layout
+
+    layout = LAYOUTS[name]
+    ranks = layout["ranks"]
+    if layout["mode"] == "fsdp":
+        mesh = mesh_layout(ranks, layout.get("tp"), layout.get("shard"), layout.get("cp"), layout.get("ep"))
+    else:
+        mesh = MeshLayout(replicas=ranks, shards=1)
+    plan = footprint(
+        config(layout.get("moe", False)),
+        Layout(layout["mode"], mesh, ranks_per_node=ranks),
+        Workload(2, window, 1, param_bytes=4, compute_bytes=4, gather_bytes=4, reduce_bytes=4, optimizer="adamw"),
+    )
+    peak = measured["peak"]
+    rest = peak["Total"] - peak["PARAM"] - peak["OPT"] - peak["BUFFER"]  # DDP's buckets among the rest
+    rows = [
+        ("parameters (FSDP's gathered too)", plan.parameters + plan.gathered_parameters, peak["PARAM"]),
+        ("optimizer state", plan.optimizer_state, peak["OPT"]),
+        ("buffers", plan.buffers, peak["BUFFER"]),
+        (
+            "activations, head, gradients, buckets",
+            plan.total - plan.parameters - plan.gathered_parameters - plan.optimizer_state - plan.buffers,
+            rest,
+        ),
+        ("total at the peak", plan.total, peak["Total"]),
+    ]
+    planned_kinds: dict[str, int] = {}
+    for collective in plan.collectives:
+        kind = next(k for k in ("all-gather", "reduce-scatter", "all-to-all", "all-reduce") if k in collective.name)
+        planned_kinds[kind] = planned_kinds.get(kind, 0) + collective.handed_bytes
+    for kind in sorted(planned_kinds.keys() | measured["collectives"].keys()):
+        rows.append((kind, planned_kinds.get(kind, 0), measured["collectives"].get(kind, 0)))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
