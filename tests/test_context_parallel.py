@@ -269,3 +269,14 @@ def test_a_fabric_built_elsewhere_decides_context_parallelism():
         check_cp_size(fabric(), 2)
     with pytest.raises(ConfigError, match="applies cp_size 2; .* or pass --cp_size 2"):
         check_cp_size(fabric(cp_size=2), None)
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "evaluate"])
+def test_commands_that_train_nothing_refuse_cp_size_in_one_line(command, capsys):
+    """Generation and evaluation run every position on each rank (a KV cache, or one process): the flag is not
+    theirs, and says so in one line."""
+    from astrai_fabric.cli import main
+
+    assert main([command, "bundled:tiny", "--cp_size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown flag --cp_size" in err and "Traceback" not in err

@@ -197,6 +197,7 @@ def two_rank_worker(base: str) -> None:
     # group) as under wide_fsdp. One data rank, so each takes the single process's batches; the MoE model's balance
     # loss and routing statistics are the whole window's (the group's sums).
     run(qlora_args(wide, "wide_cp2", parallel_mode="fsdp", cp_size=2, nprocs=2, max_steps=3))
+    run(qlora_args(wide, "wide_lora_cp2", parallel_mode="fsdp", cp_size=2, nprocs=2, max_steps=3, quantize=None))
     cp2 = dict(MOE_RUN, grad_accum_steps=4, parallel_mode="fsdp", cp_size=2, nprocs=2)
     run(qlora_args(Path(base).parent / "wide_moe", "moe_cp2", **cp2))
 
@@ -206,6 +207,7 @@ def runs(base) -> Path:
     history = run(qlora_args(base, "none"))
     (base.parent / "history.json").write_text(json.dumps(history))
     run(qlora_args(base.parent / "wide", "wide_none", max_steps=3))
+    run(qlora_args(base.parent / "wide", "wide_lora_none", max_steps=3, quantize=None))  # LoRA over float32 weights
     run(qlora_args(base.parent / "wide_moe", "moe_none", **MOE_RUN, grad_accum_steps=4))
     run_ranks(two_rank_worker, 2, str(base))
     return base.parent
@@ -283,19 +285,22 @@ def test_resume_is_bit_exact(runs, base):
     assert [h["loss"] for h in history] == [h["loss"] for h in uninterrupted[2:]]
 
 
-@pytest.mark.parametrize(("mode", "step"), [("ddp", 4), ("wide_fsdp", 3), ("wide_cp2", 3), ("moe_cp2", 3)])
+@pytest.mark.parametrize(
+    ("mode", "step"), [("ddp", 4), ("wide_fsdp", 3), ("wide_cp2", 3), ("moe_cp2", 3), ("wide_lora_cp2", 3)]
+)
 def test_two_ddp_fsdp_or_context_ranks_match_one_process(runs, mode, step):
-    reference_run = {"ddp": "none", "moe_cp2": "moe_none"}.get(mode, "wide_none")
+    """QLoRA (and, under context parallelism, LoRA over float32 weights too) on 2 ranks against one process."""
+    reference_run = {"ddp": "none", "moe_cp2": "moe_none", "wide_lora_cp2": "wide_lora_none"}.get(mode, "wide_none")
     ours, reference = (
         load_file(step_dir(runs / name, step) / "adapter_model.safetensors") for name in (mode, reference_run)
     )
     for key in reference:
         torch.testing.assert_close(ours[key], reference[key], atol=1e-5, rtol=0)
-    meta = json.loads((step_dir(runs / mode, step) / "meta.json").read_text())
-    assert (
-        meta["quantization"]
-        == json.loads((step_dir(runs / reference_run, step) / "meta.json").read_text())["quantization"]
+    meta, reference_meta = (
+        json.loads((step_dir(runs / n, step) / "meta.json").read_text()) for n in (mode, reference_run)
     )
+    assert meta.get("quantization") == reference_meta.get("quantization")
+    assert ("quantization" in meta) == (mode != "wide_lora_cp2")
     if mode in ("wide_fsdp", "wide_cp2"):  # every block weight in 4 bits, k and v too
         assert len(meta["quantization"]["keys"]) == 14
     if mode == "moe_cp2":  # the balance loss over the whole window: one process's

@@ -104,6 +104,8 @@ CP_RUNS = {
     },
     "cp2_reward_model": dict(CP2, train_type="reward_model", data_root_path="bundled:data/dpo"),
 }
+FOUR_RANK_CP_RUNS = ("cp2_seq", "cp2_sft", "cp2_dpo")
+"""The train types run on 4 ranks, FSDP 2 x context 2 (``tp_and_fsdp_worker``)."""
 # Hugging Face directories (built with transformers in the fixture): Qwen3 (q/k norm before RoPE, heads x head_dim
 # != hidden) under FSDP, Qwen2 (q/k/v biases) under tensor parallelism, and the MoE families with their routers'
 # aux loss under FSDP: Qwen2-MoE (gated shared expert, a dense layer between MoE layers) and Qwen3-MoE, which also
@@ -461,10 +463,12 @@ def tp_and_fsdp_worker(root: str, hf_root: str) -> None:
     history = run(base_args(Path(root), nprocs=4, batch_per_device=1, **TP2))
     if os.environ["RANK"] == "0":
         (Path(root) / "history.json").write_text(json.dumps(history))
-    # FSDP over 2 data ranks x 2 context ranks: sft's packed documents, 1 sample per data rank.
-    history = run(base_args(Path(root) / "cp", nprocs=4, batch_per_device=1, **CP_RUNS["cp2_sft"]))
-    if os.environ["RANK"] == "0":
-        (Path(root) / "cp.json").write_text(json.dumps(history))
+    # FSDP over 2 data ranks x 2 context ranks, 1 sample per data rank: seq's windows (the fused loss), sft's packed
+    # documents (the logits path), dpo's pairs padded on to an even length (with the frozen reference split alike).
+    for name in FOUR_RANK_CP_RUNS:
+        history = run(base_args(Path(root) / name, nprocs=4, batch_per_device=1, **CP_RUNS[name]))
+        if os.environ["RANK"] == "0":
+            (Path(root) / f"{name}.json").write_text(json.dumps(history))
     fsdp_tp_worker(str(Path(root) / "optimizers.pt"))  # the 4 processes, once more: Muon, Mano and Nora alone
     from test_context_parallel import tensor_and_context_parallel_worker
 
@@ -497,13 +501,15 @@ def test_tensor_parallel_with_fsdp_on_four_ranks(two_rank_runs, tmp_path):
     history = json.loads((tmp_path / "four" / "history.json").read_text())
     assert [r["loss"] for r in history] == pytest.approx([r["loss"] for r in reference], abs=1e-5)
     assert_weights_close(weights(tmp_path / "four", 3), weights(tmp_path / "one", 3), atol=1e-5)
-    # FSDP 2 x context 2 against one process taking the same 1-sample micro-batches in sequence (sft averages
-    # per-micro-batch token means): 2 data ranks x 2 accumulation = 4.
-    sft = {key: value for key, value in CP_RUNS["cp2_sft"].items() if key not in ("parallel_mode", "cp_size")}
-    reference = run(base_args(tmp_path / "cp_one", batch_per_device=1, grad_accum_steps=4, **sft))
-    history = json.loads((tmp_path / "four" / "cp.json").read_text())
-    assert [r["loss"] for r in history] == pytest.approx([r["loss"] for r in reference], rel=1e-5)
-    assert_weights_close(weights(tmp_path / "four" / "cp", 3), weights(tmp_path / "cp_one", 3), atol=1e-5)
+    # FSDP 2 x context 2 against one process taking the same 1-sample micro-batches in sequence (each averages
+    # per-micro-batch means): 2 data ranks x 2 accumulation = 4.
+    for name in FOUR_RANK_CP_RUNS:
+        flags = {key: value for key, value in CP_RUNS[name].items() if key not in ("parallel_mode", "cp_size")}
+        reference = run(base_args(tmp_path / f"{name}_one", batch_per_device=1, grad_accum_steps=4, **flags))
+        history = json.loads((tmp_path / "four" / f"{name}.json").read_text())
+        assert [r["loss"] for r in history] == pytest.approx([r["loss"] for r in reference], rel=1e-5), name
+        ours, theirs = weights(tmp_path / "four" / name, 3), weights(tmp_path / f"{name}_one", 3)
+        assert_weights_close(ours, theirs, atol=1e-5)
 
 
 def test_online_grpo_runs_on_two_fsdp_ranks(two_rank_runs):
