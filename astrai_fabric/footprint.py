@@ -35,9 +35,68 @@ from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.mesh import MeshLayout
 from astrai_fabric.model.transformer import ParameterCounts, parameter_counts
 from astrai_fabric.optim import STATE_BUFFERS
+from astrai_fabric.quantize import BYTES_PER_WEIGHT, fits_blocks
 
 MATRIX_PARTS = {"muon_adamw": "muon", "nora_nadamw": "nora", "mano_adamw": "mano", "adamw": "adamw"}
 """The part of each ``--optimizer`` that updates the blocks' matrices; the rest is AdamW's (or NAdamW's, alike)."""
+
+
+@dataclass(frozen=True)
+class Adapters:
+    """LoRA (``--lora_r``) as the footprint reads it: the base frozen, adapters float32 on the target layers."""
+
+    rank: int
+    targets: tuple[str, ...]
+    """``--lora_targets``."""
+    dropout: bool = False
+    """``--lora_dropout`` above 0: each adapted layer saves its dropped input and the mask."""
+    quantized: bool = False
+    """QLoRA (``--quantize nf4``): the block linears that fit NF4's blocks stored in 4 bits (``quantize``)."""
+
+
+@dataclass(frozen=True)
+class BlockLinear:
+    """One kind of linear layer in the blocks: its name (a LoRA target's), shape and how many the model has."""
+
+    name: str
+    in_features: int
+    out_features: int
+    count: int
+
+
+def block_linears(config: ModelConfig) -> list[BlockLinear]:
+    """Every linear layer of the blocks whose name LoRA may target, or QLoRA quantise (routers and gates apart)."""
+    hidden, heads, layers = config.hidden_size, config.num_attention_heads, config.num_hidden_layers
+    head_dim, moe_layers = config.attention_head_dim, config.num_moe_layers
+    kv_heads = config.num_key_value_heads or heads
+    if config.attn_type == "mla":
+        value_dim = config.v_head_dim or head_dim
+        found = [BlockLinear("q_proj", config.q_lora_rank or hidden, heads * head_dim, layers),
+                 BlockLinear("o_proj", heads * value_dim, hidden, layers)]  # fmt: skip
+    else:
+        found = [BlockLinear("q_proj", hidden, heads * head_dim, layers),
+                 BlockLinear("k_proj", hidden, kv_heads * head_dim, layers),
+                 BlockLinear("v_proj", hidden, kv_heads * head_dim, layers),
+                 BlockLinear("o_proj", heads * head_dim, hidden, layers)]  # fmt: skip
+    widths = [(config.intermediate_size, layers - moe_layers)]
+    if moe_layers:
+        widths.append((config.moe_intermediate_size or config.intermediate_size, moe_layers * config.n_routed_experts))
+        shared = config.shared_expert_intermediate_size or config.intermediate_size
+        widths.append((shared, moe_layers * config.n_shared_experts))
+    for width, count in widths:
+        if count:
+            found += [BlockLinear("gate", hidden, width, count), BlockLinear("up", hidden, width, count),
+                      BlockLinear("down", width, hidden, count)]  # fmt: skip
+    return found
+
+
+def adapter_parameters(config: ModelConfig, adapters: Adapters) -> int:
+    """LoRA's parameters: ``r x (in + out)`` for each targeted layer."""
+    return sum(
+        adapters.rank * (linear.in_features + linear.out_features) * linear.count
+        for linear in block_linears(config)
+        if linear.name in adapters.targets
+    )
 
 
 @dataclass(frozen=True)
@@ -89,6 +148,8 @@ class Workload:
     """``--fsdp_reshard_after_forward``: each block's gathered parameters freed after its forward."""
     sync_each_micro_batch: bool = False
     """``--fsdp_sync_each_micro_batch``: gradients reduce-scattered after every micro-batch."""
+    adapters: Adapters | None = None
+    """LoRA or QLoRA; None: every parameter trains."""
 
 
 @dataclass(frozen=True)
@@ -154,8 +215,19 @@ class Footprint:
         return fixed + max(forward, self.gradients)
 
 
-def block_saved_elements(config: ModelConfig, moe_layer: bool, tp: int = 1) -> float:
-    """Elements autograd saves per position in one decoder block's forward (one tensor-parallel rank's).
+def block_saved_elements(
+    config: ModelConfig, moe_layer: bool, tp: int = 1, adapters: Adapters | None = None, compute_bytes: int = 4
+) -> float:
+    """Elements autograd saves per position in one decoder block's forward (one tensor-parallel rank's): its
+    attention half's and its MLP half's (``block_halves_saved``)."""
+    return sum(block_halves_saved(config, moe_layer, tp, adapters, compute_bytes))
+
+
+def block_halves_saved(
+    config: ModelConfig, moe_layer: bool, tp: int = 1, adapters: Adapters | None = None, compute_bytes: int = 4
+) -> tuple[float, float]:
+    """Elements autograd saves per position in one decoder block's attention half and its MLP half, each with its
+    norms and its adapters.
 
     Counted from our modules on the eager path (tests/test_footprint.py measures them): each input RMSNorm saves its
     input, its normalised input and its output (3 x hidden + 1), an output norm (``sandwich``: Gemma) all but its
@@ -163,46 +235,95 @@ def block_saved_elements(config: ModelConfig, moe_layer: bool, tp: int = 1) -> f
     and its output (``o_proj`` reads the same storage) and log-sum-exp (SDPA); a SwiGLU MLP its gate,
     ``silu(gate)``, up and their product (4 x width); an MoE layer its router's probabilities, each slot's copy of
     the hidden state, each routed expert's MLP over its slots, the shared experts' and the combine.
+
+    With LoRA a frozen weight takes no gradient, so what only its gradient reads is not saved: a norm keeps its
+    input and 1 / rms (not its normalised input), a linear nothing (its input is saved only where an adapter reads
+    it, the MLP's product only when ``down`` is adapted); each adapter saves its rank's activations (``B`` reads
+    ``A``'s output), and with dropout its dropped input and the mask it was drawn as (``lora.LoRALinear``: a
+    tensor of the input's dtype).
     """
     hidden = config.hidden_size
     heads = config.num_attention_heads // tp
+    everything = ("q_proj", "k_proj", "v_proj", "o_proj", "gate", "up", "down")
+    targets = everything if adapters is None else adapters.targets
+    norm = 2 * hidden + 1 if adapters is None else hidden + 1
+    norms_per_half = 2 if config.norm_placement == "sandwich" else 1  # Gemma's output norms keep their input too
     if config.attn_type == "mla":
         query = heads * config.attention_head_dim
         value = heads * (config.v_head_dim or config.attention_head_dim)
         latent = 3 * config.kv_lora_rank + 1 + (3 * config.q_lora_rank + 1 if config.q_lora_rank else 0)
         attention = 2 * query + 2 * value + heads + latent
     else:
-        width = heads * config.attention_head_dim
-        attention = 4 * width + heads
-    norms = 2 * (3 * hidden + 1)
-    if config.norm_placement == "sandwich":  # an output norm's output goes to the residual sum, which saves nothing
-        norms += 2 * (2 * hidden + 1)
+        attention = 4 * heads * config.attention_head_dim + heads
     if config.use_qk_norm:
         attention += 2 * 2 * heads * config.attention_head_dim
+    # An input is saved by what reads it: full training's linears, LoRA's adapters (with dropout they read a dropped
+    # copy instead, counted with them): an input norm's output, the MLP's product (``down``'s input).
+    read = (lambda names: any(t in targets for t in names)) if adapters is None or not adapters.dropout else None
+    attention += norms_per_half * norm + (hidden * read(("q_proj", "k_proj", "v_proj")) if read else 0)
+    mlp_norms = norms_per_half * norm + (hidden * read(("gate", "up")) if read else 0)
+    adapters_per_position = {"attention": 0.0, "mlp": 0.0}  # each adapter's rank (and dropout's input and mask)
+    if adapters is not None:
+        for linear in block_linears(config):
+            mlp_linear = linear.name in ("gate", "up", "down")
+            if linear.name in targets and not (mlp_linear and moe_layer):
+                dropped = 2 * linear.in_features if adapters.dropout else 0  # the kept mask and the dropped input
+                adapters_per_position["mlp" if mlp_linear else "attention"] += adapters.rank + dropped
+    attention += adapters_per_position["attention"]
+    down = bool(read and read(("down",)))
     if not moe_layer:
-        return norms + attention + 4 * config.intermediate_size / tp
+        return attention, mlp_norms + (3 + down) * config.intermediate_size / tp + adapters_per_position["mlp"]
     k, experts = config.n_activated_experts, config.n_routed_experts
     routed = config.moe_intermediate_size or config.intermediate_size
     shared = config.shared_expert_intermediate_size or config.intermediate_size
-    router = 2 * experts + 2 * k
-    mlp = k * (hidden + 4 * routed + 1) + config.n_shared_experts * 4 * shared + 2 * hidden
-    return norms + attention + router + mlp
+    expert_adapters = 0.0
+    if adapters is not None:  # per slot: each adapter's rank, and with dropout its dropped input and mask
+        for name, inputs in (("gate", hidden), ("up", hidden), ("down", routed)):
+            expert_adapters += (adapters.rank + (2 * inputs if adapters.dropout else 0)) * (name in targets)
+    mlp = 2 * experts + 2 * k  # the router's
+    mlp += k * (hidden + (3 + down) * routed + 1 + expert_adapters)
+    mlp += config.n_shared_experts * ((3 + down) * shared + expert_adapters) + 2 * hidden
+    return attention, mlp_norms + mlp
 
 
-def model_state_bytes(counts: ParameterCounts, layout: Layout, workload: Workload) -> tuple[int, int, int]:
-    """``(parameters, gradients, optimizer state)`` bytes of one rank between steps."""
+def quantized_savings(config: ModelConfig, adapters: Adapters, num_shards: int, float_bytes: float) -> float:
+    """Bytes QLoRA saves over the whole model: the block linears that fit NF4's blocks in ``num_shards`` FSDP shards
+    (``quantize.plan_quantization``'s rule), each weight at ``quantize.BYTES_PER_WEIGHT`` for ``float_bytes``."""
+    if not adapters.quantized:
+        return 0.0
+    quantized = sum(
+        linear.in_features * linear.out_features * linear.count
+        for linear in block_linears(config)
+        if fits_blocks((linear.out_features, linear.in_features), num_shards)
+    )
+    return quantized * (float_bytes - BYTES_PER_WEIGHT)
+
+
+def model_state_bytes(
+    config: ModelConfig, counts: ParameterCounts, layout: Layout, workload: Workload
+) -> tuple[int, int, int]:
+    """``(parameters, gradients, optimizer state)`` bytes of one rank between steps. With LoRA the base is frozen
+    (no gradient, no state) and the adapters train in float32 (their optimizer's matrix part: they are the blocks'
+    matrices); QLoRA stores the block linears that fit NF4's blocks at ``quantize.BYTES_PER_WEIGHT``."""
     mesh = layout.mesh
     matrices = counts.attention + counts.dense_mlp + counts.routed_experts + counts.moe_other
     local = counts.total
+    shards = 1
     if layout.fsdp:
         shards, tp = mesh.num_fsdp_shards, mesh.tp
         # Experts whole on the tensor axis: expert parallelism deals them over ep of the shards, FSDP the rest.
         split = (counts.attention + counts.dense_mlp) / (shards * tp)
         matrices = split + (counts.routed_experts + counts.moe_other) / shards
         local = split + (counts.routed_experts + counts.moe_other + counts.embeddings + counts.norms) / shards
-    buffers = STATE_BUFFERS[MATRIX_PARTS[workload.optimizer]] * matrices + 2 * (local - matrices)
-    parameters = int(local * workload.param_bytes)
-    return parameters, parameters, int(buffers * workload.param_bytes)
+    matrix_buffers = STATE_BUFFERS[MATRIX_PARTS[workload.optimizer]]
+    adapters = workload.adapters
+    if adapters is None:
+        parameters = int(local * workload.param_bytes)
+        buffers = matrix_buffers * matrices + 2 * (local - matrices)
+        return parameters, parameters, int(buffers * workload.param_bytes)
+    base = local * workload.param_bytes - quantized_savings(config, adapters, shards, workload.param_bytes) / shards
+    trained = adapter_parameters(config, adapters) / shards * 4
+    return int(base + trained), int(trained), int(matrix_buffers * trained)
 
 
 def activation_bytes(config: ModelConfig, layout: Layout, workload: Workload) -> tuple[int, int]:
@@ -212,12 +333,23 @@ def activation_bytes(config: ModelConfig, layout: Layout, workload: Workload) ->
     mesh = layout.mesh
     positions = workload.sequences_per_micro_batch * workload.window // mesh.cp
     moe_layers = config.num_moe_layers
-    dense = block_saved_elements(config, False, mesh.tp)
-    moe = block_saved_elements(config, True, mesh.tp) if moe_layers else 0.0
+    saved = dict(tp=mesh.tp, adapters=workload.adapters, compute_bytes=workload.compute_bytes)
+    dense = block_saved_elements(config, False, **saved)
+    moe = block_saved_elements(config, True, **saved) if moe_layers else 0.0
     per_position = (config.num_hidden_layers - moe_layers) * dense + moe_layers * moe
+    adapters = workload.adapters
+    if adapters is not None:
+        # Under LoRA nothing before the first adapter takes a gradient: the first block's input norm saves nothing,
+        # nor its whole attention half when no adapter is there.
+        if set(adapters.targets) & {"q_proj", "k_proj", "v_proj", "o_proj"}:
+            per_position -= config.hidden_size + 1
+        else:
+            per_position -= block_halves_saved(config, config.ffn_type_of_layer(0) == "moe", **saved)[0]
     if workload.gradient_checkpointing:  # each block's input, and one block recomputed in the backward
         per_position = config.num_hidden_layers * config.hidden_size + max(dense, moe)
-    per_position += 3 * config.hidden_size + 1  # the final norm
+    # the final norm (its input and 1 / rms; under full training its normalised input and output too, which its
+    # weight's and the LM head's gradients read)
+    per_position += 3 * config.hidden_size + 1 if adapters is None else config.hidden_size + 1
     rotary = positions * 2 * config.rope_dim * 4  # float32 (cos, sin) at every position, shared by the blocks
     activations = int(positions * per_position * workload.compute_bytes) + rotary
     if workload.loss_chunk_size:
@@ -238,7 +370,12 @@ def gathered_bytes(counts: ParameterCounts, config: ModelConfig, layout: Layout,
     mesh = layout.mesh
     per_block = (unsharded_parameters(counts, mesh) - counts.embeddings - config.hidden_size) / config.num_hidden_layers
     gathered_blocks = 2 if workload.reshard_after_forward else config.num_hidden_layers
-    return int((gathered_blocks * per_block + counts.embeddings + config.hidden_size) * workload.gather_bytes)
+    gathered = (gathered_blocks * per_block + counts.embeddings + config.hidden_size) * workload.gather_bytes
+    if workload.adapters is not None:  # QLoRA's 4-bit weights, and the float32 adapters, of the gathered blocks
+        share = gathered_blocks / config.num_hidden_layers
+        savings = quantized_savings(config, workload.adapters, mesh.num_fsdp_shards, workload.gather_bytes)
+        gathered += share * (adapter_parameters(config, workload.adapters) * 4 - savings)
+    return int(gathered)
 
 
 def unsharded_parameters(counts: ParameterCounts, mesh: MeshLayout, experts_gathered: bool = True) -> float:
@@ -253,7 +390,7 @@ def unsharded_parameters(counts: ParameterCounts, mesh: MeshLayout, experts_gath
 def footprint(config: ModelConfig, layout: Layout, workload: Workload) -> Footprint:
     """One rank's memory at its peak and its communication per step."""
     counts = parameter_counts(config)
-    parameters, gradients, optimizer_state = model_state_bytes(counts, layout, workload)
+    parameters, gradients, optimizer_state = model_state_bytes(config, counts, layout, workload)
     activations, head_and_loss = activation_bytes(config, layout, workload)
     positions = workload.sequences_per_micro_batch * workload.window // layout.mesh.cp
     tables = 2 if config.rope_local_theta is not None else 1
@@ -294,8 +431,12 @@ def step_collectives(
     """Each collective of one optimizer step, for one rank (``positions``: its positions per micro-batch)."""
     mesh, micro = layout.mesh, workload.grad_accum_steps
     found = []
+    # LoRA: the frozen base is gathered as stored (QLoRA's 4-bit weights smaller), and only the float32 adapters
+    # have gradients to reduce.
+    adapters = workload.adapters
+    adapter_bytes = 0 if adapters is None else adapter_parameters(config, adapters) * 4
     if layout.parallel_mode == "ddp" and mesh.world_size > 1:
-        grads = counts.total * workload.reduce_bytes
+        grads = counts.total * workload.reduce_bytes if adapters is None else adapter_bytes
         found.append(Collective("DDP all-reduce", mesh.world_size, layout.link(mesh.world_size), grads, True))
     if layout.fsdp and mesh.num_fsdp_shards > 1:
         shards, span = mesh.num_fsdp_shards, mesh.num_fsdp_shards * mesh.tp
@@ -307,10 +448,14 @@ def step_collectives(
             groups.append(("FSDP (experts)", mesh.num_expert_shards, span, counts.routed_experts / mesh.ep))
         for name, size, group_span, unsharded in groups:
             link = layout.link(group_span)
-            gathered, reduced = gathers * unsharded * workload.gather_bytes, reductions * unsharded
+            gathered, reduced = unsharded * workload.gather_bytes, unsharded * workload.reduce_bytes
+            if adapters is not None:  # the adapters travel with the main group's blocks
+                gathered -= quantized_savings(config, adapters, size, workload.gather_bytes) if name == "FSDP" else 0
+                gathered += adapter_bytes if name == "FSDP" else 0
+                reduced = adapter_bytes if name == "FSDP" else 0
             found += [
-                Collective(f"{name} all-gather", size, link, int(gathered)),
-                Collective(f"{name} reduce-scatter", size, link, int(reduced * workload.reduce_bytes)),
+                Collective(f"{name} all-gather", size, link, int(gathers * gathered)),
+                Collective(f"{name} reduce-scatter", size, link, int(reductions * reduced)),
             ]
         if mesh.replicas > 1:
             replicated = int(reductions * unsharded_parameters(counts, mesh) / shards * workload.reduce_bytes)

@@ -58,9 +58,9 @@ def workload(**overrides) -> Workload:
     return Workload(**values | overrides)
 
 
-def build(name: str) -> AutoRegressiveLM:
+def build(name: str, layers: int = 2) -> AutoRegressiveLM:
     torch.manual_seed(0)
-    return AutoRegressiveLM(tiny_config(**SHAPE | CONFIGS[name])).train()
+    return AutoRegressiveLM(tiny_config(**SHAPE | CONFIGS[name] | dict(num_hidden_layers=layers))).train()
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -110,6 +110,59 @@ def test_activations_are_what_autograd_saves_within_ten_percent(name):
     assert activations == pytest.approx(trunk_saved_bytes(model, IDS[:, :-1]), rel=0.10)
 
 
+LORA_CASES = {
+    "gqa_attention": ("gqa", ("q_proj", "k_proj", "v_proj", "o_proj"), 0.0),
+    "gqa_all_dropout": ("gqa", ("q_proj", "k_proj", "v_proj", "o_proj", "gate", "up", "down"), 0.05),
+    "moe_all_dropout": ("moe", ("q_proj", "k_proj", "v_proj", "o_proj", "gate", "up", "down"), 0.05),
+    "sandwich_mlp": ("sandwich", ("up", "down"), 0.0),
+    "mla_q_o": ("mla", ("q_proj", "o_proj"), 0.0),
+}
+"""LoRA's cases: (config, targets, dropout), on 6 layers (the first block saves less: nothing before the first
+adapter takes a gradient, which the footprint counts only roughly)."""
+
+
+@pytest.mark.parametrize("case", list(LORA_CASES))
+def test_lora_activations_and_model_states(case):
+    """Under LoRA a frozen weight's input is saved only where an adapter reads it: the activations within 10% of
+    what autograd saves; the model states (frozen base, float32 adapters, their gradients and AdamW's two moments
+    after a real step) to the byte, AdamW's one-element step counters apart (1%)."""
+    from astrai_fabric import lora
+    from astrai_fabric.footprint import Adapters
+
+    name, targets, dropout = LORA_CASES[case]
+    model = build(name, layers=6)
+    lora.inject(model, lora.LoRASpec(4, 8, targets, dropout, "astrai"), 0)
+    plan = workload(adapters=Adapters(4, targets, dropout > 0))
+    activations, _ = activation_bytes(model.config, ONE_PROCESS, plan)
+    assert activations == pytest.approx(trunk_saved_bytes(model, IDS[:, :-1]), rel=0.10)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, foreach=False)
+    out = model(IDS[:, :-1])
+    loss = F.cross_entropy(out.logits.flatten(0, 1).float(), IDS[:, 1:].flatten())
+    (loss if out.aux_loss is None else loss + 0.01 * out.aux_loss).backward()
+    optimizer.step()
+    parameters, gradients, state = model_state_bytes(model.config, parameter_counts(model.config), ONE_PROCESS, plan)
+    assert parameters == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert gradients == sum(p.grad.numel() * p.grad.element_size() for p in trainable)
+    assert state == pytest.approx(
+        sum(t.numel() * t.element_size() for t in tensors_in(optimizer.state_dict())), rel=0.01
+    )
+
+
+def test_qlora_quantises_the_weights_the_run_would():
+    """QLoRA's 4-bit weights, counted from the config (``footprint.quantized_savings``), against the run's own plan
+    over the built model (``quantize.plan_quantization``), alone and in FSDP shards."""
+    from astrai_fabric.footprint import Adapters, quantized_savings
+    from astrai_fabric.quantize import BYTES_PER_WEIGHT, plan_quantization
+
+    config = tiny_config(**SHAPE | dict(hidden_size=256, intermediate_size=512, num_attention_heads=4))
+    model = AutoRegressiveLM(config)
+    qlora = Adapters(4, ("q_proj",), quantized=True)
+    for shards in (1, 2, 4):
+        planned = quantized_savings(config, qlora, shards, 4) / (4 - BYTES_PER_WEIGHT)
+        assert planned == plan_quantization(model, shards).num_quantized > 0
+
+
 @pytest.mark.parametrize("name", [*CONFIGS, "gqa_checkpointed"])
 def test_the_peak_is_what_torchs_memory_tracker_finds_within_ten_percent(name):
     """The second of two AdamW steps, in one process, under torch's ``MemTracker`` (every storage followed through
@@ -150,7 +203,9 @@ def test_model_states_are_what_a_step_leaves(optimizer):
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
     state = sum(tensor.numel() * tensor.element_size() for tensor in tensors_in(optimizer_object.state_dict()))
-    planned = model_state_bytes(parameter_counts(model.config), ONE_PROCESS, workload(optimizer=optimizer))
+    planned = model_state_bytes(
+        model.config, parameter_counts(model.config), ONE_PROCESS, workload(optimizer=optimizer)
+    )
     assert planned[:2] == (params, grads)
     assert planned[2] == pytest.approx(state, rel=0.01)
 

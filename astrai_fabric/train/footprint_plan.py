@@ -12,7 +12,7 @@ from astrai_fabric.config.devices import parse_device_memory
 from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import UserError
-from astrai_fabric.footprint import Footprint, Layout, Workload, footprint
+from astrai_fabric.footprint import Adapters, Footprint, Layout, Workload, footprint
 from astrai_fabric.mesh import MeshLayout, mesh_layout
 from astrai_fabric.strategy import Topology
 
@@ -71,10 +71,9 @@ class ClusterPlan:
 def plan_cluster(
     args: TrainArgs, config: ModelConfig, window: int, loss_chunk_size: int, topology: Topology, precision: str
 ) -> ClusterPlan | None:
-    """The footprint of this run's flags; None when the layout does not divide (the dry run lists why) and where
-    the footprint does not model the run: LoRA and QLoRA (their gradients and optimizer state are the adapters'),
-    FSDP's CPU offload."""
-    if args.lora_r or args.quantize is not None or args.fsdp_cpu_offload:
+    """The footprint of this run's flags; None when the layout does not divide (the dry run lists why) and under
+    FSDP's CPU offload (the states leave the device: not modelled)."""
+    if args.fsdp_cpu_offload:
         return None
     world = topology.world_size
     if args.parallel_mode == "fsdp" and world > 1:
@@ -102,8 +101,16 @@ def plan_cluster(
         loss_chunk_size=loss_chunk_size,
         reshard_after_forward=args.fsdp_reshard_after_forward,
         sync_each_micro_batch=args.fsdp_sync_each_micro_batch,
+        adapters=adapters_of(args),
     )
     return ClusterPlan(config, layout, workload, footprint(config, layout, workload), device_memory(args), per_sample)
+
+
+def adapters_of(args: TrainArgs) -> Adapters | None:
+    """LoRA's flags as the footprint reads them (``--quantize nf4`` is QLoRA); None without ``--lora_r``."""
+    if not args.lora_r:
+        return None
+    return Adapters(args.lora_r, tuple(args.lora_targets), args.lora_dropout > 0, args.quantize is not None)
 
 
 def device_memory(args: TrainArgs) -> int | None:
@@ -132,8 +139,12 @@ def describe_memory(plan: ClusterPlan) -> str:
     optimizer = f"optimizer {human_bytes(fp.optimizer_state)} ({work.optimizer})"
     checkpointing = "on" if work.gradient_checkpointing else "off"
     head = f"chunks of {work.loss_chunk_size}" if work.loss_chunk_size else "whole logits"
+    adapters = ""
+    if work.adapters is not None:
+        kind = "QLoRA" if work.adapters.quantized else "LoRA"
+        adapters = f" ({kind}: gradients and optimizer state are the adapters')"
     lines = [
-        f"per rank at its peak (the forward's end), estimated: {human_bytes(fp.total)}{verdict}",
+        f"per rank at its peak (the forward's end), estimated: {human_bytes(fp.total)}{verdict}{adapters}",
         f"parameters {human_bytes(fp.parameters)}, gradients {human_bytes(fp.gradients)}, {optimizer}"
         + (f", gathered by FSDP {human_bytes(fp.gathered_parameters)}" if fp.gathered_parameters else "")
         + (f", DDP's buckets {human_bytes(fp.gradient_buckets)}" if fp.gradient_buckets else "")
