@@ -15,7 +15,11 @@ the preflight warns with the same figures. What each figure counts:
   (``block_saved_elements``: each RMSNorm its input, normalised input and output, attention its query, repeated
   keys and values and output, the SwiGLU MLP four of its width, an MoE layer its router and each slot's expert
   activations), or with ``--gradient_checkpointing`` each block's input plus one block's recomputation;
-- **head and loss**: the logits and their float32 log-softmax, or with the fused loss one chunk of them.
+- **head and loss**: the logits, their float32 log-softmax and the loss's gradients into them, or with the fused
+  loss one chunk of them;
+- **the optimizer step**: the gradients, with foreach AdamW's intermediates over DTensor parameters. The peak is
+  the larger of the forward's end and the step (both together while gradients accumulate over micro-batches).
+  Under FSDP and tensor parallelism, Muon's (Nora's, Mano's) owner exchange too (``owners_exchange``).
 
 Communication per optimizer step and rank, by collective: the bytes each rank hands the collective (an all-gather's
 output, a reduce-scatter's input, an all-reduce's tensor, an all-to-all's input), which are exact, and the bytes a
@@ -35,6 +39,7 @@ from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.mesh import MeshLayout
 from astrai_fabric.model.transformer import ParameterCounts, parameter_counts
 from astrai_fabric.optim import STATE_BUFFERS
+from astrai_fabric.optim.muon import OWNER_ROUND_BYTES
 from astrai_fabric.quantize import BYTES_PER_WEIGHT, fits_blocks
 
 MATRIX_PARTS = {"muon_adamw": "muon", "nora_nadamw": "nora", "mano_adamw": "mano", "adamw": "adamw"}
@@ -71,13 +76,17 @@ def block_linears(config: ModelConfig) -> list[BlockLinear]:
     kv_heads = config.num_key_value_heads or heads
     if config.attn_type == "mla":
         value_dim = config.v_head_dim or head_dim
-        found = [BlockLinear("q_proj", config.q_lora_rank or hidden, heads * head_dim, layers),
-                 BlockLinear("o_proj", heads * value_dim, hidden, layers)]  # fmt: skip
+        found = [
+            BlockLinear("q_proj", config.q_lora_rank or hidden, heads * head_dim, layers),
+            BlockLinear("o_proj", heads * value_dim, hidden, layers),
+        ]
     else:
-        found = [BlockLinear("q_proj", hidden, heads * head_dim, layers),
-                 BlockLinear("k_proj", hidden, kv_heads * head_dim, layers),
-                 BlockLinear("v_proj", hidden, kv_heads * head_dim, layers),
-                 BlockLinear("o_proj", heads * head_dim, hidden, layers)]  # fmt: skip
+        found = [
+            BlockLinear("q_proj", hidden, heads * head_dim, layers),
+            BlockLinear("k_proj", hidden, kv_heads * head_dim, layers),
+            BlockLinear("v_proj", hidden, kv_heads * head_dim, layers),
+            BlockLinear("o_proj", heads * head_dim, hidden, layers),
+        ]
     widths = [(config.intermediate_size, layers - moe_layers)]
     if moe_layers:
         widths.append((config.moe_intermediate_size or config.intermediate_size, moe_layers * config.n_routed_experts))
@@ -85,8 +94,11 @@ def block_linears(config: ModelConfig) -> list[BlockLinear]:
         widths.append((shared, moe_layers * config.n_shared_experts))
     for width, count in widths:
         if count:
-            found += [BlockLinear("gate", hidden, width, count), BlockLinear("up", hidden, width, count),
-                      BlockLinear("down", width, hidden, count)]  # fmt: skip
+            found += [
+                BlockLinear("gate", hidden, width, count),
+                BlockLinear("up", hidden, width, count),
+                BlockLinear("down", width, hidden, count),
+            ]
     return found
 
 
@@ -150,6 +162,8 @@ class Workload:
     """``--fsdp_sync_each_micro_batch``: gradients reduce-scattered after every micro-batch."""
     adapters: Adapters | None = None
     """LoRA or QLoRA; None: every parameter trains."""
+    ns_bytes: int = 2
+    """Bytes per element of Muon's Newton-Schulz iteration (``--muon_ns_dtype``: bfloat16 on CUDA by default)."""
 
 
 @dataclass(frozen=True)
@@ -195,6 +209,9 @@ class Footprint:
     """What one micro-batch's forward saves for its backward in the blocks (``activation_bytes``)."""
     head_and_loss: int
     """The logits and their log-softmax, and the gradient the loss sends back into them."""
+    step_temporaries: int
+    """The optimizer step's own: foreach AdamW's intermediates over DTensor parameters (FSDP, tensor parallelism),
+    one for each of its part's entries (fused AdamW, torch's on plain tensors, keeps none)."""
     gradients_in_forward: bool
     """Whether the gradients exist while a forward runs (accumulating over micro-batches): else they are made as the
     backward frees the activations, and the peak holds one or the other."""
@@ -211,8 +228,8 @@ class Footprint:
         fixed += self.gathered_parameters
         forward = self.activations + self.head_and_loss
         if self.gradients_in_forward:
-            return fixed + self.gradients + forward
-        return fixed + max(forward, self.gradients)
+            return fixed + self.gradients + max(forward, self.step_temporaries)
+        return fixed + max(forward, self.gradients + self.step_temporaries)
 
 
 def block_saved_elements(
@@ -387,6 +404,42 @@ def unsharded_parameters(counts: ParameterCounts, mesh: MeshLayout, experts_gath
     return (counts.attention + counts.dense_mlp) / mesh.tp + whole + experts
 
 
+def adamw_step_temporaries(counts: ParameterCounts, layout: Layout, workload: Workload, gradients: int) -> int:
+    """Foreach AdamW's intermediates at the step, over DTensor parameters (FSDP or tensor parallelism: torch's fused
+    AdamW takes plain tensors only, ``optim.composite.fused_if_possible``): one per entry of its largest parameter
+    group (a group at a time): ``adamw``'s matrices or the rest, the rest (embeddings, head, norms) beside Muon, Nora
+    or Mano, the adapters under LoRA (``gradients``: theirs)."""
+    if not (layout.fsdp or layout.mesh.tp > 1):
+        return 0
+    shards, tp = layout.mesh.num_fsdp_shards, layout.mesh.tp
+    split = (counts.attention + counts.dense_mlp) / (shards * tp)
+    matrices = split + (counts.routed_experts + counts.moe_other) / shards
+    rest = (counts.embeddings + counts.norms) / shards
+    if workload.adapters is not None:
+        return gradients
+    largest = max(matrices, rest) if workload.optimizer == "adamw" else rest
+    return int(largest * workload.param_bytes)
+
+
+def owners_exchange(
+    config: ModelConfig, counts: ParameterCounts, layout: Layout, workload: Workload
+) -> tuple[int, int]:
+    """``(bytes held, bytes handed to its all-to-alls)`` of Muon's, Nora's or Mano's owner exchange at the step,
+    under FSDP or tensor parallelism (``optim.muon_owners``): each matrix orthogonalised whole by one of the ``n``
+    sharding ranks, owners balanced. An owner holds its matrices whole (at most ``OWNER_ROUND_BYTES`` at once) and the
+    iteration's three working matrices of the largest; each rank hands the first all-to-all its pieces of the others'
+    matrices and the second the pieces of its results for the others, ``2 x (n - 1) / n`` of the matrices over
+    ``n``. Measured within 4% (``bench/footprint.py``; the owner plan balances by size, not exactly)."""
+    mesh = layout.mesh
+    ranks = mesh.num_fsdp_shards * mesh.tp if layout.fsdp else mesh.tp
+    if MATRIX_PARTS[workload.optimizer] == "adamw" or workload.adapters is not None or ranks == 1:
+        return 0, 0
+    matrices = (counts.attention + counts.dense_mlp + counts.routed_experts + counts.moe_other) * workload.param_bytes
+    largest = max(linear.in_features * linear.out_features for linear in block_linears(config))
+    held = min(matrices / ranks, OWNER_ROUND_BYTES) + 3 * largest * workload.ns_bytes
+    return int(held), int(2 * matrices / ranks * (ranks - 1) / ranks)
+
+
 def footprint(config: ModelConfig, layout: Layout, workload: Workload) -> Footprint:
     """One rank's memory at its peak and its communication per step."""
     counts = parameter_counts(config)
@@ -404,6 +457,8 @@ def footprint(config: ModelConfig, layout: Layout, workload: Workload) -> Footpr
         gathered_bytes(counts, config, layout, workload),
         activations,
         head_and_loss,
+        adamw_step_temporaries(counts, layout, workload, gradients)
+        + owners_exchange(config, counts, layout, workload)[0],
         workload.grad_accum_steps > 1,
         step_collectives(config, counts, layout, workload, positions),
     )
@@ -461,6 +516,9 @@ def step_collectives(
             replicated = int(reductions * unsharded_parameters(counts, mesh) / shards * workload.reduce_bytes)
             link = layout.link(span * mesh.replicas)
             found.append(Collective("HSDP all-reduce", mesh.replicas, link, replicated, True))
+    if handed := owners_exchange(config, counts, layout, workload)[1]:
+        ranks = mesh.num_fsdp_shards * mesh.tp if layout.fsdp else mesh.tp
+        found.append(Collective("Muon owners' all-to-all", ranks, layout.link(ranks), handed))
     activation = positions * config.hidden_size * workload.compute_bytes
     layers = micro * config.num_hidden_layers
     if mesh.tp > 1:

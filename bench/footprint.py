@@ -41,6 +41,8 @@ LAYOUTS = {
     "hsdp2x2": dict(ranks=4, mode="fsdp", shard=2),
     "fsdp2_tp2": dict(ranks=4, mode="fsdp", tp=2),
     "fsdp2_cp2": dict(ranks=4, mode="fsdp", cp=2),
+    "fsdp2_muon": dict(ranks=2, mode="fsdp", optimizer="muon_adamw"),
+    "fsdp4_muon": dict(ranks=4, mode="fsdp", optimizer="muon_adamw"),
 }
 SMALL_ALL_REDUCE = 64
 """All-reduces this small are the step's scalars (the loss, the gradient norm), not in the plan."""
@@ -113,6 +115,7 @@ def worker(name: str, window: int, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from astrai_fabric.model import AutoRegressiveLM
+    from astrai_fabric.optim import OptimArgs, build_optimizer
     from astrai_fabric.parallelize import parallelize
 
     layout = LAYOUTS[name]
@@ -129,7 +132,7 @@ def worker(name: str, window: int, out: str) -> None:
         )
     elif layout["mode"] == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    optimizer = build_optimizer(model, OptimArgs(layout.get("optimizer", "adamw"), ns_dtype=torch.float32))
     ids = torch.randint(0, 4096, (2, window + 1), generator=torch.Generator().manual_seed(dist.get_rank()))
 
     def step() -> None:
@@ -143,15 +146,25 @@ def worker(name: str, window: int, out: str) -> None:
 
     step()
     tracker, collectives = MemTracker(), Collectives()
-    tracker.track_external(model, optimizer)
+    parts = [part for part in getattr(optimizer, "parts", {}).values() if part is not None] or [optimizer]
+    tracker.track_external(model, *parts)  # a composite optimizer's parts are torch optimizers
     with tracker, collectives:
         step()
+    # The optimizer step alone (after a forward and backward outside the tracker): its own peak.
+    output = model(ids[:, :-1])
+    F.cross_entropy(output.logits.flatten(0, 1).float(), ids[:, 1:].flatten()).backward()
+    step_tracker = MemTracker()
+    step_tracker.track_external(model, *parts)
+    with step_tracker:
+        optimizer.step()
+    step_peak = step_tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
     peak = {
         str(kind).split(".")[-1]: value
         for kind, value in tracker.get_tracker_snapshot("peak")[torch.device("cpu")].items()
     }
     if dist.get_rank() == 0:
-        Path(out).write_text(json.dumps(dict(peak=peak, collectives=collectives.bytes)))
+        step_total = next(value for kind, value in step_peak.items() if str(kind) == "Total")
+        Path(out).write_text(json.dumps(dict(peak=peak, step_peak=step_total, collectives=collectives.bytes)))
 
 
 def main() -> None:
@@ -195,7 +208,17 @@ def compare(name: str, window: int, measured: dict) -> list[tuple[str, int, int]
     plan = footprint(
         config(layout.get("moe", False)),
         Layout(layout["mode"], mesh, ranks_per_node=ranks),
-        Workload(2, window, 1, param_bytes=4, compute_bytes=4, gather_bytes=4, reduce_bytes=4, optimizer="adamw"),
+        Workload(
+            2,
+            window,
+            1,
+            param_bytes=4,
+            compute_bytes=4,
+            gather_bytes=4,
+            reduce_bytes=4,
+            optimizer=layout.get("optimizer", "adamw"),
+            ns_bytes=4,
+        ),
     )
     peak = measured["peak"]
     rest = peak["Total"] - peak["PARAM"] - peak["OPT"] - peak["BUFFER"]  # DDP's buckets among the rest
@@ -209,6 +232,11 @@ def compare(name: str, window: int, measured: dict) -> list[tuple[str, int, int]
             rest,
         ),
         ("total at the peak", plan.total, peak["Total"]),
+        (  # DDP's buckets, made before this tracker started, are not among what it follows
+            "the optimizer step's peak",
+            plan.parameters + plan.optimizer_state + plan.buffers + plan.gradients + plan.step_temporaries,
+            measured["step_peak"],
+        ),
     ]
     planned_kinds: dict[str, int] = {}
     for collective in plan.collectives:

@@ -14,7 +14,7 @@ from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import UserError
 from astrai_fabric.footprint import Adapters, Footprint, Layout, Workload, footprint
 from astrai_fabric.mesh import MeshLayout, mesh_layout
-from astrai_fabric.strategy import Topology
+from astrai_fabric.strategy import Topology, planned_accelerator
 
 PAIRED = ("dpo", "reward_model")
 """Train types whose forward takes a chosen and a rejected sequence per sample."""
@@ -85,6 +85,7 @@ def plan_cluster(
         mesh = MeshLayout(replicas=world, shards=1)
     layout = Layout(args.parallel_mode, mesh, topology.devices)
     half = precision in ("bf16-true", "16-true")
+    cpu = planned_accelerator(args.device_type) == "cpu"  # Newton-Schulz in float32 there by default
     param_bytes = 2 if half else 4
     gather_bytes = DTYPE_BYTES[args.fsdp_param_dtype] if args.fsdp_param_dtype else param_bytes
     per_sample = 2 if args.train_type in PAIRED else 1
@@ -102,6 +103,7 @@ def plan_cluster(
         reshard_after_forward=args.fsdp_reshard_after_forward,
         sync_each_micro_batch=args.fsdp_sync_each_micro_batch,
         adapters=adapters_of(args),
+        ns_bytes=4 if args.muon_ns_dtype == "float32" or (args.muon_ns_dtype == "auto" and cpu) else 2,
     )
     return ClusterPlan(config, layout, workload, footprint(config, layout, workload), device_memory(args), per_sample)
 
