@@ -7,11 +7,11 @@ files are read happen where they are read, for both alike (``start.read_start``,
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import torch
 from lightning.fabric import Fabric
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 from astrai_fabric.checkpoint.state import STATE_DIR, load_optimizer_state
 from astrai_fabric.checkpoint.weights import host_memory_bytes
@@ -44,6 +44,7 @@ class Placement:
     """Ranks one copy of the model is sharded over (FSDP's shards x tensor parallelism); 1 when each rank holds it
     whole."""
     world_size: int = 1
+    """Ranks in the run, all machines together."""
 
     @classmethod
     def of_fabric(cls, fabric: Fabric, args: TrainArgs) -> Placement:
@@ -129,12 +130,11 @@ def _footprint_problems(args: TrainArgs, start: Start, placement: Placement) -> 
             f"param_path {args.param_path}: parameters, gradients and optimizer state alone take {states} per rank "
             f"in this layout, over each device's {memory}; --dry_run shows the footprint and what to change"
         ]
-    if not args.dry_run:
+    if not args.dry_run:  # once, not from every rank
         total = human_bytes(cluster.footprint.total)
-        warnings.warn(
+        rank_zero_warn(
             f"the footprint estimate, {total} per rank, is over each device's {memory}; --dry_run shows it and "
-            "what to change",
-            stacklevel=2,
+            "what to change"
         )
     return []
 
