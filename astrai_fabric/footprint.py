@@ -21,8 +21,12 @@ the preflight warns with the same figures. What each figure counts:
   the larger of the forward's end and the step (both together while gradients accumulate over micro-batches).
   Under FSDP and tensor parallelism, Muon's (Nora's, Mano's) owner exchange too (``owners_exchange``).
 
+Under LoRA (``Adapters``) the base is frozen, as stored (QLoRA's 4-bit weights where NF4's blocks fit), gradients and
+optimizer state are the float32 adapters', and a frozen weight's input is not saved.
+
 Communication per optimizer step and rank, by collective: the bytes each rank hands the collective (an all-gather's
-output, a reduce-scatter's input, an all-reduce's tensor, an all-to-all's input), which are exact, and the bytes a
+output, a reduce-scatter's input, an all-reduce's tensor, an all-to-all's input), exact where the data does not
+decide them (the experts' all-to-alls count every slot both ways; Muon's owners are taken as balanced), and the bytes a
 ring or pairwise exchange puts on the rank's link, ``(n - 1) / n`` of them (twice for an all-reduce), on the
 intra-node link when the group fits in a node (groups are consecutive ranks inside their outer dimensions).
 
