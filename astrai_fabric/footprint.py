@@ -44,6 +44,7 @@ from astrai_fabric.mesh import MeshLayout
 from astrai_fabric.model.transformer import ParameterCounts, parameter_counts
 from astrai_fabric.optim import STATE_BUFFERS
 from astrai_fabric.optim.muon import OWNER_ROUND_BYTES
+from astrai_fabric.optim.muon_owners import assign_owners, newton_schulz_flops
 from astrai_fabric.quantize import BYTES_PER_WEIGHT, fits_blocks
 
 MATRIX_PARTS = {"muon_adamw": "muon", "nora_nadamw": "nora", "mano_adamw": "mano", "adamw": "adamw"}
@@ -168,6 +169,8 @@ class Workload:
     """LoRA or QLoRA; None: every parameter trains."""
     ns_bytes: int = 2
     """Bytes per element of Muon's Newton-Schulz iteration (``--muon_ns_dtype``: bfloat16 on CUDA by default)."""
+    muon_spread: bool = False
+    """``--muon_spread_replicated`` resolved: under DDP each matrix orthogonalised by one rank and sent to the rest."""
 
 
 @dataclass(frozen=True)
@@ -425,23 +428,57 @@ def adamw_step_temporaries(counts: ParameterCounts, layout: Layout, workload: Wo
     return int(largest * workload.param_bytes)
 
 
+def block_matrices(config: ModelConfig) -> list[tuple[int, int]]:
+    """``(rows, cols)`` of every matrix in the blocks (what Muon, Nora and Mano update): the LoRA-targetable linears
+    (``block_linears``), the routers, shared-expert gates, attention gates and MLA's down-projections."""
+    hidden, layers, moe_layers = config.hidden_size, config.num_hidden_layers, config.num_moe_layers
+    shapes = [
+        (linear.out_features, linear.in_features) for linear in block_linears(config) for _ in range(linear.count)
+    ]
+    shapes += [(config.n_routed_experts, hidden)] * moe_layers
+    shapes += [(1, hidden)] * (moe_layers if config.shared_expert_gate else 0)
+    width = config.num_attention_heads * (config.v_head_dim or config.attention_head_dim)
+    shapes += [(width, hidden)] * (layers if config.use_gated_attention else 0)
+    if config.attn_type == "mla":
+        shared_rope = config.qk_rope_head_dim if config.mla_shared_rope_key else 0
+        kv_heads = config.num_key_value_heads or config.num_attention_heads
+        head_width = config.attention_head_dim - shared_rope + (config.v_head_dim or config.attention_head_dim)
+        shapes += [(config.kv_lora_rank + shared_rope, hidden), (kv_heads * head_width, config.kv_lora_rank)] * layers
+        shapes += [(config.q_lora_rank, hidden)] * (layers if config.q_lora_rank else 0)
+    return shapes
+
+
 def owners_exchange(
     config: ModelConfig, counts: ParameterCounts, layout: Layout, workload: Workload
 ) -> tuple[int, int]:
-    """``(bytes held, bytes handed to its all-to-alls)`` of Muon's, Nora's or Mano's owner exchange at the step,
-    under FSDP or tensor parallelism (``optim.muon_owners``): each matrix orthogonalised whole by one of the ``n``
-    sharding ranks, owners balanced. An owner holds its matrices whole (at most ``OWNER_ROUND_BYTES`` at once) and the
-    iteration's three working matrices of the largest; each rank hands the first all-to-all its pieces of the others'
-    matrices and the second the pieces of its results for the others, ``2 x (n - 1) / n`` of the matrices over
-    ``n``. Measured within 4% (``bench/footprint.py``; the owner plan balances by size, not exactly)."""
+    """``(bytes held, bytes handed to its all-to-alls)`` of Muon's, Nora's or Mano's owner exchange at the step
+    (``optim.muon_owners``), for the rank owning the most: each matrix orthogonalised whole by one of the ``n`` ranks
+    that share it, owners chosen from the shapes alone as the run chooses them (``assign_owners``).
+
+    Under FSDP or tensor parallelism an owner holds its matrices whole (at most ``OWNER_ROUND_BYTES`` at once) and
+    the iteration's three working matrices of the largest; a rank hands the first all-to-all its pieces of the
+    others' matrices and the second the pieces of its results for the others. Under DDP with
+    ``--muon_spread_replicated`` (``muon_spread``) each owner sends its results to every other rank in one
+    all-to-all, holding every result and what it sends at once. Measured to 4% (``bench/footprint.py``)."""
     mesh = layout.mesh
-    ranks = mesh.num_fsdp_shards * mesh.tp if layout.fsdp else mesh.tp
-    if MATRIX_PARTS[workload.optimizer] == "adamw" or workload.adapters is not None or ranks == 1:
+    if MATRIX_PARTS[workload.optimizer] == "adamw" or workload.adapters is not None:
         return 0, 0
-    matrices = (counts.attention + counts.dense_mlp + counts.routed_experts + counts.moe_other) * workload.param_bytes
-    largest = max(linear.in_features * linear.out_features for linear in block_linears(config))
-    held = min(matrices / ranks, OWNER_ROUND_BYTES) + 3 * largest * workload.ns_bytes
-    return int(held), int(2 * matrices / ranks * (ranks - 1) / ranks)
+    ddp = layout.parallel_mode == "ddp" and mesh.world_size > 1
+    ranks = mesh.world_size if ddp else mesh.num_fsdp_shards * mesh.tp if layout.fsdp else mesh.tp
+    if ranks == 1 or (ddp and not workload.muon_spread):
+        return 0, 0
+    shapes = block_matrices(config)
+    owners = assign_owners([newton_schulz_flops(rows, cols, 5) for rows, cols in shapes], ranks)
+    owned = max(
+        sum(rows * cols for (rows, cols), owner in zip(shapes, owners, strict=True) if owner == rank)
+        for rank in range(ranks)
+    )
+    matrices, owned = sum(rows * cols for rows, cols in shapes) * workload.param_bytes, owned * workload.param_bytes
+    if ddp:  # every result, the owner's sent to each other rank, and its own once more while it is packed
+        return int(matrices + owned * ranks), int(owned * (ranks - 1))
+    largest = max(rows * cols for rows, cols in shapes)
+    held = min(owned, OWNER_ROUND_BYTES) + 3 * largest * workload.ns_bytes
+    return int(held), int((matrices - owned) / ranks + owned * (ranks - 1) / ranks)
 
 
 def footprint(config: ModelConfig, layout: Layout, workload: Workload) -> Footprint:
@@ -521,7 +558,7 @@ def step_collectives(
             link = layout.link(span * mesh.replicas)
             found.append(Collective("HSDP all-reduce", mesh.replicas, link, replicated, True))
     if handed := owners_exchange(config, counts, layout, workload)[1]:
-        ranks = mesh.num_fsdp_shards * mesh.tp if layout.fsdp else mesh.tp
+        ranks = mesh.num_fsdp_shards * mesh.tp if layout.fsdp else mesh.tp if mesh.tp > 1 else mesh.world_size
         found.append(Collective("Muon owners' all-to-all", ranks, layout.link(ranks), handed))
     activation = positions * config.hidden_size * workload.compute_bytes
     layers = micro * config.num_hidden_layers

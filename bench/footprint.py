@@ -43,6 +43,8 @@ LAYOUTS = {
     "fsdp2_cp2": dict(ranks=4, mode="fsdp", cp=2),
     "fsdp2_muon": dict(ranks=2, mode="fsdp", optimizer="muon_adamw"),
     "fsdp4_muon": dict(ranks=4, mode="fsdp", optimizer="muon_adamw"),
+    "ddp2_muon": dict(ranks=2, mode="ddp", optimizer="muon_adamw"),
+    "ddp4_muon": dict(ranks=4, mode="ddp", optimizer="muon_adamw"),
 }
 SMALL_ALL_REDUCE = 64
 """All-reduces this small are the step's scalars (the loss, the gradient norm), not in the plan."""
@@ -132,7 +134,8 @@ def worker(name: str, window: int, out: str) -> None:
         )
     elif layout["mode"] == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
-    optimizer = build_optimizer(model, OptimArgs(layout.get("optimizer", "adamw"), ns_dtype=torch.float32))
+    name_and_spread = dict(name=layout.get("optimizer", "adamw"), muon_spread_replicated=True)  # CPU's default
+    optimizer = build_optimizer(model, OptimArgs(**name_and_spread, ns_dtype=torch.float32))
     ids = torch.randint(0, 4096, (2, window + 1), generator=torch.Generator().manual_seed(dist.get_rank()))
 
     def step() -> None:
@@ -218,6 +221,7 @@ def compare(name: str, window: int, measured: dict) -> list[tuple[str, int, int]
             reduce_bytes=4,
             optimizer=layout.get("optimizer", "adamw"),
             ns_bytes=4,
+            muon_spread=True,
         ),
     )
     peak = measured["peak"]

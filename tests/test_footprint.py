@@ -83,6 +83,18 @@ def test_parameter_counts_split_the_built_models_parameters_by_role(name):
     assert counts.__dict__ == found
 
 
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_block_matrices_are_the_matrices_muon_updates(name):
+    """The shapes the footprint gives Muon's owners (``block_matrices``) are the built model's Muon matrices, as a
+    multiset: the owners, chosen from shapes alone, are then the run's (``muon_owners.assign_owners``)."""
+    from astrai_fabric.footprint import block_matrices
+    from astrai_fabric.optim import optimizer_groups
+
+    model = build(name)
+    (muon, _) = optimizer_groups(model, OptimArgs("muon_adamw"))
+    assert sorted(block_matrices(model.config)) == sorted(tuple(p.shape) for p in muon.params)
+
+
 def trunk_saved_bytes(model: AutoRegressiveLM, ids: torch.Tensor) -> int:
     """Bytes of every storage autograd saves in the trunk's forward (every block and the final norm), each once,
     the parameters left out."""

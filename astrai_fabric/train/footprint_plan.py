@@ -14,6 +14,7 @@ from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import UserError
 from astrai_fabric.footprint import Adapters, Footprint, Layout, Workload, footprint
 from astrai_fabric.mesh import MeshLayout, mesh_layout
+from astrai_fabric.optim.muon_owners import resolve_spread_replicated
 from astrai_fabric.strategy import Topology, planned_accelerator
 
 PAIRED = ("dpo", "reward_model")
@@ -104,6 +105,7 @@ def plan_cluster(
         sync_each_micro_batch=args.fsdp_sync_each_micro_batch,
         adapters=adapters_of(args),
         ns_bytes=4 if args.muon_ns_dtype == "float32" or (args.muon_ns_dtype == "auto" and cpu) else 2,
+        muon_spread=resolve_spread_replicated(args.muon_spread_replicated, "cpu" if cpu else "cuda"),
     )
     return ClusterPlan(config, layout, workload, footprint(config, layout, workload), device_memory(args), per_sample)
 
