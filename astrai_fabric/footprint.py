@@ -239,16 +239,14 @@ class Footprint:
         return fixed + max(forward, self.gradients + self.step_temporaries)
 
 
-def block_saved_elements(
-    config: ModelConfig, moe_layer: bool, tp: int = 1, adapters: Adapters | None = None, compute_bytes: int = 4
-) -> float:
+def block_saved_elements(config: ModelConfig, moe_layer: bool, tp: int = 1, adapters: Adapters | None = None) -> float:
     """Elements autograd saves per position in one decoder block's forward (one tensor-parallel rank's): its
     attention half's and its MLP half's (``block_halves_saved``)."""
-    return sum(block_halves_saved(config, moe_layer, tp, adapters, compute_bytes))
+    return sum(block_halves_saved(config, moe_layer, tp, adapters))
 
 
 def block_halves_saved(
-    config: ModelConfig, moe_layer: bool, tp: int = 1, adapters: Adapters | None = None, compute_bytes: int = 4
+    config: ModelConfig, moe_layer: bool, tp: int = 1, adapters: Adapters | None = None
 ) -> tuple[float, float]:
     """Elements autograd saves per position in one decoder block's attention half and its MLP half, each with its
     norms and its adapters.
@@ -323,27 +321,33 @@ def quantized_savings(config: ModelConfig, adapters: Adapters, num_shards: int, 
     return quantized * (float_bytes - BYTES_PER_WEIGHT)
 
 
+def local_parameters(counts: ParameterCounts, layout: Layout) -> tuple[float, float]:
+    """``(matrices, rest)``: the blocks' matrices and the other parameters (embeddings, head, norms) one rank holds.
+    FSDP shards both over shard x context; tensor parallelism splits attention and the dense MLPs, experts stay whole
+    on the tensor axis (expert parallelism deals them over ep of the shards, FSDP the rest)."""
+    matrices = counts.attention + counts.dense_mlp + counts.routed_experts + counts.moe_other
+    rest = counts.embeddings + counts.norms
+    if not layout.fsdp:
+        return matrices, rest
+    shards, tp = layout.mesh.num_fsdp_shards, layout.mesh.tp
+    split = (counts.attention + counts.dense_mlp) / (shards * tp)
+    return split + (counts.routed_experts + counts.moe_other) / shards, rest / shards
+
+
 def model_state_bytes(
     config: ModelConfig, counts: ParameterCounts, layout: Layout, workload: Workload
 ) -> tuple[int, int, int]:
     """``(parameters, gradients, optimizer state)`` bytes of one rank between steps. With LoRA the base is frozen
     (no gradient, no state) and the adapters train in float32 (their optimizer's matrix part: they are the blocks'
     matrices); QLoRA stores the block linears that fit NF4's blocks at ``quantize.BYTES_PER_WEIGHT``."""
-    mesh = layout.mesh
-    matrices = counts.attention + counts.dense_mlp + counts.routed_experts + counts.moe_other
-    local = counts.total
-    shards = 1
-    if layout.fsdp:
-        shards, tp = mesh.num_fsdp_shards, mesh.tp
-        # Experts whole on the tensor axis: expert parallelism deals them over ep of the shards, FSDP the rest.
-        split = (counts.attention + counts.dense_mlp) / (shards * tp)
-        matrices = split + (counts.routed_experts + counts.moe_other) / shards
-        local = split + (counts.routed_experts + counts.moe_other + counts.embeddings + counts.norms) / shards
+    shards = layout.mesh.num_fsdp_shards if layout.fsdp else 1
+    matrices, rest = local_parameters(counts, layout)
+    local = matrices + rest
     matrix_buffers = STATE_BUFFERS[MATRIX_PARTS[workload.optimizer]]
     adapters = workload.adapters
     if adapters is None:
         parameters = int(local * workload.param_bytes)
-        buffers = matrix_buffers * matrices + 2 * (local - matrices)
+        buffers = matrix_buffers * matrices + 2 * rest
         return parameters, parameters, int(buffers * workload.param_bytes)
     base = local * workload.param_bytes - quantized_savings(config, adapters, shards, workload.param_bytes) / shards
     trained = adapter_parameters(config, adapters) / shards * 4
@@ -357,7 +361,7 @@ def activation_bytes(config: ModelConfig, layout: Layout, workload: Workload) ->
     mesh = layout.mesh
     positions = workload.sequences_per_micro_batch * workload.window // mesh.cp
     moe_layers = config.num_moe_layers
-    saved = dict(tp=mesh.tp, adapters=workload.adapters, compute_bytes=workload.compute_bytes)
+    saved = dict(tp=mesh.tp, adapters=workload.adapters)
     dense = block_saved_elements(config, False, **saved)
     moe = block_saved_elements(config, True, **saved) if moe_layers else 0.0
     per_position = (config.num_hidden_layers - moe_layers) * dense + moe_layers * moe
@@ -418,12 +422,9 @@ def adamw_step_temporaries(counts: ParameterCounts, layout: Layout, workload: Wo
     or Mano, the adapters under LoRA (``gradients``: theirs)."""
     if not (layout.fsdp or layout.mesh.tp > 1):
         return 0
-    shards, tp = layout.mesh.num_fsdp_shards, layout.mesh.tp
-    split = (counts.attention + counts.dense_mlp) / (shards * tp)
-    matrices = split + (counts.routed_experts + counts.moe_other) / shards
-    rest = (counts.embeddings + counts.norms) / shards
     if workload.adapters is not None:
         return gradients
+    matrices, rest = local_parameters(counts, layout)
     largest = max(matrices, rest) if workload.optimizer == "adamw" else rest
     return int(largest * workload.param_bytes)
 
