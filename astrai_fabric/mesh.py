@@ -1,10 +1,10 @@
 """The device mesh: one layout for every parallel dimension, and the one place that builds meshes from it.
 
-Dimensions, outer to inner in torchtitan's order: data replicate (HSDP's replicas), data shard (FSDP's shards),
-context (``--cp_size``), tensor (``--tp_size``); pipeline stages will go outside them all. A rank's place is
-row-major over them, ``rank = ((replica * shards + shard) * cp + context) * tp + tensor``, which is also the order
-of Lightning's own 2-D mesh (``data_parallel`` x ``tensor_parallel``, ``data_parallel`` being replicas x shards x
-cp for it), so a rank keeps its place in both.
+Dimensions, outer to inner in torchtitan's order: pipeline stages (``--pp_size``), data replicate (HSDP's
+replicas), data shard (FSDP's shards), context (``--cp_size``), tensor (``--tp_size``). A rank's place is row-major
+over them, ``rank = (((stage * replicas + replica) * shards + shard) * cp + context) * tp + tensor``, which is also
+the order of Lightning's own 2-D mesh (``data_parallel`` x ``tensor_parallel``, ``data_parallel`` being stages x
+replicas x shards x cp for it), so a rank keeps its place in both.
 
 Who uses which dimension:
 
@@ -15,12 +15,16 @@ Who uses which dimension:
 - expert parallelism (``--ep_size``) deals each MoE layer's routed experts out over ep consecutive ranks of the
   data shards (as torchtitan carves its expert ranks from the data ranks), and FSDP shards the experts over what is
   left, shards / ep, replicated over replicate: ``rank``'s shard index is ``expert_shard * ep + expert``;
+- pipeline parallelism gives each stage's ranks a slice of the decoder blocks (``model.pipeline``); every other
+  dimension lives inside a stage, the same for every stage, and the ranks of one place in the stage's layout form
+  a pipeline, exchanging activations and gradients with their neighbours;
 - the sampler: the data-parallel rank is ``replica * shards + shard`` of ``replicas * shards``; the ranks of one
-  context or tensor group read the same samples.
+  context, tensor or pipeline group read the same samples.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -45,10 +49,16 @@ class MeshLayout:
     ep: int = 1
     """Ranks of an expert group, carved from the data shards: each holds 1/ep of the routed experts
     (``--ep_size``)."""
+    pp: int = 1
+    """Pipeline stages (``--pp_size``), each a group of ``ranks_per_stage`` ranks holding a slice of the blocks."""
+
+    @property
+    def ranks_per_stage(self) -> int:
+        return self.replicas * self.shards * self.cp * self.tp
 
     @property
     def world_size(self) -> int:
-        return self.replicas * self.shards * self.cp * self.tp
+        return self.pp * self.ranks_per_stage
 
     @property
     def num_dp_ranks(self) -> int:
@@ -67,12 +77,18 @@ class MeshLayout:
 
     def dp_rank(self, rank: int) -> int:
         """``rank``'s index among the data-parallel ranks (the sampler's)."""
-        return rank // (self.cp * self.tp)
+        return rank % self.ranks_per_stage // (self.cp * self.tp)
+
+    def stage(self, rank: int) -> int:
+        """``rank``'s pipeline stage."""
+        return rank // self.ranks_per_stage
 
     def describe(self) -> str:
         """``2 replica(s) x 2 shard(s) x 2 context x 2 tensor-parallel``, for the plan (a dimension of 1 left out,
         except replicas and shards); with context parallelism, FSDP's group as shard x cp."""
         text = f"{self.replicas} replica(s) x {self.shards} shard(s)"
+        if self.pp > 1:
+            text = f"{self.pp} pipeline stages x {text}"
         if self.cp > 1:
             text += f" x {self.cp} context"
         if self.tp > 1:
@@ -90,10 +106,28 @@ def mesh_layout(
     fsdp_shard_size: int | None = None,
     cp_size: int | None = None,
     ep_size: int | None = None,
+    pp_size: int | None = None,
 ) -> MeshLayout:
-    """The layout ``--tp_size``, ``--cp_size``, ``--fsdp_shard_size`` and ``--ep_size`` ask of ``world_size`` ranks
-    under FSDP, checked: one line naming the sizes that do not divide (None: the default, 1 for tp, cp and ep,
-    every data rank for the shard size)."""
+    """The layout ``--pp_size``, ``--tp_size``, ``--cp_size``, ``--fsdp_shard_size`` and ``--ep_size`` ask of
+    ``world_size`` ranks under FSDP, checked: one line naming the sizes that do not divide (None: the default, 1 for
+    pp, tp, cp and ep, every data rank for the shard size)."""
+    pp_size = pp_size or 1
+    if world_size % pp_size:
+        raise ConfigError(f"pp_size {pp_size} must divide the world size {world_size}")
+    if pp_size > 1 and ((cp_size or 1) > 1 or (ep_size or 1) > 1):
+        named = " and ".join(f"{n} {s}" for n, s in (("cp_size", cp_size or 1), ("ep_size", ep_size or 1)) if s > 1)
+        raise ConfigError(
+            f"pp_size {pp_size} with {named}: pipeline stages compose with FSDP, HSDP and tensor parallelism here; "
+            "drop one of them"
+        )
+    layout = _stage_layout(world_size // pp_size, tp_size, fsdp_shard_size, cp_size, ep_size)
+    return dataclasses.replace(layout, pp=pp_size)
+
+
+def _stage_layout(
+    world_size: int, tp_size: int | None, fsdp_shard_size: int | None, cp_size: int | None, ep_size: int | None
+) -> MeshLayout:
+    """The layout of one pipeline stage's ``world_size`` ranks (``mesh_layout``)."""
     tp_size, cp_size = tp_size or 1, cp_size or 1
     if world_size % (tp_size * cp_size):
         named = " x ".join(f"{name} {size}" for name, size in (("cp_size", cp_size), ("tp_size", tp_size)) if size > 1)
@@ -136,9 +170,11 @@ class Meshes(NamedTuple):
     None without expert parallelism."""
     expert_group: DeviceMesh | None = None
     """The expert group's ranks (``model.expert_parallel``); None without expert parallelism."""
+    pipeline: DeviceMesh | None = None
+    """The ranks of this rank's pipeline, one per stage, in stage order; None without pipeline parallelism."""
 
 
-REPLICATE, SHARD, CONTEXT, TENSOR = "replicate", "shard", "context", "tensor_parallel"
+PIPELINE, REPLICATE, SHARD, CONTEXT, TENSOR = "pipeline", "replicate", "shard", "context", "tensor_parallel"
 EXPERT_SHARD, EXPERT = "expert_shard", "expert"
 
 
@@ -150,6 +186,11 @@ def build_meshes(lightning_mesh: DeviceMesh, layout: MeshLayout) -> Meshes:
     middle axis is the context group; FSDP's is ``(replicate, shard x context, tensor)``, so that FSDP and tensor
     parallelism share one root mesh, as FSDP2 requires of 2-D parameters. (``DeviceMesh._flatten`` would give one
     root for all, but it is private.)"""
+    if layout.pp > 1:  # without context and expert parallelism (``mesh_layout``)
+        shape = (layout.pp, layout.replicas, layout.shards, layout.tp)
+        mesh = init_device_mesh(lightning_mesh.device_type, shape, mesh_dim_names=(PIPELINE, REPLICATE, SHARD, TENSOR))
+        fsdp = mesh[SHARD] if layout.replicas == 1 else mesh[(REPLICATE, SHARD)]
+        return Meshes(fsdp, mesh[TENSOR], None, pipeline=mesh[PIPELINE])
     experts = expert_group = None
     if layout.ep > 1:  # without tensor and context parallelism (``mesh_layout``): a shard is a rank
         shape = (layout.replicas, layout.num_expert_shards, layout.ep)

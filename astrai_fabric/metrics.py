@@ -15,7 +15,7 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -114,8 +114,17 @@ class GradSNR:
     ``global_norm`` would read every gradient from memory once more, and the value is ``global_norm``'s to the
     last bit (the same per-tensor norms, combined in the same order: tests/test_reporting.py)."""
 
-    def __init__(self, beta: float = 0.999, eps: float = 1e-8) -> None:
+    def __init__(
+        self,
+        beta: float = 0.999,
+        eps: float = 1e-8,
+        counted: Callable[[str], bool] | None = None,
+        over_stages: Callable[[Tensor], Tensor] | None = None,
+    ) -> None:
+        """``counted`` and ``over_stages`` (pipeline parallelism, ``loop.pipeline``): which of a stage's parameters
+        (by name) are its own (a tied head's copy is the first stage's), and a stage's norm made the whole model's."""
         self.beta, self.eps = beta, eps
+        self.counted, self.over_stages = counted, over_stages
         self.first: list[Tensor] = []
         self.noise: Tensor | float = 0.0
         """``sum(v - m^2)`` over all entries (float64, on the gradients' device): 0 after the first step, where
@@ -135,7 +144,7 @@ class GradSNR:
     def update_on_device(self, model: nn.Module) -> Tensor:
         """``update`` without reading anything back: the float64 pair (signal, noise) on the gradients' device,
         for ``value`` once the step reads its numbers together (``loop.step``)."""
-        parameters = list(model.parameters())
+        parameters = [p for name, p in model.named_parameters() if self.counted is None or self.counted(name)]
         with_grads = [i for i, p in enumerate(parameters) if p.grad is not None]
         grads_as_they_are = [parameters[i].grad.detach() for i in with_grads]
         grads = [g.float() for g in grads_as_they_are]  # the same tensors where they are float32
@@ -163,10 +172,15 @@ class GradSNR:
                 foreach_add_(block_first, deltas, alpha=1 - self.beta)  # m <- m + (1 - beta) d
                 first_norms += foreach_norm(block_first)
         summed_over = expert_meshes(model)  # expert parallelism: a rank's norms are of its own experts
-        self.grad_norm = _norm_from_norms(grad_norms, summed_over)
-        signal = _norm_from_norms(first_norms, summed_over).double() ** 2
+        whole = self.over_stages or (lambda norm: norm)
+
+        def norm_of(norms: list[Tensor]) -> Tensor:
+            return whole(_norm_from_norms(norms, summed_over))
+
+        self.grad_norm = norm_of(grad_norms)
+        signal = norm_of(first_norms).double() ** 2
         if delta_norms:
-            delta = _norm_from_norms(delta_norms, summed_over).double() ** 2
+            delta = norm_of(delta_norms).double() ** 2
             self.noise = self.beta * (self.noise + (1 - self.beta) * delta)
         else:
             self.noise = torch.zeros_like(signal)

@@ -17,7 +17,10 @@ gradient clipping refuses plain tensors and DTensors mixed.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -31,11 +34,12 @@ from torch.distributed.tensor.parallel import (
 )
 
 from astrai_fabric.errors import ConfigError
-from astrai_fabric.mesh import build_meshes, mesh_layout
+from astrai_fabric.mesh import MeshLayout, build_meshes, mesh_layout
 from astrai_fabric.model.attention import MLA
 from astrai_fabric.model.context_parallel import check_context_parallel, enable_context_parallel
 from astrai_fabric.model.expert_parallel import check_expert_parallel, moe_layers, shard_experts
 from astrai_fabric.model.ffn import MLP
+from astrai_fabric.model.pipeline import keep_stage
 from astrai_fabric.quantize import is_quantized
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -51,6 +55,7 @@ def parallelize(
     fsdp_shard_size: int | None = None,
     cp_size: int | None = None,
     ep_size: int | None = None,
+    pp_size: int | None = None,
 ) -> nn.Module:
     """Apply tensor parallelism and FSDP2 to ``model`` (called by Fabric in ``setup_module``).
 
@@ -61,11 +66,18 @@ def parallelize(
     data ranks each parameter is sharded over (default: all data-parallel ranks), replicated over the rest (HSDP);
     ``cp_size``: ranks of a context group, each holding 1/cp of every window's tokens (``model.context_parallel``),
     FSDP sharding over them too; ``ep_size``: ranks of an expert group, each holding 1/ep of every MoE layer's routed
-    experts (``model.expert_parallel``), which FSDP shards over the data shards the groups leave.
+    experts (``model.expert_parallel``), which FSDP shards over the data shards the groups leave; ``pp_size``:
+    pipeline stages, ``model`` cut to this rank's (``model.pipeline.keep_stage``) before the rest is applied within
+    the stage.
     """
     tp_size = device_mesh["tensor_parallel"].size()
-    layout = mesh_layout(device_mesh.size(), tp_size, fsdp_shard_size, cp_size, ep_size)
+    layout = mesh_layout(device_mesh.size(), tp_size, fsdp_shard_size, cp_size, ep_size, pp_size)
     meshes = build_meshes(device_mesh, layout)
+    if meshes.pipeline is not None:
+        model = keep_stage(model, meshes.pipeline.get_local_rank(), layout.pp)
+        model.stage = dataclasses.replace(
+            model.stage, group=meshes.pipeline.get_group(), ends_group=_first_and_last_stage_group(layout)
+        )
     if meshes.tensor.size() > 1:
         apply_tensor_parallel(model, meshes.tensor)
     if meshes.context is not None:
@@ -108,6 +120,15 @@ def parallelize(
         fully_shard(block, **options)
     fully_shard(model, **options)
     return model
+
+
+def _first_and_last_stage_group(layout: MeshLayout) -> dist.ProcessGroup | None:
+    """This rank's group of the first and last stage's ranks at its place in the stage, None on a middle stage
+    (collective: every rank makes every pair's): a tied embedding's two copies sum their gradients over it."""
+    last = (layout.pp - 1) * layout.ranks_per_stage
+    pairs = [[place, last + place] for place in range(layout.ranks_per_stage)]
+    group, _ = dist.new_subgroups_by_enumeration(pairs)
+    return group
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:

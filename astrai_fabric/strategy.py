@@ -169,6 +169,7 @@ class FabricArgs:
     tp_size: int | None
     cp_size: int | None
     ep_size: int | None
+    pp_size: int | None
     fsdp_shard_size: int | None
     fsdp_reshard_after_forward: bool
     fsdp_param_dtype: str | None
@@ -189,7 +190,7 @@ def build_fabric(args: FabricArgs, topology: Topology) -> Fabric:
         raise ConfigError(f"tp_size {args.tp_size} needs at least {args.tp_size} processes (--nprocs)")
     layout = None
     if args.parallel_mode == "fsdp":
-        layout = mesh_layout(world_size, args.tp_size, args.fsdp_shard_size, args.cp_size, args.ep_size)
+        layout = mesh_layout(world_size, args.tp_size, args.fsdp_shard_size, args.cp_size, args.ep_size, args.pp_size)
     if world_size == 1:
         strategy = "auto"
     elif args.parallel_mode == "none":
@@ -215,11 +216,12 @@ def build_fabric(args: FabricArgs, topology: Topology) -> Fabric:
             fsdp_shard_size=layout.shards,
             cp_size=layout.cp,
             ep_size=layout.ep,
+            pp_size=layout.pp,
         )
         strategy = ModelParallelStrategy(
             parallelize_fn=partial(parallelize, **knobs),
-            # explicit: Lightning's "auto" would put every rank on TP
-            data_parallel_size=layout.num_dp_ranks * layout.cp,
+            # explicit: Lightning's "auto" would put every rank on TP; its data axis holds stages and context too
+            data_parallel_size=layout.pp * layout.num_dp_ranks * layout.cp,
             tensor_parallel_size=layout.tp,
             process_group_backend=args.backend,
             timeout=timedelta(seconds=args.dist_timeout),
@@ -283,6 +285,11 @@ def ep_size_of(fabric: Fabric) -> int:
     return _size_of(fabric, "ep_size")
 
 
+def pp_size_of(fabric: Fabric) -> int:
+    """The pipeline stages the Fabric's ``parallelize`` applies (1 for any other strategy)."""
+    return _size_of(fabric, "pp_size")
+
+
 def _size_of(fabric: Fabric, name: str) -> int:
     keywords = _our_parallelize(fabric) if fabric.world_size > 1 else None
     return (keywords or {}).get(name) or 1
@@ -324,6 +331,11 @@ def check_ep_size(fabric: Fabric, ep_size: int | None) -> None:
     _check_size(fabric, "ep_size", ep_size, "expert parallelism")
 
 
+def check_pp_size(fabric: Fabric, pp_size: int | None) -> None:
+    """Refuse ``--pp_size`` other than what a Fabric built elsewhere applies, as ``check_cp_size`` does."""
+    _check_size(fabric, "pp_size", pp_size, "pipeline parallelism")
+
+
 def _check_size(fabric: Fabric, name: str, size: int | None, what: str) -> None:
     applied = _size_of(fabric, name)
     if (size or 1) == applied:
@@ -349,10 +361,12 @@ class DataParallel(NamedTuple):
 
 def data_parallel(fabric: Fabric) -> DataParallel:
     """Where this rank sits on the data axis (``DataParallel``). Lightning's sampler arguments count the context
-    ranks as data ranks (its mesh's ``data_parallel`` axis holds them, ``mesh`` module): they are divided out."""
+    ranks and the pipeline stages as data ranks (its mesh's ``data_parallel`` axis holds them, ``mesh`` module):
+    they are divided out."""
     kwargs = getattr(fabric.strategy, "distributed_sampler_kwargs", None) or {"rank": 0, "num_replicas": 1}
-    cp_size = cp_size_of(fabric)
-    return DataParallel(kwargs["rank"] // cp_size, kwargs["num_replicas"] // cp_size)
+    cp_size, pp_size = cp_size_of(fabric), pp_size_of(fabric)
+    num_dp_ranks = kwargs["num_replicas"] // (cp_size * pp_size)
+    return DataParallel(kwargs["rank"] // cp_size % num_dp_ranks, num_dp_ranks)
 
 
 def set_cpu_threads(num_threads: int | None) -> None:

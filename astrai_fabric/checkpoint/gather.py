@@ -27,6 +27,7 @@ from torch.optim import Optimizer
 
 from astrai_fabric.errors import CheckpointError
 from astrai_fabric.model.expert_parallel import ExpertGroup, moe_layers
+from astrai_fabric.model.transformer import LM_HEAD_KEY
 
 EXPERT = re.compile(r"^(?P<layer>.*\.routed_experts\.)(?P<index>\d+)(?P<rest>\..+)$")
 """A routed expert's tensor: ``<layer>.routed_experts.<index>.<rest>``."""
@@ -108,7 +109,16 @@ def whole_names(model: nn.Module, names: list[str]) -> list[str]:
 def gather_state(model: nn.Module, state: dict[str, Any], keep: bool) -> dict[str, Any]:
     """``state`` (``model``'s ``state_dict``, or part of it: the adapters, the base) whole on the rank that
     ``keep``s it (rank 0; the others get None values), every tensor full on the CPU (collective) and every expert's
-    included, in the whole model's order."""
+    and every pipeline stage's included, in the whole model's order."""
+    stage = _stage_of(model)
+    if stage is not None:
+        parts = _from_every_stage(stage, lambda keep_here: gather_full(state, keep_here), keep)
+        if not keep:
+            return dict.fromkeys(state)
+        whole = {name: value for part in parts for name, value in part.items()}  # buffers: the first stage's
+        if model.config.tied:  # the last stage's copy of the embedding
+            whole.pop(LM_HEAD_KEY, None)
+        return whole
     experts = _experts_of(model)
     if experts is None:
         return gather_full(state, keep)
@@ -127,6 +137,9 @@ def gather_optimizer_state(
 ) -> dict[str, Any]:
     """``optimizer.state_dict()`` as one process over the whole model would save it, on the rank that ``keep``s
     it (``parts``: the torch optimizers inside, ``state.optimizer_parts``)."""
+    stage = _stage_of(model)
+    if stage is not None:
+        return _gather_stages_optimizer(optimizer, parts, model, stage, keep)
     experts = _experts_of(model)
     if experts is None:
         return gather_full(optimizer.state_dict(), keep)
@@ -135,6 +148,71 @@ def gather_optimizer_state(
         part_name: None if part is None else _gather_part(part, names, experts, keep)
         for part_name, part in parts.items()
     }
+    return whole[None] if None in whole else whole
+
+
+def _stage_of(model: nn.Module) -> Any:
+    """The pipeline stage ``model`` is (``model.pipeline.Stage``), or None without pipeline parallelism."""
+    stage = getattr(model, "stage", None)
+    return stage if stage is not None and stage.group is not None else None
+
+
+def _from_every_stage(stage: Any, gather: Any, keep: bool) -> list[Any] | None:
+    """``gather(keep_here)`` (collective over a stage's ranks, kept on the ranks of rank 0's place in every stage)
+    from every stage, in stage order, on rank 0 (``keep``); None elsewhere. The pipeline holding rank 0 sends its
+    stages' parts to it."""
+    first_pipeline = dist.get_process_group_ranks(stage.group)[0] == 0
+    part = gather(first_pipeline)
+    if not first_pipeline:
+        return None
+    parts = [None] * stage.num_stages if keep else None
+    dist.gather_object(part, parts, group=stage.group, group_dst=0)
+    return parts
+
+
+def _gather_stages_optimizer(
+    optimizer: Optimizer, parts: dict[str | None, Optimizer | None], model: nn.Module, stage: Any, keep: bool
+) -> dict[str, Any] | None:
+    """The whole optimizer state from every pipeline stage's (``gather_optimizer_state``): each stage's entries and
+    groups by parameter name, joined in stage order (a stage holds the whole model's parameters in the whole
+    model's order, a slice of them), then numbered as one process numbers them. A tied head's copy on the last
+    stage is the first stage's embedding: left out."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    tied_copy = "lm_head.weight" if model.config.tied and stage.is_last else None
+
+    def by_name(keep_here: bool) -> dict:
+        named = {}
+        for part_name, part in parts.items():
+            if part is None:
+                named[part_name] = None
+                continue
+            saved = gather_full(part.state_dict(), keep_here)
+            local = [names[id(p)] for group in part.param_groups for p in group["params"]]
+            entries = {local[i]: entry for i, entry in (saved["state"] or {}).items() if local[i] != tied_copy}
+            groups = [
+                [names[id(p)] for p in group["params"] if names[id(p)] != tied_copy] for group in part.param_groups
+            ]
+            named[part_name] = (entries, groups, saved["param_groups"])
+        return named
+
+    stages = _from_every_stage(stage, by_name, keep)
+    if not keep:
+        return None
+    whole = {}
+    for part_name in parts:
+        if stages[0][part_name] is None:
+            whole[part_name] = None
+            continue
+        entries, groups, start = {}, [], 0
+        for index, saved_group in enumerate(stages[0][part_name][2]):
+            order = [name for named in stages for name in named[part_name][1][index]]
+            for named in stages:
+                entries |= {
+                    start + k: named[part_name][0][name] for k, name in enumerate(order) if name in named[part_name][0]
+                }
+            groups.append({**saved_group, "params": list(range(start, start + len(order)))})
+            start += len(order)
+        whole[part_name] = {"state": entries, "param_groups": groups}
     return whole[None] if None in whole else whole
 
 

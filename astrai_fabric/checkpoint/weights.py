@@ -40,6 +40,7 @@ from astrai_fabric.config.model import ModelConfig, read_config_json
 from astrai_fabric.errors import CheckpointError, ConfigError
 from astrai_fabric.model import AutoRegressiveLM
 from astrai_fabric.model.expert_parallel import held_elsewhere
+from astrai_fabric.model.pipeline import held_by_other_stages
 from astrai_fabric.model.transformer import EMBED_KEY, LM_HEAD_KEY
 from astrai_fabric.torch_private import local_shape_and_global_offset
 
@@ -211,7 +212,8 @@ def load_model_weights(
             )
         del shapes[LM_HEAD_KEY]
     targets = model.state_dict(keep_vars=True)
-    elsewhere = held_elsewhere(model)  # expert parallelism: checked here, read by the ranks that hold them
+    # Expert parallelism's other experts, a pipeline's other stages: checked here, read by the ranks that hold them.
+    elsewhere = held_elsewhere(model) | held_by_other_stages(model)
     expected = {k: tuple(v.shape) for k, v in targets.items()} | elsewhere
     problems = []
     missing = [k for k in expected if k not in shapes]

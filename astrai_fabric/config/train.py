@@ -386,6 +386,17 @@ class TrainArgs(TrainChecks):
     all-to-all, and FSDP shards the experts over the data shards left (``fsdp_shard_size`` / ep_size). It must divide
     the routed experts and the FSDP shards; not with ``tp_size``, ``cp_size``, ``quantize`` or ``sharded_checkpoint``
     (docs/distributed.md)."""
+    pp_size: int | None = None
+    """Pipeline stages (parallel_mode fsdp; seq and sft): the decoder blocks split into this many consecutive
+    stages balanced by parameters (the embedding on the first, the final norm and head on the last), each held by
+    world size / pp_size ranks that shard it with FSDP (and ``tp_size``) as a whole model would be; a window's
+    ``grad_accum_steps`` micro-batches are the pipeline's micro-batches (docs/distributed.md). It must divide the
+    world size and be at most the layers; not with ``cp_size``, ``ep_size``, MoE models, ``neftune_alpha`` or
+    ``--packing false``."""
+    pp_schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    """The pipeline's schedule: ``gpipe`` (every micro-batch's forward, then every backward: activations of all
+    micro-batches held at once) or ``1f1b`` (one forward, one backward once the pipeline is full: at most pp_size
+    micro-batches' activations held; it needs ``grad_accum_steps`` >= pp_size)."""
     fsdp_reshard_after_forward: bool = False
     """FSDP: free each block's gathered parameters after its forward (less memory, one more all-gather in backward);
     AstrAI keeps them (false)."""

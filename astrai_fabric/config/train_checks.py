@@ -35,7 +35,7 @@ POSITIVE = (
 """Counts of at least 1."""
 OPTIONAL_POSITIVE = (
     "window_size", "stride", "max_steps", "stop_after_steps", "max_tokens", "tp_size", "cycle_length",
-    "keep_last_k", "num_threads", "fsdp_shard_size", "cp_size", "ep_size",
+    "keep_last_k", "num_threads", "fsdp_shard_size", "cp_size", "ep_size", "pp_size",
 )  # fmt: skip
 """Counts of at least 1, or None (unset)."""
 NON_NEGATIVE = (
@@ -191,6 +191,7 @@ class TrainChecks:
             problems.append(f"tp_size {self.tp_size} needs parallel_mode fsdp (the 2-D mesh), got {self.parallel_mode}")
         problems += self._context_parallel_problems()
         problems += self._expert_parallel_problems()
+        problems += self._pipeline_problems()
         if self.fsdp_shard_size is not None and self.parallel_mode != "fsdp":
             problems.append(f"fsdp_shard_size needs parallel_mode fsdp, got {self.parallel_mode}")
         if self.sharded_checkpoint and self.parallel_mode != "fsdp":
@@ -238,6 +239,45 @@ class TrainChecks:
                 f"expert group leaves), got {self.parallel_mode}: use --parallel_mode fsdp"
             ]
         return []
+
+    def _pipeline_problems(self) -> list[str]:
+        """``--pp_size``: with FSDP, for seq and sft on windows of one shape (the ranks by ``mesh.mesh_layout``, the
+        model's layers where it is known: ``model.pipeline.stage_layers``)."""
+        pp_size = self.pp_size or 1
+        if pp_size == 1:
+            return []
+        if self.parallel_mode != "fsdp":
+            return [
+                f"pp_size {pp_size} needs parallel_mode fsdp (each stage is sharded as a model is), got "
+                f"{self.parallel_mode}: use --parallel_mode fsdp"
+            ]
+        if self.train_type not in ("seq", "sft"):
+            return [
+                f"pp_size {pp_size} with train_type {self.train_type}: pipeline stages train seq and sft here (the "
+                "other losses need a reference model or sampling the schedule does not run)"
+            ]
+        problems = []
+        if self.pp_schedule == "1f1b" and self.grad_accum_steps < pp_size:
+            problems.append(
+                f"pp_schedule 1f1b needs grad_accum_steps (the pipeline's micro-batches) >= pp_size {pp_size}, got "
+                f"{self.grad_accum_steps}: raise it, or use --pp_schedule gpipe"
+            )
+        if not self.packing:
+            problems.append(
+                f"pp_size {pp_size} with --packing false: stages exchange micro-batches of one shape, and records "
+                "vary in length; pack them"
+            )
+        unsupported = [
+            ("neftune_alpha", bool(self.neftune_alpha)),
+            ("lora_r", bool(self.lora_r)),
+            ("quantize", self.quantize is not None),
+            ("compile", self.compile is not None),
+            ("val_split", bool(self.val_split)),
+        ]
+        problems += [
+            f"pp_size {pp_size} with {name}: not supported with pipeline stages yet" for name, on in unsupported if on
+        ]
+        return problems
 
     def _output_problems(self) -> list[str]:
         """Checkpoints, metrics, logging, profiling, resuming."""

@@ -24,6 +24,7 @@ from astrai_fabric.checkpoint import find_latest_checkpoint
 from astrai_fabric.checkpoint.position import RunPosition
 from astrai_fabric.data.sampler import ResumableSampler
 from astrai_fabric.errors import TrainingError, raised_on_every_rank
+from astrai_fabric.loop.pipeline import Pipeline
 from astrai_fabric.loop.state import LoopArgs, LossFn, TrainState
 from astrai_fabric.loop.step import StepResult, StepTools, train_step
 from astrai_fabric.preemption import StopRequest
@@ -42,10 +43,12 @@ def fit(
     reporter: Reporter,
     val_loader: DataLoader | None = None,
     stop: StopRequest | None = None,
+    pipeline: Pipeline | None = None,
 ) -> list[dict[str, float]]:
     """Train from ``state.position`` (updated in place) until ``n_epoch``, ``max_steps``, ``stop_after_steps`` (this
     call's steps) or ``max_tokens``, or until
-    ``stop`` is requested on any rank; the state at the end is saved.
+    ``stop`` is requested on any rank; the state at the end is saved. ``pipeline``: the schedule that runs each
+    window through the pipeline's stages (``--pp_size``; ``compute_loss`` then serves validation only).
 
     ``batches`` is iterated once per epoch, after ``sampler`` (the one that orders it) is set to the position.
     Returns one record per optimizer step: ``step``, ``epoch``, ``loss`` (mean over the accumulation window and
@@ -54,7 +57,7 @@ def fit(
     """
     position = state.position
     first_step = position.optimizer_step  # where this run began: --stop_after_steps counts from here
-    tools = StepTools.for_run(fabric, state.model, args, sampler.num_dp_ranks)
+    tools = StepTools.for_run(fabric, state.model, args, sampler.num_dp_ranks, pipeline)
     micro_batches = _epochs(batches, sampler, position, args, reporter)
     last_saved_step = position.optimizer_step
     bad_in_a_row, diverged = 0, False

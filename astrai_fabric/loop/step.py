@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from astrai_fabric.accumulation import GradientState, backward_sync
+from astrai_fabric.loop.pipeline import Pipeline
 from astrai_fabric.loop.state import REUSED, LoopArgs, LossFn, TrainState
 from astrai_fabric.losses import moe_load_metrics
 from astrai_fabric.metrics import GradSNR, by_device_mesh, global_norm
@@ -51,17 +52,22 @@ class StepTools:
     """NEFTune's noise, seeded by position only: seed, data-parallel rank, step, micro-batch (see randomness)."""
     grad_snr: GradSNR | None
     num_dp_ranks: int
+    pipeline: Pipeline | None = None
+    """The schedule that runs a window's micro-batches through the pipeline's stages (``--pp_size``), else None."""
     unchecked_weights: Tensor | None = None
     """1 where this rank's weights, as the last update left them, hold a NaN or infinity, else 0 (on the device);
     None once read."""
 
     @classmethod
-    def for_run(cls, fabric: Fabric, model: nn.Module, args: LoopArgs, num_dp_ranks: int) -> StepTools:
+    def for_run(
+        cls, fabric: Fabric, model: nn.Module, args: LoopArgs, num_dp_ranks: int, pipeline: Pipeline | None = None
+    ) -> StepTools:
         return cls(
             grad_state=GradientState(args.grad_accum_steps),
             noise=ModuleNoise(getattr(model, "module", model), args.random_seed, args.dp_rank, fabric.device),
-            grad_snr=GradSNR() if args.grad_snr else None,
+            grad_snr=GradSNR(**pipeline.grad_snr_options() if pipeline else {}) if args.grad_snr else None,
             num_dp_ranks=num_dp_ranks,
+            pipeline=pipeline,
         )
 
     def weights_finite(self, fabric: Fabric) -> bool:
@@ -117,6 +123,7 @@ def train_step(
     window_metrics: dict[str, Tensor] = {}
     window_tokens = torch.zeros((), dtype=torch.long, device=fabric.device)  # this rank's, on the device
     num_samples = 0
+    pipelined: list[dict[str, Tensor]] = []  # the window's micro-batches, for the pipeline's schedule
     is_accumulating = True
     while is_accumulating:
         batch = next(micro_batches, None)
@@ -124,19 +131,26 @@ def train_step(
             position.num_tokens += int(window_tokens) * tools.num_dp_ranks  # the run's end: read once
             return None
         is_accumulating = not tools.grad_state.advance()
-        micro_batch = (tools.grad_state.num_micro_batches - 1) % tools.grad_state.grad_accum_steps
-        tools.noise.reseed(position.optimizer_step + 1, micro_batch)
-        with backward_sync(fabric, model, is_accumulating, args.skip_sync):
-            loss, metrics = compute_loss(model, batch)
-            fabric.backward(loss / args.grad_accum_steps)
-        window_loss += loss.detach()
-        for name, value in metrics.items():
-            window_metrics[name] = window_metrics.get(name, 0.0) + value.float()
+        if tools.pipeline is not None:
+            pipelined.append(batch)
+        else:
+            micro_batch = (tools.grad_state.num_micro_batches - 1) % tools.grad_state.grad_accum_steps
+            tools.noise.reseed(position.optimizer_step + 1, micro_batch)
+            with backward_sync(fabric, model, is_accumulating, args.skip_sync):
+                loss, metrics = compute_loss(model, batch)
+                fabric.backward(loss / args.grad_accum_steps)
+            window_loss += loss.detach()
+            for name, value in metrics.items():
+                window_metrics[name] = window_metrics.get(name, 0.0) + value.float()
         window_tokens += _num_tokens(batch)
         num_samples += batch["input_ids"].size(0) * tools.num_dp_ranks
         if not batch.get(REUSED, False):  # the position counts samples consumed, not micro-batches trained
             position.sample_index += batch["input_ids"].size(0)
             position.consumed_samples += args.batch_per_device * tools.num_dp_ranks
+
+    if tools.pipeline is not None:  # seq's and sft's loss, which is their only metric (``losses.with_moe_aux_loss``)
+        window_loss = tools.pipeline.train_window(pipelined)
+        window_metrics = {"task_loss": window_loss}
 
     # One collective: the window's means over its micro-batches and all ranks, whether any rank was asked to stop
     # (a signal to one rank stops all after this same step), and whether the last update left any rank's weights
@@ -163,6 +177,10 @@ def train_step(
     snr = tools.grad_snr.update_on_device(model) if tools.grad_snr is not None else None
     if tools.grad_snr is not None:
         grad_norm = tools.grad_snr.grad_norm
+    elif tools.pipeline is not None:  # each stage's norm, then over the stages
+        named = model.named_parameters()
+        counted = by_device_mesh(p.grad for n, p in named if p.grad is not None and tools.pipeline.counted(n))
+        grad_norm = tools.pipeline.norm_over_stages(global_norm(counted))
     else:  # the same on all ranks
         grad_norm = global_norm(grads, summed_over=expert_meshes(model))
     # The step's one read from the device, in float64 (exact for the float32 values and the token count).

@@ -255,9 +255,9 @@ class AutoRegressiveLM(nn.Module):
         parallelism (without a cache) the hidden states are this rank's positions only, ``S / cp`` of them, the
         masks and RoPE positions the whole window's (``model.context_parallel``); ``num_positions``, the window's
         length before ``pad_window``, keeps the padding out of the MoE layers' routing statistics."""
-        if input_ids.dim() != 2:
+        if input_ids.dim() != (2 if self.embed_tokens is not None else 3):
             raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
-        batch, seq_len = input_ids.shape
+        batch, seq_len = input_ids.shape[:2]
         if kv_cache is not None:
             past = torch.arange(kv_cache.length, kv_cache.length + seq_len, device=input_ids.device)
             if position_ids is None:
@@ -276,7 +276,8 @@ class AutoRegressiveLM(nn.Module):
                 )
         context = self.context_parallel if kv_cache is None else None
         mine = slice(None) if context is None else context.positions(seq_len)
-        x = self.embed_tokens(input_ids[:, mine])
+        # A pipeline stage after the first holds no embedding: what it is given are the hidden states.
+        x = self.embed_tokens(input_ids[:, mine]) if self.embed_tokens is not None else input_ids
         rotary = self.rotary_embedding(batch, seq_len, position_ids)
         attn_mask = process_attention_mask(input_mask)
         # Sliding-window layers (Gemma, ``layer_types``): the same mask cut to the window, their own RoPE if any.
@@ -292,7 +293,7 @@ class AutoRegressiveLM(nn.Module):
             real_positions = min(max(num_positions - mine.start, 0), mine.stop - mine.start)
         aux_losses, router_stats = [], []
         recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
-        for i, layer in enumerate(self.layers):
+        for i, layer in self.numbered_blocks():
             sliding = self.config.sliding_layer(i)
             layer_rotary, layer_mask = (local_rotary, window_mask) if sliding else (rotary, attn_mask)
             if recompute:  # keep only the block's input; recompute its activations in the backward pass
@@ -306,9 +307,11 @@ class AutoRegressiveLM(nn.Module):
                 router_stats.append(stats)
         if kv_cache is not None:
             kv_cache.length += seq_len
+        if self.norm is not None:  # a pipeline stage before the last hands its hidden states on unnormalised
+            x = self.norm(x)
         if not aux_losses:
-            return self.norm(x), None, None
-        return self.norm(x), torch.stack(aux_losses).mean(), router_stats
+            return x, None, None
+        return x, torch.stack(aux_losses).mean(), router_stats
 
     def state_dict(self, *, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
         state = super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
@@ -333,7 +336,14 @@ class AutoRegressiveLM(nn.Module):
     @property
     def decoder_blocks(self) -> list[nn.Module]:
         """The repeated blocks, for sharding and activation checkpointing applied from outside."""
-        return list(self.layers)
+        return [layer for _, layer in self.numbered_blocks()]
+
+    def numbered_blocks(self) -> list[tuple[int, nn.Module]]:
+        """``(layer index, block)`` in order: every block, or a pipeline stage's (``model.pipeline``: kept in a
+        ``ModuleDict`` under their indices, so their names stay the whole model's)."""
+        if isinstance(self.layers, nn.ModuleDict):
+            return [(int(index), layer) for index, layer in self.layers.items()]
+        return list(enumerate(self.layers))
 
     def num_parameters(self, trainable_only: bool = False) -> int:
         """Distinct parameters (a tied matrix counts once; a DTensor its global size), or only those that train

@@ -17,15 +17,16 @@ from astrai_fabric.checkpoint.state import STATE_DIR, load_optimizer_state
 from astrai_fabric.checkpoint.weights import host_memory_bytes
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import CheckpointError, UserError
-from astrai_fabric.mesh import mesh_layout
 from astrai_fabric.model import count_parameters, rope_table_bytes
 from astrai_fabric.model.context_parallel import check_context_parallel
 from astrai_fabric.model.expert_parallel import check_expert_parallel
+from astrai_fabric.model.pipeline import check_pipeline
 from astrai_fabric.optim import build_optimizer
 from astrai_fabric.quantize import BYTES_PER_WEIGHT, plan_quantization
 from astrai_fabric.schedule import StepPlan
 from astrai_fabric.strategy import Topology, is_fsdp, local_ranks, precision_of
 from astrai_fabric.train.footprint_plan import human_bytes, plan_cluster
+from astrai_fabric.train.layout import layout_of_flags
 from astrai_fabric.train.models import meta_model
 from astrai_fabric.train.plan import optim_args
 from astrai_fabric.train.resume import check_position
@@ -51,8 +52,8 @@ class Placement:
         shards = 1
         if is_fsdp(fabric) and fabric.world_size > 1:
             try:
-                layout = mesh_layout(fabric.world_size, args.tp_size, args.fsdp_shard_size, args.cp_size, args.ep_size)
-                shards = layout.num_fsdp_shards * layout.tp
+                layout = layout_of_flags(args, fabric.world_size)
+                shards = layout.num_fsdp_shards * layout.tp * layout.pp  # stages: a share of the blocks each
             except UserError:  # a caller's own ModelParallelStrategy, laid out otherwise: at least as sharded
                 shards = 1
         return cls(fabric.device.type, precision_of(fabric), local_ranks(fabric), shards, fabric.world_size)
@@ -62,10 +63,8 @@ class Placement:
         shards = 1
         if args.parallel_mode == "fsdp" and topology.world_size > 1:
             try:
-                layout = mesh_layout(
-                    topology.world_size, args.tp_size, args.fsdp_shard_size, args.cp_size, args.ep_size
-                )
-                shards = layout.num_fsdp_shards * layout.tp
+                layout = layout_of_flags(args, topology.world_size)
+                shards = layout.num_fsdp_shards * layout.tp * layout.pp  # stages: a share of the blocks each
             except UserError:  # the dry run lists the layout's own problem
                 shards = 1
         return cls(accelerator, precision, topology.devices, shards, topology.world_size)
@@ -85,6 +84,11 @@ def preflight(args: TrainArgs, start: Start, plan: StepPlan, placement: Placemen
     if (args.ep_size or 1) > 1 and args.parallel_mode == "fsdp":
         try:
             check_expert_parallel(start.model_config, args.ep_size)
+        except UserError as err:
+            problems.append(str(err))
+    if (args.pp_size or 1) > 1 and args.parallel_mode == "fsdp":
+        try:
+            check_pipeline(start.model_config, args.pp_size)
         except UserError as err:
             problems.append(str(err))
     if start.resume is not None:

@@ -38,10 +38,12 @@ from astrai_fabric.checkpoint.state import (
 from astrai_fabric.config.train import RECIPE_FILE, TrainArgs, resolved_recipe
 from astrai_fabric.errors import CheckpointError, UserError
 from astrai_fabric.loop import LoopArgs, LossFn, TrainState, fit
-from astrai_fabric.mesh import mesh_layout
+from astrai_fabric.loop.pipeline import Pipeline
 from astrai_fabric.metrics import MetricLog, flops_per_token, peak_flops
+from astrai_fabric.model.pipeline import StageLoss
 from astrai_fabric.optim import build_optimizer
 from astrai_fabric.optim.muon_owners import planned_layout, resolve_spread_replicated
+from astrai_fabric.parallelize import DTYPES
 from astrai_fabric.plot import PLOT_FILE, plot_runs
 from astrai_fabric.preemption import StopRequest
 from astrai_fabric.profiling import StepProfiler
@@ -53,14 +55,16 @@ from astrai_fabric.strategy import (
     describe_cpu_threads,
     is_fsdp,
     local_ranks,
+    pp_size_of,
     precision_of,
     resolve_num_workers,
 )
 from astrai_fabric.torch_private import uncompiled
 from astrai_fabric.train.checks import Placement, preflight
 from astrai_fabric.train.footprint_plan import plan_cluster
+from astrai_fabric.train.layout import layout_of_flags
 from astrai_fabric.train.loaders import LoaderArgs, make_loader, shut_down_workers, split_validation
-from astrai_fabric.train.models import initial_model, load_sharded_weights, lora_spec
+from astrai_fabric.train.models import initial_model, load_sharded_weights, lora_spec, meta_model
 from astrai_fabric.train.outputs import hold_ckpt_dir, make_saver, refuse_to_overwrite, written_names
 from astrai_fabric.train.plan import (
     ParameterSummary,
@@ -184,7 +188,7 @@ def describe_run_plan(
     layout, shards = None, 1
     if is_fsdp(fabric) and world_size > 1:
         try:
-            fsdp = mesh_layout(world_size, args.tp_size, args.fsdp_shard_size, args.cp_size, args.ep_size)
+            fsdp = layout_of_flags(args, world_size)
             layout, shards = fsdp.describe(), fsdp.num_fsdp_shards
         except UserError:  # a caller's own ModelParallelStrategy, laid out otherwise: its layout is not ours to say
             layout = None
@@ -259,6 +263,8 @@ class TrainTask:
     """How the loaders stack samples into a micro-batch; None: torch's default collate."""
     checkpoint_meta: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Extra ``meta.json`` keys of every checkpoint of the run (dpo's, kto's and grpo's reference model)."""
+    pipeline_loss: StageLoss | None = None
+    """How a pipeline's last stage takes this train type's loss (``--pp_size``); None: not trained in stages."""
     make_batches: Callable[[TrainState, Iterable], Iterable] | None = None
     """``make_batches(state, loader)``: the training batches made from the loader's with the live model and position
     (online grpo and dpo sample their responses there: the loop's seam, see ``loop/__init__.py``); None: the
@@ -284,12 +290,25 @@ def train_on(fabric: Fabric, args: TrainArgs, start: Start, task: TrainTask) -> 
         if val_set is not None:
             val_loader = make_loader(fabric, val_set, loader_args, shuffle=False, collate=task.collate)[0]
         state = TrainState(model, optimizer, scheduler, position)
+        pipeline = None
+        if pp_size_of(fabric) > 1:
+            compute_dtype = DTYPES.get(args.fsdp_param_dtype) or next(model.parameters()).dtype
+            pipeline = Pipeline(
+                fabric,
+                model,
+                args.pp_schedule,
+                args.grad_accum_steps,
+                args.batch_per_device,
+                compute_dtype,
+                task.pipeline_loss,
+            )
         batches = task.make_batches(state, train_loader) if task.make_batches is not None else train_loader
         profiler = StepProfiler.for_run(fabric, args.profile_step_range, args.ckpt_dir, position)  # or None
         batches = profiler.steps_of(batches) if profiler is not None else batches
 
+        whole = model if pipeline is None else meta_model(start.model_config, args)  # a stage holds some blocks
         parameters = summarize_parameters(
-            model, args, precision_of(fabric), Placement.of_fabric(fabric, args).num_shards
+            whole, args, precision_of(fabric), Placement.of_fabric(fabric, args).num_shards
         )
         data = describe_data(args, len(train_set), task.data_summary, val_set)
         fabric.print(describe_run_plan(fabric, args, start, parameters, plan, scheduler, schedule_note, position, data))
@@ -335,6 +354,7 @@ def train_on(fabric: Fabric, args: TrainArgs, start: Start, task: TrainTask) -> 
                     reporter=reporter,
                     val_loader=val_loader,
                     stop=stop,
+                    pipeline=pipeline,
                 )
         finally:
             shut_down_workers(train_loader, val_loader)

@@ -12,7 +12,6 @@ from astrai_fabric.checkpoint.ownership import in_use_message, lock_holder, not_
 from astrai_fabric.config.train import RECIPE_FILE, RECIPE_HEADER, TrainArgs
 from astrai_fabric.errors import UserError
 from astrai_fabric.hub import HUB_FLAGS, looks_like_hub_id, pin_cached_flags
-from astrai_fabric.mesh import mesh_layout
 from astrai_fabric.optim.muon_owners import planned_layout, resolve_spread_replicated
 from astrai_fabric.schedule import StepPlan
 from astrai_fabric.strategy import (
@@ -26,6 +25,7 @@ from astrai_fabric.strategy import (
 from astrai_fabric.train.checks import Placement, preflight
 from astrai_fabric.train.common import build_schedule
 from astrai_fabric.train.footprint_plan import plan_cluster
+from astrai_fabric.train.layout import layout_of_flags
 from astrai_fabric.train.loaders import split_validation
 from astrai_fabric.train.models import meta_model
 from astrai_fabric.train.outputs import written_names
@@ -49,7 +49,7 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
     layout, shards, num_dp_ranks = None, 1, topology.world_size
     if args.parallel_mode == "fsdp" and topology.world_size > 1:
         try:
-            fsdp = mesh_layout(topology.world_size, args.tp_size, args.fsdp_shard_size, args.cp_size, args.ep_size)
+            fsdp = layout_of_flags(args, topology.world_size)
             layout, shards, num_dp_ranks = fsdp.describe(), fsdp.num_fsdp_shards, fsdp.num_dp_ranks
         except UserError as err:
             problems.append(str(err))

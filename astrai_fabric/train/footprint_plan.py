@@ -13,9 +13,10 @@ from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import UserError
 from astrai_fabric.footprint import Adapters, Footprint, Layout, Workload, footprint
-from astrai_fabric.mesh import MeshLayout, mesh_layout
+from astrai_fabric.mesh import MeshLayout
 from astrai_fabric.optim.muon_owners import resolve_spread_replicated
 from astrai_fabric.strategy import Topology, planned_accelerator
+from astrai_fabric.train.layout import layout_of_flags
 
 PAIRED = ("dpo", "reward_model")
 """Train types whose forward takes a chosen and a rejected sequence per sample."""
@@ -79,7 +80,7 @@ def plan_cluster(
     world = topology.world_size
     if args.parallel_mode == "fsdp" and world > 1:
         try:
-            mesh = mesh_layout(world, args.tp_size, args.fsdp_shard_size, args.cp_size, args.ep_size)
+            mesh = layout_of_flags(args, world)
         except UserError:
             return None
     else:

@@ -20,6 +20,7 @@ from astrai_fabric.data.datasets import RecordDataset, collate_records
 from astrai_fabric.data.windows import WindowData, build_windows
 from astrai_fabric.losses import causal_lm_loss, token_nll_weights, with_moe_aux_loss
 from astrai_fabric.model import forward_window
+from astrai_fabric.model.pipeline import StageLoss
 from astrai_fabric.train.common import TrainTask, train_on
 from astrai_fabric.train.start import Start, resolve_start
 
@@ -69,4 +70,6 @@ def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
         loss_chunk_size=start.loss_chunk_size(args),
     )
     collate = collate_records if isinstance(dataset, RecordDataset) else None  # records vary in length: padded
-    return train_on(fabric, args, start, TrainTask(dataset, summary, compute_loss, collate))
+    pipeline_loss = StageLoss(start.loss_chunk_size(args), args.label_smoothing)
+    task = TrainTask(dataset, summary, compute_loss, collate, pipeline_loss=pipeline_loss)
+    return train_on(fabric, args, start, task)

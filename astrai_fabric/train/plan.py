@@ -4,6 +4,7 @@ the same lines in the same form (the dry run adds what is missing)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sized
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,10 +17,12 @@ from astrai_fabric import assets, lora
 from astrai_fabric.checkpoint.position import RunPosition
 from astrai_fabric.config.train import HF_DEFAULT_WINDOW, TrainArgs
 from astrai_fabric.data.windows import PACKING_LINE
+from astrai_fabric.errors import UserError
 from astrai_fabric.losses import REFERENCE_FREE, loss_chunk_reason
 from astrai_fabric.model.context_parallel import describe_context_parallel
 from astrai_fabric.model.expert_parallel import describe_expert_parallel
 from astrai_fabric.model.ffn import describe_routing
+from astrai_fabric.model.pipeline import describe_pipeline
 from astrai_fabric.optim import OptimArgs, optimizer_groups, optimizer_state_bytes, resolve_ns_dtype
 from astrai_fabric.optim.muon_owners import resolve_spread_replicated
 from astrai_fabric.profiling import describe_profiling
@@ -322,6 +325,10 @@ def describe_plan(
             rows.append(("context", context))
         if (args.ep_size or 1) > 1 and start.model_config.num_moe_layers:
             rows.append(("experts", describe_expert_parallel(start.model_config, args.ep_size)))
+        if (args.pp_size or 1) > 1:
+            with contextlib.suppress(UserError):  # the preflight names a model the stages cannot split
+                pipeline = describe_pipeline(start.model_config, args.pp_size, args.pp_schedule, args.grad_accum_steps)
+                rows.append(("pipeline", pipeline))
     if parameters is not None:
         rows.append(("parameters", parameters.describe()))
         if muon is not None and args.resolved_optimizer == "muon_adamw":

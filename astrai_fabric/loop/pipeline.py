@@ -1,0 +1,162 @@
+"""``Pipeline``: one accumulation window through torch's pipelining schedules (``--pp_size``); the only importer of
+``torch.distributed.pipelining``.
+
+A window's ``grad_accum_steps`` micro-batches are the pipeline's micro-batches: the first stage is given them
+stacked, the schedule splits them back (each is padded to ``batch_per_device`` rows first, the padding weighing 0,
+so every micro-batch has one shape: stages allocate their receive buffers once, from the shapes given), runs each
+stage's forwards and backwards in its order (GPipe: every forward, then every backward; 1F1B: one of each once the
+pipeline is full) and sends activations forward and their gradients back between neighbouring stages.
+
+How the loop's semantics map onto it:
+
+- the loss: the last stage's forward returns each position's cross-entropy (``model.pipeline``); the schedule's loss
+  function weighs it by the run's per-token weights (``losses.token_nll_weights``: seq's mean over the micro-batch,
+  sft's over its trained tokens) and divides by the micro-batches, as ``train_step`` divides each micro-batch's loss
+  by ``grad_accum_steps`` (AstrAI's scaling): so the schedule does not scale the gradients again;
+- the gate (DESIGN's decision 2): the schedule turns FSDP's gradient reduction off for every micro-batch's backward
+  and reduces once after the last (torch's ``perform_reduce_grad``): AstrAI's no-sync gating, per stage;
+- a tied embedding: its two copies' gradients (first and last stage) are summed over the pair's group, so both
+  apply the same update; the gradient norm counts the first stage's copy only, each stage's norm combined over the
+  pipeline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric import Fabric
+from torch import Tensor, nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.tensor import DTensor
+
+from astrai_fabric.losses import token_nll_weights
+from astrai_fabric.model.pipeline import PipelineStageLM, StageLoss
+from astrai_fabric.model.transformer import LM_HEAD_KEY
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+class Pipeline:
+    """The schedule of one rank's stage, built at the first window (its shapes come from the run's flags)."""
+
+    def __init__(
+        self,
+        fabric: Fabric,
+        model: nn.Module,
+        schedule: str,
+        num_micro_batches: int,
+        batch_per_device: int,
+        compute_dtype: torch.dtype,
+        loss: StageLoss,
+    ) -> None:
+        """``model``: the Fabric-wrapped stage (a ``PipelineStageLM`` under FSDP); ``compute_dtype``: the hidden
+        states' dtype between stages (the run's parameter dtype, or FSDP's ``param_dtype``)."""
+        self.fabric, self.schedule_name = fabric, schedule
+        self.module: PipelineStageLM = getattr(model, "module", model)
+        self.module.stage_loss = loss
+        self.stage = self.module.stage
+        self.num_micro_batches, self.batch_per_device = num_micro_batches, batch_per_device
+        self.compute_dtype = compute_dtype
+        self._schedule = None
+
+    def train_window(self, batches: Sequence[dict[str, Tensor]]) -> Tensor:
+        """Forward and backward of the window's micro-batches through every stage; returns the sum of their losses
+        on the last stage's ranks, times the stages (so that the mean over every rank, the others giving 0, is the
+        last stage's: ``train_step`` takes that mean), and 0 elsewhere. Then a tied embedding's gradients summed."""
+        device = self.fabric.device
+        ids, targets, positions, weights = _stacked(batches, self.batch_per_device, device)
+        schedule = self._schedule or self._build(ids.size(1), positions is not None)
+        inputs = (ids, targets) + ((positions,) if positions is not None else ())
+        losses: list[Tensor] = []
+        with self.fabric.autocast():
+            if self.stage.is_first:
+                schedule.step(*inputs)
+            elif self.stage.is_last:
+                schedule.step(target=weights, losses=losses)
+            else:
+                schedule.step()
+        self._sum_tied_gradients()
+        if not self.stage.is_last:
+            return torch.zeros((), device=device)
+        return torch.stack(losses).detach().sum() * self.num_micro_batches * self.stage.num_stages
+
+    def norm_over_stages(self, norm: Tensor) -> Tensor:
+        """The gradient norm of the whole model from this stage's (each rank's of its own stage): summed in squares
+        over the pipeline."""
+        total = norm.float().pow(2)
+        dist.all_reduce(total, group=self.stage.group)
+        return total.sqrt()
+
+    def counted(self, name: str) -> bool:
+        """Whether parameter ``name`` (the stage's, or the Fabric-wrapped stage's) enters the gradient norm: all but
+        the last stage's copy of a tied embedding."""
+        return not (self.module.config.tied and self.stage.is_last and name.endswith(LM_HEAD_KEY))
+
+    def grad_snr_options(self) -> dict[str, Any]:
+        """``GradSNR``'s arguments for a stage: its own parameters, its norms made the whole model's."""
+        return dict(counted=self.counted, over_stages=self.norm_over_stages)
+
+    def _build(self, seq_len: int, with_positions: bool):
+        """The stage and its schedule, with every shape given (torch's shape inference would run the last stage's
+        loss on uninitialised targets)."""
+        stage, config = self.stage, self.module.config
+        rows = self.batch_per_device
+
+        def meta(*shape: int, dtype: torch.dtype = torch.long) -> Tensor:
+            return torch.empty(shape, dtype=dtype, device="meta")
+
+        hidden = meta(rows, seq_len, config.hidden_size, dtype=self.compute_dtype).requires_grad_()
+        carried = (meta(rows, seq_len),) + ((meta(rows, seq_len),) if with_positions else ())
+        inputs = ((meta(rows, seq_len),) if stage.is_first else (hidden,)) + carried
+        outputs = meta(rows, seq_len, dtype=torch.float32) if stage.is_last else (hidden, *carried)
+        pipeline_stage = PipelineStage(
+            self.module,
+            stage.index,
+            stage.num_stages,
+            self.fabric.device,
+            input_args=inputs,
+            output_args=outputs,
+            group=stage.group,
+        )
+        num_micro_batches = self.num_micro_batches
+
+        def weighted_loss(token_nll: Tensor, weights: Tensor) -> Tensor:
+            return (token_nll * weights).sum() / num_micro_batches
+
+        self._schedule = SCHEDULES[self.schedule_name](
+            pipeline_stage, num_micro_batches, loss_fn=weighted_loss, scale_grads=False
+        )
+        return self._schedule
+
+    def _sum_tied_gradients(self) -> None:
+        if not self.module.config.tied or self.stage.ends_group is None:
+            return
+        weight = self.module.embed_tokens.weight if self.stage.is_first else self.module.lm_head.weight
+        grad = weight.grad
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        dist.all_reduce(local, group=self.stage.ends_group)
+
+
+def _stacked(
+    batches: Sequence[dict[str, Tensor]], rows: int, device: torch.device
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+    """The window's input ids, targets, position ids (sft's packed documents; None for seq) and per-token loss
+    weights, each micro-batch padded to ``rows`` rows (copies of its first, weighing 0) and stacked."""
+
+    def padded(tensor: Tensor) -> Tensor:
+        short = rows - tensor.size(0)
+        return tensor if not short else torch.cat([tensor, tensor[:1].expand(short, *tensor.shape[1:])])
+
+    ids, targets, positions, weights = [], [], [], []
+    for batch in batches:
+        weight = token_nll_weights(batch["target_ids"], batch.get("loss_mask"))
+        ids.append(padded(batch["input_ids"]))
+        targets.append(padded(batch["target_ids"]))
+        weights.append(torch.cat([weight, weight.new_zeros(rows - weight.size(0), weight.size(1))]))
+        if "position_ids" in batch:
+            positions.append(padded(batch["position_ids"]))
+    stack = lambda parts: torch.cat(parts).to(device).contiguous()  # noqa: E731
+    return stack(ids), stack(targets), stack(positions) if positions else None, stack(weights)
