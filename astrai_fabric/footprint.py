@@ -37,10 +37,12 @@ docs/performance.md has the table.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.mesh import MeshLayout
+from astrai_fabric.model.pipeline import stage_layers
 from astrai_fabric.model.transformer import ParameterCounts, parameter_counts
 from astrai_fabric.optim import STATE_BUFFERS
 from astrai_fabric.optim.muon import OWNER_ROUND_BYTES
@@ -171,6 +173,10 @@ class Workload:
     """Bytes per element of Muon's Newton-Schulz iteration (``--muon_ns_dtype``: bfloat16 on CUDA by default)."""
     muon_spread: bool = False
     """``--muon_spread_replicated`` resolved: under DDP each matrix orthogonalised by one rank and sent to the rest."""
+    pp_schedule: str = "1f1b"
+    """``--pp_schedule`` under pipeline stages: how many micro-batches' activations a stage holds at once."""
+    carries_positions: bool = False
+    """Whether a pipeline's stages send position ids with the hidden states (sft's packed documents)."""
 
 
 @dataclass(frozen=True)
@@ -188,9 +194,15 @@ class Collective:
     all_reduce: bool = False
     """An all-reduce moves its bytes twice (reduce-scatter then all-gather)."""
 
+    point_to_point: bool = False
+    """Sends to a neighbour (a pipeline's stages): all of its bytes cross the link."""
+
     @property
     def link_bytes(self) -> int:
-        """Bytes on this rank's link per step: ``(n - 1) / n`` of what it hands over, twice for an all-reduce."""
+        """Bytes on this rank's link per step: ``(n - 1) / n`` of what it hands over, twice for an all-reduce, all
+        of it for a send."""
+        if self.point_to_point:
+            return self.handed_bytes
         share = (self.group_size - 1) / self.group_size
         return int(self.handed_bytes * share * (2 if self.all_reduce else 1))
 
@@ -213,7 +225,8 @@ class Footprint:
     gathered_parameters: int
     """FSDP's unsharded parameters at the forward's end (``gathered_bytes``)."""
     activations: int
-    """What one micro-batch's forward saves for its backward in the blocks (``activation_bytes``)."""
+    """What the forward saves for its backward in the blocks (``activation_bytes``): one micro-batch's, or on a
+    pipeline's stage those of the micro-batches it holds at once (``micro_batches_held``)."""
     head_and_loss: int
     """The logits and their log-softmax, and the gradient the loss sends back into them."""
     step_temporaries: int
@@ -224,6 +237,10 @@ class Footprint:
     backward frees the activations, and the peak holds one or the other."""
     collectives: list[Collective] = field(default_factory=list)
     """Each collective of one optimizer step (``step_collectives``)."""
+    stage: int | None = None
+    """Under pipeline stages, the stage these figures are of: the one whose peak is the highest."""
+    micro_batches_held: int = 1
+    """Micro-batches whose activations the rank holds at once (several on a pipeline's stages)."""
 
     @property
     def model_states(self) -> int:
@@ -483,7 +500,11 @@ def owners_exchange(
 
 
 def footprint(config: ModelConfig, layout: Layout, workload: Workload) -> Footprint:
-    """One rank's memory at its peak and its communication per step."""
+    """One rank's memory at its peak and its communication per step; under pipeline stages, a rank of the stage
+    whose peak is the highest (``stage_footprint``)."""
+    if layout.mesh.pp > 1:
+        stages = stage_layers(config, layout.mesh.pp)
+        return max((stage_footprint(config, layout, workload, stages, s) for s in range(len(stages))), key=_peak)
     counts = parameter_counts(config)
     parameters, gradients, optimizer_state = model_state_bytes(config, counts, layout, workload)
     activations, head_and_loss = activation_bytes(config, layout, workload)
@@ -503,6 +524,67 @@ def footprint(config: ModelConfig, layout: Layout, workload: Workload) -> Footpr
         + owners_exchange(config, counts, layout, workload)[0],
         workload.grad_accum_steps > 1,
         step_collectives(config, counts, layout, workload, positions),
+    )
+
+
+def _peak(found: Footprint) -> int:
+    return found.total
+
+
+def stage_footprint(
+    config: ModelConfig, layout: Layout, workload: Workload, stages: list[range], index: int
+) -> Footprint:
+    """A rank of pipeline stage ``index`` (its blocks ``stages[index]``, ``model.pipeline.stage_layers``): the
+    stage's parameters sharded inside it as a whole model's are (the embedding on the first stage, the final norm
+    and the head on the last: a tied head's copy too), the activations of the micro-batches in flight there (GPipe:
+    all of them; 1F1B: the stages after it, at most the micro-batches), the head and loss on the last stage only
+    (one micro-batch's under 1F1B), and per step, besides the stage's own collectives, its sends to its neighbours
+    (forward: the hidden states with the targets and, for sft, the position ids; backward: the hidden states'
+    gradient) and, with tied embeddings, the all-reduce of the embedding's gradient between the end stages."""
+    blocks, num_stages = stages[index], len(stages)
+    first, last = index == 0, index == num_stages - 1
+    types = None if config.layer_types is None else config.layer_types[blocks.start : blocks.stop]
+    own = dataclasses.replace(config, num_hidden_layers=len(blocks), layer_types=types)
+    whole = parameter_counts(own)
+    embedding = config.vocab_size * config.hidden_size
+    counts = dataclasses.replace(
+        whole,
+        embeddings=embedding * (first + last),  # an end stage's own: the embedding, the head (or its tied copy)
+        norms=whole.norms - (0 if last else config.hidden_size),
+    )
+    parameters, gradients, optimizer_state = model_state_bytes(own, counts, layout, workload)
+    activations, head_and_loss = activation_bytes(own, layout, workload)
+    micro = workload.grad_accum_steps
+    in_flight = micro if workload.pp_schedule == "gpipe" else min(micro, num_stages - index)
+    heads_in_flight = (micro if workload.pp_schedule == "gpipe" else 1) if last else 0
+    positions = workload.sequences_per_micro_batch * workload.window
+    collectives = step_collectives(own, counts, layout, workload, positions)
+    mesh = layout.mesh
+    link = layout.link(mesh.ranks_per_stage * 2)  # a neighbour stage's rank: one stage's ranks away
+    hidden = positions * config.hidden_size * workload.compute_bytes
+    carried = positions * 8 * (2 if workload.carries_positions else 1)  # the targets (and position ids): int64
+    sent = micro * ((0 if last else hidden + carried) + (0 if first else hidden))
+    collectives.append(Collective("PP send", 2, link, sent, point_to_point=True))
+    if config.tied and (first or last):
+        shards = mesh.num_fsdp_shards if layout.fsdp else 1
+        ends = layout.link(mesh.world_size)
+        tied = int(embedding / shards * workload.reduce_bytes)
+        collectives.append(Collective("PP all-reduce (tied embedding)", 2, ends, tied, True))
+    tables = 2 if config.rope_local_theta is not None else 1
+    return Footprint(
+        parameters,
+        gradients,
+        optimizer_state,
+        tables * config.max_position_embeddings * config.rope_dim * 4,
+        0,
+        gathered_bytes(counts, own, layout, workload),
+        in_flight * activations,
+        heads_in_flight * head_and_loss,
+        adamw_step_temporaries(counts, layout, workload, gradients) + owners_exchange(own, counts, layout, workload)[0],
+        micro > 1,
+        collectives,
+        stage=index,
+        micro_batches_held=in_flight,
     )
 
 

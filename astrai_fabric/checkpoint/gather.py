@@ -17,6 +17,7 @@ The whole model's order comes from a rank's own: its parameters of one MoE layer
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,7 +28,8 @@ from torch.optim import Optimizer
 
 from astrai_fabric.errors import CheckpointError
 from astrai_fabric.model.expert_parallel import ExpertGroup, moe_layers
-from astrai_fabric.model.transformer import LM_HEAD_KEY
+from astrai_fabric.model.transformer import EMBED_KEY, LM_HEAD_KEY
+from astrai_fabric.torch_private import uncompiled
 
 EXPERT = re.compile(r"^(?P<layer>.*\.routed_experts\.)(?P<index>\d+)(?P<rest>\..+)$")
 """A routed expert's tensor: ``<layer>.routed_experts.<index>.<rest>``."""
@@ -137,17 +139,18 @@ def gather_optimizer_state(
 ) -> dict[str, Any]:
     """``optimizer.state_dict()`` as one process over the whole model would save it, on the rank that ``keep``s
     it (``parts``: the torch optimizers inside, ``state.optimizer_parts``)."""
-    stage = _stage_of(model)
-    if stage is not None:
-        return _gather_stages_optimizer(optimizer, parts, model, stage, keep)
-    experts = _experts_of(model)
-    if experts is None:
+    whole_names = _WholeNames.of(model, parts)
+    if whole_names is None:
         return gather_full(optimizer.state_dict(), keep)
-    names = {id(p): name for name, p in model.named_parameters()}
-    whole = {
-        part_name: None if part is None else _gather_part(part, names, experts, keep)
-        for part_name, part in parts.items()
-    }
+    stage, experts = _stage_of(model), _experts_of(model)
+    whole = {}
+    for part_name, part in parts.items():
+        if part is not None:
+            saved = part.state_dict()
+            gather = _stage_entries if stage is not None else _expert_entries
+            entries = gather(saved, whole_names, part_name, stage or experts, keep)
+            part = whole_names.renumbered(part_name, saved, entries) if keep else None
+        whole[part_name] = part
     return whole[None] if None in whole else whole
 
 
@@ -170,129 +173,143 @@ def _from_every_stage(stage: Any, gather: Any, keep: bool) -> list[Any] | None:
     return parts
 
 
-def _gather_stages_optimizer(
-    optimizer: Optimizer, parts: dict[str | None, Optimizer | None], model: nn.Module, stage: Any, keep: bool
-) -> dict[str, Any] | None:
-    """The whole optimizer state from every pipeline stage's (``gather_optimizer_state``): each stage's entries and
-    groups by parameter name, joined in stage order (a stage holds the whole model's parameters in the whole
-    model's order, a slice of them), then numbered as one process numbers them. A tied head's copy on the last
-    stage is the first stage's embedding: left out."""
-    names = {id(p): name for name, p in model.named_parameters()}
-    tied_copy = "lm_head.weight" if model.config.tied and stage.is_last else None
+def _stage_entries(saved: dict, whole_names: _WholeNames, part_name: str | None, stage: Any, keep: bool) -> dict:
+    """Every pipeline stage's entries of one optimizer part, whole and by parameter name, on the rank that ``keep``s
+    them (see ``gather_optimizer_state``): a tied head's copy on the last stage is the first stage's embedding."""
+    local = [n for group in whole_names.groups[part_name] for n in group]
 
     def by_name(keep_here: bool) -> dict:
-        named = {}
-        for part_name, part in parts.items():
-            if part is None:
-                named[part_name] = None
-                continue
-            saved = gather_full(part.state_dict(), keep_here)
-            local = [names[id(p)] for group in part.param_groups for p in group["params"]]
-            entries = {local[i]: entry for i, entry in (saved["state"] or {}).items() if local[i] != tied_copy}
-            groups = [
-                [names[id(p)] for p in group["params"] if names[id(p)] != tied_copy] for group in part.param_groups
-            ]
-            named[part_name] = (entries, groups, saved["param_groups"])
-        return named
+        state = gather_full(saved["state"], keep_here)
+        return {local[i]: entry for i, entry in state.items() if local[i] not in whole_names.copies}
 
     stages = _from_every_stage(stage, by_name, keep)
-    if not keep:
-        return None
-    whole = {}
-    for part_name in parts:
-        if stages[0][part_name] is None:
-            whole[part_name] = None
-            continue
-        entries, groups, start = {}, [], 0
-        for index, saved_group in enumerate(stages[0][part_name][2]):
-            order = [name for named in stages for name in named[part_name][1][index]]
-            for named in stages:
-                entries |= {
-                    start + k: named[part_name][0][name] for k, name in enumerate(order) if name in named[part_name][0]
-                }
-            groups.append({**saved_group, "params": list(range(start, start + len(order)))})
-            start += len(order)
-        whole[part_name] = {"state": entries, "param_groups": groups}
-    return whole[None] if None in whole else whole
+    return {name: entry for entries in stages or () for name, entry in entries.items()}
 
 
 def numbered_as_whole(optimizer: Optimizer, parts: dict[str | None, Optimizer | None], model: nn.Module) -> Any:
     """``optimizer.state_dict()`` with this rank's entries numbered as the whole model's parameters and each group
     listing all of them, nothing gathered: what each rank writes into a sharded checkpoint, so that ranks holding
-    different experts write different entries, and the files read whole are one process's state
-    (``local_optimizer_state`` takes it back). As it is without expert parallelism."""
-    experts = _experts_of(model)
-    if experts is None:
+    different experts or stages write different entries, and the files read whole are one process's state
+    (``local_optimizer_state`` takes it back). As it is without expert or pipeline parallelism."""
+    whole_names = _WholeNames.of(model, parts)
+    if whole_names is None:
         return optimizer.state_dict()
-    names = {id(p): name for name, p in model.named_parameters()}
     whole = {}
     for part_name, part in parts.items():
         if part is not None:
             saved = part.state_dict()
-            local = [names[id(p)] for group in part.param_groups for p in group["params"]]
-            part = _renumbered(part, saved, {local[i]: entry for i, entry in saved["state"].items()}, names, experts)
+            local = [n for group in whole_names.groups[part_name] for n in group]
+            entries = {local[i]: entry for i, entry in saved["state"].items() if local[i] not in whole_names.copies}
+            part = whole_names.renumbered(part_name, saved, entries)
         whole[part_name] = part
     return whole[None] if None in whole else whole
 
 
 def local_optimizer_state(state: Any, parts: dict[str | None, Optimizer | None], model: nn.Module, source: Any) -> Any:
     """A whole optimizer state (``optimizer.pt``) cut to this rank's parameters and numbered as its optimizer
-    numbers them (as it is without expert parallelism). ``source`` names the file in errors; what else does not
-    fit is left for ``state.load_optimizer_state`` to name."""
-    experts = _experts_of(model)
-    if experts is None:
+    numbers them (as it is without expert or pipeline parallelism). ``source`` names the file in errors; what else
+    does not fit is left for ``state.load_optimizer_state`` to name. Collective under pipeline parallelism."""
+    whole = _WholeNames.of(model, parts)
+    if whole is None:
         return state
-    names = {id(p): name for name, p in model.named_parameters()}
+
+    def cut(part_name: str | None, saved: Any) -> Any:
+        local = [whole.alias.get(n, n) for group in whole.groups[part_name] for n in group]
+        return _local_part(parts[part_name], saved, local, whole.orders[part_name], source)
+
     if None in parts:
-        return _local_part(parts[None], state, names, experts, source)
+        return cut(None, state)
     if not (isinstance(state, dict) and set(state) == set(parts)):
         return state
-    return {
-        name: state[name] if part is None else _local_part(part, state[name], names, experts, source)
-        for name, part in parts.items()
-    }
+    return {name: state[name] if part is None else cut(name, state[name]) for name, part in parts.items()}
 
 
-def _gather_part(part: Optimizer, names: dict, experts: _Experts, keep: bool) -> dict | None:
-    """One torch optimizer's state, whole (see ``gather_optimizer_state``)."""
-    saved = part.state_dict()
-    local = [names[id(p)] for group in part.param_groups for p in group["params"]]
+@dataclass(frozen=True)
+class _WholeNames:
+    """How a rank's optimizer parts name their parameters, and how the whole model's optimizer lists them, where a
+    rank holds part of the model: some experts (expert parallelism) or some blocks (a pipeline stage)."""
+
+    groups: dict[str | None, list[list[str]]]
+    """Each part's groups, as this rank's names of its parameters."""
+    orders: dict[str | None, list[list[str]]]
+    """Each part's groups, as the whole model's names of all its parameters, in the whole model's order."""
+    alias: dict[str, str]
+    """This rank's names of a tensor the whole model names otherwise: the last stage's copy of a tied head is the
+    embedding's entry."""
+    copies: frozenset[str] = frozenset()
+    """This rank's parameters whose entries another rank owns (the tied head's copy): never written from here."""
+
+    @classmethod
+    def of(cls, model: nn.Module, parts: dict[str | None, Optimizer | None]) -> _WholeNames | None:
+        """None when the rank holds the whole model (collective under pipeline parallelism: every stage's names
+        are gathered)."""
+        experts, stage = _experts_of(model), _stage_of(model)
+        if experts is None and stage is None:
+            return None
+        raw = uncompiled(getattr(model, "module", model))  # Fabric's wrapper, torch.compile's: the file's names
+        names = {id(p): name for name, p in raw.named_parameters()}
+        groups = {
+            part_name: [[names[id(p)] for p in group["params"]] for group in part.param_groups]
+            for part_name, part in parts.items()
+            if part is not None
+        }
+        if stage is None:
+            orders = {part: [experts.whole_order(group) for group in of_part] for part, of_part in groups.items()}
+            return cls(groups, orders, {})
+        # Each group's whole order: every stage's share of it, in stage order (a stage's parameters are a slice of
+        # the whole model's, in its order), the tied head's copy left out.
+        copies = frozenset({LM_HEAD_KEY} if model.config.tied and stage.is_last else ())
+        own = {part: [[n for n in group if n not in copies] for group in of_part] for part, of_part in groups.items()}
+        every_stage = [None] * stage.num_stages
+        dist.all_gather_object(every_stage, own, group=stage.group)
+        orders = {
+            part: [[n for shares in every_stage for n in shares[part][g]] for g in range(len(of_part))]
+            for part, of_part in groups.items()
+        }
+        return cls(groups, orders, {name: EMBED_KEY for name in copies}, copies)
+
+    def renumbered(self, part_name: str | None, saved: dict, entries: dict[str, Any]) -> dict:
+        """``entries`` (optimizer state by parameter name) numbered as the whole model's parameters, in ``saved``'s
+        groups each listing the whole model's parameters."""
+        groups, state, start = [], {}, 0
+        for order, saved_group in zip(self.orders[part_name], saved["param_groups"], strict=True):
+            state |= {start + k: entries[name] for k, name in enumerate(order) if name in entries}
+            groups.append({**saved_group, "params": list(range(start, start + len(order)))})
+            start += len(order)
+        return {"state": state, "param_groups": groups}
+
+
+def _expert_entries(
+    saved: dict, whole_names: _WholeNames, part_name: str | None, experts: _Experts, keep: bool
+) -> dict:
+    """One optimizer part's entries by parameter name, every expert's included, on the rank that ``keep``s them
+    (see ``gather_optimizer_state``)."""
+    local = [n for group in whole_names.groups[part_name] for n in group]
     mine = [i for i in sorted(saved["state"]) if EXPERT.match(local[i])]
     dense = gather_full({i: entry for i, entry in saved["state"].items() if i not in mine}, keep)
     tensors = [((i, k), v) for i in mine for k, v in saved["state"][i].items() if isinstance(v, Tensor)]
     gathered = experts.gather(tensors, keep)
     if not keep:
-        return None
+        return {}
     entries = {local[i]: entry for i, entry in dense.items()}
     for i in mine:
         for rank in range(experts.group.size):
             entry = {k: gathered[(i, k)][rank] if isinstance(v, Tensor) else v for k, v in saved["state"][i].items()}
             entries[experts.rename(local[i], rank)] = entry
-    return _renumbered(part, saved, entries, names, experts)
+    return entries
 
 
-def _renumbered(part: Optimizer, saved: dict, entries: dict[str, Any], names: dict, experts: _Experts) -> dict:
-    """``entries`` (optimizer state by parameter name) numbered as the whole model's parameters, in ``saved``'s
-    groups each listing the whole model's parameters."""
-    groups, state, start = [], {}, 0
-    for group, saved_group in zip(part.param_groups, saved["param_groups"], strict=True):
-        order = experts.whole_order([names[id(p)] for p in group["params"]])
-        state |= {start + k: entries[name] for k, name in enumerate(order) if name in entries}
-        groups.append({**saved_group, "params": list(range(start, start + len(order)))})
-        start += len(order)
-    return {"state": state, "param_groups": groups}
-
-
-def _local_part(part: Optimizer, whole: Any, names: dict, experts: _Experts, source: Any) -> Any:
-    """One torch optimizer's whole state cut to this rank's parameters (see ``local_optimizer_state``)."""
+def _local_part(part: Optimizer, whole: Any, local: list[str], orders: list[list[str]], source: Any) -> Any:
+    """One torch optimizer's whole state cut to this rank's parameters (see ``local_optimizer_state``): ``local``
+    names the part's parameters in its order (as the whole model names them), ``orders`` each of its groups' whole
+    list of names."""
     saved_groups = whole.get("param_groups") if isinstance(whole, dict) else None
     if not (isinstance(saved_groups, list) and isinstance(whole.get("state"), dict)):
         return whole
     if len(saved_groups) != len(part.param_groups) or not all(isinstance(g, dict) for g in saved_groups):
         return whole
     index_of, start = {}, 0
-    for group, saved_group in zip(part.param_groups, saved_groups, strict=True):
-        order = experts.whole_order([names[id(p)] for p in group["params"]])
+    for order, saved_group in zip(orders, saved_groups, strict=True):
         if len(saved_group.get("params", ())) != len(order):
             raise CheckpointError(
                 f"{source}: optimizer state has a group of {len(saved_group.get('params', ()))} parameters where "
@@ -300,7 +317,6 @@ def _local_part(part: Optimizer, whole: Any, names: dict, experts: _Experts, sou
             )
         index_of |= {name: start + k for k, name in enumerate(order)}
         start += len(order)
-    local = [names[id(p)] for group in part.param_groups for p in group["params"]]
     state = {i: whole["state"][index_of[name]] for i, name in enumerate(local) if index_of[name] in whole["state"]}
     groups, start = [], 0
     for group, saved_group in zip(part.param_groups, saved_groups, strict=True):

@@ -107,6 +107,8 @@ def plan_cluster(
         adapters=adapters_of(args),
         ns_bytes=4 if args.muon_ns_dtype == "float32" or (args.muon_ns_dtype == "auto" and cpu) else 2,
         muon_spread=resolve_spread_replicated(args.muon_spread_replicated, "cpu" if cpu else "cuda"),
+        pp_schedule=args.pp_schedule,
+        carries_positions=args.train_type == "sft",
     )
     return ClusterPlan(config, layout, workload, footprint(config, layout, workload), device_memory(args), per_sample)
 
@@ -144,17 +146,19 @@ def describe_memory(plan: ClusterPlan) -> str:
     optimizer = f"optimizer {human_bytes(fp.optimizer_state)} ({work.optimizer})"
     checkpointing = "on" if work.gradient_checkpointing else "off"
     head = f"chunks of {work.loss_chunk_size}" if work.loss_chunk_size else "whole logits"
+    held = f"{fp.micro_batches_held} micro-batches of " if fp.micro_batches_held > 1 else ""
     adapters = ""
     if work.adapters is not None:
         kind = "QLoRA" if work.adapters.quantized else "LoRA"
         adapters = f" ({kind}: gradients and optimizer state are the adapters')"
     lines = [
-        f"per rank at its peak (the forward's end), estimated: {human_bytes(fp.total)}{verdict}{adapters}",
+        f"per rank at its peak (the forward's end), estimated: {human_bytes(fp.total)}{verdict}{adapters}"
+        + (f" (stage {fp.stage}'s ranks, the fullest)" if fp.stage is not None else ""),
         f"parameters {human_bytes(fp.parameters)}, gradients {human_bytes(fp.gradients)}, {optimizer}"
         + (f", gathered by FSDP {human_bytes(fp.gathered_parameters)}" if fp.gathered_parameters else "")
         + (f", DDP's buckets {human_bytes(fp.gradient_buckets)}" if fp.gradient_buckets else "")
-        + f", activations {human_bytes(fp.activations)} ({work.sequences_per_micro_batch} x {work.window} positions, "
-        f"checkpointing {checkpointing}), head and loss {human_bytes(fp.head_and_loss)} ({head})",
+        + f", activations {human_bytes(fp.activations)} ({held}{work.sequences_per_micro_batch} x {work.window} "
+        f"positions, checkpointing {checkpointing}), head and loss {human_bytes(fp.head_and_loss)} ({head})",
     ]
     if plan.device_memory is not None:
         largest = plan.largest_micro_batch() // plan.sequences_per_sample
