@@ -1,6 +1,10 @@
-"""Model parallelism for ``ModelParallelStrategy``: tensor parallelism, then FSDP2. The only ``fully_shard`` importer.
+"""Model parallelism for ``ModelParallelStrategy``: a pipeline stage kept, tensor parallelism, then FSDP2. The only
+``fully_shard`` importer.
 
-The meshes come from ``mesh.build_meshes`` (one layout for every dimension): FSDP2 shards over the data ranks
+The meshes come from ``mesh.build_meshes`` (one layout for every dimension). With ``pp_size`` the model is first cut
+to this rank's pipeline stage (``model.pipeline.keep_stage``), and everything below applies to the stage as it
+would to a whole model (the stage is FSDP's root; torch's pipelining turns its gradient reduction off and on per
+micro-batch). FSDP2 shards over the data ranks
 (``fsdp_shard_size`` of them, times the context ranks) and replicates over the rest (HSDP, torch's ``fully_shard``
 on a 2-D mesh); with ``cp_size`` the attention modules exchange sequence for heads over the context group
 (``model.context_parallel``); with ``ep_size`` each MoE layer's routed experts are dealt out over an expert group

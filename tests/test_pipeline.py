@@ -80,7 +80,6 @@ def test_the_pipeline_is_the_outermost_dimension_of_the_mesh():
         (dict(train_type="sft", packing=False), "pp_size 2 with --packing false"),
         (dict(neftune_alpha=5.0), "pp_size 2 with neftune_alpha: not supported with pipeline stages yet"),
         (dict(lora_r=4), "pp_size 2 with lora_r"),
-        (dict(val_split=0.1), "pp_size 2 with val_split"),
         (dict(compile="default"), "pp_size 2 with compile"),
     ],
 )
@@ -132,7 +131,11 @@ PP2 = dict(parallel_mode="fsdp", pp_size=2)
 TWO_RANK_RUNS = {
     # GPipe, AdamW, the fused head (CPU's default) on seq's windows; the sharded state (torch distributed
     # checkpoint) at step 2, to resume.
-    "pp2_seq": dict(PP2, pp_schedule="gpipe", optimizer="adamw", sharded_checkpoint=True, ckpt_interval=2),
+    # Validated at every step (3 batches: a group of 2 micro-batches, then one filled with one weighing 0).
+    "pp2_seq": dict(
+        PP2, pp_schedule="gpipe", optimizer="adamw", sharded_checkpoint=True, ckpt_interval=2, val_split=0.0013,
+        val_step=1,
+    ),
     # 1F1B, Muon, sft's packed documents through the logits path, each block recomputed in the backward pass, a
     # checkpoint at step 2 to resume in one process.
     "pp2_sft": dict(
@@ -188,8 +191,12 @@ def pipeline_runs(tmp_path_factory):
 
 
 def _history(ckpt_dir) -> list[dict]:
+    """Each step's record, with its validation's loss when it has one."""
     lines = (ckpt_dir / "epoch_0_step_3" / "metric.jsonl").read_text().splitlines()
-    return [record for record in map(json.loads, lines) if record["type"] == "step"]
+    records = list(map(json.loads, lines))
+    validations = {r["step"]: r["val_loss"] for r in records if r["type"] == "validation"}
+    steps = [r for r in records if r["type"] == "step"]
+    return [r | ({"val_loss": validations[r["step"]]} if r["step"] in validations else {}) for r in steps]
 
 
 def _weights(ckpt_dir, step: int) -> dict[str, torch.Tensor]:
@@ -213,6 +220,9 @@ def test_a_pipeline_trains_what_one_process_trains(pipeline_runs, tmp_path, name
         # torch's float32 norms on CPU carry ~1e-5 relative error, differently per layout (as test_training_distributed)
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=5e-5)
         assert got["grad_snr"] == pytest.approx(want["grad_snr"], rel=1e-4)
+        if name in TWO_RANK_RUNS and "val_loss" in want:  # the same validation batches as one process
+            assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-5)
+    assert ("val_loss" in records[0]) == ("val_split" in (TWO_RANK_RUNS | FOUR_RANK_RUNS)[name])
 
 
 @pytest.mark.slow

@@ -12,6 +12,12 @@ it is.
 The whole model's order comes from a rank's own: its parameters of one MoE layer's routed experts are consecutive
 (one module's), and the whole model has every rank's block of experts there, in rank order (rank r holds experts
 ``[r E/N, (r+1) E/N)``): each such run is repeated once per rank, renamed for that rank's experts.
+
+Under ``--pp_size`` each stage holds a slice of the whole model's parameters, in its order, under the whole model's
+names (``model.pipeline``): the whole order of each optimizer group is every stage's share of it, in stage order,
+gathered from the pipeline's ranks (``_WholeNames``); each stage's tensors are made full within the stage and sent
+to rank 0 by the ranks of its place. A tied head is the embedding there: its last stage's copy is not written, and
+reads the embedding's entry back.
 """
 
 from __future__ import annotations

@@ -272,7 +272,6 @@ class TrainChecks:
             ("lora_r", bool(self.lora_r)),
             ("quantize", self.quantize is not None),
             ("compile", self.compile is not None),
-            ("val_split", bool(self.val_split)),
         ]
         problems += [
             f"pp_size {pp_size} with {name}: not supported with pipeline stages yet" for name, on in unsupported if on

@@ -92,7 +92,7 @@ def fit(
             _raise_nonfinite_update(fabric, args, reporter, result.nonfinite_update, culprit)
         if result.stepped:
             bad_in_a_row, last_update = 0, result
-            if _report(fabric, state, result, args, reporter, val_loader, compute_loss, first_step):
+            if _report(fabric, state, result, args, reporter, val_loader, compute_loss, first_step, pipeline):
                 checked_save()
         else:
             bad_in_a_row += 1
@@ -157,6 +157,7 @@ def _report(
     val_loader: DataLoader | None,
     compute_loss: LossFn,
     first_step: int,
+    pipeline: Pipeline | None,
 ) -> bool:
     """Record, show and log the step just taken (validating when due); returns whether a checkpoint is due."""
     position = state.position
@@ -173,7 +174,7 @@ def _report(
         record["grad_snr"] = result.grad_snr
     reporter.throughput(record, result.num_tokens, result.num_samples)
     if val_loader is not None and (step == 1 or step % args.val_step == 0):
-        record["val_loss"] = validate(fabric, state.model, val_loader, compute_loss)
+        record["val_loss"] = validate(fabric, state.model, val_loader, compute_loss, pipeline)
     last = result.stop_requested or args.budget_reached(position, first_step)
     reporter.step(record, list(result.metrics), position.epoch, position.consumed_samples, last)
     return step % args.ckpt_interval == 0
@@ -189,11 +190,16 @@ def _newest_checkpoint(fabric: Fabric, args: LoopArgs) -> str:
 
 
 @torch.no_grad()
-def validate(fabric: Fabric, model: nn.Module, loader: DataLoader, compute_loss: LossFn) -> float:
-    """Mean loss over the validation set, all ranks together (eval mode: no NEFTune, no MoE aux loss)."""
+def validate(
+    fabric: Fabric, model: nn.Module, loader: DataLoader, compute_loss: LossFn, pipeline: Pipeline | None = None
+) -> float:
+    """Mean loss over the validation set, all ranks together (eval mode: no NEFTune, no MoE aux loss); through the
+    pipeline's stages under ``pipeline`` (its last stage's losses)."""
     model.eval()
     total = torch.zeros(2, device=fabric.device)
-    for batch in loader:
+    if pipeline is not None:
+        total += pipeline.validation_loss(loader)
+    for batch in loader if pipeline is None else ():
         loss, _ = compute_loss(model, batch)
         total += torch.stack([loss.detach().float(), torch.ones((), device=fabric.device)])
     model.train()

@@ -22,7 +22,7 @@ How the loop's semantics map onto it:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -56,7 +56,7 @@ class Pipeline:
         states' dtype between stages (the run's parameter dtype, or FSDP's ``param_dtype``)."""
         self.fabric, self.schedule_name = fabric, schedule
         self.module: PipelineStageLM = getattr(model, "module", model)
-        self.module.stage_loss = loss
+        self.module.stage_loss = loss  # the last stage's forward takes this run's token losses
         self.stage = self.module.stage
         self.num_micro_batches, self.batch_per_device = num_micro_batches, batch_per_device
         self.compute_dtype = compute_dtype
@@ -66,22 +66,49 @@ class Pipeline:
         """Forward and backward of the window's micro-batches through every stage; returns the sum of their losses
         on the last stage's ranks, times the stages (so that the mean over every rank, the others giving 0, is the
         last stage's: ``train_step`` takes that mean), and 0 elsewhere. Then a tied embedding's gradients summed."""
+        losses = self._run(batches, len(batches), train=True)
+        self._sum_tied_gradients()
+        if not self.stage.is_last:
+            return torch.zeros((), device=self.fabric.device)
+        return torch.stack(losses).detach().sum() * self.num_micro_batches * self.stage.num_stages
+
+    @torch.no_grad()
+    def validation_loss(self, batches: Iterable[dict[str, Tensor]]) -> Tensor:
+        """``[sum of the micro-batches' losses, their count]`` over ``batches``, forward only through the stages
+        (the schedule's micro-batches at a time; the last group filled with copies weighing 0, not counted), on the
+        last stage's ranks; 0 elsewhere (so a sum over every rank is the last stage's)."""
+        total = torch.zeros(2, device=self.fabric.device)
+        group: list[dict[str, Tensor]] = []
+        for batch in [*batches, None]:
+            if batch is not None:
+                group.append(batch)
+            if group and (len(group) == self.num_micro_batches or batch is None):
+                real = len(group)
+                losses = self._run(group + [group[-1]] * (self.num_micro_batches - real), real, train=False)
+                if self.stage.is_last:
+                    total[0] += torch.stack(losses[:real]).sum() * self.num_micro_batches
+                    total[1] += real
+                group = []
+        return total
+
+    def _run(self, batches: Sequence[dict[str, Tensor]], real: int, train: bool) -> list[Tensor]:
+        """The schedule's step (``train``) or its forward-only ``eval`` over ``batches`` (the first ``real`` of them
+        weighing what they weigh, the rest 0); the last stage's per-micro-batch losses (divided by the
+        micro-batches), nothing elsewhere."""
         device = self.fabric.device
-        ids, targets, positions, weights = _stacked(batches, self.batch_per_device, device)
+        ids, targets, positions, weights = _stacked(batches, self.batch_per_device, real, device)
         schedule = self._schedule or self._build(ids.size(1), positions is not None)
+        run = schedule.step if train else schedule.eval
         inputs = (ids, targets) + ((positions,) if positions is not None else ())
         losses: list[Tensor] = []
         with self.fabric.autocast():
             if self.stage.is_first:
-                schedule.step(*inputs)
+                run(*inputs)
             elif self.stage.is_last:
-                schedule.step(target=weights, losses=losses)
+                run(target=weights, losses=losses)
             else:
-                schedule.step()
-        self._sum_tied_gradients()
-        if not self.stage.is_last:
-            return torch.zeros((), device=device)
-        return torch.stack(losses).detach().sum() * self.num_micro_batches * self.stage.num_stages
+                run()
+        return losses
 
     def norm_over_stages(self, norm: Tensor) -> Tensor:
         """The gradient norm of the whole model from this stage's (each rank's of its own stage): summed in squares
@@ -141,18 +168,19 @@ class Pipeline:
 
 
 def _stacked(
-    batches: Sequence[dict[str, Tensor]], rows: int, device: torch.device
+    batches: Sequence[dict[str, Tensor]], rows: int, real: int, device: torch.device
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
     """The window's input ids, targets, position ids (sft's packed documents; None for seq) and per-token loss
-    weights, each micro-batch padded to ``rows`` rows (copies of its first, weighing 0) and stacked."""
+    weights, each micro-batch padded to ``rows`` rows (copies of its first, weighing 0) and stacked; the micro-batches
+    after the first ``real`` weigh 0."""
 
     def padded(tensor: Tensor) -> Tensor:
         short = rows - tensor.size(0)
         return tensor if not short else torch.cat([tensor, tensor[:1].expand(short, *tensor.shape[1:])])
 
     ids, targets, positions, weights = [], [], [], []
-    for batch in batches:
-        weight = token_nll_weights(batch["target_ids"], batch.get("loss_mask"))
+    for index, batch in enumerate(batches):
+        weight = token_nll_weights(batch["target_ids"], batch.get("loss_mask")) * (index < real)
         ids.append(padded(batch["input_ids"]))
         targets.append(padded(batch["target_ids"]))
         weights.append(torch.cat([weight, weight.new_zeros(rows - weight.size(0), weight.size(1))]))
