@@ -409,8 +409,10 @@ def activation_bytes(config: ModelConfig, layout: Layout, workload: Workload) ->
 
 def gathered_bytes(counts: ParameterCounts, config: ModelConfig, layout: Layout, workload: Workload) -> int:
     """FSDP's unsharded parameters at the end of the forward: every block's when they stay gathered, else two
-    blocks' (one computing, one prefetched); the root's (embeddings, head, final norm) in both."""
-    if not layout.fsdp or layout.mesh.num_fsdp_shards == 1:
+    blocks' (one computing, one prefetched); the root's (embeddings, head, final norm) in both. A group of one rank
+    (a pipeline stage's, HSDP's replicas of one shard) gathers into copies all the same (measured,
+    ``bench/footprint.py``)."""
+    if not layout.fsdp:
         return 0
     mesh = layout.mesh
     per_block = (unsharded_parameters(counts, mesh) - counts.embeddings - config.hidden_size) / config.num_hidden_layers
@@ -531,6 +533,11 @@ def _peak(found: Footprint) -> int:
     return found.total
 
 
+def positions_of(workload: Workload) -> int:
+    """Positions of one micro-batch (one rank's, without context parallelism)."""
+    return workload.sequences_per_micro_batch * workload.window
+
+
 def stage_footprint(
     config: ModelConfig, layout: Layout, workload: Workload, stages: list[range], index: int
 ) -> Footprint:
@@ -554,10 +561,12 @@ def stage_footprint(
     )
     parameters, gradients, optimizer_state = model_state_bytes(own, counts, layout, workload)
     activations, head_and_loss = activation_bytes(own, layout, workload)
+    if not workload.loss_chunk_size:  # the stage's logits are not kept: log-softmax's output and two gradients
+        head_and_loss = positions_of(workload) * config.vocab_size * 12
     micro = workload.grad_accum_steps
     in_flight = micro if workload.pp_schedule == "gpipe" else min(micro, num_stages - index)
     heads_in_flight = (micro if workload.pp_schedule == "gpipe" else 1) if last else 0
-    positions = workload.sequences_per_micro_batch * workload.window
+    positions = positions_of(workload)
     collectives = step_collectives(own, counts, layout, workload, positions)
     mesh = layout.mesh
     link = layout.link(mesh.ranks_per_stage * 2)  # a neighbour stage's rank: one stage's ranks away

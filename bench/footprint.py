@@ -4,16 +4,17 @@
 
 Each layout runs a small decoder (4 heads, 2 KV heads, hidden 256, 2 layers, vocabulary 4,096; the MoE layout 4
 routed experts, top 2, and a shared one) on gloo ranks, one thread each, built as a run builds it
-(``parallelize`` for FSDP, HSDP, tensor, context and expert parallelism; torch's DDP for ddp), through two steps
-(forward, loss, backward, AdamW), the second measured:
+(``parallelize`` for FSDP, HSDP, tensor, context, expert and pipeline parallelism, the pipeline's micro-batch through
+``loop.pipeline``; torch's DDP for ddp), through two steps (forward, loss, backward, AdamW), the second measured, on
+the rank the plan describes (a pipeline's fullest stage):
 
 - live bytes per rank at the step's peak, by kind, from torch's ``MemTracker`` (a dispatch mode that follows every
   storage; not RSS): parameters, gradients, optimizer state, and everything else (activations, the head and loss,
   gathered parameters and temporaries), against the plan's same figures;
 - bytes handed to each kind of collective per step (an all-gather's output, a reduce-scatter's input, an
-  all-reduce's tensor, an all-to-all's input), counted where every collective passes, torch's dispatcher
-  (``c10d`` and ``_c10d_functional`` ops); all-reduces of fewer than 64 bytes are the step's scalars (the loss
-  and gradient norm), left out.
+  all-reduce's tensor, an all-to-all's input, a send's tensor), counted where every collective passes, torch's
+  dispatcher (``c10d`` and ``_c10d_functional`` ops); all-reduces of fewer than 64 bytes are the step's scalars (the
+  loss and gradient norm), left out.
 
 4-rank layouts are counted, not timed (2 cores). The table goes in docs/performance.md.
 """
@@ -45,6 +46,8 @@ LAYOUTS = {
     "fsdp4_muon": dict(ranks=4, mode="fsdp", optimizer="muon_adamw"),
     "ddp2_muon": dict(ranks=2, mode="ddp", optimizer="muon_adamw"),
     "ddp4_muon": dict(ranks=4, mode="ddp", optimizer="muon_adamw"),
+    "pp2": dict(ranks=2, mode="fsdp", pp=2),
+    "pp2_fsdp2": dict(ranks=4, mode="fsdp", pp=2),
 }
 SMALL_ALL_REDUCE = 64
 """All-reduces this small are the step's scalars (the loss, the gradient norm), not in the plan."""
@@ -76,7 +79,7 @@ class Collectives(TorchDispatchMode):
 
     KINDS = {"allgather": "all-gather", "all_gather": "all-gather", "reduce_scatter": "reduce-scatter",
              "allreduce": "all-reduce", "all_reduce": "all-reduce", "alltoall": "all-to-all",
-             "all_to_all": "all-to-all"}  # fmt: skip
+             "all_to_all": "all-to-all", "c10d.send": "send"}  # fmt: skip
 
     def __init__(self) -> None:
         super().__init__()
@@ -103,7 +106,7 @@ class Collectives(TorchDispatchMode):
 
         if "_c10d_functional" in name:  # (input, ..., group size for an all-gather)
             return size(args[0]) * (args[1] if kind == "all-gather" else 1)
-        if kind == "all-reduce":
+        if kind in ("all-reduce", "send"):  # (tensors, ...)
             return size(args[0])
         if kind == "all-gather":  # (outputs, input)
             return size(args[0])
@@ -130,20 +133,36 @@ def worker(name: str, window: int, out: str) -> None:
         tp = layout.get("tp", 1)
         mesh = init_device_mesh("cpu", (ranks // tp, tp), mesh_dim_names=("data_parallel", "tensor_parallel"))
         model = parallelize(
-            model, mesh, fsdp_shard_size=layout.get("shard"), cp_size=layout.get("cp"), ep_size=layout.get("ep")
+            model,
+            mesh,
+            fsdp_shard_size=layout.get("shard"),
+            cp_size=layout.get("cp"),
+            ep_size=layout.get("ep"),
+            pp_size=layout.get("pp"),
         )
     elif layout["mode"] == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
     name_and_spread = dict(name=layout.get("optimizer", "adamw"), muon_spread_replicated=True)  # CPU's default
     optimizer = build_optimizer(model, OptimArgs(**name_and_spread, ns_dtype=torch.float32))
     ids = torch.randint(0, 4096, (2, window + 1), generator=torch.Generator().manual_seed(dist.get_rank()))
+    pipeline = None
+    if layout.get("pp"):  # one micro-batch through the stages (the run's path: loop.pipeline), GPipe
+        from lightning.fabric import Fabric
+
+        from astrai_fabric.loop.pipeline import Pipeline
+        from astrai_fabric.model.pipeline import StageLoss
+
+        pipeline = Pipeline(Fabric(accelerator="cpu", devices=1), model, "gpipe", 1, 2, torch.float32, StageLoss())
 
     def step() -> None:
-        out = model(ids[:, :-1])
-        loss = F.cross_entropy(out.logits.flatten(0, 1).float(), ids[:, 1:].flatten())
-        if out.aux_loss is not None:
-            loss = loss + 0.01 * out.aux_loss
-        loss.backward()
+        if pipeline is not None:
+            pipeline.train_window([{"input_ids": ids[:, :-1], "target_ids": ids[:, 1:]}])
+        else:
+            out = model(ids[:, :-1])
+            loss = F.cross_entropy(out.logits.flatten(0, 1).float(), ids[:, 1:].flatten())
+            if out.aux_loss is not None:
+                loss = loss + 0.01 * out.aux_loss
+            loss.backward()
         optimizer.step()
         optimizer.zero_grad()
 
@@ -154,8 +173,11 @@ def worker(name: str, window: int, out: str) -> None:
     with tracker, collectives:
         step()
     # The optimizer step alone (after a forward and backward outside the tracker): its own peak.
-    output = model(ids[:, :-1])
-    F.cross_entropy(output.logits.flatten(0, 1).float(), ids[:, 1:].flatten()).backward()
+    if pipeline is not None:
+        pipeline.train_window([{"input_ids": ids[:, :-1], "target_ids": ids[:, 1:]}])
+    else:
+        output = model(ids[:, :-1])
+        F.cross_entropy(output.logits.flatten(0, 1).float(), ids[:, 1:].flatten()).backward()
     step_tracker = MemTracker()
     step_tracker.track_external(model, *parts)
     with step_tracker:
@@ -165,9 +187,11 @@ def worker(name: str, window: int, out: str) -> None:
         str(kind).split(".")[-1]: value
         for kind, value in tracker.get_tracker_snapshot("peak")[torch.device("cpu")].items()
     }
+    step_total = next(value for kind, value in step_peak.items() if str(kind) == "Total")
+    every_rank = [None] * ranks  # a pipeline's stages differ: the plan names the fullest
+    dist.all_gather_object(every_rank, dict(peak=peak, step_peak=step_total, collectives=collectives.bytes))
     if dist.get_rank() == 0:
-        step_total = next(value for kind, value in step_peak.items() if str(kind) == "Total")
-        Path(out).write_text(json.dumps(dict(peak=peak, step_peak=step_total, collectives=collectives.bytes)))
+        Path(out).write_text(json.dumps(every_rank))
 
 
 def main() -> None:
@@ -205,7 +229,8 @@ def compare(name: str, window: int, measured: dict) -> list[tuple[str, int, int]
     layout = LAYOUTS[name]
     ranks = layout["ranks"]
     if layout["mode"] == "fsdp":
-        mesh = mesh_layout(ranks, layout.get("tp"), layout.get("shard"), layout.get("cp"), layout.get("ep"))
+        sizes = (layout.get(key) for key in ("tp", "shard", "cp", "ep", "pp"))
+        mesh = mesh_layout(ranks, *sizes)
     else:
         mesh = MeshLayout(replicas=ranks, shards=1)
     plan = footprint(
@@ -222,8 +247,10 @@ def compare(name: str, window: int, measured: dict) -> list[tuple[str, int, int]
             optimizer=layout.get("optimizer", "adamw"),
             ns_bytes=4,
             muon_spread=True,
+            pp_schedule="gpipe",
         ),
     )
+    measured = measured[(plan.stage or 0) * mesh.ranks_per_stage]  # the plan's rank: the fullest stage's first
     peak = measured["peak"]
     rest = peak["Total"] - peak["PARAM"] - peak["OPT"] - peak["BUFFER"]  # DDP's buckets among the rest
     rows = [
@@ -244,7 +271,8 @@ def compare(name: str, window: int, measured: dict) -> list[tuple[str, int, int]
     ]
     planned_kinds: dict[str, int] = {}
     for collective in plan.collectives:
-        kind = next(k for k in ("all-gather", "reduce-scatter", "all-to-all", "all-reduce") if k in collective.name)
+        kinds = ("all-gather", "reduce-scatter", "all-to-all", "all-reduce", "send")
+        kind = next(k for k in kinds if k in collective.name)
         planned_kinds[kind] = planned_kinds.get(kind, 0) + collective.handed_bytes
     for kind in sorted(planned_kinds.keys() | measured["collectives"].keys()):
         rows.append((kind, planned_kinds.get(kind, 0), measured["collectives"].get(kind, 0)))
