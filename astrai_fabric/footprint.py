@@ -626,12 +626,14 @@ def step_collectives(
     if layout.parallel_mode == "ddp" and mesh.world_size > 1:
         grads = counts.total * workload.reduce_bytes if adapters is None else adapter_bytes
         found.append(Collective("DDP all-reduce", mesh.world_size, layout.link(mesh.world_size), grads, True))
-    if layout.fsdp and mesh.num_fsdp_shards > 1:
+    if layout.fsdp:
         shards, span = mesh.num_fsdp_shards, mesh.num_fsdp_shards * mesh.tp
         gathers = micro * (2 if workload.reshard_after_forward else 1)
         reductions = micro if workload.sync_each_micro_batch else 1
-        # A rank's experts have a group of their own: the expert shards (shards / ep), when there are several.
+        # A rank's experts have a group of their own: the expert shards (shards / ep), when there are several; a
+        # group of one rank gathers and reduces nothing (HSDP's replicas of one shard, a pipeline stage's rank).
         groups = [("FSDP", shards, span, unsharded_parameters(counts, mesh, experts_gathered=mesh.ep == 1))]
+        groups = groups if shards > 1 else []
         if mesh.ep > 1 and mesh.num_expert_shards > 1:
             groups.append(("FSDP (experts)", mesh.num_expert_shards, span, counts.routed_experts / mesh.ep))
         for name, size, group_span, unsharded in groups:

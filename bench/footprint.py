@@ -40,6 +40,7 @@ LAYOUTS = {
     "cp2": dict(ranks=2, mode="fsdp", cp=2),
     "ep2_moe": dict(ranks=2, mode="fsdp", ep=2, moe=True),
     "hsdp2x2": dict(ranks=4, mode="fsdp", shard=2),
+    "hsdp2x1": dict(ranks=2, mode="fsdp", shard=1),
     "fsdp2_tp2": dict(ranks=4, mode="fsdp", tp=2),
     "fsdp2_cp2": dict(ranks=4, mode="fsdp", cp=2),
     "fsdp2_muon": dict(ranks=2, mode="fsdp", optimizer="muon_adamw"),
