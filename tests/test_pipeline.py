@@ -11,12 +11,14 @@ checkpoint a pipeline writes is one process's (weights and ``optimizer.pt`` whol
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import tiny_config
 from safetensors.torch import load_file
 from spawn import run_ranks
+from test_lora import make_base
 from test_training_distributed import base_args
 
 from astrai_fabric.config.train import TrainArgs
@@ -79,7 +81,7 @@ def test_the_pipeline_is_the_outermost_dimension_of_the_mesh():
         (dict(grad_accum_steps=1), "pp_schedule 1f1b needs grad_accum_steps"),
         (dict(train_type="sft", packing=False), "pp_size 2 with --packing false"),
         (dict(neftune_alpha=5.0), "pp_size 2 with neftune_alpha: not supported with pipeline stages yet"),
-        (dict(lora_r=4), "pp_size 2 with lora_r"),
+        (dict(lora_r=4, quantize="nf4"), "pp_size 2 with quantize"),
         (dict(compile="default"), "pp_size 2 with compile"),
     ],
 )
@@ -142,6 +144,9 @@ TWO_RANK_RUNS = {
         PP2, train_type="sft", data_root_path="bundled:data/sft", optimizer="muon_adamw", loss_chunk_size=0,
         gradient_checkpointing=True, ckpt_interval=2,
     ),
+    # LoRA on every block's attention, the frozen base from weights (each stage reading its blocks), the merged
+    # model written too.
+    "pp2_lora": dict(PP2, optimizer="adamw", lora_r=4, lora_alpha=8, lora_save_full=True),
 }  # fmt: skip
 RESUMED_RUNS = {  # step 3 again, from each run's step 2 at the same layout: optimizer.pt, then the sharded state
     f"{name}_resumed": (name, dict(TWO_RANK_RUNS[name], max_steps=3)) for name in ("pp2_sft", "pp2_seq")
@@ -170,21 +175,25 @@ def _reference(name: str) -> dict:
     return flags | dict(parallel_mode="none")
 
 
-def pipeline_worker(root: str, names: list[str], world_size: int) -> None:
-    from pathlib import Path
+def _with_base(flags: dict, root: Path) -> dict:
+    """A LoRA run's flags with its base: weights written by the fixture (``test_lora.make_base``)."""
+    return flags | (dict(param_path=str(root / "base")) if flags.get("lora_r") else {})
 
+
+def pipeline_worker(root: str, names: list[str], world_size: int) -> None:
     for name in names:
         if name in RESUMED_RUNS:
             source, flags = RESUMED_RUNS[name]
             flags = dict(flags, resume=str(Path(root) / source / "epoch_0_step_2"))
         else:
             flags = (TWO_RANK_RUNS | FOUR_RANK_RUNS)[name]
-        run(base_args(Path(root) / name, nprocs=world_size, **flags))
+        run(base_args(Path(root) / name, nprocs=world_size, **_with_base(flags, Path(root))))
 
 
 @pytest.fixture(scope="module")
 def pipeline_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline")
+    make_base(root / "base")
     run_ranks(pipeline_worker, 2, str(root), [*TWO_RANK_RUNS, *RESUMED_RUNS], 2)
     run_ranks(pipeline_worker, 4, str(root), list(FOUR_RANK_RUNS), 4)
     return root
@@ -206,7 +215,7 @@ def _weights(ckpt_dir, step: int) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [*TWO_RANK_RUNS, *FOUR_RANK_RUNS])
 def test_a_pipeline_trains_what_one_process_trains(pipeline_runs, tmp_path, name):
-    reference = run(base_args(tmp_path, **_reference(name)))
+    reference = run(base_args(tmp_path, **_with_base(_reference(name), pipeline_runs)))
     staged = _weights(pipeline_runs / name, 3)
     expected = _weights(tmp_path, 3)
     assert list(staged) == list(expected)  # one process's file: the same names in the same order

@@ -213,7 +213,7 @@ def load_model_weights(
         del shapes[LM_HEAD_KEY]
     targets = model.state_dict(keep_vars=True)
     # Expert parallelism's other experts, a pipeline's other stages: checked here, read by the ranks that hold them.
-    elsewhere = held_elsewhere(model) | held_by_other_stages(model)
+    elsewhere = held_elsewhere(model) | held_by_other_stages(model, shapes)
     expected = {k: tuple(v.shape) for k, v in targets.items()} | elsewhere
     problems = []
     missing = [k for k in expected if k not in shapes]

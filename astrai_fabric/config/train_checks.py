@@ -269,7 +269,6 @@ class TrainChecks:
             )
         unsupported = [
             ("neftune_alpha", bool(self.neftune_alpha)),
-            ("lora_r", bool(self.lora_r)),
             ("quantize", self.quantize is not None),
             ("compile", self.compile is not None),
         ]

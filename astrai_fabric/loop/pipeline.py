@@ -163,6 +163,8 @@ class Pipeline:
             return
         weight = self.module.embed_tokens.weight if self.stage.is_first else self.module.lm_head.weight
         grad = weight.grad
+        if grad is None:  # frozen (LoRA): nothing to sum
+            return
         local = grad.to_local() if isinstance(grad, DTensor) else grad
         dist.all_reduce(local, group=self.stage.ends_group)
 

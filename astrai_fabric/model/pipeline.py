@@ -16,6 +16,8 @@ schedule's loss function weighs it (``losses.token_nll_weights``).
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +29,10 @@ from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.errors import ConfigError
 from astrai_fabric.model.head import TokenLoss
 from astrai_fabric.model.transformer import LM_HEAD_KEY, AutoRegressiveLM, make_doc_boundary_mask, parameter_counts
+
+
+BLOCK = re.compile(r"^layers\.(\d+)\.")
+"""A decoder block's tensor, by the block's index."""
 
 
 def layer_parameters(config: ModelConfig) -> list[int]:
@@ -150,15 +156,24 @@ class PipelineStageLM(AutoRegressiveLM):
         return nll.view_as(target_ids)
 
 
-def held_by_other_stages(model: nn.Module) -> dict[str, tuple[int, ...]]:
-    """The ``state_dict`` names (and shapes) of the whole model that the other stages hold: what a file of the whole
-    model has that this stage lacks (empty for a model that is no stage)."""
-    if getattr(model, "stage", None) is None:
+def held_by_other_stages(
+    model: nn.Module, given: Mapping[str, tuple[int, ...]] | None = None
+) -> dict[str, tuple[int, ...]]:
+    """The ``state_dict`` names (and shapes) that the other stages hold: the whole model's this stage lacks, and of
+    ``given`` (names and shapes to be loaded: a LoRA run's adapters) those of the other stages' blocks; empty for a
+    model that is no stage."""
+    stage = getattr(model, "stage", None)
+    if stage is None:
         return {}
     with torch.device("meta"):
-        whole = AutoRegressiveLM(model.config).state_dict()
+        whole = {name: tuple(tensor.shape) for name, tensor in AutoRegressiveLM(model.config).state_dict().items()}
     own = model.state_dict(keep_vars=True)
-    return {name: tuple(tensor.shape) for name, tensor in whole.items() if name not in own}
+    others = {
+        name: shape
+        for name, shape in (given or {}).items()
+        if (block := BLOCK.match(name)) and int(block[1]) not in stage.layers
+    }
+    return {name: shape for name, shape in whole.items() if name not in own} | others
 
 
 def check_pipeline(config: ModelConfig, num_stages: int) -> None:
