@@ -30,7 +30,6 @@ from astrai_fabric.errors import ConfigError
 from astrai_fabric.model.head import TokenLoss
 from astrai_fabric.model.transformer import LM_HEAD_KEY, AutoRegressiveLM, make_doc_boundary_mask, parameter_counts
 
-
 BLOCK = re.compile(r"^layers\.(\d+)\.")
 """A decoder block's tensor, by the block's index."""
 
