@@ -83,6 +83,7 @@ def test_the_pipeline_is_the_outermost_dimension_of_the_mesh():
         (dict(neftune_alpha=5.0), "pp_size 2 with neftune_alpha: not supported with pipeline stages yet"),
         (dict(lora_r=4, quantize="nf4"), "pp_size 2 with quantize"),
         (dict(compile="default"), "pp_size 2 with compile"),
+        (dict(fsdp_sync_each_micro_batch=True), "pp_size 2 with fsdp_sync_each_micro_batch"),
     ],
 )
 def test_flags_a_pipeline_cannot_take_are_refused(flags, message):

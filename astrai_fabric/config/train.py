@@ -392,7 +392,8 @@ class TrainArgs(TrainChecks):
     world size / pp_size ranks that shard it with FSDP (and ``tp_size``) as a whole model would be; a window's
     ``grad_accum_steps`` micro-batches are the pipeline's micro-batches (docs/distributed.md). It must divide the
     world size and be at most the layers; not with ``cp_size``, ``ep_size``, MoE models, ``quantize``,
-    ``neftune_alpha``, ``compile`` or ``--packing false``."""
+    ``neftune_alpha``, ``compile``, ``fsdp_sync_each_micro_batch`` (the schedule reduces once a window) or
+    ``--packing false``."""
     pp_schedule: Literal["gpipe", "1f1b"] = "1f1b"
     """The pipeline's schedule: ``gpipe`` (every micro-batch's forward, then every backward: activations of all
     micro-batches held at once) or ``1f1b`` (one forward, one backward once the pipeline is full: at most pp_size

@@ -271,6 +271,7 @@ class TrainChecks:
             ("neftune_alpha", bool(self.neftune_alpha)),
             ("quantize", self.quantize is not None),
             ("compile", self.compile is not None),
+            ("fsdp_sync_each_micro_batch", self.fsdp_sync_each_micro_batch),  # the schedule reduces once a window
         ]
         problems += [
             f"pp_size {pp_size} with {name}: not supported with pipeline stages yet" for name, on in unsupported if on
