@@ -175,6 +175,8 @@ class Workload:
     """``--muon_spread_replicated`` resolved: under DDP each matrix orthogonalised by one rank and sent to the rest."""
     pp_schedule: str = "1f1b"
     """``--pp_schedule`` under pipeline stages: how many micro-batches' activations a stage holds at once."""
+    pp_stages_per_rank: int = 1
+    """Pipeline stages each rank holds (``--pp_stages_per_rank`` resolved), looped as ``model.pipeline`` deals them."""
     carries_positions: bool = False
     """Whether a pipeline's stages send position ids with the hidden states (sft's packed documents)."""
 
@@ -238,9 +240,11 @@ class Footprint:
     collectives: list[Collective] = field(default_factory=list)
     """Each collective of one optimizer step (``step_collectives``)."""
     stage: int | None = None
-    """Under pipeline stages, the stage these figures are of: the one whose peak is the highest."""
+    """Under pipeline stages, the pipeline rank these figures are of (its stage, with one per rank): the one whose
+    peak is the highest."""
     micro_batches_held: int = 1
-    """Micro-batches whose activations the rank holds at once (several on a pipeline's stages)."""
+    """Micro-batches whose activations the rank holds at once (several on a pipeline's stages; with several stages
+    per rank, forward passes of one stage each)."""
 
     @property
     def model_states(self) -> int:
@@ -502,11 +506,12 @@ def owners_exchange(
 
 
 def footprint(config: ModelConfig, layout: Layout, workload: Workload) -> Footprint:
-    """One rank's memory at its peak and its communication per step; under pipeline stages, a rank of the stage
-    whose peak is the highest (``stage_footprint``)."""
+    """One rank's memory at its peak and its communication per step; under pipeline stages, a rank of the pipeline
+    place whose peak is the highest (``stage_footprint``)."""
     if layout.mesh.pp > 1:
-        stages = stage_layers(config, layout.mesh.pp)
-        return max((stage_footprint(config, layout, workload, stages, s) for s in range(len(stages))), key=_peak)
+        stages = stage_layers(config, layout.mesh.pp, workload.pp_stages_per_rank)
+        ranks = range(layout.mesh.pp)
+        return max((stage_footprint(config, layout, workload, stages, rank) for rank in ranks), key=_peak)
     counts = parameter_counts(config)
     parameters, gradients, optimizer_state = model_state_bytes(config, counts, layout, workload)
     activations, head_and_loss = activation_bytes(config, layout, workload)
@@ -539,19 +544,21 @@ def positions_of(workload: Workload) -> int:
 
 
 def stage_footprint(
-    config: ModelConfig, layout: Layout, workload: Workload, stages: list[range], index: int
+    config: ModelConfig, layout: Layout, workload: Workload, stages: list[range], rank: int
 ) -> Footprint:
-    """A rank of pipeline stage ``index`` (its blocks ``stages[index]``, ``model.pipeline.stage_layers``): the
-    stage's parameters sharded inside it as a whole model's are (the embedding on the first stage, the final norm
-    and the head on the last: a tied head's copy too), the activations of the micro-batches in flight there (GPipe:
-    all of them; 1F1B: the stages after it, at most the micro-batches), the head and loss on the last stage only
-    (one micro-batch's under 1F1B), and per step, besides the stage's own collectives, its sends to its neighbours
-    (forward: the hidden states with the targets and, for sft, the position ids; backward: the hidden states'
-    gradient) and, with tied embeddings, the all-reduce of the embedding's gradient between the end stages."""
-    blocks, num_stages = stages[index], len(stages)
-    first, last = index == 0, index == num_stages - 1
-    types = None if config.layer_types is None else config.layer_types[blocks.start : blocks.stop]
-    own = dataclasses.replace(config, num_hidden_layers=len(blocks), layer_types=types)
+    """A rank of pipeline place ``rank`` (of ``layout.mesh.pp``), holding stages ``rank``, ``rank + pp``, ... of
+    ``stages`` (each stage's blocks, ``model.pipeline.stage_layers``): its stages' parameters sharded among the
+    place's ranks as a whole model's are (the embedding on the first stage, the final norm and the head on the
+    last: a tied head's copy too), the activations of the forward passes in flight there (GPipe and looped BFS: every
+    micro-batch of every stage held; 1F1B: the places after it, at most the micro-batches; interleaved 1F1B: torch's
+    warm-up forwards plus one, of the rank's largest stage), the head and loss on the last stage only (one
+    micro-batch's under the 1F1B schedules), and per step, besides the rank's own collectives, each stage's sends to
+    its neighbours (forward: the hidden states with the targets and, for sft, the position ids; backward: the hidden
+    states' gradient) and, with tied embeddings, the all-reduce of the embedding's gradient between the end stages."""
+    num_ranks, num_stages = layout.mesh.pp, len(stages)
+    held = list(range(rank, num_stages, num_ranks))
+    first, last = held[0] == 0, held[-1] == num_stages - 1
+    own = _with_blocks(config, [i for index in held for i in stages[index]])
     whole = parameter_counts(own)
     embedding = config.vocab_size * config.hidden_size
     counts = dataclasses.replace(
@@ -560,20 +567,30 @@ def stage_footprint(
         norms=whole.norms - (0 if last else config.hidden_size),
     )
     parameters, gradients, optimizer_state = model_state_bytes(own, counts, layout, workload)
-    activations, head_and_loss = activation_bytes(own, layout, workload)
+    per_stage = [activation_bytes(_with_blocks(config, list(stages[index])), layout, workload)[0] for index in held]
+    head_and_loss = activation_bytes(own, layout, workload)[1]
     if not workload.loss_chunk_size:  # the stage's logits are not kept: log-softmax's output and two gradients
         head_and_loss = positions_of(workload) * config.vocab_size * 12
-    micro = workload.grad_accum_steps
-    in_flight = micro if workload.pp_schedule == "gpipe" else min(micro, num_stages - index)
-    heads_in_flight = (micro if workload.pp_schedule == "gpipe" else 1) if last else 0
+    micro, schedule = workload.grad_accum_steps, workload.pp_schedule
+    if schedule in ("gpipe", "looped_bfs"):  # every forward before the backwards: each stage's every micro-batch
+        in_flight, activations = micro * len(held), micro * sum(per_stage)
+    elif schedule == "interleaved_1f1b":
+        in_flight = min(interleaved_warmup(rank, num_ranks, len(held), micro) + 1, micro * len(held))
+        activations = in_flight * max(per_stage)
+    else:
+        in_flight = min(micro, num_ranks - rank)
+        activations = in_flight * per_stage[0]
+    heads_in_flight = (micro if schedule in ("gpipe", "looped_bfs") else 1) if last else 0
     positions = positions_of(workload)
     collectives = step_collectives(own, counts, layout, workload, positions)
     mesh = layout.mesh
-    link = layout.link(mesh.ranks_per_stage * 2)  # a neighbour stage's rank: one stage's ranks away
+    # A neighbour stage's rank is one place's ranks away; with several stages per rank the last place also sends
+    # to the first (stage P-1 to stage P), across the whole pipeline.
+    link = layout.link(mesh.ranks_per_stage * 2 if len(held) == 1 else mesh.world_size)
     hidden = positions * config.hidden_size * workload.compute_bytes
     carried = positions * 8 * (2 if workload.carries_positions else 1)  # the targets (and position ids): int64
-    sent = micro * ((0 if last else hidden + carried) + (0 if first else hidden))
-    collectives.append(Collective("PP send", 2, link, sent, point_to_point=True))
+    sends = [(0 if index == num_stages - 1 else hidden + carried) + (0 if index == 0 else hidden) for index in held]
+    collectives.append(Collective("PP send", 2, link, micro * sum(sends), point_to_point=True))
     if config.tied and (first or last):
         shards = mesh.num_fsdp_shards if layout.fsdp else 1
         ends = layout.link(mesh.world_size)
@@ -587,14 +604,29 @@ def stage_footprint(
         tables * config.max_position_embeddings * config.rope_dim * 4,
         0,
         gathered_bytes(counts, own, layout, workload),
-        in_flight * activations,
+        int(activations),
         heads_in_flight * head_and_loss,
         adamw_step_temporaries(counts, layout, workload, gradients) + owners_exchange(own, counts, layout, workload)[0],
         micro > 1,
         collectives,
-        stage=index,
+        stage=rank,
         micro_batches_held=in_flight,
     )
+
+
+def interleaved_warmup(rank: int, num_ranks: int, stages_per_rank: int, num_micro_batches: int) -> int:
+    """The forwards torch's interleaved 1F1B runs on pipeline rank ``rank`` before its first backward: its earlier
+    stages' share of a round, two more per place before the last, at most every forward of the step (torch 2.13's
+    ``_get_warmup_ops``, with its rounds of ``num_micro_batches // max(1, num_micro_batches // num_ranks)``)."""
+    per_round = num_micro_batches // max(1, num_micro_batches // num_ranks)
+    warmup = (stages_per_rank - 1) * per_round + 2 * (num_ranks - 1 - rank)
+    return min(warmup, num_micro_batches * stages_per_rank)
+
+
+def _with_blocks(config: ModelConfig, blocks: list[int]) -> ModelConfig:
+    """``config`` with only ``blocks`` (by index) as its decoder layers: a pipeline rank's or stage's share."""
+    types = None if config.layer_types is None else [config.layer_types[i] for i in blocks]
+    return dataclasses.replace(config, num_hidden_layers=len(blocks), layer_types=types)
 
 
 def tp_all_reduces(config: ModelConfig, forward_passes: int = 1) -> int:

@@ -1,22 +1,22 @@
-"""Model parallelism for ``ModelParallelStrategy``: a pipeline stage kept, tensor parallelism, then FSDP2. The only
-``fully_shard`` importer.
+"""Model parallelism for ``ModelParallelStrategy``: a rank's pipeline stages kept, tensor parallelism, then FSDP2. The
+only ``fully_shard`` importer.
 
-The meshes come from ``mesh.build_meshes`` (one layout for every dimension). With ``pp_size`` the model is first cut
-to this rank's pipeline stage (``model.pipeline.keep_stage``), and everything below applies to the stage as it
-would to a whole model (the stage is FSDP's root; torch's pipelining turns its gradient reduction off and on per
-micro-batch). FSDP2 shards over the data ranks
-(``fsdp_shard_size`` of them, times the context ranks) and replicates over the rest (HSDP, torch's ``fully_shard``
-on a 2-D mesh); with ``cp_size`` the attention modules exchange sequence for heads over the context group
+The meshes come from ``mesh.build_meshes`` (one layout for every dimension). With ``pp_size`` the model is first cut to
+this rank's pipeline stages (``model.pipeline.keep_stages``), and everything below applies to the rank's part as it
+would to a whole model, except that each stage module is an FSDP root of its own (torch's pipelining turns each stage's
+gradient reduction off and on per micro-batch, and a rank may run several stages). FSDP2 shards over the data ranks
+(``fsdp_shard_size`` of them, times the context ranks) and replicates over the rest (HSDP, torch's ``fully_shard`` on a
+2-D mesh); with ``cp_size`` the attention modules exchange sequence for heads over the context group
 (``model.context_parallel``); with ``ep_size`` each MoE layer's routed experts are dealt out over an expert group
 (``model.expert_parallel``), FSDP sharding them over the data shards left. On the tensor axis (``--tp_size``) each
-decoder block's attention splits its heads (q/k/v, the gate, MLA's ``kv_b_proj`` column-wise; ``o_proj``
-row-wise) and the dense MLP splits its width (``up``/``gate`` column-wise, ``down`` row-wise); embeddings, norms,
-the head and MoE experts stay whole (the per-head q/k norms too, their gradients summed over the ranks' heads, and
-MLA's shared RoPE key head, each rank taking its heads' share and the backward pass summing all of theirs). On the
-data axis every decoder block is an FSDP unit (its routed experts one of their own under expert parallelism), and
-so is the root: it holds the embedding, final norm and ``lm_head``, so a tied embedding stays one parameter (AstrAI
-shards ``embed_tokens`` and ``lm_head`` apart and unties them, B4), and every parameter is a DTensor: torch's
-gradient clipping refuses plain tensors and DTensors mixed.
+decoder block's attention splits its heads (q/k/v, the gate, MLA's ``kv_b_proj`` column-wise; ``o_proj`` row-wise) and
+the dense MLP splits its width (``up``/``gate`` column-wise, ``down`` row-wise); embeddings, norms, the head and MoE
+experts stay whole (the per-head q/k norms too, their gradients summed over the ranks' heads, and MLA's shared RoPE key
+head, each rank taking its heads' share and the backward pass summing all of theirs). On the data axis every decoder
+block is an FSDP unit (its routed experts one of their own under expert parallelism), and so is the root: it holds the
+embedding, final norm and ``lm_head``, so a tied embedding stays one parameter (AstrAI shards ``embed_tokens`` and
+``lm_head`` apart and unties them, B4), and every parameter is a DTensor: torch's gradient clipping refuses plain
+tensors and DTensors mixed.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from astrai_fabric.model.attention import MLA
 from astrai_fabric.model.context_parallel import check_context_parallel, enable_context_parallel
 from astrai_fabric.model.expert_parallel import check_expert_parallel, moe_layers, shard_experts
 from astrai_fabric.model.ffn import MLP
-from astrai_fabric.model.pipeline import keep_stage
+from astrai_fabric.model.pipeline import keep_stages
 from astrai_fabric.quantize import is_quantized
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -60,6 +60,7 @@ def parallelize(
     cp_size: int | None = None,
     ep_size: int | None = None,
     pp_size: int | None = None,
+    pp_stages_per_rank: int = 1,
 ) -> nn.Module:
     """Apply tensor parallelism and FSDP2 to ``model`` (called by Fabric in ``setup_module``).
 
@@ -71,16 +72,16 @@ def parallelize(
     ``cp_size``: ranks of a context group, each holding 1/cp of every window's tokens (``model.context_parallel``),
     FSDP sharding over them too; ``ep_size``: ranks of an expert group, each holding 1/ep of every MoE layer's routed
     experts (``model.expert_parallel``), which FSDP shards over the data shards the groups leave; ``pp_size``:
-    pipeline stages, ``model`` cut to this rank's (``model.pipeline.keep_stage``) before the rest is applied within
-    the stage.
+    pipeline ranks, ``model`` cut to this rank's ``pp_stages_per_rank`` stages (``model.pipeline.keep_stages``)
+    before the rest is applied within them.
     """
     tp_size = device_mesh["tensor_parallel"].size()
     layout = mesh_layout(device_mesh.size(), tp_size, fsdp_shard_size, cp_size, ep_size, pp_size)
     meshes = build_meshes(device_mesh, layout)
     if meshes.pipeline is not None:
-        model = keep_stage(model, meshes.pipeline.get_local_rank(), layout.pp)
-        model.stage = dataclasses.replace(
-            model.stage, group=meshes.pipeline.get_group(), ends_group=_first_and_last_stage_group(layout)
+        model = keep_stages(model, meshes.pipeline.get_local_rank(), layout.pp, pp_stages_per_rank)
+        model.place = dataclasses.replace(
+            model.place, group=meshes.pipeline.get_group(), ends_group=_first_and_last_stage_group(layout)
         )
     if meshes.tensor.size() > 1:
         apply_tensor_parallel(model, meshes.tensor)
@@ -122,13 +123,17 @@ def parallelize(
                 meshes.experts.device_type == "cpu" and layout.num_expert_shards > 1
             )
         fully_shard(block, **options)
-    fully_shard(model, **options)
+    # A pipeline rank's stages are roots of their own (their ends: the embedding, the norm and head); the rank's
+    # model holds the same tensors, as DTensors, for the optimizer and checkpoints.
+    for root in getattr(model, "stage_modules", [model]):
+        fully_shard(root, **options)
     return model
 
 
 def _first_and_last_stage_group(layout: MeshLayout) -> dist.ProcessGroup | None:
-    """This rank's group of the first and last stage's ranks at its place in the stage, None on a middle stage
-    (collective: every rank makes every pair's): a tied embedding's two copies sum their gradients over it."""
+    """This rank's group of the first and last stage's ranks at its place in the stage, None on a rank that holds
+    neither (collective: every rank makes every pair's): a tied embedding's two copies sum their gradients over
+    it. The first stage is on pipeline rank 0, the last on the last, however many stages a rank holds."""
     last = (layout.pp - 1) * layout.ranks_per_stage
     pairs = [[place, last + place] for place in range(layout.ranks_per_stage)]
     group, _ = dist.new_subgroups_by_enumeration(pairs)

@@ -28,6 +28,7 @@ from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElastic
 from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
 from torch import nn
 
+from astrai_fabric.config.pipeline import stages_per_rank
 from astrai_fabric.errors import ConfigError
 from astrai_fabric.loggers import build_loggers
 from astrai_fabric.mesh import mesh_layout
@@ -170,6 +171,8 @@ class FabricArgs:
     cp_size: int | None
     ep_size: int | None
     pp_size: int | None
+    pp_schedule: str
+    pp_stages_per_rank: int | None
     fsdp_shard_size: int | None
     fsdp_reshard_after_forward: bool
     fsdp_param_dtype: str | None
@@ -217,6 +220,7 @@ def build_fabric(args: FabricArgs, topology: Topology) -> Fabric:
             cp_size=layout.cp,
             ep_size=layout.ep,
             pp_size=layout.pp,
+            pp_stages_per_rank=stages_per_rank(args.pp_schedule, args.pp_stages_per_rank) if layout.pp > 1 else 1,
         )
         strategy = ModelParallelStrategy(
             parallelize_fn=partial(parallelize, **knobs),
@@ -331,9 +335,12 @@ def check_ep_size(fabric: Fabric, ep_size: int | None) -> None:
     _check_size(fabric, "ep_size", ep_size, "expert parallelism")
 
 
-def check_pp_size(fabric: Fabric, pp_size: int | None) -> None:
-    """Refuse ``--pp_size`` other than what a Fabric built elsewhere applies, as ``check_cp_size`` does."""
+def check_pp_size(fabric: Fabric, pp_size: int | None, num_stages_per_rank: int = 1) -> None:
+    """Refuse ``--pp_size`` (and the stages per rank) other than what a Fabric built elsewhere applies, as
+    ``check_cp_size`` does."""
     _check_size(fabric, "pp_size", pp_size, "pipeline parallelism")
+    if (pp_size or 1) > 1:
+        _check_size(fabric, "pp_stages_per_rank", num_stages_per_rank, "the stages per pipeline rank")
 
 
 def _check_size(fabric: Fabric, name: str, size: int | None, what: str) -> None:

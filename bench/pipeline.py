@@ -6,16 +6,17 @@ and 8 micro-batches, against the schedule's formula, and the peak live bytes per
 A decoder of ``--layers`` blocks (hidden ``--hidden``, untied head), micro-batches of 2 windows of ``--window``
 tokens, float32, one thread per rank. pp 1 is one process running the micro-batches in turn (forward, backward:
 what one stage does without a pipeline); pp > 1 runs the same micro-batches through ``loop.pipeline.Pipeline`` over
-that many gloo ranks, the blocks split by ``model.pipeline.stage_layers``, with GPipe (any micro-batch count) and
-1F1B (micro-batches >= stages). Per layout:
+that many gloo ranks, the blocks split by ``model.pipeline.stage_layers``, with GPipe (any micro-batch count), 1F1B
+(micro-batches >= stages) and interleaved 1F1B (2 stages per rank, looped). Per layout:
 
 - step ms: the median of ``--steps`` windows' forward and backward (the slowest rank's), no optimizer step;
 - bubble measured: ``1 - T1 / (pp x T)``, the share of a stage's time not spent computing, where ``T1`` is pp 1's
   time for the same micro-batches (the work the stages share) and ``T`` the pipeline's; the formula's is
-  ``(pp - 1) / (M + pp - 1)`` for M micro-batches (both schedules: 1F1B moves the same bubble, holding fewer
-  micro-batches' activations);
-- saved MiB per stage: the activations autograd holds for backward passes still to run, at their peak
-  (``SavedActivations``; torch's ``MemTracker`` follows one forward per module), first and last stage.
+  ``(pp - 1) / (V M + pp - 1)`` for M micro-batches and V stages per rank (GPipe and 1F1B, V = 1: 1F1B moves the
+  same bubble, holding fewer micro-batches' activations; interleaved 1F1B, V = 2: each rank's idle time is split
+  over twice the stages, each half as long);
+- saved MiB per rank: the activations autograd holds for backward passes still to run, at their peak
+  (``SavedActivations``; torch's ``MemTracker`` follows one forward per module), first and last pipeline rank.
 
 On a 2-core machine 4 ranks oversubscribe the cores: their times are printed but are not the bubble's.
 """
@@ -35,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 
 import torch  # noqa: E402
 from spawn import run_ranks  # noqa: E402
+
+from astrai_fabric.config.pipeline import stages_per_rank  # noqa: E402
 
 
 def build(settings: dict):
@@ -140,16 +143,18 @@ def single(settings: dict, count: int) -> dict:
 
 
 def worker(settings: dict, count: int, schedule: str, out: str) -> None:
+    import dataclasses
+
     import torch.distributed as dist
     from lightning.fabric import Fabric
 
     from astrai_fabric.loop.pipeline import Pipeline
-    from astrai_fabric.model.pipeline import StageLoss, keep_stage
+    from astrai_fabric.model.pipeline import StageLoss, keep_stages
 
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
-    model = keep_stage(build(settings), rank, size)
-    model.stage = type(model.stage)(rank, size, model.stage.layers, group=dist.group.WORLD)
+    model = keep_stages(build(settings), rank, size, stages_per_rank(schedule, None))
+    model.place = dataclasses.replace(model.place, group=dist.group.WORLD)
     fabric = Fabric(accelerator="cpu", devices=1)  # the device and autocast the pipeline asks of it
     pipeline = Pipeline(fabric, model, schedule, count, 2, torch.float32, StageLoss())
     batches = micro_batches(settings, count)
@@ -181,7 +186,7 @@ def main() -> None:
     pps = [int(p) for p in options.pps.split(",")]
     baseline = {count: single(settings, count) for count in counts}
     print(f"{options.layers} blocks, hidden {options.hidden}, micro-batches of 2 x {options.window} tokens, float32")
-    print("| pp | schedule | micro-batches | step ms | bubble measured | bubble formula | saved MiB first / last |")
+    print("| pp | schedule | micro-batches | step ms | bubble | formula | saved MiB, first / last rank |")
     print("|---|---|---|---|---|---|---|")
     for pp in pps:
         for count in counts:
@@ -190,15 +195,16 @@ def main() -> None:
                 peak = row["peak"][0] / 2**20
                 print(f"| 1 | none | {count} | {row['ms']:.0f} | - | - | {peak:.1f} |")
                 continue
-            for schedule in ("gpipe", "1f1b"):
-                if schedule == "1f1b" and count < pp:
+            for schedule in ("gpipe", "1f1b", "interleaved_1f1b"):
+                rounds = max(1, count // pp)  # interleaved 1F1B: rounds of equal size (config.train_checks)
+                if (schedule == "1f1b" and count < pp) or (schedule == "interleaved_1f1b" and count % rounds):
                     continue
                 with tempfile.TemporaryDirectory() as directory:
                     out = Path(directory) / "out.json"
                     run_ranks(worker, pp, settings, count, schedule, str(out))
                     row = json.loads(out.read_text())
                 measured = 1 - baseline[count]["ms"] / (pp * row["ms"])
-                formula = (pp - 1) / (count + pp - 1)
+                formula = (pp - 1) / (stages_per_rank(schedule, None) * count + pp - 1)
                 first, last = row["peak"][0] / 2**20, row["peak"][-1] / 2**20
                 note = " (oversubscribed)" if pp > 2 else ""
                 print(

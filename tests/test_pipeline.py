@@ -26,10 +26,13 @@ from astrai_fabric.errors import ConfigError
 from astrai_fabric.mesh import MeshLayout, mesh_layout
 from astrai_fabric.model import AutoRegressiveLM
 from astrai_fabric.model.pipeline import (
+    StageLoss,
     check_pipeline,
+    describe_pipeline,
     describe_stages,
     held_by_other_stages,
-    keep_stage,
+    in_whole_order,
+    keep_stages,
     layer_parameters,
     stage_layers,
 )
@@ -56,9 +59,45 @@ def test_stages_are_balanced_by_parameters_counting_the_embedding_and_the_head()
 def test_models_the_stages_cannot_split_are_refused_in_one_line():
     with pytest.raises(ConfigError, match="pp_size 3 exceeds the model's 2 decoder layers"):
         check_pipeline(tiny_config(), 3)
+    with pytest.raises(ConfigError, match="pp_size 2 x pp_stages_per_rank 2 = 4 stages exceed the model's 2 decoder"):
+        check_pipeline(tiny_config(), 2, 2)
     moe = tiny_config(ffn_type="moe", n_routed_experts=4, n_activated_experts=2, moe_intermediate_size=8)
     with pytest.raises(ConfigError, match="pp_size 2 with an MoE model"):
         check_pipeline(moe, 2)
+
+
+def test_interleaved_ranks_hold_their_stages_looped():
+    # 2 ranks x 2 stages of one block each: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3 (torch's looped
+    # placement, which its interleaved schedules assume).
+    config = tiny_config(num_hidden_layers=4)
+    assert describe_pipeline(config, 2, 2, "interleaved_1f1b", 4) == (
+        "4 stages on 2 ranks (2 each, looped), interleaved_1f1b over 4 micro-batches per step (blocks balanced by "
+        "parameters): stage 0 (rank 0): layer 0 (+ embedding); stage 1 (rank 1): layer 1; stage 2 (rank 0): layer 2; "
+        "stage 3 (rank 1): layer 3 (+ norm, head)"
+    )
+    whole = list(AutoRegressiveLM(config).state_dict())
+    first, last = (keep_stages(AutoRegressiveLM(config), rank, 2, 2) for rank in range(2))
+    assert [i for i, _ in first.numbered_blocks()] == [0, 2] and [i for i, _ in last.numbered_blocks()] == [1, 3]
+    assert [[m.stage.index for m in rank.stage_modules] for rank in (first, last)] == [[0, 2], [1, 3]]
+    # Each stage module runs the rank's own tensors: one set of parameters, under the whole model's names.
+    assert first.stage_modules[1].layers["2"] is first.layers["2"]
+    assert first.stage_modules[0].embed_tokens is first.embed_tokens and first.stage_modules[1].embed_tokens is None
+    assert last.stage_modules[1].lm_head is last.lm_head and last.stage_modules[0].lm_head is None
+    # The ranks' names, one after the other, interleave the blocks; in_whole_order gives the whole model's order.
+    joined = [n for rank in (first, last) for n in rank.state_dict() if n != "lm_head.weight"]
+    assert joined != whole and in_whole_order(joined) == whole
+    first.eval()
+    assert not any(module.training for module in first.stage_modules)  # their recomputation follows the mode
+    with pytest.raises(TypeError, match="runs through its schedule"):
+        first(torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_a_schedule_of_one_stage_per_rank_refuses_a_rank_of_several():
+    from astrai_fabric.loop.pipeline import Pipeline
+
+    model = keep_stages(AutoRegressiveLM(tiny_config(num_hidden_layers=4)), 0, 2, 2)
+    with pytest.raises(ConfigError, match="pp_schedule 1f1b runs one stage per rank, and this model holds 2"):
+        Pipeline(None, model, "1f1b", 4, 2, torch.float32, StageLoss())
 
 
 def test_the_pipeline_is_the_outermost_dimension_of_the_mesh():
@@ -84,6 +123,13 @@ def test_the_pipeline_is_the_outermost_dimension_of_the_mesh():
         (dict(lora_r=4, quantize="nf4"), "pp_size 2 with quantize"),
         (dict(compile="default"), "pp_size 2 with compile"),
         (dict(fsdp_sync_each_micro_batch=True), "pp_size 2 with fsdp_sync_each_micro_batch"),
+        (
+            dict(pp_schedule="interleaved_1f1b", grad_accum_steps=5),
+            "interleaved_1f1b runs grad_accum_steps 5 in 2 rounds",
+        ),
+        (dict(pp_stages_per_rank=2), "pp_stages_per_rank 2 with pp_schedule 1f1b, which runs one stage per rank"),
+        (dict(pp_size=None, pp_stages_per_rank=2), "pp_stages_per_rank 2 needs pipeline stages: set --pp_size"),
+        (dict(pp_schedule="looped_bfs", pp_stages_per_rank=0), "pp_stages_per_rank must be positive, got 0"),
     ],
 )
 def test_flags_a_pipeline_cannot_take_are_refused(flags, message):
@@ -96,8 +142,8 @@ def test_a_stage_keeps_its_blocks_under_their_whole_model_names():
     torch.manual_seed(0)
     whole = AutoRegressiveLM(tiny_config(num_hidden_layers=4))
     names = list(whole.state_dict())
-    first = keep_stage(AutoRegressiveLM(tiny_config(num_hidden_layers=4)), 0, 2)
-    last = keep_stage(AutoRegressiveLM(tiny_config(num_hidden_layers=4)), 1, 2)
+    first = keep_stages(AutoRegressiveLM(tiny_config(num_hidden_layers=4)), 0, 2)
+    last = keep_stages(AutoRegressiveLM(tiny_config(num_hidden_layers=4)), 1, 2)
     assert [i for i, _ in first.numbered_blocks()] == [0, 1] and [i for i, _ in last.numbered_blocks()] == [2, 3]
     # Between them the whole model's tensors; the last stage's tied head is its own copy, read from the embedding.
     assert set(first.state_dict()) | set(last.state_dict()) == set(names) | {"lm_head.weight"}
@@ -114,7 +160,7 @@ def test_the_footprint_plans_the_fullest_stage():
     layout = Layout("fsdp", mesh_layout(2, pp_size=2), ranks_per_node=2)  # 2 stages of one rank each
     stage_bytes = []
     for index in range(2):
-        stage = keep_stage(AutoRegressiveLM(config), index, 2)
+        stage = keep_stages(AutoRegressiveLM(config), index, 2)
         stage_bytes.append(sum(p.numel() for p in stage.parameters()) * 4)  # a tied head's copy counted: it is held
     planned = [footprint(config, layout, workload(grad_accum_steps=8, pp_schedule=kind)) for kind in ("gpipe", "1f1b")]
     for found in planned:
@@ -126,6 +172,36 @@ def test_the_footprint_plans_the_fullest_stage():
     # Each micro-batch: the hidden states forward (and the int64 targets), or their gradient back: one neighbour.
     hidden = 2 * 32 * config.hidden_size * 4
     assert sends.handed_bytes in (8 * (hidden + 2 * 32 * 8), 8 * hidden) and sends.link_bytes == sends.handed_bytes
+
+
+def test_the_footprint_plans_a_rank_of_several_stages():
+    from test_footprint import workload
+
+    from astrai_fabric.footprint import Layout, footprint, stage_footprint
+
+    config = tiny_config(num_hidden_layers=4, vocab_size=64)
+    layout = Layout("fsdp", mesh_layout(2, pp_size=2), ranks_per_node=2)
+    rank_bytes = [
+        sum(p.numel() for p in keep_stages(AutoRegressiveLM(config), r, 2, 2).parameters()) * 4 for r in (0, 1)
+    ]
+    plans = {
+        kind: workload(grad_accum_steps=8, pp_schedule=kind, pp_stages_per_rank=2)
+        for kind in ("interleaved_1f1b", "looped_bfs")
+    }
+    stages = stage_layers(config, 2, 2)
+    for kind, work in plans.items():
+        found = footprint(config, layout, work)
+        assert found.parameters == rank_bytes[found.stage]  # the rank's stages' tensors, to the byte
+        ranks = [stage_footprint(config, layout, work, stages, rank) for rank in (0, 1)]
+        assert [r.parameters for r in ranks] == rank_bytes
+        if kind == "looped_bfs":  # every micro-batch of both stages before the backwards
+            assert [r.micro_batches_held for r in ranks] == [16, 16]
+        else:  # torch's warm-up on 2 ranks of 2 stages, rounds of 2 micro-batches: 2 + 2 forwards on rank 0, 2 on 1
+            assert [r.micro_batches_held for r in ranks] == [5, 3]
+    assert (
+        footprint(config, layout, plans["interleaved_1f1b"]).total
+        < footprint(config, layout, plans["looped_bfs"]).total
+    )
 
 
 # --- 2 and 4 ranks against one process ------------------------------------------------------------------------------
@@ -145,16 +221,19 @@ TWO_RANK_RUNS = {
         PP2, train_type="sft", data_root_path="bundled:data/sft", optimizer="muon_adamw", loss_chunk_size=0,
         gradient_checkpointing=True, ckpt_interval=2,
     ),
-    # LoRA on every block's attention, the frozen base from weights (each stage reading its blocks), the merged
-    # model written too.
-    "pp2_lora": dict(PP2, optimizer="adamw", lora_r=4, lora_alpha=8, lora_save_full=True),
+    # LoRA on every block's attention, the frozen base from weights (each rank reading its blocks), the merged
+    # model written too; interleaved 1F1B over 2 stages per rank (4 stages of one block each).
+    "pp2_lora": dict(
+        PP2, pp_schedule="interleaved_1f1b", optimizer="adamw", lora_r=4, lora_alpha=8, lora_save_full=True
+    ),
 }  # fmt: skip
 RESUMED_RUNS = {  # step 3 again, from each run's step 2 at the same layout: optimizer.pt, then the sharded state
     f"{name}_resumed": (name, dict(TWO_RANK_RUNS[name], max_steps=3)) for name in ("pp2_sft", "pp2_seq")
 }
 FOUR_RANK_RUNS = {  # 2 stages x: FSDP 2 (seq, sft), HSDP's 2 replicas of 1 shard (sft), tensor parallel 2 (seq)
     "pp2_fsdp2_seq": dict(TWO_RANK_RUNS["pp2_seq"], batch_per_device=1),
-    "pp2_fsdp2_sft": dict(TWO_RANK_RUNS["pp2_sft"], batch_per_device=1),
+    # Looped BFS: 2 stages per rank, each its own FSDP root over the rank's 2 shards.
+    "pp2_fsdp2_sft": dict(TWO_RANK_RUNS["pp2_sft"], batch_per_device=1, pp_schedule="looped_bfs"),
     "pp2_hsdp2_sft": dict(TWO_RANK_RUNS["pp2_sft"], batch_per_device=1, fsdp_shard_size=1),
     # Muon, as test_training_distributed's tensor-parallel runs: AdamW turns the last bits of a near-zero gradient,
     # summed in another order by the row-parallel layers, into ~1e-5 of an update.
@@ -166,7 +245,7 @@ def _reference(name: str) -> dict:
     """The one-process flags of a pipeline run: the same samples per step on one rank. Its stages' data ranks (2
     with FSDP or HSDP inside 4 ranks) read 1 sample each where one process reads 2; tensor parallelism's ranks read
     the same samples."""
-    layout = ("pp_size", "pp_schedule", "sharded_checkpoint", "tp_size", "fsdp_shard_size")
+    layout = ("pp_size", "pp_schedule", "pp_stages_per_rank", "sharded_checkpoint", "tp_size", "fsdp_shard_size")
     flags = {k: v for k, v in (TWO_RANK_RUNS | FOUR_RANK_RUNS)[name].items() if k not in layout}
     if name.startswith(("pp2_fsdp2", "pp2_hsdp2")):
         # sft's loss is a token mean per micro-batch: 2 data ranks x 1 sample x 2 = 1 x 1 sample x 4 micro-batches;
@@ -245,10 +324,10 @@ def test_a_pipeline_resumes_exactly_at_its_own_layout(pipeline_runs, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["pp2_sft", "pp2_seq"])
+@pytest.mark.parametrize("name", ["pp2_sft", "pp2_seq", "pp2_fsdp2_sft"])
 def test_a_pipelines_checkpoint_resumes_in_one_process(pipeline_runs, tmp_path, name):
-    # Its optimizer.pt (sft) or sharded state (seq) is one process's whole state: the last step taken from it in one
-    # process is the pipeline's.
+    # Its optimizer.pt (sft; looped stages on 4 ranks too, their blocks interleaved) or sharded state (seq) is one
+    # process's whole state: the last step taken from it in one process is the pipeline's.
     staged = pipeline_runs / name
     run(base_args(tmp_path, **_reference(name), resume=str(staged / "epoch_0_step_2")))
     resumed, expected = _weights(tmp_path, 3), _weights(staged, 3)
@@ -273,6 +352,11 @@ def test_the_dry_run_prints_the_stages_and_plans_the_fullest(tmp_path, capsys):
     assert "4 rank(s) x 1 per device x 4 accumulation" in out  # 8 ranks, 4 of them data-parallel
     assert "the fullest)" in out and "PP send over 2" in out
     assert not (tmp_path / "out").exists()
+    flags = ["--nprocs", "4", "--parallel_mode", "fsdp", "--pp_size", "2", "--pp_schedule", "interleaved_1f1b"]
+    assert main([*TINY_SEQ, *flags, "--grad_accum_steps", "4", "--ckpt_dir", str(tmp_path / "out"), "--dry_run"]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline     4 stages on 2 ranks (2 each, looped), interleaved_1f1b over 4 micro-batches" in out
+    assert "stage 2 (rank 0): layer 2;" in out and "pipeline rank 1 (stages 1, 3)'s ranks, the fullest)" in out
 
 
 @pytest.mark.parametrize(
@@ -281,6 +365,11 @@ def test_the_dry_run_prints_the_stages_and_plans_the_fullest(tmp_path, capsys):
         (["--nprocs", "8", "--pp_size", "3", "--pp_schedule", "gpipe"], "pp_size 3 must divide the world size 8"),
         (["--nprocs", "8", "--pp_size", "8", "--pp_schedule", "gpipe"], "pp_size 8 exceeds the model's 4 decoder"),
         (["--nprocs", "2", "--pp_size", "2"], "pp_schedule 1f1b needs grad_accum_steps"),
+        (
+            ["--nprocs", "2", "--pp_size", "2", "--pp_schedule", "looped_bfs", "--pp_stages_per_rank", "4"],
+            "pp_size 2 x pp_stages_per_rank 4 = 8 stages exceed the model's 4 decoder layers",
+        ),
+        (["--pp_stages_per_rank", "2"], "pp_stages_per_rank 2 needs pipeline stages: set --pp_size"),
     ],
 )
 def test_layouts_a_pipeline_cannot_run_exit_2_in_one_line(tmp_path, capsys, flags, message):
@@ -288,7 +377,7 @@ def test_layouts_a_pipeline_cannot_run_exit_2_in_one_line(tmp_path, capsys, flag
 
     argv = [*TINY_SEQ, "--parallel_mode", "fsdp", "--grad_accum_steps", "1", *flags, "--ckpt_dir", str(tmp_path / "o")]
     for dry in (["--dry_run"], []):  # the dry run lists it; the run refuses before it launches or writes
-        if not dry and "exceeds" in message:
+        if not dry and "exceed" in message:
             continue  # the run meets the model's layers in its ranks' preflight: 8 processes here for one line
         assert main([*argv, *dry]) == 2
         captured = capsys.readouterr()
@@ -312,8 +401,12 @@ def test_a_fabric_built_elsewhere_decides_pipeline_parallelism():
 
     assert pp_size_of(fabric(pp_size=2)) == 2 and pp_size_of(fabric()) == 1
     check_pp_size(fabric(pp_size=2), 2)
+    check_pp_size(fabric(pp_size=2, pp_stages_per_rank=2), 2, 2)
     with pytest.raises(ConfigError, match="pp_size 2: the Fabric given to train.. decides pipeline parallelism"):
         check_pp_size(fabric(), 2)
+    stages = "pp_stages_per_rank 2: the Fabric given to train.. decides the stages per pipeline rank"
+    with pytest.raises(ConfigError, match=stages):
+        check_pp_size(fabric(pp_size=2), 2, 2)
 
 
 @pytest.mark.parametrize("command", ["generate", "chat", "evaluate"])

@@ -13,11 +13,12 @@ The whole model's order comes from a rank's own: its parameters of one MoE layer
 (one module's), and the whole model has every rank's block of experts there, in rank order (rank r holds experts
 ``[r E/N, (r+1) E/N)``): each such run is repeated once per rank, renamed for that rank's experts.
 
-Under ``--pp_size`` each stage holds a slice of the whole model's parameters, in its order, under the whole model's
-names (``model.pipeline``): the whole order of each optimizer group is every stage's share of it, in stage order,
-gathered from the pipeline's ranks (``_WholeNames``); each stage's tensors are made full within the stage and sent
-to rank 0 by the ranks of its place. A tied head is the embedding there: its last stage's copy is not written, and
-reads the embedding's entry back.
+Under ``--pp_size`` each pipeline rank holds some of the whole model's parameters (its stages' blocks), in its
+order, under the whole model's names (``model.pipeline``): the whole order of each optimizer group is every rank's
+share of it, gathered from the pipeline's ranks and put back in the whole model's order
+(``model.pipeline.in_whole_order``: with several stages per rank the ranks' blocks interleave) (``_WholeNames``);
+each rank's tensors are made full among the ranks that shard them and sent to rank 0 by the ranks of its place. A
+tied head is the embedding there: its last stage's copy is not written, and reads the embedding's entry back.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from torch.optim import Optimizer
 
 from astrai_fabric.errors import CheckpointError
 from astrai_fabric.model.expert_parallel import ExpertGroup, moe_layers
+from astrai_fabric.model.pipeline import in_whole_order
 from astrai_fabric.model.transformer import EMBED_KEY, LM_HEAD_KEY
 from astrai_fabric.torch_private import uncompiled
 
@@ -118,15 +120,15 @@ def gather_state(model: nn.Module, state: dict[str, Any], keep: bool) -> dict[st
     """``state`` (``model``'s ``state_dict``, or part of it: the adapters, the base) whole on the rank that
     ``keep``s it (rank 0; the others get None values), every tensor full on the CPU (collective) and every expert's
     and every pipeline stage's included, in the whole model's order."""
-    stage = _stage_of(model)
-    if stage is not None:
-        parts = _from_every_stage(stage, lambda keep_here: gather_full(state, keep_here), keep)
+    place = _place_of(model)
+    if place is not None:
+        parts = _from_every_stage(place, lambda keep_here: gather_full(state, keep_here), keep)
         if not keep:
             return dict.fromkeys(state)
-        whole = {name: value for part in parts for name, value in part.items()}  # buffers: the first stage's
+        whole = {name: value for part in parts for name, value in part.items()}  # buffers: the first rank's
         if model.config.tied:  # the last stage's copy of the embedding
             whole.pop(LM_HEAD_KEY, None)
-        return whole
+        return {name: whole[name] for name in in_whole_order(list(whole))}
     experts = _experts_of(model)
     if experts is None:
         return gather_full(state, keep)
@@ -148,38 +150,38 @@ def gather_optimizer_state(
     whole_names = _WholeNames.of(model, parts)
     if whole_names is None:
         return gather_full(optimizer.state_dict(), keep)
-    stage, experts = _stage_of(model), _experts_of(model)
+    place, experts = _place_of(model), _experts_of(model)
     whole = {}
     for part_name, part in parts.items():
         if part is not None:
             saved = part.state_dict()
-            gather = _stage_entries if stage is not None else _expert_entries
-            entries = gather(saved, whole_names, part_name, stage or experts, keep)
+            gather = _stage_entries if place is not None else _expert_entries
+            entries = gather(saved, whole_names, part_name, place or experts, keep)
             part = whole_names.renumbered(part_name, saved, entries) if keep else None
         whole[part_name] = part
     return whole[None] if None in whole else whole
 
 
-def _stage_of(model: nn.Module) -> Any:
-    """The pipeline stage ``model`` is (``model.pipeline.Stage``), or None without pipeline parallelism."""
-    stage = getattr(model, "stage", None)
-    return stage if stage is not None and stage.group is not None else None
+def _place_of(model: nn.Module) -> Any:
+    """The pipeline place of ``model`` (``model.pipeline.Place``), or None without pipeline parallelism."""
+    place = getattr(model, "place", None)
+    return place if place is not None and place.group is not None else None
 
 
-def _from_every_stage(stage: Any, gather: Any, keep: bool) -> list[Any] | None:
-    """``gather(keep_here)`` (collective over a stage's ranks, kept on the ranks of rank 0's place in every stage)
-    from every stage, in stage order, on rank 0 (``keep``); None elsewhere. The pipeline holding rank 0 sends its
-    stages' parts to it."""
-    first_pipeline = dist.get_process_group_ranks(stage.group)[0] == 0
+def _from_every_stage(place: Any, gather: Any, keep: bool) -> list[Any] | None:
+    """``gather(keep_here)`` (collective over a pipeline rank's shard group, kept on the ranks of rank 0's place)
+    from every pipeline rank, in pipeline order, on rank 0 (``keep``); None elsewhere. The pipeline holding rank 0
+    sends its ranks' parts to it."""
+    first_pipeline = dist.get_process_group_ranks(place.group)[0] == 0
     part = gather(first_pipeline)
     if not first_pipeline:
         return None
-    parts = [None] * stage.num_stages if keep else None
-    dist.gather_object(part, parts, group=stage.group, group_dst=0)
+    parts = [None] * place.num_ranks if keep else None
+    dist.gather_object(part, parts, group=place.group, group_dst=0)
     return parts
 
 
-def _stage_entries(saved: dict, whole_names: _WholeNames, part_name: str | None, stage: Any, keep: bool) -> dict:
+def _stage_entries(saved: dict, whole_names: _WholeNames, part_name: str | None, place: Any, keep: bool) -> dict:
     """Every pipeline stage's entries of one optimizer part, whole and by parameter name, on the rank that ``keep``s
     them (see ``gather_optimizer_state``): a tied head's copy on the last stage is the first stage's embedding."""
     local = [n for group in whole_names.groups[part_name] for n in group]
@@ -188,8 +190,8 @@ def _stage_entries(saved: dict, whole_names: _WholeNames, part_name: str | None,
         state = gather_full(saved["state"], keep_here)
         return {local[i]: entry for i, entry in state.items() if local[i] not in whole_names.copies}
 
-    stages = _from_every_stage(stage, by_name, keep)
-    return {name: entry for entries in stages or () for name, entry in entries.items()}
+    ranks = _from_every_stage(place, by_name, keep)
+    return {name: entry for entries in ranks or () for name, entry in entries.items()}
 
 
 def numbered_as_whole(optimizer: Optimizer, parts: dict[str | None, Optimizer | None], model: nn.Module) -> Any:
@@ -249,8 +251,8 @@ class _WholeNames:
     def of(cls, model: nn.Module, parts: dict[str | None, Optimizer | None]) -> _WholeNames | None:
         """None when the rank holds the whole model (collective under pipeline parallelism: every stage's names
         are gathered)."""
-        experts, stage = _experts_of(model), _stage_of(model)
-        if experts is None and stage is None:
+        experts, place = _experts_of(model), _place_of(model)
+        if experts is None and place is None:
             return None
         raw = uncompiled(getattr(model, "module", model))  # Fabric's wrapper, torch.compile's: the file's names
         names = {id(p): name for name, p in raw.named_parameters()}
@@ -259,17 +261,17 @@ class _WholeNames:
             for part_name, part in parts.items()
             if part is not None
         }
-        if stage is None:
+        if place is None:
             orders = {part: [experts.whole_order(group) for group in of_part] for part, of_part in groups.items()}
             return cls(groups, orders, {})
-        # Each group's whole order: every stage's share of it, in stage order (a stage's parameters are a slice of
-        # the whole model's, in its order), the tied head's copy left out.
-        copies = frozenset({LM_HEAD_KEY} if model.config.tied and stage.is_last else ())
+        # Each group's whole order: every pipeline rank's share of it, in the whole model's order (a rank's
+        # parameters are some of the whole model's, in its order), the tied head's copy left out.
+        copies = frozenset({LM_HEAD_KEY} if model.config.tied and place.holds_last else ())
         own = {part: [[n for n in group if n not in copies] for group in of_part] for part, of_part in groups.items()}
-        every_stage = [None] * stage.num_stages
-        dist.all_gather_object(every_stage, own, group=stage.group)
+        every_rank = [None] * place.num_ranks
+        dist.all_gather_object(every_rank, own, group=place.group)
         orders = {
-            part: [[n for shares in every_stage for n in shares[part][g]] for g in range(len(of_part))]
+            part: [in_whole_order([n for shares in every_rank for n in shares[part][g]]) for g in range(len(of_part))]
             for part, of_part in groups.items()
         }
         return cls(groups, orders, {name: EMBED_KEY for name in copies}, copies)

@@ -19,6 +19,7 @@ import yaml
 
 from astrai_fabric.config.kinds import kind_problem
 from astrai_fabric.config.lora import DEFAULT_TARGETS
+from astrai_fabric.config.pipeline import stages_per_rank
 from astrai_fabric.config.train_checks import TrainChecks
 from astrai_fabric.errors import ConfigError
 
@@ -394,10 +395,16 @@ class TrainArgs(TrainChecks):
     world size and be at most the layers; not with ``cp_size``, ``ep_size``, MoE models, ``quantize``,
     ``neftune_alpha``, ``compile``, ``fsdp_sync_each_micro_batch`` (the schedule reduces once a window) or
     ``--packing false``."""
-    pp_schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs"] = "1f1b"
     """The pipeline's schedule: ``gpipe`` (every micro-batch's forward, then every backward: activations of all
-    micro-batches held at once) or ``1f1b`` (one forward, one backward once the pipeline is full: at most pp_size
-    micro-batches' activations held; it needs ``grad_accum_steps`` >= pp_size)."""
+    micro-batches held at once), ``1f1b`` (one forward, one backward once the pipeline is full: at most pp_size
+    micro-batches' activations held; it needs ``grad_accum_steps`` >= pp_size), or, with several stages per rank
+    (``pp_stages_per_rank``, 2 by default for these), ``interleaved_1f1b`` (1F1B over each rank's stages: the bubble
+    shrinks by the stages per rank; ``grad_accum_steps`` must be a multiple of pp_size when larger) or
+    ``looped_bfs`` (each of a rank's stages runs every micro-batch before the next)."""
+    pp_stages_per_rank: int | None = None
+    """Pipeline stages each rank holds, looped (rank r holds stages r, r + pp_size, ...): the blocks split into
+    pp_size x this many stages. Only with ``interleaved_1f1b`` and ``looped_bfs`` (default 2 there; 1 otherwise)."""
     fsdp_reshard_after_forward: bool = False
     """FSDP: free each block's gathered parameters after its forward (less memory, one more all-gather in backward);
     AstrAI keeps them (false)."""
@@ -499,6 +506,11 @@ class TrainArgs(TrainChecks):
     def recipe_values(self) -> dict:
         """The values a recipe holds: every field but the command-line-only ones (``recipe.yaml``, W&B's config)."""
         return {k: v for k, v in self.to_dict().items() if k not in COMMAND_LINE_ONLY}
+
+    @property
+    def num_stages_per_rank(self) -> int:
+        """``pp_stages_per_rank``, or its default for ``pp_schedule`` (``config.pipeline.stages_per_rank``)."""
+        return stages_per_rank(self.pp_schedule, self.pp_stages_per_rank)
 
     @property
     def resolved_nora_weight_decay(self) -> float:

@@ -15,6 +15,7 @@ import warnings
 
 from astrai_fabric.config.devices import parse_device_memory
 from astrai_fabric.config.lora import TARGETS, check_scaling
+from astrai_fabric.config.pipeline import INTERLEAVED_SCHEDULES
 from astrai_fabric.errors import ConfigError
 
 FLOAT32_MAX = 3.4028234663852886e38
@@ -35,7 +36,7 @@ POSITIVE = (
 """Counts of at least 1."""
 OPTIONAL_POSITIVE = (
     "window_size", "stride", "max_steps", "stop_after_steps", "max_tokens", "tp_size", "cycle_length",
-    "keep_last_k", "num_threads", "fsdp_shard_size", "cp_size", "ep_size", "pp_size",
+    "keep_last_k", "num_threads", "fsdp_shard_size", "cp_size", "ep_size", "pp_size", "pp_stages_per_rank",
 )  # fmt: skip
 """Counts of at least 1, or None (unset)."""
 NON_NEGATIVE = (
@@ -245,6 +246,8 @@ class TrainChecks:
         model's layers where it is known: ``model.pipeline.stage_layers``)."""
         pp_size = self.pp_size or 1
         if pp_size == 1:
+            if (self.pp_stages_per_rank or 1) > 1:
+                return [f"pp_stages_per_rank {self.pp_stages_per_rank} needs pipeline stages: set --pp_size"]
             return []
         if self.parallel_mode != "fsdp":
             return [
@@ -257,10 +260,22 @@ class TrainChecks:
                 "other losses need a reference model or sampling the schedule does not run)"
             ]
         problems = []
-        if self.pp_schedule == "1f1b" and self.grad_accum_steps < pp_size:
+        micro = self.grad_accum_steps
+        if self.pp_schedule == "1f1b" and micro < pp_size:
             problems.append(
                 f"pp_schedule 1f1b needs grad_accum_steps (the pipeline's micro-batches) >= pp_size {pp_size}, got "
-                f"{self.grad_accum_steps}: raise it, or use --pp_schedule gpipe"
+                f"{micro}: raise it, or use --pp_schedule gpipe"
+            )
+        rounds = max(1, micro // pp_size)  # torch's interleaved 1F1B runs its micro-batches in rounds of equal size
+        if self.pp_schedule == "interleaved_1f1b" and micro % rounds:
+            problems.append(
+                f"pp_schedule interleaved_1f1b runs grad_accum_steps {micro} in {rounds} rounds of equal size "
+                f"(grad_accum_steps // pp_size), which must divide it: use a multiple of pp_size {pp_size}"
+            )
+        if self.num_stages_per_rank > 1 and self.pp_schedule not in INTERLEAVED_SCHEDULES:
+            problems.append(
+                f"pp_stages_per_rank {self.num_stages_per_rank} with pp_schedule {self.pp_schedule}, which runs one "
+                f"stage per rank: use {' or '.join(INTERLEAVED_SCHEDULES)}"
             )
         if not self.packing:
             problems.append(

@@ -4,8 +4,11 @@
 A window's ``grad_accum_steps`` micro-batches are the pipeline's micro-batches: the first stage is given them
 stacked, the schedule splits them back (each is padded to ``batch_per_device`` rows first, the padding weighing 0,
 so every micro-batch has one shape: stages allocate their receive buffers once, from the shapes given), runs each
-stage's forwards and backwards in its order (GPipe: every forward, then every backward; 1F1B: one of each once the
-pipeline is full) and sends activations forward and their gradients back between neighbouring stages.
+stage's forwards and backwards in its order and sends activations forward and their gradients back between
+neighbouring stages. One stage per rank: GPipe (every forward, then every backward) or 1F1B (one of each once the
+pipeline is full). Several per rank (``--pp_stages_per_rank``, looped: ``model.pipeline``): interleaved 1F1B (1F1B
+over the rank's stages, the earlier micro-batch first: a smaller bubble, (P-1)/(V M + P-1) of the step for P ranks
+of V stages and M micro-batches) or looped BFS (each stage every micro-batch before the next stage).
 
 How the loop's semantics map onto it:
 
@@ -29,18 +32,31 @@ import torch
 import torch.distributed as dist
 from lightning.fabric import Fabric
 from torch import Tensor, nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
+)
 from torch.distributed.tensor import DTensor
 
+from astrai_fabric.config.pipeline import INTERLEAVED_SCHEDULES
+from astrai_fabric.errors import ConfigError
 from astrai_fabric.losses import token_nll_weights
-from astrai_fabric.model.pipeline import PipelineStageLM, StageLoss
+from astrai_fabric.model.pipeline import PipelineRankLM, StageLoss
 from astrai_fabric.model.transformer import LM_HEAD_KEY
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "looped_bfs": ScheduleLoopedBFS,
+}
 
 
 class Pipeline:
-    """The schedule of one rank's stage, built at the first window (its shapes come from the run's flags)."""
+    """The schedule of one rank's stages, built at the first window (its shapes come from the run's flags)."""
 
     def __init__(
         self,
@@ -52,25 +68,33 @@ class Pipeline:
         compute_dtype: torch.dtype,
         loss: StageLoss,
     ) -> None:
-        """``model``: the Fabric-wrapped stage (a ``PipelineStageLM`` under FSDP); ``compute_dtype``: the hidden
-        states' dtype between stages (the run's parameter dtype, or FSDP's ``param_dtype``)."""
+        """``model``: the Fabric-wrapped rank's part (a ``PipelineRankLM``, its stages under FSDP);
+        ``compute_dtype``: the hidden states' dtype between stages (the run's parameter dtype, or FSDP's
+        ``param_dtype``)."""
         self.fabric, self.schedule_name = fabric, schedule
-        self.module: PipelineStageLM = getattr(model, "module", model)
-        self.module.stage_loss = loss  # the last stage's forward takes this run's token losses
-        self.stage = self.module.stage
+        self.module: PipelineRankLM = getattr(model, "module", model)
+        self.place = self.module.place
+        if len(self.place.stages) > 1 and schedule not in INTERLEAVED_SCHEDULES:
+            raise ConfigError(
+                f"pp_schedule {schedule} runs one stage per rank, and this model holds {len(self.place.stages)}: "
+                f"use one of {', '.join(INTERLEAVED_SCHEDULES)}"
+            )
+        for module in self.module.stage_modules:
+            module.stage_loss = loss  # the last stage's forward takes this run's token losses
         self.num_micro_batches, self.batch_per_device = num_micro_batches, batch_per_device
         self.compute_dtype = compute_dtype
         self._schedule = None
 
     def train_window(self, batches: Sequence[dict[str, Tensor]]) -> Tensor:
         """Forward and backward of the window's micro-batches through every stage; returns the sum of their losses
-        on the last stage's ranks, times the stages (so that the mean over every rank, the others giving 0, is the
-        last stage's: ``train_step`` takes that mean), and 0 elsewhere. Then a tied embedding's gradients summed."""
+        on the last stage's ranks, times the pipeline's ranks (so that the mean over every rank, the others giving
+        0, is the last stage's: ``train_step`` takes that mean), and 0 elsewhere. Then a tied embedding's gradients
+        summed."""
         losses = self._run(batches, len(batches), train=True)
         self._sum_tied_gradients()
-        if not self.stage.is_last:
+        if not self.place.holds_last:
             return torch.zeros((), device=self.fabric.device)
-        return torch.stack(losses).detach().sum() * self.num_micro_batches * self.stage.num_stages
+        return torch.stack(losses).detach().sum() * self.num_micro_batches * self.place.num_ranks
 
     @torch.no_grad()
     def validation_loss(self, batches: Iterable[dict[str, Tensor]]) -> Tensor:
@@ -85,7 +109,7 @@ class Pipeline:
             if group and (len(group) == self.num_micro_batches or batch is None):
                 real = len(group)
                 losses = self._run(group + [group[-1]] * (self.num_micro_batches - real), real, train=False)
-                if self.stage.is_last:
+                if self.place.holds_last:
                     total[0] += torch.stack(losses[:real]).sum() * self.num_micro_batches
                     total[1] += real
                 group = []
@@ -101,72 +125,75 @@ class Pipeline:
         run = schedule.step if train else schedule.eval
         inputs = (ids, targets) + ((positions,) if positions is not None else ())
         losses: list[Tensor] = []
+        # The first stage's rank gives the inputs, the last stage's the loss's targets (one rank may do both: not
+        # here, where the first stage is on the pipeline's first rank and the last on its last).
+        given = dict(target=weights, losses=losses) if self.place.holds_last else {}
         with self.fabric.autocast():
-            if self.stage.is_first:
-                run(*inputs)
-            elif self.stage.is_last:
-                run(target=weights, losses=losses)
-            else:
-                run()
+            run(*(inputs if self.place.holds_first else ()), **given)
         return losses
 
     def norm_over_stages(self, norm: Tensor) -> Tensor:
         """The gradient norm of the whole model from this stage's (each rank's of its own stage): summed in squares
         over the pipeline."""
         total = norm.float().pow(2)
-        dist.all_reduce(total, group=self.stage.group)
+        dist.all_reduce(total, group=self.place.group)
         return total.sqrt()
 
     def counted(self, name: str) -> bool:
         """Whether parameter ``name`` (the stage's, or the Fabric-wrapped stage's) enters the gradient norm: all but
         the last stage's copy of a tied embedding."""
-        return not (self.module.config.tied and self.stage.is_last and name.endswith(LM_HEAD_KEY))
+        return not (self.module.config.tied and self.place.holds_last and name.endswith(LM_HEAD_KEY))
 
     def grad_snr_options(self) -> dict[str, Any]:
         """``GradSNR``'s arguments for a stage: its own parameters, its norms made the whole model's."""
         return dict(counted=self.counted, over_stages=self.norm_over_stages)
 
     def _build(self, seq_len: int, with_positions: bool):
-        """The stage and its schedule, with every shape given (torch's shape inference would run the last stage's
+        """The stages and their schedule, with every shape given (torch's shape inference would run the last stage's
         loss on uninitialised targets)."""
-        stage, config = self.stage, self.module.config
-        rows = self.batch_per_device
+        config, rows = self.module.config, self.batch_per_device
 
         def meta(*shape: int, dtype: torch.dtype = torch.long) -> Tensor:
             return torch.empty(shape, dtype=dtype, device="meta")
 
         hidden = meta(rows, seq_len, config.hidden_size, dtype=self.compute_dtype).requires_grad_()
         carried = (meta(rows, seq_len),) + ((meta(rows, seq_len),) if with_positions else ())
-        inputs = ((meta(rows, seq_len),) if stage.is_first else (hidden,)) + carried
-        outputs = meta(rows, seq_len, dtype=torch.float32) if stage.is_last else (hidden, *carried)
-        pipeline_stage = PipelineStage(
-            self.module,
-            stage.index,
-            stage.num_stages,
-            self.fabric.device,
-            input_args=inputs,
-            output_args=outputs,
-            group=stage.group,
-        )
+        stages = []
+        for module in self.module.stage_modules:
+            stage = module.stage
+            inputs = ((meta(rows, seq_len),) if stage.is_first else (hidden,)) + carried
+            outputs = meta(rows, seq_len, dtype=torch.float32) if stage.is_last else (hidden, *carried)
+            stages.append(
+                PipelineStage(
+                    module,
+                    stage.index,
+                    stage.num_stages,
+                    self.fabric.device,
+                    input_args=inputs,
+                    output_args=outputs,
+                    group=self.place.group,
+                )
+            )
         num_micro_batches = self.num_micro_batches
 
         def weighted_loss(token_nll: Tensor, weights: Tensor) -> Tensor:
             return (token_nll * weights).sum() / num_micro_batches
 
+        multi_stage = self.schedule_name in INTERLEAVED_SCHEDULES  # these take the list of the rank's stages
         self._schedule = SCHEDULES[self.schedule_name](
-            pipeline_stage, num_micro_batches, loss_fn=weighted_loss, scale_grads=False
+            stages if multi_stage else stages[0], num_micro_batches, loss_fn=weighted_loss, scale_grads=False
         )
         return self._schedule
 
     def _sum_tied_gradients(self) -> None:
-        if not self.module.config.tied or self.stage.ends_group is None:
+        if not self.module.config.tied or self.place.ends_group is None:
             return
-        weight = self.module.embed_tokens.weight if self.stage.is_first else self.module.lm_head.weight
+        weight = self.module.embed_tokens.weight if self.place.holds_first else self.module.lm_head.weight
         grad = weight.grad
         if grad is None:  # frozen (LoRA): nothing to sum
             return
         local = grad.to_local() if isinstance(grad, DTensor) else grad
-        dist.all_reduce(local, group=self.stage.ends_group)
+        dist.all_reduce(local, group=self.place.ends_group)
 
 
 def _stacked(

@@ -70,13 +70,13 @@ def train(fabric: Fabric, args: TrainArgs) -> list[dict]:
     are, and nothing is launched. The flags that choose those (``parallel_mode``, ``nprocs``, ``num_nodes``,
     ``device_type``, ``backend``, ``precision``, ``tp_size``, ``fsdp_*``) are then ignored, except
     ``fsdp_sync_each_micro_batch``: the loop honours it when the Fabric's strategy is ``ModelParallelStrategy``;
-    and ``fsdp_shard_size``, ``cp_size``, ``ep_size`` and ``pp_size``, refused unless the strategy applies them.
-    Returns the per-step records of ``loop.fit``; every rank must call it."""
+    and ``fsdp_shard_size``, ``cp_size``, ``ep_size`` and ``pp_size`` (with its stages per rank), refused unless
+    the strategy applies them. Returns the per-step records of ``loop.fit``; every rank must call it."""
     args.validate()
     check_fsdp_shard_size(fabric, args.fsdp_shard_size)
     check_cp_size(fabric, args.cp_size)
     check_ep_size(fabric, args.ep_size)
-    check_pp_size(fabric, args.pp_size)
+    check_pp_size(fabric, args.pp_size, args.num_stages_per_rank)
     return _train(fabric, args)
 
 

@@ -88,7 +88,7 @@ def preflight(args: TrainArgs, start: Start, plan: StepPlan, placement: Placemen
             problems.append(str(err))
     if (args.pp_size or 1) > 1 and args.parallel_mode == "fsdp":
         try:
-            check_pipeline(start.model_config, args.pp_size)
+            check_pipeline(start.model_config, args.pp_size, args.num_stages_per_rank)
         except UserError as err:
             problems.append(str(err))
     if start.resume is not None:

@@ -108,6 +108,7 @@ def plan_cluster(
         ns_bytes=4 if args.muon_ns_dtype == "float32" or (args.muon_ns_dtype == "auto" and cpu) else 2,
         muon_spread=resolve_spread_replicated(args.muon_spread_replicated, "cpu" if cpu else "cuda"),
         pp_schedule=args.pp_schedule,
+        pp_stages_per_rank=args.num_stages_per_rank,
         carries_positions=args.train_type == "sft",
     )
     return ClusterPlan(config, layout, workload, footprint(config, layout, workload), device_memory(args), per_sample)
@@ -127,6 +128,16 @@ def device_memory(args: TrainArgs) -> int | None:
     if args.device_type != "cpu" and torch.cuda.is_available():
         return torch.cuda.get_device_properties(0).total_memory
     return None
+
+
+def _pipeline_place(plan: ClusterPlan) -> str:
+    """The pipeline place the plan's figures are of: ``stage 1``, or with several stages per rank ``pipeline rank
+    1 (stages 1, 3)``."""
+    rank, num_ranks = plan.footprint.stage, plan.layout.mesh.pp
+    if plan.workload.pp_stages_per_rank == 1:
+        return f"stage {rank}"
+    stages = range(rank, num_ranks * plan.workload.pp_stages_per_rank, num_ranks)
+    return f"pipeline rank {rank} (stages {', '.join(map(str, stages))})"
 
 
 def human_bytes(num_bytes: float) -> str:
@@ -153,7 +164,7 @@ def describe_memory(plan: ClusterPlan) -> str:
         adapters = f" ({kind}: gradients and optimizer state are the adapters')"
     lines = [
         f"per rank at its peak (the forward's end), estimated: {human_bytes(fp.total)}{verdict}{adapters}"
-        + (f" (stage {fp.stage}'s ranks, the fullest)" if fp.stage is not None else ""),
+        + (f" ({_pipeline_place(plan)}'s ranks, the fullest)" if fp.stage is not None else ""),
         f"parameters {human_bytes(fp.parameters)}, gradients {human_bytes(fp.gradients)}, {optimizer}"
         + (f", gathered by FSDP {human_bytes(fp.gathered_parameters)}" if fp.gathered_parameters else "")
         + (f", DDP's buckets {human_bytes(fp.gradient_buckets)}" if fp.gradient_buckets else "")

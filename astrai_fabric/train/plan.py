@@ -327,7 +327,9 @@ def describe_plan(
             rows.append(("experts", describe_expert_parallel(start.model_config, args.ep_size)))
         if (args.pp_size or 1) > 1:
             with contextlib.suppress(UserError):  # the preflight names a model the stages cannot split
-                pipeline = describe_pipeline(start.model_config, args.pp_size, args.pp_schedule, args.grad_accum_steps)
+                pipeline = describe_pipeline(
+                    start.model_config, args.pp_size, args.num_stages_per_rank, args.pp_schedule, args.grad_accum_steps
+                )
                 rows.append(("pipeline", pipeline))
     if parameters is not None:
         rows.append(("parameters", parameters.describe()))
