@@ -79,8 +79,8 @@ class Pipeline:
                 f"pp_schedule {schedule} runs one stage per rank, and this model holds {len(self.place.stages)}: "
                 f"use one of {', '.join(INTERLEAVED_SCHEDULES)}"
             )
-        for module in self.module.stage_modules:
-            module.stage_loss = loss  # the last stage's forward takes this run's token losses
+        for module in self.module.stage_modules:  # this run's token losses and recomputation, set on the rank's model
+            module.stage_loss, module.gradient_checkpointing = loss, self.module.gradient_checkpointing
         self.num_micro_batches, self.batch_per_device = num_micro_batches, batch_per_device
         self.compute_dtype = compute_dtype
         self._schedule = None
@@ -125,27 +125,27 @@ class Pipeline:
         run = schedule.step if train else schedule.eval
         inputs = (ids, targets) + ((positions,) if positions is not None else ())
         losses: list[Tensor] = []
-        # The first stage's rank gives the inputs, the last stage's the loss's targets (one rank may do both: not
-        # here, where the first stage is on the pipeline's first rank and the last on its last).
+        # The first stage's rank gives the inputs, the last stage's the loss's targets (the first stage is on the
+        # pipeline's first rank, the last on its last, however many stages a rank holds).
         given = dict(target=weights, losses=losses) if self.place.holds_last else {}
         with self.fabric.autocast():
             run(*(inputs if self.place.holds_first else ()), **given)
         return losses
 
     def norm_over_stages(self, norm: Tensor) -> Tensor:
-        """The gradient norm of the whole model from this stage's (each rank's of its own stage): summed in squares
-        over the pipeline."""
+        """The gradient norm of the whole model from this rank's (each pipeline rank's of its own stages): summed in
+        squares over the pipeline."""
         total = norm.float().pow(2)
         dist.all_reduce(total, group=self.place.group)
         return total.sqrt()
 
     def counted(self, name: str) -> bool:
-        """Whether parameter ``name`` (the stage's, or the Fabric-wrapped stage's) enters the gradient norm: all but
+        """Whether parameter ``name`` (the rank's, or the Fabric-wrapped rank's) enters the gradient norm: all but
         the last stage's copy of a tied embedding."""
         return not (self.module.config.tied and self.place.holds_last and name.endswith(LM_HEAD_KEY))
 
     def grad_snr_options(self) -> dict[str, Any]:
-        """``GradSNR``'s arguments for a stage: its own parameters, its norms made the whole model's."""
+        """``GradSNR``'s arguments for a pipeline rank: its own parameters, its norms made the whole model's."""
         return dict(counted=self.counted, over_stages=self.norm_over_stages)
 
     def _build(self, seq_len: int, with_positions: bool):
