@@ -335,6 +335,25 @@ def test_a_pipelines_checkpoint_resumes_in_one_process(pipeline_runs, tmp_path, 
         torch.testing.assert_close(resumed[key], expected[key], rtol=0, atol=2e-5, msg=key)
 
 
+@pytest.mark.slow
+def test_every_command_reads_what_a_pipeline_writes(pipeline_runs, tmp_path, capsys):
+    # The looped stages' checkpoint (4 ranks, each rank's blocks interleaved with the other's) is one process's:
+    # export writes Hugging Face's files from it, generate reads those, evaluate reads the checkpoint.
+    from astrai_fabric.cli import main
+
+    checkpoint = pipeline_runs / "pp2_fsdp2_sft" / "epoch_0_step_3"
+    assert main(["export", str(checkpoint), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
+    argv = ["generate", "--param_path", str(tmp_path / "hf"), "--chat", "false", "--prompt", "In the"]
+    assert main([*argv, "--max_new_tokens", "2", "--temperature", "0"]) == 0
+    text = tmp_path / "text.jsonl"
+    text.write_text("".join(json.dumps({"text": f"document {i} of a few words, read back"}) + "\n" for i in range(4)))
+    flags = ["--data_root_path", str(text), "--window_size", "8", "--output", str(tmp_path / "eval.json")]
+    assert main(["evaluate", str(checkpoint), *flags]) == 0
+    metrics = json.loads((tmp_path / "eval.json").read_text())["results"][0]["metrics"]
+    assert metrics["tokens"] > 0 and 1 < metrics["perplexity"] < float("inf")
+    capsys.readouterr()
+
+
 # --- the command line ----------------------------------------------------------------------------------------------
 
 TINY_SEQ = ["seq", "--param_path", "bundled:tiny", "--data_root_path", "bundled:data/seq", "--window_size", "32"]
