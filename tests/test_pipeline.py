@@ -370,6 +370,7 @@ def test_the_dry_run_prints_the_stages_and_plans_the_fullest(tmp_path, capsys):
     assert "stage 0: layers 0-1 (+ embedding); stage 1: layers 2-3 (+ norm, head)" in out
     assert "4 rank(s) x 1 per device x 4 accumulation" in out  # 8 ranks, 4 of them data-parallel
     assert "the fullest)" in out and "PP send over 2" in out
+    assert "muon         each matrix orthogonalised once, by one of 4 ranks" in out  # owners among a stage's ranks
     assert not (tmp_path / "out").exists()
     flags = ["--nprocs", "4", "--parallel_mode", "fsdp", "--pp_size", "2", "--pp_schedule", "interleaved_1f1b"]
     assert main([*TINY_SEQ, *flags, "--grad_accum_steps", "4", "--ckpt_dir", str(tmp_path / "out"), "--dry_run"]) == 0

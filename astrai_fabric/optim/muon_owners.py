@@ -52,12 +52,20 @@ SUB_MESH = "a mesh over part of the ranks"
 
 
 def planned_layout(
-    world_size: int, parallel_mode: str, tp_size: int | None, shards_per_replica: int, spread_replicated: bool
+    world_size: int,
+    parallel_mode: str,
+    tp_size: int | None,
+    shards_per_replica: int,
+    spread_replicated: bool,
+    pp_size: int | None = None,
 ) -> str | None:
     """What ``OwnerPlan.describe`` will say of a run, from its flags alone (the plan prints it before any process
     group exists, the dry run without one): None for one process. ``shards_per_replica``: FSDP's shard size (1
     under DDP); ``tp_size``: tensor parallelism's, whose split the same owners undo (its mesh is FSDP's, every
-    rank's)."""
+    rank's); ``pp_size``: pipeline ranks under FSDP, each of whose stages' matrices have owners among its own
+    world_size / pp_size ranks."""
+    if parallel_mode == "fsdp":
+        world_size //= pp_size or 1
     if world_size == 1:
         return None
     once = f"each matrix orthogonalised once, by one of {world_size} ranks (its owner gathers only its shards)"

@@ -194,8 +194,7 @@ def describe_run_plan(
             layout = None
     mode = "fsdp" if is_fsdp(fabric) else "ddp"
     spread = resolve_spread_replicated(args.muon_spread_replicated, fabric.device.type)
-    stage_ranks = world_size // (args.pp_size or 1) if mode == "fsdp" else world_size  # Muon's owners: a stage's
-    muon = planned_layout(stage_ranks, mode, args.tp_size, shards, spread)
+    muon = planned_layout(world_size, mode, args.tp_size, shards, spread, args.pp_size)
     processes = describe_processes(world_size, devices, mode, layout, fabric.device.type, precision_of(fabric))
     threads = None
     if fabric.device.type == "cpu":

@@ -55,8 +55,7 @@ def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train 
             problems.append(str(err))
     accelerator = planned_accelerator(args.device_type)  # a plan may be for devices this machine lacks
     spread = resolve_spread_replicated(args.muon_spread_replicated, accelerator)
-    stage_ranks = topology.world_size // (args.pp_size or 1) if args.parallel_mode == "fsdp" else topology.world_size
-    muon = planned_layout(stage_ranks, args.parallel_mode, args.tp_size, shards, spread)  # owners: a stage's ranks
+    muon = planned_layout(topology.world_size, args.parallel_mode, args.tp_size, shards, spread, args.pp_size)
     precision = resolve_precision(args.precision, accelerator)
     processes = describe_processes(
         topology.world_size, topology.devices, args.parallel_mode, layout, accelerator, precision
