@@ -49,19 +49,21 @@ LAYOUTS = {
     "ddp4_muon": dict(ranks=4, mode="ddp", optimizer="muon_adamw"),
     "pp2": dict(ranks=2, mode="fsdp", pp=2),
     "pp2_fsdp2": dict(ranks=4, mode="fsdp", pp=2),
+    # 2 stages per rank, looped (4 blocks: one a stage), through interleaved 1F1B.
+    "pp2_interleaved": dict(ranks=2, mode="fsdp", pp=2, stages_per_rank=2, schedule="interleaved_1f1b", layers=4),
 }
 SMALL_ALL_REDUCE = 64
 """All-reduces this small are the step's scalars (the loss, the gradient norm), not in the plan."""
 
 
-def config(moe: bool):
+def config(moe: bool, layers: int = 2):
     from astrai_fabric.config import ModelConfig
 
     values = dict(
         vocab_size=4096,
         hidden_size=256,
         intermediate_size=512,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=512,
@@ -128,7 +130,7 @@ def worker(name: str, window: int, out: str) -> None:
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     torch.manual_seed(0)
-    model = AutoRegressiveLM(config(layout.get("moe", False))).train()
+    model = AutoRegressiveLM(config(layout.get("moe", False), layout.get("layers", 2))).train()
     ranks = dist.get_world_size()
     if layout["mode"] == "fsdp":
         tp = layout.get("tp", 1)
@@ -140,6 +142,7 @@ def worker(name: str, window: int, out: str) -> None:
             cp_size=layout.get("cp"),
             ep_size=layout.get("ep"),
             pp_size=layout.get("pp"),
+            pp_stages_per_rank=layout.get("stages_per_rank", 1),
         )
     elif layout["mode"] == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
@@ -147,13 +150,15 @@ def worker(name: str, window: int, out: str) -> None:
     optimizer = build_optimizer(model, OptimArgs(**name_and_spread, ns_dtype=torch.float32))
     ids = torch.randint(0, 4096, (2, window + 1), generator=torch.Generator().manual_seed(dist.get_rank()))
     pipeline = None
-    if layout.get("pp"):  # one micro-batch through the stages (the run's path: loop.pipeline), GPipe
+    if layout.get("pp"):  # one micro-batch through the stages (the run's path: loop.pipeline), GPipe by default
         from lightning.fabric import Fabric
 
         from astrai_fabric.loop.pipeline import Pipeline
         from astrai_fabric.model.pipeline import StageLoss
 
-        pipeline = Pipeline(Fabric(accelerator="cpu", devices=1), model, "gpipe", 1, 2, torch.float32, StageLoss())
+        fabric = Fabric(accelerator="cpu", devices=1)
+        schedule = layout.get("schedule", "gpipe")
+        pipeline = Pipeline(fabric, model, schedule, 1, 2, torch.float32, StageLoss())
 
     def step() -> None:
         if pipeline is not None:
@@ -235,7 +240,7 @@ def compare(name: str, window: int, measured: dict) -> list[tuple[str, int, int]
     else:
         mesh = MeshLayout(replicas=ranks, shards=1)
     plan = footprint(
-        config(layout.get("moe", False)),
+        config(layout.get("moe", False), layout.get("layers", 2)),
         Layout(layout["mode"], mesh, ranks_per_node=ranks),
         Workload(
             2,
@@ -248,10 +253,11 @@ def compare(name: str, window: int, measured: dict) -> list[tuple[str, int, int]
             optimizer=layout.get("optimizer", "adamw"),
             ns_bytes=4,
             muon_spread=True,
-            pp_schedule="gpipe",
+            pp_schedule=layout.get("schedule", "gpipe"),
+            pp_stages_per_rank=layout.get("stages_per_rank", 1),
         ),
     )
-    measured = measured[(plan.stage or 0) * mesh.ranks_per_stage]  # the plan's rank: the fullest stage's first
+    measured = measured[(plan.stage or 0) * mesh.ranks_per_stage]  # the plan's rank: the fullest place's first
     peak = measured["peak"]
     rest = peak["Total"] - peak["PARAM"] - peak["OPT"] - peak["BUFFER"]  # DDP's buckets among the rest
     rows = [
