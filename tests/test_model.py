@@ -64,16 +64,23 @@ def test_rope_rotates_adjacent_pairs():
     torch.testing.assert_close(out, torch.tensor([0.0, 1.0, 0.0, 1.0]), atol=1e-7, rtol=0)
 
 
-def test_rope_equals_the_pairwise_rotation_bit_for_bit():
-    """``apply_rotary_emb``'s ``x cos + swap(x) (-sin, sin)`` against the pairwise formula AstrAI's complex product
-    computes, ``(x0 cos - x1 sin, x0 sin + x1 cos)``, written out here: equal to the last bit."""
+def test_rope_is_astrais_complex_product_bit_for_bit():
+    """``apply_rotary_emb`` against AstrAI's rotation as its torch path writes it (astrai/extension/backend/rotary.py:
+    each pair a complex number, times ``torch.complex(cos, sin)``): equal to the last bit; and within float32's
+    rounding of the pairwise formula, ``(x0 cos - x1 sin, x0 sin + x1 cos)``, the rotation it is."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(2, 5, 3, 8, generator=generator)
     table = rope_table(dim=8, max_len=5, base=10000.0)[None].expand(2, -1, -1, -1)
-    cos, sin = table[..., 0].unsqueeze(-2), table[..., 1].unsqueeze(-2)
+    cos, sin = table[..., 0], table[..., 1]
+    astrai = torch.view_as_real(torch.view_as_complex(x.reshape(2, 5, 3, -1, 2)) * torch.complex(cos, sin)[:, :, None])
+    assert torch.equal(apply_rotary_emb(x, rope_factors(table)), astrai.flatten(-2))
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     even, odd = x[..., 0::2], x[..., 1::2]
-    expected = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
-    assert torch.equal(apply_rotary_emb(x, rope_factors(table)), expected)
+    pairwise = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
+    torch.testing.assert_close(apply_rotary_emb(x, rope_factors(table)), pairwise, rtol=0, atol=1e-6)
+    # A slice of the head (partial rotary, MLA's RoPE part) is rotated as the whole would be.
+    wide = torch.cat([torch.randn(2, 5, 3, 2, generator=generator), x], dim=-1)
+    assert torch.equal(apply_rotary_emb(wide[..., 2:], rope_factors(table)), apply_rotary_emb(x, rope_factors(table)))
 
 
 def test_rope_table_stays_float32_when_the_model_is_cast_to_bf16(tiny_model):

@@ -37,12 +37,17 @@ def sdpa(
         k, v = repeat_kv_for(k, v, q.size(2), context)
         q, k, v = (seq_to_heads(t, context) for t in (q, k, v))
     n_rep = q.size(2) // k.size(2)
-    if n_rep > 1:  # AstrAI's repeat_kv: each key/value head serves n_rep consecutive query heads
+    # AstrAI's repeat_kv: each key/value head serves n_rep consecutive query heads. On CPU torch's kernel does that
+    # itself (``enable_gqa``: the same outputs, the key/value gradients summed in another order, ~1e-7), without
+    # the copies (measured faster: docs/performance.md); elsewhere the copies, as some CUDA kernels lack it.
+    in_kernel = n_rep > 1 and softcap is None and q.device.type == "cpu"
+    if n_rep > 1 and not in_kernel:
         k = k.repeat_interleave(n_rep, dim=2)
         v = v.repeat_interleave(n_rep, dim=2)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if softcap is None:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask, is_causal=attn_mask is None, scale=scale)
+        causal = attn_mask is None
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask, is_causal=causal, scale=scale, enable_gqa=in_kernel)
     else:
         out = _softcapped_attention(q, k, v, attn_mask, q.size(-1) ** -0.5 if scale is None else scale, softcap)
     out = out.transpose(1, 2)

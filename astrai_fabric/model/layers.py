@@ -256,7 +256,7 @@ class RotaryEmbedding(nn.Module):
         return self
 
     def forward(self, batch_size: int, seq_len: int, position_ids: Tensor | None = None) -> Tensor:
-        """The rotation factors ``[batch, seq, 2, dim]`` float32 (``rope_factors``); ``position_ids=None`` means
+        """The rotation factors ``[batch, seq, dim/2]`` complex64 (``rope_factors``); ``position_ids=None`` means
         ``0..seq_len-1`` for every row.
 
         Under a length-dependent scaling the frequencies are those of this forward's length, its largest position
@@ -274,23 +274,20 @@ class RotaryEmbedding(nn.Module):
 
 
 def rope_factors(table: Tensor) -> Tensor:
-    """(cos, sin) pairs ``[..., dim/2, 2]`` as the factors ``apply_rotary_emb`` multiplies by, ``[..., 2, dim]``:
-    row 0 each pair's cos twice, row 1 ``(-sin, sin)``. Made once per forward (``RotaryEmbedding``) and shared by
-    every layer, so each layer's rotation is two products and a sum over ``x``, with no ``stack``."""
-    cos, sin = table.unbind(-1)
-    return torch.stack([cos.repeat_interleave(2, dim=-1), torch.stack([-sin, sin], dim=-1).flatten(-2)], dim=-2)
+    """(cos, sin) pairs ``[..., dim/2, 2]`` float32 as the factors ``apply_rotary_emb`` multiplies by, ``cos + i sin``
+    ``[..., dim/2]`` complex64 (AstrAI's ``torch.complex(cos, sin)``, the same numbers). Made once per forward
+    (``RotaryEmbedding``) and shared by every layer. Complex, they are no floating-point tensor to FSDP's mixed
+    precision, which casts a block's floating-point inputs: they stay float32, as AstrAI keeps them."""
+    return torch.view_as_complex(table.float().contiguous())
 
 
 def apply_rotary_emb(x: Tensor, rotary: Tensor) -> Tensor:
     """Rotate adjacent pairs ``(2i, 2i+1)`` of ``x [batch, seq, heads, dim]`` (interleaved, GPT-J/Meta style) by the
-    factors ``rotary [batch, seq, 2, dim]`` (``rope_factors``).
+    factors ``rotary [batch, seq, dim/2]`` (``rope_factors``), in float32, the result in ``x``'s dtype.
 
-    AstrAI's complex-pair rotation written with real arithmetic, ``x * cos + swap(x) * (-sin, sin)`` where ``swap``
-    exchanges each pair: the same float32 values as ``(x0 cos - x1 sin, x0 sin + x1 cos)`` bit for bit (a negated
-    product and the order of a two-term sum are exact), in three passes over ``x`` where the pairwise form took six
-    and a ``stack`` (bench/step_overhead.py --ops). It is not Hugging Face's ``rotate_half``.
+    AstrAI's rotation exactly: each pair a complex number times its factor, one complex product over ``x`` (its
+    backward another), where the same product in real arithmetic took three passes and a copy (measured 3x faster
+    forward and backward on CPU: docs/performance.md). It is not Hugging Face's ``rotate_half``.
     """
-    cos, sin = rotary[..., 0, :].unsqueeze(-2), rotary[..., 1, :].unsqueeze(-2)
-    x_float = x.float()
-    swapped = x_float.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
-    return (x_float * cos + swapped * sin).to(x.dtype)
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous())  # a slice's pairs: a copy
+    return torch.view_as_real(pairs * rotary.unsqueeze(-2)).flatten(-2).to(x.dtype)
