@@ -222,9 +222,11 @@ TWO_RANK_RUNS = {
         gradient_checkpointing=True, ckpt_interval=2,
     ),
     # LoRA on every block's attention, the frozen base from weights (each rank reading its blocks), the merged
-    # model written too; interleaved 1F1B over 2 stages per rank (4 stages of one block each).
+    # model written too; interleaved 1F1B over 2 stages per rank (4 stages of one block each), validated at every
+    # step through its forward-only schedule.
     "pp2_lora": dict(
-        PP2, pp_schedule="interleaved_1f1b", optimizer="adamw", lora_r=4, lora_alpha=8, lora_save_full=True
+        PP2, pp_schedule="interleaved_1f1b", optimizer="adamw", lora_r=4, lora_alpha=8, lora_save_full=True,
+        val_split=0.0013, val_step=1,
     ),
 }  # fmt: skip
 RESUMED_RUNS = {  # step 3 again, from each run's step 2 at the same layout: optimizer.pt, then the sharded state
