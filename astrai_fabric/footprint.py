@@ -12,8 +12,8 @@ the preflight warns with the same figures. What each figure counts:
   when blocks stay gathered (``--fsdp_reshard_after_forward false``, AstrAI's), else two blocks (one computing, one
   prefetched);
 - **activations**: what autograd saves for the backward of one micro-batch, counted from what our modules save
-  (``block_saved_elements``: each RMSNorm its input, normalised input and output, attention its query, repeated
-  keys and values and output, the SwiGLU MLP four of its width, an MoE layer its router and each slot's expert
+  (``block_saved_elements``: each RMSNorm its input, normalised input and output, attention its query, keys and
+  values (copied per query head off CPU) and output, the SwiGLU MLP four of its width, an MoE layer its router and each slot's expert
   activations), or with ``--gradient_checkpointing`` each block's input plus one block's recomputation;
 - **head and loss**: the logits, their float32 log-softmax and the loss's gradients into them, or with the fused
   loss one chunk of them;
@@ -173,6 +173,9 @@ class Workload:
     """Bytes per element of Muon's Newton-Schulz iteration (``--muon_ns_dtype``: bfloat16 on CUDA by default)."""
     muon_spread: bool = False
     """``--muon_spread_replicated`` resolved: under DDP each matrix orthogonalised by one rank and sent to the rest."""
+    attention_copies_kv: bool = False
+    """Whether attention copies each key/value head for its query heads (off CPU: ``model.attention.sdpa``); on CPU
+    torch's kernel reads grouped heads as they are, and autograd saves the keys and values uncopied."""
     pp_schedule: str = "1f1b"
     """``--pp_schedule`` under pipeline stages: how many micro-batches' activations a stage holds at once."""
     pp_stages_per_rank: int = 1
@@ -260,22 +263,25 @@ class Footprint:
         return fixed + max(forward, self.gradients + self.step_temporaries)
 
 
-def block_saved_elements(config: ModelConfig, moe_layer: bool, tp: int = 1, adapters: Adapters | None = None) -> float:
+def block_saved_elements(
+    config: ModelConfig, moe_layer: bool, tp: int = 1, adapters: Adapters | None = None, kv_copied: bool = False
+) -> float:
     """Elements autograd saves per position in one decoder block's forward (one tensor-parallel rank's): its
     attention half's and its MLP half's (``block_halves_saved``)."""
-    return sum(block_halves_saved(config, moe_layer, tp, adapters))
+    return sum(block_halves_saved(config, moe_layer, tp, adapters, kv_copied))
 
 
 def block_halves_saved(
-    config: ModelConfig, moe_layer: bool, tp: int = 1, adapters: Adapters | None = None
+    config: ModelConfig, moe_layer: bool, tp: int = 1, adapters: Adapters | None = None, kv_copied: bool = False
 ) -> tuple[float, float]:
     """Elements autograd saves per position in one decoder block's attention half and its MLP half, each with its
     norms and its adapters.
 
     Counted from our modules on the eager path (tests/test_footprint.py measures them): each input RMSNorm saves its
     input, its normalised input and its output (3 x hidden + 1), an output norm (``sandwich``: Gemma) all but its
-    output, which only the residual sum reads; attention its query, its keys and values repeated to the query heads
-    and its output (``o_proj`` reads the same storage) and log-sum-exp (SDPA); a SwiGLU MLP its gate,
+    output, which only the residual sum reads; attention its query, its keys and values (copied to every query head
+    where ``kv_copied``: ``Workload.attention_copies_kv``) and its output (``o_proj`` reads the same storage) and
+    log-sum-exp (SDPA); a SwiGLU MLP its gate,
     ``silu(gate)``, up and their product (4 x width); an MoE layer its router's probabilities, each slot's copy of
     the hidden state, each routed expert's MLP over its slots, the shared experts' and the combine.
 
@@ -297,7 +303,8 @@ def block_halves_saved(
         latent = 3 * config.kv_lora_rank + 1 + (3 * config.q_lora_rank + 1 if config.q_lora_rank else 0)
         attention = 2 * query + 2 * value + heads + latent
     else:
-        attention = 4 * heads * config.attention_head_dim + heads
+        kv_heads = heads if kv_copied else (config.num_key_value_heads or config.num_attention_heads) // tp
+        attention = 2 * (heads + kv_heads) * config.attention_head_dim + heads
     if config.use_qk_norm:
         attention += 2 * 2 * heads * config.attention_head_dim
     # An input is saved by what reads it: full training's linears, LoRA's adapters (with dropout they read a dropped
@@ -382,7 +389,13 @@ def activation_bytes(config: ModelConfig, layout: Layout, workload: Workload) ->
     mesh = layout.mesh
     positions = workload.sequences_per_micro_batch * workload.window // mesh.cp
     moe_layers = config.num_moe_layers
-    saved = dict(tp=mesh.tp, adapters=workload.adapters)
+    # Keys and values copied per query head: off CPU, under soft-capping (its scores are materialised), and under
+    # context parallelism where their heads do not split over the group (copied before the exchange).
+    kv_heads = config.num_key_value_heads or config.num_attention_heads
+    kv_copied = (
+        workload.attention_copies_kv or config.attn_logit_softcapping is not None or (kv_heads // mesh.tp) % mesh.cp
+    )
+    saved = dict(tp=mesh.tp, adapters=workload.adapters, kv_copied=bool(kv_copied))
     dense = block_saved_elements(config, False, **saved)
     moe = block_saved_elements(config, True, **saved) if moe_layers else 0.0
     per_position = (config.num_hidden_layers - moe_layers) * dense + moe_layers * moe
@@ -399,7 +412,7 @@ def activation_bytes(config: ModelConfig, layout: Layout, workload: Workload) ->
     # the final norm (its input and 1 / rms; under full training its normalised input and output too, which its
     # weight's and the LM head's gradients read)
     per_position += 3 * config.hidden_size + 1 if adapters is None else config.hidden_size + 1
-    rotary = positions * 2 * config.rope_dim * 4  # float32 (cos, sin) at every position, shared by the blocks
+    rotary = positions * config.rope_dim * 4  # complex64 cos + i sin of each pair, every position, shared
     activations = int(positions * per_position * workload.compute_bytes) + rotary
     if workload.loss_chunk_size:
         head_positions = min(positions, workload.loss_chunk_size)
