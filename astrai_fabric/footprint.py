@@ -13,8 +13,9 @@ the preflight warns with the same figures. What each figure counts:
   prefetched);
 - **activations**: what autograd saves for the backward of one micro-batch, counted from what our modules save
   (``block_saved_elements``: each RMSNorm its input, normalised input and output, attention its query, keys and
-  values (copied per query head off CPU) and output, the SwiGLU MLP four of its width, an MoE layer its router and each slot's expert
-  activations), or with ``--gradient_checkpointing`` each block's input plus one block's recomputation;
+  values (copied per query head off CPU) and output, the SwiGLU MLP four of its width, an MoE layer its router and
+  each slot's expert activations), or with ``--gradient_checkpointing`` each block's input plus one block's
+  recomputation;
 - **head and loss**: the logits, their float32 log-softmax and the loss's gradients into them, or with the fused
   loss one chunk of them;
 - **the optimizer step**: the gradients, with foreach AdamW's intermediates over DTensor parameters. The peak is
