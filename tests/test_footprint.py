@@ -122,6 +122,29 @@ def test_activations_are_what_autograd_saves_within_ten_percent(name):
     assert activations == pytest.approx(trunk_saved_bytes(model, IDS[:, :-1]), rel=0.10)
 
 
+def test_a_plan_off_cpu_counts_keys_and_values_copied_per_query_head():
+    # On CPU torch's kernel reads grouped heads as they are (model.attention.sdpa): the test above measures that. A
+    # plan for CUDA, where the copies stay, counts every key/value head once per query head of its group.
+    from astrai_fabric.config.train import TrainArgs
+    from astrai_fabric.strategy import Topology
+    from astrai_fabric.train.footprint_plan import plan_cluster
+
+    config = build("gqa").config
+    one = Topology(devices=1, num_nodes=1, launched_externally=False)
+    plans = {}
+    for device in ("cpu", "cuda"):
+        args = TrainArgs(train_type="seq", parallel_mode="none", device_type=device)
+        plans[device] = plan_cluster(args, config, 32, 0, one, "32-true")
+    assert not plans["cpu"].workload.attention_copies_kv and plans["cuda"].workload.attention_copies_kv
+    work = plans["cpu"].workload
+    positions, per_position = (
+        work.sequences_per_micro_batch * work.window,
+        work.compute_bytes * config.attention_head_dim,
+    )
+    copies = config.num_hidden_layers * positions * 2 * (config.num_attention_heads - config.num_key_value_heads)
+    assert plans["cuda"].footprint.activations - plans["cpu"].footprint.activations == copies * per_position
+
+
 LORA_CASES = {
     "gqa_attention": ("gqa", ("q_proj", "k_proj", "v_proj", "o_proj"), 0.0),
     "gqa_all_dropout": ("gqa", ("q_proj", "k_proj", "v_proj", "o_proj", "gate", "up", "down"), 0.05),
