@@ -42,6 +42,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from astrai_fabric.config.model import ModelConfig
+from astrai_fabric.config.pipeline import stages_of_rank
 from astrai_fabric.mesh import MeshLayout
 from astrai_fabric.model.pipeline import stage_layers
 from astrai_fabric.model.transformer import ParameterCounts, parameter_counts
@@ -570,7 +571,7 @@ def stage_footprint(
     its neighbours (forward: the hidden states with the targets and, for sft, the position ids; backward: the hidden
     states' gradient) and, with tied embeddings, the all-reduce of the embedding's gradient between the end stages."""
     num_ranks, num_stages = layout.mesh.pp, len(stages)
-    held = list(range(rank, num_stages, num_ranks))
+    held = list(stages_of_rank(rank, num_ranks, num_stages // num_ranks))
     first, last = held[0] == 0, held[-1] == num_stages - 1
     own = _with_blocks(config, [i for index in held for i in stages[index]])
     whole = parameter_counts(own)

@@ -28,7 +28,6 @@ from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElastic
 from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
 from torch import nn
 
-from astrai_fabric.config.pipeline import stages_per_rank
 from astrai_fabric.errors import ConfigError
 from astrai_fabric.loggers import build_loggers
 from astrai_fabric.mesh import mesh_layout
@@ -171,8 +170,8 @@ class FabricArgs:
     cp_size: int | None
     ep_size: int | None
     pp_size: int | None
-    pp_schedule: str
-    pp_stages_per_rank: int | None
+    num_stages_per_rank: int
+    """``--pp_stages_per_rank`` resolved for ``--pp_schedule`` (``TrainArgs.num_stages_per_rank``)."""
     fsdp_shard_size: int | None
     fsdp_reshard_after_forward: bool
     fsdp_param_dtype: str | None
@@ -220,7 +219,7 @@ def build_fabric(args: FabricArgs, topology: Topology) -> Fabric:
             cp_size=layout.cp,
             ep_size=layout.ep,
             pp_size=layout.pp,
-            pp_stages_per_rank=stages_per_rank(args.pp_schedule, args.pp_stages_per_rank) if layout.pp > 1 else 1,
+            pp_stages_per_rank=args.num_stages_per_rank if layout.pp > 1 else 1,
         )
         strategy = ModelParallelStrategy(
             parallelize_fn=partial(parallelize, **knobs),

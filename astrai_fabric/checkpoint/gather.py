@@ -122,7 +122,7 @@ def gather_state(model: nn.Module, state: dict[str, Any], keep: bool) -> dict[st
     and every pipeline stage's included, in the whole model's order."""
     place = _place_of(model)
     if place is not None:
-        parts = _from_every_stage(place, lambda keep_here: gather_full(state, keep_here), keep)
+        parts = _from_every_rank(place, lambda keep_here: gather_full(state, keep_here), keep)
         if not keep:
             return dict.fromkeys(state)
         whole = {name: value for part in parts for name, value in part.items()}  # buffers: the first rank's
@@ -168,7 +168,7 @@ def _place_of(model: nn.Module) -> Any:
     return place if place is not None and place.group is not None else None
 
 
-def _from_every_stage(place: Any, gather: Any, keep: bool) -> list[Any] | None:
+def _from_every_rank(place: Any, gather: Any, keep: bool) -> list[Any] | None:
     """``gather(keep_here)`` (collective over a pipeline rank's shard group, kept on the ranks of rank 0's place)
     from every pipeline rank, in pipeline order, on rank 0 (``keep``); None elsewhere. The pipeline holding rank 0
     sends its ranks' parts to it."""
@@ -190,7 +190,7 @@ def _stage_entries(saved: dict, whole_names: _WholeNames, part_name: str | None,
         state = gather_full(saved["state"], keep_here)
         return {local[i]: entry for i, entry in state.items() if local[i] not in whole_names.copies}
 
-    ranks = _from_every_stage(place, by_name, keep)
+    ranks = _from_every_rank(place, by_name, keep)
     return {name: entry for entries in ranks or () for name, entry in entries.items()}
 
 

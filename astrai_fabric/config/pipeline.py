@@ -12,3 +12,9 @@ def stages_per_rank(schedule: str, requested: int | None) -> int:
     if requested is not None:
         return requested
     return 2 if schedule in INTERLEAVED_SCHEDULES else 1
+
+
+def stages_of_rank(rank: int, num_ranks: int, stages_per_rank: int) -> range:
+    """The stages pipeline rank ``rank`` of ``num_ranks`` holds, looped as torch's multi-stage schedules place them
+    (stage s on rank s mod num_ranks): ``rank``, ``rank + num_ranks``, ... of ``num_ranks`` x ``stages_per_rank``."""
+    return range(rank, num_ranks * stages_per_rank, num_ranks)

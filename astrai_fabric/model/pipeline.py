@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from astrai_fabric.config.model import ModelConfig
+from astrai_fabric.config.pipeline import stages_of_rank
 from astrai_fabric.errors import ConfigError
 from astrai_fabric.model.head import TokenLoss
 from astrai_fabric.model.transformer import LM_HEAD_KEY, AutoRegressiveLM, make_doc_boundary_mask, parameter_counts
@@ -261,7 +262,8 @@ def keep_stages(model: AutoRegressiveLM, rank: int, num_ranks: int, stages_per_r
     check_pipeline(config, num_ranks, stages_per_rank)
     num_stages = num_ranks * stages_per_rank
     ranges = stage_layers(config, num_ranks, stages_per_rank)
-    stages = tuple(Stage(index, num_stages, ranges[index]) for index in range(rank, num_stages, num_ranks))
+    held = stages_of_rank(rank, num_ranks, stages_per_rank)
+    stages = tuple(Stage(index, num_stages, ranges[index]) for index in held)
     place = Place(rank, num_ranks, stages)
     model.layers = nn.ModuleDict({str(i): model.layers[i] for i in place.layers})
     if not place.holds_first:

@@ -87,8 +87,8 @@ def build_run_fabric(args: TrainArgs) -> Fabric:
 
 
 def fabric_args(args: TrainArgs) -> FabricArgs:
-    """The flags of ``args`` that ``strategy.build_fabric`` reads, each field of ``FabricArgs`` the flag of its name
-    (the loggers also get the recipe's values)."""
+    """The flags of ``args`` that ``strategy.build_fabric`` reads, each field of ``FabricArgs`` the flag (or the
+    resolved value, ``num_stages_per_rank``) of its name (the loggers also get the recipe's values)."""
     flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(FabricArgs) if f.name != "logged_config"}
     return FabricArgs(**flags | {"loggers": tuple(args.loggers)}, logged_config=args.recipe_values())
 

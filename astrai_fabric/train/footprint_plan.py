@@ -10,6 +10,7 @@ import torch
 
 from astrai_fabric.config.devices import parse_device_memory
 from astrai_fabric.config.model import ModelConfig
+from astrai_fabric.config.pipeline import stages_of_rank
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import UserError
 from astrai_fabric.footprint import Adapters, Footprint, Layout, Workload, footprint
@@ -137,7 +138,7 @@ def _pipeline_place(plan: ClusterPlan) -> str:
     rank, num_ranks = plan.footprint.stage, plan.layout.mesh.pp
     if plan.workload.pp_stages_per_rank == 1:
         return f"stage {rank}"
-    stages = range(rank, num_ranks * plan.workload.pp_stages_per_rank, num_ranks)
+    stages = stages_of_rank(rank, num_ranks, plan.workload.pp_stages_per_rank)
     return f"pipeline rank {rank} (stages {', '.join(map(str, stages))})"
 
 
