@@ -364,6 +364,11 @@ class TrainArgs(TrainChecks):
     the local ranks for several (Lightning's rule). Set by the command line only: a program calling ``train`` or
     ``run`` keeps its own setting. 1 can be several times faster for a small model on a busy machine
     (docs/performance.md). At most 1024."""
+    reuse_freed_memory: bool = True
+    """Keep the host memory that tensors free for the next ones instead of handing it back to the system (glibc's
+    malloc thresholds, ``host_memory``): a step's tensors then need no fresh pages, 0.3-1% of a step for a
+    5M-parameter model on CPU (docs/performance.md); the process's memory stays at its peak. Set by the command line
+    only, in every rank it starts; nothing elsewhere than Linux with glibc."""
     fsdp_sync_each_micro_batch: bool = False
     """FSDP: reduce-scatter gradients after every micro-batch instead of only at the optimizer step, trading
     communication for the memory of unsharded gradients during accumulation. Decided by the Fabric's strategy (FSDP2's

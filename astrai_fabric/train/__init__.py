@@ -21,6 +21,7 @@ from lightning.fabric import Fabric
 
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import ConfigError, TrainingError
+from astrai_fabric.host_memory import reuse_freed_memory
 from astrai_fabric.loggers import closing_loggers
 from astrai_fabric.strategy import (
     FabricArgs,
@@ -49,15 +50,18 @@ def run(args: TrainArgs) -> list[dict] | None:
     return execute(args)[1]
 
 
-def execute(args: TrainArgs, *, set_threads: bool = False) -> tuple[int, list[dict] | None]:
+def execute(args: TrainArgs, *, own_process: bool = False) -> tuple[int, list[dict] | None]:
     """Run validated ``args``: print the plan (``--dry_run``; status 0, or 2 when the run could not start, and no
-    records) or launch the ranks and train (status 0 and the records ``run`` returns). ``set_threads`` applies
-    ``--num_threads`` first, to this process and the ranks it launches (``strategy.set_cpu_threads``): the command
-    line's choice; a program calling ``run`` keeps its own setting."""
-    if set_threads:
+    records) or launch the ranks and train (status 0 and the records ``run`` returns). ``own_process``: the command
+    line's run, whose process settings are its own: ``--num_threads`` first, to this process and the ranks it
+    launches (``strategy.set_cpu_threads``), and before training ``--reuse_freed_memory`` (``host_memory``; each
+    rank the launcher starts runs the command line again); a program calling ``run`` keeps its own settings."""
+    if own_process:
         set_cpu_threads(args.num_threads)
     if args.dry_run:
         return dry_run(args, TRAIN_TYPES[args.train_type].build_dataset), []
+    if own_process and args.reuse_freed_memory:
+        reuse_freed_memory()
     fabric = build_run_fabric(args)
     with closing_loggers(fabric):
         if os.environ.get("LT_CLI_USED") == "1":
