@@ -85,10 +85,11 @@ class MeshLayout:
 
     def describe(self) -> str:
         """``2 replica(s) x 2 shard(s) x 2 context x 2 tensor-parallel``, for the plan (a dimension of 1 left out,
-        except replicas and shards); with context parallelism, FSDP's group as shard x cp."""
+        except replicas and shards); with context parallelism, FSDP's group as shard x cp. Pipeline ranks are
+        ``2-way pipeline``: a rank may hold several stages (``--pp_stages_per_rank``, the plan's pipeline line)."""
         text = f"{self.replicas} replica(s) x {self.shards} shard(s)"
         if self.pp > 1:
-            text = f"{self.pp} pipeline stages x {text}"
+            text = f"{self.pp}-way pipeline x {text}"
         if self.cp > 1:
             text += f" x {self.cp} context"
         if self.tp > 1:

@@ -103,7 +103,7 @@ def test_a_schedule_of_one_stage_per_rank_refuses_a_rank_of_several():
 def test_the_pipeline_is_the_outermost_dimension_of_the_mesh():
     layout = mesh_layout(8, tp_size=2, pp_size=2)
     assert layout == MeshLayout(replicas=1, shards=2, tp=2, pp=2)
-    assert layout.describe() == "2 pipeline stages x 1 replica(s) x 2 shard(s) x 2 tensor-parallel"
+    assert layout.describe() == "2-way pipeline x 1 replica(s) x 2 shard(s) x 2 tensor-parallel"
     assert [layout.stage(rank) for rank in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert [layout.dp_rank(rank) for rank in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]  # both stages read the same
     with pytest.raises(ConfigError, match="pp_size 3 must divide the world size 8"):
@@ -367,7 +367,7 @@ def test_the_dry_run_prints_the_stages_and_plans_the_fullest(tmp_path, capsys):
     flags = ["--nprocs", "8", "--parallel_mode", "fsdp", "--pp_size", "2", "--grad_accum_steps", "4"]
     assert main([*TINY_SEQ, *flags, "--ckpt_dir", str(tmp_path / "out"), "--dry_run"]) == 0
     out = capsys.readouterr().out
-    assert "parallel_mode fsdp (2 pipeline stages x 1 replica(s) x 4 shard(s))" in out
+    assert "parallel_mode fsdp (2-way pipeline x 1 replica(s) x 4 shard(s))" in out
     assert "pipeline     2 stages, 1f1b over 4 micro-batches per step" in out
     assert "stage 0: layers 0-1 (+ embedding); stage 1: layers 2-3 (+ norm, head)" in out
     assert "4 rank(s) x 1 per device x 4 accumulation" in out  # 8 ranks, 4 of them data-parallel
