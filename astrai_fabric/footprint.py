@@ -18,7 +18,7 @@ the preflight warns with the same figures. What each figure counts:
   recomputation;
 - **head and loss**: the logits, their float32 log-softmax and the loss's gradients into them, or with the fused
   loss one chunk of them;
-- **the optimizer step**: the gradients, with foreach AdamW's intermediates over DTensor parameters. The peak is
+- **the optimizer step**: the gradients, with AdamW's intermediates over DTensor parameters. The peak is
   the larger of the forward's end and the step (both together while gradients accumulate over micro-batches).
   Under FSDP and tensor parallelism, Muon's (Nora's, Mano's) owner exchange too (``owners_exchange``).
 
@@ -178,6 +178,10 @@ class Workload:
     attention_copies_kv: bool = False
     """Whether attention copies each key/value head for its query heads (off CPU: ``model.attention.sdpa``); on CPU
     torch's kernel reads grouped heads as they are, and autograd saves the keys and values uncopied."""
+    adamw_foreach: bool = False
+    """Whether torch's AdamW runs its foreach path over DTensor parameters (off CPU), one intermediate per entry of
+    a parameter group at once; torch offers no foreach kernels on CPU, where it updates one tensor at a time, holding
+    two of that tensor's size (``adamw_step_temporaries``)."""
     pp_schedule: str = "1f1b"
     """``--pp_schedule`` under pipeline stages: how many micro-batches' activations a stage holds at once."""
     pp_stages_per_rank: int = 1
@@ -453,18 +457,37 @@ def unsharded_parameters(counts: ParameterCounts, mesh: MeshLayout, experts_gath
     return (counts.attention + counts.dense_mlp) / mesh.tp + whole + experts
 
 
-def adamw_step_temporaries(counts: ParameterCounts, layout: Layout, workload: Workload, gradients: int) -> int:
-    """Foreach AdamW's intermediates at the step, over DTensor parameters (FSDP or tensor parallelism: torch's fused
-    AdamW takes plain tensors only, ``optim.composite.fused_if_possible``): one per entry of its largest parameter
-    group (a group at a time): ``adamw``'s matrices or the rest, the rest (embeddings, head, norms) beside Muon, Nora
-    or Mano, the adapters under LoRA (``gradients``: theirs)."""
+def adamw_step_temporaries(
+    config: ModelConfig, counts: ParameterCounts, layout: Layout, workload: Workload, gradients: int
+) -> int:
+    """AdamW's intermediates at the step, over DTensor parameters (FSDP or tensor parallelism: torch's fused AdamW
+    takes plain tensors only, ``optim.composite.fused_if_possible``), for what AdamW updates: ``adamw``'s matrices
+    and the rest, the rest (embeddings, head, norms) beside Muon, Nora or Mano, the adapters under LoRA
+    (``gradients``: theirs). Its foreach path (``Workload.adamw_foreach``) holds one per entry of the largest group,
+    a group at a time; on CPU torch's per-tensor path holds two of the largest tensor (``exp_avg_sq.sqrt()`` and
+    its quotient: the denominator), measured against the foreach count under pipeline stages, whose end stage's
+    largest group is its head alone (bench/footprint.py)."""
     if not (layout.fsdp or layout.mesh.tp > 1):
         return 0
-    if workload.adapters is not None:
-        return gradients
-    matrices, rest = local_parameters(counts, layout)
-    largest = max(matrices, rest) if workload.optimizer == "adamw" else rest
-    return int(largest * workload.param_bytes)
+    if workload.adamw_foreach:
+        if workload.adapters is not None:
+            return gradients
+        matrices, rest = local_parameters(counts, layout)
+        largest = max(matrices, rest) if workload.optimizer == "adamw" else rest
+        return int(largest * workload.param_bytes)
+    shards = layout.mesh.num_fsdp_shards if layout.fsdp else 1
+    if workload.adapters is not None:  # float32 adapters: A is r x in, B is out x r
+        adapted = [linear for linear in block_linears(config) if linear.name in workload.adapters.targets]
+        largest = max((max(x.in_features, x.out_features) for x in adapted), default=0) * workload.adapters.rank
+        return int(2 * largest / shards * 4)
+    largest = (config.vocab_size if counts.embeddings else 1) * config.hidden_size / shards  # else a norm
+    if workload.optimizer == "adamw":  # the blocks' matrices, split as local_parameters splits them
+        split = max((rows * cols for rows, cols in block_matrices(config)), default=0) / (shards * layout.mesh.tp)
+        expert_shards = layout.mesh.num_expert_shards if layout.fsdp else 1
+        width = config.moe_intermediate_size or config.intermediate_size
+        expert = width * config.hidden_size / expert_shards if config.num_moe_layers else 0  # whole on the tp axis
+        largest = max(largest, split, expert)
+    return int(2 * largest * workload.param_bytes)
 
 
 def block_matrices(config: ModelConfig) -> list[tuple[int, int]]:
@@ -542,7 +565,7 @@ def footprint(config: ModelConfig, layout: Layout, workload: Workload) -> Footpr
         gathered_bytes(counts, config, layout, workload),
         activations,
         head_and_loss,
-        adamw_step_temporaries(counts, layout, workload, gradients)
+        adamw_step_temporaries(config, counts, layout, workload, gradients)
         + owners_exchange(config, counts, layout, workload)[0],
         workload.grad_accum_steps > 1,
         step_collectives(config, counts, layout, workload, positions),
@@ -612,6 +635,8 @@ def stage_footprint(
         tied = int(embedding / shards * workload.reduce_bytes)
         collectives.append(Collective("PP all-reduce (tied embedding)", 2, ends, tied, True))
     tables = 2 if config.rope_local_theta is not None else 1
+    step_temporaries = adamw_step_temporaries(own, counts, layout, workload, gradients)
+    step_temporaries += owners_exchange(own, counts, layout, workload)[0]
     return Footprint(
         parameters,
         gradients,
@@ -621,7 +646,7 @@ def stage_footprint(
         gathered_bytes(counts, own, layout, workload),
         int(activations),
         heads_in_flight * head_and_loss,
-        adamw_step_temporaries(counts, layout, workload, gradients) + owners_exchange(own, counts, layout, workload)[0],
+        step_temporaries,
         micro > 1,
         collectives,
         stage=rank,

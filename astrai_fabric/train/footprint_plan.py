@@ -109,6 +109,7 @@ def plan_cluster(
         ns_bytes=4 if args.muon_ns_dtype == "float32" or (args.muon_ns_dtype == "auto" and cpu) else 2,
         muon_spread=resolve_spread_replicated(args.muon_spread_replicated, "cpu" if cpu else "cuda"),
         attention_copies_kv=not cpu,
+        adamw_foreach=not cpu,
         pp_schedule=args.pp_schedule,
         pp_stages_per_rank=args.num_stages_per_rank,
         carries_positions=args.train_type == "sft",
