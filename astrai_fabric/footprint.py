@@ -465,8 +465,8 @@ def adamw_step_temporaries(
     and the rest, the rest (embeddings, head, norms) beside Muon, Nora or Mano, the adapters under LoRA
     (``gradients``: theirs). Its foreach path (``Workload.adamw_foreach``) holds one per entry of the largest group,
     a group at a time; on CPU torch's per-tensor path holds two of the largest tensor (``exp_avg_sq.sqrt()`` and
-    its quotient: the denominator), measured against the foreach count under pipeline stages, whose end stage's
-    largest group is its head alone (bench/footprint.py)."""
+    its quotient, the denominator: bench/footprint.py measured two heads' worth on a pipeline's end stage, whose
+    largest group is its head alone, where the foreach count planned one)."""
     if not (layout.fsdp or layout.mesh.tp > 1):
         return 0
     if workload.adamw_foreach:
