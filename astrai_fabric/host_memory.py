@@ -6,7 +6,7 @@ free there, and serves blocks above its mmap threshold with mappings of their ow
 the next step's tensors land on fresh pages, which the kernel faults in and zeroes one 4 KiB page at a time. Its
 adaptive thresholds (the mmap threshold rises to the largest mapping freed so far, up to 32 MiB, the trim threshold
 to twice that) stay below one step's churn: the 5M-parameter model of ``bench/step_overhead.py`` took 2,300-3,700
-page faults a step, 0.3-1% of its step on CPU (docs/performance.md). With the thresholds set here, none after the first.
+page faults a step, 0.3-1% of its step on CPU (docs/performance.md); with the thresholds set here, 86.
 
 The cost: memory freed below the mmap threshold stays in the process, up to ``TRIM_THRESHOLD_BYTES`` at the heap's
 top, so its resident size after a peak (loading a checkpoint, say) does not fall back. Only the command line sets it,
