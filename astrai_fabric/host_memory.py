@@ -29,13 +29,20 @@ TRIM_THRESHOLD_BYTES = 2**30
 """Free memory up to 1 GiB stays at the heap's top: more than one step's tensors below the mmap threshold need."""
 
 
+def glibc() -> ctypes.CDLL | None:
+    """The C library this process runs on where it is glibc, else None (musl and others: ``mallopt``'s parameters
+    are glibc's)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None)
+    return libc if hasattr(libc, "gnu_get_libc_version") else None
+
+
 def reuse_freed_memory() -> bool:
     """Keep freed host memory for reuse (the module docstring): returns whether the allocator took the setting,
     False where the C library is not glibc (nothing is changed there)."""
-    if not sys.platform.startswith("linux"):
-        return False
-    libc = ctypes.CDLL(None)  # the C library this process runs on
-    if not hasattr(libc, "gnu_get_libc_version"):  # musl and others: mallopt's parameters are glibc's
+    libc = glibc()
+    if libc is None:
         return False
     return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
         libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)

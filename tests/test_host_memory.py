@@ -11,11 +11,12 @@ between the large ones, can hold the heap's top in place and hide glibc's policy
 
 from __future__ import annotations
 
-import ctypes
 import subprocess
 import sys
 
 import pytest
+
+from astrai_fabric.host_memory import glibc
 
 CHURN_PAGES = 80 * 2**20 // 4096
 """The pages one round of the churn touches."""
@@ -52,11 +53,7 @@ print(churn_faults())
 """
 
 
-def _is_glibc() -> bool:
-    return sys.platform.startswith("linux") and hasattr(ctypes.CDLL(None), "gnu_get_libc_version")
-
-
-@pytest.mark.skipif(not _is_glibc(), reason="the setting is glibc's malloc's (elsewhere it does nothing)")
+@pytest.mark.skipif(glibc() is None, reason="the setting is glibc's malloc's (elsewhere it does nothing)")
 @pytest.mark.parametrize(
     "how, extra, kept",
     [("command line", [], True), ("command line", ["--reuse_freed_memory", "false"], False), ("program", [], False)],
