@@ -16,10 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from equality import initial_weights
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import ModelParallelStrategy
 from spawn import run_ranks
-from test_training_distributed import assert_weights_close, base_args, weights
+from test_training_distributed import assert_trained_alike, base_args, weights
 
 from astrai_fabric.assets import TINY_MODEL_DIR
 from astrai_fabric.cli import main
@@ -95,14 +96,16 @@ def four_rank_runs(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> tuple[Path, list[dict]]:
+def reference(tmp_path_factory) -> tuple[Path, list[dict], dict]:
+    """The single process's run directory, history and the weights it started from."""
     ckpt_dir = tmp_path_factory.mktemp("one_process")
-    return ckpt_dir, run(base_args(ckpt_dir, **REFERENCE))
+    args = base_args(ckpt_dir, **REFERENCE)
+    return ckpt_dir, run(args), initial_weights(args)
 
 
 @pytest.mark.slow
 def test_two_replicas_of_two_shards_match_one_process(four_rank_runs, reference):
-    ckpt_dir, expected = reference
+    ckpt_dir, expected, initial = reference
     history = json.loads((four_rank_runs / "hsdp.json").read_text())
     assert [r["step"] for r in history] == [1, 2, 3, 4]
     assert all(r["grad_norm"] > 0.5 for r in expected)  # clipping is active at every step
@@ -110,7 +113,7 @@ def test_two_replicas_of_two_shards_match_one_process(four_rank_runs, reference)
         assert ours["loss"] == pytest.approx(ref["loss"], abs=1e-5)
         assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=5e-5)  # float32 norms, as in 2-rank FSDP
     for step in (2, 4):
-        assert_weights_close(weights(four_rank_runs / "hsdp", step), weights(ckpt_dir, step), atol=1e-5)
+        assert_trained_alike(four_rank_runs / "hsdp", ckpt_dir, step, initial)
 
 
 @pytest.mark.slow
@@ -120,15 +123,17 @@ def test_a_sharded_hsdp_checkpoint_resumes_on_another_layout(four_rank_runs):
     resumed = json.loads((four_rank_runs / "resumed.json").read_text())
     assert [r["step"] for r in resumed] == [3, 4]
     # Same samples and state; only the order of floating-point reductions differs (1 x 4 against 2 x 2).
-    assert_weights_close(weights(four_rank_runs / "resumed", 4), weights(four_rank_runs / "hsdp", 4), atol=1e-5)
+    hsdp = four_rank_runs / "hsdp"
+    assert_trained_alike(four_rank_runs / "resumed", hsdp, 4, weights(hsdp, 2))
 
 
 @pytest.mark.slow
 def test_hsdp_with_tensor_parallelism_matches_one_process(four_rank_runs, tmp_path):
-    expected = run(base_args(tmp_path, optimizer="muon_adamw", grad_accum_steps=1, max_steps=1))  # 2 ranks x 1 = 2
+    one = base_args(tmp_path, optimizer="muon_adamw", grad_accum_steps=1, max_steps=1)  # 2 ranks x 1 = 2
+    expected = run(one)
     history = json.loads((four_rank_runs / "hsdp_tp.json").read_text())
     assert [r["loss"] for r in history] == pytest.approx([r["loss"] for r in expected], abs=1e-5)
-    assert_weights_close(weights(four_rank_runs / "hsdp_tp", 1), weights(tmp_path, 1), atol=1e-5)
+    assert_trained_alike(four_rank_runs / "hsdp_tp", tmp_path, 1, initial_weights(one))
 
 
 @pytest.mark.slow

@@ -3,7 +3,8 @@
 as the adapters-off network, and AstrAI's own inject_lora/load_lora/save_lora as the oracle.
 
 References: the base model's own forward (exact), ``W + (B A) * alpha / r`` computed here in float32, the single
-process run (2 ranks within 1e-5), and AstrAI's LoRALinear in its own interpreter (logits within 1e-5, float32).
+process run (2 ranks: the adapters' difference against their update, tests/equality.py), and AstrAI's LoRALinear
+in its own interpreter (logits within 1e-5, float32).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import pytest
 import torch
 from astrai_oracle import needs_astrai, run_astrai
 from conftest import tiny_config
+from equality import assert_same_training, initial_weights
 from safetensors.torch import load_file, save_file
 from spawn import run_ranks
 
@@ -253,10 +255,8 @@ def test_base_weights_stay_bit_identical_and_only_adapters_have_optimizer_state(
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_two_ranks_match_one_process(runs, mode):
-    ours, reference = adapter(runs / mode, 4), adapter(runs / "none", 4)
-    assert ours.keys() == reference.keys()
-    for key in ours:
-        torch.testing.assert_close(ours[key], reference[key], atol=1e-5, rtol=0, msg=lambda m, key=key: f"{key}: {m}")
+    initial = initial_weights(lora_args(runs, "none"))
+    assert_same_training(adapter(runs / mode, 4), adapter(runs / "none", 4), initial)
 
 
 def test_a_reward_failing_on_one_rank_stops_every_rank_with_one_line_each(runs):
@@ -271,8 +271,7 @@ def test_a_reward_failing_on_one_rank_stops_every_rank_with_one_line_each(runs):
 def test_two_rank_fsdp_checkpoint_resumes_on_one_rank(runs, tmp_path):
     run(lora_args(runs, "fsdp_on_one", resume=str(step_dir(runs / "fsdp", 2))))
     resumed, reference = adapter(runs / "fsdp_on_one", 4), adapter(runs / "fsdp", 4)
-    for key in reference:
-        torch.testing.assert_close(resumed[key], reference[key], atol=1e-5, rtol=0)
+    assert_same_training(resumed, reference, adapter(runs / "fsdp", 2))
 
 
 def test_resume_is_bit_exact_with_dropout_and_gradient_checkpointing(runs, capsys):

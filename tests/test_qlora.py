@@ -3,7 +3,8 @@
 References: the same LoRA model over the dequantised base, i.e. the float weights torchao's
 ``NF4Tensor.get_original_weight()`` gives for the codes (float32, within 1e-5: the two compute the same products in
 another order); torchao's ``to_nf4`` called here directly for what a checkpoint must load; transformers and PEFT
-(their own forward) for the exports; the 1-process run for 2 DDP ranks and 2 FSDP ranks (1e-5).
+(their own forward) for the exports; the 1-process run for 2 DDP ranks and 2 FSDP ranks (the adapters' difference
+against their update, tests/equality.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from equality import assert_same_training, initial_weights
 from safetensors.torch import load_file
 from spawn import run_ranks
 
@@ -107,6 +109,7 @@ def test_nf4_model_computes_the_lora_model_over_its_dequantised_base_through_fou
         name: [p for p in m.parameters() if p.requires_grad] for name, m in (("nf4", quantized), ("float", dequantized))
     }
     optimizers = {name: torch.optim.AdamW(params, lr=1e-2) for name, params in adapters.items()}
+    initial = {str(i): p.detach().clone() for i, p in enumerate(adapters["float"])}
     for _ in range(4):
         losses, grads = {}, {}
         for name, m in (("nf4", quantized), ("float", dequantized)):
@@ -119,8 +122,8 @@ def test_nf4_model_computes_the_lora_model_over_its_dequantised_base_through_fou
         assert losses["nf4"] == pytest.approx(losses["float"], abs=1e-5)
         for ours, reference in zip(grads["nf4"], grads["float"], strict=True):
             torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
-    for ours, reference in zip(adapters["nf4"], adapters["float"], strict=True):
-        torch.testing.assert_close(ours, reference, atol=1e-5, rtol=0)
+    trained = {name: {str(i): p.detach() for i, p in enumerate(params)} for name, params in adapters.items()}
+    assert_same_training(trained["nf4"], trained["float"], initial)
     assert all(p.grad is None for p in quantized.parameters() if quantize.is_quantized(p))
 
 
@@ -184,6 +187,12 @@ def qlora_args(base: Path, name: str, **overrides) -> TrainArgs:
 MOE_RUN = dict(batch_per_device=1, max_steps=3, lora_targets=["q_proj", "up", "down"])
 """The MoE model's runs: adapters on attention and on every expert (routed and shared); 1-sample micro-batches, so
 each rank's balance loss is the single process's of the same sample."""
+
+
+def initial_adapter(runs: Path, reference_run: str) -> dict[str, torch.Tensor]:
+    """The adapters a single-process reference run of ``runs`` (its name) started from (tests/equality.py)."""
+    model, overrides = {"none": ("base", {}), "moe_none": ("wide_moe", MOE_RUN)}.get(reference_run, ("wide", {}))
+    return initial_weights(qlora_args(runs / model, reference_run, **overrides))
 
 
 def two_rank_worker(base: str) -> None:
@@ -294,8 +303,7 @@ def test_two_ddp_fsdp_or_context_ranks_match_one_process(runs, mode, step):
     ours, reference = (
         load_file(step_dir(runs / name, step) / "adapter_model.safetensors") for name in (mode, reference_run)
     )
-    for key in reference:
-        torch.testing.assert_close(ours[key], reference[key], atol=1e-5, rtol=0)
+    assert_same_training(ours, reference, initial_adapter(runs, reference_run))
     meta, reference_meta = (
         json.loads((step_dir(runs / n, step) / "meta.json").read_text()) for n in (mode, reference_run)
     )
@@ -310,17 +318,14 @@ def test_two_ddp_fsdp_or_context_ranks_match_one_process(runs, mode, step):
 
 
 def test_expert_parallel_qlora_matches_one_process_and_resumes_there(runs):
-    """ep 2 on 2 ranks against one process taking the same samples one by one: the adapters within 5e-5 (the
-    losses to 1e-6; measured 1.7e-5 on one shared expert's lora_A, whose first non-zero gradient, at step 2 after
-    clipping to 0.05, is small enough for Adam's eps to let the last bits of the two layouts' sums show), the
-    quantization record naming every rank's experts as one process's does; the ep 2 checkpoint resumes on one
-    process to the ep 2 run's adapters (1e-6) and loads as any QLoRA checkpoint."""
+    """ep 2 on 2 ranks against one process taking the same samples one by one: the adapters trained alike (the
+    losses to 1e-6), the quantization record naming every rank's experts as one process's does; the ep 2 checkpoint
+    resumes on one process to the ep 2 run's adapters and loads as any QLoRA checkpoint."""
     ep2, one = (last_metrics(runs / name) for name in ("moe_ep2", "moe_none"))
     assert ep2["loss"] == pytest.approx(one["loss"], abs=1e-6)
     ours, reference = (load_file(step_dir(runs / n, 3) / "adapter_model.safetensors") for n in ("moe_ep2", "moe_none"))
     assert sorted(ours) == sorted(reference) and sum(".routed_experts." in key for key in ours) == 2 * 4 * 2 * 2
-    for key in reference:
-        torch.testing.assert_close(ours[key], reference[key], atol=5e-5, rtol=0)
+    assert_same_training(ours, reference, initial_adapter(runs, "moe_none"))
     record = json.loads((step_dir(runs / "moe_ep2", 3) / "meta.json").read_text())["quantization"]
     assert record == json.loads((step_dir(runs / "moe_none", 3) / "meta.json").read_text())["quantization"]
     assert sum(".routed_experts." in key for key in record["keys"]) == 2 * 4 * 3  # every expert's gate, up, down
@@ -328,8 +333,7 @@ def test_expert_parallel_qlora_matches_one_process_and_resumes_there(runs):
     args = dict(MOE_RUN, grad_accum_steps=4, resume=str(step_dir(runs / "moe_ep2", 2)))
     run(qlora_args(runs / "wide_moe", "moe_resumed", **args))
     again = load_file(step_dir(resumed, 3) / "adapter_model.safetensors")
-    for key in ours:
-        torch.testing.assert_close(again[key], ours[key], atol=1e-6, rtol=0)
+    assert_same_training(again, ours, load_file(step_dir(runs / "moe_ep2", 2) / "adapter_model.safetensors"))
     assert load_model(step_dir(runs / "moe_ep2", 3)).config.n_routed_experts == 4
 
 
