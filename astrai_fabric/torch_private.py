@@ -36,6 +36,9 @@ PRIVATE_APIS = (
     "torch._dynamo.eval_frame.OptimizedModule._orig_mod",
     "torch.utils._pytree",
     "torch._grouped_mm",
+    "torch.distributed.checkpoint.filesystem._StorageInfo",
+    "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING",
+    "torch.serialization._get_layout",
 )
 """Every private torch name used here, by its path (an attribute set in ``__init__`` named after its class)."""
 
@@ -158,3 +161,34 @@ def uncompiled(module: nn.Module) -> nn.Module:
     """The module ``torch.compile`` wrapped (``OptimizedModule._orig_mod``), or ``module`` if not compiled: the
     model whose parameter names the checkpoint uses. Torch has no public accessor."""
     return getattr(module, "_orig_mod", module)
+
+
+def checkpoint_metadata_globals() -> dict[tuple[str, str], Any]:
+    """What torch's distributed checkpoint pickles into a ``state/.metadata``, by ``(module, name)``: its public
+    dataclasses (``Metadata``, ``TensorStorageMetadata``, ...), two private classes (``filesystem._StorageInfo``,
+    each entry's file, offset and length; ``metadata._MEM_FORMAT_ENCODING``, a tensor's memory format),
+    ``serialization._get_layout`` (a ``torch.layout`` rebuilt from its name), ``pathlib.PosixPath``, ``torch.Size``
+    and every ``torch`` dtype. Torch's own reader unpickles the file whole, so anything a file names would run; the
+    restricted reader (``checkpoint.sharded_state``) admits these alone. Read in torch 2.13's ``FileSystemWriter``
+    and ``metadata.py``: nothing else appears in the files it writes. Imported on use: see the module docstring."""
+    import pathlib
+
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    classes = [
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+    ]
+    allowed = {(metadata.__name__, name): getattr(metadata, name) for name in classes}
+    allowed[(metadata.__name__, "_MEM_FORMAT_ENCODING")] = metadata._MEM_FORMAT_ENCODING
+    allowed[(filesystem.__name__, "_StorageInfo")] = filesystem._StorageInfo
+    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+    allowed[("pathlib", "PosixPath")] = pathlib.PosixPath
+    allowed[("torch", "Size")] = torch.Size
+    dtypes = {name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
+    return allowed | {("torch", name): dtype for name, dtype in dtypes.items()}

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -270,6 +271,69 @@ def in_run(change: Callable[[Path], None]) -> Files:
         change(path)
 
     return {"out/epoch_0_step_1": make}
+
+
+def sharded_resume(*extra: str) -> list[str]:
+    """Resume ``{c}/ck``, a copy of the workspace's sharded 1-step checkpoint, as it was written (FSDP on 1 rank)."""
+    return seq("--parallel_mode", "fsdp", "--resume", "{c}/ck", *extra)
+
+
+def sharded(change: Callable[[Path], None], where: str = "ck") -> Files:
+    """``where``: a copy of the workspace's sharded 1-step checkpoint, then ``change(its state/)``."""
+
+    def make(path: Path) -> None:
+        shutil.copytree(path.parents[where.count("/") + 1] / "w" / "sharded" / "epoch_0_step_1", path)
+        change(path / "state")
+
+    return {where: make}
+
+
+class Payload:
+    """Unpickled, it would run ``touch PATH`` (the case's ``{c}/pwned``)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.path}",)
+
+
+def planted_metadata(state: Path) -> None:
+    import pickle
+
+    (state / ".metadata").write_bytes(pickle.dumps(Payload(_case_dir(state) / "pwned")))
+
+
+def planted_value(state: Path) -> None:
+    """An optimizer setting replaced by the payload, the state saved again by torch as it saves any value."""
+    import torch.distributed.checkpoint as dcp
+
+    from astrai_fabric.checkpoint.sharded_state import read_whole_state
+
+    whole = read_whole_state(state)
+    whole["optimizer"]["adamw"]["param_groups"][0]["lr"] = Payload(_case_dir(state) / "pwned")
+    shutil.rmtree(state)
+    with warnings.catch_warnings():  # saving in one process is intended
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(whole, checkpoint_id=state, no_dist=True)
+
+
+def rewrite_metadata(state: Path, storage=None, tensors=None) -> None:  # noqa: ANN001 - edits of torch's classes
+    """The state's index as torch wrote it, with ``storage(info)`` applied to its first storage entry and
+    ``tensors(entry)`` to its first tensor entry."""
+    import pickle
+
+    metadata = pickle.loads((state / ".metadata").read_bytes())  # our own file, written by the fixture
+    if storage is not None:
+        storage(next(iter(metadata.storage_data.values())))
+    if tensors is not None:
+        tensors(next(e for e in metadata.state_dict_metadata.values() if hasattr(e, "chunks")))
+    (state / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def _case_dir(state: Path) -> Path:
+    """``{c}``: the case's directory above a checkpoint's ``state/``."""
+    return next(p for p in state.parents if p.name == "c")
 
 
 OK_GROUP = {"prompt": "Say hi", "responses": ["hi", "hello"], "rewards": [1.0, 0.0]}
@@ -1373,6 +1437,39 @@ CASES = [
          {"d.parquet": lambda p: parquet_file(p, {"text": [7]}), **TEXT_PIPELINE}),
     Case("data-split-not-a-name", seq("--data_split", "train[:10%]"), "data_split must be a split name"),
     Case("data-subset-blank", seq("--data_subset", " "), "data_subset must be a subset name, got ' '"),
+    # --- round 5: a sharded state (torch distributed checkpoint) runs nothing it holds (checkpoint/sharded_state.py) --
+    # Torch's reader would unpickle state/.metadata whole and every stored value with weights_only=False.
+    Case("sharded-metadata-runs-code", sharded_resume(), "ck/state/.metadata: not a sharded state's index "
+         "(UnpicklingError: \"it names 'posix'.'system', which torch's checkpoint metadata never holds\")",
+         sharded(planted_metadata)),
+    Case("sharded-metadata-runs-code-resume-auto", seq("--parallel_mode", "fsdp", "--resume", "auto"),
+         "out/epoch_0_step_1/state/.metadata: not a sharded state's index",
+         sharded(planted_metadata, "out/epoch_0_step_1")),
+    Case("sharded-metadata-runs-code-astrai-resume", seq("--parallel_mode", "fsdp", "--resume", model="{c}/ck"),
+         "ck/state/.metadata: not a sharded state's index", sharded(planted_metadata)),
+    Case("sharded-metadata-runs-code-export", ["export", "{c}/ck", "--out", "{c}/ex"],
+         "ck/state/.metadata: not a sharded state's index", sharded(planted_metadata)),
+    Case("sharded-value-runs-code", sharded_resume(), "'optimizer.adamw.param_groups.0.lr' in __0_0.distcp: a stored "
+         "value that is not plain data (UnpicklingError", sharded(planted_value)),
+    Case("sharded-value-runs-code-export", ["export", "{c}/ck", "--out", "{c}/ex"],
+         "'optimizer.adamw.param_groups.0.lr' in __0_0.distcp: a stored value that is not plain data",
+         sharded(planted_value)),
+    Case("sharded-distcp-missing", sharded_resume(),
+         "ck/state/__0_0.distcp: file not found; the optimizer's sharded state is damaged",
+         sharded(lambda state: (state / "__0_0.distcp").unlink())),
+    Case("sharded-distcp-cut-short", sharded_resume(), "of __0_0.distcp, which holds 1,000 (cut short); the "
+         "optimizer's sharded state is damaged", sharded(lambda state: os.truncate(state / "__0_0.distcp", 1000))),
+    Case("sharded-metadata-cut-short-export", ["export", "{c}/ck", "--out", "{c}/ex"],
+         "ck/state/.metadata: not a sharded state's index (UnpicklingError",
+         sharded(lambda state: os.truncate(state / ".metadata", 5000))),
+    Case("sharded-metadata-dev-zero", sharded_resume(), "ck/state/.metadata: links to /dev/zero, a character device",
+         sharded(replaced(".metadata", link_to("/dev/zero")))),
+    Case("sharded-metadata-names-a-file-outside", sharded_resume(), "not a file of the state's own folder",
+         sharded(lambda state: rewrite_metadata(state, lambda info: setattr(info, "relative_path", "../config.json")))),
+    Case("sharded-metadata-tensor-past-its-files", ["export", "{c}/ck", "--out", "{c}/ex"],
+         "its files hold; the optimizer's sharded state is damaged",  # a momentum a million times its size
+         sharded(lambda state: rewrite_metadata(state, tensors=lambda entry: setattr(
+             entry, "size", torch.Size([entry.size[0] * 1_000_000, *entry.size[1:]]))))),
 ]  # fmt: skip
 
 
@@ -1394,10 +1491,12 @@ def _extra_group(ck: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory) -> Path:
-    """A finished 1-step seq run, for the cases that read a checkpoint."""
+    """A finished 1-step seq run, for the cases that read a checkpoint, and one writing a sharded state."""
     root = tmp_path_factory.mktemp("hostile") / "w"
     argv = seq("--max_steps", "1", "--ckpt_dir", str(root / "run"))
     assert main([a.replace("{c}/out", str(root / "unused")) for a in argv]) == 0
+    sharded = [*argv, "--parallel_mode", "fsdp", "--sharded_checkpoint", "true", "--ckpt_dir", str(root / "sharded")]
+    assert main([a.replace("{c}/out", str(root / "unused")) for a in sharded]) == 0
     return root
 
 
@@ -1410,6 +1509,26 @@ def hang_guard():
     faulthandler.dump_traceback_later(60, exit=True)
     yield
     faulthandler.cancel_dump_traceback_later()
+
+
+def test_a_planted_sharded_state_runs_nothing_where_the_state_is_not_read(workspace, tmp_path, capsys, monkeypatch):
+    """generate, chat and evaluate read a sharded checkpoint's weights, never its ``state/``: with the payload planted
+    there each runs as usual, and nothing it holds runs (the commands that read the state refuse it: the table)."""
+    from test_chat import piped
+
+    here = tmp_path / "c"
+    here.mkdir()
+    (tmp_path / "w").symlink_to(workspace)
+    ck = here / "ck"
+    sharded(planted_metadata)["ck"](ck)
+    (here / "held_out.jsonl").write_text(json.dumps({"text": "In the beginning was the word. " * 8}) + "\n")
+    generate = ["generate", "--param_path", str(ck), "--prompt", "Hi", "--max_new_tokens", "2", "--chat", "false"]
+    assert main(generate) == 0
+    monkeypatch.setattr("sys.stdin", piped("hello\n"))
+    assert main(["chat", str(ck), "--max_new_tokens", "2", "--template", "false"]) == 0
+    evaluate = ["evaluate", str(ck), "--data_root_path", str(here / "held_out.jsonl"), "--window_size", "16"]
+    assert main(evaluate) == 0, capsys.readouterr().err[-2000:]
+    assert not (here / "pwned").exists()
 
 
 def test_the_table_covers_every_input():

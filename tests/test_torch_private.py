@@ -212,6 +212,25 @@ def check_grouped_mm() -> None:
         torch_private.grouped_mm(torch.ones(2, 6), torch.ones(1, 6, 4), torch.tensor([2], dtype=torch.int32))
 
 
+def check_checkpoint_metadata_globals() -> None:
+    """The index torch's distributed checkpoint writes for an optimizer-like state, read back through the restricted
+    reader that admits only these names (no other name is needed)."""
+    import tempfile
+    import warnings
+    from pathlib import Path
+
+    import torch.distributed.checkpoint as dcp
+
+    from astrai_fabric.checkpoint.sharded_state import check_sharded_state
+
+    state = {"optimizer": {"state": {"0": {"exp_avg": torch.ones(2, 3)}}, "param_groups": [{"lr": 0.1, "params": [0]}]}}
+    with tempfile.TemporaryDirectory() as scratch, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, checkpoint_id=Path(scratch), no_dist=True)
+        metadata = check_sharded_state(Path(scratch))
+    assert metadata.state_dict_metadata["optimizer.state.0.exp_avg"].size == torch.Size([2, 3])
+
+
 CHECKS = {
     "torch._foreach_norm": check_foreach,
     "torch._foreach_sub": check_foreach,
@@ -228,6 +247,9 @@ CHECKS = {
     "torch._dynamo.eval_frame.OptimizedModule._orig_mod": check_uncompiled,
     "torch.utils._pytree": check_pytree_logger,
     "torch._grouped_mm": check_grouped_mm,
+    "torch.distributed.checkpoint.filesystem._StorageInfo": check_checkpoint_metadata_globals,
+    "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING": check_checkpoint_metadata_globals,
+    "torch.serialization._get_layout": check_checkpoint_metadata_globals,
 }
 """One check per wrapped API: it exists in the installed torch, takes our arguments and does what we use it for."""
 

@@ -12,7 +12,6 @@ ignores that key and uses its own ``epoch``/``consumed_samples``, which we write
 
 from __future__ import annotations
 
-import tempfile
 import warnings
 from collections.abc import Collection
 from dataclasses import asdict
@@ -23,7 +22,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 from lightning.fabric import Fabric
 from torch import Tensor, nn
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
@@ -45,6 +43,7 @@ from astrai_fabric.checkpoint.gather import (
     numbered_as_whole,
 )
 from astrai_fabric.checkpoint.position import RESUME_KEY, RunPosition
+from astrai_fabric.checkpoint.sharded_state import load_sharded_state, read_whole_state
 from astrai_fabric.checkpoint.weights import Checkpoint, load_checkpoint, load_model_weights, weights_source
 from astrai_fabric.errors import CheckpointError
 from astrai_fabric.lora import LoRASpec, adapter_state_dict, base_state_dict, merge_state_dict
@@ -147,9 +146,7 @@ def load_sharded_optimizer_state(optimizer: Optimizer, state_dir: Path, model: n
     initialize_optimizer_state(optimizer)
     parts = optimizer_parts(optimizer)
     template = {"optimizer": numbered_as_whole(optimizer, parts, model)}
-    with warnings.catch_warnings():  # one process reading a sharded state is intended here
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(template, checkpoint_id=state_dir)
+    load_sharded_state(template, state_dir)
     state = _integer_state_keys(template["optimizer"])
     optimizer.load_state_dict(local_optimizer_state(state, parts, model, state_dir))
 
@@ -161,9 +158,7 @@ def export_checkpoint(source: str | Path, target: str | Path, cast: Any = None) 
     ckpt = load_checkpoint(source)
     if not (source / STATE_DIR).is_dir():
         raise CheckpointError(f"{source}: no {STATE_DIR}/ folder: not a sharded checkpoint (it is complete already)")
-    with tempfile.TemporaryDirectory() as scratch:
-        dcp_to_torch_save(source / STATE_DIR, Path(scratch) / "state.pt")
-        optimizer_state = _integer_state_keys(torch.load(Path(scratch) / "state.pt", weights_only=True)["optimizer"])
+    optimizer_state = _integer_state_keys(read_whole_state(source / STATE_DIR)["optimizer"])
     meta = {k: v for k, v in ckpt.meta.items() if k not in (*RESERVED_META, SHARDED_KEY)}
     names = [
         p.name

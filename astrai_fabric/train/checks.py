@@ -13,6 +13,7 @@ import torch
 from lightning.fabric import Fabric
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
+from astrai_fabric.checkpoint.sharded_state import check_sharded_state
 from astrai_fabric.checkpoint.state import STATE_DIR, load_optimizer_state
 from astrai_fabric.checkpoint.weights import host_memory_bytes
 from astrai_fabric.config.train import TrainArgs
@@ -188,9 +189,13 @@ def _memory_problems(args: TrainArgs, start: Start, placement: Placement) -> lis
 def _check_optimizer_state(args: TrainArgs, start: Start) -> None:
     """The resumed ``optimizer.pt`` loaded into this run's optimizer over the model on the meta device (nothing
     allocated): another ``--optimizer``, other shapes or groups are refused before anything is built. A sharded
-    state (``state/``) is read shard by shard into the live optimizer (``common.build_optimizer_and_schedule``)."""
+    state (``state/``) is read shard by shard into the live optimizer (``common.build_optimizer_and_schedule``): here
+    its index is read (never unpickled whole) and checked against its files."""
     resume = start.resume
-    if not args.resume_optimizer or (resume.path / STATE_DIR).is_dir():
+    if not args.resume_optimizer:
+        return
+    if (resume.path / STATE_DIR).is_dir():
+        check_sharded_state(resume.path / STATE_DIR)
         return
     if "optimizer" not in resume.extra:
         raise CheckpointError(
