@@ -17,6 +17,10 @@ from astrai_fabric.config import ModelConfig
 from astrai_fabric.model import AutoRegressiveLM, make_doc_boundary_mask
 
 GOLDEN = Path(__file__).parent / "data" / "golden"
+VECTORISED = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+"""Whether torch draws ``normal_`` here with its vectorised kernel, as when the golden files were made (AVX2 and
+AVX-512 draw the same numbers); its scalar one (``ATEN_CPU_CAPABILITY=default``) draws others from the same seed, for
+AstrAI's model as for ours, so the initial values are compared only where the kernel is the golden files'."""
 NAMES = ["dense_tied", "dense_untied_ntk", "qknorm_gated", "moe", "mla"]
 
 
@@ -37,6 +41,9 @@ def test_keys_shapes_and_initialisation_equal_astrai(seed, name):
     state = model.state_dict()
     assert list(state) == order  # exact key names, in AstrAI's registration order
     assert ("lm_head.weight" in state) == (config.tie_word_embeddings is not True)
+    assert {key: tensor.shape for key, tensor in state.items()} == {key: weights[key].shape for key in order}
+    if not VECTORISED:
+        pytest.skip(f"torch's {torch.backends.cpu.get_cpu_capability()} normal_ kernel: other draws than the golden's")
     for key, tensor in state.items():
         # Same seed, same traversal: AstrAI's init std rules reproduce bit for bit.
         assert torch.equal(tensor, weights[key]), key
