@@ -39,6 +39,7 @@ docs/performance.md has the table.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 from astrai_fabric.config.model import ModelConfig
@@ -529,18 +530,25 @@ def owners_exchange(
     ranks = mesh.world_size if ddp else mesh.num_fsdp_shards * mesh.tp if layout.fsdp else mesh.tp
     if ranks == 1 or (ddp and not workload.muon_spread):
         return 0, 0
-    shapes = block_matrices(config)
-    owners = assign_owners([newton_schulz_flops(rows, cols, 5) for rows, cols in shapes], ranks)
-    owned = max(
-        sum(rows * cols for (rows, cols), owner in zip(shapes, owners, strict=True) if owner == rank)
-        for rank in range(ranks)
-    )
+    shapes = tuple(block_matrices(config))
+    owned = most_owned(shapes, ranks)
     matrices, owned = sum(rows * cols for rows, cols in shapes) * workload.param_bytes, owned * workload.param_bytes
     if ddp:  # every result, the owner's sent to each other rank, and its own once more while it is packed
         return int(matrices + owned * ranks), int(owned * (ranks - 1))
     largest = max(rows * cols for rows, cols in shapes)
     held = min(owned, OWNER_ROUND_BYTES) + 3 * largest * workload.ns_bytes
     return int(held), int((matrices - owned) / ranks + owned * (ranks - 1) / ranks)
+
+
+@functools.lru_cache(maxsize=16)
+def most_owned(shapes: tuple[tuple[int, int], ...], ranks: int) -> int:
+    """The most matrix elements one of ``ranks`` owns when ``assign_owners`` deals out matrices of ``shapes`` (kept:
+    a plan's micro-batch search asks again for each size it tries, and the owners depend on the shapes alone)."""
+    owners = assign_owners([newton_schulz_flops(rows, cols, 5) for rows, cols in shapes], ranks)
+    owned_by: dict[int, int] = {}
+    for (rows, cols), owner in zip(shapes, owners, strict=True):
+        owned_by[owner] = owned_by.get(owner, 0) + rows * cols
+    return max(owned_by.values(), default=0)
 
 
 def footprint(config: ModelConfig, layout: Layout, workload: Workload) -> Footprint:

@@ -1437,6 +1437,12 @@ CASES = [
          {"d.parquet": lambda p: parquet_file(p, {"text": [7]}), **TEXT_PIPELINE}),
     Case("data-split-not-a-name", seq("--data_split", "train[:10%]"), "data_split must be a split name"),
     Case("data-subset-blank", seq("--data_subset", " "), "data_subset must be a subset name, got ' '"),
+    # --- round 5: the planner bounded: ranks per machine, machines and ranks capped before any plan is made ---------
+    Case("nprocs-past-the-cap", seq("--nprocs", "5000"), "nprocs (devices) must be at most 4,096, got 5,000"),
+    Case("num-nodes-past-the-cap", seq("--num_nodes", "1000000000"),
+         "num_nodes must be at most 100,000, got 1,000,000,000"),
+    Case("world-past-the-cap", seq("--nprocs", "1000", "--num_nodes", "1000"),
+         "nprocs x num_nodes must be at most 100,000 ranks, got 1,000,000"),
     # --- round 5: a sharded state (torch distributed checkpoint) runs nothing it holds (checkpoint/sharded_state.py) --
     # Torch's reader would unpickle state/.metadata whole and every stored value with weights_only=False.
     Case("sharded-metadata-runs-code", sharded_resume(), "ck/state/.metadata: not a sharded state's index "

@@ -8,6 +8,7 @@ run inside tests/test_training_distributed.py's 4-rank spawn, which pays for its
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 import torch
@@ -51,6 +52,24 @@ def test_owners_balance_flops_not_counts():
     assert max(loads) - min(loads) <= max(costs)
     assert owners == assign_owners(list(costs), 4)  # a function of the shapes: every rank computes the same
     assert newton_schulz_flops(8, 4, 1) == newton_schulz_flops(4, 8, 1) == 4 * 16 * 8 + 2 * 64
+
+
+def test_owners_are_the_least_loaded_rank_each_time_as_a_scan_of_every_rank_finds_it():
+    """The heap's choice (O(matrices log ranks)) is the definition's: largest cost first, to the rank of least load,
+    lowest index on ties (zero costs and equal costs included), against a scan of every rank."""
+
+    def scanned(costs: list[float], world_size: int) -> tuple[int, ...]:
+        loads, owners = [0.0] * world_size, [0] * len(costs)
+        for index in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+            owners[index] = min(range(world_size), key=lambda r: (loads[r], r))
+            loads[owners[index]] += costs[index]
+        return tuple(owners)
+
+    generator = random.Random(0)
+    for _ in range(500):
+        costs = [generator.choice([0.0, 1.0, 2.0, generator.random()]) for _ in range(generator.randint(0, 30))]
+        world_size = generator.randint(1, 40)
+        assert assign_owners(costs, world_size) == scanned(costs, world_size), (costs, world_size)
 
 
 def test_more_ranks_than_matrices_leaves_ranks_idle():

@@ -44,6 +44,9 @@ NON_NEGATIVE = (
     "start_epoch", "start_samples", "max_lr", "max_bad_steps", "nora_lr",
 )  # fmt: skip
 """Amounts of at least 0."""
+MAX_LOCAL_RANKS, MAX_NODES, MAX_WORLD_SIZE = 4_096, 100_000, 100_000
+"""The most ranks per machine, machines and ranks a run or its plan may ask for: past the largest clusters built
+(~100,000 accelerators), and what the planner is measured to plan within its stated time (bench/planner.py)."""
 SPELLED = {"nprocs": "nprocs (devices)"}
 """A field's name in messages where users also spell it another way (the CLI's aliases: ``--devices``)."""
 
@@ -185,7 +188,15 @@ class TrainChecks:
         return problems
 
     def _parallel_problems(self) -> list[str]:
-        problems = []
+        problems = [
+            f"{SPELLED.get(name, name)} must be at most {most:,}, got {getattr(self, name):,}"
+            for name, most in (("nprocs", MAX_LOCAL_RANKS), ("num_nodes", MAX_NODES))
+            if getattr(self, name) > most
+        ]
+        if not problems and self.nprocs * self.num_nodes > MAX_WORLD_SIZE:
+            problems.append(
+                f"nprocs x num_nodes must be at most {MAX_WORLD_SIZE:,} ranks, got {self.nprocs * self.num_nodes:,}"
+            )
         if not self.dist_timeout > 0:
             problems.append(f"dist_timeout must be > 0, got {self.dist_timeout}")
         if (self.tp_size or 1) > 1 and self.parallel_mode != "fsdp":

@@ -35,6 +35,7 @@ simulate any grid.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -94,13 +95,20 @@ def newton_schulz_flops(rows: int, cols: int, steps: int) -> int:
 
 def assign_owners(costs: Sequence[float], world_size: int) -> tuple[int, ...]:
     """An owner rank per cost: largest first, each to the least-loaded rank (lowest index on ties), so the loads
-    differ by at most the largest single cost. Depends on the costs only: every rank computes the same table."""
-    loads = [0.0] * world_size
+    differ by at most the largest single cost. Depends on the costs only: every rank computes the same table.
+    O(costs x log ranks): the ranks wait in a heap by (load, index), of which at most one per cost is ever touched
+    (the untouched ones, all at load 0, are taken in index order from a counter)."""
     owners = [0] * len(costs)
+    loaded: list[tuple[float, int]] = []  # (load, rank) of the ranks given something
+    fresh = 0  # ranks from here on hold nothing yet
     for index in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        if fresh < world_size and (not loaded or (0.0, fresh) < loaded[0]):
+            load, rank = 0.0, fresh
+            fresh += 1
+        else:
+            load, rank = heapq.heappop(loaded)
         owners[index] = rank
-        loads[rank] += costs[index]
+        heapq.heappush(loaded, (load + costs[index], rank))
     return tuple(owners)
 
 

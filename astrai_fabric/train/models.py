@@ -4,14 +4,13 @@ shard (``load_sharded_weights``); and the run's LoRA adapter (``lora_spec``)."""
 
 from __future__ import annotations
 
-import torch
 from lightning.fabric import Fabric
 from torch import Tensor, nn
 
 from astrai_fabric import lora
 from astrai_fabric.checkpoint import Checkpoint, empty_model
 from astrai_fabric.checkpoint.state import load_weights
-from astrai_fabric.checkpoint.weights import allocating
+from astrai_fabric.checkpoint.weights import allocating, shape_model
 from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.model import AutoRegressiveLM
@@ -28,8 +27,7 @@ def lora_spec(args: TrainArgs) -> lora.LoRASpec | None:
 
 def meta_model(config: ModelConfig, args: TrainArgs) -> nn.Module:
     """The run's model on the meta device (nothing allocated), adapters injected: for counting and checking."""
-    with torch.device("meta"):
-        model = AutoRegressiveLM(config)
+    model = shape_model(config)
     if (spec := lora_spec(args)) is not None:
         lora.inject(model, spec, args.random_seed)
     return model
@@ -62,8 +60,7 @@ def initial_model(
         with allocating(source):
             return AutoRegressiveLM(config)
     if is_fsdp(fabric) and not quantize:
-        with torch.device("meta"):
-            return fabric.strategy.precision.convert_module(AutoRegressiveLM(config))
+        return fabric.strategy.precision.convert_module(shape_model(config))
     model = empty_model(config, source)
     dtype = fabric.strategy.precision.convert_module(nn.Linear(1, 1)).weight.dtype
     keys = plan_quantization(model, num_shards).quantized if quantize else ()
