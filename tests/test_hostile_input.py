@@ -1437,6 +1437,12 @@ CASES = [
          {"d.parquet": lambda p: parquet_file(p, {"text": [7]}), **TEXT_PIPELINE}),
     Case("data-split-not-a-name", seq("--data_split", "train[:10%]"), "data_split must be a split name"),
     Case("data-subset-blank", seq("--data_subset", " "), "data_subset must be a subset name, got ' '"),
+    # --- round 5: a model this machine cannot hold refused from its config, before its RoPE table is computed ------
+    *[Case(f"{command}-rope-table-past-memory", argv, "ck/config.json: this model does not fit in memory here: its "
+           "RoPE table alone takes 2,384.2 GiB", checkpoint(edit_json("config.json", head_dim=10**9)))
+      for command, argv in (("export-hf", ["export", "{c}/ck", "--format", "hf", "--out", "{c}/hf"]),
+                            ("generate", ["generate", "--param_path", "{c}/ck", "--prompt", "Hi"]),
+                            ("evaluate", ["evaluate", "{c}/ck", "--data_root_path", "bundled:data/seq"]))],
     # --- round 5: the planner bounded: ranks per machine, machines and ranks capped before any plan is made ---------
     Case("nprocs-past-the-cap", seq("--nprocs", "5000"), "nprocs (devices) must be at most 4,096, got 5,000"),
     Case("num-nodes-past-the-cap", seq("--num_nodes", "1000000000"),

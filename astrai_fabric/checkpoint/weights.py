@@ -41,7 +41,7 @@ from astrai_fabric.errors import CheckpointError, ConfigError
 from astrai_fabric.model import AutoRegressiveLM
 from astrai_fabric.model.expert_parallel import held_elsewhere
 from astrai_fabric.model.pipeline import held_by_other_stages
-from astrai_fabric.model.transformer import EMBED_KEY, LM_HEAD_KEY
+from astrai_fabric.model.transformer import EMBED_KEY, LM_HEAD_KEY, count_parameters, rope_table_bytes
 from astrai_fabric.torch_private import local_shape_and_global_offset
 
 
@@ -355,9 +355,26 @@ def empty_model(config: ModelConfig, source: str = "config.json") -> nn.Module:
     """An ``AutoRegressiveLM`` on CPU whose weights are allocated by ``torch.empty`` and never initialised: the
     pages of a large allocation cost no memory until written, so loading into it (``load_model_weights``) peaks at
     the model's size. Cheaper than the meta device, whose first use imports torch's Python decompositions (~5 s).
-    ``source`` names the config in the error when the model does not fit in memory (``allocating``)."""
+    ``source`` names the config in the error when the model cannot fit in memory (``check_fits_here``, before any
+    tensor; ``allocating``, a tensor the allocator refuses)."""
+    check_fits_here(config, source)
     with _SkipInit(), allocating(source):
         return AutoRegressiveLM(config)
+
+
+def check_fits_here(config: ModelConfig, source: str) -> None:
+    """Refuse, before a tensor is made, a model this machine cannot hold in any form a command loads: its RoPE table
+    (computed, so written, float32) and its weights at NF4's size (the smallest: QLoRA's base), from the config's
+    arithmetic alone. The table is what a config can make enormous with no weight to read (``head_dim`` 1e9: 2.5 TB,
+    which would be computed until the machine swapped); a larger real model is refused by its load where it fails."""
+    table = rope_table_bytes(config)
+    needed = table + count_parameters(config) * quantize.BYTES_PER_WEIGHT
+    if needed > host_memory_bytes():
+        raise ConfigError(
+            f"{source}: this model does not fit in memory here: its RoPE table alone takes {table / 2**30:,.1f} GiB "
+            f"and its {count_parameters(config):,} parameters at least {(needed - table) / 2**30:,.1f} GiB more; "
+            f"this machine has {host_memory_bytes() / 2**30:,.1f} GiB"
+        )
 
 
 ALLOCATION_FAILED = re.compile(r"can't allocate memory: you tried to allocate (\d+) bytes")
