@@ -37,6 +37,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.errors import ConfigError
 from astrai_fabric.mesh import MeshLayout, build_meshes, mesh_layout
 from astrai_fabric.model.attention import MLA
@@ -140,9 +141,10 @@ def _first_and_last_stage_group(layout: MeshLayout) -> dist.ProcessGroup | None:
     return group
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Split attention heads and dense MLP width over ``tp_mesh`` (see the module docstring)."""
-    config, size = model.config, tp_mesh.size()
+def check_tensor_parallel(config: ModelConfig, size: int) -> None:
+    """``ConfigError`` unless tensor parallelism over ``size`` ranks splits this model's heads, key/value heads and
+    dense MLP width evenly (and it has no norm over a whole projection): the run's check, which the preflight and
+    its dry run make too."""
     kv_heads = config.num_key_value_heads or config.num_attention_heads
     widths = {"num_attention_heads": config.num_attention_heads, "num_key_value_heads": kv_heads}
     if any(config.ffn_type_of_layer(i) == "mlp" for i in range(config.num_hidden_layers)):
@@ -155,6 +157,12 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
             f"tp_size {size} cannot split qk_norm_over_projection: its RMS spans every head of a "
             "token (OLMo 2), and tensor parallelism gives each rank some heads only"
         )
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Split attention heads and dense MLP width over ``tp_mesh`` (see the module docstring)."""
+    config, size = model.config, tp_mesh.size()
+    check_tensor_parallel(config, size)
     for block in model.decoder_blocks:
         attention = block.attention
         names = ["q_proj", "kv_b_proj"] if isinstance(attention, MLA) else ["q_proj", "k_proj", "v_proj"]

@@ -1443,6 +1443,11 @@ CASES = [
       for command, argv in (("export-hf", ["export", "{c}/ck", "--format", "hf", "--out", "{c}/hf"]),
                             ("generate", ["generate", "--param_path", "{c}/ck", "--prompt", "Hi"]),
                             ("evaluate", ["evaluate", "{c}/ck", "--data_root_path", "bundled:data/seq"]))],
+    # --- round 5: the dry run refuses what the run refuses, from the same checks -----------------------------------
+    Case("seed-negative", seq("--random_seed", "-1"), "random_seed must be between 0 and 4,294,967,295, got -1"),
+    Case("seed-past-numpy", seq("--random_seed", str(2**32)), "random_seed must be between 0 and 4,294,967,295"),
+    Case("tp-splits-no-heads-evenly", seq("--parallel_mode", "fsdp", "--nprocs", "3", "--tp_size", "3"),
+         "tp_size 3 must divide num_attention_heads (4), num_key_value_heads (2), intermediate_size (352)"),
     # --- round 5: the planner bounded: ranks per machine, machines and ranks capped before any plan is made ---------
     Case("nprocs-past-the-cap", seq("--nprocs", "5000"), "nprocs (devices) must be at most 4,096, got 5,000"),
     Case("num-nodes-past-the-cap", seq("--num_nodes", "1000000000"),

@@ -47,6 +47,8 @@ NON_NEGATIVE = (
 MAX_LOCAL_RANKS, MAX_NODES, MAX_WORLD_SIZE = 4_096, 100_000, 100_000
 """The most ranks per machine, machines and ranks a run or its plan may ask for: past the largest clusters built
 (~100,000 accelerators), and what the planner is measured to plan within its stated time (bench/planner.py)."""
+MAX_SEED = 2**32 - 1
+"""The largest ``--random_seed``: numpy's seeds are 32-bit, and the run seeds numpy with it (negative ones neither)."""
 SPELLED = {"nprocs": "nprocs (devices)"}
 """A field's name in messages where users also spell it another way (the CLI's aliases: ``--devices``)."""
 
@@ -77,6 +79,8 @@ class TrainChecks:
         problems += [
             f"{name} must be >= 0, got {getattr(self, name)}" for name in NON_NEGATIVE if getattr(self, name) < 0
         ]
+        if not 0 <= self.random_seed <= MAX_SEED:  # Lightning's seed_everything seeds numpy too, which takes these
+            problems.append(f"random_seed must be between 0 and {MAX_SEED:,}, got {self.random_seed:,}")
         return problems
 
     def _data_problems(self) -> list[str]:

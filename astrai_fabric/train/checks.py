@@ -23,6 +23,7 @@ from astrai_fabric.model.context_parallel import check_context_parallel
 from astrai_fabric.model.expert_parallel import check_expert_parallel
 from astrai_fabric.model.pipeline import check_pipeline
 from astrai_fabric.optim import build_optimizer
+from astrai_fabric.parallelize import check_tensor_parallel
 from astrai_fabric.quantize import BYTES_PER_WEIGHT, plan_quantization
 from astrai_fabric.schedule import StepPlan
 from astrai_fabric.strategy import Topology, is_fsdp, local_ranks, precision_of
@@ -82,6 +83,11 @@ def preflight(args: TrainArgs, start: Start, plan: StepPlan, placement: Placemen
     problems += _memory_problems(args, start, placement)
     problems += _footprint_problems(args, start, placement)
     problems += _context_parallel_problems(args, start)
+    if (args.tp_size or 1) > 1 and args.parallel_mode == "fsdp":
+        try:
+            check_tensor_parallel(start.model_config, args.tp_size)
+        except UserError as err:
+            problems.append(str(err))
     if (args.ep_size or 1) > 1 and args.parallel_mode == "fsdp":
         try:
             check_expert_parallel(start.model_config, args.ep_size)
