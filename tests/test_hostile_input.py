@@ -855,6 +855,8 @@ CASES = [
          checkpoint(lambda ck: torch.save(_reshaped_optimizer_state(ck), ck / "optimizer.pt"))),
     Case("optimizer-groups", resume(), "optimizer.pt: does not fit this run's optimizer",
          checkpoint(lambda ck: torch.save(_extra_group(ck), ck / "optimizer.pt"))),
+    Case("optimizer-muon-entries-deleted", resume(), "ck/optimizer.pt: its muon part holds state for 14 parameters "
+         "where meta.json records 28 written", checkpoint(lambda ck: torch.save(_half_muon(ck), ck / "optimizer.pt"))),
     Case("checkpoint-config-missing", resume(), "config.json: file not found",
          checkpoint(lambda ck: (ck / "config.json").unlink())),
     # --- ckpt_dir and the other commands -------------------------------------------------------------------------
@@ -1496,6 +1498,13 @@ def _reshaped_optimizer_state(ck: Path) -> dict:
     entry = next(iter(part["state"].values()))
     key = next(k for k, v in entry.items() if v.dim() > 0)
     entry[key] = torch.zeros(3, 3)
+    return state
+
+
+def _half_muon(ck: Path) -> dict:
+    """Muon's state with every other parameter's entry deleted (torch loads it, their momentum reset silently)."""
+    state = torch.load(ck / "optimizer.pt")
+    state["muon"]["state"] = {k: v for i, (k, v) in enumerate(state["muon"]["state"].items()) if i % 2}
     return state
 
 

@@ -48,6 +48,9 @@ from astrai_fabric.checkpoint.weights import Checkpoint, load_checkpoint, load_m
 from astrai_fabric.errors import CheckpointError
 from astrai_fabric.lora import LoRASpec, adapter_state_dict, base_state_dict, merge_state_dict
 
+ENTRIES_KEY = "optimizer_entries"
+"""``meta.json``: how many parameters' entries each part of ``optimizer.pt`` holds, as written (AstrAI ignores it), so
+a resume knows a file with entries missing from one cut short or edited (``check_optimizer_coverage``)."""
 SHARDED_KEY = "optimizer_state"
 SHARDED_NOTE = "sharded in state/ (torch distributed checkpoint); `astrai-fabric export` writes optimizer.pt"
 """``meta.json`` says where the optimizer state is when ``optimizer.pt`` is left out."""
@@ -106,6 +109,8 @@ def save_training_checkpoint(
         meta[SHARDED_KEY] = SHARDED_NOTE
     else:
         extra = {"optimizer": gather_optimizer_state(optimizer, optimizer_parts(optimizer), model, keep), **extra}
+        if keep:
+            meta[ENTRIES_KEY] = optimizer_entries(extra["optimizer"])
     if keep:
         # A same-step save replaces an existing directory only after the new one is complete.
         save_checkpoint(
@@ -230,6 +235,35 @@ def load_weights(
     load_model_weights(
         model, ckpt.state_dict, source=weights_source(ckpt), dtype=dtype, adapter=adapter, quantized=quantized
     )
+
+
+def optimizer_entries(state: Any) -> dict[str, int]:
+    """Parameters with state in each part of a whole optimizer state (``""``: a plain torch optimizer's)."""
+    parts = {"": state} if isinstance(state, dict) and "state" in state else state
+    if not isinstance(parts, dict):
+        return {}
+    return {
+        str(name): len(part["state"])
+        for name, part in parts.items()
+        if isinstance(part, dict) and isinstance(part.get("state"), dict)
+    }
+
+
+def check_optimizer_coverage(state: Any, recorded: Any, source: Path) -> None:
+    """``CheckpointError`` where ``optimizer.pt`` holds fewer parameters' entries in a part than ``meta.json`` recorded
+    when it was written (torch would load it, and the missing momentum start again from zero, silently). A
+    checkpoint without the record (AstrAI's, or ours before it) is not checked."""
+    if not isinstance(recorded, dict):
+        return
+    held = optimizer_entries(state)
+    for part, count in recorded.items():
+        if isinstance(count, int) and held.get(part, 0) < count:
+            name = f"its {part} part" if part else "it"
+            raise CheckpointError(
+                f"{source}: {name} holds state for {held.get(part, 0):,} parameters where meta.json records "
+                f"{count:,} written (entries deleted, or the file replaced); --resume_optimizer false resumes from "
+                "the weights with a fresh optimizer"
+            )
 
 
 def load_optimizer_state(optimizer: Optimizer, state: dict[str, Any], source: Path) -> None:

@@ -14,7 +14,7 @@ from lightning.fabric import Fabric
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 from astrai_fabric.checkpoint.sharded_state import check_sharded_state
-from astrai_fabric.checkpoint.state import STATE_DIR, load_optimizer_state
+from astrai_fabric.checkpoint.state import ENTRIES_KEY, STATE_DIR, check_optimizer_coverage, load_optimizer_state
 from astrai_fabric.checkpoint.weights import host_memory_bytes
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import CheckpointError, UserError
@@ -207,6 +207,7 @@ def _check_optimizer_state(args: TrainArgs, start: Start) -> None:
         raise CheckpointError(
             f"--resume: {resume.path} has no optimizer.pt (add --resume_optimizer false to start a fresh one)"
         )
+    check_optimizer_coverage(resume.extra["optimizer"], resume.meta.get(ENTRIES_KEY), resume.path / "optimizer.pt")
     model = meta_model(start.model_config, args)
     optimizer = build_optimizer(model, optim_args(args, torch.device("cpu")))
     load_optimizer_state(optimizer, resume.extra["optimizer"], resume.path / "optimizer.pt")
