@@ -38,11 +38,13 @@ def find_latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
 
 def complete_checkpoints(ckpt_dir: str | Path) -> list[Path]:
     """The ``epoch_E_step_S`` directories under ``ckpt_dir`` with their meta.json and weights, oldest first (a
-    symlink to one counts; a dangling symlink does not)."""
+    symlink to one counts; a dangling symlink does not). Weights that are there but no regular file (a link to
+    ``/dev/zero``) count too, so that ``find_latest_checkpoint`` refuses them by name rather than pass over the
+    newest checkpoint without a word."""
     found = []
     for path in Path(ckpt_dir).glob("epoch_*_step_*"):
         match = CHECKPOINT_NAME.match(path.name)
-        weights = (path / WEIGHTS_FILE).is_file() or (path / ADAPTER_FILE).is_file()
+        weights = os.path.lexists(path / WEIGHTS_FILE) or os.path.lexists(path / ADAPTER_FILE)
         if match and (path / META_FILE).is_file() and weights:
             found.append(((int(match[2]), int(match[1])), path))
     return [path for _, path in sorted(found)]
