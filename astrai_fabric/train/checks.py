@@ -207,7 +207,8 @@ def _check_optimizer_state(args: TrainArgs, start: Start) -> None:
         raise CheckpointError(
             f"--resume: {resume.path} has no optimizer.pt (add --resume_optimizer false to start a fresh one)"
         )
-    check_optimizer_coverage(resume.extra["optimizer"], resume.meta.get(ENTRIES_KEY), resume.path / "optimizer.pt")
     model = meta_model(start.model_config, args)
     optimizer = build_optimizer(model, optim_args(args, torch.device("cpu")))
     load_optimizer_state(optimizer, resume.extra["optimizer"], resume.path / "optimizer.pt")
+    # After the load's own checks, which name what is wrong with a state of another kind (AstrAI's sharded one).
+    check_optimizer_coverage(resume.extra["optimizer"], resume.meta.get(ENTRIES_KEY), resume.path / "optimizer.pt")
