@@ -123,11 +123,9 @@ def build_optimizer(model: nn.Module, args: OptimArgs) -> Optimizer:
     return AdamW(torch_groups, lr=args.lr, betas=ADAMW_BETAS, **fused_if_possible(params))
 
 
-def optimizer_state_bytes(model: nn.Module, name: str) -> int:
-    """Bytes the optimizer's state will hold for ``model``'s trainable parameters, all ranks together, each
-    buffer in its parameter's dtype (``STATE_BUFFERS``)."""
+def optimizer_state_bytes(groups: list[GroupPlan]) -> int:
+    """Bytes the optimizer's state will hold for the parameters of ``groups`` (``optimizer_groups``), all ranks
+    together, each buffer in its parameter's dtype (``STATE_BUFFERS``)."""
     return sum(
-        STATE_BUFFERS[group.part] * param.numel() * param.element_size()
-        for group in optimizer_groups(model, OptimArgs(name))
-        for param in group.params
+        STATE_BUFFERS[group.part] * param.numel() * param.element_size() for group in groups for param in group.params
     )

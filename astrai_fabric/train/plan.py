@@ -130,10 +130,9 @@ def summarize_parameters(model: nn.Module, args: TrainArgs, precision: str, num_
         nora_lr=args.nora_lr,
         nora_weight_decay=args.resolved_nora_weight_decay,
     )
-    groups = ", ".join(
-        f"{g.part} {len(g.params)} tensors (lr {g.lr:g}, decay {g.weight_decay:g})"
-        for g in optimizer_groups(model, optim_args)
-        if g.params
+    groups = optimizer_groups(model, optim_args)  # one walk of the model for both (DeepSeek-V3: 45,000 tensors)
+    described = ", ".join(
+        f"{g.part} {len(g.params)} tensors (lr {g.lr:g}, decay {g.weight_decay:g})" for g in groups if g.params
     )
     adapters = None
     if (spec := lora_spec(args)) is not None:
@@ -151,8 +150,8 @@ def summarize_parameters(model: nn.Module, args: TrainArgs, precision: str, num_
         total=raw_model.num_parameters(),
         trainable=raw_model.num_parameters(trainable_only=True),
         optimizer=args.resolved_optimizer,
-        groups=groups,
-        state_bytes=optimizer_state_bytes(model, args.resolved_optimizer),
+        groups=described,
+        state_bytes=optimizer_state_bytes(groups),
         lora=adapters,
         quantize=quantized,
     )
