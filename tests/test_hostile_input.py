@@ -1061,7 +1061,8 @@ CASES = [
     # Sizes within bounds whose model no machine here holds: counted from the config before anything is built
     # (the embedding alone is 512 TiB), the run and its dry run alike.
     Case("config-past-memory", seq(model="{c}/m"), "param_path {c}/m: this model does not fit in memory here: "
-         "140,789,305,311,232 parameters x 4 bytes x 1 process(es) per machine need 524,481.1 GiB",
+         "140,789,305,311,232 parameters x 4 bytes, and 0.5 GiB of the process's own, x 1 process(es) per machine "
+         "need 524,481.6 GiB",
          model_dir(vocab_size=2**31 - 1, hidden_size=2**16)),
     Case("tokenizer-config-nested", seq("--tokenizer_path", "{c}/t"),
          "tokenizer_config.json: not valid JSON (nested too deeply)", tokenizer_dir(raw=NESTED)),
@@ -1549,6 +1550,32 @@ def test_the_dry_run_refuses_a_tensor_parallel_split_the_run_refuses(tmp_path, c
     assert not (tmp_path / "out").exists()
 
 
+def test_more_processes_than_this_machine_holds_are_refused_before_one_starts(tmp_path, capsys, monkeypatch):
+    """Each rank's process takes ~0.5 GiB before any model (``train.checks.PROCESS_BYTES``): 3 ranks on a machine
+    of 1 GiB are refused by the launcher before it starts one, and by the dry run from the same check. Not a table
+    case: were the check gone, the run would launch its ranks from inside pytest (here a tripwire stops it)."""
+    import astrai_fabric.train as train_package
+    from astrai_fabric.train import checks
+
+    def launched(args):  # noqa: ANN001, ANN202
+        raise AssertionError("the ranks were started")
+
+    monkeypatch.setattr(checks, "host_memory_bytes", lambda: 2**30)
+    monkeypatch.setattr(train_package, "build_run_fabric", launched)
+    argv = [a.replace("{c}", str(tmp_path)) for a in seq("--parallel_mode", "ddp", "--nprocs", "3")]
+    message = (
+        "nprocs 3: 3 processes on this machine take 1.5 GiB of their own (0.5 GiB each: Python, torch, Lightning) "
+        "before any model; this machine has 1.0 GiB"
+    )
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert err.count("astrai-fabric: error:") == 1 and message in err, err[-2000:]
+    assert main([*argv, "--dry_run"]) == 2
+    out = capsys.readouterr().out
+    assert f"  - {message}" in out and "does not fit in memory here" not in out, out[-2000:]  # said once
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_planted_sharded_state_runs_nothing_where_the_state_is_not_read(workspace, tmp_path, capsys, monkeypatch):
     """generate, chat and evaluate read a sharded checkpoint's weights, never its ``state/``: with the payload planted
     there each runs as usual, and nothing it holds runs (the commands that read the state refuse it: the table)."""
@@ -1896,7 +1923,7 @@ def test_a_model_past_memory_is_in_the_dry_runs_list(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "cannot start:" in out
     assert re.search(
-        r"param_path \S+/m: this model does not fit in memory here: [\d,]+ parameters x 4 bytes x 1 "
-        r"process\(es\) per machine need [\d,.]+ GiB before any optimizer state",
+        r"param_path \S+/m: this model does not fit in memory here: [\d,]+ parameters x 4 bytes, and 0.5 GiB of the "
+        r"process's own, x 1 process\(es\) per machine need [\d,.]+ GiB before any optimizer state",
         out,
     ), out[-2000:]

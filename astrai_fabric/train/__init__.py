@@ -34,6 +34,7 @@ from astrai_fabric.strategy import (
     set_cpu_threads,
 )
 from astrai_fabric.train import dpo, grpo, kto, lm, reward_model
+from astrai_fabric.train.checks import check_processes_fit
 from astrai_fabric.train.dry_run import dry_run
 
 TRAIN_TYPES = {"seq": lm, "sft": lm, "dpo": dpo, "kto": kto, "grpo": grpo, "reward_model": reward_model}
@@ -62,6 +63,8 @@ def execute(args: TrainArgs, *, own_process: bool = False) -> tuple[int, list[di
         return dry_run(args, TRAIN_TYPES[args.train_type].build_dataset), []
     if own_process and args.reuse_freed_memory:
         reuse_freed_memory()
+    if not (topology := resolve_topology(args.nprocs, args.num_nodes)).launched_externally:
+        check_processes_fit(topology.devices)  # before starting them
     fabric = build_run_fabric(args)
     with closing_loggers(fabric):
         if os.environ.get("LT_CLI_USED") == "1":

@@ -23,7 +23,7 @@ from astrai_fabric.strategy import (
     resolve_precision,
     resolve_topology,
 )
-from astrai_fabric.train.checks import Placement, preflight
+from astrai_fabric.train.checks import Placement, check_processes_fit, preflight
 from astrai_fabric.train.common import build_schedule
 from astrai_fabric.train.footprint_plan import plan_cluster
 from astrai_fabric.train.layout import layout_of_flags
@@ -69,6 +69,11 @@ def _plan(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train ty
         topology.world_size, topology.devices, args.parallel_mode, layout, accelerator, precision
     )
     problems += _ckpt_dir_problems(args)
+    if accelerator == "cpu" or torch.cuda.is_available():  # else a plan for machines elsewhere, not this one
+        try:
+            check_processes_fit(topology.devices)
+        except UserError as err:
+            problems.append(str(err))
     start = dataset = parameters = data = plan = schedule = note = position = cluster = None
     try:  # a dry run downloads nothing: ids in the cache are read from it, the others only named in the plan
         pinned, uncached = pin_cached_flags(hub_values(args), args.data_subset, args.data_split)
