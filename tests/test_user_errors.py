@@ -1,9 +1,11 @@
 """Mistakes a user can make, each through the real CLI: one message naming what is wrong (listed in
 docs/troubleshooting.md), exit code 2, no traceback, and nothing written or overwritten."""
 
+import hashlib
 import json
 import os
 import resource
+import shlex
 import shutil
 import signal
 import subprocess
@@ -160,9 +162,58 @@ def test_a_full_disk_during_a_save_keeps_the_earlier_checkpoint(workspace, tmp_p
     result = subprocess.run(command, capture_output=True, text=True, env=env, preexec_fn=limit_file_size)
     assert result.returncode == 2
     assert "epoch_0_step_3: could not write the checkpoint (" in result.stderr and "File too large" in result.stderr
+    assert "while writing " in result.stderr and "nothing of it was kept" in result.stderr
     assert "Traceback" not in result.stderr
     assert sorted(p.name for p in (tmp_path / "run").glob("*epoch_*")) == ["epoch_0_step_1"]  # no partial save
     assert snapshot(tmp_path / "run" / "epoch_0_step_1") == snapshot(workspace / "run" / "epoch_0_step_1")
+
+
+def can_mount_in_a_namespace() -> bool:
+    try:
+        return subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode == 0
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize(
+    "layout, written",
+    [
+        ([], "model.safetensors"),
+        ([], "optimizer.pt"),
+        (["--parallel_mode", "fsdp", "--sharded_checkpoint", "true"], "state"),
+    ],
+    ids=["weights", "optimizer", "sharded"],
+)
+def test_a_full_disk_names_its_device_and_the_file(workspace, tmp_path, layout, written):
+    """A real full disk: a tmpfs 1 MiB larger than the finished run (and the weights, for the optimizer's case),
+    mounted in a user namespace of its own, and the run resumed to step 2 on it. The save of step 2 fails for space
+    in the file named (safetensors' weights, ``torch.save``'s optimizer.pt and torch's sharded state, whose writers
+    hide the errno), and says so in one line naming the device and the file; step 1 is untouched and no staging
+    directory is left. The mount lives as long as the namespace: the shell lists it before it ends."""
+    if not can_mount_in_a_namespace():
+        pytest.skip("no user namespaces here (unshare -rm): a small file system cannot be mounted")
+    source, disk = workspace / "run", tmp_path / "disk"
+    disk.mkdir()
+    size = sum(f.stat().st_size for f in source.rglob("*") if f.is_file()) + 2**20
+    if written == "optimizer.pt":
+        size += (source / "epoch_0_step_1" / "model.safetensors").stat().st_size
+    command = [sys.executable, "-m", "astrai_fabric", *tiny(disk / "run", "--resume", "auto", "--max_steps", "2")]
+    script = (
+        f"mount -t tmpfs -o size={size} tmpfs {disk} && cp -a {source} {disk}/run || exit 99; "
+        f'{shlex.join(command + layout)}; echo "exit $?"; cd {disk}/run && find . | sort && sha256sum epoch_0_step_1/*'
+    )
+    env = {"OMP_NUM_THREADS": "1", "PATH": os.environ["PATH"]}
+    result = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, env=env)
+    target = f"{disk}/run/epoch_0_step_2"
+    assert (
+        f"astrai-fabric: error: {target}: no space left on tmpfs (mounted at {disk}) while writing {target}/{written}; "
+        "nothing of it was kept and earlier checkpoints are intact" in result.stderr
+    ), result.stderr[-3000:]
+    assert "exit 2" in result.stdout and "Traceback" not in result.stderr
+    assert "epoch_0_step_2" not in result.stdout  # neither the checkpoint nor its staging
+    for file in (source / "epoch_0_step_1").iterdir():
+        digest = hashlib.sha256(file.read_bytes()).hexdigest()
+        assert f"{digest}  epoch_0_step_1/{file.name}" in result.stdout, file.name
 
 
 @pytest.mark.slow

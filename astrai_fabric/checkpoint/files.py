@@ -25,6 +25,7 @@ checkpoint, a Hugging Face import) is ``weights.load_checkpoint``'s.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -64,6 +65,11 @@ STATE_DIR = "state"
 FORMAT_KEY = "astrai_fabric"
 """``meta.json`` key holding our format description; its absence marks a checkpoint written by AstrAI."""
 FORMAT_VERSION = 1
+NOTHING_KEPT = (
+    "nothing of it was kept and earlier checkpoints are intact. Free space (or choose another --ckpt_dir) and resume "
+    "from the newest"
+)
+"""How a failed checkpoint save ends: its staging removed, the others untouched."""
 RESERVED_META = ("epoch", "consumed_samples", "timestamp", FORMAT_KEY)
 # Prefixes that wrappers put in front of parameter names: torch.compile (AstrAI's B3) and DDP.
 _WRAPPER_PREFIXES = ("_orig_mod.", "module.")
@@ -116,28 +122,22 @@ def save_checkpoint(
         _write_text(staging / CONFIG_FILE, json.dumps(dict(config), indent=2))
         crash_point("meta")
         if state_dict is not None:
-            save_file(_safetensors_ready(state_dict), str(staging / WEIGHTS_FILE))
-            _fsync(staging / WEIGHTS_FILE)
+            _save_tensors(_safetensors_ready(state_dict), staging / WEIGHTS_FILE)
         if adapter is not None:
-            save_file(_safetensors_ready(adapter), str(staging / ADAPTER_FILE))
-            _fsync(staging / ADAPTER_FILE)
+            _save_tensors(_safetensors_ready(adapter), staging / ADAPTER_FILE)
             _write_text(staging / ADAPTER_CONFIG_FILE, json.dumps(dict(adapter_config or {}), indent=2))
         crash_point("weights")
         for stem, obj in (extra or {}).items():
-            torch.save(obj, staging / f"{stem}.pt")
-            _fsync(staging / f"{stem}.pt")
+            _save_pt(obj, staging / f"{stem}.pt")
         crash_point("extra")
         _write_files(staging, files or {})
         _fsync(staging)
         crash_point("rename")
         _move_into_place(staging, target, overwrite)
-    except (OSError, SafetensorError) as err:  # a full disk, a file-size limit, a lost mount: nothing left behind
+    except OSError as err:  # a full disk, a file-size limit, a lost mount: nothing left behind
+        failure = write_failure(err, staging, target)
         shutil.rmtree(staging, ignore_errors=True)
-        raise CheckpointError(
-            f"{target}: could not write the checkpoint ({getattr(err, 'strerror', None) or err}); nothing was "
-            "written and earlier checkpoints are intact. Free space (or choose another --ckpt_dir) and resume from "
-            "the newest"
-        ) from None
+        raise CheckpointError(f"{target}: {failure}; {NOTHING_KEPT}") from None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -181,8 +181,7 @@ def save_model_directory(
             else [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
         )
         for name, shard in zip(names, shards, strict=True):
-            save_file(shard, str(staging / name), metadata=dict(metadata) if metadata else None)
-            _fsync(staging / name)
+            _save_tensors(shard, staging / name, metadata)
         if len(shards) > 1:
             total = sum(t.numel() * t.element_size() for t in ready.values())
             weight_map = {k: name for name, shard in zip(names, shards, strict=True) for k in shard}
@@ -191,15 +190,53 @@ def save_model_directory(
         _write_files(staging, files)
         _fsync(staging)
         _move_into_place(staging, target, overwrite=False)
-    except (OSError, SafetensorError) as err:
+    except OSError as err:
+        failure = write_failure(err, staging, target)
         shutil.rmtree(staging, ignore_errors=True)
-        raise CheckpointError(
-            f"{target}: could not write ({getattr(err, 'strerror', None) or err}); nothing was written"
-        ) from None
+        raise CheckpointError(f"{target}: {failure}; nothing was written") from None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return target
+
+
+def write_failure(err: Exception, staging: Path, target: Path, file: Path | None = None) -> str:
+    """Why writing ``file`` (or the file ``err`` names) into ``staging``, to become ``target``, failed, naming it as
+    ``target`` would hold it and, for a full disk, the device: ``no space left on /dev/sdb1 (mounted at /data) while
+    writing .../optimizer.pt``. A writer that hides the errno (torch's distributed checkpoint says ``unexpected
+    pos``) counts as a full disk where no space is left now."""
+    name = getattr(err, "filename", None)
+    file = Path(name) if file is None and isinstance(name, str) else file
+    if file is not None and file.is_relative_to(staging):
+        file = target / file.relative_to(staging)
+    while_writing = f" while writing {file}" if file is not None else ""
+    if getattr(err, "errno", None) == errno.ENOSPC or (not isinstance(err, OSError) and _full(staging)):
+        return f"no space left on {_device_of(staging)}{while_writing}"
+    reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err).strip().splitlines()[-1][:300]
+    return f"could not write the checkpoint ({reason}{while_writing})"
+
+
+def _full(path: Path) -> bool:
+    """Whether the file system holding ``path`` has less than a page left for this user."""
+    try:
+        return shutil.disk_usage(path).free < 4096
+    except OSError:
+        return False
+
+
+def _device_of(path: Path) -> str:
+    """The file system ``path`` is on, as ``/proc/self/mounts`` names it, and where it is mounted."""
+    mount = Path(os.path.realpath(path))
+    while not os.path.ismount(mount):
+        mount = mount.parent
+    try:
+        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as mounts:
+            entries = [line.split() for line in mounts]
+    except OSError:  # not Linux
+        entries = []
+    # The last mount at a point hides the earlier ones; spaces in a mount point are written as \040.
+    sources = [fields[0] for fields in entries if len(fields) > 1 and fields[1].replace("\\040", " ") == str(mount)]
+    return f"{sources[-1]} (mounted at {mount})" if sources else f"the file system mounted at {mount}"
 
 
 def staging_dir(target: Path) -> Path:
@@ -274,7 +311,11 @@ def _write_files(directory: Path, files: Mapping[str, str | bytes | Path]) -> No
     for name, content in files.items():
         dest = directory / name
         if isinstance(content, Path):
-            shutil.copyfile(content, dest)
+            try:
+                shutil.copyfile(content, dest)
+            except OSError as err:
+                err.filename = err.filename or str(dest)
+                raise
             _fsync(dest)
         elif isinstance(content, bytes):
             _write_bytes(dest, content)
@@ -282,15 +323,67 @@ def _write_files(directory: Path, files: Mapping[str, str | bytes | Path]) -> No
             _write_text(dest, content)
 
 
+def _save_tensors(tensors: Mapping[str, Tensor], path: Path, metadata: Mapping[str, str] | None = None) -> None:
+    """safetensors' ``save_file`` to ``path``, synced; its failure an ``OSError`` naming ``path`` (safetensors raises
+    its own error, the errno only in its text)."""
+    try:
+        save_file(tensors, str(path), metadata=dict(metadata) if metadata else None)
+    except SafetensorError as err:
+        code = re.search(r"os error (\d+)", str(err))
+        raise OSError(int(code[1]) if code else errno.EIO, str(err), str(path)) from None
+    _fsync(path)
+
+
+class _KeptWriteError:
+    """A binary file that ``torch.save`` writes through, keeping the ``OSError`` of a failed write: torch's writer
+    reports one only as ``unexpected pos``, which hides a full disk."""
+
+    def __init__(self, file: Any) -> None:
+        self.file, self.error = file, None
+
+    def write(self, data: bytes) -> int:
+        try:
+            self.file.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+        return len(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def _save_pt(obj: Any, path: Path) -> None:
+    """``torch.save(obj)`` to ``path``, synced; a failed write an ``OSError`` naming ``path``."""
+    try:
+        with open(path, "wb") as file:
+            writer = _KeptWriteError(file)
+            try:
+                torch.save(obj, writer)
+            except RuntimeError:
+                if writer.error is None:
+                    raise
+                raise writer.error from None
+            file.flush()
+            os.fsync(file.fileno())
+    except OSError as err:
+        err.filename = err.filename or str(path)
+        raise
+
+
 def _write_text(path: Path, text: str) -> None:
     _write_bytes(path, (text if text.endswith("\n") else text + "\n").encode("utf-8"))
 
 
 def _write_bytes(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:
+        err.filename = err.filename or str(path)
+        raise
 
 
 def _fsync(path: Path) -> None:

@@ -12,6 +12,7 @@ ignores that key and uses its own ``epoch``/``consumed_samples``, which we write
 
 from __future__ import annotations
 
+import shutil
 import warnings
 from collections.abc import Collection
 from dataclasses import asdict
@@ -29,12 +30,14 @@ from astrai_fabric.checkpoint import hf
 from astrai_fabric.checkpoint.files import (
     CONFIG_FILE,
     META_FILE,
+    NOTHING_KEPT,
     RESERVED_META,
     STATE_DIR,
     WEIGHTS_FILE,
     files_inside,
     save_checkpoint,
     staging_dir,
+    write_failure,
 )
 from astrai_fabric.checkpoint.gather import (
     gather_optimizer_state,
@@ -105,7 +108,13 @@ def save_training_checkpoint(
         with warnings.catch_warnings():  # one process writing a sharded state is fine too
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             state_dict = numbered_as_whole(optimizer, optimizer_parts(optimizer), model)
-            dcp.save({"optimizer": state_dict}, checkpoint_id=staging / STATE_DIR)
+            try:
+                dcp.save({"optimizer": state_dict}, checkpoint_id=staging / STATE_DIR)
+            except (Exception, dcp.CheckpointException) as err:  # every rank's, once all of them have written
+                failure = write_failure(err, staging, directory, staging / STATE_DIR)  # while the disk is full
+                if keep:
+                    shutil.rmtree(staging, ignore_errors=True)
+                raise CheckpointError(f"{directory}: {failure}; {NOTHING_KEPT}") from None
         meta[SHARDED_KEY] = SHARDED_NOTE
     else:
         extra = {"optimizer": gather_optimizer_state(optimizer, optimizer_parts(optimizer), model, keep), **extra}
