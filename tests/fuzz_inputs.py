@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 from hypothesis import strategies as st
 
@@ -53,6 +54,10 @@ ERROR = "astrai-fabric: error:"
 # --- the workspace: valid bases every example mutates a copy of ------------------------------------------------------
 
 COMMON = ["--window_size", "16", "--parallel_mode", "none", "--num_workers", "0", "--loggers", "[]"]
+SHARDED = ("--parallel_mode", "fsdp", "--sharded_checkpoint", "true")
+"""One FSDP rank whose checkpoints hold the optimizer state sharded (``state/``)."""
+DISTCP = "__0_0.distcp"
+"""The one data file of a one-rank sharded state."""
 DATA = {kind: f"{{w}}/{kind}.jsonl" for kind in ("seq", "sft", "dpo", "kto", "grpo")}
 DATA["reward_model"] = DATA["dpo"]  # the same pairs, a margin per pair optional
 SFT_PIPELINE = {"input": {"sections": [{"field": "messages", "action": "$role", "template": True}]},
@@ -162,10 +167,12 @@ DERIVED = {
     "eck": [EVAL_ARGV[0], "{w}/eck", *EVAL_ARGV[1:]],
     "qck": train("sft", "--max_steps", "1", "--lora_r", "4", "--quantize", "nf4", model="{w}/ck"),
     "rck": train("reward_model", "--max_steps", "1", model="{w}/ck"),
+    "sck": train("seq", "--max_steps", "1", *SHARDED, data="{w}/seq.jsonl"),
 }
 """The bases only some kinds read, made on first use (``derived``) rather than for every session: ``eck`` a copy
 of ``ck`` holding a stored perplexity result (``eval/perplexity-DIGEST.json``), ``qck`` a QLoRA checkpoint on
-``ck`` (NF4 base, its ``quantization`` record), ``rck`` a reward model trained from ``ck`` (a score head)."""
+``ck`` (NF4 base, its ``quantization`` record), ``rck`` a reward model trained from ``ck`` (a score head), ``sck``
+a checkpoint of one FSDP rank with its optimizer state sharded (``state/``)."""
 
 
 def derived(workspace: Path, *names: str) -> None:
@@ -403,6 +410,8 @@ class Example:
     """What the command reads on stdin (a file: a pipe's bytes, without a terminal)."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment variables set in the child (``{x}``, ``{w}`` filled in), e.g. ``HF_HUB_CACHE``."""
+    removed: tuple[str, ...] = ()
+    """Example-relative paths deleted after the copies."""
 
     def describe(self) -> str:
         shown = {name: content[:1500].decode("utf-8", "replace") for name, content in self.files.items()}
@@ -1309,6 +1318,163 @@ def reward_model_records(draw, config: dict, meta: dict) -> Example:
     )
 
 
+LAYOUT_VALUES = {
+    "--parallel_mode": ("none", "ddp", "fsdp", "hsdp", ""),
+    "--nprocs": (1, 2, 3, 4, 8, 64, 4096, 4097, 0, -1, 10**9),
+    "--num_nodes": (1, 2, 3, 16, 1024, 12500, 100_000, 100_001, 0, 10**12),
+    "--tp_size": (1, 2, 3, 4, 8, 0, -1, 2**31),
+    "--cp_size": (1, 2, 3, 4, 8, 0, 2**31),
+    "--ep_size": (1, 2, 3, 4, 8, 16, 0, 2**31),
+    "--pp_size": (1, 2, 3, 4, 8, 0, 2**31),
+    "--pp_schedule": ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb"),
+    "--pp_stages_per_rank": (1, 2, 3, 64, 0),
+    "--fsdp_shard_size": (1, 2, 3, 4, 8, 0, 2**31),
+    "--batch_per_device": (1, 2, 64, 10**6, 0),
+    "--grad_accum_steps": (1, 3, 10**6, 0),
+    "--window_size": (16, 64, 4096, 2**20, 0),
+    "--device_type": ("cpu", "cuda", "auto", "tpu"),
+    "--device_memory": ("h100", "a100", "80GiB", "1KiB", "0", "1e400GiB", "-1"),
+    "--precision": ("auto", "32-true", "bf16-true", "bf16-mixed", "64-true"),
+    "--gradient_checkpointing": ("true", "false"),
+    "--optimizer": ("muon_adamw", "adamw", "nora_nadamw", "mano_adamw"),
+    "--muon_spread_replicated": ("true", "false"),
+}
+"""The flags that lay a run out over a cluster, each with values from ordinary to past every cap."""
+LAYOUT_MODELS = {
+    "dense": dict(
+        model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192, tie_word_embeddings=False,
+    ),
+    "moe": dict(
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+        moe_intermediate_size=1536, num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4,
+        head_dim=128, num_experts=128, num_experts_per_tok=8, max_position_embeddings=40960,
+        tie_word_embeddings=False,
+    ),
+}  # fmt: skip
+"""Shapes of published models (a Llama 70B, a Qwen3 235B-A22B), as a config.json alone: planned, never built."""
+
+
+@st.composite
+def layouts(draw) -> Example:
+    """A cluster on paper: two to six layout flags (``LAYOUT_VALUES``) over the tiny model or the shape of a 70B or
+    a 235B MoE, dry-run only (a run would launch its ranks). The plan, or the list of what stops it, within the
+    deadline and the child's memory: the planner is bounded by the caps, not by the numbers asked for."""
+    names = draw(st.lists(st.sampled_from(sorted(LAYOUT_VALUES)), min_size=2, max_size=6, unique=True))
+    flags = [item for name in names for item in (name, str(draw(st.sampled_from(LAYOUT_VALUES[name]))))]
+    model = draw(st.sampled_from(["tiny", *LAYOUT_MODELS]))
+    if "--parallel_mode" not in names:  # mostly FSDP, where the dimensions combine (COMMON's is none)
+        flags += ["--parallel_mode", draw(st.sampled_from(["fsdp", "fsdp", "ddp"]))]
+    if model != "tiny" and "--device_type" not in names and draw(st.integers(0, 3)):  # planned for GPUs elsewhere
+        flags += ["--device_type", "cuda", "--device_memory", draw(st.sampled_from(["h100", "b200", "24GiB"]))]
+    files = {} if model == "tiny" else {"m/config.json": json.dumps(LAYOUT_MODELS[model]).encode()}
+    path = "{w}/tiny" if model == "tiny" else "{x}/m"
+    argv = train("seq", *flags, "--tokenizer_path", "{w}/tiny", "--dry_run", model=path)
+    return Example("layout", argv, files=files, culprits=tuple(name.removeprefix("--") for name in names))
+
+
+ODD_FIELD_VALUES = (*SIZES, *HUGE_INTS, *ODD_FLOATS, "x", "../x", "/etc/passwd", "", None, [1], {"a": 1})
+
+
+class Planted:
+    """A pickled value whose loading runs a shell command (a file made in the child's working directory: the
+    promise's snapshot sees it as a write outside the outputs)."""
+
+    def __reduce__(self):  # noqa: ANN204 - pickle's protocol
+        return os.system, ("touch pwned",)
+
+
+@st.composite
+def damaged(draw, content: bytes) -> bytes:
+    """``content`` truncated, with bytes flipped, with junk inserted, or emptied."""
+    how = draw(st.sampled_from(["truncate", "flip", "junk", "empty"]))
+    if how == "empty" or not content:
+        return b""
+    if how == "truncate":
+        return content[: draw(st.integers(0, len(content) - 1))]
+    if how == "junk":
+        at = draw(st.integers(0, len(content)))
+        return content[:at] + draw(st.binary(min_size=1, max_size=64)) + content[at:]
+    flipped = bytearray(content)
+    for at in draw(st.lists(st.integers(0, len(content) - 1), min_size=1, max_size=8)):
+        flipped[at] ^= draw(st.integers(1, 255))
+    return bytes(flipped)
+
+
+@st.composite
+def edited_metadata(draw, metadata: bytes) -> bytes:
+    """The index torch wrote, unpickled here (our own base) and pickled again with one to three edits: a field of a
+    storage entry (path, offset, length), of a tensor's entry (size, dtype) or of one of its chunks (offsets, sizes)
+    replaced, an entry removed, or a value replaced by one that runs a command when unpickled."""
+    import pickle
+
+    index = pickle.loads(metadata)
+    for _ in range(draw(st.integers(1, 3))):
+        how = draw(st.sampled_from(["storage", "tensor", "chunk", "remove", "planted"]))
+        tensors = [entry for entry in index.state_dict_metadata.values() if hasattr(entry, "chunks")]
+        if how == "storage":
+            entry = draw(st.sampled_from(list(index.storage_data.values())))
+            name = draw(st.sampled_from(["relative_path", "offset", "length", "transform_descriptors"]))
+        elif how in ("tensor", "chunk") and tensors:
+            entry = draw(st.sampled_from(tensors))
+            name = draw(st.sampled_from(["size", "properties"]))
+            if how == "chunk":
+                entry, name = draw(st.sampled_from(entry.chunks)), draw(st.sampled_from(["offsets", "sizes"]))
+        elif how == "remove":
+            table = draw(st.sampled_from([index.storage_data, index.state_dict_metadata]))
+            if table:
+                del table[draw(st.sampled_from(sorted(table, key=str)))]
+            continue
+        else:
+            entry = draw(st.sampled_from(list(index.storage_data.values())))
+            name = draw(st.sampled_from(["relative_path", "offset"]))
+            object.__setattr__(entry, name, Planted())
+            continue
+        value = draw(st.sampled_from(ODD_FIELD_VALUES))
+        if name in ("size", "offsets", "sizes") and draw(st.booleans()):
+            value = torch.Size(draw(st.lists(st.sampled_from((0, 1, 2, 7, 2**20, 2**31 - 1, 2**40)), max_size=3)))
+        object.__setattr__(entry, name, value)
+    return pickle.dumps(index)
+
+
+@st.composite
+def sharded_states(draw, workspace: Path) -> Example:
+    """A sharded checkpoint's (``sck``, one FSDP rank's) ``state/``: its index (``.metadata``, a pickle) damaged as
+    bytes or re-pickled with its entries edited (``edited_metadata``), or its data file damaged or gone; read by
+    export, by a resume and its dry run, and by ``--resume auto`` (the checkpoint in the run's ``ckpt_dir``)."""
+    auto = draw(st.booleans())
+    checkpoint = "out/epoch_0_step_1" if auto else "sck"
+    target = draw(st.sampled_from([".metadata", DISTCP]))
+    files, removed = {}, ()
+    original = (workspace / "sck" / "state" / target).read_bytes()
+    if target == ".metadata" and draw(st.booleans()):
+        files[f"{checkpoint}/state/.metadata"] = draw(edited_metadata(original))
+    elif target == DISTCP and draw(st.integers(0, 4)) == 0:
+        removed = (f"{checkpoint}/state/{DISTCP}",)
+    else:
+        files[f"{checkpoint}/state/{target}"] = draw(damaged(original))
+    resume = train("seq", "--resume", "{x}/sck", "--max_steps", "2", *SHARDED, data="{w}/seq.jsonl")
+    commands = [
+        ["export", "{x}/sck", "--format", "hf", "--out", "{x}/out"],
+        ["export", "{x}/sck", "--format", "astrai", "--out", "{x}/out"],
+        resume,
+        [*resume, "--dry_run"],
+    ]
+    argv = (
+        train("seq", "--resume", "auto", "--max_steps", "2", *SHARDED, data="{w}/seq.jsonl")
+        if auto
+        else draw(st.sampled_from(commands))
+    )
+    return Example(
+        f"sharded state/{target}",
+        argv,
+        {checkpoint: "sck"},
+        files,
+        culprits=("state", ".metadata", DISTCP, "sck", "epoch_0_step_1"),
+        removed=removed,
+    )
+
+
 # --- running an example and the promise it must keep --------------------------------------------------------------
 
 
@@ -1488,6 +1654,8 @@ def materialise(example: Example, workspace: Path, directory: Path) -> list[str]
             shutil.copytree(workspace / source, directory / target)
         else:
             shutil.copyfile(workspace / source, directory / target)
+    for name in example.removed:
+        (directory / name).unlink()
     for name, content in example.files.items():
         (directory / name).parent.mkdir(parents=True, exist_ok=True)
         (directory / name).write_bytes(

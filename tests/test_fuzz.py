@@ -1,8 +1,9 @@
 """The fuzz tier: hostile inputs of every kind the CLI reads (tests/fuzz_inputs.py's strategies: model and Hugging
 Face config.json, tokenizer_config.json and chat templates, checkpoint meta.json, adapter_config.json, recipes, JSONL
 records, bin-shard meta.json, metric.jsonl, stored eval results, chat's stdin, dataset cards, CSV/parquet/arrow
-files, Hub cache layouts, QLoRA and reward-model records), each through the real CLI entry point in a forked child,
-must keep the error promise (``fuzz_inputs.broken_promise``).
+files, Hub cache layouts, QLoRA and reward-model records, cluster layouts for the dry run, sharded optimizer
+states), each through the real CLI entry point in a forked child, must keep the error promise
+(``fuzz_inputs.broken_promise``).
 
 CI runs a fixed seed and a bounded budget: ``CI_PAIRS_DEFAULT`` pairs of examples per kind (``CI_PAIRS`` for the
 newer ones; each pair at once, one per core), no example database. ``make fuzz FUZZ_SECONDS=600`` (or
@@ -36,6 +37,7 @@ from fuzz_inputs import (
     hf_configs,
     hub_caches,
     jsonl_records,
+    layouts,
     metric_histories,
     model_configs,
     qlora_metas,
@@ -43,6 +45,7 @@ from fuzz_inputs import (
     reward_model_records,
     session,
     shard_metas,
+    sharded_states,
     snapshot,
     table_files,
     tokenizer_configs,
@@ -53,10 +56,10 @@ from hypothesis import strategies as st
 from astrai_fabric.assets import TINY_MODEL_DIR, resolve
 
 CI_PAIRS_DEFAULT = 12
-"""Per kind: the first 9 kinds x 12 pairs x 2 = 216 examples (and the newer kinds' ``CI_PAIRS``: 18 more)."""
+"""Per kind: the first 9 kinds x 12 pairs x 2 = 216 examples (and the newer kinds' ``CI_PAIRS``: 28 more)."""
 CI_PAIRS = {"eval-result": 1, "chat-stdin": 2, "dataset-card": 1, "table-file": 1, "hub-cache": 2, "qlora-meta": 1,
-            "reward-model": 1}  # fmt: skip
-"""The kinds of round 4 in CI: a handful of examples each (their own bases cost a few seconds to make)."""
+            "reward-model": 1, "layout": 3, "sharded-state": 2}  # fmt: skip
+"""The kinds of rounds 4 and 5 in CI: a handful of examples each (their own bases cost a few seconds to make)."""
 CI_SEED = 20231
 ROUND = 25
 """Pairs per seed when ``FUZZ_SECONDS`` asks for rounds."""
@@ -64,10 +67,10 @@ SEED_STEP = 1000
 """How far each round's seed is from the previous one's (a kind's first seed is ``FUZZ_SEED`` + its index)."""
 KINDS = ("model-config", "hf-config", "tokenizer-config", "checkpoint-meta", "adapter-config", "recipe", "jsonl",
          "shard-meta", "metric-jsonl", "eval-result", "chat-stdin", "dataset-card", "table-file", "hub-cache",
-         "qlora-meta", "reward-model")  # fmt: skip
+         "qlora-meta", "reward-model", "layout", "sharded-state")  # fmt: skip
 
 
-NEEDS = {"eval-result": ("eck",), "qlora-meta": ("qck",), "reward-model": ("rck",)}
+NEEDS = {"eval-result": ("eck",), "qlora-meta": ("qck",), "reward-model": ("rck",), "sharded-state": ("sck",)}
 """The kinds that read a base of ``fuzz_inputs.DERIVED``, made on first use."""
 
 
@@ -92,6 +95,8 @@ def strategy(kind: str, workspace) -> st.SearchStrategy:
         "hub-cache": lambda: hub_caches(workspace),
         "qlora-meta": lambda: qlora_metas(read("qck/meta.json")),
         "reward-model": lambda: reward_model_records(read("rck/config.json"), read("rck/meta.json")),
+        "layout": lambda: layouts(),
+        "sharded-state": lambda: sharded_states(workspace),
     }
     derived(workspace, *NEEDS.get(kind, ()))
     return make[kind]()
