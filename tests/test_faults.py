@@ -16,6 +16,7 @@ from lightning.fabric import Fabric
 from safetensors.torch import load_file
 from spawn import free_port
 
+from astrai_fabric.assets import resolve
 from astrai_fabric.checkpoint import find_latest_checkpoint, load_checkpoint
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import TrainingError
@@ -136,6 +137,95 @@ def test_a_killed_rank_makes_the_other_exit_with_an_error(tmp_path):
     assert rank0.returncode == 1
     assert "astrai-fabric: error: rank 0 lost the other ranks" in stderr and "Traceback" not in stderr
     rank1.wait()
+
+
+def child_ranks(pid: int) -> list[int]:
+    """The processes ``pid`` started (its ranks), from /proc."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[1]) == pid:
+            children.append(int(stat.parent.name))
+    return children
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie, ended but not yet reaped by its new parent, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def moe_model(root: Path) -> str:
+    """The tiny model's config made MoE (8 experts, top-2), for expert parallelism."""
+    config = json.loads((Path(resolve("bundled:tiny")) / "config.json").read_text())
+    root.mkdir(parents=True, exist_ok=True)
+    moe = dict(ffn_type="moe", n_routed_experts=8, n_shared_experts=1, n_activated_experts=2)
+    (root / "config.json").write_text(json.dumps(config | moe))
+    return str(root)
+
+
+@pytest.mark.parametrize(
+    "layout, fault",
+    [(["--cp_size", "2"], signal.SIGKILL), (["--ep_size", "2"], signal.SIGKILL), (["--pp_size", "2"], signal.SIGSTOP)],
+    ids=["cp-killed", "ep-killed", "pp-stopped"],
+)
+def test_a_lost_child_rank_ends_the_run_with_exit_1_and_one_line(tmp_path, layout, fault):
+    """``--nprocs 2`` under each model-parallel layout, the launcher's child rank killed (or stopped) after step 1:
+    the launcher says it lost the other ranks, in one line, exits 1 (not Lightning's watcher's silent 137), and no
+    process of the run is left, the stopped one included (``launch.LocalRanks``)."""
+    model = (
+        ["--param_path", moe_model(tmp_path / "moe"), "--tokenizer_path", "bundled:tiny"]
+        if "--ep_size" in layout
+        else []
+    )
+    pipeline = ["--pp_schedule", "gpipe"] if "--pp_size" in layout else []
+    command = cli(
+        *layout, *model, *pipeline, "--parallel_mode", "fsdp", "--nprocs", "2", "--ckpt_dir", str(tmp_path / "run")
+    )
+    command += ["--dist_timeout", "5" if fault == signal.SIGSTOP else "60"]
+    proc, head = started(command, dict(ENV, MASTER_PORT=str(free_port())))
+    (child,) = child_ranks(proc.pid)
+    os.kill(child, fault)
+    try:
+        _, stderr = finish(proc, head, timeout=60)
+    finally:
+        os.kill(child, signal.SIGKILL) if alive(child) else None
+    assert proc.returncode == 1, stderr[-3000:]
+    lines = [line for line in stderr.splitlines() if line.startswith("astrai-fabric: error:")]
+    assert len(lines) == 1 and "rank 0 lost the other ranks" in lines[0], stderr[-3000:]
+    assert "Traceback" not in stderr
+    assert not alive(child)  # killed by the launcher as it ended, stopped or not
+
+
+def test_the_watcher_reports_a_lost_rank_the_launcher_does_not_notice(tmp_path):
+    """A launching process busy elsewhere (no collective to fail): the watcher gives it ``NOTICE_S`` to notice the
+    rank that died, then says so in the launcher's words and exits 1, killing the ranks left."""
+    script = tmp_path / "watched.py"
+    script.write_text(WATCHED)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=ENV, timeout=60)
+    assert result.returncode == 1, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("astrai-fabric: error:")]
+    assert lines == ["astrai-fabric: error: lost: local rank 1 (pid " + lines[0].split("(pid ")[1]], result.stderr
+    assert "was killed by SIGKILL" in lines[0]
+    survivor = int(result.stdout.split("survivor ")[1])
+    assert not alive(survivor)
+
+
+WATCHED = """
+import os, signal, subprocess, sys, time
+from astrai_fabric import launch
+launch.NOTICE_S = 0.5
+dying = subprocess.Popen([sys.executable, "-c", "import os, time; time.sleep(1); os.kill(os.getpid(), 9)"])
+survivor = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+print("survivor", survivor.pid, flush=True)
+launch.LocalRanks([dying, survivor], lambda what: f"lost: {what}")
+time.sleep(60)  # busy elsewhere: never notices
+"""
 
 
 # --- non-finite steps --------------------------------------------------------------------------------------------

@@ -14,7 +14,9 @@ loss (handed over as a ``common.TrainTask``), ``common.train_on`` (model, optimi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+import sys
 
 import torch
 from lightning.fabric import Fabric
@@ -22,6 +24,7 @@ from lightning.fabric import Fabric
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import ConfigError, TrainingError
 from astrai_fabric.host_memory import reuse_freed_memory
+from astrai_fabric.launch import start_local_ranks
 from astrai_fabric.loggers import closing_loggers
 from astrai_fabric.strategy import (
     FabricArgs,
@@ -63,13 +66,26 @@ def execute(args: TrainArgs, *, own_process: bool = False) -> tuple[int, list[di
         return dry_run(args, TRAIN_TYPES[args.train_type].build_dataset), []
     if own_process and args.reuse_freed_memory:
         reuse_freed_memory()
+    ranks = None
     if not (topology := resolve_topology(args.nprocs, args.num_nodes)).launched_externally:
         check_processes_fit(topology.devices)  # before starting them
+        if own_process:  # the command line's own launcher: its ranks end with the run (``launch``)
+            report = functools.partial(_lost_ranks, 0, args)
+            ranks = start_local_ranks(topology.devices, topology.num_nodes, sys.argv[1:], report)
     fabric = build_run_fabric(args)
-    with closing_loggers(fabric):
-        if os.environ.get("LT_CLI_USED") == "1":
-            return 0, _train(fabric, args)  # under `fabric run` the Fabric joined the group already (launching raises)
-        return 0, fabric.launch(_train, args)  # starts the local ranks, or just runs where torchrun/SLURM started them
+    try:
+        with closing_loggers(fabric):
+            if os.environ.get("LT_CLI_USED") == "1":  # under `fabric run` the Fabric joined its group already
+                records = _train(fabric, args)
+            else:  # starts a program's local ranks (Lightning's launcher), or joins the ranks started already
+                records = fabric.launch(_train, args)
+    except BaseException:
+        if ranks is not None:
+            ranks.end()
+        raise
+    if ranks is not None:
+        ranks.join()
+    return 0, records
 
 
 def train(fabric: Fabric, args: TrainArgs) -> list[dict]:
@@ -109,11 +125,18 @@ def _train(fabric: Fabric, args: TrainArgs) -> list[dict]:
     except RuntimeError as err:
         if fabric.world_size == 1 or not _is_collective_failure(err):
             raise
+        silent = f"one died or did not answer within --dist_timeout {args.dist_timeout:g} s"
         raise TrainingError(
-            f"rank {fabric.global_rank} lost the other ranks: one died or did not answer within --dist_timeout "
-            f"{args.dist_timeout:g} s (its own output says why). Checkpoints in {args.ckpt_dir} are intact; "
-            f"--resume auto continues from the newest. [{str(err).splitlines()[0][:200]}]"
+            f"{_lost_ranks(fabric.global_rank, args, silent)} [{str(err).splitlines()[0][:200]}]"
         ) from None
+
+
+def _lost_ranks(rank: int, args: TrainArgs, what: str) -> str:
+    """The line of a rank whose peers are gone, ``what`` saying which or how."""
+    return (
+        f"rank {rank} lost the other ranks: {what} (its own output says why). Checkpoints in {args.ckpt_dir} are "
+        "intact; --resume auto continues from the newest."
+    )
 
 
 def _is_collective_failure(err: RuntimeError) -> bool:
