@@ -171,22 +171,24 @@ def moe_model(root: Path) -> str:
 
 @pytest.mark.parametrize(
     "layout, fault",
-    [(["--cp_size", "2"], signal.SIGKILL), (["--ep_size", "2"], signal.SIGKILL), (["--pp_size", "2"], signal.SIGSTOP)],
+    [
+        (["--cp_size", "2"], signal.SIGKILL),
+        (["--ep_size", "2"], signal.SIGKILL),
+        (["--pp_size", "2", "--pp_schedule", "interleaved_1f1b"], signal.SIGSTOP),
+    ],
     ids=["cp-killed", "ep-killed", "pp-stopped"],
 )
 def test_a_lost_child_rank_ends_the_run_with_exit_1_and_one_line(tmp_path, layout, fault):
     """``--nprocs 2`` under each model-parallel layout, the launcher's child rank killed (or stopped) after step 1:
     the launcher says it lost the other ranks, in one line, exits 1 (not Lightning's watcher's silent 137), and no
-    process of the run is left, the stopped one included (``launch.LocalRanks``)."""
+    process of the run is left, the stopped one included (``launch.LocalRanks``). Under the pipeline, torch's report
+    of the failed schedule goes to the crash log, not stderr."""
     model = (
         ["--param_path", moe_model(tmp_path / "moe"), "--tokenizer_path", "bundled:tiny"]
         if "--ep_size" in layout
         else []
     )
-    pipeline = ["--pp_schedule", "gpipe"] if "--pp_size" in layout else []
-    command = cli(
-        *layout, *model, *pipeline, "--parallel_mode", "fsdp", "--nprocs", "2", "--ckpt_dir", str(tmp_path / "run")
-    )
+    command = cli(*layout, *model, "--parallel_mode", "fsdp", "--nprocs", "2", "--ckpt_dir", str(tmp_path / "run"))
     command += ["--dist_timeout", "5" if fault == signal.SIGSTOP else "60"]
     proc, head = started(command, dict(ENV, MASTER_PORT=str(free_port())))
     (child,) = child_ranks(proc.pid)
@@ -200,6 +202,10 @@ def test_a_lost_child_rank_ends_the_run_with_exit_1_and_one_line(tmp_path, layou
     assert len(lines) == 1 and "rank 0 lost the other ranks" in lines[0], stderr[-3000:]
     assert "Traceback" not in stderr
     assert not alive(child)  # killed by the launcher as it ended, stopped or not
+    if "--pp_size" in layout:  # torch's schedule, printed as a table when a step fails: in the crash log alone
+        assert "schedules.py" not in stderr and "Step 00" not in stderr, stderr[-3000:]
+        (log,) = (tmp_path / "run").glob("crash-*.log")
+        assert "torch's pipeline schedule reported" in log.read_text() and "Step 00" in log.read_text()
 
 
 def test_the_watcher_reports_a_lost_rank_the_launcher_does_not_notice(tmp_path):

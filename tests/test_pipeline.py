@@ -93,12 +93,12 @@ def test_interleaved_ranks_hold_their_stages_looped():
         first(torch.zeros(1, 4, dtype=torch.long))
 
 
-def test_a_schedule_of_one_stage_per_rank_refuses_a_rank_of_several():
+def test_a_schedule_of_one_stage_per_rank_refuses_a_rank_of_several(tmp_path):
     from astrai_fabric.loop.pipeline import Pipeline
 
     model = keep_stages(AutoRegressiveLM(tiny_config(num_hidden_layers=4)), 0, 2, 2)
     with pytest.raises(ConfigError, match="pp_schedule 1f1b runs one stage per rank, and this model holds 2"):
-        Pipeline(None, model, "1f1b", 4, 2, torch.float32, StageLoss())
+        Pipeline(None, model, "1f1b", 4, 2, torch.float32, StageLoss(), tmp_path)
 
 
 def test_the_pipeline_is_the_outermost_dimension_of_the_mesh():

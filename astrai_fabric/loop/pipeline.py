@@ -25,7 +25,9 @@ How the loop's semantics map onto it:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,11 +44,14 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor
 
 from astrai_fabric.config.pipeline import INTERLEAVED_SCHEDULES
-from astrai_fabric.errors import ConfigError
+from astrai_fabric.errors import ConfigError, keep_traceback
 from astrai_fabric.losses import token_nll_weights
 from astrai_fabric.model.pipeline import PipelineRankLM, StageLoss
 from astrai_fabric.model.transformer import LM_HEAD_KEY
 
+SCHEDULE_LOGGER = "torch.distributed.pipelining.schedules"
+"""The logger torch's schedules report a failed step on: the exception, then the whole schedule as a table, one line
+per action (30 and more), before the exception reaches the run's one line."""
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
@@ -67,10 +72,13 @@ class Pipeline:
         batch_per_device: int,
         compute_dtype: torch.dtype,
         loss: StageLoss,
+        crash_log_dir: Path,
     ) -> None:
         """``model``: the Fabric-wrapped rank's part (a ``PipelineRankLM``, its stages under FSDP);
         ``compute_dtype``: the hidden states' dtype between stages (the run's parameter dtype, or FSDP's
-        ``param_dtype``)."""
+        ``param_dtype``); ``crash_log_dir``: where the schedule's report of a failed step goes (the run's
+        ``ckpt_dir``), not stderr (``SCHEDULE_LOGGER``)."""
+        _divert_schedule_reports(crash_log_dir)
         self.fabric, self.schedule_name = fabric, schedule
         self.module: PipelineRankLM = getattr(model, "module", model)
         self.place = self.module.place
@@ -84,6 +92,7 @@ class Pipeline:
         self.num_micro_batches, self.batch_per_device = num_micro_batches, batch_per_device
         self.compute_dtype = compute_dtype
         self._schedule = None
+        _divert_schedule_reports(crash_log_dir)
 
     def train_window(self, batches: Sequence[dict[str, Tensor]]) -> Tensor:
         """Forward and backward of the window's micro-batches through every stage; returns the sum of their losses
@@ -194,6 +203,26 @@ class Pipeline:
             return
         local = grad.to_local() if isinstance(grad, DTensor) else grad
         dist.all_reduce(local, group=self.place.ends_group)
+
+
+class _ToCrashLog(logging.Handler):
+    """Appends each record to this process's crash log in ``directory`` (``errors.keep_traceback``)."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__()
+        self.directory = directory
+
+    def emit(self, record: logging.LogRecord) -> None:
+        keep_traceback(self.format(record) + "\n", self.directory, "crash", "torch's pipeline schedule reported")
+
+
+def _divert_schedule_reports(directory: Path) -> None:
+    """Send ``SCHEDULE_LOGGER``'s records to the crash log in ``directory`` alone (once per process): a peer that
+    dies mid-step then shows as the run's one line, its schedule kept for whoever debugs it."""
+    logger = logging.getLogger(SCHEDULE_LOGGER)
+    logger.handlers = [handler for handler in logger.handlers if not isinstance(handler, _ToCrashLog)]
+    logger.addHandler(_ToCrashLog(Path(directory)))
+    logger.propagate = False  # torch's own handler, on an ancestor, prints them on stderr
 
 
 def _stacked(

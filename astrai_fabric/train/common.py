@@ -301,6 +301,7 @@ def train_on(fabric: Fabric, args: TrainArgs, start: Start, task: TrainTask) -> 
                 args.batch_per_device,
                 compute_dtype,
                 task.pipeline_loss,
+                Path(args.ckpt_dir),
             )
         batches = task.make_batches(state, train_loader) if task.make_batches is not None else train_loader
         profiler = StepProfiler.for_run(fabric, args.profile_step_range, args.ckpt_dir, position)  # or None
