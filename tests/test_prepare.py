@@ -226,6 +226,33 @@ def test_a_killed_prepare_resumes_to_the_same_bytes(tmp_path, capsys):
     assert resumed[:2] == whole.splitlines()[:2]  # each record counted once: "records: 60 read, ..."
 
 
+@pytest.mark.parametrize(
+    "point",
+    [
+        "prepare-shard-open@3",  # the third shard's folder made, nothing in it
+        "prepare-shard-data@2",  # the second shard's arrays synced, its meta.json not written
+        "prepare-synced@4",  # the second shard's meta.json written beside its place, not renamed into it
+        "prepare-synced@5",  # the state after it, likewise
+        "prepare-shard-meta@2",  # the second shard whole, the state not yet saying so
+        "prepare-output@1",  # the output renamed into place, the staging folder not yet removed
+    ],
+)
+def test_a_prepare_killed_at_each_step_of_publishing_resumes_to_the_same_bytes(tmp_path, capsys, point):
+    """SIGKILL (a power cut) at each step of publishing a shard and the output (``faults.crash_point``), then the
+    same command with ``--resume``: the same bytes as a run never killed, the same summary, no staging folder left."""
+    records = mixed_records(tmp_path / "in.jsonl")
+    argv = ["prepare", str(records), "-o", str(tmp_path / "out"), "-c", str(pipeline(tmp_path, "bfd"))]
+    argv += ["--tokenizer_path", "bundled:tiny"]
+    env = {**os.environ, "ASTRAI_FABRIC_CRASH_AT": point, "OMP_NUM_THREADS": "1"}
+    killed = subprocess.run([sys.executable, "-m", "astrai_fabric", *argv], env=env, capture_output=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]
+    assert main([*argv, "--resume"]) == 0, capsys.readouterr().err[-2000:]
+    assert digest(tmp_path / "out") == BEFORE_STREAMING["bfd"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bfd.json", "in.jsonl", "out"]  # no staging folder
+    whole = prepare([records], tmp_path / "whole", PipelineConfig.from_dict(STREAMED["bfd"], "cfg"), TOKENIZER)
+    assert capsys.readouterr().out.strip() == whole.replace(str(tmp_path / "whole"), str(tmp_path / "out"))
+
+
 def test_a_dead_worker_stops_the_run_and_the_run_resumes(tmp_path, monkeypatch):
     faulthandler.dump_traceback_later(60, exit=True)  # a lost result must fail the run, never wait for it
     monkeypatch.setattr(prepare_module, "CHUNK_BYTES", 300)

@@ -171,6 +171,9 @@ def prepare(
     written) with ``num_proc`` tokenising processes; ``resume`` continues the killed run of the same command;
     ``data_format`` and ``data_columns`` as training's (module docstring). Returns a summary of what was read, kept
     and dropped."""
+    staging = staging_path(output)
+    if resume and staging.is_dir() and not (staging / SHARDS).exists() and output.is_dir():
+        return _finish_published(inputs, output, staging, config, tokenizer, subset, split, data_format, data_columns)
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise UserError(f"-o {output}: exists and is not empty; choose a new directory")
     for path in inputs:
@@ -182,11 +185,7 @@ def prepare(
         raise UserError(f"--num_proc must be an integer >= 1, got {num_proc!r}")
     train_type = check_shape_flags(config, data_format, data_columns)
     inputs = open_inputs(inputs, subset, split)
-    staging = staging_path(output)
-    identity = {
-        **_identity(inputs, config, tokenizer),
-        "shapes": {"data_format": data_format, "data_columns": data_columns},
-    }
+    identity = _identity(inputs, config, tokenizer, data_format, data_columns)
     state = None
     if staging.exists():
         if not resume:
@@ -214,8 +213,38 @@ def prepare(
             f"a tokenising worker died (killed, or out of memory); the finished shards are kept in {staging}: run the "
             "same command with --resume to continue"
         ) from None
+    state.save(staging)  # the last shards counted, for a --resume after the rename to report
     (staging / SHARDS).rename(output)  # the whole output at once (an empty directory there is replaced)
+    crash_point("prepare-output")
     shutil.rmtree(staging)
+    return _summary(state, output)
+
+
+def _finish_published(
+    inputs: list[Path],
+    output: Path,
+    staging: Path,
+    config: PipelineConfig,
+    tokenizer: Tokenizer,
+    subset: str | None,
+    split: str | None,
+    data_format: str,
+    data_columns: str | None,
+) -> str:
+    """``--resume`` of a run killed after its output was renamed into place and before its staging folder was gone:
+    the output is whole; the folder (of this same run, its state says) is removed and the run's summary given."""
+    state = StagingState.load(staging)
+    if state is not None:
+        identity = _identity(open_inputs(inputs, subset, split), config, tokenizer, data_format, data_columns)
+        _check_identity(state.identity, identity, staging)
+    shutil.rmtree(staging)
+    if state is None:  # killed while removing it, the state gone first
+        return f"shards: in {output}, finished by an earlier run (its summary went with its staging folder)"
+    return _summary(state, output)
+
+
+def _summary(state: StagingState, output: Path) -> str:
+    """What a finished run read, kept and dropped, and where its shards are."""
     counts = state.counts
     reasons = ", ".join(f"{n} {reason}" for reason, n in Counter(counts["dropped"]).most_common()) or "none"
     per_domain = ", ".join(f"{domain}: {n}" for domain, n in sorted(state.finished.items()))
@@ -227,13 +256,21 @@ def prepare(
     )
 
 
-def _identity(inputs: list[Input], config: PipelineConfig, tokenizer: Tokenizer) -> dict[str, Any]:
-    """What makes two runs the same run: the inputs as they are on disk, the pipeline, the tokenizer's files."""
+def _identity(
+    inputs: list[Input], config: PipelineConfig, tokenizer: Tokenizer, data_format: str, data_columns: str | None
+) -> dict[str, Any]:
+    """What makes two runs the same run: the inputs as they are on disk, the pipeline, the tokenizer's files, the
+    shape flags."""
     files = [entry.identity() for entry in inputs]
     digest = hashlib.sha256()
     for name, path in sorted(tokenizer.files.items()):
         digest.update(name.encode() + b"\0" + read_regular_file(path, max_bytes=MAX_TOKENIZER_BYTES, what=name) + b"\0")
-    return {"inputs": files, "pipeline": config.fingerprint(), "tokenizer": digest.hexdigest()}
+    return {
+        "inputs": files,
+        "pipeline": config.fingerprint(),
+        "tokenizer": digest.hexdigest(),
+        "shapes": {"data_format": data_format, "data_columns": data_columns},
+    }
 
 
 NO_SHAPE_FLAGS = {"data_format": "auto", "data_columns": None}
@@ -404,6 +441,7 @@ def _stream(
                 if domain not in writer.open:
                     state.open[domain] = position
                 if writer.add(*result):
+                    crash_point("prepare-shard-meta")  # the shard whole, the state not yet saying so
                     del state.open[domain]
                     state.finished, state.next = writer.finished, after
                     counts["dropped"] = dict(dropped)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import bisect
 import json
 import os
+import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ import numpy as np
 
 from astrai_fabric.data.pipeline import PipelineConfig
 from astrai_fabric.errors import UserError
+from astrai_fabric.faults import crash_point
 
 Piece = tuple[np.ndarray, np.ndarray, np.ndarray]
 """``(ids int32, mask uint8, position_ids int32)`` of one record, or of one part of a record (``bfd_split``)."""
@@ -73,8 +75,11 @@ class ShardFile:
         self.keys += [] if config.position_ids_mode == "none" else ["position_ids"]
         self.continuous = config.position_ids_mode == "continuous"
         self.dtypes = {key: np.dtype({**DEFAULT_DTYPES, **config.dtype}[key]) for key in self.keys}
+        if directory.exists():  # left by a run killed while writing it (never one a state counts as finished)
+            shutil.rmtree(directory)
         directory.mkdir(parents=True)
         self.files = {key: open(directory / f"{key}.bin", "wb") for key in self.keys}  # closed in finish()
+        crash_point("prepare-shard-open")
         self.length = 0
         self.pending: list[Piece] = []
         self.pending_tokens = 0
@@ -107,6 +112,7 @@ class ShardFile:
             file.flush()
             os.fsync(file.fileno())
             file.close()
+        crash_point("prepare-shard-data")
         meta = {key: {"shape": [self.length], "dtype": str(self.dtypes[key])} for key in self.keys}
         write_synced(self.directory / "meta.json", json.dumps(meta))
 
@@ -192,6 +198,7 @@ def write_synced(path: Path, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
+    crash_point("prepare-synced")
     os.replace(partial, path)
 
 
