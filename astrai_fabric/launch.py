@@ -13,7 +13,8 @@ process has noticed the loss itself. Here:
 - when the launching process fails, every rank it started ends: given ``END_GRACE_S`` to finish on its own (and
   print why, when it failed first), then killed, a stopped one (SIGSTOP) included, which would otherwise outlive the
   run;
-- on success it waits for its ranks to exit (they passed the run's last barrier).
+- on success it waits for its ranks to exit (they passed the run's last barrier), killing one stuck in its
+  teardown after ``EXIT_S``.
 
 Programs that call ``train.run`` keep Lightning's launcher, which starts their own script again.
 """
@@ -34,6 +35,8 @@ NOTICE_S = 10.0
 """How long a dead rank's loss is left to the launching process to notice and report before the watcher does."""
 END_GRACE_S = 10.0
 """How long a failed run's other ranks get to end on their own before they are killed."""
+EXIT_S = 60.0
+"""How long a finished run's ranks get to exit."""
 POLL_S = 0.5
 RANK_VARIABLE = "LOCAL_RANK"
 """Set in every rank a launcher started (this one, torchrun, ``fabric run``): such a process launches nothing."""
@@ -50,7 +53,8 @@ class LocalRanks:
 
     def _watch(self) -> None:
         while not self._ending.wait(POLL_S):
-            lost = next(((rank, proc) for rank, proc in self._ranked() if proc.poll() not in (None, 0)), None)
+            ranked = enumerate(self.procs, start=1)
+            lost = next(((rank, proc) for rank, proc in ranked if proc.poll() not in (None, 0)), None)
             if lost is None:
                 continue
             if self._ending.wait(NOTICE_S):  # the launching process noticed, and is ending the run itself
@@ -61,25 +65,30 @@ class LocalRanks:
             self._kill_all()
             os._exit(1)
 
-    def _ranked(self) -> list[tuple[int, subprocess.Popen]]:
-        return list(enumerate(self.procs, start=1))
-
     def end(self) -> None:
         """The run failed here: each rank gets ``END_GRACE_S`` (in all) to end on its own, then is killed."""
         self._ending.set()
-        deadline = time.monotonic() + END_GRACE_S
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
+        self._wait(END_GRACE_S)
         self._kill_all()
 
     def join(self) -> None:
-        """The run succeeded here: wait for the ranks to exit (the watcher still reports one that fails)."""
-        for proc in self.procs:
-            proc.wait()
+        """The run succeeded here: wait for the ranks to exit (the watcher still reports one that fails). One still
+        there after ``EXIT_S`` is stuck in its teardown, its work done (every rank passed the run's last barrier):
+        it is killed, and said so."""
+        for rank in self._wait(EXIT_S):
+            print(f"astrai-fabric: local rank {rank} still ran {EXIT_S:g} s after the run; killed", file=sys.stderr)
         self._ending.set()
+        self._kill_all()
+
+    def _wait(self, seconds: float) -> list[int]:
+        """Wait up to ``seconds`` in all for the ranks to exit; those still running."""
+        deadline, running = time.monotonic() + seconds, []
+        for rank, proc in enumerate(self.procs, start=1):
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                running.append(rank)
+        return running
 
     def _kill_all(self) -> None:
         for proc in self.procs:
