@@ -110,8 +110,14 @@ def save_training_checkpoint(
             state_dict = numbered_as_whole(optimizer, optimizer_parts(optimizer), model)
             try:
                 dcp.save({"optimizer": state_dict}, checkpoint_id=staging / STATE_DIR)
-            except (Exception, dcp.CheckpointException) as err:  # every rank's, once all of them have written
-                failure = write_failure(err, staging, directory, staging / STATE_DIR)  # while the disk is full
+            except dcp.CheckpointException as err:  # every rank's, once all of them have written
+                # Each rank's own exception; torch's file writer reports a failed write as "unexpected pos".
+                causes = [getattr(failure, "exc", failure) for failure in err.failures.values()]
+                if not any(isinstance(c, OSError) or "unexpected pos" in str(c) for c in causes):
+                    # Not the writing's (a lost rank's collective, a bug): an Exception the run's handlers know,
+                    # where torch's is a BaseException that would pass them as a traceback.
+                    raise RuntimeError(f"torch's distributed checkpoint failed: {causes[0]}") from err
+                failure = write_failure(causes[0], staging, directory, staging / STATE_DIR)  # while the disk is full
                 if keep:
                     shutil.rmtree(staging, ignore_errors=True)
                 raise CheckpointError(f"{directory}: {failure}; {NOTHING_KEPT}") from None
