@@ -689,6 +689,8 @@ def _read_recipe(path: Path, notes: list[str] | None = None) -> dict[str, Any]:
                     raise UserError(f"{path}: {earlier[0]} and {name} both set {field}: give one")
                 raise UserError(f"{path}: {name} given twice, {_shown(earlier[1])} and {_shown(item)}: give one")
             given[field] = (name, item)
+            if TRAIN_FLAGS.is_boolean(name):
+                item = _boolean_value(item)
             flat[field] = _as_ours(name, item, TRAIN_FLAGS, f"{path}: ", _shown)
             if name in ALIASES and OTHER_NAMES[name].origin != "AstrAI":
                 _note(read_as, name, field, _shown(item), _shown(flat[field]), False)
@@ -743,6 +745,8 @@ def _normalize(argv: list[str], flags: Flags, check_choices: bool = True, notes:
                 value, i = argv[i], i + 1
         if check_choices and field not in flags.names:
             raise UserError(f"unknown flag {_with_suggestion(name, flags, '--')}")
+        if flags.is_boolean(name):
+            value = _boolean_word(value)
         if field in given and (name, value) != given[field] and (name in flags.aliases or given[field][0] != name):
             earlier, earlier_value = given[field]
             raise UserError(
@@ -783,6 +787,27 @@ def _note(notes: list[str], theirs: str, ours: str, value: str, our_value: str, 
         ours = ours.replace("--", "--no-", 1)
     if (note := f"{theirs} as {ours}") not in notes:
         notes.append(note)
+
+
+BOOLEAN_WORDS = {"true": True, "t": True, "yes": True, "y": True, "1": True,
+                 "false": False, "f": False, "no": False, "n": False, "0": False}  # fmt: skip
+"""A boolean as transformers spells one, in any case (``HfArgumentParser``'s ``string_to_bool``): ``--bf16 True``."""
+
+
+def _boolean_word(value: str) -> str:
+    """A command line's boolean (``BOOLEAN_WORDS``) as ours, ``true`` or ``false``; anything else as given, for the
+    parser to refuse."""
+    word = BOOLEAN_WORDS.get(value.lower())
+    return value if word is None else str(word).lower()
+
+
+def _boolean_value(value: Any) -> Any:
+    """A recipe's boolean spelled as a word (``BOOLEAN_WORDS``) or as 0 or 1, as a bool; anything else as given."""
+    if isinstance(value, str) and value.lower() in BOOLEAN_WORDS:
+        return BOOLEAN_WORDS[value.lower()]
+    if type(value) is int and value in (0, 1):
+        return bool(value)
+    return value
 
 
 def _as_ours(name: str, value: Any, flags: Flags, prefix: str, shown: Callable[[Any], str]) -> Any:

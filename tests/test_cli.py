@@ -574,3 +574,24 @@ def test_download_offline_says_it_found_the_model_in_the_cache(tmp_path, monkeyp
     out = capsys.readouterr().out
     snapshot = repository / "snapshots" / commit
     assert out == f"found in the cache, nothing fetched (HF_HUB_OFFLINE=1): org/tiny@{commit} -> {snapshot}\n", out
+
+
+@pytest.mark.parametrize(
+    "spelled, value",
+    [("True", True), ("TRUE", True), ("1", True), ("yes", True), ("t", True), ("False", False), ("0", False),
+     ("no", False), ("F", False)],
+)  # fmt: skip
+def test_booleans_are_read_as_transformers_spells_them(tmp_path, spelled, value):
+    """``--bf16 True`` as HF scripts write it, and every boolean flag and recipe value likewise (transformers'
+    ``string_to_bool``, any case; a recipe's 0 and 1): the same flags as ``true`` and ``false``."""
+    args = parse_train_args("sft", ["--packing", spelled, "--bf16", spelled])[0]
+    assert args.packing is value and args.precision == ("bf16-mixed" if value else "32-true")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"packing: {int(value)}\nbf16: {spelled if spelled.isalpha() else int(value)}\n")
+    args = parse_train_args("sft", ["--config", str(recipe)])[0]
+    assert args.packing is value and args.precision == ("bf16-mixed" if value else "32-true")
+
+
+def test_a_boolean_spelled_otherwise_is_refused(capsys):
+    assert main(["sft", "--packing", "maybe", "--dry_run"]) == 2
+    assert "packing" in capsys.readouterr().err
