@@ -403,7 +403,7 @@ def train_command(train_type: str, argv: list[str]) -> int:
             setattr(args, flag, value)
     from astrai_fabric.train import execute  # imports Lightning (5-17 s measured): only when training
 
-    return execute(args, own_process=True)[0]
+    return execute(args, own_process=True, command=[train_type, *argv])[0]
 
 
 def evaluate_command(argv: list[str]) -> int:

@@ -40,14 +40,20 @@ EXIT_S = 60.0
 POLL_S = 0.5
 RANK_VARIABLE = "LOCAL_RANK"
 """Set in every rank a launcher started (this one, torchrun, ``fabric run``): such a process launches nothing."""
+ENVIRONMENT = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "WORLD_SIZE", RANK_VARIABLE)
+"""What the ranks read, set here for this process and its children (and restored when the run ends)."""
 
 
 class LocalRanks:
     """The ranks this process started on its machine, watched: see the module docstring."""
 
-    def __init__(self, procs: list[subprocess.Popen], report: Callable[[str], str]) -> None:
+    def __init__(
+        self, procs: list[subprocess.Popen], report: Callable[[str], str], environment: dict[str, str | None]
+    ) -> None:
+        """``environment``: the variables this process had before it became rank 0, put back at the end."""
         self.procs = procs
         self._report = report
+        self._environment = environment
         self._ending = threading.Event()
         threading.Thread(target=self._watch, name="astrai-fabric-rank-watcher", daemon=True).start()
 
@@ -70,6 +76,7 @@ class LocalRanks:
         self._ending.set()
         self._wait(END_GRACE_S)
         self._kill_all()
+        self._restore()
 
     def join(self) -> None:
         """The run succeeded here: wait for the ranks to exit (the watcher still reports one that fails). One still
@@ -79,6 +86,14 @@ class LocalRanks:
             print(f"astrai-fabric: local rank {rank} still ran {EXIT_S:g} s after the run; killed", file=sys.stderr)
         self._ending.set()
         self._kill_all()
+        self._restore()
+
+    def _restore(self) -> None:
+        for name, value in self._environment.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
     def _wait(self, seconds: float) -> list[int]:
         """Wait up to ``seconds`` in all for the ranks to exit; those still running."""
@@ -108,11 +123,13 @@ def start_local_ranks(
     num_local_ranks: int, num_nodes: int, argv: list[str], report: Callable[[str], str]
 ) -> LocalRanks | None:
     """Start local ranks 1..``num_local_ranks``-1 as ``python -m astrai_fabric argv`` and make this process local
-    rank 0 (``report(what)``: the line that says the run lost a rank, ``what`` saying which and how). None where a
+    rank 0. ``argv``: the command that started the run (not ``sys.argv``, another program's where the CLI runs inside
+    one); ``report(what)``: the line that says the run lost a rank, ``what`` saying which and how. None where a
     launcher started this process (it joins the others) or where it is the only rank on its machine and no other
     machine takes part (nothing to launch)."""
     if RANK_VARIABLE in os.environ or (num_local_ranks == 1 and num_nodes == 1):
         return None
+    saved = {name: os.environ.get(name) for name in ENVIRONMENT}
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(find_free_network_port()))
     os.environ.setdefault("NODE_RANK", "0")
@@ -122,4 +139,4 @@ def start_local_ranks(
         subprocess.Popen(command, env={**os.environ, RANK_VARIABLE: str(rank)}) for rank in range(1, num_local_ranks)
     ]
     os.environ[RANK_VARIABLE] = "0"
-    return LocalRanks(procs, report)
+    return LocalRanks(procs, report, saved)

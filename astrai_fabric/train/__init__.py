@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import sys
 
 import torch
 from lightning.fabric import Fabric
@@ -54,25 +53,29 @@ def run(args: TrainArgs) -> list[dict] | None:
     return execute(args)[1]
 
 
-def execute(args: TrainArgs, *, own_process: bool = False) -> tuple[int, list[dict] | None]:
+def execute(
+    args: TrainArgs, *, own_process: bool = False, command: list[str] | None = None
+) -> tuple[int, list[dict] | None]:
     """Run validated ``args``: print the plan (``--dry_run``; status 0, or 2 when the run could not start, and no
     records) or launch the ranks and train (status 0 and the records ``run`` returns). ``own_process``: the command
     line's run, whose process settings are its own: ``--num_threads`` first, to this process and the ranks it
     launches (``strategy.set_cpu_threads``), and before training ``--reuse_freed_memory`` (``host_memory``; each
-    rank the launcher starts runs the command line again); a program calling ``run`` keeps its own settings."""
+    rank the launcher starts runs the command line again); a program calling ``run`` keeps its own settings.
+    ``command``: the command line's arguments (``seq ...``), which the ranks ``--nprocs`` asks for run too, started
+    and ended with the run by ``launch``; None: Lightning's launcher, which starts the calling program again."""
     if own_process:
         set_cpu_threads(args.num_threads)
     if args.dry_run:
         return dry_run(args, TRAIN_TYPES[args.train_type].build_dataset), []
     if own_process and args.reuse_freed_memory:
         reuse_freed_memory()
-    ranks = None
     if not (topology := resolve_topology(args.nprocs, args.num_nodes)).launched_externally:
         check_processes_fit(topology.devices)  # before starting them
-        if own_process:  # the command line's own launcher: its ranks end with the run (``launch``)
-            report = functools.partial(_lost_ranks, 0, args)
-            ranks = start_local_ranks(topology.devices, topology.num_nodes, sys.argv[1:], report)
     fabric = build_run_fabric(args)
+    ranks = None
+    if command is not None and not topology.launched_externally:  # the CLI's launcher: its ranks end with the run
+        report = functools.partial(_lost_ranks, 0, args)
+        ranks = start_local_ranks(topology.devices, topology.num_nodes, command, report)
     try:
         with closing_loggers(fabric):
             if os.environ.get("LT_CLI_USED") == "1":  # under `fabric run` the Fabric joined its group already
