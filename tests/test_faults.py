@@ -229,7 +229,7 @@ launch.NOTICE_S = 0.5
 dying = subprocess.Popen([sys.executable, "-c", "import os, time; time.sleep(1); os.kill(os.getpid(), 9)"])
 survivor = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 print("survivor", survivor.pid, flush=True)
-launch.LocalRanks([dying, survivor], lambda what: f"lost: {what}")
+launch.LocalRanks([dying, survivor], lambda what: f"lost: {what}", {})
 time.sleep(60)  # busy elsewhere: never notices
 """
 
