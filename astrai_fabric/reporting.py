@@ -122,7 +122,7 @@ class Reporter:
             if self.bar is None:  # one bar over this run's steps: its ETA is the run's
                 self.bar = tqdm(total=max(1, total - self.first_step + 1), dynamic_ncols=True)
             if epoch != self.bar_epoch:
-                self.bar.set_description(f"Epoch {epoch + 1}/{self.plan.n_epoch}", refresh=False)
+                self.bar.set_description(f"Epoch {epoch + 1}/{self.plan.num_epochs}", refresh=False)
                 self.bar_epoch = epoch
             self.bar.set_postfix_str(f"step {step}/{total} | {fields}", refresh=False)
             self.bar.update(1)  # redraws with the postfix of this step

@@ -31,8 +31,9 @@ DEFAULT_WARMUP_RATIO = 0.05
 @dataclass(frozen=True)
 class StepPlan:
     """How many optimizer steps a run takes, derived as AstrAI derives it, and the schedule's length: AstrAI's count,
-    or ``--max_steps`` when that is shorter. Numbers only: the run and its dry run both build it from the flags with
-    ``train.plan.step_plan``."""
+    or ``--max_steps``, which sets the run's length over as many epochs as it takes, whatever ``--n_epoch`` says
+    (Hugging Face's ``max_steps`` overrides ``num_train_epochs`` so). Numbers only: the run and its dry run both
+    build it from the flags with ``train.plan.step_plan``."""
 
     num_samples: int
     """Training samples (after the validation split)."""
@@ -45,7 +46,8 @@ class StepPlan:
     """``--warmup_ratio``: the warmup's share of the schedule's steps; None: ``DEFAULT_WARMUP_RATIO``, unless
     ``fixed_warmup_steps`` is given."""
     max_steps: int | None = None
-    """``--max_steps``: the run's length in optimizer steps (it ends there, and the schedule is planned over it)."""
+    """``--max_steps``: the run's length in optimizer steps (it ends there, and the schedule is planned over it),
+    over ``num_epochs`` epochs."""
     stop_after_steps: int | None = None
     """``--stop_after_steps``: this run stops after this many steps of its own, the schedule untouched."""
     num_iterations: int = 1
@@ -79,10 +81,19 @@ class StepPlan:
         return (self.num_iterations * self.micro_batches_per_rank // self.grad_accum_steps) * self.n_epoch
 
     @property
+    def num_epochs(self) -> int:
+        """The epochs the run passes through: ``n_epoch``, or the first number of epochs whose accumulation windows
+        reach ``max_steps`` (windows run across epoch boundaries, each epoch reshuffled as any other)."""
+        if self.max_steps is None:
+            return self.n_epoch
+        micro_batches_per_epoch = self.num_iterations * self.micro_batches_per_rank  # each trained num_iterations times
+        return max(1, math.ceil(self.max_steps * self.grad_accum_steps / micro_batches_per_epoch))
+
+    @property
     def total_steps(self) -> int:
-        """The schedule's length: ``epoch_steps``, or ``max_steps`` when sooner (a run that ends at ``max_steps``
-        warms up and decays within it; AstrAI has no ``max_steps``)."""
-        return self.epoch_steps if self.max_steps is None else min(self.max_steps, self.epoch_steps)
+        """The schedule's length: ``epoch_steps``, or ``max_steps`` (a run that ends at ``max_steps`` warms up and
+        decays within it; AstrAI has no ``max_steps``)."""
+        return self.epoch_steps if self.max_steps is None else self.max_steps
 
     @property
     def warmup_steps(self) -> int:
@@ -104,7 +115,7 @@ class StepPlan:
         """
         epoch, sample_index, step = (start.epoch, start.sample_index, start.optimizer_step) if start else (0, 0, 0)
         consumed = epoch * self.micro_batches_per_rank + math.ceil(sample_index / self.batch_per_device)
-        remaining = max(self.n_epoch * self.micro_batches_per_rank - consumed, 0)
+        remaining = max(self.num_epochs * self.micro_batches_per_rank - consumed, 0)
         final = step + self.num_iterations * remaining // self.grad_accum_steps
         if self.max_steps is not None:
             final = min(final, max(self.max_steps, step))
@@ -128,11 +139,15 @@ class StepPlan:
         trained = f", each trained {self.num_iterations} times" if self.num_iterations > 1 else ""
         steps = (
             f"{self.num_samples} samples -> {self.samples_per_rank} per rank -> {self.micro_batches_per_rank} "
-            f"micro-batches per rank per epoch{trained} -> {self.epoch_steps} optimizer steps over {self.n_epoch} "
-            "epoch(s)"
+            f"micro-batches per rank per epoch{trained} -> "
         )
-        if self.total_steps < self.epoch_steps:
-            steps += f"; max_steps {self.max_steps}: the schedule's {self.total_steps}"
+        if self.max_steps is None:
+            steps += f"{self.epoch_steps} optimizer steps over {self.n_epoch} epoch(s)"
+        else:
+            steps += (
+                f"max_steps {self.max_steps} optimizer steps over {self.num_epochs} epoch(s) (max_steps sets the "
+                "length, as in transformers; n_epoch is not read)"
+            )
         steps += f", {self.warmup_steps} of them warmup"
         first, last = (start.optimizer_step if start is not None else 0) + 1, self.last_step(start)
         run = f"steps {first} to {last}" if last >= first else f"none: step {first - 1} is this run's last"

@@ -516,7 +516,8 @@ def test_a_later_warmup_replaces_the_other_kind_and_the_plan_shows_our_names(tmp
         in captured.err
     )
     plan = captured.out
-    assert "optimizer steps over 3 epoch(s); max_steps 20: the schedule's 20, 3 of them warmup" in plan, plan
+    assert "-> max_steps 20 optimizer steps over 1 epoch(s) (max_steps sets the length" in plan, plan
+    assert "n_epoch is not read), 3 of them warmup" in plan
     assert "schedule     cosine: 3 warmup steps, then decay over 17 to 0.01x, peak learning rate 0.002" in plan
     assert f"  outputs      {tmp_path / 'out'}:" in plan
 

@@ -138,7 +138,7 @@ def test_the_logged_expert_load_is_the_whole_windows():
     optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     train_args = TrainArgs(param_path="bundled:tiny", ckpt_dir=".", batch_per_device=1, grad_accum_steps=2)
-    args = loop_args(train_args, dp_rank=0, fsdp=False)
+    args = loop_args(train_args, num_epochs=train_args.n_epoch, dp_rank=0, fsdp=False)
     result = train_step(
         fabric,
         state=TrainState(model, optimizer, scheduler, RunPosition(world_size=1)),

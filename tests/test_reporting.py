@@ -410,7 +410,7 @@ def test_the_progress_total_holds_across_stops_and_resumes(tmp_path, capsys):
     assert main([*base, "--ckpt_dir", str(tmp_path / "short"), "--max_steps", "3"]) == 0
     out = capsys.readouterr().out
     assert progress_totals(out)[1:] == (3, [(1, 3), (2, 3), (3, 3)])
-    assert "max_steps 3: the schedule's 3, 0 of them warmup" in out and "decay over 3 to" in out
+    assert "max_steps 3 optimizer steps over 2 epoch(s)" in out and "decay over 3 to" in out  # 3 a step of 8
 
 
 def test_the_csv_log_is_written_every_flush_seconds_at_checkpoints_and_at_the_end(tmp_path, monkeypatch):

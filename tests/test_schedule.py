@@ -27,8 +27,10 @@ def test_total_and_warmup_steps(num_samples, world, batch, accum, epochs, ratio,
 def test_max_steps_plans_the_schedule_over_the_run():
     plan = StepPlan(1000, 4, 8, 4, 3, 0.1, max_steps=20)  # 24 steps in the epochs; the run's 20
     assert (plan.epoch_steps, plan.total_steps, plan.warmup_steps, plan.last_step()) == (24, 20, 2, 20)
-    longer = StepPlan(1000, 4, 8, 4, 3, 0.1, max_steps=100)  # longer than the data: the data's length
-    assert (longer.total_steps, longer.last_step()) == (24, 24)
+    # Longer than n_epoch's data: max_steps sets the length, as in transformers, over the epochs it takes (32
+    # micro-batches of 8 per rank and epoch, 4 to a step: 8 steps an epoch, 13 epochs for 100).
+    longer = StepPlan(1000, 4, 8, 4, 3, 0.1, max_steps=100)
+    assert (longer.total_steps, longer.last_step(), longer.num_epochs, longer.warmup_steps) == (100, 100, 13, 10)
 
 
 def test_warmup_steps_replace_the_ratio_up_to_the_schedule_s_length():
@@ -64,7 +66,7 @@ def counted_last_step(plan: StepPlan, epoch: int, sample_index: int, step: int) 
     """The step a run from ``(epoch, sample_index, step)`` ends at, counted as the loop counts: every micro-batch
     of the epochs left, one window per ``grad_accum_steps`` of them (a window may span two epochs)."""
     micro_batches = 0
-    for e in range(epoch, plan.n_epoch):
+    for e in range(epoch, plan.num_epochs):
         start = sample_index if e == epoch else 0
         micro_batches += len(range(start, plan.samples_per_rank, plan.batch_per_device))
         while micro_batches >= plan.grad_accum_steps:
@@ -92,7 +94,10 @@ def test_last_step_is_what_the_loop_takes(num_samples, world, batch, accum, epoc
             expected = counted if stop_after is None else min(counted, step + stop_after)
             assert plan.last_step(start) == expected
     capped = StepPlan(num_samples, world, batch, accum, epochs, 0.0, max_steps=2)
-    assert capped.last_step() == counted_last_step(capped, 0, 0, 0) == min(2, plan.last_step())
+    assert capped.last_step() == counted_last_step(capped, 0, 0, 0) == 2
+    past = 3 * plan.last_step() + 1  # past n_epoch's windows: the loop runs the epochs it takes
+    longer = StepPlan(num_samples, world, batch, accum, epochs, 0.0, max_steps=past)
+    assert longer.last_step() == counted_last_step(longer, 0, 0, 0) == past
 
 
 def test_plans_that_cannot_step_are_errors():

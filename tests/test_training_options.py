@@ -162,3 +162,37 @@ def test_other_optimizers_train_with_their_own_flags(tmp_path, capsys, optimizer
         group = state[part]["param_groups"][0]
         assert {key: group[key] for key in values} == values
     assert plan_line in capsys.readouterr().out  # the plan names the groups
+
+
+def test_max_steps_past_the_epochs_runs_as_many_as_it_takes_and_resumes_exactly(tmp_path, capsys):
+    """TRL's names, ``--num_train_epochs 1 --max_steps 10`` over data of 9 micro-batches an epoch (2 to a step):
+    the run takes 10 optimizer steps over 3 epochs, as transformers' ``max_steps`` overrides ``num_train_epochs``
+    (it stopped at the epoch's 4 before). Stopped at step 5 (in the second epoch) and resumed, it ends with the
+    weights of the run never stopped, bit for bit: each epoch reshuffled as the loop's own does."""
+    import json
+    from pathlib import Path
+
+    from astrai_fabric.assets import SEQ_DATA_DIR
+    from astrai_fabric.cli import main
+
+    data = tmp_path / "verses.jsonl"  # 65 windows of 32 tokens: 9 micro-batches of 8 per epoch
+    data.write_text("".join((SEQ_DATA_DIR / "kjv.jsonl").read_text().splitlines(keepends=True)[:2]))
+    trl = ["--model_name_or_path", "bundled:tiny", "--dataset_name", str(data), "--max_seq_length", "32"]
+    trl += ["--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2", "--num_train_epochs", "1"]
+    trl += ["--max_steps", "10", "--parallel_mode", "none", "--num_workers", "0", "--loggers", "[]"]
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    assert main(["seq", *trl, "--output_dir", str(whole), "--dry_run"]) == 0
+    plan = capsys.readouterr().out
+    assert "-> max_steps 10 optimizer steps over 3 epoch(s) (max_steps sets the length" in plan, plan
+    assert "this run     steps 1 to 10" in plan
+    assert main(["seq", *trl, "--output_dir", str(whole)]) == 0
+    assert main(["seq", *trl, "--output_dir", str(split), "--stop_after_steps", "5"]) == 0
+    assert main(["seq", *trl, "--output_dir", str(split), "--resume", "auto"]) == 0
+    (last,) = whole.glob("epoch_*_step_10")
+    assert last.name == "epoch_2_step_10"
+    entries = [json.loads(line) for line in (last / "metric.jsonl").read_text().splitlines()]
+    steps = [(e["epoch"], e["step"]) for e in entries if e["type"] == "step"]
+    assert [s for _, s in steps] == list(range(1, 11)) and {e for e, _ in steps} == {0, 1, 2}
+    assert Path(split / "epoch_2_step_10").is_dir()
+    ours, uninterrupted = saved(split, 10), saved(whole, 10)
+    assert all(torch.equal(ours[k], uninterrupted[k]) for k in uninterrupted)

@@ -140,9 +140,10 @@ class TrainArgs(TrainChecks):
     grad_accum_steps: int = 1
     """Micro-batches per optimizer step (gradient accumulation)."""
     max_steps: int | None = None
-    """The run's length in optimizer steps, when shorter than ``n_epoch``'s: the run ends there (with a final
-    checkpoint), and the schedule (warmup, decay, cycles) is planned over it, as Hugging Face's ``max_steps`` is. A
-    resume keeps its checkpoint's schedule (``resume_schedule``). AstrAI has no such flag."""
+    """The run's length in optimizer steps, over as many epochs as it takes (``n_epoch`` is then not read): the run
+    ends there (with a final checkpoint), and the schedule (warmup, decay, cycles) is planned over it, as Hugging
+    Face's ``max_steps`` overrides ``num_train_epochs``. A resume keeps its checkpoint's schedule
+    (``resume_schedule``). AstrAI has no such flag."""
     stop_after_steps: int | None = None
     """Stop after this many optimizer steps of this run (counted from where it starts: a resume takes this many
     more), with a checkpoint, the schedule untouched: a long run split into job-sized pieces, each continued by

@@ -45,7 +45,7 @@ def fit(
     stop: StopRequest | None = None,
     pipeline: Pipeline | None = None,
 ) -> list[dict[str, float]]:
-    """Train from ``state.position`` (updated in place) until ``n_epoch``, ``max_steps``, ``stop_after_steps`` (this
+    """Train from ``state.position`` (updated in place) until ``num_epochs``, ``max_steps``, ``stop_after_steps`` (this
     call's steps) or ``max_tokens``, or until
     ``stop`` is requested on any rank; the state at the end is saved. ``pipeline``: the schedule that runs each
     window through the pipeline's stages (``--pp_size``; ``compute_loss`` then serves validation only).
@@ -141,7 +141,7 @@ def _epochs(
     reporter: Reporter,
 ) -> Iterator[dict[str, Tensor]]:
     """The micro-batches of the epochs left, one after another: an accumulation window may span two epochs."""
-    while position.epoch < args.n_epoch:
+    while position.epoch < args.num_epochs:
         sampler.set_position(position.epoch, position.sample_index)
         yield from batches
         reporter.epoch_end(position.epoch, position.optimizer_step, position.consumed_samples)

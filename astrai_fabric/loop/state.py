@@ -36,7 +36,9 @@ class LoopArgs:
     """The flags ``fit`` and ``train_step`` read (``TrainArgs`` documents each; ``train.common.loop_args`` takes them
     from it, with what the caller knows of the Fabric)."""
 
-    n_epoch: int
+    num_epochs: int
+    """The epochs the loop passes through (``StepPlan.num_epochs``: ``--n_epoch``, or as many as ``--max_steps``
+    takes)."""
     batch_per_device: int
     grad_accum_steps: int
     max_steps: int | None

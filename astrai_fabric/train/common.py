@@ -224,12 +224,12 @@ def describe_run_plan(
     )
 
 
-def loop_args(args: TrainArgs, *, dp_rank: int, fsdp: bool, live_batches: bool = False) -> LoopArgs:
-    """The loop's flags from ``args``, and what the caller knows of the Fabric: this rank's data-parallel rank,
-    whether its strategy shards with FSDP (the loop itself never asks the strategy), and whether the batches are
-    made by the live model (``check_weights_each_step``)."""
+def loop_args(args: TrainArgs, *, num_epochs: int, dp_rank: int, fsdp: bool, live_batches: bool = False) -> LoopArgs:
+    """The loop's flags from ``args``, the plan's epochs, and what the caller knows of the Fabric: this rank's
+    data-parallel rank, whether its strategy shards with FSDP (the loop itself never asks the strategy), and whether
+    the batches are made by the live model (``check_weights_each_step``)."""
     return LoopArgs(
-        n_epoch=args.n_epoch,
+        num_epochs=num_epochs,
         batch_per_device=args.batch_per_device,
         grad_accum_steps=args.grad_accum_steps,
         max_steps=args.max_steps,
@@ -340,6 +340,7 @@ def train_on(fabric: Fabric, args: TrainArgs, start: Start, task: TrainTask) -> 
             with StopRequest() as stop:
                 loop_settings = loop_args(
                     args,
+                    num_epochs=plan.num_epochs,
                     dp_rank=data_parallel(fabric).dp_rank,
                     fsdp=is_fsdp(fabric),
                     live_batches=task.make_batches is not None,
