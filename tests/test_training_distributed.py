@@ -273,6 +273,36 @@ def assert_trained_alike(ours: Path, theirs: Path, step: int, initial: dict[str,
     assert_same_training(weights(ours, step), weights(theirs, step), initial)
 
 
+def stored_state_bytes(optimizer_pt: Path) -> int:
+    """Bytes of the per-parameter state an ``optimizer.pt`` holds (its moments and momenta; the scalar steps left
+    out, as the plan leaves them out)."""
+    stored = torch.load(optimizer_pt, weights_only=True)
+    parts = stored.values() if "state" not in stored else [stored]
+    return sum(
+        value.numel() * value.element_size()
+        for part in parts
+        if part is not None
+        for entries in part["state"].values()
+        for value in entries.values()
+        if isinstance(value, torch.Tensor) and value.dim() > 0
+    )
+
+
+@pytest.mark.parametrize("name", ["fsdp_seq", "tp2", "cp2_seq", "ep2_resume"])
+def test_each_layout_records_the_whole_models_counts(two_rank_runs, name):
+    """Under FSDP, tensor, context and expert parallelism alike, the parameters a run records (metric.jsonl) are
+    the whole model's, as its checkpoint holds them, and its optimizer state the whole state's, as optimizer.pt
+    holds it (expert parallelism counted one rank's experts before)."""
+    if not (two_rank_runs / name).is_dir():
+        pytest.skip("transformers is not installed (the test extra)")
+    last = max(two_rank_runs.joinpath(name).glob("epoch_*_step_*"), key=lambda p: int(p.name.rsplit("_", 1)[1]))
+    entries = [json.loads(line) for line in (last / "metric.jsonl").read_text().splitlines()]
+    (counts,) = [e for e in entries if e["type"] == "parameters"]
+    stored = sum(t.numel() for t in load_file(last / "model.safetensors").values())
+    assert counts["total_parameters"] == counts["trainable_parameters"] == stored
+    assert counts["optimizer_state_bytes"] == stored_state_bytes(last / "optimizer.pt")
+
+
 @pytest.mark.parametrize("name", list(PARITY_RUNS))
 def test_two_ranks_match_one_process(two_rank_runs, tmp_path, name):
     reference_args = base_args(tmp_path / "ref", **PARITY_RUNS[name], nprocs=1)

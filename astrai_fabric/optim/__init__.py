@@ -5,6 +5,7 @@ composite whose ``optimizer.pt`` keeps AstrAI's ``{part: state_dict or None}`` l
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -123,9 +124,10 @@ def build_optimizer(model: nn.Module, args: OptimArgs) -> Optimizer:
     return AdamW(torch_groups, lr=args.lr, betas=ADAMW_BETAS, **fused_if_possible(params))
 
 
-def optimizer_state_bytes(groups: list[GroupPlan]) -> int:
+def optimizer_state_bytes(groups: list[GroupPlan], entry_bytes: Callable[[Tensor], int] = Tensor.element_size) -> int:
     """Bytes the optimizer's state will hold for the parameters of ``groups`` (``optimizer_groups``), all ranks
-    together, each buffer in its parameter's dtype (``STATE_BUFFERS``)."""
+    together, each buffer in its parameter's dtype (``STATE_BUFFERS``): ``entry_bytes(param)``, by default the
+    parameter's as it is."""
     return sum(
-        STATE_BUFFERS[group.part] * param.numel() * param.element_size() for group in groups for param in group.params
+        STATE_BUFFERS[group.part] * param.numel() * entry_bytes(param) for group in groups for param in group.params
     )

@@ -307,10 +307,9 @@ def train_on(fabric: Fabric, args: TrainArgs, start: Start, task: TrainTask) -> 
         profiler = StepProfiler.for_run(fabric, args.profile_step_range, args.ckpt_dir, position)  # or None
         batches = profiler.steps_of(batches) if profiler is not None else batches
 
-        whole = model if pipeline is None else meta_model(start.model_config, args)  # a stage holds some blocks
-        parameters = summarize_parameters(
-            whole, args, precision_of(fabric), Placement.of_fabric(fabric, args).num_shards
-        )
+        whole = meta_model(start.model_config, args)  # a rank may hold a stage's blocks or its experts only
+        num_shards = Placement.of_fabric(fabric, args).num_shards
+        parameters = summarize_parameters(whole, args, precision_of(fabric), num_shards)
         data = describe_data(args, len(train_set), task.data_summary, val_set)
         fabric.print(describe_run_plan(fabric, args, start, parameters, plan, scheduler, schedule_note, position, data))
         if fabric.global_rank == 0:

@@ -120,9 +120,10 @@ class ParameterSummary:
 
 
 def summarize_parameters(model: nn.Module, args: TrainArgs, precision: str, num_shards: int = 1) -> ParameterSummary:
-    """``model``'s (Fabric-wrapped or not, on the meta device or not) parameters under ``args``' optimizer;
-    ``precision``: the run's (the bytes a quantised weight would otherwise take)."""
-    raw_model = getattr(model, "module", model)  # the module Fabric wraps
+    """The parameters of the run's whole model, built from its config on the meta device (``models.meta_model``: a
+    rank holds a pipeline stage's blocks or an expert group's experts only), under ``args``' optimizer;
+    ``precision``: the run's (its parameters' dtype, so the optimizer state's; the bytes a quantised weight would
+    otherwise take). The run prints and records these, and its dry run plans with them."""
     optim_args = OptimArgs(
         args.resolved_optimizer,
         args.max_lr,
@@ -131,6 +132,10 @@ def summarize_parameters(model: nn.Module, args: TrainArgs, precision: str, num_
         nora_weight_decay=args.resolved_nora_weight_decay,
     )
     groups = optimizer_groups(model, optim_args)  # one walk of the model for both (DeepSeek-V3: 45,000 tensors)
+    # The state is held in each parameter's dtype in the run: the precision's for the model's own weights (bfloat16
+    # under bf16-true), float32 for LoRA's adapters; here every parameter is float32.
+    weight_bytes = 2 if precision in ("bf16-true", "16-true") else 4
+    adapters_of = {id(p) for _, layer in lora.lora_layers(model) for p in (layer.lora_A, layer.lora_B)}
     described = ", ".join(
         f"{g.part} {len(g.params)} tensors (lr {g.lr:g}, decay {g.weight_decay:g})" for g in groups if g.params
     )
@@ -138,20 +143,22 @@ def summarize_parameters(model: nn.Module, args: TrainArgs, precision: str, num_
     if (spec := lora_spec(args)) is not None:
         adapters = (
             f"r={spec.r}, alpha={spec.alpha}, dropout {spec.dropout}, init {spec.init}, on {','.join(spec.targets)} "
-            f"({len(lora.lora_layers(raw_model))} linear layers); base weights frozen, adapters float32"
+            f"({len(adapters_of) // 2} linear layers); base weights frozen, adapters float32"
         )
         if args.resolved_optimizer == "muon_adamw":
             adapters += "; note: Muon on LoRA's r x d factors is untested (adamw is the LoRA default)"
     quantized = None
     if args.quantize is not None:
         float_bytes = 2 if precision in ("bf16-true", "16-true") else 4
-        quantized = plan_quantization(raw_model, num_shards).describe(float_bytes)
+        quantized = plan_quantization(model, num_shards).describe(float_bytes)
     return ParameterSummary(
-        total=raw_model.num_parameters(),
-        trainable=raw_model.num_parameters(trainable_only=True),
+        total=model.num_parameters(),
+        trainable=model.num_parameters(trainable_only=True),
         optimizer=args.resolved_optimizer,
         groups=described,
-        state_bytes=optimizer_state_bytes(groups),
+        state_bytes=optimizer_state_bytes(
+            groups, lambda p: lora.ADAPTER_DTYPE.itemsize if id(p) in adapters_of else weight_bytes
+        ),
         lora=adapters,
         quantize=quantized,
     )
