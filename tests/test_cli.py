@@ -468,6 +468,9 @@ def test_hugging_face_and_trl_names_are_read_as_ours(tmp_path):
         # by meaning first: another project's name we do not take, answered with ours
         (["--logging_steps", "10"], "unknown flag --logging_steps (every optimizer step is logged (stdout, metric"),
         (["--logging_dir", "x"], "unknown flag --logging_dir (logs are written under --ckpt_dir (ckpt_dir/logs))"),
+        (["--dataset_text_field", "body"], "--dataset_text_field (seq reads the column text; another: --data_columns"),
+        (["--assistant_only_loss", "true"], "--assistant_only_loss (sft trains every assistant turn whole, its role"),
+        (["--torch_dtype", "bfloat16"], "--torch_dtype (the weights load in the run's dtype: --precision bf16-true"),
         (["--eval_steps", "5"], "unknown flag --eval_steps (--val_step, with --val_split holding out a fraction"),
         (["--optim", "adamw_torch"], "unknown flag --optim (--optimizer adamw, muon_adamw (the default), nora_nadamw"),
         (["--adam_beta2", "0.999"], "unknown flag --adam_beta2 (AdamW's betas are (0.9, 0.95) here, not a flag"),

@@ -142,6 +142,17 @@ NOT_TAKEN: dict[str, str] = {
     "out_dir": "--ckpt_dir",
     "checkpoint_dir": "--param_path (the model to start from; --ckpt_dir is where the run writes)",
     "save_interval": "--ckpt_interval",
+    "assistant_only_loss": "sft trains every assistant turn whole, its role header included, and masks system and "
+    "user turns (the chat template's roles, AstrAI's); TRL's marks the tokens its template's generation blocks "
+    "cover, without the header: a few tokens a turn apart",
+    "completion_only_loss": "sft trains the completion of prompt/completion records and masks the prompt, always "
+    "(TRL's default); seq trains every token",
+    "dataset_text_field": "seq reads the column text; another: --data_columns text=COLUMN (any shape's field, "
+    "e.g. prompt=question)",
+    "torch_dtype": "the weights load in the run's dtype: --precision bf16-true for bfloat16, float32 otherwise",
+    "dtype": "the weights load in the run's dtype: --precision bf16-true for bfloat16, float32 otherwise",
+    "eos_token": "the tokenizer's own end-of-sequence token (its tokenizer_config.json); --tokenizer_path for "
+    "another tokenizer",
 }  # fmt: skip
 """Names we do not take, each answered with what to give instead (the CLI's suggestion for an unknown flag or recipe
 key, before the closest spelling)."""
