@@ -677,3 +677,11 @@ def test_the_documented_local_task_runs_as_evaluation_md_shows(work, tmp_path, c
     assert re.search(r"capitals +acc +[01]\.\d+", capsys.readouterr().out)
     (result,) = json.loads((tmp_path / "r.json").read_text())["results"]
     assert len(result["lm_eval"]["samples"]["capitals"]) == len(records) == 6
+    # From elsewhere the data path leads nowhere: one line naming the file (it was a bug's traceback), nothing kept.
+    monkeypatch.chdir(tmp_path)
+    stored = sorted((model / "eval").iterdir())
+    task_dir = str(Path(__file__).parents[1] / "docs" / "examples" / "lm-eval-task")
+    assert main(["evaluate", str(model), "--tasks", "capitals", "--include_path", task_dir, "--trust_code"]) == 2
+    err = capsys.readouterr().err
+    assert f"tasks capitals: Unable to find '{tmp_path}/docs/examples/lm-eval-task/capitals.jsonl'" in err, err
+    assert "Traceback" not in err and sorted((model / "eval").iterdir()) == stored

@@ -339,19 +339,25 @@ def run_tasks(lm: AstraiFabricLM, tasks: list[str], options: dict[str, Any]) -> 
         raise UserError(f"include_path {include_path}: not a directory of task YAML files")
     manager = tasks_index(tasks, include_path)
     seed = options["seed"]
-    output = lm_eval.simple_evaluate(
-        model=lm,
-        tasks=tasks,
-        num_fewshot=options.get("num_fewshot"),
-        limit=options.get("limit"),
-        apply_chat_template=options.get("apply_chat_template", False),
-        log_samples=options.get("log_samples", False),
-        task_manager=manager,
-        fewshot_random_seed=seed,
-        numpy_random_seed=seed,
-        torch_random_seed=seed,
-        bootstrap_iters=100000,
-    )
+    try:
+        output = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=tasks,
+            num_fewshot=options.get("num_fewshot"),
+            limit=options.get("limit"),
+            apply_chat_template=options.get("apply_chat_template", False),
+            log_samples=options.get("log_samples", False),
+            task_manager=manager,
+            fewshot_random_seed=seed,
+            numpy_random_seed=seed,
+            torch_random_seed=seed,
+            bootstrap_iters=100000,
+        )
+    except FileNotFoundError as err:  # a local task's data file (datasets' words name it)
+        raise UserError(
+            f"tasks {','.join(tasks)}: {err} (a task's relative data_files are read from the current directory, as "
+            "datasets reads them)"
+        ) from None
     if output is None:  # lm-eval returns None on ranks other than 0
         return {}
     kept = {key: output[key] for key in ("results", "versions", "n-shot", "higher_is_better") if key in output}
