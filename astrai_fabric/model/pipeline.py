@@ -200,14 +200,16 @@ class PipelineStageLM(AutoRegressiveLM):
         hidden, _, _ = self.trunk(x, mask, positions)
         if not self.stage.is_last:  # sent as they are: the process group sends contiguous tensors only
             return tuple(t.contiguous() for t in (hidden, target_ids, *position_ids))
+        # The last stage's losses leave as a copy, not a view of the flat ones: FSDP warns of a view (an in-place op
+        # on it would drop its gradient hook; the schedule's loss does none), at every pipeline run. B x S values.
         loss = self.stage_loss
         if loss.chunk_size:
-            return self.head(hidden, TokenLoss(target_ids, loss.chunk_size, loss.label_smoothing)).token_nll
+            return self.head(hidden, TokenLoss(target_ids, loss.chunk_size, loss.label_smoothing)).token_nll.clone()
         logits = self.head.logits(hidden).float()
         nll = F.cross_entropy(
             logits.flatten(0, 1), target_ids.flatten(), reduction="none", label_smoothing=loss.label_smoothing
         )
-        return nll.view_as(target_ids)
+        return nll.view_as(target_ids).clone()
 
 
 def held_by_other_stages(
