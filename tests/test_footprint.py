@@ -460,3 +460,18 @@ def test_a_run_over_only_by_the_whole_estimate_starts_with_a_warning(tmp_path):
     ):
         problems = preflight(args, start, step_plan(args, 640, 1), Placement("cpu", "32-true", 1, 1, 1))
     assert problems == []
+
+
+def test_a_window_past_the_models_positions_still_gets_its_memory_planned(tmp_path, capsys):
+    """A refused --window_size (past max_position_embeddings, 256 here) is listed, and the plan's memory and comms
+    are made at the model's longest window, which the list names (before, the plan had none)."""
+    from astrai_fabric.cli import main
+
+    argv = ["sft", "--param_path", "bundled:tiny", "--data_root_path", "bundled:data/sft", "--window_size", "300"]
+    argv += ["--device_type", "cuda", "--device_memory", "h100", "--nprocs", "8", "--parallel_mode", "fsdp"]
+    assert main([*argv, "--ckpt_dir", str(tmp_path / "out"), "--dry_run"]) == 2
+    out = capsys.readouterr().out
+    assert "window_size 300 exceeds max_position_embeddings 256" in out
+    assert "(the plan above is for --window_size 256, its longest)" in out
+    assert "  memory       per rank at its peak" in out and "  comms        FSDP" in out
+    assert "1 x 256 positions" in out and not (tmp_path / "out").exists()

@@ -40,7 +40,7 @@ from astrai_fabric.train.plan import (
     summarize_parameters,
 )
 from astrai_fabric.train.resume import planned_position
-from astrai_fabric.train.start import Start, hub_values, read_start, set_values
+from astrai_fabric.train.start import Start, WindowPastPositions, hub_values, read_start, set_values
 
 
 def dry_run(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train type's build_dataset
@@ -83,7 +83,12 @@ def _plan(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train ty
         uncached = dict.fromkeys(HUB_FLAGS, "")
     try:
         if not uncached.keys() & {"param_path", "tokenizer_path"}:  # what read_start reads (the reference: not)
-            start = read_start(args)
+            try:
+                start = read_start(args)
+            except WindowPastPositions as err:  # refused; the plan made at the model's longest window instead
+                problems.append(f"{err} (the plan above is for --window_size {err.positions}, its longest)")
+                args.window_size = err.positions
+                start = read_start(args)
     except UserError as err:
         problems.append(str(err))
         missing = not assets.resolve(args.data_root_path).exists() and not looks_like_hub_id(args.data_root_path)

@@ -211,7 +211,7 @@ def remedies(plan: ClusterPlan) -> list[str]:
     if plan.layout.fsdp and mesh.num_fsdp_shards < mesh.world_size // mesh.tp:
         found.append("more FSDP shards (--fsdp_shard_size)")
     if plan.layout.fsdp:
-        found.append("--cp_size for long windows, --tp_size, or more ranks")
+        found.append("--cp_size for long windows, --tp_size, --pp_size, or more ranks")
     return found
 
 

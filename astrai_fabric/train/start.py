@@ -205,6 +205,15 @@ def set_values(args: TrainArgs, values: dict[str, Any]) -> None:
         setattr(args, flag, value)
 
 
+class WindowPastPositions(ConfigError):
+    """A ``--window_size`` past the model's positions; ``positions``: its ``max_position_embeddings`` (the dry run
+    plans with that window, so its memory still shows)."""
+
+    def __init__(self, message: str, positions: int) -> None:
+        super().__init__(message)
+        self.positions = positions
+
+
 def read_start(args: TrainArgs) -> Start:
     """Read ``param_path`` and find the checkpoint to resume from, checking they belong together."""
     check_writable(args.ckpt_dir)
@@ -216,9 +225,10 @@ def read_start(args: TrainArgs) -> Start:
     model_config = read_model_config(param_path)  # AstrAI's config.json, or a Hugging Face one mapped
     model_config.check_buildable(source=str(param_path / CONFIG_FILE))
     if args.window_size is not None and args.window_size > model_config.max_position_embeddings:
-        raise ConfigError(
+        raise WindowPastPositions(
             f"window_size {args.window_size} exceeds max_position_embeddings {model_config.max_position_embeddings} "
-            f"of {param_path / CONFIG_FILE}: the model has no position past it; lower --window_size"
+            f"of {param_path / CONFIG_FILE}: the model has no position past it; lower --window_size",
+            model_config.max_position_embeddings,
         )
     if args.lora_r:
         meta_model(model_config, args)  # every target names a layer of this model, checked before anything is read
