@@ -771,7 +771,10 @@ def step_collectives(
                 Collective("CP all-gather (logits)", mesh.cp, link, logits),
                 Collective("CP all-reduce (logits' gradient)", mesh.cp, link, logits, True),
             ]
-    if mesh.ep > 1 and config.num_moe_layers:  # each slot's hidden state out and back, forward and backward
-        handed = micro * config.num_moe_layers * 4 * config.n_activated_experts * activation
+    if mesh.ep > 1 and config.num_moe_layers:
+        # each slot's hidden state out and back in the forward, their gradients back and out in the backward, and
+        # the forward's two again where the backward recomputes it
+        exchanges = 6 if workload.gradient_checkpointing else 4
+        handed = micro * config.num_moe_layers * exchanges * config.n_activated_experts * activation
         found.append(Collective("EP all-to-all", mesh.ep, layout.link(mesh.ep * mesh.cp * mesh.tp), handed))
     return found

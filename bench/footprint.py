@@ -39,6 +39,7 @@ LAYOUTS = {
     "fsdp2": dict(ranks=2, mode="fsdp"),
     "cp2": dict(ranks=2, mode="fsdp", cp=2),
     "ep2_moe": dict(ranks=2, mode="fsdp", ep=2, moe=True),
+    "ep2_moe_ckpt": dict(ranks=2, mode="fsdp", ep=2, moe=True, checkpointing=True),  # each block recomputed
     "hsdp2x2": dict(ranks=4, mode="fsdp", shard=2),
     "hsdp2x1": dict(ranks=2, mode="fsdp", shard=1),
     "fsdp2_tp2": dict(ranks=4, mode="fsdp", tp=2),
@@ -131,6 +132,7 @@ def worker(name: str, window: int, out: str) -> None:
         dist.init_process_group("gloo")
     torch.manual_seed(0)
     model = AutoRegressiveLM(config(layout.get("moe", False), layout.get("layers", 2))).train()
+    model.gradient_checkpointing = layout.get("checkpointing", False)
     ranks = dist.get_world_size()
     if layout["mode"] == "fsdp":
         tp = layout.get("tp", 1)
@@ -158,7 +160,7 @@ def worker(name: str, window: int, out: str) -> None:
 
         fabric = Fabric(accelerator="cpu", devices=1)
         schedule = layout.get("schedule", "gpipe")
-        pipeline = Pipeline(fabric, model, schedule, 1, 2, torch.float32, StageLoss())
+        pipeline = Pipeline(fabric, model, schedule, 1, 2, torch.float32, StageLoss(), Path(out).parent)
 
     def step() -> None:
         if pipeline is not None:
@@ -255,6 +257,7 @@ def compare(name: str, window: int, measured: dict) -> list[tuple[str, int, int]
             muon_spread=True,
             pp_schedule=layout.get("schedule", "gpipe"),
             pp_stages_per_rank=layout.get("stages_per_rank", 1),
+            gradient_checkpointing=layout.get("checkpointing", False),
         ),
     )
     measured = measured[(plan.stage or 0) * mesh.ranks_per_stage]  # the plan's rank: the fullest place's first
