@@ -247,6 +247,16 @@ def test_tiny_recipe_end_to_end_then_resume(tmp_path):
     ]
     meta = json.loads((tmp_path / "epoch_0_step_4" / "meta.json").read_text())
     assert (meta["epoch"], meta["consumed_samples"], meta["train_type"]) == (0, 4 * 2 * 8, "sft")
+    # The peak memory measured beside the plan's figure: the run's last line, and each checkpoint's entry so far.
+    (memory_line,) = [line for line in first.stdout.splitlines() if line.startswith("memory: ")]
+    planned = re.search(r"memory +per rank at its peak \(the forward's end\), estimated: ([\d.]+ \w+)", first.stdout)
+    assert re.fullmatch(rf"memory: [\d.]+ MiB per rank at its peak, measured \(.*\); planned {planned[1]}", memory_line)
+    entries = [json.loads(line) for line in (tmp_path / "epoch_0_step_4" / "metric.jsonl").read_text().splitlines()]
+    (counts,) = [e for e in entries if e["type"] == "parameters"]
+    memory = [e for e in entries if e["type"] == "memory"]
+    assert [e["step"] for e in memory] == [2, 4]
+    assert all(e["measured_peak_bytes"] >= 4 * counts["total_parameters"] for e in memory)  # at least the weights
+    assert memory[0]["planned_peak_bytes"] == memory[1]["planned_peak_bytes"] > 0
 
     second = subprocess.run(
         base[:-4] + ["--max_steps", "6", "--ckpt_interval", "2", "--resume", "auto"],

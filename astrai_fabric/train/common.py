@@ -10,6 +10,7 @@ models and resume have their own modules beside this one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ from astrai_fabric.model.pipeline import StageLoss
 from astrai_fabric.optim import build_optimizer
 from astrai_fabric.optim.muon_owners import planned_layout, resolve_spread_replicated
 from astrai_fabric.parallelize import DTYPES
+from astrai_fabric.peak_memory import PeakMemory
 from astrai_fabric.plot import PLOT_FILE, plot_runs
 from astrai_fabric.preemption import StopRequest
 from astrai_fabric.profiling import StepProfiler
@@ -61,7 +63,7 @@ from astrai_fabric.strategy import (
 )
 from astrai_fabric.torch_private import uncompiled
 from astrai_fabric.train.checks import Placement, preflight
-from astrai_fabric.train.footprint_plan import plan_cluster
+from astrai_fabric.train.footprint_plan import ClusterPlan, human_bytes, plan_cluster
 from astrai_fabric.train.layout import layout_of_flags
 from astrai_fabric.train.loaders import LoaderArgs, make_loader, shut_down_workers, split_validation
 from astrai_fabric.train.models import initial_model, load_sharded_weights, lora_spec, meta_model
@@ -180,10 +182,11 @@ def describe_run_plan(
     schedule_note: str | None,
     position: RunPosition,
     data: str,
+    cluster: ClusterPlan | None,
 ) -> str:
     """The plan this run prints before its first step: the dry run's lines (``plan.describe_plan``), told by the
     Fabric the run has (its ranks, strategy, device and precision: a Fabric built by the caller may differ from the
-    flags)."""
+    flags); ``cluster``: its footprint (``run_footprint``)."""
     world_size, devices = fabric.world_size, local_ranks(fabric)
     layout, shards = None, 1
     if is_fsdp(fabric) and world_size > 1:
@@ -213,15 +216,16 @@ def describe_run_plan(
         cpu_threads=threads,
         position=position,
         muon=muon,
-        cluster=plan_cluster(
-            args,
-            start.model_config,
-            start.window_size,
-            start.loss_chunk_size(args),
-            Topology(devices, world_size // devices, False),
-            precision_of(fabric),
-        ),
+        cluster=cluster,
     )
+
+
+def run_footprint(fabric: Fabric, args: TrainArgs, start: Start) -> ClusterPlan | None:
+    """The footprint the plan gives this run, on the Fabric it has (``footprint_plan.plan_cluster``)."""
+    devices = local_ranks(fabric)
+    topology = Topology(devices, fabric.world_size // devices, False)
+    window, chunk = start.window_size, start.loss_chunk_size(args)
+    return plan_cluster(args, start.model_config, window, chunk, topology, precision_of(fabric))
 
 
 def loop_args(args: TrainArgs, *, num_epochs: int, dp_rank: int, fsdp: bool, live_batches: bool = False) -> LoopArgs:
@@ -311,7 +315,10 @@ def train_on(fabric: Fabric, args: TrainArgs, start: Start, task: TrainTask) -> 
         num_shards = Placement.of_fabric(fabric, args).num_shards
         parameters = summarize_parameters(whole, args, precision_of(fabric), num_shards)
         data = describe_data(args, len(train_set), task.data_summary, val_set)
-        fabric.print(describe_run_plan(fabric, args, start, parameters, plan, scheduler, schedule_note, position, data))
+        cluster = run_footprint(fabric, args, start)
+        fabric.print(
+            describe_run_plan(fabric, args, start, parameters, plan, scheduler, schedule_note, position, data, cluster)
+        )
         if fabric.global_rank == 0:
             if stale := remove_stale_staging(args.ckpt_dir):
                 fabric.print(f"removed {len(stale)} partial checkpoint(s) left by an interrupted save")
@@ -324,7 +331,9 @@ def train_on(fabric: Fabric, args: TrainArgs, start: Start, task: TrainTask) -> 
             metric_log.add(
                 "parameters", position.epoch, position.optimizer_step, position.consumed_samples, **parameters.counts()
             )
-        save = make_saver(fabric, model, optimizer, scheduler, start, args, metric_log, task.checkpoint_meta)
+        peak = PeakMemory.start(fabric.device, model)  # each checkpoint records the peak so far, the run's last too
+        memory = functools.partial(peak_figures, fabric, peak, cluster)
+        save = make_saver(fabric, model, optimizer, scheduler, start, args, metric_log, task.checkpoint_meta, memory)
         reporter = Reporter(
             fabric,
             plan,
@@ -361,6 +370,7 @@ def train_on(fabric: Fabric, args: TrainArgs, start: Start, task: TrainTask) -> 
             shut_down_workers(train_loader, val_loader)
             if profiler is not None:
                 profiler.close()  # writes the trace, also when the run ended before the last profiled step
+        fabric.print(describe_peak(peak_figures(fabric, peak, cluster), peak))
         latest = find_latest_checkpoint(args.ckpt_dir)
         skipped = f" ({position.skipped_steps} skipped: non-finite loss)" if position.skipped_steps else ""
         if stop.honoured:
@@ -378,3 +388,24 @@ def train_on(fabric: Fabric, args: TrainArgs, start: Start, task: TrainTask) -> 
             except UserError as err:  # the run is done and saved: a history it cannot plot is only a warning
                 fabric.print(f"warning: no plot ({err})")
     return history
+
+
+def peak_figures(fabric: Fabric, peak: PeakMemory, cluster: ClusterPlan | None) -> dict[str, int]:
+    """metric.jsonl's ``memory`` entry: the fullest rank's measured peak so far (``peak_memory``) and the plan's
+    figure, each absent where unknown. Every rank calls it (the ranks' peaks are gathered)."""
+    measured = peak.measured()
+    unknown = fabric.all_reduce(torch.tensor(float(measured is None), device=fabric.device), reduce_op="max")
+    figures = {}
+    if not unknown:
+        fullest = fabric.all_reduce(torch.tensor(float(measured), device=fabric.device), reduce_op="max")
+        figures["measured_peak_bytes"] = int(fullest)
+    if cluster is not None:
+        figures["planned_peak_bytes"] = cluster.footprint.total
+    return figures
+
+
+def describe_peak(figures: dict[str, int], peak: PeakMemory) -> str:
+    """The run's last memory line, from ``peak_figures``."""
+    measured, planned = figures.get("measured_peak_bytes"), figures.get("planned_peak_bytes")
+    shown = f"{human_bytes(measured)} per rank at its peak, measured ({peak.how})" if measured else "not measured here"
+    return f"memory: {shown}; planned {human_bytes(planned) if planned else 'none (no layout to plan)'}"

@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -92,9 +92,11 @@ def make_saver(
     args: TrainArgs,
     metric_log: MetricLog,
     extra_meta: dict[str, Any] | None = None,
+    memory: Callable[[], dict[str, int]] | None = None,
 ):
     """``save(position)`` writing ``{ckpt_dir}/epoch_{E}_step_{S}`` (all ranks call it; rank 0 writes) and
-    returning its path; each checkpoint also gets the run's metric log so far."""
+    returning its path; each checkpoint also gets the run's metric log so far, with ``memory()``'s figures as a
+    ``memory`` entry (the peak so far; every rank calls it)."""
     config = dataclasses.replace(start.model_config, neftune_alpha=args.neftune_alpha).to_dict()
     meta = {"train_type": args.train_type, **{k: v for k, v in args.to_dict().items() if k != "train_type"}}
     meta.update(extra_meta or {})
@@ -108,6 +110,8 @@ def make_saver(
 
     def save(position: RunPosition) -> Path:
         path = Path(args.ckpt_dir) / f"epoch_{position.last_epoch}_step_{position.optimizer_step}"
+        if memory is not None and (figures := memory()):
+            metric_log.add("memory", position.last_epoch, position.optimizer_step, position.consumed_samples, **figures)
         files[METRIC_FILE] = metric_log.text()
         if spec is not None:  # a pointer to the base weights, relative to this checkpoint, instead of a copy
             meta[LORA_BASE_KEY] = lora_base_entry(start.lora_base, path, start.lora_digests)
