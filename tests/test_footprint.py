@@ -475,3 +475,20 @@ def test_a_window_past_the_models_positions_still_gets_its_memory_planned(tmp_pa
     assert "(the plan above is for --window_size 256, its longest)" in out
     assert "  memory       per rank at its peak" in out and "  comms        FSDP" in out
     assert "1 x 256 positions" in out and not (tmp_path / "out").exists()
+
+
+def test_grpo_plans_each_prompts_group_and_says_what_it_leaves_out(tmp_path, capsys):
+    """A GRPO micro-batch runs ``--group_size`` responses per prompt: groups of 2 and 8 plan 2 and 8 sequences;
+    the frozen reference model is named as not counted (dpo's reference-free losses hold none)."""
+    from astrai_fabric.cli import main
+
+    argv = ["grpo", "--param_path", "bundled:tiny", "--data_root_path", "bundled:data/grpo", "--window_size", "64"]
+    argv += ["--device_type", "cuda", "--device_memory", "h100", "--ckpt_dir", str(tmp_path / "out"), "--dry_run"]
+    for group in (2, 8):
+        assert main([*argv, "--group_size", str(group)]) == 0
+        out = capsys.readouterr().out
+        assert f"({group} x 64 positions, checkpointing off)" in out
+        assert "not counted: the frozen reference model (the weights once more" in out
+    dpo = ["dpo", "--param_path", "bundled:tiny", "--data_root_path", "bundled:data/dpo", "--window_size", "64"]
+    assert main([*dpo, *argv[7:], "--dpo_loss", "simpo"]) == 0
+    assert "not counted" not in capsys.readouterr().out

@@ -14,6 +14,7 @@ from astrai_fabric.config.pipeline import stages_of_rank
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import UserError
 from astrai_fabric.footprint import Adapters, Footprint, Layout, Workload, footprint
+from astrai_fabric.losses import REFERENCE_FREE
 from astrai_fabric.mesh import MeshLayout
 from astrai_fabric.optim.muon_owners import resolve_spread_replicated
 from astrai_fabric.strategy import Topology, planned_accelerator
@@ -39,7 +40,11 @@ class ClusterPlan:
     device_memory: int | None
     """Bytes of each device (``--device_memory``, or the CUDA device's own); None: unknown."""
     sequences_per_sample: int = 1
-    """Sequences in the forward per sample of ``--batch_per_device`` (a preference pair's two)."""
+    """Sequences in the forward per sample of ``--batch_per_device`` (a preference pair's two, a GRPO prompt's
+    ``--group_size`` responses)."""
+    left_out: tuple[str, ...] = ()
+    """What the run holds that the footprint does not count (a frozen reference model, a reward model): said in the
+    plan's memory line."""
 
     @property
     def fits(self) -> bool | None:
@@ -91,7 +96,7 @@ def plan_cluster(
     cpu = planned_accelerator(args.device_type) == "cpu"  # Newton-Schulz in float32 there by default
     param_bytes = 2 if half else 4
     gather_bytes = DTYPE_BYTES[args.fsdp_param_dtype] if args.fsdp_param_dtype else param_bytes
-    per_sample = 2 if args.train_type in PAIRED else 1
+    per_sample = 2 if args.train_type in PAIRED else args.group_size if args.train_type == "grpo" else 1
     workload = Workload(
         sequences_per_micro_batch=args.batch_per_device * per_sample,
         window=window,
@@ -114,7 +119,19 @@ def plan_cluster(
         pp_stages_per_rank=args.num_stages_per_rank,
         carries_positions=args.train_type == "sft",
     )
-    return ClusterPlan(config, layout, workload, footprint(config, layout, workload), device_memory(args), per_sample)
+    plan = footprint(config, layout, workload)
+    return ClusterPlan(config, layout, workload, plan, device_memory(args), per_sample, left_out(args))
+
+
+def left_out(args: TrainArgs) -> tuple[str, ...]:
+    """The models a run holds beside the one it trains, which the footprint does not count."""
+    found = []
+    reference = args.train_type in ("kto", "grpo") or (args.train_type == "dpo" and args.dpo_loss not in REFERENCE_FREE)
+    if reference and not args.lora_r:  # LoRA's reference is its own base, adapters off: nothing more held
+        found.append("the frozen reference model (the weights once more, without gradients or optimizer state)")
+    if args.reward_model is not None:
+        found.append(f"the reward model ({args.reward_model}: its weights, whole on each rank)")
+    return tuple(found)
 
 
 def adapters_of(args: TrainArgs) -> Adapters | None:
@@ -181,6 +198,8 @@ def describe_memory(plan: ClusterPlan) -> str:
         )
         if not plan.fits:
             lines.append("to fit, try: " + "; ".join(remedies(plan)))
+    if plan.left_out:
+        lines.append("not counted: " + "; ".join(plan.left_out))
     return "\n".join(lines)
 
 
