@@ -95,7 +95,7 @@ def clip_one_step(root: Path, mode: str) -> None:
     unclipped = {n: whole(p.grad) for n, p in model.named_parameters() if p.grad is not None}
     optimizer.zero_grad(set_to_none=True)
 
-    loop_args = loop_args_of(args, dp_rank=dp.dp_rank, fsdp=is_fsdp(fabric))
+    loop_args = loop_args_of(args, num_epochs=args.n_epoch, dp_rank=dp.dp_rank, fsdp=is_fsdp(fabric))
     state = TrainState(model, optimizer, scheduler, RunPosition(world_size=dp.num_dp_ranks))
     tools = StepTools.for_run(fabric, model, loop_args, dp.num_dp_ranks)
     result = train_step(

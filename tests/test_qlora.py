@@ -228,7 +228,9 @@ def step_dir(run_dir: Path, step: int) -> Path:
 
 
 def last_metrics(run_dir: Path) -> dict:
-    return json.loads((step_dir(run_dir, 3) / "metric.jsonl").read_text().splitlines()[-1])
+    """Step 3's entry (the memory entry its checkpoint adds comes after it)."""
+    entries = [json.loads(line) for line in (step_dir(run_dir, 3) / "metric.jsonl").read_text().splitlines()]
+    return [entry for entry in entries if entry["type"] == "step"][-1]
 
 
 def expected_model_state(base: Path, checkpoint: Path) -> dict[str, torch.Tensor]:

@@ -31,6 +31,7 @@ PLAIN_LINE = re.compile(
     r"|^step \d+/\d+ \| epoch \d+ \| loss [\d.]+ \| lr \S+ \| grad_norm [\d.]+ \| [\d,]+ tokens/s"
     r"( \| \w+ [-\d.]+)* \| eta \S+$"
     r"|^checkpoint: .+|^done after step \d+; latest checkpoint: .+|^plot: .+\.png$"
+    r"|^memory: [\d.]+ \w+ per rank at its peak, measured \(.+\); planned [\d.]+ \w+$"
 )
 
 
@@ -121,7 +122,7 @@ def test_metric_jsonl_has_astrai_entry_shapes(short_run):
     for entry in entries:
         # AstrAI's schema (``astrai/trainer/train_callback.py``): these keys first, in this order, then the metrics.
         assert list(entry)[:5] == ["type", "timestamp", "epoch", "step", "consumed_samples"]
-        assert entry["type"] in ("step", "validation", "epoch", "parameters")
+        assert entry["type"] in ("step", "validation", "epoch", "parameters", "memory")
         assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d", entry["timestamp"])
         assert all(isinstance(v, int | float) for k, v in entry.items() if k not in ("type", "timestamp"))
     (counts,) = [e for e in entries if e["type"] == "parameters"]  # recorded once, at the start

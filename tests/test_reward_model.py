@@ -217,7 +217,8 @@ def test_recipe_starts_at_log_2_resumes_exactly_and_scores_online_rollouts(model
         "[]",
     ]
     assert main(fresh) == 0  # the recipe as written: the bundled model has no weights, AstrAI's init, a zero head
-    first = json.loads((tmp_path / "fresh" / "epoch_0_step_1" / "metric.jsonl").read_text().splitlines()[-1])
+    lines = (tmp_path / "fresh" / "epoch_0_step_1" / "metric.jsonl").read_text().splitlines()
+    (first,) = [entry for entry in map(json.loads, lines) if entry["type"] == "step"]
     assert first["loss"] == pytest.approx(math.log(2), abs=1e-7) and first["reward_margin"] == 0
     capsys.readouterr()
     # Online grpo scored by the reward model just trained; online dpo ranked by a transformers export of one.
