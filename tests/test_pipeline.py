@@ -20,7 +20,7 @@ from equality import assert_bit_equal, assert_same_training, initial_weights
 from safetensors.torch import load_file
 from spawn import run_ranks
 from test_lora import make_base
-from test_training_distributed import base_args
+from test_training_distributed import base_args, stored_state_bytes
 
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import ConfigError
@@ -292,6 +292,19 @@ def _history(ckpt_dir) -> list[dict]:
 
 def _weights(ckpt_dir, step: int) -> dict[str, torch.Tensor]:
     return load_file(ckpt_dir / f"epoch_0_step_{step}" / "model.safetensors")
+
+
+@pytest.mark.parametrize("name", ["pp2_sft", "pp2_fsdp2_sft"])
+def test_a_pipeline_records_the_whole_models_counts(pipeline_runs, name):
+    """Each rank holds a stage's blocks: the parameters and optimizer state the run records (metric.jsonl) are still
+    the whole model's, as its checkpoint's weights and optimizer.pt hold them (test_training_distributed's, for the
+    other layouts)."""
+    last = pipeline_runs / name / "epoch_0_step_3"
+    entries = [json.loads(line) for line in (last / "metric.jsonl").read_text().splitlines()]
+    (counts,) = [e for e in entries if e["type"] == "parameters"]
+    stored = sum(t.numel() for t in load_file(last / "model.safetensors").values())
+    assert counts["total_parameters"] == counts["trainable_parameters"] == stored
+    assert counts["optimizer_state_bytes"] == stored_state_bytes(last / "optimizer.pt")
 
 
 @pytest.mark.slow
