@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 STATUS = Path("/proc/self/status")
 CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -36,7 +37,9 @@ class PeakMemory:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
             return cls(device, 0, 0)
-        held = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()) if not t.is_meta)
+        # This rank's own bytes: a sharded parameter (a DTensor: FSDP, tensor parallelism) counts its local part.
+        local = (t.to_local() if isinstance(t, DTensor) else t for t in (*model.parameters(), *model.buffers()))
+        held = sum(t.numel() * t.element_size() for t in local if not t.is_meta)
         base = _status_bytes("VmRSS") if _reset_peak() else None
         return cls(device, held, base)
 
@@ -44,9 +47,7 @@ class PeakMemory:
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device)
         peak = _status_bytes("VmHWM") if self.base_bytes is not None else None
-        if peak is None or self.base_bytes is None:
-            return None
-        return self.held_bytes + max(0, peak - self.base_bytes)
+        return None if peak is None else self.held_bytes + max(0, peak - self.base_bytes)
 
     @property
     def how(self) -> str:
