@@ -364,7 +364,10 @@ def test_prepare_writes_for_each_sft_shape_the_bytes_of_its_messages_records(tmp
     assert "records read as alpaca shape (15 records in 1 source(s)), prompt_completion shape (10 records in 1 " in (
         summary
     )
-    monkeypatch.setenv("ASTRAI_FABRIC_CRASH_AT", "prepare-worker@3")  # each worker SIGKILLs itself at its third chunk
+    # Each worker SIGKILLs itself at its 7th chunk: that is the run's 7th chunk or later, submitted only once the
+    # first 3 were written (at most 4 in flight), and the first shard closes after the 3rd (an earlier crash could
+    # take the pool down before any result came back, and leave nothing to resume).
+    monkeypatch.setenv("ASTRAI_FABRIC_CRASH_AT", "prepare-worker@7")
     with pytest.raises(TrainingError, match="a tokenising worker died"):
         prepare([shaped], tmp_path / "resumed", config, TINY, num_proc=2)
     monkeypatch.delenv("ASTRAI_FABRIC_CRASH_AT")
