@@ -666,22 +666,33 @@ def test_tasks_without_the_eval_extra_name_it(work, tmp_path):
 
 def test_the_documented_local_task_runs_as_evaluation_md_shows(work, tmp_path, capsys, monkeypatch):
     """docs/examples/lm-eval-task: the task YAML and data evaluation.md walks through, run by its own command line
-    from the repository root (its data path is relative to it), offline; every record scored."""
+    from the repository root and from elsewhere (its data path is relative to the YAML), offline; every record
+    scored, the same scores."""
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.chdir(Path(__file__).parents[1])
     records = Path("docs/examples/lm-eval-task/capitals.jsonl").read_text().splitlines()
     model = tmp_path / "model"
     shutil.copytree(work / "model", model)
-    argv = ["evaluate", str(model), "--tasks", "capitals", "--include_path", "docs/examples/lm-eval-task"]
-    assert main([*argv, "--trust_code", "--log_samples", "--output", str(tmp_path / "r.json")]) == 0
+    argv = ["evaluate", str(model), "--tasks", "capitals", "--trust_code", "--log_samples"]
+    assert main([*argv, "--include_path", "docs/examples/lm-eval-task", "--output", str(tmp_path / "r.json")]) == 0
     assert re.search(r"capitals +acc +[01]\.\d+", capsys.readouterr().out)
     (result,) = json.loads((tmp_path / "r.json").read_text())["results"]
     assert len(result["lm_eval"]["samples"]["capitals"]) == len(records) == 6
-    # From elsewhere the data path leads nowhere: one line naming the file (it was a bug's traceback), nothing kept.
     monkeypatch.chdir(tmp_path)
+    task_dir = tmp_path / "tasks"
+    shutil.copytree(Path(__file__).parents[1] / "docs" / "examples" / "lm-eval-task", task_dir)
+    (task_dir / "capitals.yaml").write_text(
+        (task_dir / "capitals.yaml").read_text().replace("task: capitals", "task: capitals_copy")
+    )
+    assert main(["evaluate", str(model), "--tasks", "capitals_copy", "--trust_code", "--include_path", "tasks"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"capitals_copy +acc +[01]\.\d+", out), out
+    # A data file found neither beside the YAML nor from here: one line naming it (it was a bug's traceback), nothing
+    # kept.
+    (task_dir / "capitals.jsonl").unlink()
     stored = sorted((model / "eval").iterdir())
-    task_dir = str(Path(__file__).parents[1] / "docs" / "examples" / "lm-eval-task")
-    assert main(["evaluate", str(model), "--tasks", "capitals", "--include_path", task_dir, "--trust_code"]) == 2
+    assert main(["evaluate", str(model), "--tasks", "capitals_copy", "--include_path", "tasks", "--trust_code"]) == 2
     err = capsys.readouterr().err
-    assert f"tasks capitals: Unable to find '{tmp_path}/docs/examples/lm-eval-task/capitals.jsonl'" in err, err
+    assert f"tasks capitals_copy: Unable to find '{tmp_path}/capitals.jsonl'" in err, err
+    assert "its YAML file's directory, else from the current directory" in err
     assert "Traceback" not in err and sorted((model / "eval").iterdir()) == stored

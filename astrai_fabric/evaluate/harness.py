@@ -18,6 +18,7 @@ at the stop strings and EOS. Batching differs (ours is by length only); results 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -330,6 +331,46 @@ def tasks_index(tasks: list[str], include_path: str | None) -> Any:
     return manager
 
 
+def _built_in_its_directory(task: str, manager: Any) -> str | Any:
+    """``task`` as lm-eval is handed it: by name, or, for a task of a YAML file whose relative ``dataset_path`` or
+    ``data_files`` are found beside that file, built there (a ``Task`` loads its data as it is made), so that the
+    task runs from any directory. lm-eval hands both paths to ``datasets``, which reads a relative path from the
+    current directory, while it reads a task's ``include:`` and ``!function`` files from the YAML's directory: we read
+    the data from there too (a task whose paths are found only from the current directory is read from there, as
+    before). A group's member tasks keep lm-eval's reading."""
+    entry = manager.task_index.get(task)
+    if entry is None or entry.yaml_path is None or not isinstance(entry.cfg, dict) or "task" not in entry.cfg:
+        return task
+    directory = Path(entry.yaml_path).parent
+    paths = [entry.cfg.get("dataset_path")]
+    kwargs = entry.cfg.get("dataset_kwargs")
+    if isinstance(kwargs, dict):
+        paths += _flat_paths(kwargs.get("data_files"))
+    if not any(isinstance(path, str) and _beside(path, directory) for path in paths):
+        return task
+    with contextlib.chdir(directory):
+        return manager.load([task])["tasks"][task]
+
+
+def _flat_paths(files: Any) -> list[Any]:
+    """``datasets``' ``data_files`` (a path, a list of them, or a split's name to either) as a list of paths."""
+    if isinstance(files, list):
+        return [path for item in files for path in _flat_paths(item)]
+    if isinstance(files, dict):
+        return [path for item in files.values() for path in _flat_paths(item)]
+    return [files]
+
+
+def _beside(path: str, directory: Path) -> bool:
+    """Whether ``path``, relative, names a file, folder or glob match in ``directory``."""
+    if "://" in path or Path(path).is_absolute():
+        return False
+    try:
+        return (directory / path).exists() or any(directory.glob(path))
+    except (OSError, ValueError, NotImplementedError):  # a pattern glob refuses (".." and the like)
+        return False
+
+
 def run_tasks(lm: AstraiFabricLM, tasks: list[str], options: dict[str, Any]) -> dict[str, Any]:
     """lm-eval's ``simple_evaluate`` of ``lm`` on ``tasks``: ``{"results": {task: {metric: value}}, "samples": ...,
     "versions": ..., "n-shot": ...}`` as lm-eval returns it, the non-JSON parts left out. ``options``: num_fewshot,
@@ -337,12 +378,13 @@ def run_tasks(lm: AstraiFabricLM, tasks: list[str], options: dict[str, Any]) -> 
     include_path = options.get("include_path")
     if include_path is not None and not Path(include_path).is_dir():
         raise UserError(f"include_path {include_path}: not a directory of task YAML files")
-    manager = tasks_index(tasks, include_path)
+    # In full: a task's YAML path is then its directory's whatever the current one (_built_in_its_directory).
+    manager = tasks_index(tasks, None if include_path is None else str(Path(include_path).resolve()))
     seed = options["seed"]
     try:
         output = lm_eval.simple_evaluate(
             model=lm,
-            tasks=tasks,
+            tasks=[_built_in_its_directory(task, manager) for task in tasks],
             num_fewshot=options.get("num_fewshot"),
             limit=options.get("limit"),
             apply_chat_template=options.get("apply_chat_template", False),
@@ -355,8 +397,8 @@ def run_tasks(lm: AstraiFabricLM, tasks: list[str], options: dict[str, Any]) -> 
         )
     except FileNotFoundError as err:  # a local task's data file (datasets' words name it)
         raise UserError(
-            f"tasks {','.join(tasks)}: {err} (a task's relative data_files are read from the current directory, as "
-            "datasets reads them)"
+            f"tasks {','.join(tasks)}: {err} (a task's relative data_files are read from its YAML file's directory, "
+            "else from the current directory)"
         ) from None
     if output is None:  # lm-eval returns None on ranks other than 0
         return {}
