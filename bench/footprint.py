@@ -22,6 +22,7 @@ the rank the plan describes (a pipeline's fullest stage):
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import tempfile
@@ -40,6 +41,9 @@ LAYOUTS = {
     "cp2": dict(ranks=2, mode="fsdp", cp=2),
     "ep2_moe": dict(ranks=2, mode="fsdp", ep=2, moe=True),
     "ep2_moe_ckpt": dict(ranks=2, mode="fsdp", ep=2, moe=True, checkpointing=True),  # each block recomputed
+    # grpo's step: one prompt's 4 responses (--group_size 4), the frozen reference's no-grad pass, then the policy's
+    # forward and the clipped objective.
+    "fsdp2_grpo": dict(ranks=2, mode="fsdp", group_size=4),
     "hsdp2x2": dict(ranks=4, mode="fsdp", shard=2),
     "hsdp2x1": dict(ranks=2, mode="fsdp", shard=1),
     "fsdp2_tp2": dict(ranks=4, mode="fsdp", tp=2),
@@ -120,12 +124,14 @@ class Collectives(TorchDispatchMode):
 def worker(name: str, window: int, out: str) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
+    from torch import nn
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.device_mesh import init_device_mesh
 
     from astrai_fabric.model import AutoRegressiveLM
     from astrai_fabric.optim import OptimArgs, build_optimizer
     from astrai_fabric.parallelize import parallelize
+    from astrai_fabric.train.grpo import grpo_batch_loss
 
     layout = LAYOUTS[name]
     if not dist.is_initialized():
@@ -134,6 +140,15 @@ def worker(name: str, window: int, out: str) -> None:
     model = AutoRegressiveLM(config(layout.get("moe", False), layout.get("layers", 2))).train()
     model.gradient_checkpointing = layout.get("checkpointing", False)
     ranks = dist.get_world_size()
+    # grpo's frozen reference, a whole copy on each rank, run under no_grad (its parameters keep requires_grad: the
+    # tracker hooks every parameter it meets). Its weights are taken out of the measured parameters, as the plan
+    # leaves them out; its pass's activations stay in (freed before the policy's forward).
+    reference = copy.deepcopy(model) if layout.get("group_size") else None
+    held = [*reference.parameters(), *reference.buffers()] if reference else []
+    reference_bytes = {
+        kind: sum(t.numel() * t.element_size() for t in held if isinstance(t, nn.Parameter) == (kind == "PARAM"))
+        for kind in ("PARAM", "BUFFER")
+    }
     if layout["mode"] == "fsdp":
         tp = layout.get("tp", 1)
         mesh = init_device_mesh("cpu", (ranks // tp, tp), mesh_dim_names=("data_parallel", "tensor_parallel"))
@@ -151,6 +166,12 @@ def worker(name: str, window: int, out: str) -> None:
     name_and_spread = dict(name=layout.get("optimizer", "adamw"), muon_spread_replicated=True)  # CPU's default
     optimizer = build_optimizer(model, OptimArgs(**name_and_spread, ns_dtype=torch.float32))
     ids = torch.randint(0, 4096, (2, window + 1), generator=torch.Generator().manual_seed(dist.get_rank()))
+    group_size = layout.get("group_size")
+    if group_size:  # one prompt (the first half of the window) and its responses, window positions each
+        sampled = torch.randint(0, 4096, (1, group_size, window), generator=torch.Generator().manual_seed(0))
+        response = torch.zeros_like(sampled, dtype=torch.bool)
+        response[..., window // 2 :] = True
+        rollout = dict(input_ids=sampled, loss_mask=response, rewards=torch.arange(group_size)[None].float())
     pipeline = None
     if layout.get("pp"):  # one micro-batch through the stages (the run's path: loop.pipeline), GPipe by default
         from lightning.fabric import Fabric
@@ -165,6 +186,8 @@ def worker(name: str, window: int, out: str) -> None:
     def step() -> None:
         if pipeline is not None:
             pipeline.train_window([{"input_ids": ids[:, :-1], "target_ids": ids[:, 1:]}])
+        elif group_size:
+            grpo_batch_loss(model, rollout, reference, 0.2, 0.04, 0.01)[0].backward()
         else:
             out = model(ids[:, :-1])
             loss = F.cross_entropy(out.logits.flatten(0, 1).float(), ids[:, 1:].flatten())
@@ -183,6 +206,8 @@ def worker(name: str, window: int, out: str) -> None:
     # The optimizer step alone (after a forward and backward outside the tracker): its own peak.
     if pipeline is not None:
         pipeline.train_window([{"input_ids": ids[:, :-1], "target_ids": ids[:, 1:]}])
+    elif group_size:
+        grpo_batch_loss(model, rollout, reference, 0.2, 0.04, 0.01)[0].backward()
     else:
         output = model(ids[:, :-1])
         F.cross_entropy(output.logits.flatten(0, 1).float(), ids[:, 1:].flatten()).backward()
@@ -197,6 +222,9 @@ def worker(name: str, window: int, out: str) -> None:
     }
     step_total = next(value for kind, value in step_peak.items() if str(kind) == "Total")
     every_rank = [None] * ranks  # a pipeline's stages differ: the plan names the fullest
+    for kind, held_bytes in reference_bytes.items():
+        peak[kind] -= held_bytes
+        peak["Total"] -= held_bytes
     dist.all_gather_object(every_rank, dict(peak=peak, step_peak=step_total, collectives=collectives.bytes))
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(every_rank))
@@ -245,7 +273,7 @@ def compare(name: str, window: int, measured: dict) -> list[tuple[str, int, int]
         config(layout.get("moe", False), layout.get("layers", 2)),
         Layout(layout["mode"], mesh, ranks_per_node=ranks),
         Workload(
-            2,
+            layout.get("group_size", 2),  # grpo: one prompt's responses; else 2 sequences
             window,
             1,
             param_bytes=4,
