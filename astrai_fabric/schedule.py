@@ -54,6 +54,9 @@ class StepPlan:
     """Times each micro-batch is trained (online grpo's ``--grpo_num_iterations``; its repeats consume no samples)."""
     fixed_warmup_steps: int | None = None
     """``--warmup_steps``: the warmup's length in optimizer steps, instead of ``warmup_ratio``'s share."""
+    rollout_micro_batches: int | None = None
+    """Online grpo and dpo: micro-batches of prompts sampled at once (``rollout_interval x grad_accum_steps``);
+    None: the data holds what is trained."""
 
     @property
     def samples_per_rank(self) -> int:
@@ -133,6 +136,26 @@ class StepPlan:
                 f"than grad_accum_steps={self.grad_accum_steps}; lower batch_per_device or grad_accum_steps"
             )
 
+    def rollouts(self, start: RunPosition | None = None) -> tuple[int, int]:
+        """Online runs: ``(rollouts, micro-batches of prompts sampled)`` from ``start`` to ``last_step``, as
+        ``train.grpo.Rollouts`` cuts them: ``rollout_micro_batches`` at a time from each epoch's start (or the
+        resumed position), fewer at an epoch's end, and the last cut to the micro-batches the run still trains."""
+        assert self.rollout_micro_batches is not None
+        sample_index, step = (start.sample_index, start.optimizer_step) if start else (0, 0)
+        left = (self.last_step(start) - step) * self.grad_accum_steps  # trained, repeats included
+        in_epoch = self.micro_batches_per_rank - math.ceil(sample_index / self.batch_per_device)
+        size, passes = self.rollout_micro_batches, self.num_iterations
+        num_rollouts = sampled = 0
+        while left > 0 and in_epoch > 0:
+            whole = min(in_epoch // size, left // (size * passes))  # whole rollouts, all of them trained
+            chunk = size if whole else min(size, in_epoch, left)
+            count = max(whole, 1)
+            num_rollouts, sampled = num_rollouts + count, sampled + count * chunk
+            left, in_epoch = left - count * chunk * passes, in_epoch - count * chunk
+            if in_epoch == 0:
+                in_epoch = self.micro_batches_per_rank
+        return num_rollouts, sampled
+
     def describe(self, start: RunPosition | None = None, max_tokens: int | None = None) -> list[tuple[str, str]]:
         """The plan's ``batch``, ``steps`` and ``this run`` lines, labelled (``train.plan.describe_plan``), for a run
         starting at ``start`` (default: the beginning) that may also stop at ``max_tokens``."""
@@ -160,7 +183,7 @@ class StepPlan:
             )
         if max_tokens is not None:
             run += f", or fewer: the run stops at max_tokens {max_tokens:,}"
-        return [
+        rows = [
             (
                 "batch",
                 f"{self.num_dp_ranks} rank(s) x {self.batch_per_device} per device x {self.grad_accum_steps} "
@@ -169,6 +192,16 @@ class StepPlan:
             ("steps", steps),
             ("this run", run),
         ]
+        if self.rollout_micro_batches is not None:
+            num_rollouts, sampled = self.rollouts(start)
+            rows.append(
+                (
+                    "rollouts",
+                    f"{num_rollouts} per rank, {sampled} micro-batches of prompts sampled (up to "
+                    f"{self.rollout_micro_batches} at a time; none past the run's last step)",
+                )
+            )
+        return rows
 
 
 @dataclass(frozen=True)

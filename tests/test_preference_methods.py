@@ -16,6 +16,7 @@ import math
 import re
 import sys
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -40,7 +41,7 @@ from astrai_fabric.data.records import (
     pack,
 )
 from astrai_fabric.data.storage import read_records
-from astrai_fabric.losses import PREFERENCE_LOSSES, REFERENCE_FREE, grpo_advantages
+from astrai_fabric.losses import PREFERENCE_LOSSES, REFERENCE_FREE, RatioShape, grpo_advantages, rloo_advantages
 from astrai_fabric.model import AutoRegressiveLM, next_token_logprobs
 from astrai_fabric.schedule import StepPlan
 from astrai_fabric.tokenizer import Tokenizer
@@ -548,17 +549,50 @@ DAPO_ACCUM, DAPO_STEPS_PER_GENERATION = 2, 4
 """dapo's check: 2 micro-batches per optimizer step, a rollout of 2 steps (our ``rollout_interval`` 2)."""
 
 
-@pytest.mark.parametrize("kind", ["grpo", "bnpo", "dr_grpo", "dapo"])
-def test_grpo_losses_match_trl(models, kind):
+def online_trainer(trainer_class, policy, config, models: Path):  # noqa: ANN001, ANN201 - TRL's classes
+    """TRL's online trainer (GRPOTrainer, RLOOTrainer) over ``policy``, its reward and prompts unused: the tests call
+    its ``_compute_loss`` on completions of their own."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(models / "policy_hf")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return trainer_class(
+            model=policy,
+            reward_funcs=[lambda completions, **_: [0.0] * len(completions)],
+            args=config,
+            train_dataset=datasets.Dataset.from_list([{"prompt": "a"}] * 4),
+            processing_class=tokenizer,
+        )
+
+
+GRPO_METHODS = {  # id: (--grpo_loss, TRL's GRPOConfig settings beyond loss_type, our GRPOLossArgs beyond kind)
+    "grpo": ("grpo", {}, {}),
+    "bnpo": ("bnpo", {}, {}),
+    "dr_grpo": ("dr_grpo", {}, {}),
+    "dapo": ("dapo", {}, {}),
+    "gspo": ("grpo", {"importance_sampling_level": "sequence"}, {"shape": RatioShape(sequence_level=True)}),
+    "gspo_bnpo": ("bnpo", {"importance_sampling_level": "sequence"}, {"shape": RatioShape(sequence_level=True)}),
+    "sapo": ("sapo", {"sapo_temperature_pos": 1.3, "sapo_temperature_neg": 0.9},
+             {"shape": RatioShape(sapo_temperature_pos=1.3, sapo_temperature_neg=0.9)}),
+    "delta": ("bnpo", {"delta": 1.1}, {"shape": RatioShape(delta=1.1)}),
+    "top_entropy": ("grpo", {"top_entropy_quantile": 0.3}, {"top_entropy_quantile": 0.3}),
+}  # fmt: skip
+"""Each loss, and each method of issue 61 (GSPO, SAPO, two-sided clipping, top-entropy tokens), with its knobs off
+their defaults."""
+
+
+@pytest.mark.parametrize("method", GRPO_METHODS)
+def test_grpo_losses_match_trl(models, method):
     """TRL's ``GRPOTrainer._compute_loss`` on the same completions, advantages and old/reference log-probabilities,
     with DAPO's asymmetric clip bound and a KL weight: loss within 1e-5, an MLP weight's gradient within 1e-5 of its
-    largest entry.
+    largest entry. GSPO (sequence-level ratios), SAPO (its two temperatures) and two-sided clipping (``delta``) too,
+    each checked to change the loss from the plain one (a setting dropped on either side shows).
 
     dapo: this micro-batch is one of a rollout of 4 (2 steps of 2 micro-batches) holding ``num_items`` response
     tokens; TRL divides its token sum by ``num_items / processes x accumulation / steps_per_generation`` and ours by
     the rollout's tokens per micro-batch, then the loop by ``grad_accum_steps``: the same loss and gradient."""
+    kind, settings, ours_only = GRPO_METHODS[method]
     batch, prompt_length = groups_batch(models)
-    args = GRPOLossArgs(kind=kind, clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.05, max_response_tokens=40)
+    args = GRPOLossArgs(kind=kind, clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.05, max_response_tokens=40, **ours_only)
     reference = load_model(models / "reference_hf")
     ours = load_model(models / "policy_hf")
     accum, extra = (DAPO_ACCUM, {"steps_per_generation": DAPO_STEPS_PER_GENERATION}) if kind == "dapo" else (1, {})
@@ -568,7 +602,18 @@ def test_grpo_losses_match_trl(models, kind):
     loss, metrics = grpo_batch_loss(ours, batch, reference, 0.2, 0.05, 0.0, loss=args)
     loss = loss / accum  # the loop's division (loop/step.py)
     loss.backward()
-    assert metrics["clip_fraction"] > 0.1  # the old policy differs: the bounds act
+    if ours_only:
+        plain_args = replace(args, shape=RatioShape(), top_entropy_quantile=1.0)
+        with torch.no_grad():
+            plain = grpo_batch_loss(ours, batch, reference, 0.2, 0.05, 0.0, loss=plain_args)[0]
+        assert abs(plain.item() / accum - loss.item()) > 1e-4, method  # the setting bites here
+    if args.top_entropy_quantile < 1:  # the fused head's entropies (chunk by chunk, no whole logits) select alike
+        with torch.no_grad():
+            fused = grpo_batch_loss(ours, batch, reference, 0.2, 0.05, 0.0, loss_chunk_size=7, loss=args)
+        assert fused[0].item() == pytest.approx(loss.item(), abs=1e-6)
+        assert fused[1]["policy_token_fraction"] == metrics["policy_token_fraction"] < 0.5
+    if kind != "sapo" and not args.shape.sequence_level:  # (a response's mean log-ratio stays nearer 0)
+        assert metrics["clip_fraction"] > 0.1  # the old policy differs: the bounds act
     policy = transformers.AutoModelForCausalLM.from_pretrained(models / "policy_hf", dtype=torch.float32)
     config = trl.GRPOConfig(
         output_dir=str(models / "trl"),
@@ -576,6 +621,7 @@ def test_grpo_losses_match_trl(models, kind):
         use_cpu=True,
         bf16=False,
         loss_type=kind,
+        **settings,
         beta=0.05,
         epsilon=0.2,
         epsilon_high=0.28,
@@ -586,16 +632,7 @@ def test_grpo_losses_match_trl(models, kind):
         gradient_accumulation_steps=accum,
         **extra,
     )
-    tokenizer = transformers.AutoTokenizer.from_pretrained(models / "policy_hf")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer = trl.GRPOTrainer(
-            model=policy,
-            reward_funcs=[lambda completions, **_: [0.0] * len(completions)],
-            args=config,
-            train_dataset=datasets.Dataset.from_list([{"prompt": "a"}] * 4),
-            processing_class=tokenizer,
-        )
+    trainer = online_trainer(trl.GRPOTrainer, policy, config, models)
     ids, attention = batch["input_ids"].flatten(0, 1), batch["attention_mask"].flatten(0, 1).long()
     completions = batch["loss_mask"].flatten(0, 1)[:, prompt_length:].long()
     with torch.no_grad():
@@ -620,10 +657,70 @@ def test_grpo_losses_match_trl(models, kind):
     their_grad = policy.model.layers[0].mlp.down_proj.weight.grad
     grad_diff = (ours.layers[0].mlp.down.weight.grad - their_grad).abs().max().item()
     print(
-        f"grpo {kind}: ours {loss.item():.6f}, TRL {theirs.item():.6f}, |diff| {abs(loss.item() - theirs.item()):.1e}"
+        f"grpo {method}: ours {loss.item():.6f}, TRL {theirs.item():.6f}, |diff| {abs(loss.item() - theirs.item()):.1e}"
         f", gradient |diff| {grad_diff:.1e}",
         file=sys.stderr,
     )
+    assert_same_gradient(ours.layers[0].mlp.down.weight.grad, their_grad)
+
+
+def test_rloo_matches_trls_rloo_trainer(models):
+    """``--grpo_advantage rloo`` against TRL 1.16's RLOOTrainer on the same completions and old/reference
+    log-probabilities, with its KL weight, a reward clip range that bites and normalised advantages: the advantages
+    as its ``_generate_and_score_completions`` forms them (clipped rewards less beta x the summed ``logp_old -
+    logp_ref``, the leave-one-out baseline, then ``(a - mean) / (nanstd + 1e-4)`` over the batch), its
+    ``_compute_loss`` fed them: the loss within 1e-5, an MLP weight's gradient within 1e-5 of its largest entry."""
+    from trl.trainer.utils import nanstd
+
+    batch, prompt_length = groups_batch(models)
+    reference, ours = load_model(models / "reference_hf"), load_model(models / "policy_hf")
+    with torch.no_grad():  # "old" near the policy: a response's summed log-ratio in the bounds for some, not all
+        now = next_token_logprobs(ours, batch["input_ids"].flatten(0, 1))[0].unflatten(0, (2, -1))
+    batch["old_logprobs"] = now + 0.1 * (batch["old_logprobs"] - now)
+    clip_range = (0.0, 0.6)
+    args = GRPOLossArgs(
+        clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.05, advantage="rloo", rloo_normalize_advantages=True,
+        reward_clip_range=clip_range,
+    )  # fmt: skip
+    assert batch["rewards"].max() > clip_range[1]  # the clip acts
+    loss, metrics = grpo_batch_loss(ours, batch, reference, 0.2, 0.05, 0.0, loss=args)
+    loss.backward()
+    ids, attention = batch["input_ids"].flatten(0, 1), batch["attention_mask"].flatten(0, 1).long()
+    completions = batch["loss_mask"].flatten(0, 1)[:, prompt_length:].long()
+    start = prompt_length - 1  # the first completion token's prediction
+    old = batch["old_logprobs"].flatten(0, 1)[:, start:]
+    with torch.no_grad():
+        ref = next_token_logprobs(reference, ids)[0][:, start:]
+    # TRL's advantages, its steps written out (RLOOTrainer._generate_and_score_completions, TRL 1.16)
+    rewards = batch["rewards"].flatten().clamp(*clip_range) - 0.05 * ((old - ref) * completions).sum(-1)
+    grouped = rewards.view(-1, 4)
+    baselines = ((grouped.sum(dim=1, keepdim=True) - grouped) / 3).view(-1)
+    advantages = rewards - baselines
+    advantages = (advantages - advantages.mean()) / (nanstd(advantages) + 1e-4)
+    penalised = rewards.view_as(batch["rewards"])
+    torch.testing.assert_close(rloo_advantages(penalised, normalize=True).flatten(), advantages, atol=1e-6, rtol=0)
+    policy = transformers.AutoModelForCausalLM.from_pretrained(models / "policy_hf", dtype=torch.float32)
+    config = trl.RLOOConfig(
+        output_dir=str(models / "trl-rloo"), report_to=[], use_cpu=True, bf16=False, beta=0.05, epsilon=0.2,
+        epsilon_high=0.28, num_generations=4, per_device_train_batch_size=4, normalize_advantages=True,
+        reward_clip_range=clip_range, max_completion_length=40,
+    )  # fmt: skip
+    trainer = online_trainer(trl.RLOOTrainer, policy, config, models)
+    inputs = {
+        "prompt_ids": ids[:, :prompt_length],
+        "prompt_mask": attention[:, :prompt_length],
+        "completion_ids": ids[:, prompt_length:],
+        "completion_mask": completions,
+        "old_logps": (old * completions).sum(1),
+        "advantages": advantages,
+    }
+    trainer.model.train()
+    theirs = trainer._compute_loss(trainer.model, inputs)
+    assert loss.item() == pytest.approx(theirs.item(), abs=1e-5)
+    assert 0 < metrics["clip_fraction"] < 1  # some responses' summed log-ratios leave the bounds
+    theirs.backward()
+    their_grad = policy.model.layers[0].mlp.down_proj.weight.grad
+    print(f"rloo: ours {loss.item():.6f}, TRL {theirs.item():.6f}", file=sys.stderr)
     assert_same_gradient(ours.layers[0].mlp.down.weight.grad, their_grad)
 
 
@@ -718,6 +815,34 @@ def test_dapo_recipe_reuses_each_rollout_and_resumes_at_a_rollout_boundary_bit_e
     assert all(torch.equal(full[k], resumed[k]) for k in full)
 
 
+@pytest.mark.parametrize("recipe", ["tiny-grpo-gspo.yaml", "tiny-grpo-rloo.yaml"])
+def test_gspo_and_rloo_recipes_train_and_sample_only_what_they_train(recipe, tmp_path, capsys, monkeypatch):
+    """Each recipe trains 2 steps (its loss finite, its settings in meta.json), with rollouts of 4 steps' prompts
+    (8 micro-batches) asked for: the run samples only the 4 micro-batches its 2 steps train (it sampled all 8
+    before; GSPO's second pass over them would come after the run's end), counted where every rollout passes
+    (``Rollouts.rollout``), as many as the plan says."""
+    from astrai_fabric.train.grpo import Rollouts
+
+    sampled = []
+    rollout = Rollouts.rollout
+    monkeypatch.setattr(Rollouts, "rollout", lambda self, *a: sampled.append(1) or rollout(self, *a))
+    argv = ["grpo", "--config", str(ROOT / "recipes" / recipe), "--ckpt_dir", str(tmp_path / "run")]
+    argv += ["--max_steps", "2", "--rollout_interval", "4", "--batch_per_device", "2", "--group_size", "4"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "rollouts     1 per rank, 4 micro-batches of prompts sampled (up to 8 at a time" in out, out
+    assert len(sampled) == 4
+    (checkpoint,) = (tmp_path / "run").glob("epoch_*_step_2")
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    steps = [json.loads(line) for line in (checkpoint / "metric.jsonl").read_text().splitlines()]
+    losses = [entry["loss"] for entry in steps if "loss" in entry]
+    assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
+    if recipe == "tiny-grpo-rloo.yaml":
+        assert meta["grpo_advantage"] == "rloo" and "kl" in steps[-2]
+    else:
+        assert meta["grpo_importance_sampling_level"] == "sequence"
+
+
 def test_grpo_recipe_with_a_trl_loss_runs(tmp_path):
     argv = [
         "grpo",
@@ -760,6 +885,29 @@ def test_grpo_recipe_with_a_trl_loss_runs(tmp_path):
         (["--kto_desirable_weight", "0"], "kto_desirable_weight must be > 0, got 0.0"),
         (["--data_root_path", "bundled:data/grpo_online"], "records hold prompts without responses (online dpo)"),
         (["--grpo_clip_eps_high", "0"], "grpo_clip_eps_high must be > 0"),
+        (["--grpo_loss", "sapo", "--grpo_sapo_temperature_neg", "-1"], "grpo_sapo_temperature_neg must be > 0, got -1"),
+        (["--grpo_loss", "bnpo", "--delta", "0"], "grpo_delta must be > 0, got 0"),
+        (["--grpo_loss", "sapo", "--grpo_delta", "2"], "grpo_delta clips the ratio of the clipped losses; --grpo_loss"),
+        (
+            ["--importance_sampling_level", "sequence"],
+            "grpo_importance_sampling_level sequence (GSPO) applies to TRL's",
+        ),
+        (["--grpo_loss", "grpo", "--top_entropy_quantile", "0"], "grpo_top_entropy_quantile must be in (0, 1], got 0"),
+        (["--grpo_top_entropy_quantile", "0.2"], "grpo_top_entropy_quantile applies to TRL's losses (grpo, bnpo, dr"),
+        (["--grpo_advantage", "rloo", "--group_size", "1"], "grpo_advantage rloo needs group_size >= 2 (a leave-one"),
+        (
+            ["--grpo_advantage", "rloo", "--grpo_loss", "grpo"],
+            "(TRL's RLOOTrainer: its advantages, KL and objective), wh",
+        ),
+        (
+            ["--grpo_advantage", "rloo", "--reward_clip_range", "[1, 0]"],
+            "reward_clip_range must be [low, high] with low",
+        ),
+        (
+            ["--normalize_advantages", "true"],
+            "rloo_normalize_advantages and reward_clip_range apply to --grpo_advantage",
+        ),
+        (["--dry_run", "--grpo_advantage", "rloo", "--group_size", "1"], "grpo_advantage rloo needs group_size >= 2"),
         (["--grpo_scale_rewards", "none"], "grpo_scale_rewards none applies to --grpo_loss grpo, bnpo, dr_grpo and"),
         (["--grpo_num_iterations", "2"], "grpo_num_iterations 2 applies to online grpo, not dpo"),
         (["--grpo_loss", "dapo"], "--grpo_loss dapo needs online grpo (its normaliser counts the tokens of a whole"),

@@ -196,3 +196,35 @@ def test_state_dict_is_astrai_layout_and_restores_the_schedule():
     assert other.optimizer.param_groups[0]["lr"] == pytest.approx(cosine_factor(3, 2, 8, 0.01))
     with pytest.raises(ConfigError, match="another schedule type"):
         build_scheduler(optimizer(), "wsd", total_steps=10, warmup_steps=2).load_state_dict(state)
+
+
+@pytest.mark.parametrize(
+    ("num_samples", "interval", "passes", "max_steps", "sample_index"),
+    [(40, 1, 1, None, 0), (40, 3, 1, 7, 0), (40, 3, 2, 11, 0), (10, 4, 1, 9, 0), (10, 2, 3, None, 4), (26, 5, 2, 6, 8)],
+)
+def test_the_plan_counts_the_rollouts_online_runs_sample(num_samples, interval, passes, max_steps, sample_index):
+    """``StepPlan.rollouts`` against ``train.grpo.Rollouts``' own iteration (its sampling counted, the loop's budget
+    applied: each epoch's prompt micro-batches pulled until the run's last step is trained), over several epochs, a
+    cut last rollout, several passes and a position resumed mid-epoch."""
+    from astrai_fabric.train.grpo import Rollouts
+
+    accum, batch = 2, 2
+    plan = StepPlan(
+        num_samples, 1, batch, accum, 3, None, max_steps, num_iterations=passes, rollout_micro_batches=interval * accum
+    )
+    start = RunPosition(sample_index=sample_index, optimizer_step=sample_index // batch // accum)
+    to_train = (plan.last_step(start) - start.optimizer_step) * accum
+    sampled = []
+    rollouts = object.__new__(Rollouts)  # its iteration alone: the sampling itself is counted, not done
+    rollouts.micro_batches, rollouts.num_iterations, rollouts.statistics = interval * accum, passes, False
+    rollouts.micro_batches_left = to_train
+    rollouts.rollout = lambda prompts, k: sampled.append(k) or {"prompts": prompts}
+    trained, first = 0, sample_index // batch
+    while trained < to_train:  # the loop's epochs
+        rollouts.prompts, first = range(first, plan.micro_batches_per_rank), 0
+        for _ in rollouts:
+            trained += 1
+            if trained == to_train:
+                break
+    assert plan.rollouts(start) == (sampled.count(0), len(sampled))
+    assert len(sampled) <= to_train  # each sampled micro-batch is trained (at least its first pass)

@@ -75,6 +75,18 @@ RL_RUNS = {
     for train_type in ("dpo", "grpo")
 }
 RL_RUNS["fsdp_dpo_loss_fused"] = dict(RL_RUNS["fsdp_dpo"], loss_chunk_size=7)
+# Issue 61's methods, each a per-micro-batch mean as grpo's: GSPO with two-sided clipping, SAPO, and RLOO (its
+# advantages normalised over the micro-batch, rewards clipped).
+GRPO_METHODS = {
+    "gspo": dict(grpo_loss="grpo", grpo_importance_sampling_level="sequence", grpo_delta=1.5),
+    "sapo": dict(grpo_loss="sapo", grpo_sapo_temperature_pos=1.3),
+    "rloo": dict(grpo_advantage="rloo", rloo_normalize_advantages=True, reward_clip_range=(0.0, 0.8)),
+}
+RL_RUNS |= {
+    f"{mode}_grpo_{name}": dict(RL_RUNS[f"{mode}_grpo"], **flags)
+    for mode in ("ddp", "fsdp")
+    for name, flags in GRPO_METHODS.items()
+}
 # A reference-free preference loss with an NLL term (a token mean per micro-batch, as the 1-sample ones agree).
 RL_RUNS["fsdp_dpo_orpo"] = dict(RL_RUNS["fsdp_dpo"], dpo_loss="orpo")
 # A reward model's Bradley-Terry loss is a mean over the micro-batch's pairs, as dpo's; its score head is part of
@@ -83,6 +95,13 @@ RL_RUNS["fsdp_reward_model"] = dict(parallel_mode="fsdp", train_type="reward_mod
 # kto's KL baseline is the mean over every rank's samples (one all-reduce): 2 ranks x 1 sample then equal one
 # process's micro-batch of 2 (a per-rank baseline would not).
 KTO_RUN = dict(parallel_mode="fsdp", train_type="kto", data_root_path="bundled:data/kto")
+# grpo's top-entropy tokens: the entropy quantile is taken over every rank's response tokens (one gather), so 2
+# ranks x 1 group equal one process's micro-batch of 2 groups, as kto's baseline (a per-rank quantile would not).
+TOP_ENTROPY_RUNS = {
+    f"{mode}_grpo_top_entropy": dict(RL_RUNS[f"{mode}_grpo"], grpo_loss="grpo", grpo_top_entropy_quantile=0.5)
+    for mode in ("ddp", "fsdp")
+}
+RL_RUNS |= TOP_ENTROPY_RUNS
 ONLINE = dict(train_type="grpo", data_root_path="bundled:data/grpo_online", reward="astrai_fabric.rewards.LengthReward",
               group_size=2, rollout_interval=1, rollout_max_tokens=6, max_steps=2)  # fmt: skip
 TP2 = dict(parallel_mode="fsdp", tp_size=2, optimizer="muon_adamw")
@@ -320,10 +339,18 @@ def test_two_ranks_match_one_process(two_rank_runs, tmp_path, name):
 
 @pytest.mark.parametrize("name", list(RL_RUNS))
 def test_two_rank_dpo_and_grpo_match_one_process(two_rank_runs, tmp_path, name):
-    reference_args = base_args(tmp_path, **RL_RUNS[name], nprocs=1, batch_per_device=1, grad_accum_steps=2)
+    # 2 ranks x 1 sample: 1-sample micro-batches in sequence, or one of 2 samples where a quantile spans the ranks
+    shape = (
+        dict(batch_per_device=2, grad_accum_steps=1)
+        if name in TOP_ENTROPY_RUNS
+        else dict(batch_per_device=1, grad_accum_steps=2)
+    )
+    reference_args = base_args(tmp_path, **RL_RUNS[name], nprocs=1, **shape)
     reference = run(reference_args)
     history = json.loads((two_rank_runs / f"{name}.json").read_text())
     for ours, ref in zip(history, reference, strict=True):
+        # the tokens kept, a fraction on each rank averaged over the ranks: not compared, but some and not all
+        assert name not in TOP_ENTROPY_RUNS or 0 < ref["policy_token_fraction"] < 1
         for key in ("loss", "reward_accuracy", "reward_margin", "policy_loss", "kl_loss"):
             if key in ref:
                 assert ours[key] == pytest.approx(ref[key], abs=1e-5), key

@@ -99,6 +99,16 @@ ALIASES: dict[str, Alias] = {
     "dataset_name": Alias("data_root_path", "TRL", differs="ours also takes a JSONL file or AstrAI's bin shards"),
     "dataset_config": Alias("data_subset", "TRL"),
     "dataset_train_split": Alias("data_split", "TRL"),
+    "importance_sampling_level": Alias("grpo_importance_sampling_level", "TRL"),
+    "delta": Alias("grpo_delta", "TRL"),
+    "sapo_temperature_pos": Alias("grpo_sapo_temperature_pos", "TRL"),
+    "sapo_temperature_neg": Alias("grpo_sapo_temperature_neg", "TRL"),
+    "top_entropy_quantile": Alias("grpo_top_entropy_quantile", "TRL"),
+    "normalize_advantages": Alias(
+        "rloo_normalize_advantages", "TRL",
+        differs="over the micro-batch's groups; TRL's over its generation batch (the same for a rollout of one "
+        "micro-batch on one rank)",
+    ),
 }  # fmt: skip
 """Their name → ours. Where the meanings differ in more than a default, ``differs`` says how (docs/coming-from-trl.md);
 a name whose meaning is not ours is in ``NOT_TAKEN`` instead."""

@@ -40,7 +40,9 @@ READ_BY = {
     **dict.fromkeys(
         (
             "group_size", "grpo_clip_eps", "grpo_kl_coef", "grpo_loss", "grpo_clip_eps_high", "grpo_scale_rewards",
-            "grpo_num_iterations",
+            "grpo_num_iterations", "grpo_importance_sampling_level", "grpo_delta", "grpo_sapo_temperature_pos",
+            "grpo_sapo_temperature_neg", "grpo_top_entropy_quantile", "grpo_advantage", "rloo_normalize_advantages",
+            "reward_clip_range",
         ),
         ("grpo",),
     ),
@@ -270,14 +272,15 @@ class TrainArgs(TrainChecks):
     """GRPO PPO clip range."""
     grpo_kl_coef: float = 0.01
     """GRPO weight of the KL penalty to the reference model."""
-    grpo_loss: Literal["astrai", "grpo", "bnpo", "dr_grpo", "dapo"] = "astrai"
+    grpo_loss: Literal["astrai", "grpo", "bnpo", "dr_grpo", "dapo", "sapo"] = "astrai"
     """How GRPO averages its per-token loss, and which advantages and KL estimate it uses: ``astrai`` (AstrAI's,
     the default: a token mean over the micro-batch, population std + 1e-8, ``r - log(r + 1e-8) - 1``), or TRL 1.16's
     ``grpo`` (per-response token means, then their mean), ``bnpo`` (a token mean over the micro-batch),
     ``dr_grpo`` (the token sum over responses x ``rollout_max_tokens``) and ``dapo`` (online only: a token mean over
     every response token of the optimizer step, all micro-batches and ranks; with ``rollout_interval`` k, the
     rollout's tokens / k, as TRL), each with TRL's advantages (Bessel std + 1e-4, or none: ``grpo_scale_rewards``)
-    and KL ``r - log r - 1``."""
+    and KL ``r - log r - 1``; and ``sapo`` (SAPO: a soft, temperature-gated clip, averaged as ``grpo``;
+    ``grpo_sapo_temperature_pos`` / ``_neg``)."""
     grpo_clip_eps_high: float | None = None
     """GRPO's upper clip bound ``1 + grpo_clip_eps_high`` on the ratio (DAPO's "clip higher", e.g. 0.28); None:
     ``grpo_clip_eps``, symmetric."""
@@ -289,6 +292,37 @@ class TrainArgs(TrainChecks):
     """Online GRPO: optimizer passes over each rollout (TRL's ``num_iterations``, the paper's mu): its micro-batches
     are trained this many times in order, against the log-probabilities recorded at sampling; 1 samples anew after
     one pass."""
+    grpo_importance_sampling_level: Literal["token", "sequence"] = "token"
+    """The importance ratio of TRL's losses: one per token, or one per response (``sequence``: GSPO, the exponential
+    of the response's mean token log-ratio, clipped as one; GSPO's paper pairs it with ``--grpo_loss grpo``).
+    AstrAI's loss is token-level only."""
+    grpo_delta: float | None = None
+    """Two-sided clipping (TRL's ``delta``): the unclipped ratio is also capped at this value, bounding a negative
+    advantage's loss; the paper that proposes it takes it above ``1 + grpo_clip_eps_high``. None: off. Not with
+    ``sapo``, which clips nothing."""
+    grpo_sapo_temperature_pos: float = 1.0
+    """``--grpo_loss sapo``: the gate's temperature where the advantage is positive (TRL's
+    ``sapo_temperature_pos``); higher: a sharper gate, the gradient fading sooner as the ratio leaves 1."""
+    grpo_sapo_temperature_neg: float = 1.05
+    """``--grpo_loss sapo``: the gate's temperature where the advantage is not positive (TRL's
+    ``sapo_temperature_neg``)."""
+    grpo_top_entropy_quantile: float = 1.0
+    """Train the policy term on the top fraction of response tokens by the policy's entropy only (TRL's
+    ``top_entropy_quantile``; Wang et al. 2025 keep 0.2, "the 80/20 rule"): its entropy at least the
+    ``1 - quantile`` quantile of every response token's of the micro-batch, all data-parallel ranks together; the KL
+    term and the averaging take every token. 1.0: all tokens. TRL's losses only."""
+    grpo_advantage: Literal["group", "rloo"] = "group"
+    """``group``: GRPO's advantages (``grpo_loss``, ``grpo_scale_rewards``); ``rloo``: RLOO as TRL 1.16's
+    RLOOTrainer has it, whole: each response's reward less the mean of the others in its group, the KL to the
+    reference in the reward (``grpo_kl_coef`` x the response's summed ``logp_old - logp_ref``), and one PPO-clipped
+    ratio per response (of its summed token log-ratio), averaged over responses; ``grpo_loss`` stays unset."""
+    rloo_normalize_advantages: bool = False
+    """``--grpo_advantage rloo``: centre the advantages and divide by their std + 1e-4 (TRL's
+    ``normalize_advantages``), over the micro-batch's groups (TRL: its generation batch, all processes; the same
+    when a rollout is one micro-batch on one rank)."""
+    reward_clip_range: tuple[float, float] | None = None
+    """``--grpo_advantage rloo``: clip each reward into ``[low, high]`` before the KL penalty (TRL's
+    ``reward_clip_range``); None: unclipped."""
     reward: str | dict | None = None
     """Online GRPO: the reward function, an import path or ``{class_path, init_args}`` (e.g.
     ``astrai_fabric.rewards.LengthReward``); required when the grpo data holds prompts without responses. Only the

@@ -185,9 +185,61 @@ class TrainChecks:
                 f"grpo_scale_rewards {self.grpo_scale_rewards} applies to --grpo_loss grpo, bnpo, dr_grpo and dapo "
                 "(TRL's advantages); astrai keeps AstrAI's group normalisation"
             )
+        problems += self._grpo_method_problems()
         if self.grpo_num_iterations > 1 and self.train_type not in (None, "grpo"):
             problems.append(
                 f"grpo_num_iterations {self.grpo_num_iterations} applies to online grpo, not {self.train_type}"
+            )
+        return problems
+
+    def _grpo_method_problems(self) -> list[str]:
+        """GSPO, SAPO, two-sided clipping and RLOO: their values, and which combine (as TRL 1.16's do)."""
+        problems = []
+        for name in ("grpo_sapo_temperature_pos", "grpo_sapo_temperature_neg", "grpo_delta"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                problems.append(f"{name} must be > 0, got {value}")
+        if self.grpo_delta is not None and self.grpo_loss == "sapo":
+            problems.append("grpo_delta clips the ratio of the clipped losses; --grpo_loss sapo clips nothing")
+        trl_only = "TRL's losses (grpo, bnpo, dr_grpo, dapo, sapo); astrai is AstrAI's token-level loss"
+        if self.grpo_importance_sampling_level == "sequence" and self.grpo_loss == "astrai":
+            problems.append(
+                f"grpo_importance_sampling_level sequence (GSPO) applies to {trl_only}: add --grpo_loss grpo"
+            )
+        if self.grpo_delta is not None and self.grpo_loss == "astrai" and self.grpo_advantage == "group":
+            problems.append(f"grpo_delta applies to {trl_only}")
+        if not 0 < self.grpo_top_entropy_quantile <= 1:
+            problems.append(f"grpo_top_entropy_quantile must be in (0, 1], got {self.grpo_top_entropy_quantile}")
+        elif self.grpo_top_entropy_quantile < 1 and self.grpo_loss == "astrai" and self.grpo_advantage == "group":
+            problems.append(f"grpo_top_entropy_quantile applies to {trl_only}")
+        if self.grpo_advantage == "rloo":
+            changed = [
+                flag
+                for flag, default in (
+                    ("grpo_loss", "astrai"),
+                    ("grpo_importance_sampling_level", "token"),
+                    ("grpo_scale_rewards", "group"),
+                    ("grpo_delta", None),
+                    ("grpo_top_entropy_quantile", 1.0),
+                )
+                if getattr(self, flag) != default
+            ]
+            if changed:
+                problems.append(
+                    "grpo_advantage rloo is RLOO whole (TRL's RLOOTrainer: its advantages, KL and objective), "
+                    f"which {', '.join(changed)} would change: leave them unset"
+                )
+            if self.group_size < 2:
+                problems.append(
+                    f"grpo_advantage rloo needs group_size >= 2 (a leave-one-out baseline), got {self.group_size}"
+                )
+        elif self.rloo_normalize_advantages or self.reward_clip_range is not None:
+            problems.append("rloo_normalize_advantages and reward_clip_range apply to --grpo_advantage rloo")
+        if self.reward_clip_range is not None and (
+            len(self.reward_clip_range) != 2 or not self.reward_clip_range[0] <= self.reward_clip_range[1]
+        ):
+            problems.append(
+                f"reward_clip_range must be [low, high] with low <= high, got {list(self.reward_clip_range)}"
             )
         return problems
 

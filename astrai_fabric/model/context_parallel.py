@@ -162,7 +162,7 @@ def gather_output(output, context: ContextGroup, length: int):  # noqa: ANN001, 
     this rank's positions."""
     gathered = {
         name: _GatherPositions.apply(getattr(output, name), context.group)
-        for name in ("logits", "scores", "token_nll")
+        for name in ("logits", "scores", "token_nll", "token_entropy")
         if getattr(output, name) is not None
     }
     if any(tensor.size(1) != length for tensor in gathered.values()):  # a copy, not a view: FSDP hooks the outputs

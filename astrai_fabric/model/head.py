@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from astrai_fabric.losses import head_nll_loss, head_token_nll
+from astrai_fabric.losses import head_nll_loss, head_token_entropy, head_token_nll, logits_entropy
 
 
 @dataclass  # not frozen: Fabric's precision plugins convert a module's outputs field by field, in place
@@ -36,6 +36,8 @@ class ModelOutput:
     nll_loss: Tensor | None = None
     """With ``TokenLoss.weights``: ``sum(weights * token_nll)``, whose gradients the fused head took in its forward
     (``token_nll`` is then detached)."""
+    token_entropy: Tensor | None = None
+    """With ``TokenLoss.entropy``: each position's softmax entropy, ``[B, S]`` float32, without a gradient."""
     aux_loss: Tensor | None = None
     """An MoE model's load-balancing loss, the mean over its MoE layers."""
     router_stats: list[dict[str, Tensor]] | None = None
@@ -70,6 +72,8 @@ class TokenLoss:
     weights: Tensor | None = None
     """``[B, S]``: the loss's per-token weights (``losses.token_nll_weights``); then the weighted sum is returned
     too, its gradients taken in the forward (``losses.head_nll_loss``: no logits recomputed in the backward)."""
+    entropy: bool = False
+    """Each position's softmax entropy too (``losses.head_token_entropy``, chunk by chunk, no gradient)."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,15 @@ class LanguageHead:
     def __call__(self, hidden_states: Tensor, loss: TokenLoss | None = None) -> ModelOutput:
         if loss is None:
             return ModelOutput(hidden_states, logits=self.logits(hidden_states))
+        output = self._token_losses(hidden_states, loss)
+        if loss.entropy:
+            if self.softcap is None:
+                output.token_entropy = head_token_entropy(hidden_states, self.lm_head.weight, loss.chunk_size)
+            else:  # capped logits, made whole as for their losses
+                output.token_entropy = logits_entropy(self.logits(hidden_states))
+        return output
+
+    def _token_losses(self, hidden_states: Tensor, loss: TokenLoss) -> ModelOutput:
         if self.softcap is not None:
             # The fused head's chunks are linear logits: capped ones are made whole and the same token losses taken
             # from them (exact, without the fused head's memory saving).

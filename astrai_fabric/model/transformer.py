@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from astrai_fabric.config.model import ModelConfig
-from astrai_fabric.losses import token_logprobs
+from astrai_fabric.losses import logits_entropy, token_logprobs
 from astrai_fabric.model.attention import GQA, MLA
 from astrai_fabric.model.context_parallel import ContextGroup, gather_output, pad_window
 from astrai_fabric.model.ffn import MLP, DeepSeekMoE
@@ -129,15 +129,19 @@ def forward_window(model: nn.Module, input_ids: Tensor, position_ids: Tensor | N
     return model(input_ids, input_mask=make_doc_boundary_mask(position_ids), position_ids=position_ids, **head)
 
 
-def next_token_logprobs(model: nn.Module, ids: Tensor, loss_chunk_size: int = 0) -> tuple[Tensor, ModelOutput]:
+def next_token_logprobs(
+    model: nn.Module, ids: Tensor, loss_chunk_size: int = 0, entropy: bool = False
+) -> tuple[Tensor, ModelOutput]:
     """``log p`` of every next token of right-padded sequences ``ids [N, L]`` → ``[N, L - 1]``, and the model's
     output (dpo's and grpo's log-probabilities); with ``loss_chunk_size``, through the fused head (no whole
-    logits)."""
+    logits). ``entropy``: the output's ``token_entropy`` holds each position's softmax entropy, no gradient."""
     if not loss_chunk_size:
         out = model(ids)
+        if entropy:
+            out.token_entropy = logits_entropy(out.logits)
         return token_logprobs(out.logits[:, :-1], ids[:, 1:]), out
     targets = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)  # the last position predicts nothing read: any id will do
-    out = model(ids, nll_targets=targets, nll_chunk_size=loss_chunk_size)
+    out = model(ids, nll_targets=targets, nll_chunk_size=loss_chunk_size, nll_entropy=entropy)
     return -out.token_nll[:, :-1], out
 
 
@@ -197,6 +201,7 @@ class AutoRegressiveLM(nn.Module):
         nll_chunk_size: int = 0,
         label_smoothing: float = 0.0,
         nll_weights: Tensor | None = None,
+        nll_entropy: bool = False,
     ) -> ModelOutput:
         """``input_ids [B,S]`` → ``ModelOutput``: ``logits`` and ``hidden_states`` (+ ``aux_loss``, ``router_stats``
         for MoE); a reward model (``score_head``) gives ``scores [B,S]``, its head's output at every position, for
@@ -212,7 +217,8 @@ class AutoRegressiveLM(nn.Module):
         (``TokenLoss``, N positions at a time): ``token_nll [B,S]`` float32 instead of ``logits``, never the whole
         ``[B,S,V]``. With ``nll_weights [B,S]`` as well (the loss's per-token weights, ``losses.token_nll_weights``),
         also ``nll_loss``, ``sum(nll_weights * token_nll)``, whose gradients the fused head takes in its forward
-        (``losses.head_nll_loss``: no logits recomputed in the backward); ``token_nll`` is then detached.
+        (``losses.head_nll_loss``: no logits recomputed in the backward); ``token_nll`` is then detached. With
+        ``nll_entropy``, each position's softmax entropy too (``token_entropy``, no gradient).
 
         Under context parallelism (``model.context_parallel``, without a cache) each rank runs its share of the
         positions, a window the group does not split padded first (``pad_window``); the outputs are the whole
@@ -236,7 +242,7 @@ class AutoRegressiveLM(nn.Module):
                 raise ValueError("a reward model (score_head) has no LM head to take token losses from")
             output = ModelOutput(hidden_states, scores=self.score(hidden_states).squeeze(-1))
         else:
-            loss = TokenLoss(nll_targets, nll_chunk_size, label_smoothing, nll_weights) if fused else None
+            loss = TokenLoss(nll_targets, nll_chunk_size, label_smoothing, nll_weights, nll_entropy) if fused else None
             output = self.head(hidden_states, loss)
         if context is not None:
             output = gather_output(output, context, length)

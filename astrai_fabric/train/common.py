@@ -269,17 +269,18 @@ class TrainTask:
     """Extra ``meta.json`` keys of every checkpoint of the run (dpo's, kto's and grpo's reference model)."""
     pipeline_loss: StageLoss | None = None
     """How a pipeline's last stage takes this train type's loss (``--pp_size``); None: not trained in stages."""
-    make_batches: Callable[[TrainState, Iterable], Iterable] | None = None
-    """``make_batches(state, loader)``: the training batches made from the loader's with the live model and position
-    (online grpo and dpo sample their responses there: the loop's seam, see ``loop/__init__.py``); None: the
-    loader's batches are trained on as they are."""
+    make_batches: Callable[[TrainState, Iterable, int], Iterable] | None = None
+    """``make_batches(state, loader, num_micro_batches)``: the training batches made from the loader's with the live
+    model and position, at most ``num_micro_batches`` (what the run trains to its planned end: online grpo and dpo
+    sample no prompt past it), the loop's seam (``loop/__init__.py``); None: the loader's batches are trained on as
+    they are."""
 
 
 def train_on(fabric: Fabric, args: TrainArgs, start: Start, task: TrainTask) -> list[dict[str, float]]:
     """Everything after the data is read, for every train type: split, plan, model, optimizer, resume, loop."""
     train_set, val_set = split_validation(task.dataset, args.val_split, args.random_seed)
     num_dp_ranks = data_parallel(fabric).num_dp_ranks
-    plan = step_plan(args, len(train_set), num_dp_ranks)
+    plan = step_plan(args, len(train_set), num_dp_ranks, online=task.make_batches is not None)
     if problems := preflight(args, start, plan, Placement.of_fabric(fabric, args)):  # what --dry_run lists
         raise UserError(problems[0])
 
@@ -307,7 +308,12 @@ def train_on(fabric: Fabric, args: TrainArgs, start: Start, task: TrainTask) -> 
                 task.pipeline_loss,
                 Path(args.ckpt_dir),
             )
-        batches = task.make_batches(state, train_loader) if task.make_batches is not None else train_loader
+        last_step = plan.last_step(position)
+        if task.make_batches is not None:
+            num_micro_batches = (last_step - position.optimizer_step) * args.grad_accum_steps
+            batches = task.make_batches(state, train_loader, num_micro_batches)
+        else:
+            batches = train_loader
         profiler = StepProfiler.for_run(fabric, args.profile_step_range, args.ckpt_dir, position)  # or None
         batches = profiler.steps_of(batches) if profiler is not None else batches
 
@@ -339,7 +345,7 @@ def train_on(fabric: Fabric, args: TrainArgs, start: Start, task: TrainTask) -> 
             plan,
             metric_log,
             first_step=position.optimizer_step + 1,
-            last_step=plan.last_step(position),
+            last_step=last_step,
             flops_per_token=flops_per_token(start.model_config, start.window_size),
             peak_flops=peak_flops(fabric.device, precision_of(fabric), args.peak_flops),
             compiled=bool(args.compile),

@@ -204,7 +204,9 @@ def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
         return train_on(fabric, args, start, task)
     reward = rollout_reward(fabric, args, start.need_tokenizer("dpo"))
 
-    def rollouts(state: TrainState, loader: Any) -> Rollouts:  # the loop's seam, as online grpo's
+    def rollouts(
+        state: TrainState, loader: Any, num_micro_batches: int
+    ) -> Rollouts:  # the loop's seam, as online grpo's
         return Rollouts(
             fabric,
             state.model,
@@ -214,6 +216,7 @@ def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
             args,
             start.window_size,
             state.position,
+            num_micro_batches,
             start.loss_chunk_size(args),
             group_size=2,
         )

@@ -10,6 +10,7 @@ from astrai_fabric import assets
 from astrai_fabric.checkpoint import checkpoints_after
 from astrai_fabric.checkpoint.ownership import in_use_message, lock_holder, not_ours_message, unowned
 from astrai_fabric.config.train import RECIPE_FILE, RECIPE_HEADER, TrainArgs
+from astrai_fabric.data.records import PromptDataset
 from astrai_fabric.errors import UserError
 from astrai_fabric.hub import HUB_FLAGS, looks_like_hub_id, pin_cached_flags
 from astrai_fabric.model.transformer import cycle_collection_paused
@@ -113,7 +114,7 @@ def _plan(args: TrainArgs, build_dataset) -> int:  # noqa: ANN001 - the train ty
     if dataset is not None:
         train_set, val_set = split_validation(dataset, args.val_split, args.random_seed)
         data = describe_data(args, len(train_set), summary, val_set)
-        plan = step_plan(args, len(train_set), num_dp_ranks)
+        plan = step_plan(args, len(train_set), num_dp_ranks, online=isinstance(dataset, PromptDataset))
         problems += preflight(args, start, plan, Placement.of_flags(args, topology, accelerator, precision))
         try:
             plan.check()

@@ -14,6 +14,7 @@ recorded at rollout, online. AstrAI keeps a frozen copy of the *initial* policy 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from itertools import islice
@@ -35,7 +36,16 @@ from astrai_fabric.errors import ConfigError, UserError
 from astrai_fabric.generate import generate
 from astrai_fabric.loop.state import REUSED, TrainState
 from astrai_fabric.lora import reference_context
-from astrai_fabric.losses import grpo_advantages, grpo_loss, with_moe_aux_loss
+from astrai_fabric.losses import (
+    RatioShape,
+    grpo_advantages,
+    grpo_loss,
+    high_entropy_mask,
+    rloo_advantages,
+    rloo_loss,
+    rloo_penalised_rewards,
+    with_moe_aux_loss,
+)
 from astrai_fabric.model import next_token_logprobs
 from astrai_fabric.randomness import seeded_generator
 from astrai_fabric.reward_model import RewardModelScorer, check_reward_model
@@ -56,6 +66,12 @@ class GRPOLossArgs:
     kl_coef: float = 0.01
     scale_rewards: str = "group"
     max_response_tokens: int = 1024
+    shape: RatioShape = RatioShape()
+    advantage: str = "group"
+    """``--grpo_advantage``: ``rloo`` is RLOO whole (its advantages, its KL in the reward, its objective)."""
+    top_entropy_quantile: float = 1.0
+    rloo_normalize_advantages: bool = False
+    reward_clip_range: tuple[float, float] | None = None
 
     @classmethod
     def from_args(cls, args: TrainArgs) -> GRPOLossArgs:
@@ -66,6 +82,16 @@ class GRPOLossArgs:
             args.grpo_kl_coef,
             args.grpo_scale_rewards,
             args.rollout_max_tokens,
+            RatioShape(
+                args.grpo_importance_sampling_level == "sequence",
+                args.grpo_delta,
+                args.grpo_sapo_temperature_pos,
+                args.grpo_sapo_temperature_neg,
+            ),
+            args.grpo_advantage,
+            args.grpo_top_entropy_quantile,
+            args.rloo_normalize_advantages,
+            None if args.reward_clip_range is None else tuple(args.reward_clip_range),
         )
 
 
@@ -78,34 +104,79 @@ def grpo_batch_loss(
     moe_aux_loss_coef: float,
     loss_chunk_size: int = 0,
     loss: GRPOLossArgs | None = None,
+    quantile: Callable[[Tensor, float], Tensor] = torch.quantile,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """``loss`` None: AstrAI's loss at ``clip_eps`` and ``kl_coef``."""
+    """``loss`` None: AstrAI's loss at ``clip_eps`` and ``kl_coef``. ``quantile(values, q)``: of the values of every
+    data-parallel rank (``entropy_quantile``), for ``--grpo_top_entropy_quantile``."""
     loss = loss or GRPOLossArgs(clip_eps=clip_eps, kl_coef=kl_coef)
     ids = batch["input_ids"].flatten(0, 1)  # [B * G, L]: prompt then one response, right-padded
     mask = batch["loss_mask"].flatten(0, 1)[:, 1:]  # predicted tokens that belong to the response
     with torch.no_grad(), reference_context(model, reference):  # None: the policy with its LoRA adapters off
         ref_logprobs, _ = next_token_logprobs(reference if reference is not None else model, ids, loss_chunk_size)
-    logprobs, out = next_token_logprobs(model, ids, loss_chunk_size)
+    top_entropy = loss.top_entropy_quantile < 1.0
+    logprobs, out = next_token_logprobs(model, ids, loss_chunk_size, entropy=top_entropy)
+    policy_tokens = None
+    if top_entropy:  # the policy's own entropies, as it stands: TRL's
+        entropies = out.token_entropy[:, :-1]
+        policy_tokens = high_entropy_mask(
+            entropies, mask, quantile(entropies[mask.bool()], 1.0 - loss.top_entropy_quantile)
+        )
     old = batch["old_logprobs"].flatten(0, 1) if "old_logprobs" in batch else logprobs.detach()
-    # The whole rollout's statistics, where online rollouts attached them (batch_statistics): dapo's and "batch"'s
-    reward_std, tokens_per_micro_batch = batch.get(REWARD_STD), batch.get(TOKENS_PER_MICRO_BATCH)
-    advantages = grpo_advantages(batch["rewards"], loss.kind, loss.scale_rewards, reward_std).flatten()
-    value, metrics = grpo_loss(
-        logprobs,
-        old,
-        ref_logprobs,
-        mask,
-        advantages,
-        loss.clip_eps,
-        loss.kl_coef,
-        loss.kind,
-        loss.clip_eps_high,
-        loss.max_response_tokens,
-        tokens_per_micro_batch,
-    )
+    if loss.advantage == "rloo":  # RLOO's KL is in its rewards; its objective is per response
+        rewards, kl = rloo_penalised_rewards(
+            batch["rewards"].flatten(), old, ref_logprobs, mask, loss.kl_coef, loss.reward_clip_range
+        )
+        advantages = rloo_advantages(rewards.view_as(batch["rewards"]), loss.rloo_normalize_advantages).flatten()
+        value, metrics = rloo_loss(logprobs, old, mask, advantages, loss.clip_eps, loss.clip_eps_high)
+        metrics["kl"] = kl
+    else:
+        # The whole rollout's statistics, where online rollouts attached them (batch_statistics): dapo's and "batch"'s
+        reward_std, tokens_per_micro_batch = batch.get(REWARD_STD), batch.get(TOKENS_PER_MICRO_BATCH)
+        advantages = grpo_advantages(batch["rewards"], loss.kind, loss.scale_rewards, reward_std).flatten()
+        value, metrics = grpo_loss(
+            logprobs,
+            old,
+            ref_logprobs,
+            mask,
+            advantages,
+            loss.clip_eps,
+            loss.kl_coef,
+            loss.kind,
+            loss.clip_eps_high,
+            loss.max_response_tokens,
+            tokens_per_micro_batch,
+            loss.shape,
+            policy_tokens,
+        )
+        if policy_tokens is not None:
+            metrics["policy_token_fraction"] = policy_tokens.sum() / mask.sum().clamp(min=1)
     metrics["reward"] = batch["rewards"].mean()
     value, moe_metrics = with_moe_aux_loss(value, out.aux_loss, out.router_stats, moe_aux_loss_coef)
     return value, {**metrics, **moe_metrics}
+
+
+def entropy_quantile(fabric: Fabric) -> Callable[[Tensor, float], Tensor]:
+    """``quantile(values, q)`` of the values of every data-parallel rank together (the tensor and context ranks of a
+    replica hold the same values: counted once), as TRL gathers its processes' entropies; collective, every rank
+    calls it at the same micro-batch. An empty set gives +inf (no token is kept, as TRL's all-False mask)."""
+    replica = data_parallel(fabric).dp_rank
+
+    def quantile(values: Tensor, q: float) -> Tensor:
+        values = values.float()
+        if fabric.world_size > 1:
+            count = torch.tensor([values.numel(), replica], device=values.device)
+            counts = fabric.all_gather(count)  # [world, 2]
+            longest = int(counts[:, 0].max())
+            padded = torch.cat([values, values.new_zeros(longest - values.numel())])
+            gathered = fabric.all_gather(padded)  # [world, longest]
+            sizes, replicas = counts[:, 0].tolist(), counts[:, 1].tolist()
+            firsts = [rank for rank, r in enumerate(replicas) if r not in replicas[:rank]]  # one rank per replica
+            values = torch.cat([gathered[rank, : sizes[rank]] for rank in firsts])
+        if values.numel() == 0:
+            return torch.tensor(math.inf, device=values.device)
+        return torch.quantile(values, q)
+
+    return quantile
 
 
 REWARD_STD = "reward_std"
@@ -170,11 +241,14 @@ class Rollouts:
         args: TrainArgs,
         window_size: int,
         position: RunPosition,
+        num_micro_batches: int,
         loss_chunk_size: int = 0,
         group_size: int | None = None,
     ) -> None:
         self.fabric, self.model, self.prompts, self.tokenizer, self.reward = fabric, model, prompts, tokenizer, reward
         self.args, self.window_size, self.position = args, window_size, position
+        self.micro_batches_left = num_micro_batches
+        """Micro-batches the run still trains, repeats included: a rollout samples no prompt past them."""
         self.loss_chunk_size = loss_chunk_size  # the policy's log-probabilities as the loss computes them
         self.micro_batches = args.rollout_interval * args.grad_accum_steps
         self.group_size = group_size or args.group_size
@@ -184,8 +258,13 @@ class Rollouts:
 
     def __iter__(self):
         prompt_batches = iter(self.prompts)
-        while chunk := list(islice(prompt_batches, self.micro_batches)):
+        # The run's last rollout is cut to what it trains: with several passes, only its first pass's micro-batches
+        # can be short of the end (the repeats past it are not trained).
+        while self.micro_batches_left > 0 and (
+            chunk := list(islice(prompt_batches, min(self.micro_batches, self.micro_batches_left)))
+        ):
             rolled = [self.rollout(batch, k) for k, batch in enumerate(chunk)]  # all sampled by the same policy
+            self.micro_batches_left -= len(rolled) * self.num_iterations
             if self.statistics:
                 batch_statistics(self.fabric, rolled)
             yield from rolled
@@ -324,6 +403,7 @@ def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
         moe_aux_loss_coef=args.moe_aux_loss_coef,
         loss=GRPOLossArgs.from_args(args),
         loss_chunk_size=start.loss_chunk_size(args),
+        quantile=entropy_quantile(fabric),
     )
     meta = {"reference": reference_meta}
     if isinstance(dataset, GroupDataset):
@@ -331,7 +411,9 @@ def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
         return train_on(fabric, args, start, TrainTask(dataset, summary, compute_loss, collate, checkpoint_meta=meta))
     reward = rollout_reward(fabric, args, start.need_tokenizer("grpo"))
 
-    def rollouts(state: TrainState, loader: Any) -> Rollouts:  # the loop's seam (loop/__init__.py)
+    def rollouts(
+        state: TrainState, loader: Any, num_micro_batches: int
+    ) -> Rollouts:  # the loop's seam (loop/__init__.py)
         tokenizer = start.need_tokenizer("grpo")
         return Rollouts(
             fabric,
@@ -342,6 +424,7 @@ def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
             args,
             start.window_size,
             state.position,
+            num_micro_batches,
             start.loss_chunk_size(args),
         )
 

@@ -33,9 +33,9 @@ from astrai_fabric.train.models import lora_spec
 from astrai_fabric.train.start import Start
 
 
-def step_plan(args: TrainArgs, num_samples: int, num_dp_ranks: int) -> StepPlan:
-    """The step plan of a run of ``args`` over ``num_samples`` training samples on ``num_dp_ranks`` ranks (the run
-    and its dry run both build it here)."""
+def step_plan(args: TrainArgs, num_samples: int, num_dp_ranks: int, online: bool = False) -> StepPlan:
+    """The step plan of a run of ``args`` over ``num_samples`` training samples (prompts, where ``online`` rollouts
+    sample the responses) on ``num_dp_ranks`` ranks (the run and its dry run both build it here)."""
     return StepPlan(
         num_samples,
         num_dp_ranks,
@@ -47,6 +47,7 @@ def step_plan(args: TrainArgs, num_samples: int, num_dp_ranks: int) -> StepPlan:
         args.stop_after_steps,
         args.grpo_num_iterations,
         fixed_warmup_steps=args.warmup_steps,
+        rollout_micro_batches=args.rollout_interval * args.grad_accum_steps if online else None,
     )
 
 
