@@ -828,6 +828,8 @@ def test_gspo_and_rloo_recipes_train_and_sample_only_what_they_train(recipe, tmp
     monkeypatch.setattr(Rollouts, "rollout", lambda self, *a: sampled.append(1) or rollout(self, *a))
     argv = ["grpo", "--config", str(ROOT / "recipes" / recipe), "--ckpt_dir", str(tmp_path / "run")]
     argv += ["--max_steps", "2", "--rollout_interval", "4", "--batch_per_device", "2", "--group_size", "4"]
+    if recipe == "tiny-grpo-rloo.yaml":  # its advantages made at rollout, normalised over the whole rollout
+        argv += ["--rloo_normalize_advantages", "true"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "rollouts     1 per rank, 4 micro-batches of prompts sampled (up to 8 at a time" in out, out

@@ -9,8 +9,16 @@ import torch
 from lightning.fabric import Fabric
 from spawn import run_ranks
 
-from astrai_fabric.losses import dpo_loss, group_advantages, grpo_advantages, grpo_loss, token_logprobs
+from astrai_fabric.losses import (
+    dpo_loss,
+    group_advantages,
+    grpo_advantages,
+    grpo_loss,
+    rloo_advantages,
+    token_logprobs,
+)
 from astrai_fabric.train.grpo import (
+    ADVANTAGES,
     REWARD_STD,
     TOKENS_PER_MICRO_BATCH,
     attach_statistics,
@@ -143,7 +151,10 @@ def statistics_worker(out: str) -> None:
     rolled = fake_rollout(fabric.global_rank, 3)
     batch_statistics(fabric, rolled)
     values = [[b[TOKENS_PER_MICRO_BATCH].item(), b[REWARD_STD].item()] for b in rolled]
-    (Path(out) / f"{fabric.global_rank}.json").write_text(json.dumps(values))
+    rloo = [{**batch, ADVANTAGES: rloo_advantages(batch["rewards"])} for batch in fake_rollout(fabric.global_rank, 3)]
+    batch_statistics(fabric, rloo)  # RLOO's advantages normalised over both ranks' rollout
+    advantages = [batch[ADVANTAGES].flatten().tolist() for batch in rloo]
+    (Path(out) / f"{fabric.global_rank}.json").write_text(json.dumps({"values": values, "advantages": advantages}))
 
 
 def test_rollout_statistics_are_gathered_over_ranks(tmp_path):
@@ -151,7 +162,12 @@ def test_rollout_statistics_are_gathered_over_ranks(tmp_path):
     ranks = [fake_rollout(rank, 3) for rank in (0, 1)]
     tokens = sum(b["loss_mask"].sum().item() for rolled in ranks for b in rolled)
     rewards = torch.cat([b["rewards"].flatten() for rolled in ranks for b in rolled])
+    # TRL's RLOO normalisation over its generation batch, all processes (RLOOTrainer, normalize_advantages)
+    everything = torch.cat([rloo_advantages(b["rewards"]).flatten() for rolled in ranks for b in rolled])
+    normalised = ((everything - everything.mean()) / (everything.std() + 1e-4)).view(2, 3, 4)  # nanstd: Bessel's
     for rank in (0, 1):
-        for per_micro_batch, std in json.loads((tmp_path / f"{rank}.json").read_text()):
+        found = json.loads((tmp_path / f"{rank}.json").read_text())
+        for per_micro_batch, std in found["values"]:
             assert per_micro_batch == pytest.approx(tokens / 6, rel=1e-6)  # 2 ranks x 3 micro-batches
             assert std == pytest.approx(rewards.std().item(), rel=1e-6)
+        torch.testing.assert_close(torch.tensor(found["advantages"]), normalised[rank], atol=1e-6, rtol=0)

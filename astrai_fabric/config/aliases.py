@@ -105,9 +105,7 @@ ALIASES: dict[str, Alias] = {
     "sapo_temperature_neg": Alias("grpo_sapo_temperature_neg", "TRL"),
     "top_entropy_quantile": Alias("grpo_top_entropy_quantile", "TRL"),
     "normalize_advantages": Alias(
-        "rloo_normalize_advantages", "TRL",
-        differs="over the micro-batch's groups; TRL's over its generation batch (the same for a rollout of one "
-        "micro-batch on one rank)",
+        "rloo_normalize_advantages", "TRL", differs="offline data: over the micro-batch's groups (no rollout to gather)"
     ),
 }  # fmt: skip
 """Their name → ours. Where the meanings differ in more than a default, ``differs`` says how (docs/coming-from-trl.md);

@@ -318,8 +318,8 @@ class TrainArgs(TrainChecks):
     ratio per response (of its summed token log-ratio), averaged over responses; ``grpo_loss`` stays unset."""
     rloo_normalize_advantages: bool = False
     """``--grpo_advantage rloo``: centre the advantages and divide by their std + 1e-4 (TRL's
-    ``normalize_advantages``), over the micro-batch's groups (TRL: its generation batch, all processes; the same
-    when a rollout is one micro-batch on one rank)."""
+    ``normalize_advantages``), over the whole rollout on every data-parallel rank (TRL's generation batch); offline,
+    over the micro-batch's groups."""
     reward_clip_range: tuple[float, float] | None = None
     """``--grpo_advantage rloo``: clip each reward into ``[low, high]`` before the KL penalty (TRL's
     ``reward_clip_range``); None: unclipped."""

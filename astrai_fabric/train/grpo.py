@@ -111,8 +111,10 @@ def grpo_batch_loss(
     loss = loss or GRPOLossArgs(clip_eps=clip_eps, kl_coef=kl_coef)
     ids = batch["input_ids"].flatten(0, 1)  # [B * G, L]: prompt then one response, right-padded
     mask = batch["loss_mask"].flatten(0, 1)[:, 1:]  # predicted tokens that belong to the response
-    with torch.no_grad(), reference_context(model, reference):  # None: the policy with its LoRA adapters off
-        ref_logprobs, _ = next_token_logprobs(reference if reference is not None else model, ids, loss_chunk_size)
+    ref_logprobs = None
+    if ADVANTAGES not in batch:  # (online RLOO's rollout used the reference already)
+        with torch.no_grad(), reference_context(model, reference):  # None: the policy with its LoRA adapters off
+            ref_logprobs, _ = next_token_logprobs(reference if reference is not None else model, ids, loss_chunk_size)
     top_entropy = loss.top_entropy_quantile < 1.0
     logprobs, out = next_token_logprobs(model, ids, loss_chunk_size, entropy=top_entropy)
     policy_tokens = None
@@ -123,10 +125,14 @@ def grpo_batch_loss(
         )
     old = batch["old_logprobs"].flatten(0, 1) if "old_logprobs" in batch else logprobs.detach()
     if loss.advantage == "rloo":  # RLOO's KL is in its rewards; its objective is per response
-        rewards, kl = rloo_penalised_rewards(
-            batch["rewards"].flatten(), old, ref_logprobs, mask, loss.kl_coef, loss.reward_clip_range
-        )
-        advantages = rloo_advantages(rewards.view_as(batch["rewards"]), loss.rloo_normalize_advantages).flatten()
+        if ADVANTAGES in batch:  # made at rollout (online), normalised over the whole rollout
+            advantages, kl = batch[ADVANTAGES].flatten(), batch[RLOO_KL]
+        else:  # offline: from this micro-batch alone
+            rewards, kl = rloo_penalised_rewards(
+                batch["rewards"].flatten(), old, ref_logprobs, mask, loss.kl_coef, loss.reward_clip_range
+            )
+            normalize = loss.rloo_normalize_advantages
+            advantages = rloo_advantages(rewards.view_as(batch["rewards"]), normalize).flatten()
         value, metrics = rloo_loss(logprobs, old, mask, advantages, loss.clip_eps, loss.clip_eps_high)
         metrics["kl"] = kl
     else:
@@ -185,12 +191,19 @@ REWARD_STD = "reward_std"
 TOKENS_PER_MICRO_BATCH = "tokens_per_micro_batch"
 """Batch key: the rollout's response tokens over its micro-batches, all data-parallel ranks together (dapo's
 normaliser, ``losses.grpo_loss``)."""
+ADVANTAGES = "advantages"
+"""Batch key: online RLOO's advantages ``[B, G]``, made at rollout as TRL's RLOOTrainer makes them at generation
+(the KL in the rewards from the sampling policy's log-probabilities and the reference's), normalised over the whole
+rollout with ``--rloo_normalize_advantages``."""
+RLOO_KL = "rloo_kl"
+"""Batch key: online RLOO's mean per-token KL estimate of the micro-batch, for the log."""
 
 
 def batch_statistics(fabric: Fabric, rolled: list[dict[str, Tensor]]) -> None:
     """Attach to each micro-batch of ``rolled`` (a rollout, this rank's share) what is taken over the whole rollout
-    and every data-parallel rank: ``TOKENS_PER_MICRO_BATCH`` and ``REWARD_STD``. Collective: every rank calls it at
-    the same rollout (they sample in lockstep); one all-reduce."""
+    and every data-parallel rank: ``TOKENS_PER_MICRO_BATCH`` and ``REWARD_STD``, or, where the rollout made RLOO's
+    ``ADVANTAGES``, those normalised (TRL's ``normalize_advantages`` over its generation batch). Collective: every
+    rank calls it at the same rollout (they sample in lockstep); one all-reduce."""
     sums = rollout_sums(rolled)
     if fabric.world_size > 1:
         # Summed over the world: the tensor-parallel ranks of a replica hold the same rollout, counted once
@@ -200,12 +213,13 @@ def batch_statistics(fabric: Fabric, rolled: list[dict[str, Tensor]]) -> None:
 
 
 def rollout_sums(rolled: list[dict[str, Tensor]]) -> Tensor:
-    """``[response tokens, micro-batches, rewards, sum of rewards, sum of their squares]`` of ``rolled``, float64
-    (exact counts; the sums add over ranks)."""
-    rewards = torch.cat([batch["rewards"].flatten() for batch in rolled]).double()
+    """``[response tokens, micro-batches, values, their sum, the sum of their squares]`` of ``rolled``, float64
+    (exact counts; the sums add over ranks); the values: the rewards, or RLOO's ``ADVANTAGES`` where present."""
+    key = ADVANTAGES if ADVANTAGES in rolled[0] else "rewards"
+    values = torch.cat([batch[key].flatten() for batch in rolled]).double()
     tokens = sum(batch["loss_mask"].flatten(0, 1)[:, 1:].sum() for batch in rolled)  # grpo_batch_loss's mask
-    local = [tokens, len(rolled), rewards.numel(), rewards.sum(), rewards.square().sum()]
-    return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=rewards.device) for v in local])
+    local = [tokens, len(rolled), values.numel(), values.sum(), values.square().sum()]
+    return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=values.device) for v in local])
 
 
 def attach_statistics(rolled: list[dict[str, Tensor]], sums: Tensor) -> None:
@@ -218,6 +232,9 @@ def attach_statistics(rolled: list[dict[str, Tensor]], sums: Tensor) -> None:
     std = torch.tensor(math.sqrt(variance), device=device)
     for batch in rolled:
         batch[TOKENS_PER_MICRO_BATCH], batch[REWARD_STD] = per_micro_batch, std
+        if ADVANTAGES in batch:  # RLOO's, normalised as TRL's (nanstd + 1e-4; one advantage: 0)
+            centred = batch[ADVANTAGES] - total / count
+            batch[ADVANTAGES] = torch.nan_to_num(centred / (std + 1e-4), nan=0.0)
 
 
 class Rollouts:
@@ -244,6 +261,7 @@ class Rollouts:
         num_micro_batches: int,
         loss_chunk_size: int = 0,
         group_size: int | None = None,
+        reference: nn.Module | None = None,
     ) -> None:
         self.fabric, self.model, self.prompts, self.tokenizer, self.reward = fabric, model, prompts, tokenizer, reward
         self.args, self.window_size, self.position = args, window_size, position
@@ -253,8 +271,16 @@ class Rollouts:
         self.micro_batches = args.rollout_interval * args.grad_accum_steps
         self.group_size = group_size or args.group_size
         self.num_iterations = args.grpo_num_iterations if group_size is None else 1  # grpo's; online dpo samples anew
+        # RLOO's advantages are made here, as TRL's RLOOTrainer makes them at generation: the KL in the rewards
+        # needs the reference's log-probabilities of the samples (None: the policy, its LoRA adapters off)
+        self.rloo = group_size is None and args.grpo_advantage == "rloo"
+        self.reference = reference
         # What the whole rollout decides, besides each micro-batch's own (online dpo: neither)
-        self.statistics = group_size is None and (args.grpo_loss == "dapo" or args.grpo_scale_rewards == "batch")
+        self.statistics = group_size is None and (
+            args.grpo_loss == "dapo"
+            or args.grpo_scale_rewards == "batch"
+            or (self.rloo and args.rloo_normalize_advantages)
+        )
 
     def __iter__(self):
         prompt_batches = iter(self.prompts)
@@ -314,10 +340,24 @@ class Rollouts:
         packed = pack(list(zip(prompts, responses, strict=True)), tokenizer.padding_id)
         packed = {k: v.to(self.fabric.device) for k, v in packed.items()}
         old_logprobs, _ = next_token_logprobs(self.model, packed["input_ids"], self.loss_chunk_size)
-        self.model.train()
-        out = {k: v.unflatten(0, (len(batch["prompt_ids"]), group)) for k, v in packed.items()}
-        out["old_logprobs"] = old_logprobs.unflatten(0, (len(batch["prompt_ids"]), group))
+        num_prompts = len(batch["prompt_ids"])
+        out = {k: v.unflatten(0, (num_prompts, group)) for k, v in packed.items()}
+        out["old_logprobs"] = old_logprobs.unflatten(0, (num_prompts, group))
         out["rewards"] = rewards.to(self.fabric.device)
+        if self.rloo:
+            with reference_context(self.model, self.reference):
+                policy_or_reference = self.reference if self.reference is not None else self.model
+                ref_logprobs, _ = next_token_logprobs(policy_or_reference, packed["input_ids"], self.loss_chunk_size)
+            penalised, out[RLOO_KL] = rloo_penalised_rewards(
+                out["rewards"].flatten(),
+                old_logprobs,
+                ref_logprobs,
+                packed["loss_mask"][:, 1:],
+                args.grpo_kl_coef,
+                args.reward_clip_range,
+            )
+            out[ADVANTAGES] = rloo_advantages(penalised.view(num_prompts, group))  # normalised over the rollout
+        self.model.train()
         return out
 
     def _all_done(self, local_done: bool) -> bool:
@@ -426,6 +466,7 @@ def main(fabric: Fabric, args: TrainArgs) -> list[dict[str, float]]:
             state.position,
             num_micro_batches,
             start.loss_chunk_size(args),
+            reference=reference,
         )
 
     task = TrainTask(dataset, summary, compute_loss, collate_prompts, checkpoint_meta=meta, make_batches=rollouts)
