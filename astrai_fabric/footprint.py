@@ -288,7 +288,7 @@ def block_halves_saved(
     input, its normalised input and its output (3 x hidden + 1), an output norm (``sandwich``: Gemma) all but its
     output, which only the residual sum reads; attention its query, its keys and values (copied to every query head
     where ``kv_copied``: ``Workload.attention_copies_kv``) and its output (``o_proj`` reads the same storage) and
-    log-sum-exp (SDPA); a SwiGLU MLP its gate,
+    log-sum-exp (SDPA), q/k norms (Qwen3's) their inputs, outputs and 1 / rms per head; a SwiGLU MLP its gate,
     ``silu(gate)``, up and their product (4 x width); an MoE layer its router's probabilities, each slot's copy of
     the hidden state, each routed expert's MLP over its slots, the shared experts' and the combine.
 
@@ -312,8 +312,9 @@ def block_halves_saved(
     else:
         kv_heads = heads if kv_copied else (config.num_key_value_heads or config.num_attention_heads) // tp
         attention = 2 * (heads + kv_heads) * config.attention_head_dim + heads
-    if config.use_qk_norm:
-        attention += 2 * 2 * heads * config.attention_head_dim
+    if config.use_qk_norm:  # each norm's input and output, and 1 / rms per head: the keys' before any copying
+        normed_heads = heads + (config.num_key_value_heads or config.num_attention_heads) // tp
+        attention += 2 * normed_heads * config.attention_head_dim + normed_heads
     # An input is saved by what reads it: full training's linears, LoRA's adapters (with dropout they read a dropped
     # copy instead, counted with them): an input norm's output, the MLP's product (``down``'s input).
     read = (lambda names: any(t in targets for t in names)) if adapters is None or not adapters.dropout else None
@@ -677,20 +678,22 @@ def _with_blocks(config: ModelConfig, blocks: list[int]) -> ModelConfig:
     return dataclasses.replace(config, num_hidden_layers=len(blocks), layer_types=types)
 
 
-def tp_all_reduces(config: ModelConfig, forward_passes: int = 1) -> int:
-    """All-reduces of a ``[positions, hidden]`` activation per micro-batch under tensor parallelism: in each
-    forward, one per row-parallel output (o_proj, a dense MLP's down: an MoE layer's experts are whole); in the
-    backward, one per column-parallel linear's input gradient (q, k, v, the attention gate; MLA's q_proj and
-    kv_b_proj; a dense MLP's gate and up)."""
-    moe_layers, layers = config.num_moe_layers, config.num_hidden_layers
-    dense_layers = layers - moe_layers
+def tp_all_reduce_width(config: ModelConfig, forward_passes: int = 1) -> int:
+    """Elements per position all-reduced per micro-batch under tensor parallelism: in each forward, one hidden
+    state per row-parallel output (o_proj, a dense MLP's down: an MoE layer's experts are whole), except that a
+    recomputed forward (``forward_passes`` 2: checkpointing) stops at its block's last saved tensor and so skips a
+    dense MLP's down (torch's non-reentrant checkpoint stops early); in the backward, each column-parallel linear's
+    input gradient: q, k, v and the attention gate (a hidden state each), MLA's q_b_proj (its ``q_lora_rank``
+    latent, or q_proj's hidden state) and kv_b_proj (the ``kv_lora_rank`` latent), a dense MLP's gate and up."""
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    dense_layers = layers - config.num_moe_layers
     if config.attn_type == "mla":
-        column = 2
+        column = (config.q_lora_rank or hidden) + config.kv_lora_rank
     else:
-        column = 3 + (1 if config.use_gated_attention else 0)
-    forward = layers + dense_layers
-    backward = layers * column + dense_layers * 2
-    return forward_passes * forward + backward
+        column = (3 + (1 if config.use_gated_attention else 0)) * hidden
+    forward = (layers + dense_layers) * hidden + (forward_passes - 1) * layers * hidden
+    backward = layers * column + dense_layers * 2 * hidden
+    return forward + backward
 
 
 def step_collectives(
@@ -743,7 +746,7 @@ def step_collectives(
                 "TP all-reduce",
                 mesh.tp,
                 layout.link(mesh.tp),
-                micro * tp_all_reduces(config, passes) * activation,
+                micro * tp_all_reduce_width(config, passes) * positions * workload.compute_bytes,
                 True,
             )
         )

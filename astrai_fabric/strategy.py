@@ -30,7 +30,7 @@ from torch import nn
 
 from astrai_fabric.errors import ConfigError
 from astrai_fabric.loggers import build_loggers
-from astrai_fabric.mesh import mesh_layout
+from astrai_fabric.mesh import MeshLayout, mesh_layout
 from astrai_fabric.parallelize import parallelize
 
 
@@ -278,8 +278,26 @@ def _our_parallelize(fabric: Fabric) -> dict[str, Any] | None:
     return function.keywords
 
 
+def layout_of(fabric: Fabric) -> MeshLayout:
+    """The layout a launched Fabric applies, whoever built it (``mesh.MeshLayout``): one
+    process; DDP's (or any other strategy's) replicas of one shard each; under ``ModelParallelStrategy``, its tensor
+    size (its sampler's data axis over the world) and, where its ``parallelize_fn`` is ours, the FSDP shard, context,
+    expert and pipeline sizes it applies (a function of the user's own: a plain FSDP layout, its own only it
+    knows)."""
+    world_size = fabric.world_size
+    if world_size == 1:
+        return MeshLayout(replicas=1, shards=1)
+    if not is_fsdp(fabric):
+        return MeshLayout(replicas=world_size, shards=1)
+    keywords = _our_parallelize(fabric) or {}
+    data_axis = fabric.strategy.distributed_sampler_kwargs["num_replicas"]  # stages x replicas x shards x cp
+    sizes = (keywords.get(name) for name in ("fsdp_shard_size", "cp_size", "ep_size", "pp_size"))
+    return mesh_layout(world_size, world_size // data_axis, *sizes)  # the sizes checked when the Fabric was built
+
+
 def cp_size_of(fabric: Fabric) -> int:
-    """The context-parallel size the Fabric's ``parallelize`` applies (1 for any other strategy)."""
+    """The context-parallel size the Fabric's ``parallelize`` applies (1 for any other strategy); known before
+    the Fabric is launched, as ``layout_of`` is not."""
     return _size_of(fabric, "cp_size")
 
 
@@ -300,14 +318,14 @@ def _size_of(fabric: Fabric, name: str) -> int:
 
 def fsdp_shard_size_of(fabric: Fabric) -> int | None:
     """The shard size the Fabric's FSDP applies: 1 on a single device; under ``ModelParallelStrategy`` running
-    ``parallelize``, its ``fsdp_shard_size`` (None there means every data-parallel rank); None for any other
-    strategy, or a ``parallelize_fn`` of the user's own (whose layout only it knows)."""
+    ``parallelize``, its ``fsdp_shard_size`` (None there: every data-parallel rank, ``layout_of``); None for any
+    other strategy, or a ``parallelize_fn`` of the user's own (whose layout only it knows)."""
     if fabric.world_size == 1:
         return 1
     keywords = _our_parallelize(fabric)
     if keywords is None:
         return None
-    return keywords.get("fsdp_shard_size") or data_parallel(fabric).num_dp_ranks
+    return keywords.get("fsdp_shard_size") or layout_of(fabric).shards
 
 
 def check_fsdp_shard_size(fabric: Fabric, fsdp_shard_size: int | None) -> None:
@@ -366,13 +384,10 @@ class DataParallel(NamedTuple):
 
 
 def data_parallel(fabric: Fabric) -> DataParallel:
-    """Where this rank sits on the data axis (``DataParallel``). Lightning's sampler arguments count the context
-    ranks and the pipeline stages as data ranks (its mesh's ``data_parallel`` axis holds them, ``mesh`` module):
-    they are divided out."""
-    kwargs = getattr(fabric.strategy, "distributed_sampler_kwargs", None) or {"rank": 0, "num_replicas": 1}
-    cp_size, pp_size = cp_size_of(fabric), pp_size_of(fabric)
-    num_dp_ranks = kwargs["num_replicas"] // (cp_size * pp_size)
-    return DataParallel(kwargs["rank"] // cp_size % num_dp_ranks, num_dp_ranks)
+    """Where this rank sits on the data axis (``DataParallel``), from the Fabric's layout (``MeshLayout.dp_rank``:
+    the ranks of one context, tensor or pipeline group read the same samples)."""
+    layout = layout_of(fabric)
+    return DataParallel(layout.dp_rank(fabric.global_rank), layout.num_dp_ranks)
 
 
 def set_cpu_threads(num_threads: int | None) -> None:

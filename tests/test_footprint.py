@@ -22,6 +22,7 @@ from astrai_fabric.footprint import (
     Layout,
     Workload,
     activation_bytes,
+    block_halves_saved,
     footprint,
     model_state_bytes,
 )
@@ -120,6 +121,17 @@ def test_activations_are_what_autograd_saves_within_ten_percent(name):
     model = build(name)
     activations, _ = activation_bytes(model.config, ONE_PROCESS, workload())
     assert activations == pytest.approx(trunk_saved_bytes(model, IDS[:, :-1]), rel=0.10)
+
+
+@pytest.mark.parametrize("name", ["gqa", "one_kv_head", "qk_norm"])
+def test_one_blocks_saved_elements_are_exactly_what_autograd_saves(name):
+    """One dense decoder block (``block_halves_saved``: its norms, attention's query, keys, values, output and the
+    log-sum-exp SDPA saves per head, q/k norms' inputs, outputs and 1 / rms per head, the MLP's four) against what
+    autograd saves for it: the trunk of two blocks less the trunk of one, to the byte."""
+    one, two = build(name, layers=1), build(name, layers=2)
+    measured = trunk_saved_bytes(two, IDS[:, :-1]) - trunk_saved_bytes(one, IDS[:, :-1])
+    positions = IDS[:, :-1].numel()
+    assert measured == sum(block_halves_saved(one.config, False)) * positions * 4
 
 
 def test_a_plan_off_cpu_counts_keys_and_values_copied_per_query_head():
@@ -492,3 +504,69 @@ def test_grpo_plans_each_prompts_group_and_says_what_it_leaves_out(tmp_path, cap
     dpo = ["dpo", "--param_path", "bundled:tiny", "--data_root_path", "bundled:data/dpo", "--window_size", "64"]
     assert main([*dpo, *argv[7:], "--dpo_loss", "simpo"]) == 0
     assert "not counted" not in capsys.readouterr().out
+
+
+TP_CASES = {"gqa": dict(), "gated_attention": dict(use_gated_attention=True), "moe": MOE, "mla": CONFIGS["mla"]}
+"""The tensor-parallel cases: each kind of column-parallel linear (q, k, v, the attention gate; MLA's; an MoE layer's
+experts whole) and row-parallel output."""
+
+
+def tp_all_reduce_worker(out: str) -> None:
+    """One of 2 tensor-parallel ranks: each case's model, through ``parallelize``, a forward and backward (and one
+    with each block recomputed), the activation-sized all-reduces counted where every collective passes, torch's
+    dispatcher (``_c10d_functional`` and ``c10d`` ops)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from astrai_fabric.parallelize import parallelize
+
+    class AllReduces(TorchDispatchMode):
+        """Elements handed to all-reduces, the step's scalars (the loss's) left out."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.elements = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            if "all_reduce" in str(func) or "allreduce" in str(func):
+                tensors = args[0] if isinstance(args[0], list | tuple) else [args[0]]
+                self.elements += sum(t.numel() for t in tensors if t.numel() > 1)
+            return func(*args, **(kwargs or {}))
+
+    dist.init_process_group("gloo")
+    counts = {}
+    ids = IDS[:, :-1]
+    for name, extra in TP_CASES.items():
+        for checkpointing in (False, True):
+            torch.manual_seed(0)
+            model = AutoRegressiveLM(tiny_config(**SHAPE | extra)).train()
+            model.gradient_checkpointing = checkpointing
+            mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
+            model = parallelize(model, mesh)
+            counter = AllReduces()
+            with counter:
+                output = model(ids)
+                F.cross_entropy(output.logits.flatten(0, 1).float(), IDS[:, 1:].flatten()).backward()
+            counts[f"{name}_{checkpointing}"] = counter.elements / ids.numel()  # per position
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(counts))
+    dist.destroy_process_group()
+
+
+def test_tensor_parallels_all_reduces_are_the_plans(tmp_path):
+    """``tp_all_reduce_width``: the elements all-reduced per position of one micro-batch under tensor parallelism,
+    counted on 2 real gloo ranks for each kind of layer, with and without recomputation (each block's forward again
+    in the backward, stopping early)."""
+    from spawn import run_ranks
+
+    from astrai_fabric.footprint import tp_all_reduce_width
+
+    run_ranks(tp_all_reduce_worker, 2, str(tmp_path / "counts.json"))
+    counts = json.loads((tmp_path / "counts.json").read_text())
+    planned = {
+        f"{name}_{checkpointing}": tp_all_reduce_width(tiny_config(**SHAPE | extra), 2 if checkpointing else 1)
+        for name, extra in TP_CASES.items()
+        for checkpointing in (False, True)
+    }
+    assert counts == planned
