@@ -41,13 +41,14 @@ from astrai_fabric.config.aliases import NOT_TAKEN, WHOLE_NUMBERS, Alias, alias_
 from astrai_fabric.config.generate import ChatArgs, GenerateArgs
 from astrai_fabric.config.kinds import kind_problem
 from astrai_fabric.config.train import COMMAND_LINE_ONLY, READ_BY, TrainArgs, resolved_recipe
+from astrai_fabric.config.train_types import TRAIN_TYPES
 from astrai_fabric.errors import TrainingError, UserError, keep_traceback
 from astrai_fabric.regular_files import open_regular_file
 
 # What this module imports is what a mistaken flag costs before it is refused: nothing here imports torch (a
 # second and a half of CPU, tests/test_startup.py); each command imports what it runs inside its function.
 
-TRAIN_COMMANDS = ("seq", "sft", "dpo", "kto", "grpo", "reward_model")
+TRAIN_COMMANDS = TRAIN_TYPES
 OTHER_COMMANDS = ("evaluate", "generate", "chat", "export", "prepare", "plot", "download")
 """The commands that train nothing (each dispatched by ``_dispatch``); the usage line lists both tuples."""
 TRAIN_TYPE_ALIASES = {"online_grpo": "grpo", "online_dpo": "dpo"}

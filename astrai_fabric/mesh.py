@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from astrai_fabric.config.combinations import pair_problem
 from astrai_fabric.errors import ConfigError
 
 
@@ -115,12 +116,8 @@ def mesh_layout(
     pp_size = pp_size or 1
     if world_size % pp_size:
         raise ConfigError(f"pp_size {pp_size} must divide the world size {world_size}")
-    if pp_size > 1 and ((cp_size or 1) > 1 or (ep_size or 1) > 1):
-        named = " and ".join(f"{n} {s}" for n, s in (("cp_size", cp_size or 1), ("ep_size", ep_size or 1)) if s > 1)
-        raise ConfigError(
-            f"pp_size {pp_size} with {named}: pipeline stages compose with FSDP, HSDP and tensor parallelism here; "
-            "drop one of them"
-        )
+    if problem := pair_problem(dict(pp=pp_size, cp=cp_size, ep=ep_size, tp=tp_size)):
+        raise ConfigError(problem)
     layout = _stage_layout(world_size // pp_size, tp_size, fsdp_shard_size, cp_size, ep_size)
     return dataclasses.replace(layout, pp=pp_size)
 
@@ -142,14 +139,6 @@ def _stage_layout(
             f"{others}); the ranks per node is the usual choice"
         )
     ep_size = ep_size or 1
-    if ep_size > 1 and (tp_size > 1 or cp_size > 1):
-        named = " and ".join(
-            f"{name} {size}" for name, size in (("tp_size", tp_size), ("cp_size", cp_size)) if size > 1
-        )
-        raise ConfigError(
-            f"ep_size {ep_size} with {named}: expert parallelism takes its ranks from the data shards alone here; "
-            "drop one of them"
-        )
     if shards % ep_size:
         raise ConfigError(
             f"ep_size {ep_size} must divide the FSDP shards ({shards}: fsdp_shard_size, or the data-parallel size "

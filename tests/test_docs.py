@@ -81,3 +81,13 @@ def test_each_documented_fresh_run_has_its_own_ckpt_dir(page):
             recipe = (ROOT / words[words.index("--config") + 1]).read_text()
             ckpt_dirs.append(re.search(r"^ckpt_dir: (\S+)", recipe, flags=re.M)[1])
     assert len(set(ckpt_dirs)) == len(ckpt_dirs), ckpt_dirs
+
+
+def test_distributed_md_shows_the_composition_table_the_code_decides_by():
+    """docs/distributed.md's "What combines" table is ``config.combinations.composition_table()``, as generated."""
+    from astrai_fabric.config.combinations import composition_table
+
+    page = (ROOT / "docs" / "distributed.md").read_text()
+    begin = "<!-- composition table: astrai_fabric.config.combinations.composition_table() -->\n"
+    shown = page[page.index(begin) + len(begin) : page.index("\n<!-- end of composition table -->")]
+    assert shown == composition_table()

@@ -678,10 +678,8 @@ def test_rloo_matches_trls_rloo_trainer(models):
         now = next_token_logprobs(ours, batch["input_ids"].flatten(0, 1))[0].unflatten(0, (2, -1))
     batch["old_logprobs"] = now + 0.1 * (batch["old_logprobs"] - now)
     clip_range = (0.0, 0.6)
-    args = GRPOLossArgs(
-        clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.05, advantage="rloo", rloo_normalize_advantages=True,
-        reward_clip_range=clip_range,
-    )  # fmt: skip
+    rloo = dict(advantage="rloo", rloo_normalize_advantages=True, reward_clip_range=clip_range)
+    args = GRPOLossArgs(clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.05, **rloo)
     assert batch["rewards"].max() > clip_range[1]  # the clip acts
     loss, metrics = grpo_batch_loss(ours, batch, reference, 0.2, 0.05, 0.0, loss=args)
     loss.backward()
@@ -700,11 +698,9 @@ def test_rloo_matches_trls_rloo_trainer(models):
     penalised = rewards.view_as(batch["rewards"])
     torch.testing.assert_close(rloo_advantages(penalised, normalize=True).flatten(), advantages, atol=1e-6, rtol=0)
     policy = transformers.AutoModelForCausalLM.from_pretrained(models / "policy_hf", dtype=torch.float32)
-    config = trl.RLOOConfig(
-        output_dir=str(models / "trl-rloo"), report_to=[], use_cpu=True, bf16=False, beta=0.05, epsilon=0.2,
-        epsilon_high=0.28, num_generations=4, per_device_train_batch_size=4, normalize_advantages=True,
-        reward_clip_range=clip_range, max_completion_length=40,
-    )  # fmt: skip
+    settings = dict(beta=0.05, epsilon=0.2, epsilon_high=0.28, normalize_advantages=True, reward_clip_range=clip_range)
+    run = dict(num_generations=4, per_device_train_batch_size=4, max_completion_length=40)
+    config = trl.RLOOConfig(str(models / "trl-rloo"), report_to=[], use_cpu=True, bf16=False, **settings, **run)
     trainer = online_trainer(trl.RLOOTrainer, policy, config, models)
     inputs = {
         "prompt_ids": ids[:, :prompt_length],

@@ -17,10 +17,12 @@ from typing import Literal
 
 import yaml
 
+from astrai_fabric.config.combinations import DIMENSIONS
 from astrai_fabric.config.kinds import kind_problem
 from astrai_fabric.config.lora import DEFAULT_TARGETS
 from astrai_fabric.config.pipeline import stages_per_rank
 from astrai_fabric.config.train_checks import TrainChecks
+from astrai_fabric.config.train_types import TrainType
 from astrai_fabric.errors import ConfigError
 
 COMMAND_LINE_ONLY = ("trust_code", "config")
@@ -53,8 +55,10 @@ READ_BY = {
         ),
         ("dpo", "grpo"),
     ),
+    **dict.fromkeys(("pp_size", "pp_schedule", "pp_stages_per_rank"), DIMENSIONS["pp"].train_types),
 }  # fmt: skip
-"""The flags only some train types read (online dpo samples and rewards rollouts as online grpo does), and those;
+"""The flags only some train types read (online dpo samples and rewards rollouts as online grpo does; the pipeline's,
+what ``config.combinations`` says pipelines train), and those;
 every other flag is every train type's. ``COMMAND --help`` lists a train type's own and the common ones; the others
 are accepted everywhere (AstrAI's command line takes every flag for every train type)."""
 DATA_FORMATS = (
@@ -64,7 +68,6 @@ DATA_FORMATS = (
 """``--data_format``'s values, ``data.shapes.DATA_FORMATS`` spelled out (tests/test_startup.py holds them equal):
 reading the flags imports nothing of ``data/``, whose package imports torch."""
 
-TrainType = Literal["seq", "sft", "dpo", "kto", "grpo", "reward_model"]
 ParallelMode = Literal["none", "ddp", "fsdp"]
 Precision = Literal["auto", "bf16-true", "bf16-mixed", "32-true"]
 DataFormat = Literal[DATA_FORMATS]

@@ -13,6 +13,7 @@ import math
 import re
 import warnings
 
+from astrai_fabric.config.combinations import dimension_problem
 from astrai_fabric.config.devices import parse_device_memory
 from astrai_fabric.config.lora import TARGETS, check_scaling
 from astrai_fabric.config.pipeline import INTERLEAVED_SCHEDULES
@@ -255,8 +256,8 @@ class TrainChecks:
             )
         if not self.dist_timeout > 0:
             problems.append(f"dist_timeout must be > 0, got {self.dist_timeout}")
-        if (self.tp_size or 1) > 1 and self.parallel_mode != "fsdp":
-            problems.append(f"tp_size {self.tp_size} needs parallel_mode fsdp (the 2-D mesh), got {self.parallel_mode}")
+        if problem := dimension_problem("tp", self.tp_size or 1, self.parallel_mode, self.train_type):
+            problems.append(problem)
         problems += self._context_parallel_problems()
         problems += self._expert_parallel_problems()
         problems += self._pipeline_problems()
@@ -280,11 +281,8 @@ class TrainChecks:
         cp_size = self.cp_size or 1
         if cp_size == 1:
             return []
-        if self.parallel_mode != "fsdp":
-            return [
-                f"cp_size {cp_size} needs parallel_mode fsdp (FSDP shards over the context ranks), got "
-                f"{self.parallel_mode}: use --parallel_mode fsdp"
-            ]
+        if problem := dimension_problem("cp", cp_size, self.parallel_mode, self.train_type):
+            return [problem]
         problems = []
         if self.window_size is not None and self.window_size % cp_size:
             problems.append(f"cp_size {cp_size} must divide window_size {self.window_size} (each rank's share)")
@@ -301,12 +299,8 @@ class TrainChecks:
         ep_size = self.ep_size or 1
         if ep_size == 1:
             return []
-        if self.parallel_mode != "fsdp":
-            return [
-                f"ep_size {ep_size} needs parallel_mode fsdp (FSDP shards the experts over the data ranks an "
-                f"expert group leaves), got {self.parallel_mode}: use --parallel_mode fsdp"
-            ]
-        return []
+        problem = dimension_problem("ep", ep_size, self.parallel_mode, self.train_type)
+        return [problem] if problem else []
 
     def _pipeline_problems(self) -> list[str]:
         """``--pp_size``: with FSDP, for seq and sft on windows of one shape (the ranks by ``mesh.mesh_layout``, the
@@ -316,16 +310,8 @@ class TrainChecks:
             if (self.pp_stages_per_rank or 1) > 1:
                 return [f"pp_stages_per_rank {self.pp_stages_per_rank} needs pipeline stages: set --pp_size"]
             return []
-        if self.parallel_mode != "fsdp":
-            return [
-                f"pp_size {pp_size} needs parallel_mode fsdp (each stage is sharded as a model is), got "
-                f"{self.parallel_mode}: use --parallel_mode fsdp"
-            ]
-        if self.train_type not in ("seq", "sft"):
-            return [
-                f"pp_size {pp_size} with train_type {self.train_type}: pipeline stages train seq and sft here (the "
-                "other losses need a reference model or sampling the schedule does not run)"
-            ]
+        if problem := dimension_problem("pp", pp_size, self.parallel_mode, self.train_type):
+            return [problem]
         problems = []
         micro = self.grad_accum_steps
         if self.pp_schedule == "1f1b" and micro < pp_size:

@@ -21,6 +21,7 @@ import torch
 from lightning.fabric import Fabric
 
 from astrai_fabric.config.train import TrainArgs
+from astrai_fabric.config.train_types import TRAIN_TYPES
 from astrai_fabric.errors import ConfigError, TrainingError
 from astrai_fabric.host_memory import reuse_freed_memory
 from astrai_fabric.launch import start_local_ranks
@@ -39,8 +40,9 @@ from astrai_fabric.train import dpo, grpo, kto, lm, reward_model
 from astrai_fabric.train.checks import check_processes_fit
 from astrai_fabric.train.dry_run import dry_run
 
-TRAIN_TYPES = {"seq": lm, "sft": lm, "dpo": dpo, "kto": kto, "grpo": grpo, "reward_model": reward_model}
-"""Each train type's module: ``build_dataset(args, start)`` and ``main(fabric, args)``."""
+TRAIN_MODULES = dict(zip(TRAIN_TYPES, (lm, lm, dpo, kto, grpo, reward_model), strict=True))
+"""Each train type's module (``config.train_types``' order): ``build_dataset(args, start)`` and
+``main(fabric, args)``."""
 
 
 def run(args: TrainArgs) -> list[dict] | None:
@@ -66,7 +68,7 @@ def execute(
     if own_process:
         set_cpu_threads(args.num_threads)
     if args.dry_run:
-        return dry_run(args, TRAIN_TYPES[args.train_type].build_dataset), []
+        return dry_run(args, TRAIN_MODULES[args.train_type].build_dataset), []
     if own_process and args.reuse_freed_memory:
         reuse_freed_memory()
     if not (topology := resolve_topology(args.nprocs, args.num_nodes)).launched_externally:
@@ -121,10 +123,10 @@ def fabric_args(args: TrainArgs) -> FabricArgs:
 
 def _train(fabric: Fabric, args: TrainArgs) -> list[dict]:
     """``train`` on validated ``args`` (every rank ``execute`` launches runs this)."""
-    if args.train_type not in TRAIN_TYPES:
-        raise ConfigError(f"train_type must be one of {sorted(TRAIN_TYPES)}, got {args.train_type!r}")
+    if args.train_type not in TRAIN_MODULES:
+        raise ConfigError(f"train_type must be one of {sorted(TRAIN_MODULES)}, got {args.train_type!r}")
     try:
-        return TRAIN_TYPES[args.train_type].main(fabric, args)
+        return TRAIN_MODULES[args.train_type].main(fabric, args)
     except RuntimeError as err:
         if fabric.world_size == 1 or not _is_collective_failure(err):
             raise
