@@ -26,7 +26,7 @@ from equality import assert_same_training
 from torch import Tensor, nn
 
 from astrai_fabric.checkpoint import load_checkpoint, load_model, save_checkpoint
-from astrai_fabric.cli import ALIASES, TRAIN_FLAGS
+from astrai_fabric.config.command_line import ALIASES, TRAIN_FLAGS
 from astrai_fabric.model import AutoRegressiveLM
 from astrai_fabric.optim import OptimArgs, build_optimizer
 
