@@ -1,4 +1,4 @@
-"""The footprint's figures (``astrai_fabric/footprint.py``) against what one training step holds and sends (issue 45).
+"""The footprint's figures (``astrai_fabric/footprint/``) against what one training step holds and sends (issue 45).
 
     .venv/bin/python bench/footprint.py [--layouts one,ddp2,...] [--window 128]
 

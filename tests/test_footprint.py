@@ -1,4 +1,4 @@
-"""The footprint (``astrai_fabric/footprint.py``) against what runs here, in one process.
+"""The footprint (``astrai_fabric/footprint/``) against what runs here, in one process.
 
 References: the parameters of the built model, grouped by name; the bytes of every tensor autograd saves in a real
 forward and loss (``saved_tensors_hooks``, each storage once, the parameters left out), with the logits; the
