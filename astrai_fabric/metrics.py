@@ -27,7 +27,7 @@ from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.errors import UserError
 from astrai_fabric.metric_entries import metric_entry_problem, metric_lines
 from astrai_fabric.model import count_parameters
-from astrai_fabric.model.expert_parallel import expert_meshes
+from astrai_fabric.parallel.expert import expert_meshes
 from astrai_fabric.torch_private import foreach_add_, foreach_norm, foreach_sub
 
 METRIC_FILE = "metric.jsonl"

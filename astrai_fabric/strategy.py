@@ -30,8 +30,8 @@ from torch import nn
 
 from astrai_fabric.errors import ConfigError
 from astrai_fabric.loggers import build_loggers
-from astrai_fabric.mesh import MeshLayout, mesh_layout
-from astrai_fabric.parallelize import parallelize
+from astrai_fabric.parallel.mesh import MeshLayout, mesh_layout
+from astrai_fabric.parallel.parallelize import parallelize
 
 
 @dataclass(frozen=True)

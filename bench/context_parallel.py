@@ -100,7 +100,7 @@ def worker(settings: dict, timed: bool, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from astrai_fabric.parallelize import parallelize
+    from astrai_fabric.parallel.parallelize import parallelize
 
     dist.init_process_group("gloo")
     cp = dist.get_world_size()

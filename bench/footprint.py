@@ -130,7 +130,7 @@ def worker(name: str, window: int, out: str) -> None:
 
     from astrai_fabric.model import AutoRegressiveLM
     from astrai_fabric.optim import OptimArgs, build_optimizer
-    from astrai_fabric.parallelize import parallelize
+    from astrai_fabric.parallel.parallelize import parallelize
     from astrai_fabric.train.grpo import grpo_batch_loss
 
     layout = LAYOUTS[name]
@@ -260,7 +260,7 @@ def main() -> None:
 def compare(name: str, window: int, measured: dict) -> list[tuple[str, int, int]]:
     """``(kind, planned bytes, measured bytes)`` for each figure the plan gives."""
     from astrai_fabric.footprint import Layout, Workload, footprint
-    from astrai_fabric.mesh import MeshLayout, mesh_layout
+    from astrai_fabric.parallel.mesh import MeshLayout, mesh_layout
 
     layout = LAYOUTS[name]
     ranks = layout["ranks"]

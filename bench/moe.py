@@ -85,7 +85,7 @@ def ranks_worker(settings: dict, out: str) -> None:
 
     import astrai_fabric.model.expert_parallel as expert_parallel
     from astrai_fabric.model import AutoRegressiveLM
-    from astrai_fabric.parallelize import parallelize
+    from astrai_fabric.parallel.parallelize import parallelize
 
     dist.init_process_group("gloo")
     world_size, rank = dist.get_world_size(), dist.get_rank()

@@ -11,7 +11,7 @@ from astrai_fabric.config.combinations import DIMENSIONS, REFUSED_PAIRS, dimensi
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.config.train_types import TRAIN_TYPES
 from astrai_fabric.errors import ConfigError
-from astrai_fabric.mesh import mesh_layout
+from astrai_fabric.parallel.mesh import mesh_layout
 
 
 @pytest.mark.parametrize(("first", "second"), list(itertools.combinations(DIMENSIONS, 2)))

@@ -18,10 +18,10 @@ from spawn import run_ranks
 
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import ConfigError
-from astrai_fabric.mesh import MeshLayout, mesh_layout
 from astrai_fabric.model import AutoRegressiveLM
-from astrai_fabric.model.context_parallel import check_context_parallel, describe_context_parallel
 from astrai_fabric.model.transformer import forward_window
+from astrai_fabric.parallel.context import check_context_parallel, describe_context_parallel
+from astrai_fabric.parallel.mesh import MeshLayout, mesh_layout
 
 # --- the layout ---------------------------------------------------------------------------------------------------
 
@@ -156,7 +156,7 @@ def context_parallel_worker(out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from astrai_fabric.parallelize import parallelize
+    from astrai_fabric.parallel.parallelize import parallelize
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
@@ -176,7 +176,7 @@ def tensor_and_context_parallel_worker(out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from astrai_fabric.parallelize import parallelize
+    from astrai_fabric.parallel.parallelize import parallelize
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
     results = {name: losses_and_grads(parallelize(build(name), mesh, cp_size=2)) for name in TENSOR_PARALLEL_CONFIGS}
@@ -255,7 +255,7 @@ def test_a_fabric_built_elsewhere_decides_context_parallelism():
     from lightning.fabric import Fabric
     from lightning.fabric.strategies import ModelParallelStrategy
 
-    from astrai_fabric.parallelize import parallelize
+    from astrai_fabric.parallel.parallelize import parallelize
     from astrai_fabric.strategy import check_cp_size, cp_size_of
 
     def fabric(**keywords) -> Fabric:

@@ -17,10 +17,10 @@ from astrai_fabric.assets import TINY_MODEL_DIR
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import ConfigError
 from astrai_fabric.lora import LoRASpec, inject
-from astrai_fabric.mesh import MeshLayout, mesh_layout
-from astrai_fabric.model.expert_parallel import check_expert_parallel
 from astrai_fabric.model.ffn import DeepSeekMoE, grouped_experts_fit, run_experts
 from astrai_fabric.model.transformer import AutoRegressiveLM
+from astrai_fabric.parallel.expert import check_expert_parallel
+from astrai_fabric.parallel.mesh import MeshLayout, mesh_layout
 
 HOST_READS = {"tolist", "item", "__int__", "__bool__", "__float__", "__index__", "nonzero"}
 """Tensor functions whose result the host must wait for."""
@@ -195,7 +195,7 @@ def expert_parallel_worker(out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from astrai_fabric.parallelize import parallelize
+    from astrai_fabric.parallel.parallelize import parallelize
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
@@ -261,7 +261,7 @@ def four_rank_expert_worker(out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from astrai_fabric.parallelize import parallelize
+    from astrai_fabric.parallel.parallelize import parallelize
 
     mesh = init_device_mesh("cpu", (4, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
     results = {}
@@ -371,7 +371,7 @@ def test_a_fabric_built_elsewhere_decides_expert_parallelism():
     from lightning.fabric import Fabric
     from lightning.fabric.strategies import ModelParallelStrategy
 
-    from astrai_fabric.parallelize import parallelize
+    from astrai_fabric.parallel.parallelize import parallelize
     from astrai_fabric.strategy import check_ep_size, ep_size_of
 
     def fabric(**keywords) -> Fabric:

@@ -26,10 +26,10 @@ from astrai_fabric.footprint import (
     footprint,
     model_state_bytes,
 )
-from astrai_fabric.mesh import MeshLayout, mesh_layout
 from astrai_fabric.model import AutoRegressiveLM
 from astrai_fabric.model.transformer import parameter_counts
 from astrai_fabric.optim import OptimArgs, build_optimizer
+from astrai_fabric.parallel.mesh import MeshLayout, mesh_layout
 
 SHAPE = dict(hidden_size=64, intermediate_size=96, vocab_size=200, max_position_embeddings=64, num_hidden_layers=2)
 MOE = dict(ffn_type="moe", n_routed_experts=4, n_activated_experts=2, n_shared_experts=1, moe_intermediate_size=32)
@@ -519,7 +519,7 @@ def tp_all_reduce_worker(out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from astrai_fabric.parallelize import parallelize
+    from astrai_fabric.parallel.parallelize import parallelize
 
     class AllReduces(TorchDispatchMode):
         """Elements handed to all-reduces, the step's scalars (the loss's) left out."""

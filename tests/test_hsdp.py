@@ -27,7 +27,7 @@ from astrai_fabric.cli import main
 from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.errors import ConfigError
 from astrai_fabric.model import AutoRegressiveLM
-from astrai_fabric.parallelize import parallelize
+from astrai_fabric.parallel.parallelize import parallelize
 from astrai_fabric.strategy import check_fsdp_shard_size
 from astrai_fabric.train import build_run_fabric, run, train
 

@@ -43,7 +43,7 @@ from astrai_fabric.losses import moe_load_metrics, with_moe_aux_loss  # noqa: E4
 from astrai_fabric.model import AutoRegressiveLM, count_parameters, make_doc_boundary_mask  # noqa: E402
 from astrai_fabric.model.ffn import describe_routing  # noqa: E402
 from astrai_fabric.model.layers import rope_attention_factor, rope_table, yarn_frequencies  # noqa: E402
-from astrai_fabric.parallelize import apply_tensor_parallel  # noqa: E402
+from astrai_fabric.parallel.parallelize import apply_tensor_parallel  # noqa: E402
 
 TOLERANCE = 1e-5
 """Max abs logit difference allowed in float32 (the issue's bar); observed differences are ~1e-6."""

@@ -156,11 +156,45 @@ def test_prepare_loads_no_model_code_and_the_loop_no_strategy():
         "loaded = sorted(m for m in sys.modules if m.startswith(heavy))\n"
         "assert not loaded, f'data.prepare loaded {loaded}'\n"
         "import astrai_fabric.loop\n"
-        "loaded = sorted(m for m in sys.modules if m in ('astrai_fabric.strategy', 'astrai_fabric.parallelize'))\n"
+        "strategies = ('astrai_fabric.strategy', 'astrai_fabric.parallelize', 'astrai_fabric.parallel.parallelize')\n"
+        "loaded = sorted(m for m in sys.modules if m in strategies)\n"
         "assert not loaded, f'loop loaded {loaded}'\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={"OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def distributed_imports(path: Path) -> list[int]:
+    """The lines of ``path`` that import ``torch.distributed`` (or anything under it), anywhere in the file."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+        if any(name == "torch.distributed" or name.startswith("torch.distributed.") for name in names):
+            found.append(node.lineno)
+    return found
+
+
+def test_the_model_imports_no_torch_distributed():
+    """model/ asks its seams (a ContextGroup, an ExpertGroup) and ``parallel/`` fills them: no file of it imports
+    ``torch.distributed``, at any level."""
+    found = {
+        str(p.relative_to(PACKAGE)): lines
+        for p in (PACKAGE / "model").rglob("*.py")
+        if (lines := distributed_imports(p))
+    }
+    assert found == {}
+
+
+def test_the_distributed_import_finder_finds_an_injected_import(tmp_path):
+    path = tmp_path / "attention.py"
+    path.write_text(
+        "import torch\n\n\ndef f():\n    from torch.distributed import all_reduce\n    import torch.distributed as d\n"
+    )
+    assert distributed_imports(path) == [5, 6]
 
 
 COLLECTIONS = ("dict", "frozenset", "set", "tuple", "list")

@@ -563,7 +563,7 @@ def fsdp_tp_model(sharded: bool):
     from conftest import tiny_config
 
     from astrai_fabric.model import AutoRegressiveLM
-    from astrai_fabric.parallelize import parallelize
+    from astrai_fabric.parallel.parallelize import parallelize
 
     torch.manual_seed(7)
     model = AutoRegressiveLM(tiny_config(intermediate_size=26))

@@ -24,7 +24,6 @@ from test_training_distributed import base_args, stored_state_bytes
 
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import ConfigError
-from astrai_fabric.mesh import MeshLayout, mesh_layout
 from astrai_fabric.model import AutoRegressiveLM
 from astrai_fabric.model.pipeline import (
     StageLoss,
@@ -37,6 +36,7 @@ from astrai_fabric.model.pipeline import (
     layer_parameters,
     stage_layers,
 )
+from astrai_fabric.parallel.mesh import MeshLayout, mesh_layout
 from astrai_fabric.train import run
 
 # --- the split and the layout --------------------------------------------------------------------------------------
@@ -424,7 +424,7 @@ def test_a_fabric_built_elsewhere_decides_pipeline_parallelism():
     from lightning.fabric import Fabric
     from lightning.fabric.strategies import ModelParallelStrategy
 
-    from astrai_fabric.parallelize import parallelize
+    from astrai_fabric.parallel.parallelize import parallelize
     from astrai_fabric.strategy import check_pp_size, pp_size_of
 
     def fabric(**keywords) -> Fabric:

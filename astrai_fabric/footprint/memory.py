@@ -8,11 +8,11 @@ import functools
 
 from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.footprint.values import MATRIX_PARTS, Adapters, Layout, Workload, adapter_parameters, block_linears
-from astrai_fabric.mesh import MeshLayout
 from astrai_fabric.model.transformer import ParameterCounts
 from astrai_fabric.optim import STATE_BUFFERS
 from astrai_fabric.optim.muon import OWNER_ROUND_BYTES
 from astrai_fabric.optim.muon_owners import assign_owners, newton_schulz_flops
+from astrai_fabric.parallel.mesh import MeshLayout
 from astrai_fabric.quantize import BYTES_PER_WEIGHT, fits_blocks
 
 

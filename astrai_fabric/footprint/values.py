@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from astrai_fabric.config.model import ModelConfig
-from astrai_fabric.mesh import MeshLayout
+from astrai_fabric.parallel.mesh import MeshLayout
 
 MATRIX_PARTS = {"muon_adamw": "muon", "nora_nadamw": "nora", "mano_adamw": "mano", "adamw": "adamw"}
 """The part of each ``--optimizer`` that updates the blocks' matrices; the rest is AdamW's (or NAdamW's, alike)."""

@@ -35,7 +35,7 @@ from astrai_fabric.loop.pipeline import Pipeline
 from astrai_fabric.loop.state import REUSED, LoopArgs, LossFn, TrainState
 from astrai_fabric.losses import moe_load_metrics
 from astrai_fabric.metrics import GradSNR, by_device_mesh, global_norm
-from astrai_fabric.model.expert_parallel import expert_meshes
+from astrai_fabric.parallel.expert import expert_meshes
 from astrai_fabric.preemption import StopRequest
 from astrai_fabric.quantize import is_quantized
 from astrai_fabric.randomness import ModuleNoise

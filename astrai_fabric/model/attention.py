@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from astrai_fabric.config.model import ModelConfig
-from astrai_fabric.model.context_parallel import ContextGroup, heads_to_seq, repeat_kv_for, seq_to_heads
+from astrai_fabric.model.context_parallel import ContextGroup, repeat_kv_for
 from astrai_fabric.model.kv_cache import KVCache
 from astrai_fabric.model.layers import Linear, RMSNorm, apply_rotary_emb, yarn_mscale
 
@@ -35,7 +35,7 @@ def sdpa(
     window's: the heads are traded for positions around the attention (``model.context_parallel``)."""
     if context is not None:
         k, v = repeat_kv_for(k, v, q.size(2), context)
-        q, k, v = (seq_to_heads(t, context) for t in (q, k, v))
+        q, k, v = (context.seq_to_heads(t) for t in (q, k, v))
     n_rep = q.size(2) // k.size(2)
     # AstrAI's repeat_kv: each key/value head serves n_rep consecutive query heads. On CPU torch's kernel does that
     # itself (``enable_gqa``: the same outputs, the key/value gradients summed in another order, ~1e-7), without
@@ -51,7 +51,7 @@ def sdpa(
     else:
         out = _softcapped_attention(q, k, v, attn_mask, q.size(-1) ** -0.5 if scale is None else scale, softcap)
     out = out.transpose(1, 2)
-    return (out if context is None else heads_to_seq(out, context)).flatten(2)
+    return (out if context is None else context.heads_to_seq(out)).flatten(2)
 
 
 def _softcapped_attention(

@@ -17,8 +17,8 @@ from torch import Tensor
 
 from astrai_fabric import torch_private
 from astrai_fabric.config.model import ModelConfig
-from astrai_fabric.model.context_parallel import ContextGroup, sum_over_group
-from astrai_fabric.model.expert_parallel import ExpertGroup, exchange_and_run
+from astrai_fabric.model.context_parallel import ContextGroup
+from astrai_fabric.model.expert_parallel import ExpertGroup
 from astrai_fabric.model.layers import Linear
 
 RouterStats = dict[str, Tensor]
@@ -158,7 +158,7 @@ class DeepSeekMoE(nn.Module):
             slot_outputs = self.routed_experts(slot_inputs, counts, self.grouped)
         else:  # the pairs go to the ranks holding their experts and come back (``expert_parallel``)
             run = functools.partial(self.routed_experts, grouped=self.grouped)
-            slot_outputs = exchange_and_run(self.expert_parallel, run, slot_inputs, counts)
+            slot_outputs = self.expert_parallel.exchange_and_run(run, slot_inputs, counts)
         slot_outputs = slot_outputs * weights.reshape(-1, 1)[order]
         out = torch.zeros_like(tokens).index_add_(0, order // self.top_k, slot_outputs)
         return out, aux_loss, stats
@@ -176,7 +176,7 @@ class DeepSeekMoE(nn.Module):
         num_tokens = torch.tensor([balance.size(0)], dtype=torch.float32, device=balance.device)
         sums = torch.cat([balance.float().sum(dim=0), counts.float(), entropy[None], num_tokens])
         if self.context_parallel is not None:
-            sums = sum_over_group(sums, self.context_parallel)
+            sums = self.context_parallel.sum(sums)
         prob_sums, counts, (entropy, num_tokens) = sums.split([self.n_routed, self.n_routed, 2])
         load = counts.detach() / (num_tokens * self.top_k)
         aux_loss = self.n_routed * (load * prob_sums / num_tokens).sum()

@@ -19,11 +19,11 @@ from astrai_fabric.checkpoint.weights import host_memory_bytes
 from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import CheckpointError, ConfigError, UserError
 from astrai_fabric.model import count_parameters, rope_table_bytes
-from astrai_fabric.model.context_parallel import check_context_parallel
-from astrai_fabric.model.expert_parallel import check_expert_parallel
 from astrai_fabric.model.pipeline import check_pipeline
 from astrai_fabric.optim import build_optimizer
-from astrai_fabric.parallelize import check_tensor_parallel
+from astrai_fabric.parallel.context import check_context_parallel
+from astrai_fabric.parallel.expert import check_expert_parallel
+from astrai_fabric.parallel.parallelize import check_tensor_parallel
 from astrai_fabric.quantize import BYTES_PER_WEIGHT, plan_quantization
 from astrai_fabric.schedule import StepPlan
 from astrai_fabric.strategy import Topology, is_fsdp, local_ranks, precision_of

@@ -44,7 +44,7 @@ from astrai_fabric.metrics import MetricLog, flops_per_token, peak_flops
 from astrai_fabric.model.pipeline import StageLoss
 from astrai_fabric.optim import build_optimizer
 from astrai_fabric.optim.muon_owners import planned_layout, resolve_spread_replicated
-from astrai_fabric.parallelize import DTYPES
+from astrai_fabric.parallel.parallelize import DTYPES
 from astrai_fabric.peak_memory import PeakMemory
 from astrai_fabric.plot import PLOT_FILE, plot_runs
 from astrai_fabric.preemption import StopRequest

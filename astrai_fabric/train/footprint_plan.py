@@ -15,8 +15,8 @@ from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.errors import UserError
 from astrai_fabric.footprint import Adapters, Footprint, Layout, Workload, footprint
 from astrai_fabric.losses import REFERENCE_FREE
-from astrai_fabric.mesh import MeshLayout
 from astrai_fabric.optim.muon_owners import resolve_spread_replicated
+from astrai_fabric.parallel.mesh import MeshLayout
 from astrai_fabric.strategy import Topology, planned_accelerator
 from astrai_fabric.train.layout import layout_of_flags
 

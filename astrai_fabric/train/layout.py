@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from astrai_fabric.config.train import TrainArgs
-from astrai_fabric.mesh import MeshLayout, mesh_layout
+from astrai_fabric.parallel.mesh import MeshLayout, mesh_layout
 
 
 def layout_of_flags(args: TrainArgs, world_size: int) -> MeshLayout:

@@ -19,12 +19,12 @@ from astrai_fabric.config.train import HF_DEFAULT_WINDOW, TrainArgs
 from astrai_fabric.data.windows import PACKING_LINE
 from astrai_fabric.errors import UserError
 from astrai_fabric.losses import REFERENCE_FREE, loss_chunk_reason
-from astrai_fabric.model.context_parallel import describe_context_parallel
-from astrai_fabric.model.expert_parallel import describe_expert_parallel
 from astrai_fabric.model.ffn import describe_routing
 from astrai_fabric.model.pipeline import describe_pipeline
 from astrai_fabric.optim import OptimArgs, optimizer_groups, optimizer_state_bytes, resolve_ns_dtype
 from astrai_fabric.optim.muon_owners import resolve_spread_replicated
+from astrai_fabric.parallel.context import describe_context_parallel
+from astrai_fabric.parallel.expert import describe_expert_parallel
 from astrai_fabric.profiling import describe_profiling
 from astrai_fabric.quantize import plan_quantization
 from astrai_fabric.schedule import ScheduleArgs, StepPlan

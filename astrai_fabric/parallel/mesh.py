@@ -11,7 +11,7 @@ Who uses which dimension:
 - FSDP shards each parameter over shard x context and replicates it over replicate, as torchtitan does: the ranks
   of one context group hold different shards, not copies, and their gradients are averaged with the rest;
 - tensor parallelism splits heads and widths over tensor;
-- the context group exchanges sequence for heads inside attention (``model.context_parallel``);
+- the context group exchanges sequence for heads inside attention (``parallel.context``);
 - expert parallelism (``--ep_size``) deals each MoE layer's routed experts out over ep consecutive ranks of the
   data shards (as torchtitan carves its expert ranks from the data ranks), and FSDP shards the experts over what is
   left, shards / ep, replicated over replicate: ``rank``'s shard index is ``expert_shard * ep + expert``;
@@ -159,7 +159,7 @@ class Meshes(NamedTuple):
     """What FSDP shards the routed experts over: 1-D over the expert shards, or 2-D (replicate, expert shard);
     None without expert parallelism."""
     expert_group: DeviceMesh | None = None
-    """The expert group's ranks (``model.expert_parallel``); None without expert parallelism."""
+    """The expert group's ranks (``parallel.expert``); None without expert parallelism."""
     pipeline: DeviceMesh | None = None
     """The ranks of this rank's pipeline, one per stage, in stage order; None without pipeline parallelism."""
 
