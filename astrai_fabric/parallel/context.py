@@ -22,8 +22,6 @@ whole window's mask.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -31,19 +29,11 @@ from torch import Tensor, nn
 from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.errors import ConfigError
 from astrai_fabric.model.context_parallel import ContextGroup
+from astrai_fabric.parallel.group import RanksOf
 
 
-@dataclass(frozen=True)
-class UlyssesGroup(ContextGroup):
+class UlyssesGroup(RanksOf, ContextGroup):
     """A context group of process-group ranks: sequence and heads traded by all-to-all, outputs gathered."""
-
-    group: dist.ProcessGroup
-    size: int
-    rank: int
-
-    @classmethod
-    def of(cls, group: dist.ProcessGroup) -> UlyssesGroup:
-        return cls(group, dist.get_world_size(group), dist.get_rank(group))
 
     def seq_to_heads(self, x: Tensor) -> Tensor:
         return _AllToAll.apply(x, self.group, 2, 1)

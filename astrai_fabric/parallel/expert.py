@@ -20,7 +20,6 @@ so its ``state_dict`` names are the whole model's, those of the other ranks' exp
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -30,19 +29,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.errors import ConfigError
 from astrai_fabric.model.expert_parallel import ExpertGroup, moe_layers
+from astrai_fabric.parallel.group import RanksOf
 
 
-@dataclass(frozen=True)
-class AllToAllExperts(ExpertGroup):
+class AllToAllExperts(RanksOf, ExpertGroup):
     """An expert group of process-group ranks: the pairs sent to their experts' ranks by all-to-all and back."""
-
-    group: dist.ProcessGroup
-    size: int
-    rank: int
-
-    @classmethod
-    def of(cls, group: dist.ProcessGroup) -> AllToAllExperts:
-        return cls(group, dist.get_world_size(group), dist.get_rank(group))
 
     def exchange_and_run(self, run: Callable[[Tensor, list[int]], Tensor], inputs: Tensor, counts: Tensor) -> Tensor:
         return _exchange_and_run(self, run, inputs, counts)
