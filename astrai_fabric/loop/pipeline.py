@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor
 from astrai_fabric.config.pipeline import INTERLEAVED_SCHEDULES
 from astrai_fabric.errors import ConfigError, keep_traceback
 from astrai_fabric.losses import token_nll_weights
+from astrai_fabric.metrics import by_device_mesh, global_norm
 from astrai_fabric.model.pipeline import PipelineRankLM, StageLoss
 from astrai_fabric.model.transformer import LM_HEAD_KEY
 
@@ -93,6 +94,10 @@ class Pipeline:
         self.compute_dtype = compute_dtype
         self._schedule = None
         _divert_schedule_reports(crash_log_dir)
+
+    def window(self) -> PipelineWindow:
+        """The next accumulation window, trained through the schedule (``loop.step.Window``)."""
+        return PipelineWindow(self)
 
     def train_window(self, batches: Sequence[dict[str, Tensor]]) -> Tensor:
         """Forward and backward of the window's micro-batches through every stage; returns the sum of their losses
@@ -246,3 +251,25 @@ def _stacked(
             positions.append(padded(batch["position_ids"]))
     stack = lambda parts: torch.cat(parts).to(device).contiguous()  # noqa: E731
     return stack(ids), stack(targets), stack(positions) if positions else None, stack(weights)
+
+
+class PipelineWindow:
+    """A window's micro-batches gathered, then trained through the pipeline's schedule at once (``loop.step.Window``):
+    its loss, seq's and sft's only metric (``losses.with_moe_aux_loss``), is the last stage's, spread so that the
+    mean over every rank is it (``Pipeline.train_window``); the gradient norm each stage's, summed over the stages."""
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        self.pipeline = pipeline
+        self.batches: list[dict[str, Tensor]] = []
+
+    def add(self, batch: dict[str, Tensor], last: bool) -> None:
+        self.batches.append(batch)
+
+    def result(self) -> tuple[Tensor, dict[str, Tensor]]:
+        loss = self.pipeline.train_window(self.batches)
+        return loss, {"task_loss": loss}
+
+    def grad_norm(self, model: nn.Module, grads: dict) -> Tensor:  # its own stages' without a tied head's copy
+        named = model.named_parameters()
+        counted = by_device_mesh(p.grad for n, p in named if p.grad is not None and self.pipeline.counted(n))
+        return self.pipeline.norm_over_stages(global_norm(counted))

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 from lightning.fabric import Fabric
@@ -70,6 +70,12 @@ class StepTools:
             pipeline=pipeline,
         )
 
+    def window(self, fabric: Fabric, model: nn.Module, compute_loss: LossFn, args: LoopArgs, step: int) -> Window:
+        """How the next window's micro-batches are trained: through the pipeline's schedule, or one at a time."""
+        if self.pipeline is not None:
+            return self.pipeline.window()
+        return EagerWindow(fabric, model, compute_loss, args, self, step)
+
     def weights_finite(self, fabric: Fabric) -> bool:
         """Whether the last update left every weight finite on every rank, read now (True when read already).
         Collective: every rank calls it at the same step."""
@@ -77,6 +83,56 @@ class StepTools:
             return True
         flag, self.unchecked_weights = self.unchecked_weights, None
         return fabric.all_reduce(flag, reduce_op="max").item() == 0
+
+
+class Window(Protocol):
+    """One accumulation window's micro-batches trained, as ``train_step`` drives them (``EagerWindow``, or the
+    pipeline's schedule: ``loop.pipeline.PipelineWindow``)."""
+
+    def add(self, batch: dict[str, Tensor], last: bool) -> None:
+        """Take the window's next micro-batch (``last``: the window's last)."""
+
+    def result(self) -> tuple[Tensor, dict[str, Tensor]]:
+        """This rank's sum of the window's losses and of each metric, its gradients accumulated."""
+
+    def grad_norm(self, model: nn.Module, grads: dict) -> Tensor:
+        """The whole model's gradient norm, the same on every rank (``grads``: this rank's, ``by_device_mesh``)."""
+
+
+@dataclass
+class EagerWindow:
+    """A window's micro-batches trained as they come: each one's noise reseeded from the position, its forward and
+    its backward (the gradients synchronised at the window's last only, ``accumulation.backward_sync``), the loss
+    divided by ``grad_accum_steps``; the losses and metrics summed."""
+
+    fabric: Fabric
+    model: nn.Module
+    compute_loss: LossFn
+    args: LoopArgs
+    tools: StepTools
+    step: int
+    """The optimizer steps taken before this window's (the noise's seed)."""
+    loss: Tensor | None = None
+    metrics: dict[str, Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.loss = torch.zeros((), device=self.fabric.device)
+
+    def add(self, batch: dict[str, Tensor], last: bool) -> None:
+        grad_state = self.tools.grad_state
+        self.tools.noise.reseed(self.step + 1, (grad_state.num_micro_batches - 1) % grad_state.grad_accum_steps)
+        with backward_sync(self.fabric, self.model, not last, self.args.skip_sync):
+            loss, metrics = self.compute_loss(self.model, batch)
+            self.fabric.backward(loss / self.args.grad_accum_steps)
+        self.loss += loss.detach()
+        for name, value in metrics.items():
+            self.metrics[name] = self.metrics.get(name, 0.0) + value.float()
+
+    def result(self) -> tuple[Tensor, dict[str, Tensor]]:
+        return self.loss, self.metrics
+
+    def grad_norm(self, model: nn.Module, grads: dict) -> Tensor:
+        return global_norm(grads, summed_over=expert_meshes(model))
 
 
 @dataclass
@@ -119,11 +175,9 @@ def train_step(
     see the module docstring). Returns None when ``micro_batches`` ran out first (the run's last, incomplete window:
     backpropagated, never stepped, as AstrAI does)."""
     model, position = state.model, state.position
-    window_loss = torch.zeros((), device=fabric.device)
-    window_metrics: dict[str, Tensor] = {}
+    window = tools.window(fabric, model, compute_loss, args, position.optimizer_step)
     window_tokens = torch.zeros((), dtype=torch.long, device=fabric.device)  # this rank's, on the device
     num_samples = 0
-    pipelined: list[dict[str, Tensor]] = []  # the window's micro-batches, for the pipeline's schedule
     is_accumulating = True
     while is_accumulating:
         batch = next(micro_batches, None)
@@ -131,26 +185,13 @@ def train_step(
             position.num_tokens += int(window_tokens) * tools.num_dp_ranks  # the run's end: read once
             return None
         is_accumulating = not tools.grad_state.advance()
-        if tools.pipeline is not None:
-            pipelined.append(batch)
-        else:
-            micro_batch = (tools.grad_state.num_micro_batches - 1) % tools.grad_state.grad_accum_steps
-            tools.noise.reseed(position.optimizer_step + 1, micro_batch)
-            with backward_sync(fabric, model, is_accumulating, args.skip_sync):
-                loss, metrics = compute_loss(model, batch)
-                fabric.backward(loss / args.grad_accum_steps)
-            window_loss += loss.detach()
-            for name, value in metrics.items():
-                window_metrics[name] = window_metrics.get(name, 0.0) + value.float()
+        window.add(batch, last=not is_accumulating)
         window_tokens += _num_tokens(batch)
         num_samples += batch["input_ids"].size(0) * tools.num_dp_ranks
         if not batch.get(REUSED, False):  # the position counts samples consumed, not micro-batches trained
             position.sample_index += batch["input_ids"].size(0)
             position.consumed_samples += args.batch_per_device * tools.num_dp_ranks
-
-    if tools.pipeline is not None:  # seq's and sft's loss, which is their only metric (``losses.with_moe_aux_loss``)
-        window_loss = tools.pipeline.train_window(pipelined)
-        window_metrics = {"task_loss": window_loss}
+    window_loss, window_metrics = window.result()
 
     # One collective: the window's means over its micro-batches and all ranks, whether any rank was asked to stop
     # (a signal to one rank stops all after this same step), and whether the last update left any rank's weights
@@ -175,14 +216,7 @@ def train_step(
     # GradSNR takes in the gradients before the step knows they are finite (unclipped, as AstrAI): a skipped step
     # starts its averages again below. Its pass over the gradients gives their norm as well (the same value).
     snr = tools.grad_snr.update_on_device(model) if tools.grad_snr is not None else None
-    if tools.grad_snr is not None:
-        grad_norm = tools.grad_snr.grad_norm
-    elif tools.pipeline is not None:  # each stage's norm, then over the stages
-        named = model.named_parameters()
-        counted = by_device_mesh(p.grad for n, p in named if p.grad is not None and tools.pipeline.counted(n))
-        grad_norm = tools.pipeline.norm_over_stages(global_norm(counted))
-    else:  # the same on all ranks
-        grad_norm = global_norm(grads, summed_over=expert_meshes(model))
+    grad_norm = tools.grad_snr.grad_norm if tools.grad_snr is not None else window.grad_norm(model, grads)
     # The step's one read from the device, in float64 (exact for the float32 values and the token count).
     means = torch.cat([loss_mean, *(metrics[n].reshape(1) for n in names), flags])
     numbers = [means.double(), grad_norm.double().reshape(1), window_tokens.double().reshape(1)]
