@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from astrai_fabric.config.model import ModelConfig
-from astrai_fabric.model.context_parallel import ContextGroup, repeat_kv_for
+from astrai_fabric.model.context_parallel import ContextGroup
 from astrai_fabric.model.kv_cache import KVCache
 from astrai_fabric.model.layers import Linear, RMSNorm, apply_rotary_emb, yarn_mscale
 
@@ -32,10 +32,20 @@ def sdpa(
     ``scale`` multiplies ``q.k`` before the softmax, None meaning ``1/sqrt(D)``; ``softcap`` c caps the scaled scores
     to ``c * tanh(scores / c)`` before the mask (Gemma 2), which torch's fused kernels cannot, so only then are the
     scores materialised. With a ``context`` group, ``S`` is this rank's positions and ``attn_mask`` the whole
-    window's: the heads are traded for positions around the attention (``model.context_parallel``)."""
-    if context is not None:
-        k, v = repeat_kv_for(k, v, q.size(2), context)
-        q, k, v = (context.seq_to_heads(t) for t in (q, k, v))
+    window's: the group attends over the whole window (``ContextGroup.attend``, ``parallel.context``), running this
+    attention where it needs it."""
+
+    def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return local_attention(q, k, v, attn_mask, scale, softcap)
+
+    out = attend(q, k, v) if context is None else context.attend(q, k, v, attend)
+    return out.flatten(2)
+
+
+def local_attention(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, scale: float | None, softcap: float | None
+) -> Tensor:
+    """``sdpa`` over the positions and heads given, ``[B,S,H,Dv]`` (heads not flattened)."""
     n_rep = q.size(2) // k.size(2)
     # AstrAI's repeat_kv: each key/value head serves n_rep consecutive query heads. On CPU torch's kernel does that
     # itself (``enable_gqa``: the same outputs, the key/value gradients summed in another order, ~1e-7), without
@@ -50,8 +60,7 @@ def sdpa(
         out = F.scaled_dot_product_attention(q, k, v, attn_mask, is_causal=causal, scale=scale, enable_gqa=in_kernel)
     else:
         out = _softcapped_attention(q, k, v, attn_mask, q.size(-1) ** -0.5 if scale is None else scale, softcap)
-    out = out.transpose(1, 2)
-    return (out if context is None else context.heads_to_seq(out)).flatten(2)
+    return out.transpose(1, 2)
 
 
 def _softcapped_attention(

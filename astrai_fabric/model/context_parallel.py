@@ -1,7 +1,8 @@
 """The model's seam for context parallelism: a ``ContextGroup`` that ``parallel.context`` fills from outside (the
 model holds it as ``context_parallel`` and imports no ``torch.distributed``), and the tensor work around it that
-needs no communication: the window padded to a length the group splits, keys and values repeated where their heads
-do not split, the output gathered through the group.
+needs no communication: the window padded to a length the group splits, the output gathered through the group.
+Attention asks the group to attend (``ContextGroup.attend``) with its own kernel: Ulysses trades positions for heads
+around it, a ring would pass keys and values round the group.
 
 How it runs (DeepSpeed-Ulysses over the group) and why its gradients are one process's: ``parallel.context``.
 """
@@ -9,6 +10,7 @@ How it runs (DeepSpeed-Ulysses over the group) and why its gradients are one pro
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -29,13 +31,11 @@ class ContextGroup:
         width = seq_len // self.size
         return slice(self.rank * width, (self.rank + 1) * width)
 
-    def seq_to_heads(self, x: Tensor) -> Tensor:
-        """``[B, S/C, heads, D]`` (this rank's positions, every head) → ``[B, S, heads/C, D]`` (every position, this
-        rank's heads)."""
-        raise NotImplementedError
-
-    def heads_to_seq(self, x: Tensor) -> Tensor:
-        """The inverse of ``seq_to_heads``."""
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, attention: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
+        """Attention over the whole window from this rank's positions' ``q``/``k``/``v`` (``[B, S/C, heads, D]``,
+        the mask the whole window's, bound in ``attention``): ``[B, S/C, heads, Dv]``, this rank's positions.
+        ``attention(q, k, v)`` computes it over whatever positions and heads it is given (``attention.sdpa``'s
+        kernel): the group decides what each rank gives it and how the parts meet."""
         raise NotImplementedError
 
     def gather_positions(self, x: Tensor) -> Tensor:
@@ -45,15 +45,6 @@ class ContextGroup:
     def sum(self, x: Tensor) -> Tensor:
         """``x`` summed over the group, on every rank; backward: the gradients of every rank summed."""
         raise NotImplementedError
-
-
-def repeat_kv_for(k: Tensor, v: Tensor, query_heads: int, context: ContextGroup) -> tuple[Tensor, Tensor]:
-    """Keys and values with heads enough to split over the group: as they are when their heads split, else each
-    repeated for its query heads (AstrAI's ``repeat_kv``, done before the exchange instead of after)."""
-    if k.size(2) % context.size == 0:
-        return k, v
-    repeats = query_heads // k.size(2)
-    return k.repeat_interleave(repeats, dim=2), v.repeat_interleave(repeats, dim=2)
 
 
 def pad_window(

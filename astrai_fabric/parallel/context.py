@@ -22,6 +22,8 @@ whole window's mask.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -35,17 +37,27 @@ from astrai_fabric.parallel.group import RanksOf
 class UlyssesGroup(RanksOf, ContextGroup):
     """A context group of process-group ranks: sequence and heads traded by all-to-all, outputs gathered."""
 
-    def seq_to_heads(self, x: Tensor) -> Tensor:
-        return _AllToAll.apply(x, self.group, 2, 1)
-
-    def heads_to_seq(self, x: Tensor) -> Tensor:
-        return _AllToAll.apply(x, self.group, 1, 2)
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, attention: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
+        """Keys and values repeated where their heads do not split over the group, then every tensor traded from
+        this rank's positions of every head to every position of this rank's heads, attention there, and back."""
+        k, v = repeat_kv_for(k, v, q.size(2), self.size)
+        q, k, v = (_AllToAll.apply(t, self.group, 2, 1) for t in (q, k, v))
+        return _AllToAll.apply(attention(q, k, v), self.group, 1, 2)
 
     def gather_positions(self, x: Tensor) -> Tensor:
         return _GatherPositions.apply(x, self.group)
 
     def sum(self, x: Tensor) -> Tensor:
         return _SumOver.apply(x, self.group)
+
+
+def repeat_kv_for(k: Tensor, v: Tensor, query_heads: int, group_size: int) -> tuple[Tensor, Tensor]:
+    """Keys and values with heads enough to split over the group: as they are when their heads split, else each
+    repeated for its query heads (AstrAI's ``repeat_kv``, done before the exchange instead of after)."""
+    if k.size(2) % group_size == 0:
+        return k, v
+    repeats = query_heads // k.size(2)
+    return k.repeat_interleave(repeats, dim=2), v.repeat_interleave(repeats, dim=2)
 
 
 def enable_context_parallel(model: nn.Module, group: dist.ProcessGroup) -> None:
