@@ -52,12 +52,12 @@ from astrai_fabric.profiling import StepProfiler
 from astrai_fabric.reporting import Reporter
 from astrai_fabric.schedule import ScheduleArgs, StepPlan
 from astrai_fabric.strategy import (
+    DataParallel,
     Topology,
-    data_parallel,
     describe_cpu_threads,
     is_fsdp,
+    layout_of,
     local_ranks,
-    pp_size_of,
     precision_of,
     resolve_num_workers,
 )
@@ -279,8 +279,9 @@ class TrainTask:
 def train_on(fabric: Fabric, args: TrainArgs, start: Start, task: TrainTask) -> list[dict[str, float]]:
     """Everything after the data is read, for every train type: split, plan, model, optimizer, resume, loop."""
     train_set, val_set = split_validation(task.dataset, args.val_split, args.random_seed)
-    num_dp_ranks = data_parallel(fabric).num_dp_ranks
-    plan = step_plan(args, len(train_set), num_dp_ranks, online=task.make_batches is not None)
+    layout = layout_of(fabric)  # the layout the Fabric applies, read once and handed down
+    place = DataParallel(layout.dp_rank(fabric.global_rank), layout.num_dp_ranks)
+    plan = step_plan(args, len(train_set), place.num_dp_ranks, online=task.make_batches is not None)
     if problems := preflight(args, start, plan, Placement.of_fabric(fabric, args)):  # what --dry_run lists
         raise UserError(problems[0])
 
@@ -290,13 +291,13 @@ def train_on(fabric: Fabric, args: TrainArgs, start: Start, task: TrainTask) -> 
         position = start_position(fabric, start.resume, args, plan)
         refuse_to_overwrite(fabric, args.ckpt_dir, position.optimizer_step)
         loader_args = LoaderArgs.from_args(args)
-        train_loader, sampler = make_loader(fabric, train_set, loader_args, shuffle=True, collate=task.collate)
+        train_loader, sampler = make_loader(fabric, place, train_set, loader_args, shuffle=True, collate=task.collate)
         val_loader = None
         if val_set is not None:
-            val_loader = make_loader(fabric, val_set, loader_args, shuffle=False, collate=task.collate)[0]
+            val_loader = make_loader(fabric, place, val_set, loader_args, shuffle=False, collate=task.collate)[0]
         state = TrainState(model, optimizer, scheduler, position)
         pipeline = None
-        if pp_size_of(fabric) > 1:
+        if layout.pp > 1:
             compute_dtype = DTYPES.get(args.fsdp_param_dtype) or next(model.parameters()).dtype
             pipeline = Pipeline(
                 fabric,
@@ -355,7 +356,7 @@ def train_on(fabric: Fabric, args: TrainArgs, start: Start, task: TrainTask) -> 
                 loop_settings = loop_args(
                     args,
                     num_epochs=plan.num_epochs,
-                    dp_rank=data_parallel(fabric).dp_rank,
+                    dp_rank=place.dp_rank,
                     fsdp=is_fsdp(fabric),
                     live_batches=task.make_batches is not None,
                 )

@@ -16,7 +16,7 @@ from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.data import ResumableSampler
 from astrai_fabric.preemption import ignore_stop_signals
 from astrai_fabric.randomness import derive_seed
-from astrai_fabric.strategy import data_parallel, local_ranks, resolve_num_workers
+from astrai_fabric.strategy import DataParallel, local_ranks, resolve_num_workers
 from astrai_fabric.torch_private import shut_down_loader_workers
 
 
@@ -57,10 +57,16 @@ class LoaderArgs:
 
 
 def make_loader(
-    fabric: Fabric, dataset: Dataset, args: LoaderArgs, shuffle: bool, collate: Callable | None = None
+    fabric: Fabric,
+    place: DataParallel,
+    dataset: Dataset,
+    args: LoaderArgs,
+    shuffle: bool,
+    collate: Callable | None = None,
 ) -> tuple[DataLoader, ResumableSampler]:
-    """The loader of ``dataset`` on this rank (Fabric-wrapped) and the ``ResumableSampler`` that orders it."""
-    sampler = ResumableSampler(len(dataset), *data_parallel(fabric), args.random_seed, shuffle)
+    """The loader of ``dataset`` on this rank (Fabric-wrapped) and the ``ResumableSampler`` that orders it, reading
+    this rank's ``place`` on the data axis (the run's layout's)."""
+    sampler = ResumableSampler(len(dataset), *place, args.random_seed, shuffle)
     num_workers = resolve_num_workers(args.num_workers, local_ranks(fabric))[0]
     loader = SeededLoader(
         dataset,
