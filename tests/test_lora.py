@@ -33,8 +33,9 @@ from astrai_fabric.config.train import TrainArgs
 from astrai_fabric.data.records import GroupDataset, PreferenceDataset, collate_groups, collate_preferences
 from astrai_fabric.data.storage import read_jsonl
 from astrai_fabric.errors import CheckpointError
-from astrai_fabric.losses import dpo_loss, group_advantages, grpo_loss, token_logprobs
+from astrai_fabric.losses import dpo_loss, token_logprobs
 from astrai_fabric.model import AutoRegressiveLM
+from astrai_fabric.policy_losses import group_advantages, grpo_loss
 from astrai_fabric.tokenizer import Tokenizer
 from astrai_fabric.train import run
 from astrai_fabric.train.dpo import response_logprobs

@@ -41,8 +41,9 @@ from astrai_fabric.data.records import (
     pack,
 )
 from astrai_fabric.data.storage import read_records
-from astrai_fabric.losses import PREFERENCE_LOSSES, REFERENCE_FREE, RatioShape, grpo_advantages, rloo_advantages
+from astrai_fabric.losses import PREFERENCE_LOSSES, REFERENCE_FREE
 from astrai_fabric.model import AutoRegressiveLM, next_token_logprobs
+from astrai_fabric.policy_losses import RatioShape, grpo_advantages, rloo_advantages
 from astrai_fabric.schedule import StepPlan
 from astrai_fabric.tokenizer import Tokenizer
 from astrai_fabric.train.dpo import PreferenceArgs, dpo_batch_loss, online_dpo_batch_loss

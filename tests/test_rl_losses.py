@@ -9,14 +9,8 @@ import torch
 from lightning.fabric import Fabric
 from spawn import run_ranks
 
-from astrai_fabric.losses import (
-    dpo_loss,
-    group_advantages,
-    grpo_advantages,
-    grpo_loss,
-    rloo_advantages,
-    token_logprobs,
-)
+from astrai_fabric.losses import dpo_loss, token_logprobs
+from astrai_fabric.policy_losses import group_advantages, grpo_advantages, grpo_loss, rloo_advantages
 from astrai_fabric.train.grpo import (
     ADVANTAGES,
     REWARD_STD,

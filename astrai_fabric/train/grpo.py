@@ -3,8 +3,8 @@
 Offline data: JSONL ``{"prompt", "responses": [G texts], "rewards": [G floats]}``. Online data: JSONL prompts
 ``{"prompt", ...}``; the current policy samples ``--group_size`` responses per prompt for ``--rollout_interval``
 steps' micro-batches at once, the ``--reward`` function scores them, and ``--grpo_num_iterations`` passes over them
-train (a rollout every ``rollout_interval x grpo_num_iterations`` steps). Loss and advantages: ``losses.grpo_loss``
-(AstrAI's formulas, ``astrai/trainer/strategy.py``; TRL 1.16's with ``--grpo_loss``).
+train (a rollout every ``rollout_interval x grpo_num_iterations`` steps). Loss and advantages: ``policy_losses``
+(AstrAI's formulas, ``astrai/trainer/strategy.py``; TRL 1.16's with ``--grpo_loss``, RLOO's with ``--grpo_advantage``).
 
 Departure from AstrAI (B11): the ratio's "old" policy is the policy as it was when the batch was drawn: the
 current one for offline data (ratio 1, the on-policy gradient) and the sampling policy's log-probabilities,
@@ -36,7 +36,9 @@ from astrai_fabric.errors import ConfigError, UserError
 from astrai_fabric.generate import generate
 from astrai_fabric.loop.state import REUSED, TrainState
 from astrai_fabric.lora import reference_context
-from astrai_fabric.losses import (
+from astrai_fabric.losses import with_moe_aux_loss
+from astrai_fabric.model import next_token_logprobs
+from astrai_fabric.policy_losses import (
     RatioShape,
     grpo_advantages,
     grpo_loss,
@@ -44,9 +46,7 @@ from astrai_fabric.losses import (
     rloo_advantages,
     rloo_loss,
     rloo_penalised_rewards,
-    with_moe_aux_loss,
 )
-from astrai_fabric.model import next_token_logprobs
 from astrai_fabric.randomness import seeded_generator
 from astrai_fabric.reward_model import RewardModelScorer, check_reward_model
 from astrai_fabric.rewards import Reward, check_finite, load_reward, score
@@ -58,7 +58,8 @@ from astrai_fabric.train.start import Start, raise_together, reference_model, re
 
 @dataclass(frozen=True)
 class GRPOLossArgs:
-    """The slice of the flags GRPO's loss reads (``losses.grpo_loss``, ``losses.grpo_advantages``)."""
+    """The slice of the flags GRPO's and RLOO's losses read (``policy_losses``); each field is the flag of its name
+    (``TrainArgs`` documents each: ``kind`` is ``--grpo_loss``, ``shape`` the ratio's flags)."""
 
     kind: str = "astrai"
     clip_eps: float = 0.2
@@ -190,7 +191,7 @@ REWARD_STD = "reward_std"
 (``--grpo_scale_rewards batch``)."""
 TOKENS_PER_MICRO_BATCH = "tokens_per_micro_batch"
 """Batch key: the rollout's response tokens over its micro-batches, all data-parallel ranks together (dapo's
-normaliser, ``losses.grpo_loss``)."""
+normaliser, ``policy_losses.grpo_loss``)."""
 ADVANTAGES = "advantages"
 """Batch key: online RLOO's advantages ``[B, G]``, made at rollout as TRL's RLOOTrainer makes them at generation
 (the KL in the rewards from the sampling policy's log-probabilities and the reference's), normalised over the whole
