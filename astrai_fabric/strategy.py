@@ -261,10 +261,9 @@ def setup_frozen(fabric: Fabric, module: nn.Module) -> nn.Module:
     to wrap a module with nothing to train, and has nothing to synchronise)."""
     module = fabric.strategy.precision.convert_module(module.requires_grad_(False).eval())
     if is_fsdp(fabric):
-        layout = dict(
-            fsdp_shard_size=fsdp_shard_size_of(fabric), cp_size=cp_size_of(fabric), ep_size=ep_size_of(fabric)
-        )
-        return parallelize(module, fabric.strategy.device_mesh, reshard_after_forward=True, **layout)
+        layout = layout_of(fabric)  # the trained model's, whole (a reference model is not split into stages)
+        sizes = dict(fsdp_shard_size=layout.shards, cp_size=layout.cp, ep_size=layout.ep)
+        return parallelize(module, fabric.strategy.device_mesh, reshard_after_forward=True, **sizes)
     return fabric.to_device(module)
 
 

@@ -268,6 +268,7 @@ class Rollouts:
         self.args, self.window_size, self.position = args, window_size, position
         self.micro_batches_left = num_micro_batches
         """Micro-batches the run still trains, repeats included: a rollout samples no prompt past them."""
+        self.dp_rank = data_parallel(fabric).dp_rank  # this rank's replica: what its samples are seeded by
         self.loss_chunk_size = loss_chunk_size  # the policy's log-probabilities as the loss computes them
         self.micro_batches = args.rollout_interval * args.grad_accum_steps
         self.group_size = group_size or args.group_size
@@ -305,7 +306,7 @@ class Rollouts:
         max_new = min(args.rollout_max_tokens, self.window_size - max(len(p) for p in prompts))
         # Seeded by position (data-parallel rank, step, micro-batch of the chunk): a resume at a rollout boundary
         # samples exactly what the first run did, and the tensor-parallel ranks of one replica sample alike.
-        rank, step = data_parallel(self.fabric).dp_rank, self.position.optimizer_step
+        rank, step = self.dp_rank, self.position.optimizer_step
         generator = seeded_generator(self.fabric.device, args.random_seed, "rollout", rank, step, index)
         self.model.eval()
         responses = generate(
