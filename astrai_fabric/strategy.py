@@ -382,10 +382,11 @@ class DataParallel(NamedTuple):
     ``cp_size``)."""
 
 
-def data_parallel(fabric: Fabric) -> DataParallel:
-    """Where this rank sits on the data axis (``DataParallel``), from the Fabric's layout (``MeshLayout.dp_rank``:
-    the ranks of one context, tensor or pipeline group read the same samples)."""
-    layout = layout_of(fabric)
+def data_parallel(fabric: Fabric, layout: MeshLayout | None = None) -> DataParallel:
+    """Where this rank sits on the data axis (``DataParallel``), from the Fabric's layout (``layout``, where the
+    caller read it already: ``MeshLayout.dp_rank``: the ranks of one context, tensor or pipeline group read the same
+    samples)."""
+    layout = layout or layout_of(fabric)
     return DataParallel(layout.dp_rank(fabric.global_rank), layout.num_dp_ranks)
 
 

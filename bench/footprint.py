@@ -124,7 +124,6 @@ class Collectives(TorchDispatchMode):
 def worker(name: str, window: int, out: str) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
-    from torch import nn
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -144,11 +143,10 @@ def worker(name: str, window: int, out: str) -> None:
     # tracker hooks every parameter it meets). Its weights are taken out of the measured parameters, as the plan
     # leaves them out; its pass's activations stay in (freed before the policy's forward).
     reference = copy.deepcopy(model) if layout.get("group_size") else None
-    held = [*reference.parameters(), *reference.buffers()] if reference else []
-    reference_bytes = {
-        kind: sum(t.numel() * t.element_size() for t in held if isinstance(t, nn.Parameter) == (kind == "PARAM"))
-        for kind in ("PARAM", "BUFFER")
-    }
+    reference_bytes = {}
+    if reference is not None:
+        parts = {"PARAM": reference.parameters(), "BUFFER": reference.buffers()}
+        reference_bytes = {kind: sum(t.numel() * t.element_size() for t in held) for kind, held in parts.items()}
     if layout["mode"] == "fsdp":
         tp = layout.get("tp", 1)
         mesh = init_device_mesh("cpu", (ranks // tp, tp), mesh_dim_names=("data_parallel", "tensor_parallel"))

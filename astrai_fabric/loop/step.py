@@ -112,8 +112,9 @@ class EagerWindow:
     tools: StepTools
     step: int
     """The optimizer steps taken before this window's (the noise's seed)."""
-    loss: Tensor | None = None
-    metrics: dict[str, Tensor] = field(default_factory=dict)
+    loss: Tensor = field(init=False)
+    """The window's losses summed, on the device."""
+    metrics: dict[str, Tensor] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.loss = torch.zeros((), device=self.fabric.device)

@@ -52,8 +52,8 @@ from astrai_fabric.profiling import StepProfiler
 from astrai_fabric.reporting import Reporter
 from astrai_fabric.schedule import ScheduleArgs, StepPlan
 from astrai_fabric.strategy import (
-    DataParallel,
     Topology,
+    data_parallel,
     describe_cpu_threads,
     is_fsdp,
     layout_of,
@@ -280,7 +280,7 @@ def train_on(fabric: Fabric, args: TrainArgs, start: Start, task: TrainTask) -> 
     """Everything after the data is read, for every train type: split, plan, model, optimizer, resume, loop."""
     train_set, val_set = split_validation(task.dataset, args.val_split, args.random_seed)
     layout = layout_of(fabric)  # the layout the Fabric applies, read once and handed down
-    place = DataParallel(layout.dp_rank(fabric.global_rank), layout.num_dp_ranks)
+    place = data_parallel(fabric, layout)
     plan = step_plan(args, len(train_set), place.num_dp_ranks, online=task.make_batches is not None)
     if problems := preflight(args, start, plan, Placement.of_fabric(fabric, args)):  # what --dry_run lists
         raise UserError(problems[0])
