@@ -31,7 +31,7 @@ from torch import nn
 from astrai_fabric.errors import ConfigError
 from astrai_fabric.loggers import build_loggers
 from astrai_fabric.parallel.mesh import MeshLayout, mesh_layout
-from astrai_fabric.parallel.parallelize import parallelize
+from astrai_fabric.parallel.parallelize import APPLIED_LAYOUT, parallelize
 
 
 @dataclass(frozen=True)
@@ -210,22 +210,13 @@ def build_fabric(args: FabricArgs, topology: Topology) -> Fabric:
     else:
         if args.fsdp_cpu_offload and accelerator == "cpu":
             raise ConfigError("fsdp_cpu_offload moves state from an accelerator to CPU memory; this run is on CPU")
-        knobs = dict(
+        strategy = LayoutStrategy(
+            layout,
+            pp_stages_per_rank=args.num_stages_per_rank,
             reshard_after_forward=args.fsdp_reshard_after_forward,
             param_dtype=args.fsdp_param_dtype,
             reduce_dtype=args.fsdp_reduce_dtype,
             cpu_offload=args.fsdp_cpu_offload,
-            fsdp_shard_size=layout.shards,
-            cp_size=layout.cp,
-            ep_size=layout.ep,
-            pp_size=layout.pp,
-            pp_stages_per_rank=args.num_stages_per_rank if layout.pp > 1 else 1,
-        )
-        strategy = ModelParallelStrategy(
-            parallelize_fn=partial(parallelize, **knobs),
-            # explicit: Lightning's "auto" would put every rank on TP; its data axis holds stages and context too
-            data_parallel_size=layout.pp * layout.num_dp_ranks * layout.cp,
-            tensor_parallel_size=layout.tp,
             process_group_backend=args.backend,
             timeout=timedelta(seconds=args.dist_timeout),
         )
@@ -255,6 +246,50 @@ def is_fsdp(fabric: Fabric) -> bool:
     return isinstance(fabric.strategy, ModelParallelStrategy)
 
 
+class LayoutStrategy(ModelParallelStrategy):
+    """``ModelParallelStrategy`` applying ``parallelize`` with one ``MeshLayout``, which it keeps: the layout is
+    decided once, here, and read back from ``layout`` by everything after (the sampler, the loop, checkpoints, the
+    checks of ``train(fabric, args)``). The CLI's ``--parallel_mode fsdp`` builds it; a program builds it for HSDP,
+    context, expert or pipeline parallelism (a plain ``ModelParallelStrategy`` with a function of its own is plain
+    FSDP and tensor parallelism as far as this package can know)."""
+
+    def __init__(
+        self,
+        layout: MeshLayout,
+        *,
+        pp_stages_per_rank: int = 1,
+        reshard_after_forward: bool = False,
+        param_dtype: str | None = None,
+        reduce_dtype: str | None = None,
+        cpu_offload: bool = False,
+        process_group_backend: str | None = None,
+        timeout: timedelta = timedelta(minutes=30),
+    ) -> None:
+        self.layout = layout
+        self.pp_stages_per_rank = pp_stages_per_rank if layout.pp > 1 else 1
+        """Pipeline stages each pipeline rank holds (``--pp_stages_per_rank``); 1 without pipeline parallelism."""
+        parallelize_fn = partial(
+            parallelize,
+            reshard_after_forward=reshard_after_forward,
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            cpu_offload=cpu_offload,
+            fsdp_shard_size=layout.shards,
+            cp_size=layout.cp,
+            ep_size=layout.ep,
+            pp_size=layout.pp,
+            pp_stages_per_rank=self.pp_stages_per_rank,
+        )
+        super().__init__(
+            parallelize_fn,
+            # explicit: Lightning's "auto" would put every rank on TP; its data axis holds stages and context too
+            data_parallel_size=layout.pp * layout.num_dp_ranks * layout.cp,
+            tensor_parallel_size=layout.tp,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+
+
 def setup_frozen(fabric: Fabric, module: nn.Module) -> nn.Module:
     """A frozen module used next to the trained one (DPO/GRPO's reference model): sharded like it under FSDP, so
     memory does not double per rank; elsewhere moved and cast to the run's device and precision (DDP would refuse
@@ -267,108 +302,77 @@ def setup_frozen(fabric: Fabric, module: nn.Module) -> nn.Module:
     return fabric.to_device(module)
 
 
-def _our_parallelize(fabric: Fabric) -> dict[str, Any] | None:
-    """The keywords of the Fabric's ``parallelize_fn`` when it is ours (a partial of ``parallelize``), else None:
-    a function of the user's own, whose layout only it knows."""
-    # Lightning keeps the function private (pinned <2.7); a partial of ours is the only kind we can read.
-    function = getattr(fabric.strategy, "_parallelize_fn", None)
-    if not (is_fsdp(fabric) and isinstance(function, partial) and function.func is parallelize):
-        return None
-    return function.keywords
-
-
 def layout_of(fabric: Fabric) -> MeshLayout:
-    """The layout a launched Fabric applies, whoever built it (``mesh.MeshLayout``): one
-    process; DDP's (or any other strategy's) replicas of one shard each; under ``ModelParallelStrategy``, its tensor
-    size (its sampler's data axis over the world) and, where its ``parallelize_fn`` is ours, the FSDP shard, context,
-    expert and pipeline sizes it applies (a function of the user's own: a plain FSDP layout, its own only it
-    knows)."""
-    world_size = fabric.world_size
+    """The layout a Fabric applies, whoever built it (``mesh.MeshLayout``): one process; a ``LayoutStrategy``'s
+    own; under any other ``ModelParallelStrategy`` (a function of the user's own), plain FSDP over its data axis
+    and its tensor size (launched: Lightning's sampler arguments say the data axis); DDP's (or any other
+    strategy's) replicas of one shard each."""
+    world_size, strategy = fabric.world_size, fabric.strategy
+    if isinstance(strategy, LayoutStrategy):
+        return strategy.layout
     if world_size == 1:
         return MeshLayout(replicas=1, shards=1)
     if not is_fsdp(fabric):
         return MeshLayout(replicas=world_size, shards=1)
-    keywords = _our_parallelize(fabric) or {}
-    data_axis = fabric.strategy.distributed_sampler_kwargs["num_replicas"]  # stages x replicas x shards x cp
-    sizes = (keywords.get(name) for name in ("fsdp_shard_size", "cp_size", "ep_size", "pp_size"))
-    return mesh_layout(world_size, world_size // data_axis, *sizes)  # the sizes checked when the Fabric was built
+    data_axis = strategy.distributed_sampler_kwargs["num_replicas"]
+    return mesh_layout(world_size, world_size // data_axis)
 
 
-def cp_size_of(fabric: Fabric) -> int:
-    """The context-parallel size the Fabric's ``parallelize`` applies (1 for any other strategy); known before
-    the Fabric is launched, as ``layout_of`` is not."""
-    return _size_of(fabric, "cp_size")
+def check_layout_flags(
+    fabric: Fabric,
+    fsdp_shard_size: int | None,
+    cp_size: int | None,
+    ep_size: int | None,
+    pp_size: int | None,
+    num_stages_per_rank: int = 1,
+) -> None:
+    """Refuse a layout flag other than what a Fabric built elsewhere applies (``train(fabric, args)``): its strategy
+    decides the layout, as it decides ``parallel_mode``, and the flags also decide the plan and the checks, which
+    would then describe another run. Known before launch: a ``LayoutStrategy`` says its layout; one process applies
+    none; any other strategy applies no context, expert or pipeline parallelism, and shards as only it knows."""
+    strategy = fabric.strategy
+    layout = strategy.layout if isinstance(strategy, LayoutStrategy) else None
+    if layout is None and fabric.world_size == 1:
+        layout = MeshLayout(replicas=1, shards=1)
+    if fsdp_shard_size is not None and (layout is None or layout.shards != fsdp_shard_size):
+        raise ConfigError(
+            f"fsdp_shard_size {fsdp_shard_size}: the Fabric given to train() decides the sharding, and its "
+            f"{type(strategy).__name__} does not shard over {fsdp_shard_size} rank(s); build it with "
+            "astrai_fabric.strategy.LayoutStrategy(mesh_layout(world_size, fsdp_shard_size="
+            f"{fsdp_shard_size}), ...) or drop --fsdp_shard_size"
+        )
 
+    def build(name: str, value: int) -> str:
+        return f"LayoutStrategy(mesh_layout(world_size, {name}={value}), ...)"
 
-def ep_size_of(fabric: Fabric) -> int:
-    """The expert-parallel size the Fabric's ``parallelize`` applies (1 for any other strategy)."""
-    return _size_of(fabric, "ep_size")
-
-
-def pp_size_of(fabric: Fabric) -> int:
-    """The pipeline stages the Fabric's ``parallelize`` applies (1 for any other strategy)."""
-    return _size_of(fabric, "pp_size")
-
-
-def _size_of(fabric: Fabric, name: str) -> int:
-    keywords = _our_parallelize(fabric) if fabric.world_size > 1 else None
-    return (keywords or {}).get(name) or 1
-
-
-def fsdp_shard_size_of(fabric: Fabric) -> int | None:
-    """The shard size the Fabric's FSDP applies: 1 on a single device; under ``ModelParallelStrategy`` running
-    ``parallelize``, its ``fsdp_shard_size`` (None there: every data-parallel rank, ``layout_of``); None for any
-    other strategy, or a ``parallelize_fn`` of the user's own (whose layout only it knows)."""
-    if fabric.world_size == 1:
-        return 1
-    keywords = _our_parallelize(fabric)
-    if keywords is None:
-        return None
-    return keywords.get("fsdp_shard_size") or layout_of(fabric).shards
-
-
-def check_fsdp_shard_size(fabric: Fabric, fsdp_shard_size: int | None) -> None:
-    """Refuse ``--fsdp_shard_size`` that a Fabric built elsewhere would not apply: its strategy decides the layout
-    (as it decides ``parallel_mode``), and a silently different one would cost other memory and communication."""
-    if fsdp_shard_size is None or fsdp_shard_size_of(fabric) == fsdp_shard_size:
-        return
-    raise ConfigError(
-        f"fsdp_shard_size {fsdp_shard_size}: the Fabric given to train() decides the sharding, and its "
-        f"{type(fabric.strategy).__name__} does not shard over {fsdp_shard_size} rank(s); build it with "
-        "ModelParallelStrategy(parallelize_fn=partial(astrai_fabric.parallelize.parallelize, "
-        f"fsdp_shard_size={fsdp_shard_size}), ...) or drop --fsdp_shard_size"
-    )
-
-
-def check_cp_size(fabric: Fabric, cp_size: int | None) -> None:
-    """Refuse ``--cp_size`` other than what a Fabric built elsewhere applies (its ``parallelize_fn``): the flag
-    also decides the plan and the checks, which would then describe another run."""
-    _check_size(fabric, "cp_size", cp_size, "context parallelism")
-
-
-def check_ep_size(fabric: Fabric, ep_size: int | None) -> None:
-    """Refuse ``--ep_size`` other than what a Fabric built elsewhere applies, as ``check_cp_size`` does."""
-    _check_size(fabric, "ep_size", ep_size, "expert parallelism")
-
-
-def check_pp_size(fabric: Fabric, pp_size: int | None, num_stages_per_rank: int = 1) -> None:
-    """Refuse ``--pp_size`` (and the stages per rank) other than what a Fabric built elsewhere applies, as
-    ``check_cp_size`` does."""
-    _check_size(fabric, "pp_size", pp_size, "pipeline parallelism")
+    flags = [
+        ("cp_size", cp_size or 1, layout.cp if layout else 1, "context parallelism"),
+        ("ep_size", ep_size or 1, layout.ep if layout else 1, "expert parallelism"),
+        ("pp_size", pp_size or 1, layout.pp if layout else 1, "pipeline parallelism"),
+    ]
     if (pp_size or 1) > 1:
-        _check_size(fabric, "pp_stages_per_rank", num_stages_per_rank, "the stages per pipeline rank")
+        applied = getattr(strategy, "pp_stages_per_rank", 1)
+        flags.append(("pp_stages_per_rank", num_stages_per_rank, applied, "the stages per pipeline rank"))
+    for name, asked, applied, what in flags:
+        if asked != applied:
+            how = build(name, asked) if name != "pp_stages_per_rank" else f"LayoutStrategy(..., {name}={asked})"
+            raise ConfigError(
+                f"{name} {asked}: the Fabric given to train() decides {what}, and its {type(strategy).__name__} "
+                f"applies {name} {applied}; build it with astrai_fabric.strategy.{how} or pass --{name} {applied}"
+            )
 
 
-def _check_size(fabric: Fabric, name: str, size: int | None, what: str) -> None:
-    applied = _size_of(fabric, name)
-    if (size or 1) == applied:
-        return
-    raise ConfigError(
-        f"{name} {size or 1}: the Fabric given to train() decides {what}, and its "
-        f"{type(fabric.strategy).__name__} applies {name} {applied}; build it with "
-        "ModelParallelStrategy(parallelize_fn=partial(astrai_fabric.parallelize.parallelize, "
-        f"{name}={size or 1}), data_parallel_size=..., ...) or pass --{name} {applied}"
-    )
+def check_applied_layout(fabric: Fabric, model: nn.Module) -> None:
+    """Refuse a model ``parallelize`` laid out otherwise than its Fabric says (``layout_of``): a plain
+    ``ModelParallelStrategy`` given ``partial(parallelize, cp_size=2)`` would read other samples on each context
+    rank than the model expects, silently. ``parallelize`` leaves its layout on the model (``APPLIED_LAYOUT``)."""
+    applied = getattr(model, APPLIED_LAYOUT, None)
+    if applied is not None and applied != (said := layout_of(fabric)):
+        raise ConfigError(
+            f"the Fabric's parallelize_fn lays the model out as {applied.describe()}, but its "
+            f"{type(fabric.strategy).__name__} says {said.describe()}: build it with "
+            "astrai_fabric.strategy.LayoutStrategy(layout, ...), which applies the layout it says"
+        )
 
 
 class DataParallel(NamedTuple):

@@ -5,7 +5,7 @@
 Each layout runs a small decoder (4 heads, 2 KV heads, hidden 256, 2 layers, vocabulary 4,096; the MoE layout 4
 routed experts, top 2, and a shared one) on gloo ranks, one thread each, built as a run builds it
 (``parallelize`` for FSDP, HSDP, tensor, context, expert and pipeline parallelism, the pipeline's micro-batch through
-``loop.pipeline``; torch's DDP for ddp), through two steps (forward, loss, backward, AdamW), the second measured, on
+``parallel.pipeline``; torch's DDP for ddp), through two steps (forward, loss, backward, AdamW), the second measured, on
 the rank the plan describes (a pipeline's fullest stage):
 
 - live bytes per rank at the step's peak, by kind, from torch's ``MemTracker`` (a dispatch mode that follows every
@@ -171,11 +171,11 @@ def worker(name: str, window: int, out: str) -> None:
         response[..., window // 2 :] = True
         rollout = dict(input_ids=sampled, loss_mask=response, rewards=torch.arange(group_size)[None].float())
     pipeline = None
-    if layout.get("pp"):  # one micro-batch through the stages (the run's path: loop.pipeline), GPipe by default
+    if layout.get("pp"):  # one micro-batch through the stages (the run's path: parallel.pipeline), GPipe by default
         from lightning.fabric import Fabric
 
-        from astrai_fabric.loop.pipeline import Pipeline
         from astrai_fabric.model.pipeline import StageLoss
+        from astrai_fabric.parallel.pipeline import Pipeline
 
         fabric = Fabric(accelerator="cpu", devices=1)
         schedule = layout.get("schedule", "gpipe")

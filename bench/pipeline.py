@@ -5,7 +5,7 @@ and 8 micro-batches, against the schedule's formula, and the peak live bytes per
 
 A decoder of ``--layers`` blocks (hidden ``--hidden``, untied head), micro-batches of 2 windows of ``--window``
 tokens, float32, one thread per rank. pp 1 is one process running the micro-batches in turn (forward, backward:
-what one stage does without a pipeline); pp > 1 runs the same micro-batches through ``loop.pipeline.Pipeline`` over
+what one stage does without a pipeline); pp > 1 runs the same micro-batches through ``parallel.pipeline.Pipeline`` over
 that many gloo ranks, the blocks split by ``model.pipeline.stage_layers``, with GPipe (any micro-batch count), 1F1B
 (micro-batches >= stages) and interleaved 1F1B (2 stages per rank, looped). Per layout:
 
@@ -148,8 +148,8 @@ def worker(settings: dict, count: int, schedule: str, out: str) -> None:
     import torch.distributed as dist
     from lightning.fabric import Fabric
 
-    from astrai_fabric.loop.pipeline import Pipeline
     from astrai_fabric.model.pipeline import StageLoss, keep_stages
+    from astrai_fabric.parallel.pipeline import Pipeline
 
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()

@@ -248,29 +248,6 @@ def test_layouts_that_cannot_run_exit_2_in_one_line(tmp_path, capsys, flags, mes
         assert not (tmp_path / "out").exists()
 
 
-def test_a_fabric_built_elsewhere_decides_context_parallelism():
-    """``train(fabric, args)``: ``--cp_size`` must be what the Fabric's own ``parallelize_fn`` applies."""
-    from functools import partial
-
-    from lightning.fabric import Fabric
-    from lightning.fabric.strategies import ModelParallelStrategy
-
-    from astrai_fabric.parallel.parallelize import parallelize
-    from astrai_fabric.strategy import check_cp_size, cp_size_of
-
-    def fabric(**keywords) -> Fabric:
-        strategy = ModelParallelStrategy(partial(parallelize, **keywords), data_parallel_size=4, tensor_parallel_size=1)
-        return Fabric(accelerator="cpu", devices=4, strategy=strategy)
-
-    assert cp_size_of(fabric(cp_size=2)) == 2 and cp_size_of(fabric()) == 1
-    check_cp_size(fabric(cp_size=2), 2)
-    check_cp_size(fabric(), None)
-    with pytest.raises(ConfigError, match="cp_size 2: the Fabric given to train.. decides context parallelism"):
-        check_cp_size(fabric(), 2)
-    with pytest.raises(ConfigError, match="applies cp_size 2; .* or pass --cp_size 2"):
-        check_cp_size(fabric(cp_size=2), None)
-
-
 @pytest.mark.parametrize("command", ["generate", "chat", "evaluate"])
 def test_commands_that_train_nothing_refuse_cp_size_in_one_line(command, capsys):
     """Generation and evaluation run every position on each rank (a KV cache, or one process): the flag is not

@@ -362,23 +362,3 @@ def test_the_dry_run_prints_how_the_experts_are_dealt_out(tmp_path, capsys):
         assert main([*argv, "--parallel_mode", "fsdp", *more, "--dry_run"]) == 2
         assert message in capsys.readouterr().out
     assert not (tmp_path / "out").exists()
-
-
-def test_a_fabric_built_elsewhere_decides_expert_parallelism():
-    """``train(fabric, args)``: ``--ep_size`` must be what the Fabric's own ``parallelize_fn`` applies."""
-    from functools import partial
-
-    from lightning.fabric import Fabric
-    from lightning.fabric.strategies import ModelParallelStrategy
-
-    from astrai_fabric.parallel.parallelize import parallelize
-    from astrai_fabric.strategy import check_ep_size, ep_size_of
-
-    def fabric(**keywords) -> Fabric:
-        strategy = ModelParallelStrategy(partial(parallelize, **keywords), data_parallel_size=4, tensor_parallel_size=1)
-        return Fabric(accelerator="cpu", devices=4, strategy=strategy)
-
-    assert ep_size_of(fabric(ep_size=2)) == 2 and ep_size_of(fabric()) == 1
-    check_ep_size(fabric(ep_size=2), 2)
-    with pytest.raises(ConfigError, match="ep_size 2: the Fabric given to train.. decides expert parallelism"):
-        check_ep_size(fabric(), 2)

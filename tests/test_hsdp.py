@@ -27,8 +27,9 @@ from astrai_fabric.cli import main
 from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.errors import ConfigError
 from astrai_fabric.model import AutoRegressiveLM
+from astrai_fabric.parallel.mesh import mesh_layout
 from astrai_fabric.parallel.parallelize import parallelize
-from astrai_fabric.strategy import check_fsdp_shard_size
+from astrai_fabric.strategy import LayoutStrategy, check_applied_layout, check_layout_flags
 from astrai_fabric.train import build_run_fabric, run, train
 
 HSDP = dict(nprocs=4, batch_per_device=1, parallel_mode="fsdp", optimizer="muon_adamw", max_steps=4, ckpt_interval=2)
@@ -49,7 +50,7 @@ def layout_report(args) -> dict:
     """What this rank holds once the CLI's Fabric has sharded the tiny model: bytes and a checksum per parameter."""
     fabric = build_run_fabric(args)
     fabric.launch()
-    check_fsdp_shard_size(fabric, args.fsdp_shard_size)  # the CLI's own Fabric applies the flag
+    check_layout_flags(fabric, args.fsdp_shard_size, None, None, None)  # the CLI's own Fabric applies the flag
     model = fabric.setup_module(AutoRegressiveLM(ModelConfig.from_file(TINY_MODEL_DIR / "config.json")))
     local = {name: p.to_local() for name, p in model.module.named_parameters()}
     mesh = next(iter(model.module.parameters())).device_mesh
@@ -74,14 +75,20 @@ def four_rank_worker(root: str) -> None:
     resumed = run(base_args(root / "resumed", **HSDP, sharded_checkpoint=True, resume=checkpoint))
     history = run(base_args(root / "hsdp_tp", **HSDP_TP, fsdp_shard_size=1))
     reports = layout_report(base_args(root / "unused", **HSDP, fsdp_shard_size=2))
-    # A Fabric built by a program: our parallelize with the same shard size passes, any other size is refused.
-    parallelize_fn = partial(parallelize, fsdp_shard_size=2)
-    strategy = ModelParallelStrategy(parallelize_fn, data_parallel_size=4, tensor_parallel_size=1)
-    user = Fabric(accelerator="cpu", devices=4, strategy=strategy)
+    # A Fabric built by a program: a LayoutStrategy with the same shard size passes, any other size is refused.
+    user = Fabric(accelerator="cpu", devices=4, strategy=LayoutStrategy(mesh_layout(4, fsdp_shard_size=2)))
     user.launch()
-    check_fsdp_shard_size(user, 2)
+    check_layout_flags(user, 2, None, None, None)
     with pytest.raises(ConfigError, match="fsdp_shard_size 4: the Fabric given to train"):
-        check_fsdp_shard_size(user, 4)
+        check_layout_flags(user, 4, None, None, None)
+    # A plain ModelParallelStrategy running our parallelize laid out otherwise than it says (HSDP where the
+    # strategy says plain FSDP) is refused once the model is set up, before a step reads a sample.
+    plain = ModelParallelStrategy(partial(parallelize, fsdp_shard_size=2), data_parallel_size=4, tensor_parallel_size=1)
+    user = Fabric(accelerator="cpu", devices=4, strategy=plain)
+    user.launch()
+    module = user.setup_module(AutoRegressiveLM(ModelConfig.from_file(TINY_MODEL_DIR / "config.json")))
+    with pytest.raises(ConfigError, match="lays the model out as 2 replica.s. x 2 shard.s., but its Model"):
+        check_applied_layout(user, module.module)
     if rank0:
         (root / "resumed.json").write_text(json.dumps(resumed))
         (root / "hsdp_tp.json").write_text(json.dumps(history))

@@ -94,7 +94,7 @@ def test_interleaved_ranks_hold_their_stages_looped():
 
 
 def test_a_schedule_of_one_stage_per_rank_refuses_a_rank_of_several(tmp_path):
-    from astrai_fabric.loop.pipeline import Pipeline
+    from astrai_fabric.parallel.pipeline import Pipeline
 
     model = keep_stages(AutoRegressiveLM(tiny_config(num_hidden_layers=4)), 0, 2, 2)
     with pytest.raises(ConfigError, match="pp_schedule 1f1b runs one stage per rank, and this model holds 2"):
@@ -415,30 +415,6 @@ def test_layouts_a_pipeline_cannot_run_exit_2_in_one_line(tmp_path, capsys, flag
         captured = capsys.readouterr()
         assert message in captured.out + captured.err
         assert not (tmp_path / "o").exists()
-
-
-def test_a_fabric_built_elsewhere_decides_pipeline_parallelism():
-    """``train(fabric, args)``: ``--pp_size`` must be what the Fabric's own ``parallelize_fn`` applies."""
-    from functools import partial
-
-    from lightning.fabric import Fabric
-    from lightning.fabric.strategies import ModelParallelStrategy
-
-    from astrai_fabric.parallel.parallelize import parallelize
-    from astrai_fabric.strategy import check_pp_size, pp_size_of
-
-    def fabric(**keywords) -> Fabric:
-        strategy = ModelParallelStrategy(partial(parallelize, **keywords), data_parallel_size=4, tensor_parallel_size=1)
-        return Fabric(accelerator="cpu", devices=4, strategy=strategy)
-
-    assert pp_size_of(fabric(pp_size=2)) == 2 and pp_size_of(fabric()) == 1
-    check_pp_size(fabric(pp_size=2), 2)
-    check_pp_size(fabric(pp_size=2, pp_stages_per_rank=2), 2, 2)
-    with pytest.raises(ConfigError, match="pp_size 2: the Fabric given to train.. decides pipeline parallelism"):
-        check_pp_size(fabric(), 2)
-    stages = "pp_stages_per_rank 2: the Fabric given to train.. decides the stages per pipeline rank"
-    with pytest.raises(ConfigError, match=stages):
-        check_pp_size(fabric(pp_size=2), 2, 2)
 
 
 @pytest.mark.parametrize("command", ["generate", "chat", "evaluate"])

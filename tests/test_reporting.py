@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from astrai_fabric.cli import main
-from astrai_fabric.metrics import GradSNR, by_device_mesh, global_norm
+from astrai_fabric.metrics import GradSNR
+from astrai_fabric.norms import by_device_mesh, global_norm
 
 ROOT = Path(__file__).parents[1]
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None  # the [tensorboard] extra (in [dev])

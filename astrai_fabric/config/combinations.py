@@ -4,7 +4,8 @@ checks, ``config.train_checks``, and the mesh's, ``mesh.mesh_layout``, the dry r
 docs/distributed.md's table is ``composition_table()`` (tests/test_docs.py holds them equal). Imports nothing heavy:
 the flags are checked before torch is.
 
-A new dimension is one ``Dimension`` here, its pairs in ``REFUSED_PAIRS``, and its place on the mesh (``mesh``).
+A new dimension is one ``Dimension`` here, its pairs in ``REFUSED_PAIRS``, what else it refuses in
+``REFUSED_WITH``, and its place on the mesh (``mesh``).
 """
 
 from __future__ import annotations
@@ -53,6 +54,31 @@ REFUSED_PAIRS = {
 combines)."""
 
 
+NOT_YET_IN_STAGES = "not supported with pipeline stages yet"
+REFUSED_WITH = {
+    ("cp", "neftune_alpha"): (
+        "NEFTune scales its noise by the sequence length, and each rank would see its positions' length only"
+    ),
+    ("pp", "--packing false"): "stages exchange micro-batches of one shape, and records vary in length; pack them",
+    ("pp", "neftune_alpha"): NOT_YET_IN_STAGES,
+    ("pp", "quantize"): NOT_YET_IN_STAGES,
+    ("pp", "compile"): NOT_YET_IN_STAGES,
+    ("pp", "fsdp_sync_each_micro_batch"): NOT_YET_IN_STAGES,  # the schedule reduces once a window
+    ("pp", "an MoE model"): (
+        "the load-balancing loss of each stage's MoE layers cannot reach the last stage's loss here; train it with "
+        "fsdp, tp, cp or ep"
+    ),
+    ("pp", "a reward model (score_head)"): "stages train language models here",
+}
+"""What else a dimension is refused with (a flag, or a kind of model), and why: the flags' checks
+(``config.train_checks``) and the model's (``parallel.context``, ``model.pipeline``) both say ``knob_problem``."""
+
+
+def knob_problem(key: str, size: int, knob: str) -> str:
+    """The one line refusing dimension ``key`` at ``size`` with ``knob`` (a key of ``REFUSED_WITH``)."""
+    return f"{DIMENSIONS[key].flag} {size} with {knob}: {REFUSED_WITH[key, knob]}"
+
+
 def pair_problem(sizes: dict[str, int]) -> str | None:
     """The first refused pair among ``sizes`` (``{"tp": 2, ...}``; absent or 1: off), in one line naming the
     sizes; None when every pair combines."""
@@ -96,9 +122,10 @@ def composition_table() -> str:
             cells.append("—" if other == key else "refused" if refused else "yes")
         rows.append(f"| {row} | " + " | ".join(cells) + " |")
     rows += ["", "Refused: " + "; ".join(dict.fromkeys(REFUSED_PAIRS.values())) + "."]
-    rows += ["", "| dimension | train types |", "|---|---|"]
-    for dimension in DIMENSIONS.values():
+    rows += ["", "| dimension | train types | refused with |", "|---|---|---|"]
+    for key, dimension in DIMENSIONS.items():
         trained = "all" if dimension.train_types == TRAIN_TYPES else ", ".join(dimension.train_types)
         reason = f" ({dimension.why_not_others})" if dimension.why_not_others else ""
-        rows.append(f"| {dimension.name} | {trained}{reason} |")
+        knobs = "; ".join(f"{knob}: {why}" for (one, knob), why in REFUSED_WITH.items() if one == key) or "—"
+        rows.append(f"| {dimension.name} | {trained}{reason} | {knobs} |")
     return "\n".join(rows)

@@ -13,7 +13,7 @@ import math
 import re
 import warnings
 
-from astrai_fabric.config.combinations import dimension_problem
+from astrai_fabric.config.combinations import dimension_problem, knob_problem
 from astrai_fabric.config.devices import parse_device_memory
 from astrai_fabric.config.lora import TARGETS, check_scaling
 from astrai_fabric.config.pipeline import INTERLEAVED_SCHEDULES
@@ -287,10 +287,7 @@ class TrainChecks:
         if self.window_size is not None and self.window_size % cp_size:
             problems.append(f"cp_size {cp_size} must divide window_size {self.window_size} (each rank's share)")
         if self.neftune_alpha:
-            problems.append(
-                f"cp_size {cp_size} with neftune_alpha: NEFTune scales its noise by the sequence length, and each "
-                "rank would see its positions' length only"
-            )
+            problems.append(knob_problem("cp", cp_size, "neftune_alpha"))
         return problems
 
     def _expert_parallel_problems(self) -> list[str]:
@@ -330,21 +327,14 @@ class TrainChecks:
                 f"pp_stages_per_rank {self.num_stages_per_rank} with pp_schedule {self.pp_schedule}, which runs one "
                 f"stage per rank: use {' or '.join(INTERLEAVED_SCHEDULES)}"
             )
-        if not self.packing:
-            problems.append(
-                f"pp_size {pp_size} with --packing false: stages exchange micro-batches of one shape, and records "
-                "vary in length; pack them"
-            )
-        unsupported = [
-            ("neftune_alpha", bool(self.neftune_alpha)),
-            ("quantize", self.quantize is not None),
-            ("compile", self.compile is not None),
-            ("fsdp_sync_each_micro_batch", self.fsdp_sync_each_micro_batch),  # the schedule reduces once a window
-        ]
-        problems += [
-            f"pp_size {pp_size} with {name}: not supported with pipeline stages yet" for name, on in unsupported if on
-        ]
-        return problems
+        knobs = {
+            "--packing false": not self.packing,
+            "neftune_alpha": bool(self.neftune_alpha),
+            "quantize": self.quantize is not None,
+            "compile": self.compile is not None,
+            "fsdp_sync_each_micro_batch": self.fsdp_sync_each_micro_batch,
+        }
+        return problems + [knob_problem("pp", pp_size, knob) for knob, on in knobs.items() if on]
 
     def _output_problems(self) -> list[str]:
         """Checkpoints, metrics, logging, profiling, resuming."""

@@ -24,9 +24,9 @@ from astrai_fabric.checkpoint import find_latest_checkpoint
 from astrai_fabric.checkpoint.position import RunPosition
 from astrai_fabric.data.sampler import ResumableSampler
 from astrai_fabric.errors import TrainingError, raised_on_every_rank
-from astrai_fabric.loop.pipeline import Pipeline
 from astrai_fabric.loop.state import LoopArgs, LossFn, TrainState
 from astrai_fabric.loop.step import StepResult, StepTools, train_step
+from astrai_fabric.parallel.pipeline import Pipeline
 from astrai_fabric.preemption import StopRequest
 from astrai_fabric.reporting import Reporter
 

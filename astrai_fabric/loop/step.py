@@ -31,11 +31,12 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from astrai_fabric.accumulation import GradientState, backward_sync
-from astrai_fabric.loop.pipeline import Pipeline
 from astrai_fabric.loop.state import REUSED, LoopArgs, LossFn, TrainState
 from astrai_fabric.losses import moe_load_metrics
-from astrai_fabric.metrics import GradSNR, by_device_mesh, global_norm
+from astrai_fabric.metrics import GradSNR
+from astrai_fabric.norms import by_device_mesh, global_norm
 from astrai_fabric.parallel.expert import expert_meshes
+from astrai_fabric.parallel.pipeline import Pipeline
 from astrai_fabric.preemption import StopRequest
 from astrai_fabric.quantize import is_quantized
 from astrai_fabric.randomness import ModuleNoise
@@ -87,7 +88,7 @@ class StepTools:
 
 class Window(Protocol):
     """One accumulation window's micro-batches trained, as ``train_step`` drives them (``EagerWindow``, or the
-    pipeline's schedule: ``loop.pipeline.PipelineWindow``)."""
+    pipeline's schedule: ``parallel.pipeline.PipelineWindow``)."""
 
     def add(self, batch: dict[str, Tensor], last: bool) -> None:
         """Take the window's next micro-batch (``last``: the window's last)."""

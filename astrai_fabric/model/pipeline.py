@@ -10,7 +10,7 @@ so ``state_dict`` keys, optimizer groups and checkpoints read as the whole model
 rank's names back into the whole model's). Each stage is a module of its own over the rank's tensors
 (``stage_modules``: the schedule runs them, FSDP makes each a root). A tied head stays on the last stage as its own
 copy of the embedding (``lm_head.weight``, the same tensor as ``embed_tokens.weight`` on the first): the two
-copies' gradients are summed between the two ranks before each update (``loop.pipeline``), so they stay equal, as
+copies' gradients are summed between the two ranks before each update (``parallel.pipeline``), so they stay equal, as
 one tensor would.
 
 Between stages travel tensors only: the hidden states, the targets (the last stage's head takes its token losses
@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from astrai_fabric.config.combinations import knob_problem
 from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.config.pipeline import stages_of_rank
 from astrai_fabric.errors import ConfigError
@@ -159,7 +160,7 @@ class Place:
 class PipelineRankLM(AutoRegressiveLM):
     """The part of an ``AutoRegressiveLM`` a pipeline rank holds (``keep_stages`` makes it; see the module
     docstring): it owns the tensors, its ``stage_modules`` run them. It has no forward of its own: the schedule runs
-    the stages (``loop.pipeline``)."""
+    the stages (``parallel.pipeline``)."""
 
     place: Place
     stage_modules: list[PipelineStageLM]
@@ -182,7 +183,7 @@ class PipelineRankLM(AutoRegressiveLM):
         return self
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        raise TypeError("a pipeline rank's model runs through its schedule (loop.pipeline.Pipeline), not forward")
+        raise TypeError("a pipeline rank's model runs through its schedule (parallel.pipeline.Pipeline), not forward")
 
 
 class PipelineStageLM(AutoRegressiveLM):
@@ -235,12 +236,9 @@ def check_pipeline(config: ModelConfig, num_ranks: int, stages_per_rank: int = 1
     layers, MoE layers (their load-balancing loss would have to reach the last stage's loss from every stage), a
     reward model's score head."""
     if config.num_moe_layers:
-        raise ConfigError(
-            f"pp_size {num_ranks} with an MoE model: the load-balancing loss of each stage's MoE layers cannot reach "
-            "the last stage's loss here; train it with fsdp, tp, cp or ep"
-        )
+        raise ConfigError(knob_problem("pp", num_ranks, "an MoE model"))
     if config.score_head:
-        raise ConfigError(f"pp_size {num_ranks} with a reward model (score_head): stages train language models here")
+        raise ConfigError(knob_problem("pp", num_ranks, "a reward model (score_head)"))
     stage_layers(config, num_ranks, stages_per_rank)
 
 

@@ -15,7 +15,7 @@ arises; here is why they meet):
   ``train_step`` divides by ``grad_accum_steps``, and does not scale the gradients again (``scale_grads=False``);
   the window's loss, on the last stage's ranks only, is multiplied by the micro-batches (back to a sum, as the eager
   window's) and by the pipeline's ranks, the others giving 0, so that ``train_step``'s mean over every rank is the
-  last stage's (``loop.pipeline.Pipeline.train_window``);
+  last stage's (``parallel.pipeline.Pipeline.train_window``);
 - expert parallelism: an expert's gradient arrives summed over its group's tokens routed to it (the exchange's
   adjoint), and FSDP reduces the experts over the shards the groups leave, so the mesh's own average (by its size)
   is replaced by a division by every data rank (``set_gradient_divide_factor`` in ``parallelize``): each expert's

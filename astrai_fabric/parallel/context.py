@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from astrai_fabric.config.combinations import knob_problem
 from astrai_fabric.config.model import ModelConfig
 from astrai_fabric.errors import ConfigError
 from astrai_fabric.model.context_parallel import ContextGroup
@@ -79,10 +80,7 @@ def check_context_parallel(config: ModelConfig, cp_size: int, tp_size: int = 1) 
             f"num_attention_heads {config.num_attention_heads} / tp_size {tp_size})"
         )
     if config.neftune_alpha:
-        raise ConfigError(
-            f"cp_size {cp_size} with neftune_alpha: NEFTune scales its noise by the sequence length, and each rank "
-            "would see its positions' length only"
-        )
+        raise ConfigError(knob_problem("cp", cp_size, "neftune_alpha"))
 
 
 def describe_context_parallel(config: ModelConfig, cp_size: int, tp_size: int = 1) -> str:

@@ -71,7 +71,7 @@ def shard_experts(model: nn.Module, group: dist.ProcessGroup) -> None:
 
 def expert_meshes(model: nn.Module) -> dict[DeviceMesh | None, dist.ProcessGroup]:
     """The device meshes of the routed experts' parameters under expert parallelism, each with its expert group:
-    a norm over a rank's experts is its share only, to be summed over the group (``metrics.global_norm``). Empty
+    a norm over a rank's experts is its share only, to be summed over the group (``norms.global_norm``). Empty
     without expert parallelism."""
     meshes = {}
     for layer in moe_layers(model):

@@ -48,6 +48,10 @@ from astrai_fabric.parallel.expert import check_expert_parallel, shard_experts
 from astrai_fabric.parallel.mesh import MeshLayout, build_meshes, mesh_layout
 from astrai_fabric.quantize import is_quantized
 
+APPLIED_LAYOUT = "applied_layout"
+"""The attribute ``parallelize`` leaves on the model it returns: the ``MeshLayout`` it applied, which
+``strategy.check_applied_layout`` compares with what the Fabric says."""
+
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
@@ -129,6 +133,7 @@ def parallelize(
     # model holds the same tensors, as DTensors, for the optimizer and checkpoints.
     for root in getattr(model, "stage_modules", [model]):
         fully_shard(root, **options)
+    setattr(model, APPLIED_LAYOUT, layout)
     return model
 
 

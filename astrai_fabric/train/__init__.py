@@ -29,10 +29,7 @@ from astrai_fabric.loggers import closing_loggers
 from astrai_fabric.strategy import (
     FabricArgs,
     build_fabric,
-    check_cp_size,
-    check_ep_size,
-    check_fsdp_shard_size,
-    check_pp_size,
+    check_layout_flags,
     resolve_topology,
     set_cpu_threads,
 )
@@ -101,10 +98,7 @@ def train(fabric: Fabric, args: TrainArgs) -> list[dict]:
     and ``fsdp_shard_size``, ``cp_size``, ``ep_size`` and ``pp_size`` (with its stages per rank), refused unless
     the strategy applies them. Returns the per-step records of ``loop.fit``; every rank must call it."""
     args.validate()
-    check_fsdp_shard_size(fabric, args.fsdp_shard_size)
-    check_cp_size(fabric, args.cp_size)
-    check_ep_size(fabric, args.ep_size)
-    check_pp_size(fabric, args.pp_size, args.num_stages_per_rank)
+    check_layout_flags(fabric, args.fsdp_shard_size, args.cp_size, args.ep_size, args.pp_size, args.num_stages_per_rank)
     return _train(fabric, args)
 
 

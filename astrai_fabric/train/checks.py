@@ -26,7 +26,7 @@ from astrai_fabric.parallel.expert import check_expert_parallel
 from astrai_fabric.parallel.parallelize import check_tensor_parallel
 from astrai_fabric.quantize import BYTES_PER_WEIGHT, plan_quantization
 from astrai_fabric.schedule import StepPlan
-from astrai_fabric.strategy import Topology, is_fsdp, local_ranks, precision_of
+from astrai_fabric.strategy import Topology, layout_of, local_ranks, precision_of
 from astrai_fabric.train.footprint_plan import human_bytes, plan_cluster
 from astrai_fabric.train.layout import layout_of_flags
 from astrai_fabric.train.models import meta_model
@@ -50,14 +50,9 @@ class Placement:
     """Ranks in the run, all machines together."""
 
     @classmethod
-    def of_fabric(cls, fabric: Fabric, args: TrainArgs) -> Placement:
-        shards = 1
-        if is_fsdp(fabric) and fabric.world_size > 1:
-            try:
-                layout = layout_of_flags(args, fabric.world_size)
-                shards = layout.num_fsdp_shards * layout.tp * layout.pp  # stages: a share of the blocks each
-            except UserError:  # a caller's own ModelParallelStrategy, laid out otherwise: at least as sharded
-                shards = 1
+    def of_fabric(cls, fabric: Fabric) -> Placement:
+        layout = layout_of(fabric)  # DDP's and one process's: one shard
+        shards = layout.num_fsdp_shards * layout.tp * layout.pp  # stages: a share of the blocks each
         return cls(fabric.device.type, precision_of(fabric), local_ranks(fabric), shards, fabric.world_size)
 
     @classmethod

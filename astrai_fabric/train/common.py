@@ -39,12 +39,12 @@ from astrai_fabric.checkpoint.state import (
 from astrai_fabric.config.train import RECIPE_FILE, TrainArgs, resolved_recipe
 from astrai_fabric.errors import CheckpointError, UserError
 from astrai_fabric.loop import LoopArgs, LossFn, TrainState, fit
-from astrai_fabric.loop.pipeline import Pipeline
 from astrai_fabric.metrics import MetricLog, flops_per_token, peak_flops
 from astrai_fabric.model.pipeline import StageLoss
 from astrai_fabric.optim import build_optimizer
 from astrai_fabric.optim.muon_owners import planned_layout, resolve_spread_replicated
 from astrai_fabric.parallel.parallelize import DTYPES
+from astrai_fabric.parallel.pipeline import Pipeline
 from astrai_fabric.peak_memory import PeakMemory
 from astrai_fabric.plot import PLOT_FILE, plot_runs
 from astrai_fabric.preemption import StopRequest
@@ -53,6 +53,7 @@ from astrai_fabric.reporting import Reporter
 from astrai_fabric.schedule import ScheduleArgs, StepPlan
 from astrai_fabric.strategy import (
     Topology,
+    check_applied_layout,
     data_parallel,
     describe_cpu_threads,
     is_fsdp,
@@ -93,7 +94,7 @@ def build_model(fabric: Fabric, start: Start, args: TrainArgs) -> nn.Module:
         args.random_seed,
         f"param_path {args.param_path}",
         quantize=args.quantize is not None,
-        num_shards=Placement.of_fabric(fabric, args).num_shards,
+        num_shards=Placement.of_fabric(fabric).num_shards,
     )
     adapter = None
     if (spec := lora_spec(args)) is not None:
@@ -109,6 +110,7 @@ def build_model(fabric: Fabric, start: Start, args: TrainArgs) -> nn.Module:
     if args.compile:
         model = torch.compile(model, mode=args.compile)
     module = fabric.setup_module(model)  # under FSDP on the meta device: sharded, then materialised on the device
+    check_applied_layout(fabric, module.module)
     if is_fsdp(fabric) and args.quantize is None:  # a 4-bit base was read whole above (initial_model), then sharded
         raw = module.module  # Fabric's wrapper, then torch.compile's: the model whose names the file uses
         load_sharded_weights(uncompiled(raw), start.weights, adapter)
@@ -282,7 +284,7 @@ def train_on(fabric: Fabric, args: TrainArgs, start: Start, task: TrainTask) -> 
     layout = layout_of(fabric)  # the layout the Fabric applies, read once and handed down
     place = data_parallel(fabric, layout)
     plan = step_plan(args, len(train_set), place.num_dp_ranks, online=task.make_batches is not None)
-    if problems := preflight(args, start, plan, Placement.of_fabric(fabric, args)):  # what --dry_run lists
+    if problems := preflight(args, start, plan, Placement.of_fabric(fabric)):  # what --dry_run lists
         raise UserError(problems[0])
 
     with hold_ckpt_dir(fabric, args):  # before anything is written there, until the end
@@ -319,7 +321,7 @@ def train_on(fabric: Fabric, args: TrainArgs, start: Start, task: TrainTask) -> 
         batches = profiler.steps_of(batches) if profiler is not None else batches
 
         whole = meta_model(start.model_config, args)  # a rank may hold a stage's blocks or its experts only
-        num_shards = Placement.of_fabric(fabric, args).num_shards
+        num_shards = Placement.of_fabric(fabric).num_shards
         parameters = summarize_parameters(whole, args, precision_of(fabric), num_shards)
         data = describe_data(args, len(train_set), task.data_summary, val_set)
         cluster = run_footprint(fabric, args, start)

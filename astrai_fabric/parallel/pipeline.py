@@ -46,9 +46,9 @@ from torch.distributed.tensor import DTensor
 from astrai_fabric.config.pipeline import INTERLEAVED_SCHEDULES
 from astrai_fabric.errors import ConfigError, keep_traceback
 from astrai_fabric.losses import token_nll_weights
-from astrai_fabric.metrics import by_device_mesh, global_norm
 from astrai_fabric.model.pipeline import PipelineRankLM, StageLoss
 from astrai_fabric.model.transformer import LM_HEAD_KEY
+from astrai_fabric.norms import by_device_mesh, global_norm
 
 SCHEDULE_LOGGER = "torch.distributed.pipelining.schedules"
 """The logger torch's schedules report a failed step on: the exception, then the whole schedule as a table, one line
