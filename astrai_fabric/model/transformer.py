@@ -277,15 +277,7 @@ class AutoRegressiveLM(nn.Module):
             if input_mask is None:  # causal over the cached and the new positions
                 input_mask = (torch.arange(kv_cache.length + seq_len, device=input_ids.device) <= past[:, None])[None]
         if kv_cache is not None and self.rotary_embedding.freqs_cis_long is not None:
-            switch = self.rotary_embedding.switch_length
-            if 0 < kv_cache.length <= switch < kv_cache.length + seq_len:
-                # longrope: the cached keys were rotated with the short factors, the new ones would be with the long,
-                # a function of neither. transformers' Phi-3 drops its cache there and recomputes the whole sequence
-                # (Phi3ForCausalLM.prepare_inputs_for_generation), which is what a forward without a cache does here.
-                raise ValueError(
-                    f"longrope: this generation crosses original_max_position_embeddings {switch}, where the cached "
-                    "keys' frequencies (short factors) no longer apply; generate without a KV cache to go past it"
-                )
+            kv_cache.check_positions(self.rotary_embedding.switch_length, seq_len)
         context = self.context_parallel if kv_cache is None else None
         mine = slice(None) if context is None else context.positions(seq_len)
         # A pipeline stage after the first holds no embedding: what it is given are the hidden states.
