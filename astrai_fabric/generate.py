@@ -1,23 +1,36 @@
-"""Batched autoregressive sampling with a KV cache: temperature, top-k, top-p, stop tokens.
+"""``astrai-fabric generate`` (``run_generate``, on the generation engine, ``inference.Engine``), and the static
+batch the engine replaces: ``generate``, batched sampling with a contiguous KV cache (temperature, top-k, top-p, stop
+tokens), still used by online GRPO's and DPO's rollouts, chat (its loop, ``sample_tokens``) and evaluate's
+generation until they move onto the engine, and by the engine's tests as their reference.
 
 Prompts of different lengths are left-padded; position ids count real tokens only (a prompt starts at 0 whatever
 its padding) and attention never looks at padding, so a prompt's continuation does not depend on its neighbours
-in the batch. Used by online GRPO, ``astrai-fabric generate`` and (its loop, ``sample_tokens``) ``chat``.
+in the batch.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
+from tqdm import tqdm
 
 from astrai_fabric import hub
 from astrai_fabric.checkpoint import load_language_model
 from astrai_fabric.config.generate import GenerateArgs, SamplingArgs
 from astrai_fabric.errors import ConfigError, UserError
+from astrai_fabric.inference import Engine, SamplingParams
+from astrai_fabric.json_files import parse_json
 from astrai_fabric.model.kv_cache import KVCache
+from astrai_fabric.regular_files import read_regular_file
 from astrai_fabric.tokenizer import Tokenizer
+
+MAX_PROMPTS_FILE_BYTES = 2**30
+"""The largest ``--prompts_file`` read (whole, then a line at a time)."""
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device | str) -> tuple[Tensor, Tensor]:
@@ -171,15 +184,20 @@ def load_sampler(args: SamplingArgs, command: str) -> tuple[nn.Module, Tokenizer
 
 
 def run_generate(args: GenerateArgs) -> list[list[str]]:
-    """Print and return ``num_samples`` continuations of every prompt."""
+    """``num_samples`` continuations of every prompt, all run together by the generation engine
+    (``inference.Engine``); printed, or written to ``--output`` as JSONL. Prompt i's continuation j is seeded
+    ``seed + i * num_samples + j``, whatever else runs beside it."""
     args.validate()
-    model, tokenizer, generator = load_sampler(args, "generate")
+    texts = list(args.prompt) + (read_prompts(Path(args.prompts_file)) if args.prompts_file else [])
+    if args.output and (Path(args.output).is_dir() or not Path(args.output).parent.is_dir()):
+        raise ConfigError(f"output {args.output}: expected a file path in an existing directory")
+    model, tokenizer, _ = load_sampler(args, "generate")
     system = [{"role": "system", "content": args.system}] if args.system else []
     encoded = [
         tokenizer.apply_chat_template([*system, {"role": "user", "content": p}]) if args.chat else tokenizer.encode(p)
-        for p in args.prompt
+        for p in texts
     ]
-    for prompt, ids in zip(args.prompt, encoded, strict=True):
+    for prompt, ids in zip(texts, encoded, strict=True):
         if not ids:
             how = "its chat_template renders it" if args.chat else "it encodes"
             raise UserError(
@@ -187,24 +205,59 @@ def run_generate(args: GenerateArgs) -> list[list[str]]:
                 "bos_token is added): there is nothing to continue"
             )
     stop_ids = tokenizer.stop_ids if args.chat else [t for t in (tokenizer.eos_token_id,) if t is not None]
-    batch = [ids for ids in encoded for _ in range(args.num_samples)]
-    limit = model.config.max_position_embeddings - max(len(ids) for ids in batch)
-    if limit < 1:
-        raise ConfigError(f"a prompt fills the model's {model.config.max_position_embeddings} positions")
-    outputs = generate(
-        model,
-        batch,
-        min(args.max_new_tokens, limit),
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        stop_ids=stop_ids,
-        pad_id=tokenizer.padding_id,
-        generator=generator,
-    )
-    texts = [tokenizer.decode_whole_chars(out) for out in outputs]
-    grouped = [texts[i : i + args.num_samples] for i in range(0, len(texts), args.num_samples)]
-    for prompt, samples in zip(args.prompt, grouped, strict=True):
+    engine = Engine(model, max_num_seqs=args.max_num_seqs, seed=args.seed)
+    requests = []
+    for index, ids in enumerate(encoded):
+        room = engine.max_model_len - len(ids)
+        if room < 1:
+            raise ConfigError(f"a prompt ({len(ids)} tokens) fills the model's {engine.max_model_len} positions")
+        params = SamplingParams(
+            max_tokens=min(args.max_new_tokens, room),
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed + index * args.num_samples,
+            stop_token_ids=stop_ids,
+            n=args.num_samples,
+        )
+        requests.append(engine.add_request(ids, params))
+    with tqdm(total=len(requests), desc="prompts", unit="prompt", disable=len(requests) < 2) as bar:
+        while engine.has_work():
+            for completion, _ in engine.step():
+                group = engine.completions[completion.request_id]
+                if completion.finish_reason and all(c.finish_reason for c in group) and len(group) == args.num_samples:
+                    bar.update()
+    grouped = [[tokenizer.decode_whole_chars(c.tokens) for c in engine.completions[i]] for i in requests]
+    if args.output:
+        reasons = [[c.finish_reason for c in engine.completions[i]] for i in requests]
+        lines = [
+            {"prompt": prompt, "completions": samples, "finish_reasons": why}
+            for prompt, samples, why in zip(texts, grouped, reasons, strict=True)
+        ]
+        output = Path(args.output)
+        staging = output.with_name(f".{output.name}.tmp-{os.getpid()}")  # whole or not at all
+        staging.write_text("".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines), encoding="utf-8")
+        staging.replace(output)
+        print(f"{len(lines)} prompt(s) x {args.num_samples} completion(s) written to {args.output}")
+        return grouped
+    for prompt, samples in zip(texts, grouped, strict=True):
         for sample in samples:
             print(f">>> {prompt}\n{sample}\n")
     return grouped
+
+
+def read_prompts(path: Path) -> list[str]:
+    """The ``prompt`` of each line of the JSONL file ``path`` (blank lines skipped); one line naming the file and
+    line where one is not an object with a ``prompt`` string."""
+    prompts = []
+    data = read_regular_file(path, max_bytes=MAX_PROMPTS_FILE_BYTES, what="JSONL prompts", error=ConfigError)
+    for number, line in enumerate(data.splitlines(), start=1):
+        if not line.strip():
+            continue
+        record = parse_json(line, f"prompts_file {path}:{number}", ConfigError)
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            raise ConfigError(f'prompts_file {path}:{number}: expected an object with a "prompt" string')
+        prompts.append(record["prompt"])
+    if not prompts:
+        raise ConfigError(f"prompts_file {path}: holds no prompt")
+    return prompts

@@ -356,7 +356,7 @@ def test_lora_checkpoints_and_huggingface_directories(work, capsys, monkeypatch)
          "no_system/tokenizer_config.json: chat_template failed: raise_exception: System role not supported"),
         (["chat", "{w}/model", "--tokenizer_path", "{w}/empty"], "the conversation renders as no token"),
         (["generate", "--param_path", "{w}/model", "--prompt", "x", "--num_samples", "0"],
-         "generate: need num_samples >= 1, got 0"),
+         "generate: need 1 <= num_samples <= 256, got 0"),
     ],
 )  # fmt: skip
 def test_mistakes_are_one_line_exit_2_before_a_reply(work, capsys, monkeypatch, argv, message):

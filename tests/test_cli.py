@@ -330,6 +330,32 @@ def test_generate_command(tmp_path, capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert out.count(">>> What is 2 + 2?") == 2 and out.count(">>> Hi") == 2
+    # A JSONL of prompts in, a JSONL of completions out: greedy, each the static batch's for its prompt alone; sampled,
+    # the same file again for the same seed
+    from astrai_fabric.generate import generate
+    from astrai_fabric.tokenizer import Tokenizer
+
+    texts = ["Once upon", "The capital of", "2 + 2 ="]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts) + "\n")
+    jsonl = ["generate", "--param_path", str(path), "--prompts_file", str(tmp_path / "prompts.jsonl"), "--chat", "false"]
+    out = tmp_path / "out.jsonl"
+    assert main([*jsonl, "--temperature", "0", "--max_new_tokens", "6", "--output", str(out)]) == 0
+    assert "3 prompt(s) x 1 completion(s) written to" in capsys.readouterr().out
+    tokenizer = Tokenizer.from_dir(path)
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [line["prompt"] for line in lines] == texts
+    for line in lines:
+        alone = generate(model.eval(), [tokenizer.encode(line["prompt"])], 6, temperature=0)[0]
+        assert line["completions"] == [tokenizer.decode_whole_chars(alone)]
+    sampled = [*jsonl, "--temperature", "1", "--num_samples", "3", "--max_num_seqs", "4", "--output", str(out)]
+    assert main(sampled) == 0
+    first = out.read_text()
+    assert main(sampled) == 0 and out.read_text() == first
+    assert all(len(json.loads(line)["completions"]) == 3 for line in first.splitlines())
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "fine"}\n{"text": "no prompt"}\n')
+    bad = ["generate", "--param_path", str(path), "--prompts_file", str(tmp_path / "bad.jsonl")]
+    code, err = run_cli(bad, capsys)
+    assert code == 2 and 'bad.jsonl:2: expected an object with a "prompt" string' in err
     shutil.rmtree(path)
     code, err = run_cli(["generate", "--param_path", str(path), "--prompt", "x"], capsys)
     assert code == 2 and "no such checkpoint or model directory" in err

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from astrai_fabric.errors import ConfigError
 
 DEVICE_TYPES = ("cpu", "cuda")
+MAX_SAMPLES = 256
+"""The most continuations of one prompt (the engine's ``n``)."""
 
 
 @dataclass
@@ -61,18 +63,30 @@ class GenerateArgs(SamplingArgs):
     """``astrai-fabric generate``: sample continuations of prompts from a model or checkpoint directory."""
 
     prompt: list[str] = field(default_factory=list)
-    """Prompt text; repeat the flag for several prompts (sampled as one batch)."""
+    """Prompt text; repeat the flag for several prompts (all run together by the generation engine)."""
+    prompts_file: str | None = None
+    """A JSONL file of prompts, one object a line with a ``prompt`` string, after any ``--prompt``; a progress bar
+    counts them."""
+    output: str | None = None
+    """Write the completions to this JSONL file (one line a prompt: ``prompt``, ``completions``,
+    ``finish_reasons``) instead of printing them."""
+    max_num_seqs: int = 64
+    """Completions sampled at once (the engine's running batch; the others wait for a slot)."""
     chat: bool = True
     """Render each prompt as a user message with the chat template (false: continue the raw text)."""
     num_samples: int = 1
     """Continuations per prompt."""
 
     def validate(self, command: str = "generate") -> None:
-        if self.param_path is None or not self.prompt:
-            raise ConfigError("generate needs --param_path and at least one --prompt")
+        if self.param_path is None or not (self.prompt or self.prompts_file):
+            raise ConfigError("generate needs --param_path and at least one --prompt (or --prompts_file)")
         super().validate(command)
-        if self.num_samples < 1:
-            raise ConfigError(f"{command}: need num_samples >= 1, got {self.num_samples}")
+        if not 1 <= self.num_samples <= MAX_SAMPLES:
+            raise ConfigError(f"{command}: need 1 <= num_samples <= {MAX_SAMPLES}, got {self.num_samples}")
+        if self.max_num_seqs < self.num_samples:
+            raise ConfigError(
+                f"{command}: max_num_seqs {self.max_num_seqs} must hold a prompt's num_samples {self.num_samples}"
+            )
 
 
 @dataclass
