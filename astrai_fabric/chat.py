@@ -6,15 +6,16 @@ new line after what came before, continued by the model. A reply ends at a stop 
 ``Tokenizer.stop_ids``; EOS for running text) or after ``max_new_tokens``, and prints as whole UTF-8 characters (a
 byte-level token can end inside one: its bytes wait for the rest).
 
-The KV cache is kept across turns. Each turn renders the whole conversation again; when its token ids start with
-the ids the cache holds, only the rest is fed, else the cache is dropped and the conversation recomputed: a template
-that rewrites earlier turns (dropping past reasoning, say), or a reply whose text encodes to other ids than those
-sampled. The test is on ids, not text. A conversation that no longer fits ``max_position_embeddings`` is said in
-one line; ``/reset`` starts a new one.
+Replies come from the generation engine (``inference.Engine``), which keeps the KV cache's blocks across turns. Each
+turn renders the whole conversation again and is one request; the engine's prefix reuse finds the full blocks of
+what it computed before, as long as the ids are the same (a template that rewrites earlier turns, dropping past
+reasoning, say, or a reply whose text encodes to other ids than those sampled, match up to where they differ), and
+computes the rest. The test is on ids, not text. A conversation that no longer fits ``max_position_embeddings`` is
+said in one line; ``/reset`` starts a new one.
 
 ``/reset`` clears the conversation (the system message stays) and the cache; ``/exit`` or the end of input leaves
 (exit 0). Ctrl-C during a reply stops it (what was printed stays in the conversation) and returns to the prompt; at
-the prompt it leaves with exit 130. Sampling is ``generate.sample_tokens``, the loop ``generate`` runs.
+the prompt it leaves with exit 130. Turn t samples with the seed ``--seed + t``.
 
 Each line of stdin is one message of at most ``--max_input_bytes`` bytes: a longer one is refused in one line and
 the chat goes on (a pipe is read in pieces of that size, so no line is held whole). Bytes that are not text in
@@ -27,21 +28,16 @@ import sys
 from collections.abc import Callable
 from typing import BinaryIO
 
-import torch
-from torch import Tensor, nn
+from torch import nn
 
 from astrai_fabric.config.generate import ChatArgs
 from astrai_fabric.errors import UserError
-from astrai_fabric.generate import load_sampler, sample_tokens
-from astrai_fabric.model.kv_cache import KVCache
+from astrai_fabric.generate import load_sampler
+from astrai_fabric.inference import Engine, SamplingParams
 from astrai_fabric.tokenizer import Message, Tokenizer
 
 PROMPT = ">>> "
 RESET, EXIT = "/reset", "/exit"
-MIN_CACHE_POSITIONS = 1024
-"""Positions the first KV cache holds (or the model's ``max_position_embeddings``, if fewer); a conversation
-outgrowing it gets one twice as large (recomputed once), so a model with a long context does not reserve all of it
-for a short chat."""
 
 
 class Conversation:
@@ -81,37 +77,25 @@ class Conversation:
 
 
 class ChatSession:
-    """The model and its KV cache, kept across turns, with the ids the cache holds."""
+    """The model behind the generation engine, which keeps the conversation's blocks across turns."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        tokenizer: Tokenizer,
-        args: ChatArgs,
-        generator: torch.Generator | None = None,
-        min_cache_positions: int = MIN_CACHE_POSITIONS,
-    ) -> None:
-        self.model, self.tokenizer, self.args, self.generator = model, tokenizer, args, generator
+    def __init__(self, model: nn.Module, tokenizer: Tokenizer, args: ChatArgs) -> None:
+        self.model, self.tokenizer, self.args = model, tokenizer, args
         self.conversation = Conversation(tokenizer, args.system, args.template)
-        self.max_positions = model.config.max_position_embeddings
-        self.min_cache_positions = min_cache_positions
-        self.device = next(model.parameters()).device
-        self.cache: KVCache | None = None
-        self._fed: list[int] = []
-        """The ids fed into the cache, in order; the first ``cache.length`` are in it (an interrupted forward may
-        leave the rest out)."""
-        self.recomputed_turns = 0
-        """Turns whose conversation was fed whole (no cache, or one that did not hold its start): for tests."""
+        # One conversation at a time: the pool holds the model's whole window once, and what it held of the
+        # earlier turns stays there (prefix reuse) until a longer conversation needs the room.
+        self.engine = Engine(model, max_num_seqs=1, seed=args.seed)
+        self.max_positions = self.engine.max_model_len
+        self.turns = 0
+        self.cached_prompt_tokens = 0
+        """The last turn's prompt positions found in the KV cache, not computed again: for tests."""
+        self.last_ids: list[int] = []
+        """The last turn's prompt and reply ids as sampled."""
         self.cut_at_max_new_tokens = False
         """The last reply ended at ``--max_new_tokens``, not at a stop token: it may be unfinished."""
 
-    @property
-    def cached_ids(self) -> list[int]:
-        return self._fed[: self.cache.length] if self.cache is not None else []
-
     def reset(self) -> None:
         self.conversation.reset()
-        self.cache, self._fed = None, []
 
     def ids_with(self, user: str) -> list[int]:
         """The conversation's ids with ``user`` said next; a template that refuses it, or renders no token, is the
@@ -126,7 +110,11 @@ class ChatSession:
 
     def reply(self, user: str, write: Callable[[str], None]) -> str | None:
         """Answer ``user``, each piece of text ``write``-n as it is sampled; the reply, or None when the conversation
-        does not fit the model (said in one line). Ctrl-C stops the reply where it is: what was written is kept."""
+        does not fit the model (said in one line). Ctrl-C stops the reply where it is: what was written is kept.
+
+        Each turn is one request of the whole conversation: the engine finds the blocks of what it held before
+        (the earlier turns, as their ids were; a template that rewrites them, or a reply whose text encodes to
+        other ids, matches up to where the ids differ) and computes the rest. Turn t is seeded ``seed + t``."""
         ids = self.ids_with(user)
         room = self.max_positions - len(ids)
         if room < 1:
@@ -136,31 +124,35 @@ class ChatSession:
             )
             return None
         budget = min(self.args.max_new_tokens, room)
-        text_of, pieces, sampled = self.tokenizer.decode_stream(), [], []
-        stop_ids, interrupted = set(self.conversation.stop_ids), False
+        stop_ids = self.conversation.stop_ids
+        params = SamplingParams(
+            max_tokens=budget,
+            temperature=self.args.temperature,
+            top_k=self.args.top_k,
+            top_p=self.args.top_p,
+            seed=self.args.seed + self.turns,
+            stop_token_ids=stop_ids,
+        )
+        self.turns += 1
+        text_of, pieces, interrupted = self.tokenizer.decode_stream(), [], False
+        request = self.engine.add_request(ids, params)
         try:
-            with torch.no_grad():
-                logits = self._prefill(ids, len(ids) + budget)
-                for token in sample_tokens(
-                    logits,
-                    self._feed_token,
-                    budget,
-                    temperature=self.args.temperature,
-                    top_k=self.args.top_k,
-                    top_p=self.args.top_p,
-                    stop_ids=sorted(stop_ids),
-                    generator=self.generator,
-                ):
-                    sampled.append(int(token))
-                    if piece := text_of(sampled[-1]):
+            while self.engine.has_work():
+                for _, token in self.engine.step():
+                    if piece := text_of(token):
                         write(piece)
                         pieces.append(piece)  # once shown
-        except KeyboardInterrupt:  # Ctrl-C: this reply ends here
+        except KeyboardInterrupt:  # Ctrl-C: this reply ends here, its blocks back to the pool
             interrupted = True
+            self.engine.cancel(request)
+        [completion] = self.engine.completions.pop(request)
+        self.cached_prompt_tokens = completion.num_cached_prompt_tokens
+        self.last_ids = ids + completion.tokens
         write("\n")
         text = "".join(pieces)
         self.conversation.add(user, text)
-        unended = not interrupted and bool(sampled) and sampled[-1] not in stop_ids
+        sampled = completion.tokens
+        unended = not interrupted and bool(sampled) and completion.finish_reason == "length"
         if unended and len(sampled) == room:
             say(
                 f"the reply stopped at the model's {self.max_positions} positions (max_position_embeddings): type "
@@ -168,26 +160,6 @@ class ChatSession:
             )
         self.cut_at_max_new_tokens = unended and len(sampled) == budget < room
         return text
-
-    def _prefill(self, ids: list[int], positions: int) -> Tensor:
-        """Logits after ``ids``, feeding only what the cache does not hold; a cache for ``positions`` positions."""
-        cached = self.cached_ids
-        reuse = len(ids) > len(cached) and ids[: len(cached)] == cached
-        if self.cache is None or not reuse or self.cache.max_len < positions:
-            held = self.cache.max_len if self.cache is not None else 0
-            size = held if held >= positions else max(positions, 2 * held, self.min_cache_positions)
-            self.cache, self._fed = KVCache(min(self.max_positions, size)), []
-            self.recomputed_turns += 1
-        return self._feed(ids[self.cache.length :])
-
-    def _feed(self, ids: list[int]) -> Tensor:
-        del self._fed[self.cache.length :]
-        self._fed += ids
-        tokens = torch.tensor([ids], dtype=torch.long, device=self.device)
-        return self.model(tokens, kv_cache=self.cache).logits[:, -1]
-
-    def _feed_token(self, token: Tensor) -> Tensor:
-        return self._feed(token.tolist())
 
 
 class LineTooLong(Exception):
@@ -284,8 +256,8 @@ def run_chat(args: ChatArgs) -> int:
     args.validate()
     interactive = sys.stdin.isatty()
     try:
-        model, tokenizer, generator = load_sampler(args, "chat")
-        session = ChatSession(model, tokenizer, args, generator)
+        model, tokenizer, _ = load_sampler(args, "chat")
+        session = ChatSession(model, tokenizer, args)
         session.ids_with("Hello")  # a template that refuses this conversation (a system message) fails now
         if interactive:
             import readline  # noqa: F401 - line editing and history for input()

@@ -140,28 +140,40 @@ def test_piped_turns_reset_exit_and_end_of_input(work, capsys, monkeypatch):
     assert chat([str(work / "model"), "--system", "Be brief."], "hello\n", capsys, monkeypatch)[1] == f"{system[0]}\n"
 
 
-def test_greedy_replies_equal_generate_without_a_cache_and_the_cache_is_kept_across_turns(work):
-    chat_session, written = session(work), []
-    replies = [chat_session.reply(user, written.append) for user in TURNS]
+def reused(session: ChatSession, ids: list[int], before: list[int]) -> int:
+    """The prompt positions the engine should find cached: the full blocks of the ids ``before`` (what it computed
+    of the previous turn) that ``ids`` starts with, short of ``ids``' last position."""
+    common = next((i for i, (a, b) in enumerate(zip(ids, before, strict=False)) if a != b), min(len(ids), len(before)))
+    size = session.engine.block_size
+    return min(common, len(ids) - 1) // size * size
+
+
+def test_greedy_replies_equal_generate_without_a_cache_and_the_blocks_are_kept_across_turns(work):
+    chat_session, written, computed = session(work), [], []
+    replies = []
+    for user in TURNS:
+        ids = chat_session.ids_with(user)
+        replies.append(chat_session.reply(user, written.append))
+        assert chat_session.cached_prompt_tokens == reused(chat_session, ids, computed)
+        computed = chat_session.last_ids[:-1]  # the last token sampled is never fed
     assert replies == reference(chat_session.model, chat_session.tokenizer, TURNS)
     assert "".join(written) == "".join(f"{reply}\n" for reply in replies)
-    assert chat_session.recomputed_turns == 1  # the first turn only: later ones fed just what was new
+    assert chat_session.cached_prompt_tokens > 0  # later turns computed only what was new
     chat_session.reset()
-    assert chat_session.reply(TURNS[0], written.append) == replies[0] and chat_session.recomputed_turns == 2
+    ids = chat_session.ids_with(TURNS[0])
+    assert chat_session.reply(TURNS[0], written.append) == replies[0]
+    assert chat_session.cached_prompt_tokens == reused(chat_session, ids, computed)
 
 
-def test_a_conversation_outgrowing_its_cache_gets_one_twice_as_large(work):
-    chat_session = session(work, min_cache_positions=64)
-    replies = [chat_session.reply(user, lambda text: None) for user in TURNS]
-    assert replies == reference(chat_session.model, chat_session.tokenizer, TURNS)
-    assert chat_session.cache.max_len == 128 and chat_session.recomputed_turns == 2  # 64 held two turns, not three
-
-
-def test_a_template_that_rewrites_earlier_turns_recomputes_the_conversation(work):
-    chat_session = session(work, tokenizer="rewrite")
-    replies = [chat_session.reply(user, lambda text: None) for user in TURNS]
-    assert all(replies) and chat_session.recomputed_turns == len(TURNS)  # the past replies' content was dropped
-    assert replies == reference(chat_session.model, chat_session.tokenizer, TURNS)
+def test_a_template_that_rewrites_earlier_turns_reuses_only_what_it_kept(work):
+    chat_session, computed = session(work, tokenizer="rewrite"), []
+    replies = []
+    for user in TURNS:
+        ids = chat_session.ids_with(user)
+        replies.append(chat_session.reply(user, lambda text: None))
+        assert chat_session.cached_prompt_tokens <= reused(chat_session, ids, computed)
+        computed = chat_session.last_ids[:-1]
+    assert all(replies) and replies == reference(chat_session.model, chat_session.tokenizer, TURNS)
 
 
 @pytest.mark.parametrize("where", ["between two tokens", "inside a forward pass"])
@@ -184,7 +196,8 @@ def test_a_reply_stopped_by_ctrl_c_stays_in_the_conversation_and_the_cache_stays
     assert partial and partial == "".join(pieces[:-1] if where == "inside a forward pass" else pieces[:2])
     assert pieces[-1] == "\n" and len(pieces) == 4  # the third piece, sampled, never showed in the first case
     messages = [{"role": "user", "content": TURNS[0]}, {"role": "assistant", "content": partial}]
-    for user in TURNS[1:]:  # the ids the cache holds are known exactly: a third turn still reuses it
+    for user in TURNS[1:]:  # what the engine computed is known exactly: later turns find its full blocks
+        computed = chat_session.last_ids[:-1]  # an interrupted forward computed nothing; the last token is unfed
         ids = chat_session.tokenizer.apply_chat_template([*messages, {"role": "user", "content": user}])
         out = generate(
             chat_session.model,
@@ -199,7 +212,8 @@ def test_a_reply_stopped_by_ctrl_c_stays_in_the_conversation_and_the_cache_stays
             {"role": "assistant", "content": chat_session.tokenizer.decode_whole_chars(out)},
         ]
         assert chat_session.reply(user, lambda text: None) == messages[-1]["content"]
-    assert chat_session.recomputed_turns == 1
+        assert chat_session.cached_prompt_tokens == reused(chat_session, ids, computed)
+    assert all(block.refs == 0 for block in chat_session.engine.pool.blocks)  # the cancelled turn's freed
 
 
 def test_a_template_failing_on_a_later_turn_is_one_line_and_the_chat_goes_on(work, capsys, monkeypatch):

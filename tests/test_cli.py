@@ -337,7 +337,8 @@ def test_generate_command(tmp_path, capsys):
 
     texts = ["Once upon", "The capital of", "2 + 2 ="]
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts) + "\n")
-    jsonl = ["generate", "--param_path", str(path), "--prompts_file", str(tmp_path / "prompts.jsonl"), "--chat", "false"]
+    prompts_file = str(tmp_path / "prompts.jsonl")
+    jsonl = ["generate", "--param_path", str(path), "--prompts_file", prompts_file, "--chat", "false"]
     out = tmp_path / "out.jsonl"
     assert main([*jsonl, "--temperature", "0", "--max_new_tokens", "6", "--output", str(out)]) == 0
     assert "3 prompt(s) x 1 completion(s) written to" in capsys.readouterr().out
