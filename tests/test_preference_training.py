@@ -90,9 +90,12 @@ def test_online_grpo_raises_the_length_reward(tmp_path):
     first = sum(r["reward"] for r in history[:5]) / 5
     last = sum(r["reward"] for r in history[-5:]) / 5
     print(f"mean reward: first 5 steps {first:.3f}, last 5 steps {last:.3f}")
-    # Seen on 2026-12-01: -3.01 over the first 5 steps, -0.98 over the last 5 (deterministic: fixed seeds; -3.03 and
-    # -1.29 before rollouts were seeded per micro-batch).
-    assert last > first + 1.0, (first, last)
+    # Deterministic (fixed seeds). Seen on 2026-12-08, rollouts on the generation engine (a seed per prompt and
+    # completion): -3.13 over the first 5 steps, -2.21 over the last 5; random_seed 1 and 2 gained 1.35 and 0.99.
+    # Before (one generator per micro-batch): -3.01 to -0.98. The noise of a 5-step mean is ~0.1.
+    assert last > first + 0.6, (first, last)
+    # The rollouts' own metrics: each group of 8 prefilled its prompt once
+    assert all(r["prefix_hit_rate"] == pytest.approx(1 - 1 / 8) and r["rollout_s"] > 0 for r in history)
 
 
 def test_offline_grpo_keeps_float_rewards_and_trains(tmp_path):

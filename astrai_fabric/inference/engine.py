@@ -105,9 +105,13 @@ class Engine:
         max_model_len: int | None = None,
         decode: Callable[[list[int]], str] | None = None,
         seed: int = 0,
+        lockstep: Callable[[bool], bool] | None = None,
     ) -> None:
-        """``model`` an ``AutoRegressiveLM`` on one device, in eval mode; ``decode`` a tokenizer's, for stop strings
-        and texts; ``seed`` draws the seeds of requests that give none."""
+        """``model`` an ``AutoRegressiveLM`` in eval mode, or Fabric's wrapper of one (its forward is called, so a
+        sharded model's hooks run); ``decode`` a tokenizer's, for stop strings and texts; ``seed`` draws the seeds of
+        requests that give none. ``lockstep``, for ranks whose forwards are collectives (FSDP, tensor parallelism):
+        ``lockstep(this rank has work) -> some rank has``, called once a step; every step then runs exactly two
+        forwards on every rank, a rank with nothing to run taking a one-token forward without a cache."""
         self.model = model
         config = model.config
         parameter = next(model.parameters())
@@ -132,8 +136,8 @@ class Engine:
                 f"({self.bytes_per_block} bytes for this model)"
             )
         self.pool = BlockPool(num_blocks, block_size)
-        self.cache = PagedKVCache(shapes, num_blocks, block_size, dtype, self.device)
-        self.decode = decode
+        self.cache = PagedKVCache(num_blocks, block_size)
+        self.decode, self.lockstep = decode, lockstep
         self.seeds = torch.Generator().manual_seed(seed)
         self.waiting: deque[_Request] = deque()
         self.running: list[_Sequence] = []
@@ -189,6 +193,10 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def keep_stepping(self) -> bool:
+        """Whether to step again: this engine has work, or, in lockstep, some rank's has."""
+        return self.lockstep(self.has_work()) if self.lockstep is not None else self.has_work()
+
     def cancel(self, request_id: int) -> None:
         """Stop ``request_id`` where it is: its blocks back to the pool at once."""
         self.waiting = deque(r for r in self.waiting if r.request_id != request_id)
@@ -198,7 +206,7 @@ class Engine:
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
         """Every prompt's ``params.n`` completions, run to their ends."""
         ids = [self.add_request(prompt, params) for prompt in prompts]
-        while self.has_work():
+        while self.keep_stepping():
             self.step()
         return [self.completions.pop(i) for i in ids]
 
@@ -211,6 +219,8 @@ class Engine:
         if decoding:
             logits = self._forward(decoding, [1] * len(decoding))
             sampled += self._sample(decoding, logits)
+        elif self.lockstep is not None:
+            self._idle_forward()
         prefilling, chunks, budget = [], [], self.max_prefill_tokens
         for sequence in self.running:
             if sequence.prefilled or budget <= 0:
@@ -219,6 +229,8 @@ class Engine:
             prefilling.append(sequence)
             chunks.append(chunk)
             budget -= chunk
+        if not prefilling and self.lockstep is not None:
+            self._idle_forward()
         if prefilling:
             logits = self._forward(prefilling, chunks)
             self.num_prefill_positions += sum(chunks)
@@ -229,12 +241,7 @@ class Engine:
         return sampled
 
     def _blocks_needed(self, num_prompt: int, params: SamplingParams, num_hits: int) -> int:
-        """Blocks a request still takes: its prompt's full blocks once (shared by its completions), each
-        completion's own (the prompt's last partial block, copied, and what it samples; the last token is never
-        fed), less the blocks found cached."""
-        shared = num_prompt // self.block_size
-        own = math.ceil((num_prompt + params.max_tokens - 1) / self.block_size) - shared
-        return shared - num_hits + params.n * own
+        return blocks_needed(num_prompt, params.max_tokens, params.n, self.block_size) - num_hits
 
     def _admit(self) -> None:
         """Waiting requests in order while they fit (slots and blocks): the first that does not waits, and those
@@ -271,14 +278,20 @@ class Engine:
         tables, pasts = [s.blocks for s in sequences], [s.num_computed for s in sequences]
         view = BatchView(self.cache, tables, pasts, lengths, self.device)
         mask, positions = view.mask_and_positions()
-        hidden, _, _ = self.model.trunk(input_ids.to(self.device), mask, positions, view)
         last = torch.tensor(lengths, device=self.device) - 1
-        logits = self.model.head(hidden[torch.arange(len(ids), device=self.device), last][:, None]).logits[:, 0]
+        # The model's own forward (a sharded model's hooks run there), the head at each row's last new position only
+        out = self.model(input_ids.to(self.device), mask, positions, view, logits_at=last)
+        logits = out.logits[:, 0]
         self.num_forwards += 1
         for sequence, length in zip(sequences, lengths, strict=True):
             sequence.num_computed += length
             self._register_full_blocks(sequence)
         return logits
+
+    def _idle_forward(self) -> None:
+        """A rank's share of another rank's forward (lockstep): one token, no cache, the output dropped."""
+        self.model(torch.zeros(1, 1, dtype=torch.long, device=self.device))
+        self.num_forwards += 1
 
     def _take_blocks(self, sequence: _Sequence, num_positions: int) -> None:
         """Blocks from the pool until ``sequence`` has room for ``num_positions``, out of its reservation."""
@@ -357,6 +370,15 @@ class Engine:
         self.running.remove(sequence)
         self.pool.release(sequence.blocks)
         sequence.blocks, sequence.reserved = [], 0
+
+
+def blocks_needed(num_prompt: int, max_tokens: int, n: int, block_size: int) -> int:
+    """Blocks a request of ``n`` completions may take: its prompt's full blocks once (shared by its completions),
+    each completion's own (the prompt's last partial block, copied, and what it samples; the last token sampled is
+    never fed)."""
+    shared = num_prompt // block_size
+    own = math.ceil((num_prompt + max_tokens - 1) / block_size) - shared
+    return shared + n * own
 
 
 def _first_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:

@@ -36,22 +36,22 @@ class LayerShape:
 
 
 class PagedKVCache:
-    """Keys ``[num_blocks * block_size, heads, key_dim]`` and values per layer, allocated at once."""
+    """Keys ``[num_blocks * block_size, heads, key_dim]`` and values per layer, zeros (what padding reads stays
+    finite), each layer's made at its first write, in the shape, dtype and device of what it is given (under tensor
+    parallelism a rank's own heads)."""
 
-    def __init__(
-        self,
-        shapes: dict[int, LayerShape],
-        num_blocks: int,
-        block_size: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
-        self.block_size = block_size
-        slots = num_blocks * block_size
-        self.keys = {i: torch.zeros(slots, s.heads, s.key_dim, dtype=dtype, device=device) for i, s in shapes.items()}
-        self.values = {
-            i: torch.zeros(slots, s.heads, s.value_dim, dtype=dtype, device=device) for i, s in shapes.items()
-        }
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.keys: dict[int, Tensor] = {}
+        self.values: dict[int, Tensor] = {}
+
+    def layer(self, layer_id: int, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        """Layer ``layer_id``'s pools, made for ``keys``/``values [.., heads, D]`` if they are not yet."""
+        if layer_id not in self.keys:
+            slots = self.num_blocks * self.block_size
+            self.keys[layer_id] = keys.new_zeros(slots, *keys.shape[-2:])
+            self.values[layer_id] = values.new_zeros(slots, *values.shape[-2:])
+        return self.keys[layer_id], self.values[layer_id]
 
     def copy_block(self, source: int, target: int) -> None:
         """Block ``target`` made a copy of block ``source`` in every layer (a completion's own last prompt block)."""
@@ -103,7 +103,7 @@ class BatchView:
         """``keys``/``values [B, S, heads, D]`` of the new positions stored in their blocks; every key and value
         the batch attends over returned, ``[B, P + S, heads, D]``, read from the pool in one gather."""
         attended = []
-        for pool, new in ((self.cache.keys[layer_id], keys), (self.cache.values[layer_id], values)):
+        for pool, new in zip(self.cache.layer(layer_id, keys, values), (keys, values), strict=True):
             new = new.flatten(0, 1)
             pool.index_copy_(0, self.written, new if self.new_positions is None else new[self.new_positions])
             attended.append(pool.index_select(0, self.slots).unflatten(0, self.shape))

@@ -202,6 +202,7 @@ class AutoRegressiveLM(nn.Module):
         label_smoothing: float = 0.0,
         nll_weights: Tensor | None = None,
         nll_entropy: bool = False,
+        logits_at: Tensor | None = None,
     ) -> ModelOutput:
         """``input_ids [B,S]`` → ``ModelOutput``: ``logits`` and ``hidden_states`` (+ ``aux_loss``, ``router_stats``
         for MoE); a reward model (``score_head``) gives ``scores [B,S]``, its head's output at every position, for
@@ -220,6 +221,9 @@ class AutoRegressiveLM(nn.Module):
         (``losses.head_nll_loss``: no logits recomputed in the backward); ``token_nll`` is then detached. With
         ``nll_entropy``, each position's softmax entropy too (``token_entropy``, no gradient).
 
+        ``logits_at [B]``: the one position of each row whose logits (or score) the head computes, ``[B, 1, V]``
+        (the generation engine's prefill, which samples after each prompt's last position only).
+
         Under context parallelism (``model.context_parallel``, without a cache) each rank runs its share of the
         positions, a window the group does not split padded first (``pad_window``); the outputs are the whole
         window's (gathered, the padding cut), except ``hidden_states``: this rank's positions.
@@ -237,6 +241,8 @@ class AutoRegressiveLM(nn.Module):
             input_ids, input_mask, position_ids, kv_cache, num_positions=None if context is None else length
         )
         fused = nll_targets is not None and nll_chunk_size > 0
+        if logits_at is not None:
+            hidden_states = hidden_states[torch.arange(hidden_states.size(0), device=logits_at.device), logits_at, None]
         if self.config.score_head:  # a reward model: one score per position (``reward_model.sequence_scores``)
             if nll_targets is not None:
                 raise ValueError("a reward model (score_head) has no LM head to take token losses from")

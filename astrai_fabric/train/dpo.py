@@ -28,7 +28,7 @@ from astrai_fabric.lora import reference_context
 from astrai_fabric.losses import REFERENCE_FREE, PairLogps, preference_loss, with_moe_aux_loss
 from astrai_fabric.model import next_token_logprobs
 from astrai_fabric.train.common import TrainTask, train_on
-from astrai_fabric.train.grpo import Rollouts, check_rollout_reward, rollout_reward
+from astrai_fabric.train.grpo import Rollouts, check_rollout_reward, rollout_metrics, rollout_reward
 from astrai_fabric.train.start import Start, reference_model, require_records, resolve_start
 
 
@@ -124,7 +124,7 @@ def ranked_pairs(batch: dict[str, Tensor]) -> dict[str, Tensor]:
         index = order.view(*order.shape, *([1] * (tensor.dim() - 2))).expand_as(tensor)
         return tensor.gather(1, index)
 
-    return {key: reorder(value) for key, value in batch.items()}
+    return {key: reorder(value) if value.dim() >= 2 else value for key, value in batch.items()}
 
 
 def online_dpo_batch_loss(model: nn.Module, batch: dict[str, Tensor], **dpo: Any) -> tuple[Tensor, dict[str, Tensor]]:
@@ -134,7 +134,7 @@ def online_dpo_batch_loss(model: nn.Module, batch: dict[str, Tensor], **dpo: Any
     loss, metrics = dpo_batch_loss(model, pairs, **dpo)
     metrics["reward"] = batch["rewards"].mean()
     metrics["reward_gap"] = (pairs["rewards"][:, 0] - pairs["rewards"][:, 1]).mean()
-    return loss, metrics
+    return loss, {**metrics, **rollout_metrics(batch)}
 
 
 def build_dataset(

@@ -14,6 +14,7 @@ recorded at rollout, online. AstrAI keeps a frozen copy of the *initial* policy 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -33,7 +34,8 @@ from astrai_fabric.data.records import GroupDataset, PromptDataset, collate_grou
 from astrai_fabric.data.shapes import Shaper, check_not_shaped, shape_records
 from astrai_fabric.data.storage import read_records
 from astrai_fabric.errors import ConfigError, UserError
-from astrai_fabric.generate import generate
+from astrai_fabric.inference import Engine, SamplingParams
+from astrai_fabric.inference.engine import blocks_needed
 from astrai_fabric.loop.state import REUSED, TrainState
 from astrai_fabric.lora import reference_context
 from astrai_fabric.losses import with_moe_aux_loss
@@ -47,7 +49,7 @@ from astrai_fabric.policy_losses import (
     rloo_loss,
     rloo_penalised_rewards,
 )
-from astrai_fabric.randomness import seeded_generator
+from astrai_fabric.randomness import derive_seed
 from astrai_fabric.reward_model import RewardModelScorer, check_reward_model
 from astrai_fabric.rewards import Reward, check_finite, load_reward, score
 from astrai_fabric.strategy import data_parallel
@@ -159,7 +161,21 @@ def grpo_batch_loss(
             metrics["policy_token_fraction"] = policy_tokens.sum() / mask.sum().clamp(min=1)
     metrics["reward"] = batch["rewards"].mean()
     value, moe_metrics = with_moe_aux_loss(value, out.aux_loss, out.router_stats, moe_aux_loss_coef)
-    return value, {**metrics, **moe_metrics}
+    return value, {**metrics, **moe_metrics, **rollout_metrics(batch)}
+
+
+def reused(batch: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A rollout's micro-batch trained again (``REUSED``): its sampling took no time this time."""
+    again = {**batch, REUSED: True}
+    if ROLLOUT_S in batch:
+        again[ROLLOUT_S] = torch.zeros_like(batch[ROLLOUT_S])
+    return again
+
+
+def rollout_metrics(batch: dict[str, Tensor]) -> dict[str, Tensor]:
+    """What an online rollout measured of its sampling (``ROLLOUT_S``, ``PREFIX_HIT_RATE``), for the step's
+    metrics; none for offline batches."""
+    return {key: batch[key] for key in (ROLLOUT_S, PREFIX_HIT_RATE) if key in batch}
 
 
 def entropy_quantile(fabric: Fabric) -> Callable[[Tensor, float], Tensor]:
@@ -186,6 +202,15 @@ def entropy_quantile(fabric: Fabric) -> Callable[[Tensor, float], Tensor]:
     return quantile
 
 
+ROLLOUT_S = "rollout_s"
+"""Batch key and metric: seconds the rollout of this micro-batch spent sampling (0 for its repeats, ``REUSED``)."""
+PREFIX_HIT_RATE = "prefix_hit_rate"
+"""Batch key and metric: of the rollout's prompt positions (each completion's counted), the share the engine did not
+compute (a group's prompt is prefilled once: 1 - 1/G at least)."""
+ROLLOUT_BLOCK_SIZE = 16
+"""The rollout engine's KV blocks, in positions."""
+ROLLOUT_PREFILL_TOKENS = 2048
+"""Prompt positions the rollout engine prefills per step at least (every prompt of a rollout waits for none)."""
 REWARD_STD = "reward_std"
 """Batch key: the Bessel-corrected std of every reward of the rollout, all data-parallel ranks together
 (``--grpo_scale_rewards batch``)."""
@@ -297,30 +322,46 @@ class Rollouts:
                 batch_statistics(self.fabric, rolled)
             yield from rolled
             for _ in range(self.num_iterations - 1):
-                yield from ({**batch, REUSED: True} for batch in rolled)
+                yield from (reused(batch) for batch in rolled)
 
     @torch.no_grad()
     def rollout(self, batch: dict[str, list], index: int) -> dict[str, Tensor]:
         args, tokenizer, group = self.args, self.tokenizer, self.group_size
         prompts = [p for p in batch["prompt_ids"] for _ in range(group)]
         max_new = min(args.rollout_max_tokens, self.window_size - max(len(p) for p in prompts))
-        # Seeded by position (data-parallel rank, step, micro-batch of the chunk): a resume at a rollout boundary
-        # samples exactly what the first run did, and the tensor-parallel ranks of one replica sample alike.
+        # Seeded by position (data-parallel rank, step, micro-batch of the chunk, prompt): a resume at a rollout
+        # boundary samples exactly what the first run did, and the tensor-parallel ranks of one replica sample alike.
         rank, step = self.dp_rank, self.position.optimizer_step
-        generator = seeded_generator(self.fabric.device, args.random_seed, "rollout", rank, step, index)
         self.model.eval()
-        responses = generate(
+        started = time.perf_counter()
+        # A fresh engine each rollout: the policy has changed since the last, and so would every cached block. Its
+        # pool holds exactly the rollout; a prompt's group shares its prompt's blocks (prefilled once).
+        engine = Engine(
             self.model,
-            prompts,
-            max_new,
-            temperature=args.rollout_temperature,
-            top_k=args.rollout_top_k,
-            top_p=args.rollout_top_p,
-            stop_ids=tokenizer.stop_ids,
-            pad_id=tokenizer.padding_id,
-            generator=generator,
-            all_done=self._all_done,
+            block_size=ROLLOUT_BLOCK_SIZE,
+            num_blocks=sum(blocks_needed(len(p), max_new, group, ROLLOUT_BLOCK_SIZE) for p in batch["prompt_ids"]),
+            max_num_seqs=len(prompts),
+            max_prefill_tokens=max(ROLLOUT_PREFILL_TOKENS, max(len(p) for p in prompts)),
+            lockstep=self._lockstep if self.fabric.world_size > 1 else None,
         )
+        for number, prompt in enumerate(batch["prompt_ids"]):
+            params = SamplingParams(
+                max_tokens=max_new,
+                temperature=args.rollout_temperature,
+                top_k=args.rollout_top_k,
+                top_p=args.rollout_top_p,
+                seed=derive_seed(args.random_seed, "rollout", rank, step, index, number),
+                stop_token_ids=tokenizer.stop_ids,
+                n=group,
+            )
+            engine.add_request(list(prompt), params)
+        while engine.keep_stepping():
+            engine.step()
+        responses = [c.tokens for number in range(len(batch["prompt_ids"])) for c in engine.completions[number]]
+        rollout_metrics = {
+            ROLLOUT_S: torch.tensor(time.perf_counter() - started, device=self.fabric.device),
+            PREFIX_HIT_RATE: torch.tensor(engine.prefix_hit_rate, device=self.fabric.device),
+        }
         texts = [tokenizer.decode(r) for r in responses]
         prompt_texts = [tokenizer.decode(p) for p in batch["prompt_ids"]]
         grouped = [texts[i : i + group] for i in range(0, len(texts), group)]
@@ -346,6 +387,7 @@ class Rollouts:
         out = {k: v.unflatten(0, (num_prompts, group)) for k, v in packed.items()}
         out["old_logprobs"] = old_logprobs.unflatten(0, (num_prompts, group))
         out["rewards"] = rewards.to(self.fabric.device)
+        out.update(rollout_metrics)
         if self.rloo:
             with reference_context(self.model, self.reference):
                 policy_or_reference = self.reference if self.reference is not None else self.model
@@ -362,9 +404,10 @@ class Rollouts:
         self.model.train()
         return out
 
-    def _all_done(self, local_done: bool) -> bool:
-        pending = torch.tensor(0.0 if local_done else 1.0, device=self.fabric.device)
-        return self.fabric.all_reduce(pending, reduce_op="sum").item() == 0
+    def _lockstep(self, has_work: bool) -> bool:
+        """Whether any rank's engine still has work (each forward of a sharded policy is a collective)."""
+        pending = torch.tensor(1.0 if has_work else 0.0, device=self.fabric.device)
+        return self.fabric.all_reduce(pending, reduce_op="sum").item() > 0
 
 
 def build_dataset(args: TrainArgs, start: Start) -> tuple[GroupDataset | PromptDataset, str]:
