@@ -1,7 +1,6 @@
 """``astrai-fabric generate`` (``run_generate``, on the generation engine, ``inference.Engine``), and the static
-batch the engine replaces: ``generate``, batched sampling with a contiguous KV cache (temperature, top-k, top-p, stop
-tokens), still used by online GRPO's and DPO's rollouts and (its loop, ``sample_tokens``) evaluate's generation
-until they move onto the engine, and by the engine's tests as their reference.
+batch the engine replaced: ``generate``, batched sampling with a contiguous KV cache (temperature, top-k, top-p, stop
+tokens), kept as the engine tests' reference (nothing of the package generates with it).
 
 Prompts of different lengths are left-padded; position ids count real tokens only (a prompt starts at 0 whatever
 its padding) and attention never looks at padding, so a prompt's continuation does not depend on its neighbours

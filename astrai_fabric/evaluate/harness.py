@@ -38,8 +38,7 @@ from astrai_fabric import hub
 from astrai_fabric.checkpoint import load_language_model
 from astrai_fabric.errors import UserError
 from astrai_fabric.evaluate.perplexity import evaluation_world, right_padded_logprobs
-from astrai_fabric.generate import left_pad, padded_attention, sample_tokens
-from astrai_fabric.model.kv_cache import KVCache
+from astrai_fabric.inference import Engine, SamplingParams
 from astrai_fabric.tokenizer import Tokenizer
 
 LM_EVAL_VERSION = lm_eval.__version__
@@ -93,7 +92,8 @@ class AstraiFabricLM(TemplateLM):
         self.batch_size = int(batch_size)
         self._max_gen_toks = int(max_gen_toks)
         self.progress = progress
-        self.generator = torch.Generator(self.device).manual_seed(seed)
+        self.seed = seed
+        """Request i of a generate_until call samples with the seed ``seed + i``."""
 
     # --- what lm-eval asks of a model --------------------------------------------------------------------------
 
@@ -239,10 +239,28 @@ class AstraiFabricLM(TemplateLM):
                     f"{self.max_length} positions"
                 )
             encoded = {i: self.tok_encode(requests[i].args[0])[-context_limit:] for i in members}
-            members.sort(key=lambda i: -len(encoded[i]))
-            for batch in _chunks(members, self.batch_size):
-                sampled = self._sample([encoded[i] for i in batch], until, max_new_tokens, options)
-                for i, tokens in zip(batch, sampled, strict=True):
+            # One engine for the group: batch_size requests at a time, each leaving as it stops (a stop string in
+            # its text, or EOS), request i seeded seed + i whatever runs beside it.
+            engine = Engine(self.model, max_num_seqs=self.batch_size, decode=self.tok_decode)
+            temperature = float(options.get("temperature", 0.0)) if options.get("do_sample") else 0.0
+            ids = {}
+            for i in members:
+                params = SamplingParams(
+                    max_tokens=max_new_tokens,
+                    temperature=temperature,
+                    top_k=int(options.get("top_k", 0) or 0),
+                    top_p=float(options.get("top_p", 1.0)),
+                    seed=self.seed + i,
+                    stop_token_ids=[self.eot_token_id],
+                    stop=[term for term in until if term],
+                )
+                ids[engine.add_request(encoded[i], params)] = i
+            while engine.has_work():
+                for completion, _ in engine.step():
+                    if completion.finish_reason is None:
+                        continue
+                    i = ids[completion.request_id]
+                    tokens = [t for t in completion.tokens if t != self.eot_token_id]
                     text = postprocess_generated_text(self.tok_decode(tokens), stop=until, think_end_token=None)
                     results[i] = text
                     self.cache_hook.add_partial("generate_until", requests[i].args, text)
@@ -250,54 +268,9 @@ class AstraiFabricLM(TemplateLM):
         bar.close()
         return results
 
-    def _sample(
-        self, contexts: list[list[int]], until: list[str], max_new_tokens: int, options: dict
-    ) -> list[list[int]]:
-        """New tokens for each context (left-padded, a KV cache) until every row holds a stop string or EOS."""
-        ids, valid = left_pad(contexts, self.tokenizer.padding_id, self.device)
-        cache = KVCache(ids.size(1) + max_new_tokens)
-        positions, mask = padded_attention(valid)
-        with torch.no_grad():
-            logits = self.model(ids, input_mask=mask, position_ids=positions, kv_cache=cache).logits[:, -1]
-
-        def feed(token: torch.Tensor) -> torch.Tensor:
-            nonlocal valid, positions
-            valid = torch.cat([valid, torch.ones_like(valid[:, :1])], dim=1)
-            positions = torch.cat([positions, positions[:, -1:] + 1], dim=1)
-            with torch.no_grad():
-                out = self.model(
-                    token[:, None], input_mask=valid[:, None, None, :], position_ids=positions[:, -1:], kv_cache=cache
-                )
-            return out.logits[:, -1]
-
-        temperature = float(options.get("temperature", 0.0)) if options.get("do_sample") else 0.0
-        rows: list[list[int]] = [[] for _ in contexts]
-        stop_ids = [self.eot_token_id]
-        for token in sample_tokens(
-            logits,
-            feed,
-            max_new_tokens,
-            temperature=temperature,
-            top_k=int(options.get("top_k", 0) or 0),
-            top_p=float(options.get("top_p", 1.0)),
-            stop_ids=stop_ids,
-            pad_id=self.eot_token_id,
-            generator=self.generator,
-        ):
-            for row, value in zip(rows, token.tolist(), strict=True):
-                if not row or row[-1] != self.eot_token_id:
-                    row.append(value)
-            if all(_stopped(self.tok_decode(row), until) or row[-1] == self.eot_token_id for row in rows):
-                break
-        return rows
-
     def _bar(self, total: int, what: str, disable: bool) -> tqdm:
         hidden = disable or not self.progress or self.rank != 0
         return tqdm(total=total, desc=what, unit="req", disable=hidden, dynamic_ncols=True)
-
-
-def _stopped(text: str, until: list[str]) -> bool:
-    return any(term and term in text for term in until)
 
 
 def _chunks(items: list[int], size: int) -> Iterator[list[int]]:
