@@ -84,7 +84,7 @@ class ChatSession:
         self.conversation = Conversation(tokenizer, args.system, args.template)
         # One conversation at a time: the pool holds the model's whole window once, and what it held of the
         # earlier turns stays there (prefix reuse) until a longer conversation needs the room.
-        self.engine = Engine(model, max_num_seqs=1, seed=args.seed)
+        self.engine = Engine(model, max_num_seqs=1, seed=args.seed, kv_cache_memory=args.kv_cache_bytes())
         self.max_positions = self.engine.max_model_len
         self.turns = 0
         self.cached_prompt_tokens = 0

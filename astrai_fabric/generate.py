@@ -204,7 +204,7 @@ def run_generate(args: GenerateArgs) -> list[list[str]]:
                 "bos_token is added): there is nothing to continue"
             )
     stop_ids = tokenizer.stop_ids if args.chat else [t for t in (tokenizer.eos_token_id,) if t is not None]
-    engine = Engine(model, max_num_seqs=args.max_num_seqs, seed=args.seed)
+    engine = Engine(model, max_num_seqs=args.max_num_seqs, seed=args.seed, kv_cache_memory=args.kv_cache_bytes())
     requests = []
     for index, ids in enumerate(encoded):
         room = engine.max_model_len - len(ids)

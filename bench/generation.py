@@ -2,16 +2,23 @@
 the static batch of ``generate.generate`` it replaces.
 
     .venv/bin/python bench/generation.py [--repeats 3] [--threads 2] [--workloads wave,stream,group]
+        [--astrai ../main/.astrai-venv/bin/python]
 
 Workloads (greedy, no stop token; prompts of random token ids, 8-128 tokens, the same on both sides):
 
 - ``wave``: 32 requests at once, 64 new tokens each, on the bundled tiny model (4 layers, 128 wide): the static
   side is one left-padded batch of 32;
 - ``stream``: 128 requests with 16-96 new tokens each (their own ``max_tokens``), through 32 slots, on a ~20M
-  model (6 layers, 512 wide, vocabulary 8192, random weights): the static side runs waves of 32 in arrival order,
-  each until its longest request ends (the shorter ones' extra tokens not counted);
+  model (6 layers, 512 wide, the bundled tokenizer's 2,048 tokens, random weights): the static side runs waves of
+  32 in arrival order, each until its longest request ends (the shorter ones' extra tokens not counted);
 - ``group``: GRPO's rollout, 8 prompts x 8 completions of 64 tokens on the tiny model: the static side prefills
   each prompt 8 times (one batch of 64 rows), the engine once (``n`` = 8); its KV memory is counted too.
+
+With ``--astrai PYTHON`` (AstrAI's interpreter; ``PYTHONPATH`` or ``ASTRAI_SRC`` pointing at its source), also
+``astrai``: the stream workload as text (128 prompts, greedy, ending at the tokenizer's stop tokens or their own
+16-96 tokens) on the ~20M model saved as a checkpoint, through AstrAI's own continuous-batching engine
+(``bench/astrai_engine_side.py``, in its process; the model loaded before the clock starts) as well as ours and the
+static batch; tokens/s there counts the tokens each side sampled.
 
 Each side: wall seconds, new tokens per second (the tokens each request asked for), the mean time to first token
 (static: its wave's start plus the wave's prefill and first token, timed by a 1-token run). The sides take turns
@@ -42,7 +49,7 @@ def tiny() -> AutoRegressiveLM:
 def twenty_million() -> AutoRegressiveLM:
     torch.manual_seed(0)
     config = ModelConfig(
-        vocab_size=8192,
+        vocab_size=2048,  # the bundled tokenizer's, for the text workload (--astrai)
         hidden_size=512,
         num_hidden_layers=6,
         num_attention_heads=8,
@@ -127,6 +134,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--astrai", help="AstrAI's interpreter: time its engine on the text workload too")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"{'workload':>8} {'side':>7} {'s':>7} {'tokens/s':>9} {'ttft s':>7}  engine/static (tokens/s)")
@@ -157,6 +165,69 @@ def main() -> None:
                 f"{prefill:.0f} ({prefill / (prompt_positions * copies):.3f}x)"
             )
     issue_group_kv()
+    if args.astrai:
+        astrai_comparison(args.astrai, args.repeats, args.threads)
+
+
+def astrai_comparison(python: str, repeats: int, threads: int) -> None:
+    """The ``astrai`` workload: text prompts through the static batch, our engine and AstrAI's (its process)."""
+    import json
+    import os
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from astrai_fabric.checkpoint import save_checkpoint
+    from astrai_fabric.tokenizer import Tokenizer
+
+    model, tokenizer = twenty_million(), Tokenizer.from_dir(TINY_MODEL_DIR)
+    texts = [(tokenizer.decode(prompt), wanted) for prompt, wanted in requests(128, 2048, (16, 96), seed=4)]
+    work = [(tokenizer.encode(text), wanted) for text, wanted in texts]
+    stops = tokenizer.stop_ids
+    with tempfile.TemporaryDirectory() as tmp:
+        files = {name: TINY_MODEL_DIR / name for name in ("tokenizer.json", "tokenizer_config.json")}
+        checkpoint = save_checkpoint(Path(tmp) / "model", model.state_dict(), model.config.to_dict(), files=files)
+        (Path(tmp) / "work.json").write_text(json.dumps(texts))
+        env = dict(os.environ, PYTHONPATH=os.environ.get("ASTRAI_SRC", os.environ.get("PYTHONPATH", "")))
+        script = str(Path(__file__).with_name("astrai_engine_side.py"))
+
+        def astrai() -> dict[str, float]:
+            argv = [python, script, str(checkpoint), str(Path(tmp) / "work.json"), "32", str(threads)]
+            result = json.loads(subprocess.run(argv, capture_output=True, text=True, env=env, check=True).stdout)
+            return _figures(result["s"], sum(result["tokens"]), [f for f in result["firsts"] if f is not None])
+
+        def ours() -> dict[str, float]:
+            engine = Engine(model, max_num_seqs=32)
+            start, firsts = time.perf_counter(), {}
+            for prompt, wanted in work:
+                engine.add_request(prompt, SamplingParams(max_tokens=wanted, temperature=0, stop_token_ids=stops))
+            while engine.has_work():
+                for completion, _ in engine.step():
+                    firsts.setdefault(completion.request_id, time.perf_counter() - start)
+            tokens = sum(len(c.tokens) for group in engine.completions.values() for c in group)
+            return _figures(time.perf_counter() - start, tokens, list(firsts.values()))
+
+        def static() -> dict[str, float]:
+            start, firsts, tokens = time.perf_counter(), [], 0
+            for first in range(0, len(work), 32):
+                wave, began = work[first : first + 32], time.perf_counter()
+                generate(model, [prompt for prompt, _ in wave], 1, temperature=0)
+                firsts += [began - start + time.perf_counter() - began] * len(wave)
+                outs = generate(model, [p for p, _ in wave], max(w for _, w in wave), temperature=0, stop_ids=stops)
+                tokens += sum(min(len(out), wanted) for out, (_, wanted) in zip(outs, wave, strict=True))
+            return _figures(time.perf_counter() - start, tokens, firsts)
+
+        sides = {"static": static, "engine": ours, "astrai": astrai}
+        runs = {side: [] for side in sides}
+        with torch.no_grad():
+            for repeat in range(repeats):
+                order = list(sides) if repeat % 2 == 0 else list(reversed(sides))
+                for side in order:
+                    runs[side].append(sides[side]())
+    for side, rs in runs.items():
+        figures = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+        times = f"{figures['s']:7.2f} {figures['tokens/s']:9.0f} {figures['ttft s']:7.3f}"
+        print(f"{'astrai':>8} {side:>7} {times}")
 
 
 def issue_group_kv() -> None:

@@ -353,6 +353,11 @@ def test_generate_command(tmp_path, capsys):
     first = out.read_text()
     assert main(sampled) == 0 and out.read_text() == first
     assert all(len(json.loads(line)["completions"]) == 3 for line in first.splitlines())
+    small = [*jsonl, "--max_new_tokens", "4", "--kv_cache_memory", "1MiB", "--output", str(out)]
+    assert main(small) == 0  # 32 blocks of 16 positions: room enough
+    for value, message in (("10kB", "kv_cache_memory '10kB': at least 1 MiB"), ("lots", "kv_cache_memory 'lots'")):
+        code, err = run_cli([*jsonl, "--kv_cache_memory", value], capsys)
+        assert code == 2 and message in err, err
     (tmp_path / "bad.jsonl").write_text('{"prompt": "fine"}\n{"text": "no prompt"}\n')
     bad = ["generate", "--param_path", str(path), "--prompts_file", str(tmp_path / "bad.jsonl")]
     code, err = run_cli(bad, capsys)

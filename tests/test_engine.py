@@ -258,7 +258,7 @@ def test_bad_requests_are_refused_in_one_line_and_the_engine_serves_the_others(r
 
 def test_a_request_larger_than_the_pool_is_refused_naming_the_limits():
     engine = Engine(model(), block_size=4, num_blocks=3)
-    with pytest.raises(RequestError, match=r"1 completion\(s\) of 22 positions take 6 blocks of 4, more than the KV"):
+    with pytest.raises(RequestError, match=r"of 22 positions take 6 blocks of 4, more than the KV cache's 3"):
         engine.add_request(list(range(10)), greedy())
 
 

@@ -1,4 +1,5 @@
-"""``--device_memory``: an accelerator's memory, by amount or by name, for planning (``footprint``)."""
+"""``--device_memory``: an accelerator's memory, by amount or by name, for planning (``footprint``); and amounts of
+bytes given as text (``parse_bytes``: ``--kv_cache_memory`` too)."""
 
 from __future__ import annotations
 
@@ -22,18 +23,25 @@ def parse_device_memory(value: str) -> int:
     text = value.strip().lower().replace(" ", "")
     if text in DEVICES:
         return DEVICES[text]
+    size = parse_bytes(value, "device_memory", f" or a device name: {', '.join(DEVICES)}")
+    if not 2**30 <= size <= MAX_DEVICE_MEMORY:
+        raise ConfigError(f"device_memory {value!r}: {size:,} bytes is not a device's memory (1 GiB to 64 TiB)")
+    return size
+
+
+def parse_bytes(value: str, field: str, alternatives: str = "") -> int:
+    """``80GB``, ``141GiB``, ``512MiB`` (a GB is 10^9 bytes, a GiB 2^30) in bytes; anything else one line naming
+    ``field`` and what is accepted (``alternatives`` added to it)."""
+    text = value.strip().lower().replace(" ", "")
     number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = text[len(number) :]
     try:
         amount = float(number)
     except ValueError:
         amount = math.nan
-    if unit not in UNITS or not math.isfinite(amount):
+    if unit not in UNITS or not math.isfinite(amount) or amount < 0:
         raise ConfigError(
-            f"device_memory {value!r}: expected an amount with a unit (e.g. 80GB, 141GiB; GB = 10^9 bytes, "
-            f"GiB = 2^30) or a device name: {', '.join(DEVICES)}"
+            f"{field} {value!r}: expected an amount with a unit (e.g. 80GB, 141GiB; GB = 10^9 bytes, "
+            f"GiB = 2^30){alternatives}"
         )
-    size = int(amount * UNITS[unit])
-    if not 2**30 <= size <= MAX_DEVICE_MEMORY:
-        raise ConfigError(f"device_memory {value!r}: {size:,} bytes is not a device's memory (1 GiB to 64 TiB)")
-    return size
+    return int(amount * UNITS[unit])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from astrai_fabric.config.devices import parse_bytes
 from astrai_fabric.errors import ConfigError
 
 DEVICE_TYPES = ("cpu", "cuda")
@@ -38,6 +39,9 @@ class SamplingArgs:
     """Sampling seed."""
     device_type: str | None = None
     """``cuda`` or ``cpu``; default: cuda when available."""
+    kv_cache_memory: str | None = None
+    """The generation engine's KV cache (``512MiB``, ``8GB``); default: 90% of the free memory on CUDA, 1 GiB on
+    CPU, at most what the running requests can use."""
 
     def validate(self, command: str) -> None:
         """The sampling flags' ranges, for ``command``'s error line (whether CUDA is there is the sampler's check)."""
@@ -48,6 +52,8 @@ class SamplingArgs:
                 f"temperature={self.temperature}, top_p={self.top_p}, top_k={self.top_k}, "
                 f"max_new_tokens={self.max_new_tokens}"
             )
+        if self.kv_cache_memory is not None:
+            self.kv_cache_bytes()
         if self.device_type not in (None, *DEVICE_TYPES):
             raise ConfigError(f"{command}: device_type must be cpu or cuda, got {self.device_type!r}")
         try:  # Python keeps a command line's undecodable bytes as lone surrogates, which no tokenizer takes
@@ -56,6 +62,15 @@ class SamplingArgs:
             raise ConfigError(
                 f"{command}: system is not UTF-8 text (an undecodable byte at position {err.start})"
             ) from None
+
+    def kv_cache_bytes(self) -> int | None:
+        """``kv_cache_memory`` in bytes (None: the engine's default)."""
+        if self.kv_cache_memory is None:
+            return None
+        size = parse_bytes(self.kv_cache_memory, "kv_cache_memory")
+        if size < 2**20:
+            raise ConfigError(f"kv_cache_memory {self.kv_cache_memory!r}: at least 1 MiB, got {size:,} bytes")
+        return size
 
 
 @dataclass

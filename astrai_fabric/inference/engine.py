@@ -24,6 +24,8 @@ CPU_KV_CACHE_MEMORY = 2**30
 """The KV pool's bytes on CPU when none is given (1 GiB), capped at what ``max_num_seqs`` requests of the longest
 length hold."""
 CUDA_KV_CACHE_FRACTION = 0.9
+PREFILL_PADDING = 1.25
+"""How much longer than a row a prefill forward's longest row may be (its padding costs a forward's work)."""
 """Of the device's free memory when none is given, on CUDA."""
 
 
@@ -231,14 +233,31 @@ class Engine:
             budget -= chunk
         if not prefilling and self.lockstep is not None:
             self._idle_forward()
-        if prefilling:
-            logits = self._forward(prefilling, chunks)
-            self.num_prefill_positions += sum(chunks)
-            ready = [row for row, s in enumerate(prefilling) if s.prefilled]
-            for row in ready:
-                forked = self._fork(prefilling[row])
-                sampled += self._sample(forked, logits[row].expand(len(forked), -1))
+        for group in self._prefill_groups(chunks):
+            sequences = [prefilling[row] for row in group]
+            logits = self._forward(sequences, [chunks[row] for row in group])
+            self.num_prefill_positions += sum(chunks[row] for row in group)
+            for sequence, row_logits in zip(sequences, logits, strict=True):
+                if sequence.prefilled:
+                    forked = self._fork(sequence)
+                    sampled += self._sample(forked, row_logits.expand(len(forked), -1))
         return sampled
+
+    def _prefill_groups(self, chunks: list[int]) -> list[list[int]]:
+        """The prefill chunks (their indices) in forwards of similar lengths: a forward pads each row to its longest,
+        so a row at most ``PREFILL_PADDING`` times shorter joins it. In lockstep, one forward for all (every rank's
+        step runs two)."""
+        if not chunks:
+            return []
+        if self.lockstep is not None:
+            return [list(range(len(chunks)))]
+        groups: list[list[int]] = []
+        for row in sorted(range(len(chunks)), key=lambda r: -chunks[r]):
+            if groups and chunks[row] * PREFILL_PADDING >= chunks[groups[-1][0]]:
+                groups[-1].append(row)
+            else:
+                groups.append([row])
+        return groups
 
     def _blocks_needed(self, num_prompt: int, params: SamplingParams, num_hits: int) -> int:
         return blocks_needed(num_prompt, params.max_tokens, params.n, self.block_size) - num_hits
