@@ -288,3 +288,43 @@ def test_the_pool_finds_a_chain_only_after_exactly_its_parents_and_evicts_the_le
     assert evicted == second and pool.lookup([1, 2, 3, 4], max_blocks=2) == [first]
     pool.release([first])
     assert pool.allocate() == first and pool.lookup([1, 2], max_blocks=1) == []
+
+
+def lockstep_worker(out: str) -> None:
+    """Two FSDP ranks, each its own requests (rank 1 more, and longer ones): the engine's forwards are collectives,
+    so the ranks step in lockstep until both are done; each saves what it sampled."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from astrai_fabric.parallel.parallelize import parallelize
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    net = parallelize(model(), mesh)  # the same weights on both ranks, then sharded
+
+    def lockstep(has_work: bool) -> bool:
+        pending = torch.tensor([float(has_work)])
+        dist.all_reduce(pending)
+        return bool(pending.item() > 0)
+
+    batch = prompts(2 + 3 * rank, seed=7 + rank)
+    engine = Engine(net, block_size=4, max_num_seqs=2, lockstep=lockstep)
+    with torch.no_grad():
+        sampled = [group[0].tokens for group in engine.generate(batch, greedy(6 + 4 * rank))]
+    torch.save({"prompts": batch, "sampled": sampled, "forwards": engine.num_forwards}, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_sharded_ranks_step_in_lockstep_and_each_samples_as_one_process(tmp_path):
+    from spawn import run_ranks
+
+    run_ranks(lockstep_worker, 2, str(tmp_path / "lockstep"))
+    net = model()
+    results = [torch.load(f"{tmp_path / 'lockstep'}.{rank}") for rank in (0, 1)]
+    assert results[0]["forwards"] == results[1]["forwards"]  # every forward a collective, taken by both
+    for rank, result in enumerate(results):
+        alone = [generate(net, [p], 6 + 4 * rank, temperature=0)[0] for p in result["prompts"]]
+        assert result["sampled"] == alone
