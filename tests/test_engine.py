@@ -85,6 +85,24 @@ def test_a_prompts_completions_share_its_blocks_and_a_later_prompt_finds_them():
     assert 0 < engine.prefix_hit_rate < 1
 
 
+def test_requests_sharing_a_system_prompt_prefill_it_once_even_when_they_arrive_together():
+    net, system = model(), list(range(3, 23))  # 20 positions: 5 full blocks of 4
+    batch = [system + tail for tail in ([1, 2, 3], [4, 5], [6, 7, 8, 9])]
+    engine = Engine(net, block_size=4, max_num_seqs=4)
+    for prompt in batch:
+        engine.add_request(prompt, greedy())
+    engine.step()
+    assert len(engine.running) == 1 and len(engine.waiting) == 2  # the others wait for its blocks
+    while engine.has_work():
+        engine.step()
+    found = [engine.completions[i][0].num_cached_prompt_tokens for i in range(3)]
+    assert found == [0, 20, 20]
+    assert engine.num_prefill_positions == sum(len(p) for p in batch) - 40
+    assert [engine.completions[i][0].tokens for i in range(3)] == [
+        generate(net, [p], MAX_TOKENS, temperature=0)[0] for p in batch
+    ]
+
+
 def test_blocks_return_to_the_pool_when_requests_finish_or_are_cancelled():
     engine = Engine(model(), block_size=4, num_blocks=40)
     available = engine.pool.num_available()

@@ -270,7 +270,12 @@ class Engine:
             if len(self.running) + request.params.n > self.max_num_seqs:
                 return
             # At least the last prompt position is computed: its logits give the first token.
-            hits = self.pool.lookup(request.prompt, (len(request.prompt) - 1) // self.block_size)
+            reusable = (len(request.prompt) - 1) // self.block_size
+            hits = self.pool.lookup(request.prompt, reusable)
+            if self._being_prefilled(request.prompt, reusable) > len(hits):
+                # A request reading the same prompt blocks now (a shared system prompt): wait for them, then reuse
+                self.pool.release(hits)
+                return
             needed = self._blocks_needed(len(request.prompt), request.params, len(hits))
             if self.pool.num_available() - sum(s.reserved for s in self.running) < needed:
                 self.pool.release(hits)
@@ -284,6 +289,18 @@ class Engine:
             sequence.num_registered, sequence.reserved = len(hits), needed
             self.running.append(sequence)
             self.completions[request.request_id].append(completion)
+
+    def _being_prefilled(self, prompt: list[int], max_blocks: int) -> int:
+        """The most of ``prompt``'s first full blocks (at most ``max_blocks``) that a request still reading its own
+        prompt shares with it: they will be found in the cache once that request has computed them."""
+        most = 0
+        for sequence in self.running:
+            if sequence.prefilled:
+                continue
+            other = sequence.completion.prompt
+            common = next((i for i, (a, b) in enumerate(zip(prompt, other, strict=False)) if a != b), len(other))
+            most = max(most, min(common, len(prompt)) // self.block_size)
+        return min(most, max_blocks)
 
     def _forward(self, sequences: list[_Sequence], lengths: list[int]) -> Tensor:
         """The next ``lengths[r]`` positions of each sequence through the model, their keys and values into the
