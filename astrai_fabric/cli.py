@@ -44,6 +44,7 @@ from astrai_fabric.config.command_line import (
 )
 from astrai_fabric.config.generate import ChatArgs, GenerateArgs
 from astrai_fabric.config.kinds import kind_problem
+from astrai_fabric.config.serve import ServeArgs
 from astrai_fabric.config.train import COMMAND_LINE_ONLY, READ_BY, TrainArgs, resolved_recipe
 from astrai_fabric.config.train_types import TRAIN_TYPES
 from astrai_fabric.errors import TrainingError, UserError, keep_traceback
@@ -52,7 +53,7 @@ from astrai_fabric.errors import TrainingError, UserError, keep_traceback
 # second and a half of CPU, tests/test_startup.py); each command imports what it runs inside its function.
 
 TRAIN_COMMANDS = TRAIN_TYPES
-OTHER_COMMANDS = ("evaluate", "generate", "chat", "export", "prepare", "plot", "download")
+OTHER_COMMANDS = ("evaluate", "generate", "chat", "serve", "export", "prepare", "plot", "download")
 """The commands that train nothing (each dispatched by ``_dispatch``); the usage line lists both tuples."""
 TRAIN_TYPE_ALIASES = {"online_grpo": "grpo", "online_dpo": "dpo"}
 """AstrAI's train types that are a mode of ours: grpo and dpo are online when their data holds prompts only."""
@@ -155,6 +156,8 @@ def _dispatch(argv: list[str]) -> int:
         return generate_command(argv[1:])
     if argv and argv[0] == "chat":
         return chat_command(argv[1:])
+    if argv and argv[0] == "serve":
+        return serve_command(argv[1:])
     if argv and argv[0] == "export":
         return export_command(argv[1:])
     if argv and argv[0] == "prepare":
@@ -195,6 +198,7 @@ def _top_level_help() -> str:
         "  evaluate  perplexity on held-out data and lm-evaluation-harness tasks, of a model or every checkpoint",
         "  generate  sample continuations of prompts from a model or checkpoint",
         "  chat      talk with a model or checkpoint: multi-turn, replies streamed, /reset and /exit",
+        "  serve     a model or checkpoint behind an OpenAI-compatible HTTP API (the serve extra)",
         "  export    a checkpoint in AstrAI's layout (completing a sharded one) or Hugging Face's (--format hf)",
         "  prepare   tokenise records into AstrAI's bin shards (seq, sft)",
         "  plot      loss, learning rate and throughput of one or more runs, as a PNG",
@@ -410,6 +414,19 @@ def chat_command(argv: list[str]) -> int:
     from astrai_fabric.chat import run_chat  # torch and the model code: once the flags are read
 
     return run_chat(ChatArgs(**values))
+
+
+def serve_command(argv: list[str]) -> int:
+    values = _parse_with_src(
+        "serve",
+        ServeArgs,
+        argv,
+        "A checkpoint or model directory: ours or AstrAI's, a LoRA checkpoint (its adapter merged), a Hugging Face "
+        "directory or a Hub id.",
+    )
+    from astrai_fabric.serve import run_serve  # torch, the model code and the server: once the flags are read
+
+    return run_serve(ServeArgs(**values))
 
 
 def _parse_with_src(command: str, args_type: type, argv: list[str], src_help: str) -> dict[str, Any]:

@@ -137,7 +137,7 @@ def test_recipe_mistakes_name_the_file(tmp_path, capsys, content, message):
         (["export", "x", "--fromat", "hf"], "unrecognized arguments: --fromat (did you mean --format?) hf"),
         (["prepare", "x", "-o", "y", "-c", "z", "--tokenizer_pth=t"], "--tokenizer_pth=t (did you mean --tokenizer_"),
         (["plot", "x", "--outptu", "y"], "--outptu (did you mean --output?) y"),
-        (["frobnicate"], "choose one of seq, sft, dpo, kto, grpo, reward_model, evaluate, generate, chat, export"),
+        (["frobnicate"], "choose one of seq, sft, dpo, kto, grpo, reward_model, evaluate, generate, chat, serve, "),
         (["seq", "--n_epoch", "x"], "Parser key \"n_epoch\": Expected a <class 'int'>. Got value: x"),
         (["seq", "--config", "absent.yaml"], "--config absent.yaml: file not found"),
         (["sft", "--train_type", "seq"], "train_type=seq contradicts the command 'sft'"),

@@ -1,7 +1,8 @@
 """Commands that train nothing start without what only training uses: ``--help`` (top level and each command's,
-``evaluate``'s too), ``generate``, ``chat``, ``export`` and ``prepare`` import no Lightning, none of torch.distributed
-beyond what ``import torch`` loads itself (no FSDP, DTensor, distributed checkpoint), no torch._dynamo, transformers,
-matplotlib or sympy. Each of those costs 0.5-5 s of CPU before any work (docs/performance.md, Start-up)."""
+``evaluate``'s and ``serve``'s too), ``generate``, ``chat``, ``export`` and ``prepare`` import no Lightning, none of
+torch.distributed beyond what ``import torch`` loads itself (no FSDP, DTensor, distributed checkpoint), no
+torch._dynamo, transformers, matplotlib or sympy. Each of those costs 0.5-5 s of CPU before any work
+(docs/performance.md, Start-up)."""
 
 import json
 import os
@@ -83,7 +84,7 @@ def test_commands_that_train_nothing_import_nothing_only_training_uses(tmp_path)
         '"template": true}]}, "mask": {"assistant": "train"}}'
     )
     helps = [["--help"]] + [
-        [command, "--help"] for command in ("evaluate", "generate", "chat", "export", "prepare", "plot")
+        [command, "--help"] for command in ("evaluate", "generate", "chat", "serve", "export", "prepare", "plot")
     ]
     work = [
         ["generate", "--param_path", str(ckpt), "--chat", "false", "--prompt", "In the", "--max_new_tokens", "2"],

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from astrai_fabric.config.evaluate import EvaluateArgs
 from astrai_fabric.config.generate import ChatArgs, GenerateArgs, SamplingArgs
+from astrai_fabric.config.serve import ServeArgs
 from astrai_fabric.config.train import TrainArgs
 
 SECTION_COMMENT = re.compile(r"^\s*# --- (.+?) -+$")
@@ -132,6 +133,12 @@ def render() -> str:
                 "Evaluate options",
                 "`astrai-fabric evaluate SRC` (SRC is `param_path`): perplexity and lm-evaluation-harness tasks "
                 "([evaluation.md](evaluation.md)).",
+            ),
+            describe(
+                ServeArgs,
+                "Serve options",
+                "`astrai-fabric serve SRC` (SRC is `param_path`): the model behind an OpenAI-compatible API "
+                "([serving.md](serving.md)).",
             ),
         ]
     )

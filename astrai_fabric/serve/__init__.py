@@ -1,0 +1,57 @@
+"""``astrai-fabric serve SRC``: a model behind an OpenAI-compatible HTTP API, every request on the generation engine.
+
+``run_serve`` loads the model and its tokenizer (``generate.load_sampler``, as ``generate`` and ``chat`` do), starts
+the engine on a thread of its own (``runner.EngineRunner``) and serves ``openai_api``'s routes with uvicorn; it does
+not import Lightning. FastAPI and uvicorn are the ``serve`` extra's (``pip install astrai-fabric[serve]``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from astrai_fabric.config.devices import parse_bytes
+from astrai_fabric.config.generate import SamplingArgs
+from astrai_fabric.config.serve import ServeArgs
+from astrai_fabric.errors import ConfigError
+
+
+def run_serve(args: ServeArgs) -> int:
+    """Serve until interrupted (Ctrl-C, SIGTERM): exit 0."""
+    args.validate()
+    try:
+        import uvicorn
+
+        from astrai_fabric.serve.openai_api import Served, build_app
+    except ImportError as err:
+        raise ConfigError(
+            f"serve needs FastAPI and uvicorn ({err.name} is missing): pip install 'astrai-fabric[serve]'"
+        ) from None
+    from astrai_fabric.generate import load_sampler
+    from astrai_fabric.inference import Engine
+    from astrai_fabric.serve.runner import EngineRunner
+
+    model_args = SamplingArgs(param_path=args.param_path, tokenizer_path=args.tokenizer_path)
+    model_args.device_type = args.device_type
+    model, tokenizer, _ = load_sampler(model_args, "serve")
+    memory = parse_bytes(args.kv_cache_memory, "kv_cache_memory") if args.kv_cache_memory else None
+    engine = Engine(
+        model,
+        max_num_seqs=args.max_num_seqs,
+        kv_cache_memory=memory,
+        max_model_len=args.max_model_len,
+        decode=tokenizer.decode,
+        seed=args.seed,
+    )
+    name = args.model_name or Path(args.param_path).name
+    runner = EngineRunner(engine)
+    app = build_app(Served(runner, tokenizer, name, args.resolved_api_key()))
+    print(
+        f"serving {name} on http://{args.host}:{args.port}/v1: KV cache of {engine.capacity_tokens:,} positions, "
+        f"{args.max_num_seqs} requests at once",
+        flush=True,
+    )
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        runner.close()
+    return 0

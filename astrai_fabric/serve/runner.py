@@ -1,0 +1,95 @@
+"""``EngineRunner``: the generation engine on a thread of its own, stepping while it has work, and the requests of the
+HTTP server (another thread, asyncio's) handed to it and answered through callbacks.
+
+The engine is not thread-safe: every call into it holds ``lock``, the step included (a request submitted meanwhile
+waits for the step to end, a few milliseconds). Each request's ``listener`` is called from the engine's thread with
+``("token", completion)`` for each token sampled, then ``("done", completions)`` once all of the request's
+completions have ended, or ``("error", message)``; the server turns them into its responses.
+"""
+
+from __future__ import annotations
+
+import threading
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from astrai_fabric.inference import Engine, SamplingParams
+
+Listener = Callable[[tuple[str, Any]], None]
+
+
+class EngineRunner:
+    """``submit`` and ``cancel`` from any thread; ``close`` stops the engine's thread."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.lock = threading.Condition()
+        self.listeners: dict[int, tuple[Listener, int]] = {}
+        """Each running request's listener and how many completions it waits for."""
+        self.closed = False
+        self.thread = threading.Thread(target=self._run, name="astrai-fabric-engine", daemon=True)
+        self.thread.start()
+
+    def submit(self, prompt: Sequence[int], params: SamplingParams, listener: Listener) -> int:
+        """Queue a request (``Engine.add_request``: a ``RequestError`` names what cannot be served); its id."""
+        with self.lock:
+            request_id = self.engine.add_request(prompt, params)
+            self.listeners[request_id] = (listener, params.n)
+            self.lock.notify()
+        return request_id
+
+    def cancel(self, request_id: int) -> None:
+        """Stop a request (its client left): its blocks back to the pool at once, its listener not called again."""
+        with self.lock:
+            if self.listeners.pop(request_id, None) is not None:
+                self.engine.cancel(request_id)
+                self.engine.completions.pop(request_id, None)
+
+    def running_and_waiting(self) -> tuple[int, int]:
+        with self.lock:
+            return len(self.engine.running), len(self.engine.waiting)
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            self.lock.notify()
+        self.thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while True:
+            with self.lock:
+                while not self.closed and not self.engine.has_work():
+                    self.lock.wait()
+                if self.closed:
+                    return
+                try:
+                    sampled = self.engine.step()
+                except Exception as err:  # the engine's fault, not a request's: every request told, the loop goes on
+                    message = f"{type(err).__name__}: {err}"
+                    traceback.print_exc()
+                    self._fail_all(message)
+                    continue
+                events = self._events(sampled)
+            for listener, event in events:  # outside the lock: a listener may be slow
+                listener(event)
+
+    def _events(self, sampled: list) -> list[tuple[Listener, tuple[str, Any]]]:
+        """Each sampled token's event, then each finished request's (its listener dropped, its completions taken)."""
+        events = []
+        for completion, _ in sampled:
+            if (entry := self.listeners.get(completion.request_id)) is not None:
+                events.append((entry[0], ("token", completion)))
+        for request_id, (listener, count) in list(self.listeners.items()):
+            group = self.engine.completions.get(request_id, [])
+            if len(group) == count and all(c.finish_reason for c in group):
+                events.append((listener, ("done", self.engine.completions.pop(request_id))))
+                del self.listeners[request_id]
+        return events
+
+    def _fail_all(self, message: str) -> None:
+        for request_id, (listener, _) in list(self.listeners.items()):
+            self.engine.cancel(request_id)
+            self.engine.completions.pop(request_id, None)
+            listener(("error", message))
+        self.listeners.clear()

@@ -1,0 +1,191 @@
+"""``astrai-fabric serve``: a real server process on a loopback port, met by the official ``openai`` client.
+
+One server for the module (the bundled tiny architecture, random weights, an API key): greedy answers equal the
+static batch's tokens for the same rendered conversation; streamed and whole answers agree; bad requests get 400 in
+OpenAI's error shape naming the field; a wrong key gets 401; concurrent clients are all answered.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from astrai_fabric.assets import TINY_MODEL_DIR
+from astrai_fabric.checkpoint import load_model, save_checkpoint
+from astrai_fabric.config import ModelConfig
+from astrai_fabric.generate import generate
+from astrai_fabric.model import AutoRegressiveLM
+from astrai_fabric.tokenizer import Tokenizer
+
+openai = pytest.importorskip("openai")
+
+KEY = "test-key"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """``(base url, model directory)`` of a server process, stopped after the module."""
+    root = tmp_path_factory.mktemp("serve")
+    torch.manual_seed(9)  # replies of varied tokens (chat's tests' seed)
+    values = json.loads((TINY_MODEL_DIR / "config.json").read_text())
+    config = ModelConfig.from_dict({**values, "tie_word_embeddings": False})
+    model = AutoRegressiveLM(config)
+    files = {name: TINY_MODEL_DIR / name for name in ("tokenizer.json", "tokenizer_config.json")}
+    save_checkpoint(root / "model", model.state_dict(), config.to_dict(), files=files)
+    port = free_port()
+    argv = [sys.executable, "-m", "astrai_fabric", "serve", str(root / "model"), "--port", str(port)]
+    argv += ["--model_name", "tiny", "--max_num_seqs", "8"]
+    env = dict(os.environ, ASTRAI_FABRIC_API_KEY=KEY, OMP_NUM_THREADS="1")
+    process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=1) as response:
+                assert json.load(response)["status"] == "ok"
+            break
+        except OSError:
+            if process.poll() is not None:
+                pytest.fail(f"the server exited: {process.stderr.read()[-2000:]}")
+            time.sleep(0.1)
+    yield url, root / "model"
+    process.terminate()
+    process.wait(timeout=30)
+
+
+def client(url: str, key: str = KEY):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+
+
+def expected_reply(directory: Path, messages: list[dict], max_tokens: int) -> tuple[str, str]:
+    """The static batch's greedy reply to ``messages`` (rendered as the server renders them) and its finish reason."""
+    model, tokenizer = load_model(directory).eval(), Tokenizer.from_dir(directory)
+    ids = tokenizer.apply_chat_template(messages)
+    out = generate(model, [ids], max_tokens, temperature=0, stop_ids=tokenizer.stop_ids)[0]
+    stopped = bool(out) and out[-1] in tokenizer.stop_ids
+    return tokenizer.decode(out), "stop" if stopped else "length"
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "hello"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}],
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "how"}],
+]
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+def test_greedy_answers_equal_the_static_batch_whole_and_streamed(server, messages):
+    url, directory = server
+    text, finish = expected_reply(directory, messages, 24)
+    whole = client(url).chat.completions.create(model="anything", messages=messages, max_tokens=24, temperature=0)
+    assert whole.model == "tiny" and whole.choices[0].message.content == text
+    assert whole.choices[0].finish_reason == finish
+    stream = client(url).chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=24,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    pieces, reasons, usage = [], [], None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            reasons.append(choice.finish_reason)
+    assert "".join(pieces) == text and reasons[-1] == finish
+    assert usage.completion_tokens == whole.usage.completion_tokens and usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_a_stop_string_cuts_the_answer_whole_and_streamed_and_is_never_half_sent(server):
+    url, directory = server
+    messages = CONVERSATIONS[1]
+    model, tokenizer = load_model(directory).eval(), Tokenizer.from_dir(directory)
+    out = generate(model, [tokenizer.apply_chat_template(messages)], 24, temperature=0, stop_ids=tokenizer.stop_ids)[0]
+    text = tokenizer.decode(out)
+    # A stop string whose first character ends one token's text and whose second begins the next token's
+    ends = [len(tokenizer.decode(out[:j])) for j in range(1, len(out))]
+    end = next(e for e in ends if 0 < e < len(text) and text.find(text[e - 1 : e + 1]) == e - 1)
+    stop, cut = text[end - 1 : end + 1], text[: end - 1]
+    request = dict(model="tiny", messages=messages, max_tokens=24, temperature=0, stop=[stop])
+    whole = client(url).chat.completions.create(**request)
+    assert whole.choices[0].message.content == cut and whole.choices[0].finish_reason == "stop"
+    pieces = [c.choices[0].delta.content or "" for c in client(url).chat.completions.create(**request, stream=True)]
+    assert "".join(pieces) == cut  # the stop string's first character was never sent
+
+
+def test_text_completions_and_the_model_list(server):
+    url, directory = server
+    model, tokenizer = load_model(directory).eval(), Tokenizer.from_dir(directory)
+    out = generate(model, [tokenizer.encode("Once upon a time")], 8, temperature=0, stop_ids=tokenizer.stop_ids)[0]
+    answer = client(url).completions.create(model="tiny", prompt="Once upon a time", max_tokens=8, temperature=0)
+    assert answer.choices[0].text == tokenizer.decode(out)
+    assert [m.id for m in client(url).models.list().data] == ["tiny"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (dict(temperature="hot"), "temperature: expected a finite number, got 'hot'"),
+        (dict(max_tokens=0), "max_tokens: expected an integer >= 1, got 0"),
+        (dict(top_p=2), r"top_p: expected a number in \(0, 1\], got 2.0"),
+        (dict(n=1000), r"n: expected an integer in \[1, 256\], got 1000"),
+        (dict(max_tokens=300), "exceed the model's 256 positions"),
+        (dict(messages=[{"role": "wizard", "content": "x"}]), "messages.0.: expected an object with a role"),
+    ],
+)
+def test_bad_requests_get_400_naming_the_field(server, fields, message):
+    url, _ = server
+    request = dict(model="tiny", messages=[{"role": "user", "content": "hello"}]) | fields
+    with pytest.raises(openai.BadRequestError, match=message) as refused:
+        client(url).chat.completions.create(**request)
+    assert refused.value.status_code == 400 and refused.value.body["type"] == "invalid_request_error"
+
+
+def test_a_wrong_key_gets_401_and_health_needs_none(server):
+    url, _ = server
+    with pytest.raises(openai.AuthenticationError):
+        client(url, key="wrong").models.list()
+    with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+        assert json.load(response)["status"] == "ok"
+
+
+def test_a_server_without_a_key_is_refused_off_loopback(tmp_path, capsys, monkeypatch):
+    from astrai_fabric.cli import main
+
+    monkeypatch.delenv("ASTRAI_FABRIC_API_KEY", raising=False)
+    assert main(["serve", str(tmp_path), "--host", "0.0.0.0"]) == 2
+    assert "host 0.0.0.0 is reachable from other machines: give --api_key" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # the serve extra not installed
+    assert main(["serve", str(tmp_path)]) == 2
+    assert "serve needs FastAPI and uvicorn (uvicorn is missing): pip install" in capsys.readouterr().err
+
+
+def test_concurrent_clients_are_all_answered_as_one_alone(server):
+    url, directory = server
+    questions = [[{"role": "user", "content": f"question {i}"}] for i in range(16)]  # twice the 8 slots
+
+    def ask(messages: list[dict]) -> str:
+        answer = client(url).chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+        return answer.choices[0].message.content
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(ask, questions))
+    assert answers == [expected_reply(directory, messages, 12)[0] for messages in questions]
