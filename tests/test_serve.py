@@ -167,6 +167,27 @@ def test_a_wrong_key_gets_401_and_health_needs_none(server):
         assert json.load(response)["status"] == "ok"
 
 
+def health(url: str) -> dict:
+    with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+        return json.load(response)
+
+
+def test_a_client_leaving_a_stream_cancels_its_request_and_frees_its_blocks(server):
+    url, _ = server
+    before = health(url)["cancelled"]
+    # Eight completions of 240 tokens: seconds of work, of which the client waits for the first chunk only
+    request = dict(model="tiny", messages=CONVERSATIONS[0], max_tokens=240, temperature=1.0, n=8, stream=True)
+    stream = client(url).chat.completions.create(**request)
+    next(iter(stream))
+    stream.close()
+    for _ in range(100):
+        now = health(url)
+        if now["cancelled"] == before + 1:
+            break
+        time.sleep(0.05)
+    assert now["cancelled"] == before + 1 and now["running"] == 0 and now["kv_blocks_used"] == 0
+
+
 def test_a_server_without_a_key_is_refused_off_loopback(tmp_path, capsys, monkeypatch):
     from astrai_fabric.cli import main
 

@@ -151,6 +151,8 @@ class Engine:
         """Prompt positions computed: the others were found in the prefix cache or shared by a request's
         completions."""
         self.num_forwards = 0
+        self.num_cancelled = 0
+        """Requests cancelled before they ended."""
 
     @property
     def capacity_tokens(self) -> int:
@@ -201,9 +203,12 @@ class Engine:
 
     def cancel(self, request_id: int) -> None:
         """Stop ``request_id`` where it is: its blocks back to the pool at once."""
+        waiting = len(self.waiting)
         self.waiting = deque(r for r in self.waiting if r.request_id != request_id)
-        for sequence in [s for s in self.running if s.completion.request_id == request_id]:
+        running = [s for s in self.running if s.completion.request_id == request_id]
+        for sequence in running:
             self._finish(sequence, "cancelled")
+        self.num_cancelled += bool(running) or len(self.waiting) < waiting
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
         """Every prompt's ``params.n`` completions, run to their ends."""

@@ -69,8 +69,7 @@ def build_app(served: Served) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        running, waiting = served.runner.running_and_waiting()
-        return {"status": "ok", "running": running, "waiting": waiting}
+        return {"status": "ok", **served.runner.health()}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -46,9 +46,17 @@ class EngineRunner:
                 self.engine.cancel(request_id)
                 self.engine.completions.pop(request_id, None)
 
-    def running_and_waiting(self) -> tuple[int, int]:
+    def health(self) -> dict[str, int]:
+        """Requests running and waiting, requests cancelled so far, KV blocks held."""
         with self.lock:
-            return len(self.engine.running), len(self.engine.waiting)
+            pool = self.engine.pool
+            held = sum(1 for block in pool.blocks if block.refs > 0)
+            return {
+                "running": len(self.engine.running),
+                "waiting": len(self.engine.waiting),
+                "cancelled": self.engine.num_cancelled,
+                "kv_blocks_used": held,
+            }
 
     def close(self) -> None:
         with self.lock:
