@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -39,19 +41,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """``(base url, model directory)`` of a server process, stopped after the module."""
-    root = tmp_path_factory.mktemp("serve")
-    torch.manual_seed(9)  # replies of varied tokens (chat's tests' seed)
-    values = json.loads((TINY_MODEL_DIR / "config.json").read_text())
-    config = ModelConfig.from_dict({**values, "tie_word_embeddings": False})
-    model = AutoRegressiveLM(config)
-    files = {name: TINY_MODEL_DIR / name for name in ("tokenizer.json", "tokenizer_config.json")}
-    save_checkpoint(root / "model", model.state_dict(), config.to_dict(), files=files)
+def start_server(directory: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    """A server process on a free loopback port (the API key ``KEY``), once its /health answers."""
     port = free_port()
-    argv = [sys.executable, "-m", "astrai_fabric", "serve", str(root / "model"), "--port", str(port)]
-    argv += ["--model_name", "tiny", "--max_num_seqs", "8"]
+    argv = [sys.executable, "-m", "astrai_fabric", "serve", str(directory), "--port", str(port), *flags]
     env = dict(os.environ, ASTRAI_FABRIC_API_KEY=KEY, OMP_NUM_THREADS="1")
     process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -59,12 +52,30 @@ def server(tmp_path_factory):
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=1) as response:
                 assert json.load(response)["status"] == "ok"
-            break
+            return process, url
         except OSError:
             if process.poll() is not None:
                 pytest.fail(f"the server exited: {process.stderr.read()[-2000:]}")
             time.sleep(0.1)
-    yield url, root / "model"
+    pytest.fail("the server did not answer /health in 30 s")
+
+
+def save_model(directory: Path, **sizes: int) -> Path:
+    """The bundled tiny architecture (``sizes`` changed), untied, random weights, with the bundled tokenizer."""
+    torch.manual_seed(9)  # replies of varied tokens (chat's tests' seed)
+    values = json.loads((TINY_MODEL_DIR / "config.json").read_text())
+    config = ModelConfig.from_dict({**values, "tie_word_embeddings": False, **sizes})
+    model = AutoRegressiveLM(config)
+    files = {name: TINY_MODEL_DIR / name for name in ("tokenizer.json", "tokenizer_config.json")}
+    return save_checkpoint(directory, model.state_dict(), config.to_dict(), files=files)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """``(base url, model directory)`` of a server process, stopped after the module."""
+    directory = save_model(tmp_path_factory.mktemp("serve") / "model")
+    process, url = start_server(directory, "--model_name", "tiny", "--max_num_seqs", "8")
+    yield url, directory
     process.terminate()
     process.wait(timeout=30)
 
@@ -210,3 +221,43 @@ def test_concurrent_clients_are_all_answered_as_one_alone(server):
     with ThreadPoolExecutor(16) as pool:
         answers = list(pool.map(ask, questions))
     assert answers == [expected_reply(directory, messages, 12)[0] for messages in questions]
+
+
+def test_a_full_queue_gets_429_and_sigterm_drains_what_is_in_flight_then_exits_0(tmp_path):
+    """One slot, one place in the queue, a model slow enough (6 x 512) that a long answer is still being sampled
+    when the others arrive: the third request is turned away with 429 and Retry-After; SIGTERM then lets the first
+    two finish and the process exit 0."""
+    directory = save_model(tmp_path / "model", hidden_size=512, num_hidden_layers=6, intermediate_size=1408)
+    process, url = start_server(directory, "--max_num_seqs", "1", "--max_queued", "1", "--drain_seconds", "60")
+    answers = {}
+
+    def long_stream() -> None:
+        request = dict(model="m", messages=CONVERSATIONS[0], max_tokens=200, temperature=1.0, stream=True)
+        chunks = list(client(url).chat.completions.create(**request))
+        answers["first"] = (chunks[-1].choices[0].finish_reason, sum(1 for c in chunks if c.choices[0].delta.content))
+
+    def queued() -> None:
+        answer = client(url).chat.completions.create(model="m", messages=CONVERSATIONS[1], max_tokens=8)
+        answers["second"] = answer.choices[0].finish_reason
+
+    def wait_for(key: str, value: int) -> None:
+        for _ in range(400):
+            if health(url)[key] >= value:
+                return
+            time.sleep(0.02)
+        pytest.fail(f"/health never showed {key} {value}")
+
+    first, second = threading.Thread(target=long_stream), threading.Thread(target=queued)
+    first.start()
+    wait_for("running", 1)
+    second.start()
+    wait_for("waiting", 1)
+    with pytest.raises(openai.RateLimitError) as busy:
+        client(url).chat.completions.create(model="m", messages=CONVERSATIONS[2], max_tokens=8)
+    assert busy.value.response.headers["retry-after"] == "1"
+    process.send_signal(signal.SIGTERM)
+    first.join(timeout=120)
+    second.join(timeout=120)
+    assert process.wait(timeout=60) == 0
+    assert answers["first"][0] == "length" and answers["second"] in ("stop", "length")
+    assert "stopped serving model" in process.stdout.read()

@@ -39,6 +39,10 @@ class ServeArgs:
     """Requests decoded at once (the engine's running batch); the others wait."""
     kv_cache_memory: str | None = None
     """The engine's KV cache (``512MiB``, ``8GB``); default: 90% of the free memory on CUDA, 1 GiB on CPU."""
+    max_queued: int = 256
+    """Requests that may wait for a slot; one more is answered 429 with Retry-After."""
+    drain_seconds: float = 30.0
+    """On SIGTERM or Ctrl-C: no new connections, the requests in flight answered for at most this long, then exit 0."""
     max_model_len: int | None = None
     """The longest prompt plus completion served; default: the model's positions."""
     device_type: str | None = None
@@ -51,6 +55,11 @@ class ServeArgs:
             raise ConfigError("serve needs a model: astrai-fabric serve SRC (a checkpoint or model directory)")
         if not 0 < self.port < 65536:
             raise ConfigError(f"serve: port must be in 1-65535, got {self.port}")
+        if self.max_queued < 0 or not 0 <= self.drain_seconds < float("inf"):
+            raise ConfigError(
+                f"serve: need max_queued >= 0 and a finite drain_seconds >= 0, got {self.max_queued} and "
+                f"{self.drain_seconds}"
+            )
         if self.max_num_seqs < 1 or (self.max_model_len is not None and self.max_model_len < 2):
             raise ConfigError(
                 f"serve: need max_num_seqs >= 1 and max_model_len >= 2, got {self.max_num_seqs} and "

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from astrai_fabric.errors import UserError
 from astrai_fabric.inference import Completion, RequestError, SamplingParams
-from astrai_fabric.serve.runner import EngineRunner
+from astrai_fabric.serve.runner import EngineRunner, QueueFull
 from astrai_fabric.tokenizer import Tokenizer
 
 MAX_BODY_BYTES = 16 * 2**20
@@ -102,6 +102,10 @@ async def _complete(request: Request, served: Served, chat: bool) -> Any:
     except RequestError as err:
         field = str(err).split(":", 1)[0]
         return error(400, str(err), param=field if field.isidentifier() else None)
+    except QueueFull:
+        busy = error(429, "the server's queue is full: retry shortly", "rate_limit_error")
+        busy.headers["Retry-After"] = "1"
+        return busy
     reply = Reply(served, chat, len(prompt), params)
     if stream:
         return StreamingResponse(reply.stream(request_id, events, include_usage), media_type="text/event-stream")

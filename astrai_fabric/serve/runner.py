@@ -19,11 +19,15 @@ from astrai_fabric.inference import Engine, SamplingParams
 Listener = Callable[[tuple[str, Any]], None]
 
 
+class QueueFull(Exception):
+    """``max_queued`` requests wait already."""
+
+
 class EngineRunner:
     """``submit`` and ``cancel`` from any thread; ``close`` stops the engine's thread."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, engine: Engine, max_queued: int = 256) -> None:
+        self.engine, self.max_queued = engine, max_queued
         self.lock = threading.Condition()
         self.listeners: dict[int, tuple[Listener, int]] = {}
         """Each running request's listener and how many completions it waits for."""
@@ -32,8 +36,11 @@ class EngineRunner:
         self.thread.start()
 
     def submit(self, prompt: Sequence[int], params: SamplingParams, listener: Listener) -> int:
-        """Queue a request (``Engine.add_request``: a ``RequestError`` names what cannot be served); its id."""
+        """Queue a request (``Engine.add_request``: a ``RequestError`` names what cannot be served; ``QueueFull``
+        when ``max_queued`` wait already); its id."""
         with self.lock:
+            if len(self.engine.waiting) >= self.max_queued:
+                raise QueueFull
             request_id = self.engine.add_request(prompt, params)
             self.listeners[request_id] = (listener, params.n)
             self.lock.notify()
