@@ -198,7 +198,7 @@ def _top_level_help() -> str:
         "  evaluate  perplexity on held-out data and lm-evaluation-harness tasks, of a model or every checkpoint",
         "  generate  sample continuations of prompts from a model or checkpoint",
         "  chat      talk with a model or checkpoint: multi-turn, replies streamed, /reset and /exit",
-        "  serve     a model or checkpoint behind an OpenAI-compatible HTTP API (the serve extra)",
+        "  serve     a model or checkpoint behind OpenAI's and Anthropic's HTTP APIs (the serve extra)",
         "  export    a checkpoint in AstrAI's layout (completing a sharded one) or Hugging Face's (--format hf)",
         "  prepare   tokenise records into AstrAI's bin shards (seq, sft)",
         "  plot      loss, learning rate and throughput of one or more runs, as a PNG",

@@ -261,3 +261,41 @@ def test_a_full_queue_gets_429_and_sigterm_drains_what_is_in_flight_then_exits_0
     assert process.wait(timeout=60) == 0
     assert answers["first"][0] == "length" and answers["second"] in ("stop", "length")
     assert "stopped serving model" in process.stdout.read()
+
+
+anthropic = pytest.importorskip("anthropic")
+
+
+def anthropic_client(url: str, key: str = KEY):
+    return anthropic.Anthropic(base_url=url, api_key=key, max_retries=0)
+
+
+@pytest.mark.parametrize("stop_at", [None, "a stop sequence"])
+def test_anthropic_messages_whole_and_streamed_equal_the_static_batch(server, stop_at):
+    url, directory = server
+    system, turns = "Be brief.", [{"role": "user", "content": "What is 2 + 2?"}]
+    text, finish = expected_reply(directory, [{"role": "system", "content": system}, *turns], 24)
+    stops, reason, sequence = [], "end_turn" if finish == "stop" else "max_tokens", None
+    if stop_at:
+        stops = [sequence := text[4:7]]
+        text, reason = text[: text.find(sequence)], "stop_sequence"
+    # Greedy: this SDK (anthropic 2.x) sends no sampling fields of its own; the server reads them from the body
+    request = dict(model="tiny", max_tokens=24, system=system, messages=turns, stop_sequences=stops)
+    request["extra_body"] = {"temperature": 0}
+    whole = anthropic_client(url).messages.create(**request)
+    assert whole.content[0].text == text and whole.model == "tiny"
+    assert (whole.stop_reason, whole.stop_sequence) == (reason, sequence)
+    with anthropic_client(url).messages.stream(**request) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == text and final.stop_reason == reason and final.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_anthropic_errors_are_its_shape(server):
+    url, _ = server
+    turns = [{"role": "user", "content": "hello"}]
+    with pytest.raises(anthropic.BadRequestError, match="max_tokens: expected an integer >= 1, got 0") as refused:
+        anthropic_client(url).messages.create(model="tiny", max_tokens=0, messages=turns)
+    assert refused.value.body["type"] == "error" and refused.value.body["error"]["type"] == "invalid_request_error"
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic_client(url, key="wrong").messages.create(model="tiny", max_tokens=4, messages=turns)

@@ -137,7 +137,7 @@ def render() -> str:
             describe(
                 ServeArgs,
                 "Serve options",
-                "`astrai-fabric serve SRC` (SRC is `param_path`): the model behind an OpenAI-compatible API "
+                "`astrai-fabric serve SRC` (SRC is `param_path`): the model behind OpenAI's and Anthropic's APIs "
                 "([serving.md](serving.md)).",
             ),
         ]

@@ -18,8 +18,8 @@ the process list)."""
 
 @dataclass
 class ServeArgs:
-    """``astrai-fabric serve SRC``: the model behind an OpenAI-compatible HTTP API (``/v1/chat/completions``,
-    ``/v1/completions``, ``/v1/models``, ``/health``), every request on the generation engine."""
+    """``astrai-fabric serve SRC``: the model behind OpenAI's and Anthropic's HTTP APIs (``/v1/chat/completions``,
+    ``/v1/completions``, ``/v1/models``, ``/v1/messages``, ``/health``), every request on the generation engine."""
 
     param_path: str | None = None
     """Model or checkpoint directory (ours or AstrAI's, a LoRA checkpoint merged, a Hugging Face directory or a Hub

@@ -1,8 +1,10 @@
-"""``astrai-fabric serve SRC``: a model behind an OpenAI-compatible HTTP API, every request on the generation engine.
+"""``astrai-fabric serve SRC``: a model behind OpenAI's and Anthropic's HTTP APIs, every request on the generation
+engine.
 
 ``run_serve`` loads the model and its tokenizer (``generate.load_sampler``, as ``generate`` and ``chat`` do), starts
-the engine on a thread of its own (``runner.EngineRunner``) and serves ``openai_api``'s routes with uvicorn; it does
-not import Lightning. FastAPI and uvicorn are the ``serve`` extra's (``pip install astrai-fabric[serve]``).
+the engine on a thread of its own (``runner.EngineRunner``) and serves ``openai_api``'s app (Anthropic's routes from
+``anthropic_api``, what both share in ``requests``) with uvicorn; it does not import Lightning. FastAPI and uvicorn
+are the ``serve`` extra's (``pip install astrai-fabric[serve]``).
 """
 
 from __future__ import annotations

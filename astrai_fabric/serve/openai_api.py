@@ -1,13 +1,11 @@
-"""The OpenAI-compatible HTTP API (FastAPI): ``POST /v1/chat/completions`` and ``/v1/completions`` (streamed as
-server-sent events or whole), ``GET /v1/models`` and ``/health``; the only importer of FastAPI.
+"""The HTTP server's app (FastAPI; this package is its only importer): OpenAI's API here, ``POST /v1/chat/completions``
+and ``/v1/completions`` (streamed as server-sent events or whole), ``GET /v1/models`` and ``/health``, and
+Anthropic's ``POST /v1/messages`` from ``anthropic_api``.
 
-A request's JSON is read here, once: every field checked against the protocol's types and the engine's ranges,
-a mistake answered 400 in OpenAI's error shape (``{"error": {"message", "type", "param", "code"}}``), never a
-traceback. Whatever model a client names, the one model served answers, under its own name.
-
-Streamed text is whole characters (a token that ends inside a UTF-8 character waits for the rest), and never part
-of a stop string: the text that could still begin one is held back until the next token or the end. A client that
-leaves mid-stream cancels its request, which frees its KV blocks at once.
+A request's JSON is read once: every field checked against the protocol's types and the engine's ranges, a mistake
+answered 400 in the protocol's error shape (OpenAI's ``{"error": {"message", "type", "param", "code"}}``), never a
+traceback. Whatever model a client names, the one model served answers, under its own name. A client that leaves
+mid-stream cancels its request, which frees its KV blocks at once.
 """
 
 from __future__ import annotations
@@ -19,40 +17,30 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from astrai_fabric.errors import UserError
 from astrai_fabric.inference import Completion, RequestError, SamplingParams
-from astrai_fabric.serve.runner import EngineRunner, QueueFull
+from astrai_fabric.serve import anthropic_api
+from astrai_fabric.serve.requests import (
+    BadRequest,
+    Served,
+    finished,
+    read_json_object,
+    render,
+    submit,
+    text_pieces,
+)
 from astrai_fabric.tokenizer import Tokenizer
-
-MAX_BODY_BYTES = 16 * 2**20
-"""The largest request body read."""
-
-
-class BadRequest(UserError):
-    """A request the API answers with 400, naming the field (``param``)."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-@dataclass(frozen=True)
-class Served:
-    """What the API serves: the engine's runner, the tokenizer, the name reported, the key clients must send."""
-
-    runner: EngineRunner
-    tokenizer: Tokenizer
-    model_name: str
-    api_key: str | None
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
+    """OpenAI's error shape; ``param`` by default the field a 400's message begins with (``max_tokens: ...``)."""
+    named = message.split(":", 1)[0]
+    if param is None and status == 400 and named.isidentifier():
+        param = named
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
 
 
@@ -64,7 +52,10 @@ def build_app(served: Served) -> FastAPI:
         if served.api_key is not None and request.url.path != "/health":
             given = request.headers.get("x-api-key") or request.headers.get("authorization", "").removeprefix("Bearer ")
             if not hmac.compare_digest(given.encode(), served.api_key.encode()):
-                return error(401, "a valid API key is required (Authorization: Bearer KEY)", "authentication_error")
+                shape = anthropic_api.error if request.url.path == "/v1/messages" else error
+                return shape(
+                    401, "a valid API key is required (x-api-key or Authorization: Bearer)", "authentication_error"
+                )
         return await call_next(request)
 
     @app.get("/health")
@@ -84,82 +75,29 @@ def build_app(served: Served) -> FastAPI:
     async def completions(request: Request) -> Any:
         return await _complete(request, served, chat=False)
 
+    anthropic_api.add_routes(app, served)
     return app
 
 
 async def _complete(request: Request, served: Served, chat: bool) -> Any:
     try:
-        body = await _json_object(request)
-        prompt = _chat_prompt(body, served.tokenizer) if chat else _text_prompt(body, served.tokenizer)
+        body = await read_json_object(request)
+        roles = ("system", "developer", "user", "assistant")
+        prompt = render(body.get("messages"), served.tokenizer, roles) if chat else _text_prompt(body, served.tokenizer)
         params, stream, include_usage = _sampling(body, served.tokenizer, served.runner.engine.vocab_size)
     except BadRequest as err:
         return error(400, str(err), param=err.param)
-    loop, events = asyncio.get_running_loop(), asyncio.Queue()
-    try:
-        request_id = served.runner.submit(
-            prompt, params, lambda event: loop.call_soon_threadsafe(events.put_nowait, event)
-        )
-    except RequestError as err:
-        field = str(err).split(":", 1)[0]
-        return error(400, str(err), param=field if field.isidentifier() else None)
-    except QueueFull:
-        busy = error(429, "the server's queue is full: retry shortly", "rate_limit_error")
-        busy.headers["Retry-After"] = "1"
-        return busy
+    submitted = submit(served, prompt, params, error)
+    if isinstance(submitted, JSONResponse):
+        return submitted
+    request_id, events = submitted
     reply = Reply(served, chat, len(prompt), params)
     if stream:
         return StreamingResponse(reply.stream(request_id, events, include_usage), media_type="text/event-stream")
-    try:
-        completions = await reply.wait(events)
-    except asyncio.CancelledError:  # the client left
-        served.runner.cancel(request_id)
-        raise
+    completions = await finished(served, request_id, events)
     if isinstance(completions, str):
         return error(500, completions, "server_error")
     return reply.whole(completions)
-
-
-async def _json_object(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise BadRequest(f"the request body is {len(raw):,} bytes, over {MAX_BODY_BYTES:,}")
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError):
-        raise BadRequest("the request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    return body
-
-
-def _chat_prompt(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("messages: expected a non-empty list of messages", "messages")
-    rendered = []
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in ("system", "developer", "user", "assistant"):
-            raise BadRequest(f"messages[{index}]: expected an object with a role system, user or assistant", "messages")
-        role = "system" if message["role"] == "developer" else message["role"]
-        rendered.append({"role": role, "content": _text_content(message.get("content"), f"messages[{index}].content")})
-    try:
-        ids = tokenizer.apply_chat_template(rendered)
-    except UserError as err:
-        raise BadRequest(f"messages: {err}", "messages") from None
-    if not ids:
-        raise BadRequest("messages: the conversation renders as no token", "messages")
-    return ids
-
-
-def _text_content(content: Any, where: str) -> str:
-    """A message's text: a string, or a list of ``{"type": "text", "text": ...}`` parts joined."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(
-        isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str) for part in content
-    ):
-        return "".join(part["text"] for part in content)
-    raise BadRequest(f"{where}: expected a string or a list of text parts", "messages")
 
 
 def _text_prompt(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
@@ -239,14 +177,6 @@ class Reply:
         self.served, self.chat, self.num_prompt, self.params = served, chat, num_prompt, params
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.held = max((len(s) for s in params.stop), default=1) - 1
-        """Characters held back while streaming: the most of a stop string the text's end could begin."""
-
-    async def wait(self, events: asyncio.Queue) -> list[Completion] | str:
-        while True:
-            kind, value = await events.get()
-            if kind in ("done", "error"):
-                return value
 
     def whole(self, completions: list[Completion]) -> dict[str, Any]:
         choices = [self._choice(c.index, self._text(c), _finish(c), c) for c in completions]
@@ -260,30 +190,20 @@ class Reply:
         }
 
     async def stream(self, request_id: int, events: asyncio.Queue, include_usage: bool) -> AsyncIterator[str]:
-        sent = [""] * self.params.n
         try:
             if self.chat:
                 for index in range(self.params.n):
                     yield self._chunk(index, {"role": "assistant", "content": ""}, None)
-            while True:
-                kind, value = await events.get()
-                if kind == "error":
+            async for kind, value, piece in text_pieces(events, self.params):
+                if kind == "text":
+                    yield self._chunk(value, piece, None)
+                elif kind == "error":
                     yield _event({"error": {"message": value, "type": "server_error", "param": None, "code": None}})
-                    break
-                if kind == "token":
-                    ready = _whole_characters(self._text(value))
-                    ready = ready[: max(0, len(ready) - self.held)]
-                    if len(ready) > len(sent[value.index]):
-                        yield self._chunk(value.index, ready[len(sent[value.index]) :], None)
-                        sent[value.index] = ready
-                    continue
-                for completion in value:  # done: the rest of each completion's text, then its finish reason
-                    text = self._text(completion)
-                    rest = text[len(sent[completion.index]) :]
-                    yield self._chunk(completion.index, rest, _finish(completion))
-                if include_usage:
-                    yield _event(self._frame([], usage=self._usage(value)))
-                break
+                else:
+                    for completion in value:
+                        yield self._chunk(completion.index, "", _finish(completion))
+                    if include_usage:
+                        yield _event(self._frame([], usage=self._usage(value)))
             yield "data: [DONE]\n\n"
         finally:  # also when the client left mid-stream (the generator is closed): free its blocks at once
             self.served.runner.cancel(request_id)
@@ -340,11 +260,6 @@ class Reply:
 def _finish(completion: Completion) -> str:
     """OpenAI's finish reason: ``length`` where ``max_tokens`` cut it, else ``stop`` (a stop token or string)."""
     return "length" if completion.finish_reason == "length" else "stop"
-
-
-def _whole_characters(text: str) -> str:
-    """``text`` without a trailing U+FFFD: the decoder's stand-in for a character whose bytes are not all sampled."""
-    return text.rstrip("\ufffd")
 
 
 def _event(payload: dict[str, Any]) -> str:
