@@ -199,6 +199,28 @@ def test_a_client_leaving_a_stream_cancels_its_request_and_frees_its_blocks(serv
     assert now["cancelled"] == before + 1 and now["running"] == 0 and now["kv_blocks_used"] == 0
 
 
+def metrics(url: str) -> dict[str, float]:
+    request = urllib.request.Request(f"{url}/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(request, timeout=5) as response:
+        lines = response.read().decode().splitlines()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines if not line.startswith("#")}
+
+
+def test_prometheus_metrics_count_requests_tokens_and_first_token_times(server):
+    url, _ = server
+    before = metrics(url)
+    answer = client(url).chat.completions.create(model="tiny", messages=CONVERSATIONS[0], max_tokens=5)
+    after = metrics(url)
+    assert after["astrai_fabric:requests_total"] == before["astrai_fabric:requests_total"] + 1
+    sampled = after["astrai_fabric:generation_tokens_total"] - before["astrai_fabric:generation_tokens_total"]
+    assert sampled == answer.usage.completion_tokens
+    prompt = after["astrai_fabric:prompt_tokens_total"] - before["astrai_fabric:prompt_tokens_total"]
+    assert prompt == answer.usage.prompt_tokens
+    count = "astrai_fabric:time_to_first_token_seconds_count"
+    assert after[count] == before[count] + 1 == after['astrai_fabric:time_to_first_token_seconds_bucket{le="+Inf"}']
+    assert after["astrai_fabric:num_requests_running"] == 0 and after["astrai_fabric:kv_cache_usage_ratio"] == 0
+
+
 def test_a_server_without_a_key_is_refused_off_loopback(tmp_path, capsys, monkeypatch):
     from astrai_fabric.cli import main
 

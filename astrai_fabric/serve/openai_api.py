@@ -1,5 +1,6 @@
 """The HTTP server's app (FastAPI; this package is its only importer): OpenAI's API here, ``POST /v1/chat/completions``
-and ``/v1/completions`` (streamed as server-sent events or whole), ``GET /v1/models`` and ``/health``, and
+and ``/v1/completions`` (streamed as server-sent events or whole), ``GET /v1/models``, ``/health`` and ``/metrics``
+(Prometheus' text format), and
 Anthropic's ``POST /v1/messages`` from ``anthropic_api``.
 
 A request's JSON is read once: every field checked against the protocol's types and the engine's ranges, a mistake
@@ -20,7 +21,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from astrai_fabric.inference import Completion, RequestError, SamplingParams
 from astrai_fabric.serve import anthropic_api
@@ -61,6 +62,10 @@ def build_app(served: Served) -> FastAPI:
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", **served.runner.health()}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(served.runner.metrics(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
