@@ -142,6 +142,15 @@ def test_a_stop_string_cuts_the_answer_whole_and_streamed_and_is_never_half_sent
     assert "".join(pieces) == cut  # the stop string's first character was never sent
 
 
+def test_without_max_tokens_a_chat_answer_may_fill_the_window_the_prompt_leaves(server):
+    url, directory = server
+    room = 256 - len(Tokenizer.from_dir(directory).apply_chat_template(CONVERSATIONS[0]))
+    text, _ = expected_reply(directory, CONVERSATIONS[0], room)
+    answer = client(url).chat.completions.create(model="tiny", messages=CONVERSATIONS[0], temperature=0)
+    assert answer.choices[0].message.content == text
+    assert answer.usage.prompt_tokens + answer.usage.completion_tokens <= 256
+
+
 def test_text_completions_and_the_model_list(server):
     url, directory = server
     model, tokenizer = load_model(directory).eval(), Tokenizer.from_dir(directory)

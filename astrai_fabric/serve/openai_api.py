@@ -89,7 +89,8 @@ async def _complete(request: Request, served: Served, chat: bool) -> Any:
         body = await read_json_object(request)
         roles = ("system", "developer", "user", "assistant")
         prompt = render(body.get("messages"), served.tokenizer, roles) if chat else _text_prompt(body, served.tokenizer)
-        params, stream, include_usage = _sampling(body, served.tokenizer, served.runner.engine.vocab_size)
+        room = served.runner.engine.max_model_len - len(prompt)  # OpenAI's default: up to the model's window
+        params, stream, include_usage = _sampling(body, served.tokenizer, served.runner.engine.vocab_size, room)
     except BadRequest as err:
         return error(400, str(err), param=err.param)
     submitted = submit(served, prompt, params, error)
@@ -115,9 +116,11 @@ def _text_prompt(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
     return ids
 
 
-def _sampling(body: dict[str, Any], tokenizer: Tokenizer, vocab_size: int) -> tuple[SamplingParams, bool, bool]:
+def _sampling(
+    body: dict[str, Any], tokenizer: Tokenizer, vocab_size: int, room: int
+) -> tuple[SamplingParams, bool, bool]:
     """``SamplingParams`` from the protocol's fields, each type checked here (the ranges by ``SamplingParams``);
-    whether to stream, and whether a stream ends with the usage."""
+    whether to stream, and whether a stream ends with the usage. ``room``: the positions the prompt leaves."""
 
     def number(name: str, default: float) -> float:
         value = body.get(name, default)
@@ -133,7 +136,11 @@ def _sampling(body: dict[str, Any], tokenizer: Tokenizer, vocab_size: int) -> tu
             raise BadRequest(f"{name}: expected an integer, got {value!r}", name)
         return value
 
-    max_tokens = integer("max_completion_tokens", None) or integer("max_tokens", 16 if "messages" not in body else 256)
+    # Not given: chat fills the window the prompt leaves (OpenAI's), text completions 16 tokens (OpenAI's)
+    default = max(room, 1) if "messages" in body else min(16, max(room, 1))
+    max_tokens = integer("max_completion_tokens", None)
+    max_tokens = integer("max_tokens", None) if max_tokens is None else max_tokens
+    max_tokens = default if max_tokens is None else max_tokens
     stop = body.get("stop") or []
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
