@@ -39,7 +39,7 @@ def parse_bytes(value: str, field: str, alternatives: str = "") -> int:
         amount = float(number)
     except ValueError:
         amount = math.nan
-    if unit not in UNITS or not math.isfinite(amount) or amount < 0:
+    if unit not in UNITS or not math.isfinite(amount):
         raise ConfigError(
             f"{field} {value!r}: expected an amount with a unit (e.g. 80GB, 141GiB; GB = 10^9 bytes, "
             f"GiB = 2^30){alternatives}"
