@@ -256,7 +256,7 @@ def run_chat(args: ChatArgs) -> int:
     args.validate()
     interactive = sys.stdin.isatty()
     try:
-        model, tokenizer, _ = load_sampler(args, "chat")
+        model, tokenizer = load_sampler(args.param_path, args.tokenizer_path, args.device_type, "chat")
         session = ChatSession(model, tokenizer, args)
         session.ids_with("Hello")  # a template that refuses this conversation (a system message) fails now
         if interactive:

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from astrai_fabric import hub
 from astrai_fabric.checkpoint import load_language_model
-from astrai_fabric.config.generate import GenerateArgs, SamplingArgs
+from astrai_fabric.config.generate import GenerateArgs
 from astrai_fabric.errors import ConfigError, UserError
 from astrai_fabric.inference import Engine, SamplingParams
 from astrai_fabric.json_files import parse_json
@@ -168,18 +168,18 @@ def _until_stop(tokens: list[int], stop_ids: set[int]) -> list[int]:
     return tokens
 
 
-def load_sampler(args: SamplingArgs, command: str) -> tuple[nn.Module, Tokenizer, torch.Generator]:
-    """The model (on ``device_type``, in eval mode), its tokenizer and the seeded generator ``command`` (generate,
-    chat) samples with; ``args`` validated."""
-    if args.device_type == "cuda" and not torch.cuda.is_available():
+def load_sampler(
+    param_path: str, tokenizer_path: str | None, device_type: str | None, command: str
+) -> tuple[nn.Module, Tokenizer]:
+    """The model (on ``device_type``, default cuda where there is one; in eval mode) and its tokenizer (the model's
+    own unless ``tokenizer_path``) that ``command`` (generate, chat, serve) samples from."""
+    if device_type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"{command}: --device_type cuda, but no CUDA device is available here")
-    device = torch.device(args.device_type or ("cuda" if torch.cuda.is_available() else "cpu"))
-    directory = hub.resolve_model(args.param_path, "param_path")  # a path, or a Hub id's snapshot
+    device = torch.device(device_type or ("cuda" if torch.cuda.is_available() else "cpu"))
+    directory = hub.resolve_model(param_path, "param_path")  # a path, or a Hub id's snapshot
     model = load_language_model(directory, command=command).to(device).eval()
-    tokenizer = Tokenizer.from_dir(
-        hub.resolve_model(args.tokenizer_path, "tokenizer_path") if args.tokenizer_path else directory
-    )
-    return model, tokenizer, torch.Generator(device).manual_seed(args.seed)
+    tokenizer = Tokenizer.from_dir(hub.resolve_model(tokenizer_path, "tokenizer_path") if tokenizer_path else directory)
+    return model, tokenizer
 
 
 def run_generate(args: GenerateArgs) -> list[list[str]]:
@@ -190,7 +190,7 @@ def run_generate(args: GenerateArgs) -> list[list[str]]:
     texts = list(args.prompt) + (read_prompts(Path(args.prompts_file)) if args.prompts_file else [])
     if args.output and (Path(args.output).is_dir() or not Path(args.output).parent.is_dir()):
         raise ConfigError(f"output {args.output}: expected a file path in an existing directory")
-    model, tokenizer, _ = load_sampler(args, "generate")
+    model, tokenizer = load_sampler(args.param_path, args.tokenizer_path, args.device_type, "generate")
     system = [{"role": "system", "content": args.system}] if args.system else []
     encoded = [
         tokenizer.apply_chat_template([*system, {"role": "user", "content": p}]) if args.chat else tokenizer.encode(p)

@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from astrai_fabric.config.devices import parse_bytes
-from astrai_fabric.config.generate import SamplingArgs
 from astrai_fabric.config.serve import ServeArgs
 from astrai_fabric.errors import ConfigError
 
@@ -59,9 +58,7 @@ def run_serve(args: ServeArgs) -> int:
     from astrai_fabric.inference import Engine
     from astrai_fabric.serve.runner import EngineRunner
 
-    model_args = SamplingArgs(param_path=args.param_path, tokenizer_path=args.tokenizer_path)
-    model_args.device_type = args.device_type
-    model, tokenizer, _ = load_sampler(model_args, "serve")
+    model, tokenizer = load_sampler(args.param_path, args.tokenizer_path, args.device_type, "serve")
     memory = parse_bytes(args.kv_cache_memory, "kv_cache_memory") if args.kv_cache_memory else None
     engine = Engine(
         model,
